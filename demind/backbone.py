@@ -1,0 +1,267 @@
+"""The frozen CLIP backbone (open_clip), with text encoding through pseudo-word tokens.
+
+Every method in this project (Pic2Word-style mapping, De-MINDS, the baselines) asks the
+same thing of CLIP: embed images, embed text, and embed text in which some token
+embeddings are replaced by vectors we compute (S*, or the refined intention queries).
+:class:`FrozenCLIP` does all three from one open_clip model whose weights never change;
+gradients still flow *through* its text tower into the replaced vectors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import open_clip
+import torch
+import torch.nn as nn
+
+log = logging.getLogger(__name__)
+
+PLACEHOLDER = "*"
+
+
+@dataclass
+class BackboneConfig:
+    """Which CLIP to load.
+
+    name: an open_clip model name (``ViT-L-14``) or the path of an open_clip model-config
+        JSON (``configs/model/tiny-clip.json``) for custom architectures.
+    pretrained: an open_clip pretrained tag (``openai``), the path of a local checkpoint
+        file, or ``None`` for random initialisation (tests, toy worlds).
+    """
+
+    name: str = "ViT-L-14"
+    pretrained: str | None = "openai"
+    precision: str = "fp32"
+    grad_checkpointing: bool = False
+
+
+class TextOutput(NamedTuple):
+    """One text-tower forward pass.
+
+    pooled: (B, D) projected embedding at the end-of-text token, not normalised.
+    tokens: (B, L, W) final-layer per-token features (after the final LayerNorm).
+    mask: (B, L) bool, True on word tokens: not start-of-text, end-of-text or padding.
+    eot: (B,) long, index of the end-of-text token.
+    """
+
+    pooled: torch.Tensor
+    tokens: torch.Tensor
+    mask: torch.Tensor
+    eot: torch.Tensor
+
+
+_FILE_HASHES: dict[tuple[str, int, float], str] = {}
+
+
+def file_sha256(path: str | Path) -> str:
+    """sha256 of a file, memoised per (path, size, mtime) since checkpoints can be GBs."""
+    path = Path(path)
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime)
+    if key not in _FILE_HASHES:
+        digest = hashlib.sha256()
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                digest.update(chunk)
+        _FILE_HASHES[key] = digest.hexdigest()
+    return _FILE_HASHES[key]
+
+
+def _resolve_model_name(name: str) -> str:
+    """Register a model-config JSON with open_clip and return its registry name."""
+    if not name.endswith(".json"):
+        return name
+    path = Path(name)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"backbone model config {path} does not exist; give an open_clip model name "
+            f"(see open_clip.list_models()) or the path of a model-config JSON"
+        )
+    open_clip.add_model_config(path)
+    return path.stem
+
+
+def backbone_identity(cfg: BackboneConfig) -> dict[str, str | None]:
+    """What makes two backbones the same: architecture and weights.
+
+    A model-config JSON is identified by its content hash (the file name can change),
+    a local checkpoint by its sha256, a tag by itself.
+    """
+    name = cfg.name
+    if name.endswith(".json"):
+        name = f"{Path(name).stem}@{hashlib.sha256(Path(name).read_bytes()).hexdigest()[:12]}"
+    pretrained = cfg.pretrained
+    if pretrained and Path(pretrained).is_file():
+        pretrained = f"file:{Path(pretrained).name}@sha256:{file_sha256(pretrained)[:16]}"
+    return {"name": name, "pretrained": pretrained}
+
+
+def identity_slug(identity: dict[str, str | None]) -> str:
+    """A short, file-name-safe string for an identity (cache folders, logs)."""
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:10]
+    readable = "".join(c if c.isalnum() or c in "-_" else "-" for c in str(identity["name"]).split("@")[0])
+    return f"{readable}-{digest}"
+
+
+def truncate_keeping_placeholders(ids: list[int], budget: int, placeholder_id: int) -> list[int]:
+    """Drop free-text tokens from the end until ``ids`` fits ``budget``; placeholders stay."""
+    if len(ids) <= budget:
+        return ids
+    n_placeholders = sum(1 for i in ids if i == placeholder_id)
+    if n_placeholders > budget:
+        raise ValueError(f"{n_placeholders} placeholders do not fit a context of {budget} word tokens")
+    keep = list(ids)
+    for pos in range(len(keep) - 1, -1, -1):
+        if len(keep) <= budget:
+            break
+        if keep[pos] != placeholder_id:
+            del keep[pos]
+    return keep
+
+
+class FrozenCLIP(nn.Module):
+    """An open_clip CLIP whose weights are frozen and which always stays in eval mode.
+
+    Attributes: ``embed_dim`` (D, joint space), ``width`` (W, text token width),
+    ``context_length`` (L), ``preprocess`` (PIL image -> (3, H, W) tensor), ``identity``.
+    """
+
+    def __init__(self, cfg: BackboneConfig, device: str | torch.device = "cpu") -> None:
+        super().__init__()
+        self.cfg = cfg
+        model_name = _resolve_model_name(cfg.name)
+        if cfg.pretrained and not Path(cfg.pretrained).exists() and ("/" in cfg.pretrained or cfg.pretrained.endswith((".pt", ".bin", ".safetensors"))):
+            raise FileNotFoundError(
+                f"backbone checkpoint {cfg.pretrained} does not exist; give an existing file or an open_clip "
+                f"pretrained tag (see open_clip.list_pretrained_tags_by_model({model_name!r}))"
+            )
+        model, _, preprocess = open_clip.create_model_and_transforms(
+            model_name, pretrained=cfg.pretrained, precision=cfg.precision, device=device
+        )
+        if not hasattr(model, "token_embedding") or not hasattr(model, "transformer"):
+            raise ValueError(
+                f"backbone {cfg.name} has no built-in CLIP text transformer (e.g. an HF text tower); "
+                "pseudo-word tokens need direct access to token embeddings"
+            )
+        model.set_grad_checkpointing(cfg.grad_checkpointing)
+        self.model = model.requires_grad_(False).eval()
+        self.preprocess: Callable = preprocess
+        self.tokenizer = open_clip.get_tokenizer(model_name)
+        self.identity = backbone_identity(cfg)
+        self.identity_str = identity_slug(self.identity)
+        self.embed_dim: int = self._infer_embed_dim()
+        self.width: int = model.token_embedding.weight.shape[1]
+        self.context_length: int = model.positional_embedding.shape[0]
+        self.image_size = preprocess.transforms[0].size if hasattr(preprocess, "transforms") else None
+        self.placeholder_id = self._single_token_id(PLACEHOLDER)
+        self.sot_id = self.tokenizer.sot_token_id
+        self.eot_id = self.tokenizer.eot_token_id
+
+    def _infer_embed_dim(self) -> int:
+        proj = self.model.text_projection
+        return proj.out_features if isinstance(proj, nn.Linear) else proj.shape[1]
+
+    def _single_token_id(self, text: str) -> int:
+        ids = self.tokenizer.encode(text)
+        if len(ids) != 1:
+            raise ValueError(f"placeholder {text!r} is not a single token for this tokenizer: {ids}")
+        return ids[0]
+
+    def train(self, mode: bool = True) -> "FrozenCLIP":
+        # The backbone is frozen: dropout and any batch statistics stay in eval mode.
+        return super().train(False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.token_embedding.weight.device
+
+    # ----------------------------------------------------------------- images
+    @torch.no_grad()
+    def encode_image(self, images: torch.Tensor) -> torch.Tensor:
+        """(B, 3, H, W) preprocessed images -> (B, D) embeddings, not normalised."""
+        return self.model.encode_image(images.to(self.device)).float()
+
+    # ------------------------------------------------------------------- text
+    def tokenize(self, texts: list[str]) -> torch.Tensor:
+        """Texts -> (B, L) token ids: SOT, words, EOT, zero padding.
+
+        Text longer than the context loses free-text tokens from its end; placeholders
+        and the end-of-text token are never cut.
+        """
+        budget = self.context_length - 2
+        rows = torch.zeros(len(texts), self.context_length, dtype=torch.long)
+        n_truncated = 0
+        for i, text in enumerate(texts):
+            ids = self.tokenizer.encode(text)
+            if len(ids) > budget:
+                n_truncated += 1
+                ids = truncate_keeping_placeholders(ids, budget, self.placeholder_id)
+            row = [self.sot_id, *ids, self.eot_id]
+            rows[i, : len(row)] = torch.tensor(row)
+        if n_truncated:
+            log.debug("truncated %d of %d texts to the %d-token context", n_truncated, len(texts), self.context_length)
+        return rows
+
+    @torch.no_grad()
+    def encode_text(self, texts: list[str]) -> TextOutput:
+        """Plain text encoding (no placeholder substitution), without gradients."""
+        tokens = self.tokenize(texts).to(self.device)
+        return self._encode_embedded(self.model.token_embedding(tokens), tokens)
+
+    def encode_with_pseudo_tokens(self, texts: list[str], pseudo: torch.Tensor) -> TextOutput:
+        """Encode texts whose ``*`` placeholders are replaced by given token embeddings.
+
+        texts: B strings, each with exactly K placeholders ``*`` (a separate word: write
+            ``a photo of * , red``, since CLIP's BPE reads ``*,`` as another token).
+        pseudo: (B, K, W) embeddings; the k-th placeholder of text b gets ``pseudo[b, k]``.
+        Returns a :class:`TextOutput`; gradients flow into ``pseudo``.
+        """
+        if pseudo.dim() == 2:
+            pseudo = pseudo.unsqueeze(1)
+        batch, k, width = pseudo.shape
+        if batch != len(texts) or width != self.width:
+            raise ValueError(f"pseudo tokens of shape {tuple(pseudo.shape)} do not fit {len(texts)} texts of width {self.width}")
+        tokens = self.tokenize(texts).to(self.device)
+        is_placeholder = tokens == self.placeholder_id
+        self._check_placeholder_counts(texts, is_placeholder.sum(dim=1), k)
+        embedded = self.model.token_embedding(tokens).to(pseudo.dtype)
+        # Boolean-mask assignment walks rows then positions, matching pseudo's (b, k) order.
+        embedded = embedded.masked_scatter(is_placeholder.unsqueeze(-1), pseudo.reshape(-1, width))
+        return self._encode_embedded(embedded, tokens)
+
+    def _check_placeholder_counts(self, texts: list[str], counts: torch.Tensor, expected: int) -> None:
+        bad = (counts != expected).nonzero().flatten().tolist()
+        if bad:
+            i = bad[0]
+            raise ValueError(
+                f"text {texts[i]!r} has {int(counts[i])} placeholder tokens {PLACEHOLDER!r}, expected {expected} "
+                f"({len(bad)} of {len(texts)} texts differ); write the placeholder as a separate word, "
+                f"e.g. 'a photo of * , {{text}}'"
+            )
+
+    def _encode_embedded(self, embedded: torch.Tensor, tokens: torch.Tensor) -> TextOutput:
+        """Run the text transformer on (B, L, W) token embeddings; pool at EOT."""
+        model = self.model
+        cast_dtype = model.transformer.get_cast_dtype()
+        x = embedded.to(cast_dtype) + model.positional_embedding.to(cast_dtype)
+        x = model.transformer(x, attn_mask=model.attn_mask)
+        x = model.ln_final(x)
+        eot = (tokens == self.eot_id).int().argmax(dim=1)
+        pooled = x[torch.arange(x.shape[0], device=x.device), eot]
+        proj = model.text_projection
+        if proj is not None:
+            pooled = proj(pooled) if isinstance(proj, nn.Linear) else pooled @ proj
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        mask = (positions[None, :] > 0) & (positions[None, :] < eot[:, None])
+        return TextOutput(pooled.float(), x.float(), mask, eot)
+
+
+def build_backbone(cfg: BackboneConfig, device: str | torch.device = "cpu") -> FrozenCLIP:
+    """Load the frozen backbone described by ``cfg``."""
+    return FrozenCLIP(cfg, device=device)

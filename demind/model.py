@@ -1,0 +1,216 @@
+"""The De-MINDS model (seed paper, section 3.3 and appendix B), over a frozen CLIP.
+
+Reading top to bottom:
+
+1. ``MappingNetwork`` turns the reference image embedding v into one pseudo-word token S*.
+2. The target description P = ``a photo of S* , {T}`` goes through the frozen text tower
+   once, giving its pooled embedding t_cls and its per-token word features.
+3. ``IntentionModule``: n learnable queries attend to [queries; word features] in 6 blocks.
+4. The refined queries go through the frozen text tower as n consecutive pseudo-word
+   tokens (``* * * *``), giving the intention embedding t*.
+5. The gate: t_hat = t_cls + tanh(alpha) * t*, with alpha = 0 at initialisation.
+
+Only the mapping network, the queries/blocks, alpha and (optionally) the temperature are
+trainable; the backbone is held but not registered, so state_dict() holds our weights only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from demind.backbone import PLACEHOLDER, FrozenCLIP
+
+TEMPLATES = {
+    "cirr": "a photo of * , {text}",
+    "domain": "a {domain} of *",
+    "objects": "a photo of * , {objects}",
+}
+FUSIONS = ("gate", "add", "intent_only")
+
+
+@dataclass
+class ModelConfig:
+    """De-MINDS hyper-parameters (paper defaults). ``fusion`` selects the Table 5 ablations:
+    ``gate`` (the method), ``add`` (w/o gate: t_cls + t*), ``intent_only`` (w/o global feature: t*)."""
+
+    num_queries: int = 4
+    num_blocks: int = 6
+    num_heads: int = 8
+    ff_mult: int = 4
+    mapping_hidden: int = 512
+    mapping_dropout: float = 0.1
+    gate_init: float = 0.0
+    fusion: str = "gate"
+    template: str = TEMPLATES["cirr"]
+    learnable_temperature: bool = False
+    init_logit_scale: float = math.log(100.0)  # CLIP's trained value; used unless learnable
+
+    def __post_init__(self) -> None:
+        if self.fusion not in FUSIONS:
+            raise ValueError(f"model.fusion must be one of {FUSIONS}, got {self.fusion!r}")
+        if self.template.count(PLACEHOLDER) != 1 or "{text}" not in self.template:
+            raise ValueError(f"model.template must hold one {PLACEHOLDER!r} and '{{text}}', got {self.template!r}")
+
+
+class ComposeOutput(NamedTuple):
+    """t_hat: (B, D) the composed query; t_cls: (B, D) the global (S*) embedding;
+    t_star: (B, D) the intention embedding. All L2-normalised."""
+
+    t_hat: torch.Tensor
+    t_cls: torch.Tensor
+    t_star: torch.Tensor
+
+
+def fill_template(template: str, **fields: str) -> str:
+    """``fill_template("a photo of * , {text}", text="red")`` -> ``"a photo of * , red"``.
+
+    A ``*`` inside a field value would be read as a placeholder; it becomes a space.
+    """
+    clean = {k: " ".join(str(v).replace(PLACEHOLDER, " ").split()) for k, v in fields.items()}
+    return template.format(**clean)
+
+
+class MappingNetwork(nn.Module):
+    """f_theta: (B, D) image embedding -> (B, W) pseudo-word token S*.
+
+    Three fully connected layers with ReLU and dropout (Pic2Word's design). The input is
+    L2-normalised first so the mapping does not depend on the backbone's embedding scale.
+    """
+
+    def __init__(self, embed_dim: int, width: int, hidden: int = 512, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(
+            nn.Linear(embed_dim, hidden), nn.ReLU(), nn.Dropout(dropout),
+            nn.Linear(hidden, hidden), nn.ReLU(), nn.Dropout(dropout),
+            nn.Linear(hidden, width),
+        )
+
+    def forward(self, image_emb: torch.Tensor) -> torch.Tensor:
+        return self.layers(F.normalize(image_emb.float(), dim=-1))
+
+
+class IntentionBlock(nn.Module):
+    """One block of Eq. 1 / Algorithm 1 (pre-LayerNorm residual form):
+
+    Q <- Q + MHA(LN(Q), LN([Q; P]), LN([Q; P]));  Q <- Q + FFN(LN(Q)).
+    """
+
+    def __init__(self, width: int, num_heads: int, ff_mult: int) -> None:
+        super().__init__()
+        self.norm_q = nn.LayerNorm(width)
+        self.norm_kv = nn.LayerNorm(width)
+        self.attn = nn.MultiheadAttention(width, num_heads, batch_first=True)
+        self.norm_ff = nn.LayerNorm(width)
+        self.ff = nn.Sequential(nn.Linear(width, ff_mult * width), nn.GELU(), nn.Linear(ff_mult * width, width))
+
+    def forward(self, queries: torch.Tensor, words: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        """queries (B, n, W), words (B, L, W), pad (B, n + L) True where ignored -> (B, n, W)."""
+        context = self.norm_kv(torch.cat([queries, words], dim=1))
+        attended, _ = self.attn(self.norm_q(queries), context, context, key_padding_mask=pad, need_weights=False)
+        queries = queries + attended
+        return queries + self.ff(self.norm_ff(queries))
+
+
+class IntentionModule(nn.Module):
+    """n learnable queries refined by word features of the target description.
+
+    forward: words (B, L, W), mask (B, L) bool True on real word tokens -> (B, n, W).
+    """
+
+    def __init__(self, width: int, num_queries: int = 4, num_blocks: int = 6, num_heads: int = 8, ff_mult: int = 4) -> None:
+        super().__init__()
+        # CLIP initialises token embeddings with std 0.02; the queries start at that scale.
+        self.queries = nn.Parameter(torch.randn(num_queries, width) * 0.02)
+        self.blocks = nn.ModuleList(IntentionBlock(width, num_heads, ff_mult) for _ in range(num_blocks))
+
+    def forward(self, words: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        batch = words.shape[0]
+        queries = self.queries.unsqueeze(0).expand(batch, -1, -1)
+        query_pad = torch.zeros(batch, queries.shape[1], dtype=torch.bool, device=words.device)
+        pad = torch.cat([query_pad, ~mask], dim=1)
+        for block in self.blocks:
+            queries = block(queries, words, pad)
+        return queries
+
+
+class DeMinds(nn.Module):
+    """Trainable De-MINDS modules around a frozen CLIP (held, not registered)."""
+
+    def __init__(self, cfg: ModelConfig, backbone: FrozenCLIP) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.__dict__["backbone"] = backbone  # not a submodule: checkpoints hold our weights only
+        self.mapping = MappingNetwork(backbone.embed_dim, backbone.width, cfg.mapping_hidden, cfg.mapping_dropout)
+        self.intention = IntentionModule(backbone.width, cfg.num_queries, cfg.num_blocks, cfg.num_heads, cfg.ff_mult)
+        self.gate = nn.Parameter(torch.tensor(float(cfg.gate_init)))
+        scale = torch.tensor(float(cfg.init_logit_scale))
+        if cfg.learnable_temperature:
+            self.logit_scale = nn.Parameter(scale)
+        else:
+            self.register_buffer("logit_scale", scale)
+        self.intent_prompt = " ".join([PLACEHOLDER] * cfg.num_queries)
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001 - torch's signature
+        # .to(device) / .half() also move the held backbone, so one call places everything.
+        self.backbone._apply(fn, recurse)
+        return super()._apply(fn, recurse)
+
+    def temperature_scale(self) -> torch.Tensor:
+        """exp(logit_scale), capped at 100 as in CLIP."""
+        return self.logit_scale.exp().clamp(max=100.0)
+
+    def pseudo_token(self, image_emb: torch.Tensor) -> torch.Tensor:
+        """(B, D) image embedding -> (B, W) S*."""
+        return self.mapping(image_emb.to(self.backbone.device))
+
+    def mapping_only(self, image_emb: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        """Pic2Word-style query: S* in the prompt, no intention module. Returns (B, D), L2-normalised."""
+        out = self.backbone.encode_with_pseudo_tokens(prompts, self.pseudo_token(image_emb))
+        return F.normalize(out.pooled, dim=-1)
+
+    def intention_embedding(self, words: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Word features (B, L, W) with mask (B, L) -> t* (B, D), L2-normalised."""
+        refined = self.intention(words, mask)
+        out = self.backbone.encode_with_pseudo_tokens([self.intent_prompt] * words.shape[0], refined)
+        return F.normalize(out.pooled, dim=-1)
+
+    def compose(self, image_emb: torch.Tensor, prompts: list[str]) -> ComposeOutput:
+        """Reference image embeddings (B, D) and prompts holding one ``*`` each -> queries.
+
+        The prompt's single forward pass yields both t_cls (pooled) and the word features
+        that the intention queries read.
+        """
+        target = self.backbone.encode_with_pseudo_tokens(prompts, self.pseudo_token(image_emb))
+        t_cls = F.normalize(target.pooled, dim=-1)
+        t_star = self.intention_embedding(target.tokens, target.mask)
+        return ComposeOutput(self.fuse(t_cls, t_star), t_cls, t_star)
+
+    def fuse(self, t_cls: torch.Tensor, t_star: torch.Tensor) -> torch.Tensor:
+        """Gate (or an ablation of it) on normalised embeddings -> (B, D) normalised t_hat."""
+        if self.cfg.fusion == "gate":
+            fused = t_cls + torch.tanh(self.gate) * t_star
+        elif self.cfg.fusion == "add":
+            fused = t_cls + t_star
+        else:
+            fused = t_star
+        return F.normalize(fused, dim=-1)
+
+    def forward(self, image_emb: torch.Tensor, target_texts: list[str]) -> ComposeOutput:
+        """Training step input: image embeddings (B, D) and target descriptions T (B strings),
+        filled into ``cfg.template``."""
+        prompts = [fill_template(self.cfg.template, text=t) for t in target_texts]
+        return self.compose(image_emb, prompts)
+
+    def num_trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)
+
+
+def build_model(cfg: ModelConfig, backbone: FrozenCLIP) -> DeMinds:
+    """A fresh De-MINDS model on ``backbone``'s device."""
+    return DeMinds(cfg, backbone).to(backbone.device)

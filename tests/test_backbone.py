@@ -1,0 +1,95 @@
+"""FrozenCLIP: pseudo-token text encoding, truncation, freezing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from demind.backbone import BackboneConfig, FrozenCLIP, truncate_keeping_placeholders
+
+
+def own_placeholder_embedding(backbone: FrozenCLIP, batch: int, k: int) -> torch.Tensor:
+    """(batch, k, W) copies of the '*' token's own embedding."""
+    row = backbone.model.token_embedding.weight[backbone.placeholder_id]
+    return row.expand(batch, k, -1).clone()
+
+
+def test_own_embedding_reproduces_plain_encode_text(tiny_backbone):
+    texts = ["a photo of * , red car", "* on the left , a dog and a cat", "a sketch of *"]
+    plain = tiny_backbone.encode_text(texts)
+    pseudo = tiny_backbone.encode_with_pseudo_tokens(texts, own_placeholder_embedding(tiny_backbone, 3, 1))
+    reference = tiny_backbone.model.encode_text(tiny_backbone.tokenize(texts))
+    assert torch.equal(plain.pooled, pseudo.pooled)
+    assert torch.allclose(plain.pooled, reference, atol=1e-6)
+    assert torch.equal(plain.mask, pseudo.mask)
+
+
+def test_placeholders_at_different_positions_get_their_own_vectors(tiny_backbone):
+    texts = ["* , a red car", "a photo of a dog and * , blue"]
+    pseudo = torch.randn(2, 1, tiny_backbone.width)
+    batch = tiny_backbone.encode_with_pseudo_tokens(texts, pseudo)
+    for i, text in enumerate(texts):
+        single = tiny_backbone.encode_with_pseudo_tokens([text], pseudo[i : i + 1])
+        assert torch.allclose(batch.pooled[i], single.pooled[0], atol=1e-5)
+    swapped = tiny_backbone.encode_with_pseudo_tokens(texts, pseudo.flip(0))
+    assert not torch.allclose(batch.pooled, swapped.pooled)
+
+
+def test_several_placeholders_are_filled_in_order(tiny_backbone):
+    pseudo = torch.randn(1, 4, tiny_backbone.width)
+    out = tiny_backbone.encode_with_pseudo_tokens(["* * * *"], pseudo)
+    reordered = tiny_backbone.encode_with_pseudo_tokens(["* * * *"], pseudo[:, [1, 0, 2, 3]])
+    assert out.pooled.shape == (1, tiny_backbone.embed_dim)
+    assert out.tokens.shape == (1, tiny_backbone.context_length, tiny_backbone.width)
+    assert int(out.mask.sum()) == 4 and int(out.eot[0]) == 5
+    assert not torch.allclose(out.pooled, reordered.pooled)
+
+
+def test_long_text_truncation_keeps_placeholder_and_eot(tiny_backbone):
+    text = "a photo of " + "very " * 100 + "* , and then " + "more " * 50
+    tokens = tiny_backbone.tokenize([text])[0]
+    assert int((tokens == tiny_backbone.placeholder_id).sum()) == 1
+    assert int(tokens[-1]) == tiny_backbone.eot_id
+    out = tiny_backbone.encode_with_pseudo_tokens([text], torch.randn(1, 1, tiny_backbone.width))
+    assert int(out.eot[0]) == tiny_backbone.context_length - 1
+
+
+def test_truncation_drops_free_text_from_the_end():
+    assert truncate_keeping_placeholders([1, 2, 9, 3, 4, 5], 4, placeholder_id=9) == [1, 2, 9, 3]
+    assert truncate_keeping_placeholders([1, 2, 3, 4, 9], 3, placeholder_id=9) == [1, 2, 9]
+    with pytest.raises(ValueError, match="placeholders do not fit"):
+        truncate_keeping_placeholders([9, 9, 9], 2, placeholder_id=9)
+
+
+def test_wrong_placeholder_count_is_a_clear_error(tiny_backbone):
+    with pytest.raises(ValueError, match="has 0 placeholder tokens"):
+        tiny_backbone.encode_with_pseudo_tokens(["a photo of a dog"], torch.randn(1, 1, tiny_backbone.width))
+    # '*,' is another BPE token: the count check catches the classic template typo.
+    with pytest.raises(ValueError, match="separate word"):
+        tiny_backbone.encode_with_pseudo_tokens(["a photo of *, red"], torch.randn(1, 1, tiny_backbone.width))
+
+
+def test_backbone_is_frozen_and_stays_in_eval(tiny_backbone):
+    assert not any(p.requires_grad for p in tiny_backbone.parameters())
+    tiny_backbone.train()
+    assert not tiny_backbone.training and not tiny_backbone.model.training
+
+
+def test_missing_model_config_names_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.json"):
+        FrozenCLIP(BackboneConfig(name=str(tmp_path / "nope.json"), pretrained=None))
+
+
+def test_missing_checkpoint_file_names_the_file(repo_root, tmp_path):
+    cfg = BackboneConfig(name=str(repo_root / "configs/model/tiny-clip.json"), pretrained=str(tmp_path / "w.pt"))
+    with pytest.raises(FileNotFoundError, match="w.pt"):
+        FrozenCLIP(cfg)
+
+
+def test_local_checkpoint_is_loaded_and_identified_by_hash(repo_root, tmp_path, tiny_backbone):
+    path = tmp_path / "tiny.pt"
+    torch.save(tiny_backbone.model.state_dict(), path)
+    loaded = FrozenCLIP(BackboneConfig(name=str(repo_root / "configs/model/tiny-clip.json"), pretrained=str(path)))
+    assert loaded.identity["pretrained"].startswith("file:tiny.pt@sha256:")
+    images = torch.randn(2, 3, 32, 32)
+    assert torch.allclose(loaded.encode_image(images), tiny_backbone.encode_image(images), atol=1e-6)

@@ -1,0 +1,45 @@
+"""Checkpoint round trip and the wrong-backbone error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from demind.backbone import BackboneConfig, FrozenCLIP
+from demind.checkpoint import CheckpointError, checkpoint_backbone_config, load_checkpoint, read_checkpoint_metadata, save_checkpoint
+from demind.model import DeMinds, ModelConfig
+
+
+def test_round_trip_restores_weights_and_config(tmp_path, tiny_backbone):
+    torch.manual_seed(1)
+    model = DeMinds(ModelConfig(num_queries=2, num_blocks=2, mapping_hidden=32, fusion="add"), tiny_backbone)
+    with torch.no_grad():
+        model.gate.fill_(0.7)
+    path = save_checkpoint(tmp_path / "ckpt.safetensors", model)
+    loaded = load_checkpoint(path, tiny_backbone)
+    assert loaded.cfg == model.cfg
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, loaded.state_dict()[key]), key
+    v = tiny_backbone.encode_image(torch.randn(2, 3, 32, 32))
+    model.eval()
+    assert torch.allclose(model(v, ["red", "blue"]).t_hat, loaded(v, ["red", "blue"]).t_hat, atol=1e-6)
+    assert checkpoint_backbone_config(path) == tiny_backbone.cfg
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_wrong_backbone_names_both(tmp_path, tiny_backbone, repo_root):
+    path = save_checkpoint(tmp_path / "ckpt.safetensors", DeMinds(ModelConfig(mapping_hidden=32), tiny_backbone))
+    weights = tmp_path / "other.pt"
+    torch.save(tiny_backbone.model.state_dict(), weights)
+    other = FrozenCLIP(BackboneConfig(name=str(repo_root / "configs/model/tiny-clip.json"), pretrained=str(weights)))
+    with pytest.raises(CheckpointError, match=r"trained on backbone .*tiny-clip.*'pretrained': None.*loaded backbone is .*other\.pt"):
+        load_checkpoint(path, other)
+
+
+def test_not_a_checkpoint(tmp_path):
+    bad = tmp_path / "x.safetensors"
+    bad.write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="x.safetensors"):
+        read_checkpoint_metadata(bad)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        read_checkpoint_metadata(tmp_path / "missing.safetensors")

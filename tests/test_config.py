@@ -1,0 +1,70 @@
+"""Config: YAML + dotted overrides, unknown keys are errors that name the key."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from demind.backbone import BackboneConfig
+from demind.config import ConfigError, load_config, save_config, to_dict
+from demind.model import ModelConfig
+
+
+@dataclass
+class Optim:
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.98)
+
+
+@dataclass
+class Root:
+    backbone: BackboneConfig = field(default_factory=BackboneConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: Optim = field(default_factory=Optim)
+    steps: int = 10
+    tags: list[str] = field(default_factory=list)
+
+
+def test_yaml_then_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("optim:\n  lr: 3.0e-5\nmodel:\n  num_queries: 2\nbackbone:\n  pretrained: null\n")
+    cfg = load_config(Root, path, ["optim.lr=1e-4", "steps=7", "tags=[a,b]", "model.fusion=add"])
+    assert cfg.optim.lr == 1e-4 and cfg.steps == 7 and cfg.tags == ["a", "b"]
+    assert cfg.model.num_queries == 2 and cfg.model.fusion == "add" and cfg.model.num_blocks == 6
+    assert cfg.backbone.pretrained is None and cfg.optim.betas == (0.9, 0.98)
+
+
+def test_round_trip_through_saved_yaml(tmp_path):
+    cfg = load_config(Root, None, ["optim.betas=[0.8, 0.9]", "steps=3"])
+    save_config(cfg, tmp_path / "resolved.yaml")
+    assert load_config(Root, tmp_path / "resolved.yaml") == cfg
+    assert to_dict(cfg)["optim"]["betas"] == [0.8, 0.9]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["optim.lrr=1"], r"optim\.lrr.*did you mean 'lr'"),
+        (["model.num_query=2"], r"model\.num_query.*'num_queries'"),
+        (["stepz=2"], r"stepz.*'steps'"),
+        (["steps.x=2"], "not a section"),
+        (["steps=many"], "must be an integer"),
+        (["no_equals_sign"], "section.key=value"),
+    ],
+)
+def test_bad_overrides_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(Root, None, overrides)
+
+
+def test_unknown_key_in_file_names_key_and_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("optim:\n  learning_rate: 1\n")
+    with pytest.raises(ConfigError, match=r"optim\.learning_rate.*bad\.yaml"):
+        load_config(Root, path)
+
+
+def test_missing_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="missing.yaml"):
+        load_config(Root, tmp_path / "missing.yaml")

@@ -1,0 +1,105 @@
+"""De-MINDS modules: gradients through the frozen tower, the gate at init, ablations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from demind.model import DeMinds, IntentionModule, ModelConfig, fill_template
+
+
+@pytest.fixture()
+def model(tiny_backbone) -> DeMinds:
+    torch.manual_seed(0)
+    return DeMinds(ModelConfig(mapping_hidden=64), tiny_backbone)
+
+
+def test_shapes_and_normalisation(model, tiny_backbone):
+    v = tiny_backbone.encode_image(torch.randn(3, 3, 32, 32))
+    out = model(v, ["make it red", "", "a dog on the grass"])
+    for emb in out:
+        assert emb.shape == (3, tiny_backbone.embed_dim)
+        assert torch.allclose(emb.norm(dim=-1), torch.ones(3), atol=1e-5)
+
+
+def test_at_initialisation_t_hat_equals_t_cls(model, tiny_backbone):
+    model.eval()
+    v = tiny_backbone.encode_image(torch.randn(2, 3, 32, 32))
+    out = model(v, ["make it red", "without the dog"])
+    assert torch.allclose(out.t_hat, out.t_cls, atol=1e-6)
+    assert not torch.allclose(out.t_star, out.t_cls, atol=1e-3)
+    prompts = [fill_template(model.cfg.template, text=t) for t in ["make it red", "without the dog"]]
+    assert torch.allclose(model.mapping_only(v, prompts), out.t_cls, atol=1e-6)
+
+
+def test_gradients_reach_trainable_parts_but_not_the_backbone(model, tiny_backbone):
+    before = {k: v.clone() for k, v in tiny_backbone.state_dict().items()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    v = tiny_backbone.encode_image(torch.randn(4, 3, 32, 32))
+    out = model(v, ["red", "blue", "a cat", "two dogs"])
+    # Both paths: through t_cls (mapping) and through t* (queries); the gate needs t* != 0.
+    (out.t_hat.sum() + out.t_star.pow(2).sum() + out.t_star[:, 0].sum()).backward()
+    assert model.mapping.layers[0].weight.grad.abs().sum() > 0
+    assert model.intention.queries.grad.abs().sum() > 0
+    assert model.intention.blocks[0].attn.in_proj_weight.grad.abs().sum() > 0
+    assert model.gate.grad is not None and model.gate.grad.abs() > 0
+    assert all(p.grad is None for p in tiny_backbone.parameters())
+    optimizer.step()
+    after = tiny_backbone.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_state_dict_holds_only_trainable_weights(model):
+    keys = model.state_dict().keys()
+    assert not any(k.startswith("backbone") for k in keys)
+    assert {"gate", "logit_scale", "intention.queries"} <= set(keys)
+
+
+def test_intention_module_ignores_padding():
+    torch.manual_seed(0)
+    module = IntentionModule(width=16, num_queries=2, num_blocks=2, num_heads=4).eval()
+    words = torch.randn(1, 6, 16)
+    mask = torch.tensor([[True, True, True, False, False, False]])
+    garbage = words.clone()
+    garbage[:, 3:] = 100 * torch.randn(1, 3, 16)
+    assert torch.allclose(module(words, mask), module(garbage, mask), atol=1e-5)
+    assert not torch.allclose(module(words, mask), module(words, torch.ones_like(mask)), atol=1e-4)
+
+
+@pytest.mark.parametrize("fusion", ["add", "intent_only"])
+def test_fusion_ablations(tiny_backbone, fusion):
+    model = DeMinds(ModelConfig(mapping_hidden=64, fusion=fusion), tiny_backbone).eval()
+    v = tiny_backbone.encode_image(torch.randn(2, 3, 32, 32))
+    out = model(v, ["red", "blue"])
+    expected = out.t_star if fusion == "intent_only" else torch.nn.functional.normalize(out.t_cls + out.t_star, dim=-1)
+    assert torch.allclose(out.t_hat, expected, atol=1e-6)
+
+
+def test_bad_model_config_is_rejected():
+    with pytest.raises(ValueError, match="fusion"):
+        ModelConfig(fusion="concat")
+    with pytest.raises(ValueError, match="template"):
+        ModelConfig(template="a photo of {text}")
+
+
+def test_fill_template_neutralises_stray_placeholders():
+    assert fill_template("a photo of * , {text}", text="5 * stars") == "a photo of * , 5 stars"
+    assert fill_template("a {domain} of *", domain="sketch") == "a sketch of *"
+
+
+@pytest.mark.slow
+def test_vit_l14_shapes_and_trainable_parameter_count():
+    from demind.backbone import BackboneConfig, FrozenCLIP
+
+    backbone = FrozenCLIP(BackboneConfig(name="ViT-L-14", pretrained=None))
+    model = DeMinds(ModelConfig(), backbone).eval()
+    assert (backbone.embed_dim, backbone.width) == (768, 768)
+    with torch.no_grad():
+        out = model(backbone.encode_image(torch.randn(2, 3, 224, 224)), ["make it red", "without the dog"])
+    assert out.t_hat.shape == (2, 768)
+    mapping = (768 * 512 + 512) + (512 * 512 + 512) + (512 * 768 + 768)
+    attention = (3 * 768 * 768 + 3 * 768) + (768 * 768 + 768)
+    feed_forward = (768 * 3072 + 3072) + (3072 * 768 + 768)
+    block = attention + feed_forward + 3 * 2 * 768  # three LayerNorms
+    expected = mapping + 6 * block + 4 * 768 + 1  # + queries + gate
+    assert model.num_trainable_parameters() == expected == 43_589_889
