@@ -17,6 +17,7 @@ trainable; the backbone is held but not registered, so state_dict() holds our we
 from __future__ import annotations
 
 import math
+import string
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -74,6 +75,14 @@ def fill_template(template: str, **fields: str) -> str:
     """
     clean = {k: " ".join(str(v).replace(PLACEHOLDER, " ").split()) for k, v in fields.items()}
     return template.format(**clean)
+
+
+def template_field(template: str) -> str:
+    """The one ``{field}`` a query template takes: ``"a {domain} of *"`` -> ``"domain"``."""
+    fields = {name for _, name, _, _ in string.Formatter().parse(template) if name}
+    if len(fields) != 1 or template.count(PLACEHOLDER) != 1:
+        raise ValueError(f"a query template needs one {PLACEHOLDER!r} and one {{field}}, got {template!r}")
+    return fields.pop()
 
 
 class MappingNetwork(nn.Module):
@@ -206,6 +215,17 @@ class DeMinds(nn.Module):
         filled into ``cfg.template``."""
         prompts = [fill_template(self.cfg.template, text=t) for t in target_texts]
         return self.compose(image_emb, prompts)
+
+    def query(self, image_emb: torch.Tensor, texts: list[str], template: str = TEMPLATES["cirr"],
+              mapping_only: bool = False) -> torch.Tensor:
+        """The inference API: reference image embeddings (B, D) and B texts (modification
+        text, domain name, or object list) filled into ``template`` -> (B, D) L2-normalised
+        queries. ``mapping_only`` gives the Pic2Word-style query from the same weights."""
+        field = template_field(template)
+        prompts = [fill_template(template, **{field: t}) for t in texts]
+        if mapping_only:
+            return self.mapping_only(image_emb, prompts)
+        return self.compose(image_emb, prompts).t_hat
 
     def num_trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)

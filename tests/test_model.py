@@ -82,6 +82,20 @@ def test_bad_model_config_is_rejected():
         ModelConfig(template="a photo of {text}")
 
 
+def test_query_api_fills_each_paper_template(model, tiny_backbone):
+    model.eval()
+    v = tiny_backbone.encode_image(torch.randn(2, 3, 32, 32))
+    cirr = model.query(v, ["make it red", "without the dog"])
+    assert torch.allclose(cirr, model(v, ["make it red", "without the dog"]).t_hat, atol=1e-6)
+    domain = model.query(v, ["sketch", "cartoon"], template="a {domain} of *")
+    prompts = ["a sketch of *", "a cartoon of *"]
+    assert torch.allclose(domain, model.compose(v, prompts).t_hat, atol=1e-6)
+    objects = model.query(v, ["dog and cat", "car"], template="a photo of * , {objects}", mapping_only=True)
+    assert torch.allclose(objects, model.mapping_only(v, ["a photo of * , dog and cat", "a photo of * , car"]), atol=1e-6)
+    with pytest.raises(ValueError, match="one"):
+        model.query(v, ["x", "y"], template="a photo of {a} {b} *")
+
+
 def test_fill_template_neutralises_stray_placeholders():
     assert fill_template("a photo of * , {text}", text="5 * stars") == "a photo of * , 5 stars"
     assert fill_template("a {domain} of *", domain="sketch") == "a sketch of *"
