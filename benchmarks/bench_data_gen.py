@@ -1,0 +1,171 @@
+"""Benchmark of the generation job with the tiny random LLaVA-NeXT, on CPU.
+
+    PYTHONPATH=. python benchmarks/bench_data_gen.py --samples 64 --batch-size 8
+
+Measures, in one run:
+1. images/s of the transformers engine (both stages, the job's own IntentGenerator)
+   with ``--batch-size`` rows per generate() vs one image at a time, and their ratio;
+2. the job's own overhead per sample outside the engine (read, decode + resize,
+   prompt rendering, cleaning, writing): the wall time outside engine calls in a full
+   job run (decoding in the main thread, and one chunk ahead in a background thread),
+   and each step's cost timed alone.
+The tiny model makes the engine cheap, so (2) is the job's cost, not the model's.
+Prints a table and writes JSON to --json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import logging
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import webdataset as wds
+from PIL import Image
+
+from demind.gen.config import GenConfig
+from demind.gen.engines.transformers_engine import TransformersEngine
+from demind.gen.generate import ChunkItem, IntentGenerator
+from demind.gen.job import run_plan
+from demind.gen.prompts import intent_conversation, load_prompts, render, rewrite_conversation
+from demind.gen.reader import RawSample, decode_image, iter_shard
+from demind.gen.shards import ShardOutput, make_plan
+from demind.gen.tiny_model import build_tiny_llava_next
+from demind.gen.writer import ShardWriter, encode_sample
+
+
+def make_input_shard(path: Path, samples: int, width: int, height: int) -> None:
+    rng = np.random.default_rng(0)
+    with open(path, "wb") as f, wds.TarWriter(f, encoder=False) as tar:
+        for i in range(samples):
+            # smooth random images compress like photos, unlike white noise
+            small = rng.integers(0, 255, (height // 16, width // 16, 3), dtype=np.uint8)
+            img = Image.fromarray(small).resize((width, height), Image.Resampling.BILINEAR)
+            buf = io.BytesIO()
+            img.save(buf, format="JPEG", quality=90)
+            key = f"00000{i:04d}"
+            caption = f"a photo of a red dog number {i} playing on the beach near the water"
+            tar.write({"__key__": key, "jpg": buf.getvalue(), "txt": caption.encode(),
+                       "json": json.dumps({"key": key, "caption": caption}).encode()})
+
+
+def time_engines(items: list[ChunkItem], batch_size: int, cfg: GenConfig, repeats: int) -> tuple[float, float]:
+    """Median images/s of both stages, ``batch_size`` rows per generate() vs one; runs interleaved
+    so that load from other processes hits both alike."""
+    generators = {}
+    for rows in (batch_size, 1):
+        cfg.engine.batch_size = rows
+        generators[rows] = IntentGenerator(TransformersEngine(cfg.engine, cfg.sampling), cfg, load_prompts("v1"))
+        generators[rows].generate(items[: min(4, len(items))])  # warm-up
+    rates: dict[int, list[float]] = {batch_size: [], 1: []}
+    for _ in range(repeats):
+        for rows, generator in generators.items():
+            start = time.perf_counter()
+            generator.generate(items)
+            rates[rows].append(len(items) / (time.perf_counter() - start))
+    return statistics.median(rates[batch_size]), statistics.median(rates[1])
+
+
+def time_overhead_parts(shard: Path, out_dir: Path, cfg: GenConfig, renderer) -> dict[str, float]:
+    """ms per sample of each job step outside the engine, timed separately on the same shard."""
+    prompts = load_prompts("v1")
+    start = time.perf_counter()
+    raws = [s for s in iter_shard(shard, cfg.io.max_caption_chars) if isinstance(s, RawSample)]
+    read = time.perf_counter() - start
+    start = time.perf_counter()
+    images = [decode_image(s.image_bytes, cfg.io.image_max_side) for s in raws]
+    decode = time.perf_counter() - start
+    start = time.perf_counter()
+    for s in raws:
+        render(renderer, rewrite_conversation(prompts, s.caption))
+        render(renderer, intent_conversation(prompts, s.caption, "a rewritten caption " * 8))
+    prompt = time.perf_counter() - start
+    writer = ShardWriter(ShardOutput(out_dir / "parts.tar", out_dir / "parts_stats.json"))
+    start = time.perf_counter()
+    for s in raws:
+        writer.write(encode_sample(s.key, s.image_ext, s.image_bytes, s.caption, "rewritten " * 40, "intent " * 15,
+                                   {**s.meta, "generation": {"flags": []}}))
+    writer.commit()
+    write = time.perf_counter() - start
+    n = len(raws)
+    assert len(images) == n
+    return {k: round(1000 * v / n, 3) for k, v in
+            {"read": read, "decode_resize": decode, "prompt_render_2_stages": prompt, "write": write}.items()}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samples", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3, help="engine timings repeated; the median is reported")
+    parser.add_argument("--chunk-size", type=int, default=16, help="engine.chunk_size for the full-job runs")
+    parser.add_argument("--image-size", default="800x600", help="WxH of the synthetic JPEGs")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(args.threads)
+    width, height = (int(v) for v in args.image_size.lower().split("x"))
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        model_dir = build_tiny_llava_next(tmp / "tiny")
+        (tmp / "in").mkdir()
+        make_input_shard(tmp / "in" / "00000.tar", args.samples, width, height)
+        cfg = GenConfig()
+        cfg.engine.name, cfg.engine.model, cfg.engine.device, cfg.engine.dtype = "transformers", str(model_dir), "cpu", "float32"
+        cfg.engine.chunk_size = args.samples
+        cfg.sampling.rewrite_max_tokens, cfg.sampling.intent_max_tokens = 24, 12
+        cfg.sampling.retries = 0  # equal work in both engine timings
+        items = [ChunkItem(s.key, s.caption, decode_image(s.image_bytes, cfg.io.image_max_side))
+                 for s in iter_shard(tmp / "in" / "00000.tar") if isinstance(s, RawSample)]
+
+        batched, single = time_engines(items, args.batch_size, cfg, args.repeats)
+
+        cfg.engine.batch_size = args.batch_size
+        cfg.engine.chunk_size = args.chunk_size
+        engine = TransformersEngine(cfg.engine, cfg.sampling)
+        job = {}
+        for prefetch in (0, 1):  # decode in the main thread vs one chunk ahead in a background thread
+            cfg.io.prefetch_chunks = prefetch
+            plan = make_plan(str(tmp / "in"), tmp / f"out{prefetch}", None, overwrite=False)
+            job[prefetch] = run_plan(plan, cfg, engine, load_prompts("v1"), show_progress=False).finished[0]
+        parts = time_overhead_parts(tmp / "in" / "00000.tar", tmp, cfg, engine.renderer)
+
+    result = {
+        "samples": args.samples, "repeats": args.repeats, "image_size": args.image_size, "threads": args.threads, "batch_size": args.batch_size,
+        "engine_images_per_s_batched": round(batched, 2),
+        "engine_images_per_s_single": round(single, 2),
+        "batched_over_single": round(batched / single, 2),
+        "chunk_size": args.chunk_size,
+        "job_images_per_s_prefetch0": job[0]["images_per_s"],
+        "job_images_per_s_prefetch1": job[1]["images_per_s"],
+        "job_overhead_ms_per_sample_prefetch0": job[0]["overhead_ms_per_sample"],
+        "job_overhead_ms_per_sample_prefetch1": job[1]["overhead_ms_per_sample"],
+        "overhead_breakdown_ms_per_sample": parts,
+    }
+    print(f"{'measure':<44} {'value':>10}")
+    print(f"{'engine img/s, batch ' + str(args.batch_size):<44} {batched:>10.2f}")
+    print(f"{'engine img/s, one at a time':<44} {single:>10.2f}")
+    print(f"{'ratio batched / one at a time':<44} {batched / single:>10.2f}")
+    for prefetch in (0, 1):
+        print(f"{f'full job img/s, io.prefetch_chunks={prefetch}':<44} {job[prefetch]['images_per_s']:>10.2f}")
+        print(f"{f'job time outside engine, ms/sample, prefetch={prefetch}':<44} "
+              f"{job[prefetch]['overhead_ms_per_sample']:>10.2f}")
+    print("cost of each step outside the engine, timed alone:")
+    for name, ms in parts.items():
+        print(f"{'  ' + name + ', ms/sample':<44} {ms:>10.2f}")
+    print(json.dumps(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

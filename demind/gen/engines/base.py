@@ -1,0 +1,54 @@
+"""The interface every generation engine implements."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from PIL import Image
+
+
+@dataclass
+class GenRequest:
+    """One prompt with its image; ``seed`` makes the sampled text a function of the request alone."""
+
+    prompt: str  # already rendered by the chat template, contains the image placeholder
+    image: Image.Image  # RGB, already shrunk to io.image_max_side
+    seed: int
+    max_new_tokens: int
+
+
+@dataclass
+class GenResult:
+    text: str  # decoded, special tokens removed, not yet cleaned
+    finish_reason: str  # "stop" (end of sequence) or "length" (hit max_new_tokens)
+    prompt_tokens: int  # text + image tokens of the prompt
+    output_tokens: int
+
+
+class Engine(Protocol):
+    """Generates text for image prompts. ``renderer`` renders conversations (chat template)."""
+
+    name: str
+    model_id: str
+
+    @property
+    def renderer(self) -> Any: ...
+
+    def generate(self, requests: list[GenRequest]) -> list[GenResult]:
+        """Results in the order of ``requests``."""
+        ...
+
+    def count_tokens(self, texts: list[str]) -> list[int]:
+        """Tokens of each text with the model's tokenizer (no special tokens)."""
+        ...
+
+
+def request_seed(base_seed: int, key: str, stage: str, attempt: int) -> int:
+    """A 31-bit seed that depends only on the sample key, the stage and the attempt.
+
+    Hash-derived (not Python's salted ``hash``) so it is identical across processes and reruns.
+    """
+    digest = hashlib.sha256(f"{base_seed}:{key}:{stage}:{attempt}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF

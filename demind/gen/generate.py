@@ -1,0 +1,153 @@
+"""The two generation stages (seed paper section 3.2) over a chunk of decoded samples.
+
+Stage 1 (caption rewriting): image + T_ori -> T_rew.
+Stage 2 (intention reasoning): the same conversation continued -> T_int.
+Each output is cleaned and checked; a flagged output is retried with a new seed
+(``sampling.retries`` times), and the attempt with the fewest flags is kept, flags and all.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from PIL import Image
+
+from demind.gen.config import GenConfig
+from demind.gen.engines.base import Engine, GenRequest, GenResult, request_seed
+from demind.gen.prompts import (
+    Conversation,
+    PromptSet,
+    intent_conversation,
+    render,
+    rewrite_conversation,
+    single_conversation,
+)
+from demind.gen.quality import clean_output, quality_flags
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StageOutput:
+    """The kept attempt of one stage for one sample."""
+
+    text: str  # cleaned
+    finish_reason: str
+    prompt_tokens: int
+    output_tokens: int
+    seed: int
+    attempts: int = 1
+    flags: list[str] = field(default_factory=list)
+    first_flags: list[str] = field(default_factory=list)  # flags of attempt 1 when it was retried
+
+    def record(self) -> dict[str, Any]:
+        """The stage's entry in the sample's ``json.generation``."""
+        rec: dict[str, Any] = {
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "seed": self.seed,
+            "attempts": self.attempts,
+            "flags": self.flags,
+        }
+        if self.attempts > 1:
+            rec["first_attempt_flags"] = self.first_flags
+        return rec
+
+
+@dataclass
+class ChunkItem:
+    """A decoded sample ready for the engine."""
+
+    key: str
+    caption: str
+    image: Image.Image  # shrunk RGB
+
+
+@dataclass
+class ChunkOutput:
+    rewrite: StageOutput | None  # None in single-prompt mode
+    intent: StageOutput
+
+
+class IntentGenerator:
+    """Runs the configured stages on an engine; ``engine_seconds`` accumulates time inside the engine."""
+
+    def __init__(self, engine: Engine, cfg: GenConfig, prompts: PromptSet):
+        self.engine = engine
+        self.cfg = cfg
+        self.prompts = prompts
+        self.engine_seconds = 0.0
+
+    def generate(self, items: list[ChunkItem]) -> list[ChunkOutput]:
+        """Both stages (or the single prompt) for every item, in order."""
+        if not items:
+            return []
+        sampling = self.cfg.sampling
+        if self.cfg.prompts.mode == "single":
+            convs = [single_conversation(self.prompts, it.caption) for it in items]
+            intents = self.run_stage("intent", items, convs, sampling.intent_max_tokens)
+            return [ChunkOutput(None, out) for out in intents]
+        convs = [rewrite_conversation(self.prompts, it.caption) for it in items]
+        rewrites = self.run_stage("rewrite", items, convs, sampling.rewrite_max_tokens)
+        convs = [intent_conversation(self.prompts, it.caption, rw.text) for it, rw in zip(items, rewrites)]
+        intents = self.run_stage("intent", items, convs, sampling.intent_max_tokens)
+        return [ChunkOutput(rw, it) for rw, it in zip(rewrites, intents)]
+
+    def run_stage(
+        self, stage: str, items: list[ChunkItem], conversations: list[Conversation], max_new_tokens: int
+    ) -> list[StageOutput]:
+        """One stage for all items, then retries of the flagged ones with new seeds."""
+        prompts = [render(self.engine.renderer, conv) for conv in conversations]
+        outputs = self._attempt(stage, items, prompts, max_new_tokens, list(range(len(items))), attempt=0)
+        # With greedy decoding a new seed gives the same text, so retrying would only cost time.
+        retries = self.cfg.sampling.retries if self.cfg.sampling.temperature > 0 else 0
+        for attempt in range(1, retries + 1):
+            todo = [i for i, out in enumerate(outputs) if out.flags]
+            if not todo:
+                break
+            retried = self._attempt(stage, items, prompts, max_new_tokens, todo, attempt)
+            for i, new in zip(todo, retried):
+                new.attempts = attempt + 1
+                new.first_flags = outputs[i].first_flags if outputs[i].attempts > 1 else outputs[i].flags
+                # keep the attempt with fewer problems; on a tie the newer one
+                if len(new.flags) <= len(outputs[i].flags):
+                    outputs[i] = new
+                else:
+                    outputs[i].attempts, outputs[i].first_flags = new.attempts, new.first_flags
+        return outputs
+
+    def _attempt(
+        self, stage: str, items: list[ChunkItem], prompts: list[str], max_new_tokens: int, indices: list[int], attempt: int
+    ) -> list[StageOutput]:
+        requests = [
+            GenRequest(
+                prompt=prompts[i],
+                image=items[i].image,
+                seed=request_seed(self.cfg.sampling.seed, items[i].key, stage, attempt),
+                max_new_tokens=max_new_tokens,
+            )
+            for i in indices
+        ]
+        start = time.perf_counter()
+        results = self.engine.generate(requests)
+        self.engine_seconds += time.perf_counter() - start
+        if len(results) != len(requests):
+            raise RuntimeError(f"engine {self.engine.name} returned {len(results)} results for {len(requests)} requests")
+        return [self._stage_output(res, req.seed) for res, req in zip(results, requests)]
+
+    def _stage_output(self, result: GenResult, seed: int) -> StageOutput:
+        text = clean_output(result.text)
+        q = self.cfg.quality
+        flags = quality_flags(text, result.finish_reason, q.repeat_ngram, q.max_ngram_repeats)
+        return StageOutput(
+            text=text,
+            finish_reason=result.finish_reason,
+            prompt_tokens=result.prompt_tokens,
+            output_tokens=result.output_tokens,
+            seed=seed,
+            flags=flags,
+        )

@@ -1,0 +1,332 @@
+"""The generation job: one input shard in, one intent shard plus its stats out, shard after shard.
+
+Memory stays bounded: samples stream from the input tar, ``engine.chunk_size`` decoded
+samples are in flight at a time, and results stream into the output tar.
+A shard is redone from its start when a run was interrupted inside it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from demind.config import to_dict
+from demind.gen.config import GenConfig
+from demind.gen.engines.base import Engine
+from demind.gen.generate import ChunkItem, ChunkOutput, IntentGenerator
+from demind.gen.prompts import PromptSet
+from demind.gen.reader import InputShardError, RawSample, SkippedSample, decode_image, iter_shard
+from demind.gen.shards import JobPlan, ShardTask
+from demind.gen.writer import ShardWriter, encode_sample, write_stats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ShardStats:
+    """Counters of one shard; :meth:`to_dict` is the ``{shard}_stats.json`` content."""
+
+    samples_in: int = 0
+    written: int = 0
+    skipped: Counter = field(default_factory=Counter)
+    skipped_samples: list[dict[str, str]] = field(default_factory=list)
+    flagged: Counter = field(default_factory=Counter)  # "stage:flag" -> samples kept with that flag
+    samples_flagged: int = 0
+    retried: Counter = field(default_factory=Counter)  # stage -> samples retried
+    fixed_by_retry: Counter = field(default_factory=Counter)  # stage -> retried samples kept without flags
+    text_tokens: dict[str, list[int]] = field(default_factory=lambda: {"rewrite": [], "intent": []})
+    engine_prompt_tokens: int = 0
+    engine_output_tokens: int = 0
+
+    def skip(self, item: SkippedSample) -> None:
+        self.skipped[item.reason] += 1
+        self.skipped_samples.append({"key": item.key, "reason": item.reason, "detail": item.detail})
+
+    def add_output(self, out: ChunkOutput) -> list[str]:
+        """Count one written sample's stages; returns its flags as 'stage:flag'."""
+        flags = []
+        for stage, res in (("rewrite", out.rewrite), ("intent", out.intent)):
+            if res is None:
+                continue
+            flags += [f"{stage}:{f}" for f in res.flags]
+            if res.attempts > 1:
+                self.retried[stage] += 1
+                self.fixed_by_retry[stage] += not res.flags
+            self.engine_prompt_tokens += res.prompt_tokens
+            self.engine_output_tokens += res.output_tokens
+        self.flagged.update(flags)
+        self.samples_flagged += bool(flags)
+        return flags
+
+    def to_dict(self) -> dict[str, Any]:
+        def summary(counts: list[int]) -> dict[str, float]:
+            return {"mean": round(sum(counts) / len(counts), 2) if counts else 0.0, "total": sum(counts), "count": len(counts)}
+
+        return {
+            "samples_in": self.samples_in,
+            "written": self.written,
+            "skipped": dict(self.skipped),
+            "skipped_total": sum(self.skipped.values()),
+            "samples_flagged": self.samples_flagged,
+            "flagged": dict(sorted(self.flagged.items())),
+            "retried": dict(self.retried),
+            "fixed_by_retry": dict(self.fixed_by_retry),
+            "text_tokens": {stage: summary(v) for stage, v in self.text_tokens.items()},
+            "engine_tokens": {"prompt": self.engine_prompt_tokens, "output": self.engine_output_tokens},
+            "skipped_samples": self.skipped_samples,
+        }
+
+
+@dataclass
+class JobSummary:
+    """What a run did: the stats of each shard it finished, and the shards it could not read."""
+
+    finished: list[dict[str, Any]] = field(default_factory=list)
+    skipped_done: list[int] = field(default_factory=list)
+    failed: dict[int, str] = field(default_factory=dict)
+
+
+def expected_samples(input_path: Path) -> int | None:
+    """img2dataset writes ``00000_stats.json`` beside each tar; its 'successes' sizes the progress bar."""
+    stats = input_path.with_name(input_path.name[: -len(".tar")] + "_stats.json")
+    try:
+        return int(json.loads(stats.read_text())["successes"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def decoded_chunks(
+    samples: Iterator[RawSample | SkippedSample], cfg: GenConfig, stats: ShardStats
+) -> Iterator[list[tuple[RawSample, ChunkItem]]]:
+    """Group readable samples into chunks of ``engine.chunk_size``; count and log every skip."""
+    chunk: list[tuple[RawSample, ChunkItem]] = []
+    for sample in samples:
+        stats.samples_in += 1
+        if isinstance(sample, RawSample):
+            try:
+                image = decode_image(sample.image_bytes, cfg.io.image_max_side)
+            except ValueError as e:
+                sample = SkippedSample(sample.key, "undecodable image", str(e))
+            else:
+                chunk.append((sample, ChunkItem(sample.key, sample.caption, image)))
+        if isinstance(sample, SkippedSample):
+            logger.warning("skipping sample %s: %s %s", sample.key, sample.reason, sample.detail)
+            stats.skip(sample)
+        if len(chunk) >= cfg.engine.chunk_size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+_DONE = object()
+
+
+def prefetched(items: Iterable, depth: int) -> Iterator:
+    """Yield from ``items``, produced up to ``depth`` items ahead by a background thread.
+
+    Image decoding (PIL releases the GIL) then overlaps with generation. An exception in
+    the producer is re-raised here; leaving the loop early stops the producer.
+    """
+    if depth <= 0:
+        yield from items
+        return
+    buffer: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for item in items:
+                while not stop.is_set():
+                    try:
+                        buffer.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            outcome: object = _DONE
+        except BaseException as e:  # handed to the consumer, which re-raises it
+            outcome = e
+        while not stop.is_set():
+            try:
+                buffer.put(outcome, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    thread = threading.Thread(target=produce, name="data_gen-prefetch", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = buffer.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+
+
+def generation_record(cfg: GenConfig, engine: Engine, prompts: PromptSet, item: ChunkItem, out: ChunkOutput, flags: list[str]) -> dict[str, Any]:
+    """The ``generation`` entry added to each sample's json."""
+    s = cfg.sampling
+    return {
+        "engine": engine.name,
+        "model": engine.model_id,
+        "prompt_version": prompts.version,
+        "prompt_sha": prompts.sha,
+        "mode": cfg.prompts.mode,
+        "sampling": {
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "seed": s.seed,
+            "rewrite_max_tokens": s.rewrite_max_tokens,
+            "intent_max_tokens": s.intent_max_tokens,
+        },
+        "image_size_seen": list(item.image.size),
+        "rewrite": out.rewrite.record() if out.rewrite is not None else None,
+        "intent": out.intent.record(),
+        "flags": flags,
+    }
+
+
+def process_shard(task: ShardTask, generator: IntentGenerator, cfg: GenConfig, show_progress: bool = True,
+                  overall: tqdm | None = None) -> dict[str, Any]:
+    """Turn one input shard into an intent shard and its stats file. Returns the stats dict.
+
+    ``overall`` is the job-wide progress bar (images), advanced along with the shard's own.
+    """
+    removed = task.output.remove(include_done=True)  # the plan already decided this shard is (re)done
+    for path in removed:
+        logger.info("removed %s left by an earlier run", path)
+    stats = ShardStats()
+    engine_s0 = generator.engine_seconds
+    start = time.perf_counter()
+    writer = ShardWriter(task.output)
+    bar = tqdm(total=expected_samples(task.input_path), desc=f"shard {task.input_path.name}", unit="img",
+               leave=False, disable=not show_progress)
+    try:
+        samples = iter_shard(task.input_path, cfg.io.max_caption_chars)
+        for chunk in prefetched(decoded_chunks(samples, cfg, stats), cfg.io.prefetch_chunks):
+            outputs = generator.generate([item for _, item in chunk])
+            for (raw, item), out in zip(chunk, outputs):
+                write_one(writer, raw, item, out, stats, cfg, generator)
+            bar.update(len(chunk))
+            if overall is not None:
+                overall.update(len(chunk))
+            _log_progress(task, stats, time.perf_counter() - start, cfg.io.log_every, len(chunk))
+        writer.commit()
+    except BaseException:
+        writer.abandon()
+        bar.close()
+        raise
+    bar.close()
+    result = shard_record(task, stats, generator, cfg, time.perf_counter() - start, generator.engine_seconds - engine_s0)
+    write_stats(task.output, result)  # last: this file marks the shard done
+    return result
+
+
+def shard_record(task: ShardTask, stats: ShardStats, generator: IntentGenerator, cfg: GenConfig,
+                 elapsed: float, engine_s: float) -> dict[str, Any]:
+    """The content of ``{shard}_stats.json``."""
+    return {
+        "shard": task.shard_id,
+        "input": str(task.input_path),
+        "output": str(task.output.tar),
+        **stats.to_dict(),
+        "elapsed_s": round(elapsed, 3),
+        "engine_s": round(engine_s, 3),
+        "images_per_s": round(stats.written / elapsed, 4) if elapsed > 0 else None,
+        "overhead_ms_per_sample": round(1000 * (elapsed - engine_s) / stats.samples_in, 3) if stats.samples_in else None,
+        "engine": generator.engine.name,
+        "model": generator.engine.model_id,
+        "prompt_version": generator.prompts.version,
+        "prompt_sha": generator.prompts.sha,
+        "mode": cfg.prompts.mode,
+        "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "config": to_dict(cfg),
+    }
+
+
+def write_one(writer: ShardWriter, raw: RawSample, item: ChunkItem, out: ChunkOutput, stats: ShardStats,
+              cfg: GenConfig, generator: IntentGenerator) -> None:
+    flags = stats.add_output(out)
+    meta = dict(raw.meta)
+    meta["generation"] = generation_record(cfg, generator.engine, generator.prompts, item, out, flags)
+    rewritten = out.rewrite.text if out.rewrite is not None else ""
+    writer.write(encode_sample(raw.key, raw.image_ext, raw.image_bytes, raw.caption, rewritten, out.intent.text, meta))
+    stats.written += 1
+    count_text_tokens(generator.engine, out, stats)
+
+
+def count_text_tokens(engine: Engine, out: ChunkOutput, stats: ShardStats) -> None:
+    """Length of the cleaned texts in model tokens (the paper reports ~65 for T_rew, ~27 for T_int)."""
+    if out.rewrite is not None:
+        stats.text_tokens["rewrite"] += engine.count_tokens([out.rewrite.text])
+    stats.text_tokens["intent"] += engine.count_tokens([out.intent.text])
+
+
+def _log_progress(task: ShardTask, stats: ShardStats, elapsed: float, every: int, last_chunk: int) -> None:
+    """One readable line each time the count of samples read crosses a multiple of ``every``."""
+    if every <= 0 or (stats.samples_in // every) == ((stats.samples_in - last_chunk) // every):
+        return
+    logger.info(
+        "shard %d: %d read, %d written, %d skipped, %d flagged, %.2f img/s",
+        task.shard_id, stats.samples_in, stats.written, sum(stats.skipped.values()), stats.samples_flagged,
+        stats.written / max(elapsed, 1e-9),
+    )
+
+
+def run_plan(plan: JobPlan, cfg: GenConfig, engine: Engine, prompts: PromptSet, show_progress: bool = True) -> JobSummary:
+    """Process every shard of the plan that is not done. Unreadable input shards are recorded
+    as failed (no stats file, so the next run retries them) and the others go on."""
+    generator = IntentGenerator(engine, cfg, prompts)
+    summary = JobSummary(skipped_done=[t.shard_id for t in plan.by_state("done")])
+    todo = plan.todo
+    expected = [expected_samples(t.input_path) for t in todo]
+    total = sum(expected) if None not in expected else None  # known when img2dataset stats sit beside the tars
+    overall = tqdm(total=total, desc=f"all {len(todo)} shard(s)", unit="img", disable=not show_progress)
+    for task in todo:
+        try:
+            stats = process_shard(task, generator, cfg, show_progress, overall)
+        except InputShardError as e:
+            logger.error("%s", e)
+            summary.failed[task.shard_id] = str(e)
+        else:
+            summary.finished.append(stats)
+            logger.info(
+                "shard %d done: %d written, %d skipped, %d flagged, %.2f img/s",
+                task.shard_id, stats["written"], stats["skipped_total"], stats["samples_flagged"], stats["images_per_s"] or 0,
+            )
+    overall.close()
+    return summary
+
+
+def format_summary(summary: JobSummary) -> str:
+    """The table printed at the end of a run."""
+    header = f"{'shard':>7} {'in':>7} {'written':>8} {'skipped':>8} {'flagged':>8} {'retried':>8} {'T_rew tok':>10} {'T_int tok':>10} {'img/s':>8}"
+    lines = [header]
+    for s in summary.finished:
+        tok = s["text_tokens"]
+        lines.append(
+            f"{s['shard']:>7} {s['samples_in']:>7} {s['written']:>8} {s['skipped_total']:>8} {s['samples_flagged']:>8} "
+            f"{sum(s['retried'].values()):>8} {tok['rewrite']['mean']:>10} {tok['intent']['mean']:>10} {s['images_per_s'] or 0:>8.3f}"
+        )
+    lines.append(f"finished {len(summary.finished)} shard(s); {len(summary.skipped_done)} already done; {len(summary.failed)} failed")
+    for shard_id, err in summary.failed.items():
+        lines.append(f"  shard {shard_id} FAILED: {err}")
+    return "\n".join(lines)

@@ -1,0 +1,130 @@
+"""Reading img2dataset-style input shards (``KEY.jpg``, ``KEY.txt``, ``KEY.json``) with webdataset.
+
+Samples stream one at a time; images stay as their original encoded bytes (written
+unchanged to the output) and are decoded and shrunk only for the engine.
+Every unusable sample comes back as a :class:`SkippedSample` with a reason, never dropped.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import tarfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import webdataset as wds
+from PIL import Image
+
+logger = logging.getLogger(__name__)
+
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
+
+
+class InputShardError(RuntimeError):
+    """An input shard that cannot be read as a tar archive."""
+
+
+@dataclass
+class RawSample:
+    """One input sample before decoding. ``image_bytes`` are the file's bytes, untouched."""
+
+    key: str
+    image_ext: str
+    image_bytes: bytes
+    caption: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SkippedSample:
+    key: str
+    reason: str  # a short category, counted in the stats ("undecodable image", "missing caption", ...)
+    detail: str = ""  # the specifics (decoder message, lengths), kept in the per-sample list
+
+
+def _validate(raw: dict[str, Any], max_caption_chars: int) -> RawSample | SkippedSample:
+    """Turn one webdataset record (extension -> bytes) into a RawSample, or say why not."""
+    key = raw["__key__"]
+    image_ext = next((ext for ext in IMAGE_EXTENSIONS if ext in raw), None)
+    if image_ext is None:
+        return SkippedSample(key, "missing image")
+    if "txt" not in raw:
+        return SkippedSample(key, "missing caption")
+    try:
+        caption = raw["txt"].decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return SkippedSample(key, "caption is not UTF-8")
+    if not caption:
+        return SkippedSample(key, "missing caption")
+    if len(caption) > max_caption_chars:
+        return SkippedSample(key, "caption too long", f"{len(caption)} chars > io.max_caption_chars={max_caption_chars}")
+    meta: dict[str, Any] = {}
+    if "json" in raw:
+        try:
+            meta = json.loads(raw["json"].decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return SkippedSample(key, "malformed json")
+        if not isinstance(meta, dict):
+            return SkippedSample(key, "malformed json", "not a JSON object")
+    return RawSample(key=key, image_ext=image_ext, image_bytes=raw[image_ext], caption=caption, meta=meta)
+
+
+def iter_shard(path: Path, max_caption_chars: int = 2000) -> Iterator[RawSample | SkippedSample]:
+    """Stream the samples of one tar shard in file order.
+
+    Keys seen twice in a shard are skipped on the second occurrence so that the
+    output never holds duplicate keys. Raises InputShardError for an unreadable tar.
+    """
+    dataset = wds.WebDataset(str(path), shardshuffle=False, empty_check=False)
+    seen: set[str] = set()
+    try:
+        for raw in dataset:
+            item = _validate(raw, max_caption_chars)
+            if item.key in seen:
+                yield SkippedSample(item.key, "duplicate key")
+                continue
+            seen.add(item.key)
+            yield item
+    except (tarfile.TarError, OSError, EOFError) as e:
+        raise InputShardError(
+            f"input shard {path} is not a readable tar ({type(e).__name__}: {e}); "
+            "re-download or rebuild it, or leave it out with --shard"
+        ) from e
+
+
+def decode_image(data: bytes, max_side: int) -> Image.Image:
+    """Decode to RGB and shrink (never enlarge) so that max(width, height) <= max_side.
+
+    Raises ValueError with the decoder's message when the bytes are not a readable image.
+    """
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            if img.format == "JPEG" and max(img.size) >= 2 * max_side:
+                # decode a large JPEG at 1/2, 1/4 or 1/8 scale (never below the target): much cheaper
+                img.draft("RGB", _target_size(img.size, max_side))
+            img.load()
+            rgb = img.convert("RGB")
+    except Exception as e:  # PIL raises many types (UnidentifiedImageError, OSError, SyntaxError, ...)
+        raise ValueError(f"undecodable image ({type(e).__name__}: {e})") from None
+    return resize_longest_side(rgb, max_side)
+
+
+def resize_longest_side(img: Image.Image, max_side: int) -> Image.Image:
+    """Shrink keeping the aspect ratio; this bounds LLaVA-NeXT's any-resolution image tokens."""
+    new_size = _target_size(img.size, max_side)
+    if new_size == img.size:
+        return img
+    return img.resize(new_size, Image.Resampling.BICUBIC)
+
+
+def _target_size(size: tuple[int, int], max_side: int) -> tuple[int, int]:
+    width, height = size
+    longest = max(width, height)
+    if longest <= max_side:
+        return size
+    scale = max_side / longest
+    return max(1, round(width * scale)), max(1, round(height * scale))

@@ -1,0 +1,203 @@
+"""Input shard discovery, ``--shard`` range parsing and the per-shard work plan.
+
+The shard is the unit of work (as in img2dataset): output ``DIR/00042.tar`` is only
+trusted when ``DIR/00042_stats.json`` exists, because the stats file is written last.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from braceexpand import braceexpand
+
+logger = logging.getLogger(__name__)
+
+_TRAILING_DIGITS = re.compile(r"(\d+)$")
+
+
+class ShardSpecError(ValueError):
+    """A ``--shard`` value or an ``--input`` that does not name usable shards."""
+
+
+def parse_shard_range(spec: str) -> list[int]:
+    """``"0-9,20,30-31"`` -> sorted unique shard ids ``[0..9, 20, 30, 31]``.
+
+    Ranges are inclusive on both ends, like ``--shard 0-99`` meaning 100 shards.
+    """
+    if spec is None or not str(spec).strip():
+        raise ShardSpecError("empty --shard value; use e.g. '0-99' or '0-9,20-29' or '7'")
+    ids: set[int] = set()
+    for part in str(spec).split(","):
+        part = part.strip()
+        match = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", part)
+        if not match:
+            raise ShardSpecError(
+                f"bad --shard part {part!r} in {spec!r}; use non-negative integers and inclusive "
+                "ranges such as '0-99' or '0-9,20-29'"
+            )
+        start = int(match.group(1))
+        end = int(match.group(2)) if match.group(2) is not None else start
+        if end < start:
+            raise ShardSpecError(f"bad --shard range {part!r}: end {end} is before start {start}")
+        ids.update(range(start, end + 1))
+    return sorted(ids)
+
+
+def shard_id_from_path(path: Path) -> int:
+    """``.../00042.tar`` -> 42 (the trailing digits of the file stem, img2dataset naming)."""
+    match = _TRAILING_DIGITS.search(path.name[: -len(".tar")] if path.name.endswith(".tar") else path.stem)
+    if not match:
+        raise ShardSpecError(
+            f"input shard {path} has no number at the end of its name; name shards like img2dataset "
+            "does (00000.tar, 00001.tar, ...) or build them with data_gen/make_shards.py"
+        )
+    return int(match.group(1))
+
+
+def find_input_shards(spec: str) -> dict[int, Path]:
+    """Map shard id -> path for a folder of ``*.tar`` or a brace pattern ``/d/{00000..00099}.tar``."""
+    root = Path(spec)
+    if root.is_dir():
+        paths = sorted(root.glob("*.tar"))
+        if not paths:
+            raise ShardSpecError(f"input folder {root} holds no .tar shards")
+    else:
+        paths = [Path(p) for p in braceexpand(spec)]
+        absent = [p for p in paths if not p.is_file()]
+        if len(absent) == len(paths):
+            raise ShardSpecError(f"--input {spec!r} is neither a folder nor a pattern of existing .tar files")
+        if absent:
+            logger.warning("%d of %d shards in %r do not exist (first: %s)", len(absent), len(paths), spec, absent[0])
+        paths = [p for p in paths if p.is_file()]
+    shards: dict[int, Path] = {}
+    for path in paths:
+        shard_id = shard_id_from_path(path)
+        if shard_id in shards:
+            raise ShardSpecError(f"input shards {shards[shard_id]} and {path} have the same number {shard_id}")
+        shards[shard_id] = path
+    return shards
+
+
+@dataclass
+class ShardOutput:
+    """The files one input shard produces in the output folder."""
+
+    tar: Path
+    stats: Path
+
+    @classmethod
+    def for_input(cls, input_path: Path, output_dir: Path) -> "ShardOutput":
+        stem = input_path.name[: -len(".tar")]
+        return cls(tar=output_dir / f"{stem}.tar", stats=output_dir / f"{stem}_stats.json")
+
+    @property
+    def tmp_tar(self) -> Path:
+        return self.tar.with_name(self.tar.name + ".tmp")
+
+    @property
+    def tmp_stats(self) -> Path:
+        return self.stats.with_name(self.stats.name + ".tmp")
+
+    def is_done(self) -> bool:
+        return self.stats.is_file()
+
+    def stray_files(self) -> list[Path]:
+        """Files a killed run may have left: a tmp tar/stats, or a renamed tar without its stats."""
+        stray = [p for p in (self.tmp_tar, self.tmp_stats) if p.exists()]
+        if self.tar.exists() and not self.stats.exists():
+            stray.append(self.tar)
+        return stray
+
+    def remove(self, include_done: bool) -> list[Path]:
+        """Delete stray files (and, with ``include_done``, the finished tar and stats). Returns them."""
+        targets = self.stray_files()
+        if include_done:
+            targets += [p for p in (self.tar, self.stats) if p.exists() and p not in targets]
+        for path in targets:
+            path.unlink()
+        return targets
+
+
+@dataclass
+class ShardTask:
+    shard_id: int
+    input_path: Path
+    output: ShardOutput
+    state: str  # "new", "redo" (stray partial files found) or "done"
+
+
+@dataclass
+class JobPlan:
+    """What a run will do, decided before any model is loaded."""
+
+    input_spec: str
+    output_dir: Path
+    tasks: list[ShardTask] = field(default_factory=list)
+    missing: list[int] = field(default_factory=list)  # requested ids with no input shard
+    overwrite: bool = False
+
+    def by_state(self, state: str) -> list[ShardTask]:
+        return [t for t in self.tasks if t.state == state]
+
+    @property
+    def todo(self) -> list[ShardTask]:
+        return [t for t in self.tasks if t.state != "done"]
+
+
+def make_plan(input_spec: str, output_dir: Path, shard_spec: str | None, overwrite: bool) -> JobPlan:
+    """Resolve input shards, the requested range and each shard's state in ``output_dir``."""
+    available = find_input_shards(input_spec)
+    requested = parse_shard_range(shard_spec) if shard_spec else sorted(available)
+    missing = [i for i in requested if i not in available]
+    selected = [i for i in requested if i in available]
+    if not selected:
+        raise ShardSpecError(
+            f"none of the requested shards ({shard_spec}) exist in {input_spec}; "
+            f"available ids are {_compact(sorted(available))}"
+        )
+    plan = JobPlan(input_spec=input_spec, output_dir=Path(output_dir), missing=missing, overwrite=overwrite)
+    for shard_id in selected:
+        output = ShardOutput.for_input(available[shard_id], Path(output_dir))
+        if overwrite:
+            state = "redo" if (output.is_done() or output.stray_files()) else "new"
+        elif output.is_done():
+            state = "done"
+        else:
+            state = "redo" if output.stray_files() else "new"
+        plan.tasks.append(ShardTask(shard_id, available[shard_id], output, state))
+    return plan
+
+
+def _compact(ids: list[int]) -> str:
+    """[0,1,2,5,7,8] -> '0-2,5,7-8' for short messages."""
+    if not ids:
+        return "none"
+    parts, start, prev = [], ids[0], ids[0]
+    for i in ids[1:] + [None]:
+        if i is not None and i == prev + 1:
+            prev = i
+            continue
+        parts.append(f"{start}-{prev}" if prev != start else f"{start}")
+        if i is not None:
+            start = prev = i
+    return ",".join(parts)
+
+
+def format_plan(plan: JobPlan) -> str:
+    """Human-readable plan printed before any work starts."""
+    new, redo, done = plan.by_state("new"), plan.by_state("redo"), plan.by_state("done")
+    ids = lambda tasks: _compact([t.shard_id for t in tasks])  # noqa: E731
+    lines = [
+        f"data_gen plan: input {plan.input_spec} -> output {plan.output_dir}",
+        f"  shards selected : {len(plan.tasks):>6}  ({ids(plan.tasks)})",
+        f"  already done    : {len(done):>6}  ({ids(done)})  skipped",
+        f"  to do           : {len(new):>6}  ({ids(new)})",
+        f"  to redo         : {len(redo):>6}  ({ids(redo)})  "
+        + ("--overwrite" if plan.overwrite else "partial files of an interrupted run are removed first"),
+    ]
+    if plan.missing:
+        lines.append(f"  not in input    : {len(plan.missing):>6}  ({_compact(plan.missing)})  ignored")
+    return "\n".join(lines)
