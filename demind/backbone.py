@@ -87,11 +87,21 @@ def _resolve_model_name(name: str) -> str:
     return path.stem
 
 
-def backbone_identity(cfg: BackboneConfig) -> dict[str, str | None]:
+def weights_fingerprint(model: nn.Module) -> str:
+    """sha256 over a model's parameters and buffers, in state-dict order."""
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def backbone_identity(cfg: BackboneConfig, model: nn.Module | None = None) -> dict[str, str | None]:
     """What makes two backbones the same: architecture and weights.
 
     A model-config JSON is identified by its content hash (the file name can change),
-    a local checkpoint by its sha256, a tag by itself.
+    a local checkpoint by its sha256, a tag by itself, and random initialisation by a
+    fingerprint of the weights (``model``), since two random draws are different backbones.
     """
     name = cfg.name
     if name.endswith(".json"):
@@ -99,6 +109,8 @@ def backbone_identity(cfg: BackboneConfig) -> dict[str, str | None]:
     pretrained = cfg.pretrained
     if pretrained and Path(pretrained).is_file():
         pretrained = f"file:{Path(pretrained).name}@sha256:{file_sha256(pretrained)[:16]}"
+    elif not pretrained and model is not None:
+        pretrained = f"random:{weights_fingerprint(model)[:16]}"
     return {"name": name, "pretrained": pretrained}
 
 
@@ -153,7 +165,7 @@ class FrozenCLIP(nn.Module):
         self.model = model.requires_grad_(False).eval()
         self.preprocess: Callable = preprocess
         self.tokenizer = open_clip.get_tokenizer(model_name)
-        self.identity = backbone_identity(cfg)
+        self.identity = backbone_identity(cfg, self.model)
         self.identity_str = identity_slug(self.identity)
         self.embed_dim: int = self._infer_embed_dim()
         self.width: int = model.token_embedding.weight.shape[1]

@@ -32,7 +32,16 @@ def test_wrong_backbone_names_both(tmp_path, tiny_backbone, repo_root):
     weights = tmp_path / "other.pt"
     torch.save(tiny_backbone.model.state_dict(), weights)
     other = FrozenCLIP(BackboneConfig(name=str(repo_root / "configs/model/tiny-clip.json"), pretrained=str(weights)))
-    with pytest.raises(CheckpointError, match=r"trained on backbone .*tiny-clip.*'pretrained': None.*loaded backbone is .*other\.pt"):
+    with pytest.raises(CheckpointError, match=r"trained on backbone .*tiny-clip.*'pretrained': 'random:.*loaded backbone is .*other\.pt"):
+        load_checkpoint(path, other)
+
+
+def test_two_random_backbones_are_different_backbones(tmp_path, tiny_backbone, repo_root):
+    path = save_checkpoint(tmp_path / "ckpt.safetensors", DeMinds(ModelConfig(mapping_hidden=32), tiny_backbone))
+    torch.manual_seed(123)
+    other = FrozenCLIP(BackboneConfig(name=str(repo_root / "configs/model/tiny-clip.json"), pretrained=None))
+    assert other.identity["pretrained"].startswith("random:") and other.identity != tiny_backbone.identity
+    with pytest.raises(CheckpointError, match="load the backbone it was trained on"):
         load_checkpoint(path, other)
 
 

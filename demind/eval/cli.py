@@ -1,0 +1,75 @@
+"""``python -m demind.eval``: one benchmark, one command, a table and files you can check.
+
+    python -m demind.eval --benchmark cirr --data-root data/CIRR --checkpoint runs/demind/model.safetensors \
+        --split val --out runs/eval/cirr
+
+No exception is caught here: a failing benchmark fails the command with its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+import torch
+
+from demind.eval.harness import BENCHMARKS, ReaderOptions, evaluate
+from demind.eval.methods import METHODS, load_backbone_and_model
+from demind.eval.reports import format_table
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m demind.eval", description=__doc__.split("\n\n")[0])
+    p.add_argument("--benchmark", required=True, choices=BENCHMARKS)
+    p.add_argument("--data-root", required=True, help="the benchmark's folder in its official layout")
+    p.add_argument("--checkpoint", help="De-MINDS checkpoint (.safetensors); its backbone is rebuilt from it")
+    p.add_argument("--backbone", help="NAME:TAG_OR_PATH, e.g. ViT-L-14:openai (backbone-only methods, or to "
+                                      "check the checkpoint's backbone); NAME:none = random weights")
+    p.add_argument("--split", default="val", help="val (default) or test (CIRR test1, CIRCO test)")
+    p.add_argument("--methods", help=f"comma-separated subset of {','.join(METHODS)} "
+                                     "(default: all that the given checkpoint/backbone allow)")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--cache-dir", help="image-feature cache (default OUT/feature_cache); share it across runs")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--num-workers", type=int, default=4, help="image-decoding workers")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--precision", default="fp32", help="backbone precision (fp32, fp16, bf16, amp)")
+    p.add_argument("--limit", type=int, help="evaluate only the first N queries (smoke runs; flagged in outputs)")
+    p.add_argument("--fashioniq-caption-order", default="released", choices=("released", "file"),
+                   help="released: Pic2Word's '{caption2} and {caption1}' (default); file: file order")
+    p.add_argument("--coco-csv", help="read queries from a Pic2Word coco_eval.csv instead of building them")
+    p.add_argument("--coco-prompt", default="released", choices=("released", "prose"),
+                   help="released: 'a photo of * and {query class} and {others}' (default); "
+                        "prose: 'a photo of * , {obj1} and {obj2}'")
+    p.add_argument("--coco-seed", type=int, default=0, help="seed of the COCO query draw")
+    p.add_argument("--coco-area", default="0.05,0.5", help="MIN,MAX box area as a fraction of the image")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p
+
+
+def reader_options(args: argparse.Namespace) -> ReaderOptions:
+    try:
+        low, high = (float(v) for v in args.coco_area.split(","))
+    except ValueError:
+        raise SystemExit(f"--coco-area must be MIN,MAX fractions such as 0.05,0.5, got {args.coco_area!r}") from None
+    return ReaderOptions(fashioniq_caption_order=args.fashioniq_caption_order, coco_csv=args.coco_csv,
+                         coco_prompt=args.coco_prompt, coco_seed=args.coco_seed,
+                         coco_min_area=low, coco_max_area=high)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run one evaluation; prints the table and returns the results dict."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    backbone, model = load_backbone_and_model(args.checkpoint, args.backbone, args.device, args.precision)
+    results = evaluate(
+        args.benchmark, args.data_root, backbone=backbone, model=model, methods=args.methods, split=args.split,
+        out_dir=args.out, cache_dir=args.cache_dir, options=reader_options(args), batch_size=args.batch_size,
+        num_workers=args.num_workers, limit=args.limit, progress=not args.quiet,
+    )
+    print(format_table(results))
+    print(f"results: {results['files']['results']}\ntable: {results['files']['table']}")
+    for path in results["files"]["submissions"]:
+        print(f"submission: {path}")
+    return results

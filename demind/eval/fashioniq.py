@@ -1,0 +1,133 @@
+"""FashionIQ (validation) in its official layout -> :class:`BenchmarkData`.
+
+One group per category (dress, shirt, toptee): queries from ``captions/cap.{cat}.val.json``
+(entries ``{"target", "candidate", "captions": [c1, c2]}``), gallery = the category's
+``image_splits/split.{cat}.val.json``, images ``images/<id>.png`` or ``.jpg``.
+
+The dataset has known dead links. A query whose reference or target image is missing,
+or whose target is not in the gallery split, is *skipped and counted* (reason per query id);
+a missing gallery image is left out of the gallery and counted. Nothing is dropped silently.
+
+Caption order: Pic2Word's released code (whose protocol the compared papers follow)
+builds ``a photo of * , {captions[1]} and {captions[0]}``; that is the default
+(``caption_order="released"``). ``caption_order="file"`` keeps the file's order
+(``{captions[0]} and {captions[1]}``, as SEARLE and CLIP4Cir do).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from demind.eval.structures import (
+    BenchmarkData,
+    ImageRef,
+    Query,
+    QueryGroup,
+    index_image_folder,
+    read_json,
+    require_dir,
+    require_file,
+)
+from demind.model import fill_template
+
+log = logging.getLogger(__name__)
+
+CATEGORIES = ("dress", "shirt", "toptee")
+CAPTION_ORDERS = ("released", "file")
+TEMPLATE = "a photo of * , {text}"
+RECALL_KS = (10, 50)
+LAYOUT = """  DATA_ROOT/
+    captions/cap.{dress,shirt,toptee}.val.json   (json/ is accepted too, as in Pic2Word's layout)
+    image_splits/split.{dress,shirt,toptee}.val.json
+    images/<id>.png or images/<id>.jpg"""
+
+
+def join_captions(captions: list[str], order: str) -> str:
+    """The two relative captions as one text, in the chosen order."""
+    if order not in CAPTION_ORDERS:
+        raise ValueError(f"FashionIQ caption order must be one of {CAPTION_ORDERS}, got {order!r}")
+    if len(captions) != 2:
+        raise ValueError(f"FashionIQ entries have two captions, got {captions!r}")
+    first, second = (captions[1], captions[0]) if order == "released" else (captions[0], captions[1])
+    return f"{first.strip()} and {second.strip()}"
+
+
+def _captions_file(root: Path, category: str) -> Path:
+    for folder in ("captions", "json"):
+        path = root / folder / f"cap.{category}.val.json"
+        if path.is_file():
+            return path
+    return require_file(root / "captions" / f"cap.{category}.val.json", LAYOUT)
+
+
+def read_fashioniq(
+    root: str | Path,
+    split: str = "val",
+    limit: int | None = None,
+    caption_order: str = "released",
+    categories: tuple[str, ...] = CATEGORIES,
+) -> BenchmarkData:
+    """Read the FashionIQ validation split (the test split has no public ground truth)."""
+    root = Path(root)
+    if split != "val":
+        raise ValueError(f"FashionIQ is evaluated on its validation split; got split {split!r}")
+    images = index_image_folder(require_dir(root / "images", LAYOUT))
+    groups = [_read_category(root, c, images, caption_order, limit) for c in categories]
+    notes = [
+        "FashionIQ: Recall@K = fraction of queries whose target is in the top K of the category's gallery; "
+        "average = mean over categories.",
+        f"prompt: 'a photo of * , {{caption{2 if caption_order == 'released' else 1}}} and "
+        f"{{caption{1 if caption_order == 'released' else 2}}}' (caption order {caption_order!r})",
+    ]
+    for g in groups:
+        if g.skipped or g.gallery_missing:
+            notes.append(
+                f"WARNING {g.name}: {len(g.skipped)} of {g.total_queries} queries skipped (missing images), "
+                f"{len(g.gallery_missing)} gallery images missing; metrics are over the {len(g.queries)} evaluated queries"
+            )
+    return BenchmarkData("fashioniq", "val", groups, notes=notes,
+                         options={"caption_order": caption_order, "template": TEMPLATE})
+
+
+def _read_category(root: Path, category: str, images: dict[str, Path], order: str, limit: int | None) -> QueryGroup:
+    entries = read_json(_captions_file(root, category))
+    if limit is not None:
+        entries = entries[:limit]  # the first entries keep their file index as query id
+    split_ids = [str(i) for i in read_json(require_file(root / "image_splits" / f"split.{category}.val.json", LAYOUT))]
+    gallery = [ImageRef(i, images[i]) for i in split_ids if i in images]
+    gallery_missing = [i for i in split_ids if i not in images]
+    in_gallery = {g.name for g in gallery}
+
+    queries, skipped = [], []
+    for index, entry in enumerate(entries):
+        qid = f"{category}:{index}"
+        reason = _skip_reason(entry, images, in_gallery)
+        if reason:
+            skipped.append({"qid": qid, **reason})
+            continue
+        text = join_captions(entry["captions"], order)
+        queries.append(Query(
+            qid=qid,
+            reference=ImageRef(str(entry["candidate"]), images[str(entry["candidate"])]),
+            prompt=fill_template(TEMPLATE, text=text),
+            text=text,
+            targets=(str(entry["target"]),),
+        ))
+    if skipped or gallery_missing:
+        log.warning("FashionIQ %s: skipped %d of %d queries, %d gallery images missing",
+                    category, len(skipped), len(entries), len(gallery_missing))
+    return QueryGroup(category, queries, gallery, metric="recall", ks=RECALL_KS,
+                      skipped=skipped, gallery_missing=gallery_missing, total_queries=len(entries))
+
+
+def _skip_reason(entry: dict, images: dict[str, Path], in_gallery: set[str]) -> dict[str, str] | None:
+    """Why a query cannot be evaluated (``{"reason": code, "detail": text}``), or None."""
+    reference, target = str(entry["candidate"]), str(entry["target"])
+    if reference not in images:
+        return {"reason": "missing_reference", "detail": f"reference image {reference} missing from images/"}
+    if target not in images:
+        return {"reason": "missing_target", "detail": f"target image {target} missing from images/"}
+    if target not in in_gallery:
+        return {"reason": "target_not_in_gallery", "detail": f"target {target} not in the category's gallery split"}
+    return None

@@ -1,0 +1,333 @@
+"""Zero-shot evaluation: read a benchmark, encode its images once, score every method.
+
+    from demind.eval import evaluate
+    results = evaluate("cirr", "data/CIRR", backbone=backbone, model=model, out_dir="runs/eval/cirr")
+
+Nothing here catches exceptions: a failure anywhere fails the evaluation with its traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from demind.backbone import FrozenCLIP
+from demind.checkpoint import load_checkpoint
+from demind.eval import metrics as M
+from demind.eval.circo import read_circo
+from demind.eval.cirr import read_cirr
+from demind.eval.coco import read_coco
+from demind.eval.fashioniq import read_fashioniq
+from demind.eval.features import FeatureCache, backbone_cache_slug, encode_images, stack_features
+from demind.eval.imagenet_r import read_imagenet_r
+from demind.eval.methods import (
+    RetrievalMethod,
+    build_methods,
+    load_backbone_and_model,
+    parse_method_names,
+)
+from demind.eval.reports import write_reports
+from demind.eval.structures import BenchmarkData, ImageRef, QueryGroup
+from demind.model import DeMinds
+
+log = logging.getLogger(__name__)
+
+BENCHMARKS = ("cirr", "fashioniq", "coco", "imagenet-r", "circo")
+RANKING_DEPTH = 50
+
+
+@dataclass
+class ReaderOptions:
+    """Benchmark-specific choices (defaults follow Pic2Word's released protocol; see each reader)."""
+
+    fashioniq_caption_order: str = "released"
+    coco_csv: str | None = None
+    coco_prompt: str = "released"
+    coco_seed: int = 0
+    coco_min_area: float = 0.05
+    coco_max_area: float = 0.5
+
+
+def read_benchmark(benchmark: str, data_root: str | Path, split: str = "val", limit: int | None = None,
+                   options: ReaderOptions | None = None) -> BenchmarkData:
+    """Dispatch to the benchmark's reader; ``limit`` keeps the first N queries (smoke runs)."""
+    opt = options or ReaderOptions()
+    if benchmark == "cirr":
+        return read_cirr(data_root, split, limit)
+    if benchmark == "fashioniq":
+        return read_fashioniq(data_root, split, limit, caption_order=opt.fashioniq_caption_order)
+    if benchmark == "coco":
+        return read_coco(data_root, split, limit, csv_path=opt.coco_csv, prompt_form=opt.coco_prompt,
+                         seed=opt.coco_seed, min_area=opt.coco_min_area, max_area=opt.coco_max_area)
+    if benchmark == "imagenet-r":
+        return read_imagenet_r(data_root, split, limit)
+    if benchmark == "circo":
+        return read_circo(data_root, split, limit)
+    raise ValueError(f"unknown benchmark {benchmark!r}; choose from {', '.join(BENCHMARKS)}")
+
+
+@dataclass
+class GroupOutcome:
+    """One method on one query group: metrics (fractions), top-50 names, subset top-3 names."""
+
+    metrics: dict[str, float]
+    rankings: dict[str, list[str]]
+    subset_rankings: dict[str, list[str]] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def evaluate(
+    benchmark: str,
+    data_root: str | Path,
+    *,
+    backbone: FrozenCLIP | str | None = None,
+    model: DeMinds | str | Path | None = None,
+    methods: str | list[str] | None = None,
+    split: str = "val",
+    out_dir: str | Path | None = None,
+    cache_dir: str | Path | None = None,
+    options: ReaderOptions | None = None,
+    batch_size: int = 64,
+    num_workers: int = 0,
+    limit: int | None = None,
+    device: str | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Evaluate ``methods`` on one benchmark split; returns the results dict (values in percent).
+
+    backbone: a loaded FrozenCLIP, or a ``NAME:TAG_OR_PATH`` spec, or None when ``model`` is a
+        checkpoint path (its backbone is rebuilt from the checkpoint's record).
+    model: a loaded De-MINDS model or a checkpoint path; needed for ``demind`` and
+        ``mapping-only``. It is put in eval mode for the run (dropout off) and restored after.
+    methods: names or a comma-separated string; None = every method the inputs allow.
+    out_dir: where results.json, rankings/, table.md and submission files go (None: nothing written).
+    cache_dir: image-feature cache (default ``<out_dir>/feature_cache``; no cache without either).
+    device: where to build a backbone given as a spec or checkpoint (default: cuda if available).
+    """
+    backbone, model = resolve_backbone_and_model(backbone, model, device)
+    data = read_benchmark(benchmark, data_root, split, limit, options)
+    method_objs = build_methods(parse_method_names(methods, model is not None), backbone, model)
+    if cache_dir is None and out_dir is not None:
+        cache_dir = Path(out_dir) / "feature_cache"
+    cache = FeatureCache(cache_dir, backbone_cache_slug(backbone), data.benchmark, data.split) if cache_dir else None
+    for note in data.notes:
+        log.info(note)
+
+    features, encoding = encode_benchmark_images(backbone, data, cache, batch_size, num_workers, progress)
+    galleries = {id(g[0].gallery): gallery_matrix(g[0], features, backbone.device)
+                 for g in _groups_by_gallery(data.groups)}
+    was_training = model is not None and model.training
+    if model is not None:
+        model.eval()
+    outcomes: dict[str, dict[str, GroupOutcome]] = {}
+    for method in method_objs:
+        outcomes[method.name] = {
+            g.name: score_group(method, g, galleries[id(g.gallery)], features, data.has_ground_truth,
+                                batch_size, progress)
+            for g in data.groups
+        }
+    if was_training:
+        model.train()
+    results = assemble_results(data, backbone, model, outcomes, encoding, limit)
+    if out_dir is not None:
+        results["files"] = write_reports(Path(out_dir), results, data, outcomes)
+    return results
+
+
+def resolve_backbone_and_model(backbone: FrozenCLIP | str | None, model: DeMinds | str | Path | None,
+                               device: str | None) -> tuple[FrozenCLIP, DeMinds | None]:
+    """Accept loaded objects, a backbone spec, or a checkpoint path (see :func:`evaluate`)."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if isinstance(model, (str, Path)):
+        if isinstance(backbone, FrozenCLIP):
+            return backbone, load_checkpoint(model, backbone)
+        return load_backbone_and_model(model, backbone, device)
+    if isinstance(backbone, str):
+        backbone = load_backbone_and_model(None, backbone, device)[0]
+    if backbone is None:
+        backbone = model.backbone if model is not None else None
+    if backbone is None:
+        raise ValueError("evaluate() needs a backbone (FrozenCLIP or 'NAME:TAG'), or a model/checkpoint")
+    return backbone, model
+
+
+def encode_benchmark_images(backbone: FrozenCLIP, data: BenchmarkData, cache: FeatureCache | None,
+                            batch_size: int, num_workers: int, progress: bool
+                            ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, int]]]:
+    """Raw features for every gallery and reference image, each encoded once.
+
+    References that are gallery images (CIRR, FashionIQ, CIRCO) reuse the gallery feature;
+    the others (COCO crops, ImageNet-R real images) are encoded under the ``queries`` role.
+    """
+    gallery_refs = [ref for groups in _groups_by_gallery(data.groups) for ref in groups[0].gallery]
+    tag = f"{data.benchmark}/{data.split}"
+    features, gallery_stats = encode_images(backbone, gallery_refs, cache, "gallery", batch_size, num_workers,
+                                            progress=progress, desc=f"gallery {tag}")
+    gallery_keys = {ref.name: ref.cache_key for ref in gallery_refs}
+    references: list[ImageRef] = []
+    for group in data.groups:
+        for q in group.queries:
+            key = gallery_keys.get(q.reference.name)
+            if key is None:
+                references.append(q.reference)
+            elif key != q.reference.cache_key:
+                raise ValueError(f"query {q.qid}: reference {q.reference.name!r} ({q.reference.cache_key}) "
+                                 f"differs from the gallery image of that name ({key})")
+    query_features, query_stats = encode_images(backbone, references, cache, "queries", batch_size, num_workers,
+                                                progress=progress, desc=f"references {tag}")
+    features = {**features, **query_features}
+    return features, {"gallery": gallery_stats.as_dict(), "queries": query_stats.as_dict()}
+
+
+def _groups_by_gallery(groups: list[QueryGroup]) -> list[list[QueryGroup]]:
+    """Groups bucketed by gallery list identity (ImageNet-R's four domains share one gallery)."""
+    buckets: dict[int, list[QueryGroup]] = {}
+    for g in groups:
+        buckets.setdefault(id(g.gallery), []).append(g)
+    return list(buckets.values())
+
+
+def gallery_matrix(group: QueryGroup, features: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """(N, D) L2-normalised gallery features of ``group``, on ``device`` (ranking runs there)."""
+    return M.cosine_normalise(stack_features(features, [ref.name for ref in group.gallery])).to(device)
+
+
+@torch.no_grad()
+def embed_queries(method: RetrievalMethod, ref_features: torch.Tensor, prompts: list[str], texts: list[str],
+                  batch_size: int, progress: bool = False, desc: str = "") -> torch.Tensor:
+    """(Q, D) raw reference features + prompts/texts -> (Q, D) normalised queries, batched,
+    on the backbone's device."""
+    out = []
+    device = method.backbone.device
+    starts = range(0, len(prompts), batch_size)
+    for start in tqdm(starts, desc=desc, disable=not progress, leave=False, unit="batch"):
+        end = start + batch_size
+        out.append(method.embed(ref_features[start:end].to(device), prompts[start:end], texts[start:end]).float())
+    return torch.cat(out) if out else torch.zeros(0, method.backbone.embed_dim, device=device)
+
+
+def score_group(method: RetrievalMethod, group: QueryGroup, gallery: torch.Tensor, features: dict[str, torch.Tensor],
+                has_ground_truth: bool, batch_size: int, progress: bool = True) -> GroupOutcome:
+    """Embed the group's queries with ``method``, rank its gallery (N, D normalised), compute its metrics."""
+    names = [ref.name for ref in group.gallery]
+    index = {n: i for i, n in enumerate(names)}
+    queries = group.queries
+    refs = stack_features(features, [q.reference.name for q in queries])
+    started = time.perf_counter()
+    embedded = embed_queries(method, refs, [q.prompt for q in queries], [q.text for q in queries], batch_size,
+                             progress, desc=f"{method.name} {group.name}")
+    if embedded.is_cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    exclude = [index.get(q.exclude) if q.exclude is not None else None for q in queries]
+    ranked = M.top_k_indices(embedded, gallery, RANKING_DEPTH, exclude).cpu()
+    rankings = {q.qid: [names[i] for i in row] for q, row in zip(queries, ranked.tolist())}
+
+    subset_rankings: dict[str, list[str]] = {}
+    subset_ranked: list[list[int]] = []
+    if group.subset_ks:
+        subsets = [[index[m] for m in q.subset] for q in queries]
+        subset_ranked = M.rank_within_subsets(embedded, gallery, subsets)
+        subset_rankings = {q.qid: [names[i] for i in row[:3]] for q, row in zip(queries, subset_ranked)}
+
+    metrics: dict[str, float] = {}
+    if has_ground_truth and queries:
+        relevant = _relevant_sets(queries, index, group.name)
+        metrics = _group_metrics(group, ranked, relevant, subset_ranked)
+    return GroupOutcome(metrics, rankings, subset_rankings, seconds)
+
+
+def _relevant_sets(queries, index: dict[str, int], group: str) -> list[frozenset[int]]:
+    """Per query, gallery indices of its targets; a target outside the gallery is an error."""
+    memo: dict[int, frozenset[int]] = {}
+    out = []
+    for q in queries:
+        key = id(q.targets)  # ImageNet-R queries share one tuple per class and domain
+        if key not in memo:
+            absent = [t for t in q.targets if t not in index]
+            if absent:
+                raise ValueError(f"query {q.qid} ({group}): target(s) {absent[:3]} are not in the gallery")
+            memo[key] = frozenset(index[t] for t in q.targets)
+        out.append(memo[key])
+    return out
+
+
+def _group_metrics(group: QueryGroup, ranked: torch.Tensor, relevant: list[frozenset[int]],
+                   subset_ranked: list[list[int]]) -> dict[str, float]:
+    """Metric name -> fraction for one group."""
+    rel = M.relevance_matrix(ranked, relevant)
+    n_relevant = torch.tensor([len(r) for r in relevant])
+    if group.metric == "recall":
+        values = {f"R@{k}": v for k, v in M.recall_at_k(rel, group.ks).items()}
+    elif group.metric == "fraction_recall":
+        values = {f"R@{k}": v for k, v in M.fraction_recall_at_k(rel, n_relevant, group.ks).items()}
+    elif group.metric == "map":
+        values = {f"mAP@{k}": v for k, v in M.map_at_k(rel, n_relevant, group.ks).items()}
+    else:
+        raise ValueError(f"unknown metric family {group.metric!r}")
+    if group.subset_ks:
+        targets = [next(iter(r)) for r in relevant]
+        values.update({f"Rsubset@{k}": v for k, v in M.recall_subset_at_k(subset_ranked, targets, group.subset_ks).items()})
+    return values
+
+
+def combine_group_metrics(per_group: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Flat percentages: one group -> its metrics; several -> ``group/metric`` plus ``average/metric``."""
+    if len(per_group) == 1:
+        return {k: 100.0 * v for k, v in next(iter(per_group.values())).items()}
+    flat: dict[str, float] = {}
+    for group, values in per_group.items():
+        flat.update({f"{group}/{k}": 100.0 * v for k, v in values.items()})
+    names = list(next(iter(per_group.values())).keys())
+    for k in names:
+        flat[f"average/{k}"] = sum(100.0 * v[k] for v in per_group.values()) / len(per_group)
+    return flat
+
+
+def assemble_results(data: BenchmarkData, backbone: FrozenCLIP, model: DeMinds | None,
+                     outcomes: dict[str, dict[str, GroupOutcome]], encoding: dict,
+                     limit: int | None) -> dict[str, Any]:
+    """The results dict written to results.json (metric values in percent)."""
+    methods = {}
+    timing = {}
+    for name, by_group in outcomes.items():
+        per_group = {g: o.metrics for g, o in by_group.items() if o.metrics}
+        methods[name] = combine_group_metrics(per_group) if per_group else {}
+        n_queries = sum(len(o.rankings) for o in by_group.values())
+        seconds = sum(o.seconds for o in by_group.values())
+        timing[name] = {"seconds": seconds, "seconds_per_query": seconds / max(n_queries, 1)}
+    return {
+        "benchmark": data.benchmark,
+        "split": data.split,
+        "has_ground_truth": data.has_ground_truth,
+        "metric_unit": "percent",
+        "definitions": data.notes,
+        "methods": methods,
+        "counts": {g.name: _group_counts(g) for g in data.groups},
+        "backbone": {**backbone.identity, "precision": backbone.cfg.precision},
+        "model_config": asdict(model.cfg) if model is not None else None,
+        "reader_options": data.options,
+        "limit": limit,
+        "encoding": encoding,
+        "query_timing": timing,
+    }
+
+
+def _group_counts(group: QueryGroup) -> dict[str, Any]:
+    return {
+        "queries": group.total_queries,
+        "evaluated": len(group.queries),
+        "skipped": len(group.skipped),
+        "skip_reasons": dict(Counter(s["reason"] for s in group.skipped)),
+        "skipped_queries": group.skipped,
+        "gallery": len(group.gallery),
+        "gallery_missing": len(group.gallery_missing),
+        "gallery_missing_names": group.gallery_missing,
+    }

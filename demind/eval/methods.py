@@ -1,0 +1,170 @@
+"""The compared methods: each turns (reference image feature, prompt, text) into a query.
+
+* ``demind``: the trained De-MINDS query t_hat (``DeMinds.compose``).
+* ``mapping-only``: S* in the prompt, no intention module (``DeMinds.mapping_only``), the
+  Pic2Word-style baseline from the same checkpoint.
+* ``image-only``, ``text-only``, ``image+text`` (sum of the normalised embeddings): the
+  backbone alone.
+
+Every method returns (B, D) L2-normalised query embeddings.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from demind.backbone import BackboneConfig, FrozenCLIP, build_backbone
+from demind.checkpoint import checkpoint_backbone_config, load_checkpoint
+from demind.model import DeMinds
+
+log = logging.getLogger(__name__)
+
+METHOD_LABELS = {
+    "image-only": "Image-only",
+    "text-only": "Text-only",
+    "image+text": "Image+Text",
+    "mapping-only": "Mapping only (Pic2Word-style)",
+    "demind": "De-MINDS",
+}
+METHODS = tuple(METHOD_LABELS)
+CHECKPOINT_METHODS = ("mapping-only", "demind")
+RANDOM_TAGS = ("none", "random", "null")
+
+
+class RetrievalMethod:
+    """Base: ``embed(ref_features (B, D) raw, prompts, texts) -> (B, D)`` normalised queries."""
+
+    name = ""
+
+    def __init__(self, backbone: FrozenCLIP) -> None:
+        self.backbone = backbone
+
+    @property
+    def label(self) -> str:
+        return METHOD_LABELS[self.name]
+
+    def embed(self, ref_features: torch.Tensor, prompts: list[str], texts: list[str]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _text_embeddings(self, texts: list[str]) -> torch.Tensor:
+        """(B, D) normalised text embeddings; repeated texts (ImageNet-R domains) are encoded once."""
+        unique = list(dict.fromkeys(texts))
+        pooled = F.normalize(self.backbone.encode_text(unique).pooled, dim=-1)
+        row = {t: i for i, t in enumerate(unique)}
+        return pooled[torch.tensor([row[t] for t in texts], device=pooled.device)]
+
+
+class ImageOnly(RetrievalMethod):
+    name = "image-only"
+
+    def embed(self, ref_features, prompts, texts):
+        return F.normalize(ref_features.float(), dim=-1)
+
+
+class TextOnly(RetrievalMethod):
+    name = "text-only"
+
+    def embed(self, ref_features, prompts, texts):
+        return self._text_embeddings(texts)
+
+
+class ImagePlusText(RetrievalMethod):
+    name = "image+text"
+
+    def embed(self, ref_features, prompts, texts):
+        image = F.normalize(ref_features.float().to(self.backbone.device), dim=-1)
+        return F.normalize(image + self._text_embeddings(texts), dim=-1)
+
+
+class MappingOnly(RetrievalMethod):
+    name = "mapping-only"
+
+    def __init__(self, backbone: FrozenCLIP, model: DeMinds) -> None:
+        super().__init__(backbone)
+        self.model = model
+
+    def embed(self, ref_features, prompts, texts):
+        return self.model.mapping_only(ref_features, prompts)
+
+
+class DeMindsQuery(RetrievalMethod):
+    name = "demind"
+
+    def __init__(self, backbone: FrozenCLIP, model: DeMinds) -> None:
+        super().__init__(backbone)
+        self.model = model
+
+    def embed(self, ref_features, prompts, texts):
+        return self.model.compose(ref_features, prompts).t_hat
+
+
+def parse_method_names(spec: str | list[str] | tuple[str, ...] | None, have_model: bool) -> list[str]:
+    """``"demind,image-only"`` -> names, validated. None -> all methods the inputs allow."""
+    if spec is None:
+        return list(METHODS) if have_model else [m for m in METHODS if m not in CHECKPOINT_METHODS]
+    names = [n.strip() for n in (spec.split(",") if isinstance(spec, str) else spec) if n.strip()]
+    unknown = [n for n in names if n not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
+    needs_model = [n for n in names if n in CHECKPOINT_METHODS]
+    if needs_model and not have_model:
+        raise ValueError(f"method(s) {needs_model} need a trained model: pass --checkpoint CKPT")
+    return names
+
+
+def build_methods(names: list[str], backbone: FrozenCLIP, model: DeMinds | None) -> list[RetrievalMethod]:
+    """Method objects for ``names`` (see :func:`parse_method_names`)."""
+    simple = {"image-only": ImageOnly, "text-only": TextOnly, "image+text": ImagePlusText}
+    methods: list[RetrievalMethod] = []
+    for name in names:
+        if name in simple:
+            methods.append(simple[name](backbone))
+        elif model is None:
+            raise ValueError(f"method {name!r} needs a trained model (checkpoint)")
+        else:
+            methods.append((DeMindsQuery if name == "demind" else MappingOnly)(backbone, model))
+    return methods
+
+
+def parse_backbone_spec(spec: str, precision: str = "fp32") -> BackboneConfig:
+    """``NAME:TAG_OR_PATH`` -> BackboneConfig. ``NAME:none`` is a random-init backbone (smoke tests).
+
+    NAME is an open_clip model name or a model-config JSON path; the tag is an open_clip
+    pretrained tag or a local checkpoint file.
+    """
+    name, sep, tag = spec.partition(":")
+    if not sep or not name or not tag:
+        raise ValueError(f"--backbone must be NAME:TAG_OR_PATH (e.g. ViT-L-14:openai, "
+                         f"configs/model/tiny-clip.json:none), got {spec!r}")
+    pretrained = None if tag.lower() in RANDOM_TAGS else tag
+    if pretrained is None:
+        log.warning("backbone %s has random weights: results are meaningful only as a smoke test", name)
+    return BackboneConfig(name=name, pretrained=pretrained, precision=precision)
+
+
+def load_backbone_and_model(
+    checkpoint: str | Path | None,
+    backbone_spec: str | None,
+    device: str | torch.device = "cpu",
+    precision: str = "fp32",
+) -> tuple[FrozenCLIP, DeMinds | None]:
+    """Build the backbone (from ``backbone_spec``, else from the checkpoint's record) and load the model.
+
+    With both given, the checkpoint must have been trained on that backbone
+    (:class:`demind.checkpoint.CheckpointError` otherwise, naming both identities).
+    """
+    if checkpoint is None and backbone_spec is None:
+        raise ValueError("give --checkpoint CKPT, or --backbone NAME:TAG_OR_PATH for the backbone-only methods")
+    if backbone_spec is not None:
+        cfg = parse_backbone_spec(backbone_spec, precision)
+    else:
+        cfg = checkpoint_backbone_config(checkpoint)
+        cfg.precision = precision
+        cfg.grad_checkpointing = False  # evaluation runs without gradients
+    backbone = build_backbone(cfg, device=device)
+    model = load_checkpoint(checkpoint, backbone) if checkpoint is not None else None
+    return backbone, model

@@ -1,0 +1,132 @@
+"""Retrieval metrics on rankings. Values are fractions in [0, 1]; reports show percentages.
+
+Three definitions are in use in the ZS-CIR literature, and they are not interchangeable:
+
+* :func:`recall_at_k` -- hit rate: a query counts 1 if *any* relevant image is in its
+  top K (CIRR, FashionIQ, COCO; one target each).
+* :func:`fraction_recall_at_k` -- Pic2Word's ImageNet-R "Recall@K": per query, the fraction
+  of *all* its relevant targets found in the top K, averaged over queries. A query with no
+  relevant target contributes 0 (the released code divides by ``n_relevant + 1e-5``).
+* :func:`map_at_k` -- CIRCO's mAP@K: AP@K = sum_{i<=K} P@i * rel_i / min(K, n_relevant).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+def top_k_indices(
+    queries: torch.Tensor,
+    gallery: torch.Tensor,
+    k: int,
+    exclude: Sequence[int | None] | None = None,
+    chunk_size: int = 1024,
+) -> torch.Tensor:
+    """Rank the gallery for each query by cosine similarity.
+
+    queries: (Q, D), gallery: (N, D), both L2-normalised.
+    exclude: per query, a gallery index never ranked (or None).
+    Returns (Q, min(k, N - 1 if any exclusion else N)) gallery indices, best first.
+    Queries are scored in chunks so a 40k x 50k score matrix never exists at once.
+    """
+    n_gallery = gallery.shape[0]
+    has_exclusion = exclude is not None and any(e is not None for e in exclude)
+    k = min(k, n_gallery - 1 if has_exclusion else n_gallery)
+    out = []
+    for start in range(0, queries.shape[0], chunk_size):
+        scores = queries[start : start + chunk_size] @ gallery.T
+        if has_exclusion:
+            for row, idx in enumerate(exclude[start : start + chunk_size]):
+                if idx is not None:
+                    scores[row, idx] = float("-inf")
+        out.append(scores.topk(k, dim=1).indices)
+    return torch.cat(out) if out else torch.zeros(0, k, dtype=torch.long)
+
+
+def relevance_matrix(ranked: torch.Tensor, relevant: Sequence[set[int] | frozenset[int]]) -> torch.Tensor:
+    """(Q, K) ranked gallery indices and one relevant-index set per query -> (Q, K) bool."""
+    rows = [[int(i) in rel for i in row] for row, rel in zip(ranked.tolist(), relevant)]
+    return torch.tensor(rows, dtype=torch.bool).reshape(ranked.shape)
+
+
+def recall_at_k(relevance: torch.Tensor, ks: Sequence[int]) -> dict[int, float]:
+    """Hit rate: fraction of queries with at least one relevant image in the top k.
+
+    relevance: (Q, K) bool.
+    """
+    _check_ks(relevance, ks)
+    return {k: relevance[:, :k].any(dim=1).float().mean().item() for k in ks}
+
+
+def fraction_recall_at_k(relevance: torch.Tensor, n_relevant: torch.Tensor, ks: Sequence[int]) -> dict[int, float]:
+    """Pic2Word's ImageNet-R recall: mean over queries of (relevant in top k) / (all relevant).
+
+    relevance: (Q, K) bool; n_relevant: (Q,) count of relevant gallery images per query.
+    A query with ``n_relevant == 0`` contributes 0, as in the released code.
+    """
+    _check_ks(relevance, ks)
+    n = n_relevant.float()
+    safe = n.clamp(min=1.0)
+    out = {}
+    for k in ks:
+        found = relevance[:, :k].sum(dim=1).float()
+        out[k] = torch.where(n > 0, found / safe, torch.zeros_like(found)).mean().item()
+    return out
+
+
+def map_at_k(relevance: torch.Tensor, n_relevant: torch.Tensor, ks: Sequence[int]) -> dict[int, float]:
+    """CIRCO's mAP@k: AP@k = sum_{i<=k} precision@i * rel_i / min(k, n_relevant), averaged.
+
+    relevance: (Q, K) bool; n_relevant: (Q,) number of ground-truth images per query (> 0).
+    """
+    _check_ks(relevance, ks)
+    if (n_relevant <= 0).any():
+        raise ValueError("mAP needs at least one ground-truth image per query")
+    rel = relevance.float()
+    ranks = torch.arange(1, rel.shape[1] + 1, dtype=torch.float32)
+    precision_at_hits = rel.cumsum(dim=1) / ranks * rel
+    return {
+        k: (precision_at_hits[:, :k].sum(dim=1) / n_relevant.float().clamp(max=k)).mean().item() for k in ks
+    }
+
+
+def rank_within_subsets(
+    queries: torch.Tensor, gallery: torch.Tensor, subsets: Sequence[Sequence[int]]
+) -> list[list[int]]:
+    """CIRR's subset ranking: order each query's subset members by similarity.
+
+    queries: (Q, D), gallery: (N, D), L2-normalised; subsets: gallery indices per query.
+    Returns per query the subset's gallery indices, best first.
+    """
+    ranked = []
+    for q, members in zip(queries, subsets):
+        idx = torch.as_tensor(list(members), dtype=torch.long, device=gallery.device)
+        order = torch.argsort(gallery[idx] @ q, descending=True)
+        ranked.append(idx[order].tolist())
+    return ranked
+
+
+def recall_subset_at_k(subset_rankings: Sequence[Sequence[int]], targets: Sequence[int], ks: Sequence[int]) -> dict[int, float]:
+    """Recall_subset@k: fraction of queries whose target is among the top k of its subset."""
+    if len(subset_rankings) != len(targets):
+        raise ValueError("one subset ranking per target expected")
+    return {
+        k: sum(t in list(r)[:k] for r, t in zip(subset_rankings, targets)) / max(len(targets), 1) for k in ks
+    }
+
+
+def cosine_normalise(x: torch.Tensor) -> torch.Tensor:
+    """(.., D) -> L2-normalised float32 copy."""
+    return F.normalize(x.float(), dim=-1)
+
+
+def _check_ks(relevance: torch.Tensor, ks: Sequence[int]) -> None:
+    if relevance.dim() != 2:
+        raise ValueError(f"relevance must be (Q, K), got shape {tuple(relevance.shape)}")
+    if any(k < 1 for k in ks):
+        raise ValueError(f"k must be >= 1, got {list(ks)}")
+    # k beyond K is allowed only because callers rank min(50, gallery size): a gallery
+    # smaller than k is then fully ranked, and "top k" is the whole gallery.

@@ -1,0 +1,151 @@
+"""What an evaluation leaves behind: a printed table, results.json, per-method rankings,
+a markdown table shaped like the paper's tables, and test-server submission files.
+
+* ``rankings/<method>.json``: ``{query id: [top-50 gallery names]}``, so anyone can recompute
+  the metrics (CIRR's reference is already excluded).
+* CIRR test1: ``submission/cirr_test1_<method>_recall.json``
+  (``{"version": "rc2", "metric": "recall", "<pairid>": [50 names]}``) and
+  ``..._recall_subset.json`` (``"metric": "recall_subset"``, top 3 of the subset).
+* CIRCO test: ``submission/circo_test_<method>.json`` (``{"<id>": [50 integer image ids]}``).
+
+Every file is written to a temporary name and renamed, so a crash never leaves half a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from demind.eval.methods import METHOD_LABELS
+
+TITLES = {
+    "cirr": "CIRR",
+    "fashioniq": "FashionIQ",
+    "coco": "COCO object composition",
+    "imagenet-r": "ImageNet-R domain conversion",
+    "circo": "CIRCO",
+}
+GROUP_LABELS = {"average": "Avg", "toptee": "TopTee"}
+
+
+def write_json_atomic(path: Path, obj: Any, indent: int | None = None) -> Path:
+    """Write JSON to ``path`` through a temporary file and ``os.replace``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=indent)
+    os.replace(tmp, path)
+    return path
+
+
+def write_text_atomic(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def column_label(key: str) -> str:
+    """``dress/R@10`` -> ``Dress R@10``; ``average/R@10`` -> ``Avg R@10``; ``Rsubset@1`` -> ``Rs@1``."""
+    group, _, metric = key.rpartition("/")
+    metric = metric.replace("Rsubset@", "Rs@")
+    if not group:
+        return metric
+    return f"{GROUP_LABELS.get(group, group.capitalize())} {metric}"
+
+
+def metric_columns(results: dict) -> list[str]:
+    """Metric keys in the order the first evaluated method reports them (group-major, as in the paper)."""
+    for values in results["methods"].values():
+        if values:
+            return list(values)
+    return []
+
+
+def _rows(results: dict) -> tuple[list[str], list[list[str]]]:
+    columns = metric_columns(results)
+    header = ["Method", *(column_label(c) for c in columns)]
+    rows = [[METHOD_LABELS.get(m, m), *(f"{values[c]:.2f}" for c in columns)]
+            for m, values in results["methods"].items()]
+    return header, rows
+
+
+def _title(results: dict) -> str:
+    backbone = results["backbone"]
+    return (f"{TITLES.get(results['benchmark'], results['benchmark'])} ({results['split']}), "
+            f"backbone {backbone['name']} / {backbone['pretrained']}, values in %")
+
+
+def _footnotes(results: dict) -> list[str]:
+    notes = list(results["definitions"])
+    for group, counts in results["counts"].items():
+        if counts["skipped"] or counts["gallery_missing"]:
+            notes.append(f"{group}: evaluated {counts['evaluated']} of {counts['queries']} queries; skipped "
+                         f"{counts['skip_reasons']}; {counts['gallery_missing']} gallery images missing")
+    if results.get("limit") is not None:
+        notes.append(f"LIMITED RUN: first {results['limit']} queries only (not comparable to published numbers)")
+    if not results["has_ground_truth"]:
+        notes.append("test split: no ground truth here; rankings and submission files written")
+    return notes
+
+
+def format_table(results: dict) -> str:
+    """The results as a plain-text table with the metric definitions under it."""
+    header, rows = _rows(results)
+    lines = [_title(results)]
+    if len(header) > 1:
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+        lines += [fmt(header), "  ".join("-" * w for w in widths), *(fmt(r) for r in rows)]
+    lines += [f"* {n}" for n in _footnotes(results)]
+    return "\n".join(lines)
+
+
+def markdown_table(results: dict) -> str:
+    """A markdown table: one row per method, columns as in the paper's table for this benchmark."""
+    header, rows = _rows(results)
+    lines = [f"**{_title(results)}**", ""]
+    if len(header) > 1:
+        lines += ["| " + " | ".join(header) + " |", "|" + "|".join([" --- "] + [" ---: "] * (len(header) - 1)) + "|"]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+    lines += [""] + [f"- {n}" for n in _footnotes(results)]
+    return "\n".join(lines) + "\n"
+
+
+def cirr_submission(rankings: dict[str, list[str]], metric: str) -> dict[str, Any]:
+    """CIRR test-server format: ``{"version": "rc2", "metric": metric, pairid: names}``."""
+    if metric not in ("recall", "recall_subset"):
+        raise ValueError(f"CIRR submissions are 'recall' or 'recall_subset', got {metric!r}")
+    depth = 50 if metric == "recall" else 3
+    return {"version": "rc2", "metric": metric, **{qid: names[:depth] for qid, names in rankings.items()}}
+
+
+def write_reports(out_dir: Path, results: dict, data, outcomes: dict) -> dict[str, Any]:
+    """Write every output file; returns their paths (also stored in results.json)."""
+    files: dict[str, Any] = {"rankings": {}, "submissions": []}
+    for method, by_group in outcomes.items():
+        merged = {qid: names for o in by_group.values() for qid, names in o.rankings.items()}
+        files["rankings"][method] = str(write_json_atomic(out_dir / "rankings" / f"{method}.json", merged))
+        files["submissions"] += _write_submissions(out_dir, data, method, by_group)
+    files["table"] = str(write_text_atomic(out_dir / "table.md", markdown_table(results)))
+    files["results"] = str(out_dir / "results.json")
+    results["files"] = files
+    write_json_atomic(out_dir / "results.json", results, indent=2)
+    return files
+
+
+def _write_submissions(out_dir: Path, data, method: str, by_group: dict) -> list[str]:
+    written = []
+    if data.benchmark == "cirr" and data.split == "test1":
+        outcome = by_group["all"]
+        for metric, rankings in (("recall", outcome.rankings), ("recall_subset", outcome.subset_rankings)):
+            path = out_dir / "submission" / f"cirr_test1_{method}_{metric}.json"
+            written.append(str(write_json_atomic(path, cirr_submission(rankings, metric))))
+    if data.benchmark == "circo" and data.split == "test":
+        ids = data.submission_ids
+        payload = {qid: [ids[n] for n in names] for qid, names in by_group["all"].rankings.items()}
+        written.append(str(write_json_atomic(out_dir / "submission" / f"circo_test_{method}.json", payload)))
+    return written
