@@ -45,8 +45,9 @@ class TextOutput(NamedTuple):
     """One text-tower forward pass.
 
     pooled: (B, D) projected embedding at the end-of-text token, not normalised.
-    tokens: (B, L, W) final-layer per-token features (after the final LayerNorm).
-    mask: (B, L) bool, True on word tokens: not start-of-text, end-of-text or padding.
+    tokens: (B, L', W) final-layer per-token features (after the final LayerNorm), for the
+        first L' = (last end-of-text position in the batch) + 1 <= L positions.
+    mask: (B, L') bool, True on word tokens: not start-of-text, end-of-text or padding.
     eot: (B,) long, index of the end-of-text token.
     """
 
@@ -258,13 +259,23 @@ class FrozenCLIP(nn.Module):
             )
 
     def _encode_embedded(self, embedded: torch.Tensor, tokens: torch.Tensor) -> TextOutput:
-        """Run the text transformer on (B, L, W) token embeddings; pool at EOT."""
+        """Run the text transformer on (B, L, W) token embeddings; pool at EOT.
+
+        Under CLIP's causal mask no token sees the positions after it, so the positions
+        after the batch's last EOT (padding) cannot change any output we read: they are
+        cut before the transformer runs. The template ``* * * *`` then costs 6 positions
+        instead of 77. Outputs keep only the first L' = max EOT + 1 positions.
+        """
         model = self.model
-        cast_dtype = model.transformer.get_cast_dtype()
-        x = embedded.to(cast_dtype) + model.positional_embedding.to(cast_dtype)
-        x = model.transformer(x, attn_mask=model.attn_mask)
-        x = model.ln_final(x)
         eot = (tokens == self.eot_id).int().argmax(dim=1)
+        attn_mask = model.attn_mask
+        if attn_mask is not None:  # causal: trimming is exact
+            length = int(eot.max()) + 1
+            embedded, tokens, attn_mask = embedded[:, :length], tokens[:, :length], attn_mask[:length, :length]
+        cast_dtype = model.transformer.get_cast_dtype()
+        x = embedded.to(cast_dtype) + model.positional_embedding[: tokens.shape[1]].to(cast_dtype)
+        x = model.transformer(x, attn_mask=attn_mask)
+        x = model.ln_final(x)
         pooled = x[torch.arange(x.shape[0], device=x.device), eot]
         proj = model.text_projection
         if proj is not None:

@@ -40,9 +40,18 @@ def test_several_placeholders_are_filled_in_order(tiny_backbone):
     out = tiny_backbone.encode_with_pseudo_tokens(["* * * *"], pseudo)
     reordered = tiny_backbone.encode_with_pseudo_tokens(["* * * *"], pseudo[:, [1, 0, 2, 3]])
     assert out.pooled.shape == (1, tiny_backbone.embed_dim)
-    assert out.tokens.shape == (1, tiny_backbone.context_length, tiny_backbone.width)
+    assert out.tokens.shape == (1, 6, tiny_backbone.width)  # SOT, 4 placeholders, EOT
     assert int(out.mask.sum()) == 4 and int(out.eot[0]) == 5
     assert not torch.allclose(out.pooled, reordered.pooled)
+
+
+def test_trimming_padding_is_exact(tiny_backbone):
+    texts = ["a photo of * , a red car on the left", "* dog"]
+    tokens = tiny_backbone.tokenize(texts)
+    full = tiny_backbone.model.encode_text(tokens)  # open_clip's own forward over all 77 positions
+    trimmed = tiny_backbone.encode_text(texts)
+    assert torch.allclose(trimmed.pooled, full, atol=1e-5)
+    assert trimmed.tokens.shape[1] == int((tokens == tiny_backbone.eot_id).int().argmax(dim=1).max()) + 1
 
 
 def test_long_text_truncation_keeps_placeholder_and_eot(tiny_backbone):
