@@ -1,0 +1,478 @@
+"""Streaming intent shards (WebDataset tars) into training batches.
+
+A sample in an intent shard is ``KEY.jpg`` (image), ``KEY.txt`` (original caption
+T_ori), ``KEY.rew.txt`` (rewritten caption T_rew), ``KEY.int.txt`` (pseudo-manipulation
+description T_int) and ``KEY.json`` (metadata, unused here); see ``shards/README.md``.
+
+Every process reads its own, deterministic stream, so that a run can resume exactly:
+
+* The shard list is cut into *groups* of ``data.shards_per_group`` shards per reader
+  (one reader = one (process, DataLoader worker) pair).  With ``data.resample`` a
+  group is drawn with replacement (webdataset's ``ResampledShards``); without it,
+  every epoch is a fresh permutation of the shards split between the readers
+  (webdataset's ``split_by_node`` + ``split_by_worker``).
+* Inside a group the samples pass a shuffle buffer and get their target
+  description drawn (``demind.targets.sample_target_text``); both use a random
+  generator seeded by (seed, process, worker, group), so any group can be
+  regenerated on its own.
+* Each batch carries the reader's position ``(group, samples consumed in the group)``.
+  The trainer stores the positions of the batches it consumed in its checkpoint; on
+  resume a reader jumps straight to its group and replays (without decoding any
+  image) the part of that group it had already produced.
+
+Raw shards yield decoded images ``(B, 3, H, W)``.  With a frozen-feature cache
+(``demind.features``) the same stream yields cached image embeddings and teacher
+text embeddings instead and no image is read or decoded.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import random
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from demind.targets import TargetSampling, sample_target_text
+
+logger = logging.getLogger(__name__)
+
+IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
+CAPTION_FIELD = "txt"
+REWRITTEN_FIELD = "rew.txt"
+INTENT_FIELD = "int.txt"
+MISSING_TEXT_CHOICES = ("error", "original")
+MAX_CONSECUTIVE_SKIPS = 1000  # this many unusable samples in a row: the data is broken, stop
+
+
+class ShardFormatError(ValueError):
+    """An intent shard that lacks a field the trainer needs."""
+
+
+@dataclass
+class DataConfig:
+    """Where the intent shards are and how they are streamed."""
+
+    shards: str = "shards/cc3m"
+    """A folder of ``*.tar`` files, or a brace pattern such as
+    ``shards/cc3m/{00000..00331}.tar`` (several patterns joined by ``::``)."""
+    features: str | None = "auto"
+    """Frozen-feature cache folder.  ``auto``: ``<shard folder>/features/<backbone>``,
+    used when it holds every shard; a path: must hold every shard; null: never."""
+    shuffle_buffer: int = 1000
+    shards_per_group: int = 4
+    resample: bool = True
+    """Draw shard groups with replacement (endless, the usual multi-epoch setting);
+    false walks the shards epoch by epoch, each epoch a fresh permutation."""
+    num_workers: int = 4
+    missing_text: str = "error"
+    """What a sample without ``rew.txt``/``int.txt`` does: ``error`` stops with the
+    shard's name; ``original`` uses the original caption instead and counts it."""
+    targets: TargetSampling = field(default_factory=TargetSampling)
+    cache_batch_size: int = 256
+    cache_dtype: str = "float32"  # "float32" | "float16" | "bfloat16"
+
+    def __post_init__(self) -> None:
+        if self.missing_text not in MISSING_TEXT_CHOICES:
+            raise ValueError(f"data.missing_text must be one of {MISSING_TEXT_CHOICES}, got {self.missing_text!r}")
+        if self.cache_dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"data.cache_dtype must be float32, float16 or bfloat16, got {self.cache_dtype!r}")
+
+
+# --------------------------------------------------------------------------- shards
+
+
+def resolve_shards(spec: str) -> list[str]:
+    """Expand a folder or brace pattern into the sorted list of shard paths.
+
+    Raises FileNotFoundError naming the spec when nothing matches.
+    """
+    from webdataset.shardlists import expand_urls
+
+    if not spec:
+        raise FileNotFoundError("data.shards is empty; set it to a folder of .tar shards or a brace pattern")
+    path = Path(spec)
+    if path.is_dir():
+        shards = sorted(str(p) for p in path.glob("*.tar"))
+    else:
+        shards = expand_urls(spec)
+        missing = [s for s in shards if "://" not in s and not Path(s).is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"{len(missing)} of {len(shards)} shards from data.shards={spec!r} do not exist, "
+                f"e.g. {missing[0]}; check the pattern"
+            )
+    if not shards:
+        raise FileNotFoundError(f"no .tar shards found at data.shards={spec!r}")
+    return shards
+
+
+def shard_name(shard: str) -> str:
+    """``shards/cc3m/00012.tar`` -> ``00012`` (names cache files and messages)."""
+    return Path(shard).name.removesuffix(".tar")
+
+
+def _seeded_rng(*parts: Any) -> random.Random:
+    # String seeds go through SHA-512 in random.Random: stable across runs and hosts.
+    return random.Random(":".join(str(p) for p in parts))
+
+
+def group_shards(shards: list[str], group: int, *, seed: int, rank: int, world_size: int,
+                 worker: int, num_workers: int, per_group: int, resample: bool) -> list[str]:
+    """The shards a reader (rank, worker) reads in its ``group``-th group."""
+    if resample:
+        rng = _seeded_rng(seed, "resample", rank, worker, group)
+        return [rng.choice(shards) for _ in range(per_group)]
+    readers = world_size * num_workers
+    reader = rank * num_workers + worker
+    own = len(range(reader, len(shards), readers))
+    groups_per_epoch = -(-own // per_group)
+    epoch, chunk = divmod(group, groups_per_epoch)
+    order = list(shards)
+    _seeded_rng(seed, "epoch", epoch).shuffle(order)
+    mine = order[reader::readers]
+    return mine[chunk * per_group:(chunk + 1) * per_group]
+
+
+def check_reader_count(num_shards: int, world_size: int, num_workers: int, resample: bool) -> None:
+    """Without resampling every reader needs at least one shard per epoch."""
+    readers = world_size * max(num_workers, 1)
+    if not resample and num_shards < readers:
+        raise ValueError(
+            f"{num_shards} shards cannot feed {readers} readers ({world_size} processes x "
+            f"{max(num_workers, 1)} workers) without resampling; set data.resample=true or "
+            f"lower data.num_workers"
+        )
+
+
+# --------------------------------------------------------------------------- samples
+
+
+@dataclass
+class ReaderStats:
+    """Counts of skipped or patched samples; sent to the trainer with each batch."""
+
+    counts: Counter = field(default_factory=Counter)
+
+    def add(self, what: str, n: int = 1) -> None:
+        self.counts[what] += n
+
+    def take(self) -> dict[str, int]:
+        """Return the counts since the last call and reset them."""
+        out = dict(self.counts)
+        self.counts.clear()
+        return out
+
+
+def _text(sample: dict[str, Any], name: str) -> str:
+    value = sample[name]
+    return value.decode("utf-8").strip() if isinstance(value, bytes) else str(value).strip()
+
+
+def raw_texts(sample: dict[str, Any], shard: str, missing_text: str, stats: ReaderStats
+              ) -> tuple[tuple[str, str, str], list[str]] | None:
+    """((original, rewritten, intent), fallbacks) of a raw tar sample.
+
+    A missing ``rew.txt``/``int.txt`` raises ShardFormatError naming the shard, key and
+    field, unless ``missing_text == "original"``: then the caption stands in and the
+    field's label ("rewritten"/"intent") is listed in ``fallbacks`` (counted when the
+    sample is consumed).  A sample without a caption is malformed: returns None (the
+    caller skips it; it is counted here).
+    """
+    key = sample.get("__key__", "?")
+    if CAPTION_FIELD not in sample:
+        logger.warning("skipping sample %s in shard %s: no %s field", key, shard, CAPTION_FIELD)
+        stats.add("skipped_no_caption")
+        return None
+    original = _text(sample, CAPTION_FIELD)
+    out, fallbacks = [original], []
+    for name, label in ((REWRITTEN_FIELD, "rewritten"), (INTENT_FIELD, "intent")):
+        if name in sample:
+            out.append(_text(sample, name))
+            continue
+        if missing_text != "original":
+            raise ShardFormatError(
+                f"shard {shard}: sample {key!r} has no {name!r} field (the {label} caption); "
+                f"intent shards need both 'rew.txt' and 'int.txt' (make them with data_gen/run.py), "
+                f"or set data.missing_text=original to use the original caption instead"
+            )
+        fallbacks.append(label)
+        out.append(original)
+    return (out[0], out[1], out[2]), fallbacks
+
+
+def image_bytes(sample: dict[str, Any]) -> bytes | None:
+    for name in IMAGE_FIELDS:
+        if name in sample:
+            return sample[name]
+    return None
+
+
+def decode_image(data: bytes, transform: Callable) -> torch.Tensor:
+    """JPEG/PNG bytes -> (3, H, W) float tensor through the backbone's eval transform."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as img:
+        return transform(img.convert("RGB"))
+
+
+def read_tar_samples(shard: str, missing_text: str, stats: ReaderStats) -> Iterator[dict[str, Any]]:
+    """Samples of one raw shard: dict(key, shard, image=bytes, original, rewritten, intent, fallbacks)."""
+    import webdataset as wds
+
+    def count_and_continue(exn: Exception) -> bool:
+        # A truncated tar or unreadable member: log, count, keep reading what is left.
+        logger.warning("shard %s: read error, skipping: %s", shard, exn)
+        stats.add("tar_errors")
+        return True
+
+    for sample in wds.tarfile_samples([{"url": shard}], handler=count_and_continue):
+        parsed = raw_texts(sample, shard, missing_text, stats)
+        if parsed is None:
+            continue
+        (original, rewritten, intent), fallbacks = parsed
+        yield dict(key=sample["__key__"], shard=shard, image=image_bytes(sample),
+                   original=original, rewritten=rewritten, intent=intent, fallbacks=fallbacks)
+
+
+def shuffled(samples: Iterator[Any], buffer_size: int, rng: random.Random) -> Iterator[Any]:
+    """Deterministic shuffle buffer: memory stays at ``buffer_size`` samples."""
+    buffer: list[Any] = []
+    for sample in samples:
+        if len(buffer) < buffer_size:
+            buffer.append(sample)
+            continue
+        i = rng.randrange(len(buffer))
+        buffer[i], sample = sample, buffer[i]
+        yield sample
+    rng.shuffle(buffer)
+    yield from buffer
+
+
+# --------------------------------------------------------------------------- stream
+
+
+SampleSource = Callable[[str, ReaderStats], Iterator[dict[str, Any]]]
+
+
+@dataclass
+class StreamSpec:
+    """Everything a reader needs; plain data so it pickles into DataLoader workers."""
+
+    shards: list[str]
+    batch_size: int
+    seed: int
+    rank: int = 0
+    world_size: int = 1
+    shuffle_buffer: int = 1000
+    shards_per_group: int = 4
+    resample: bool = True
+    missing_text: str = "error"
+    targets: TargetSampling = field(default_factory=TargetSampling)
+    start: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """Per worker id: (group, samples already consumed in that group)."""
+
+
+class IntentStream(IterableDataset):
+    """Endless stream of batches for one process.
+
+    Yields dicts with ``keys``, ``targets`` (sampled target descriptions), ``intents``
+    (T_int), either ``images`` (B, 3, H, W) or ``image_emb``/``teacher_emb`` (B, D) from a
+    feature cache, plus ``worker``, ``position`` (group, offset) and ``counts``.
+    """
+
+    def __init__(self, spec: StreamSpec, transform: Callable | None = None,
+                 cache: Any | None = None):
+        super().__init__()
+        if transform is None and cache is None:
+            raise ValueError("IntentStream needs an image transform or a feature cache")
+        self.spec, self.transform, self.cache = spec, transform, cache
+
+    # The reader's samples in one group, with target texts drawn and positions attached.
+    def _group_samples(self, group: int, worker: int, num_workers: int, stats: ReaderStats
+                       ) -> Iterator[dict[str, Any]]:
+        s = self.spec
+        shards = group_shards(s.shards, group, seed=s.seed, rank=s.rank, world_size=s.world_size,
+                              worker=worker, num_workers=num_workers,
+                              per_group=s.shards_per_group, resample=s.resample)
+        rng = _seeded_rng(s.seed, "group", s.rank, worker, group)
+
+        def chained() -> Iterator[dict[str, Any]]:
+            for shard in shards:
+                if self.cache is not None:
+                    yield from self.cache.samples(shard)
+                else:
+                    yield from read_tar_samples(shard, s.missing_text, stats)
+
+        for offset, sample in enumerate(shuffled(chained(), s.shuffle_buffer, rng)):
+            sample["target"] = sample_target_text(sample["original"], sample["rewritten"],
+                                                  sample["intent"], rng, s.targets)
+            sample["position"] = (group, offset + 1)
+            yield sample
+
+    def _samples(self, worker: int, num_workers: int, stats: ReaderStats) -> Iterator[dict[str, Any]]:
+        group, skip = self.spec.start.get(worker, (0, 0))
+        if skip:
+            logger.info("reader %d/%d resumes at group %d, skipping %d samples without decoding",
+                        self.spec.rank, worker, group, skip)
+        empty_groups = 0
+        while True:
+            produced = 0
+            for sample in self._group_samples(group, worker, num_workers, stats):
+                produced += 1
+                if skip:
+                    skip -= 1
+                    if not skip:
+                        stats.take()  # counts from the replayed part were reported before
+                    continue
+                yield sample
+            skip = 0
+            group += 1
+            empty_groups = 0 if produced else empty_groups + 1
+            if empty_groups > 2 * len(self.spec.shards) + 10:
+                raise ShardFormatError(f"{empty_groups} shard groups in a row held no usable sample "
+                                       f"(e.g. {self.spec.shards[0]}); counts so far: {dict(stats.counts)}")
+
+    def _decoded(self, samples: Iterator[dict[str, Any]], stats: ReaderStats) -> Iterator[dict[str, Any]]:
+        unusable = 0
+        for sample in samples:
+            for label in sample.pop("fallbacks", ()):
+                stats.add(f"fallback_{label}")
+            if self.cache is None:
+                sample = self._with_pixels(sample, stats)
+            if sample is None:
+                unusable += 1
+                if unusable >= MAX_CONSECUTIVE_SKIPS:
+                    raise ShardFormatError(f"{unusable} samples in a row could not be used (last in shard "
+                                           f"{self._last_shard}); the shards look broken: {dict(stats.counts)}")
+                continue
+            unusable = 0
+            yield sample
+
+    def _with_pixels(self, sample: dict[str, Any], stats: ReaderStats) -> dict[str, Any] | None:
+        """Decode the sample's image into ``pixels`` (3, H, W); None (logged, counted) if it cannot be."""
+        self._last_shard = sample["shard"]
+        if sample["image"] is None:
+            logger.warning("skipping sample %s in shard %s: no image field", sample["key"], sample["shard"])
+            stats.add("skipped_no_image")
+            return None
+        try:
+            sample["pixels"] = decode_image(sample.pop("image"), self.transform)
+        except Exception as exn:  # PIL raises many types for a broken image
+            logger.warning("skipping corrupt image %s in shard %s: %s", sample["key"], sample["shard"], exn)
+            stats.add("skipped_corrupt_image")
+            return None
+        return sample
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        stats = ReaderStats()
+        batch: list[dict[str, Any]] = []
+        for sample in self._decoded(self._samples(worker, num_workers, stats), stats):
+            batch.append(sample)
+            if len(batch) == self.spec.batch_size:
+                yield collate(batch, worker, stats.take())
+                batch = []
+
+
+def collate(samples: list[dict[str, Any]], worker: int, counts: dict[str, int]) -> dict[str, Any]:
+    """Stack a list of samples into a batch dict (see IntentStream)."""
+    batch: dict[str, Any] = dict(
+        keys=[s["key"] for s in samples],
+        targets=[s["target"] for s in samples],
+        intents=[s["intent"] for s in samples],
+        worker=worker,
+        position=samples[-1]["position"],
+        counts=counts,
+    )
+    if "pixels" in samples[0]:
+        batch["images"] = torch.stack([s["pixels"] for s in samples])
+    else:
+        batch["image_emb"] = torch.stack([s["image_emb"] for s in samples])
+        batch["teacher_emb"] = torch.stack([s["teacher_emb"] for s in samples])
+    return batch
+
+
+def write_intent_shard(path: str | Path, samples: list[dict[str, Any]]) -> Path:
+    """Write an intent shard: each sample a dict with ``key``, ``jpg`` (bytes or PIL image),
+    ``txt``, ``rew.txt``, ``int.txt`` and optionally ``json`` (dict); a field left out is
+    left out of the tar.  Written to a temp file then renamed.  Returns ``path``."""
+    import webdataset as wds
+    from PIL import Image
+
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with wds.TarWriter(str(tmp)) as sink:
+        for sample in samples:
+            record: dict[str, Any] = {"__key__": sample["key"]}
+            for name, value in sample.items():
+                if name == "key":
+                    continue
+                if isinstance(value, Image.Image):
+                    buffer = io.BytesIO()
+                    value.save(buffer, format="JPEG", quality=95)
+                    value = buffer.getvalue()
+                record[name] = value
+            sink.write(record)
+    tmp.replace(path)
+    return path
+
+
+SYNTHETIC_COLOURS = {"red": (220, 30, 30), "green": (30, 190, 40), "blue": (30, 40, 220), "yellow": (230, 220, 30),
+                     "purple": (140, 30, 170), "orange": (240, 140, 20), "white": (240, 240, 240), "black": (15, 15, 15)}
+
+
+def write_synthetic_shards(directory: str | Path, num_shards: int = 2, samples_per_shard: int = 32,
+                           image_size: int = 32, seed: int = 0, omit: tuple[str, ...] = ()) -> list[Path]:
+    """Intent shards of noisy coloured squares whose three texts name the colour.
+
+    A small learnable task for smoke runs, tests and benchmarks (image colour <-> text).
+    ``omit`` leaves fields out (e.g. ``("int.txt",)``) to exercise the missing-field path.
+    Returns the shard paths ``directory/00000.tar`` ...
+    """
+    import numpy as np
+    from PIL import Image
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    names = list(SYNTHETIC_COLOURS)
+    paths = []
+    for shard in range(num_shards):
+        samples = []
+        for i in range(samples_per_shard):
+            colour = names[int(rng.integers(len(names)))]
+            pixels = np.asarray(SYNTHETIC_COLOURS[colour], dtype=np.float32)[None, None]
+            pixels = pixels + rng.normal(0, 25, (image_size, image_size, 3))
+            sample = {"key": f"{shard:05d}{i:05d}", "jpg": Image.fromarray(pixels.clip(0, 255).astype("uint8")),
+                      "txt": f"a {colour} square", "rew.txt": f"a square painted {colour}",
+                      "int.txt": f"make the square {colour}", "json": {"colour": colour}}
+            samples.append({k: v for k, v in sample.items() if k not in omit})
+        paths.append(write_intent_shard(directory / f"{shard:05d}.tar", samples))
+    return paths
+
+
+def build_loader(spec: StreamSpec, num_workers: int, transform: Callable | None = None,
+                 cache: Any | None = None) -> DataLoader:
+    """DataLoader over an IntentStream; batching happens inside the workers.
+
+    DataLoader takes batches from its workers in strict rotation, which is what lets the
+    trainer know which worker produced which batch.  Its own generator is private so
+    that creating the iterator does not consume the global torch RNG (exact resume).
+    """
+    check_reader_count(len(spec.shards), spec.world_size, num_workers, spec.resample)
+    return DataLoader(
+        IntentStream(spec, transform=transform, cache=cache),
+        batch_size=None,
+        num_workers=num_workers,
+        persistent_workers=False,
+        prefetch_factor=2 if num_workers > 0 else None,
+        generator=torch.Generator().manual_seed(spec.seed),
+    )

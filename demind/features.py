@@ -1,0 +1,305 @@
+"""Frozen-feature cache: run the frozen encoders over the intent shards once.
+
+The image tower and the teacher text embedding of T_int never change during training,
+so ``python -m demind.features --config configs/train/paper.yaml`` computes, per shard,
+
+* ``image_emb`` (N, D): ``FrozenCLIP.encode_image`` of each image (raw, not normalised),
+* ``teacher_emb`` (N, D): ``FrozenCLIP.encode_text(T_int).pooled`` (raw, not normalised),
+
+and writes them with the sample keys and the three texts (the trainer still samples the
+target description per step).  One cache per shard, two files:
+
+* ``<shard>.safetensors`` -- the two tensors, written to a temp file then renamed;
+* ``<shard>.json`` -- keys, texts, counts and the backbone identity; written last, so it
+  is the done-marker: a rerun skips shards whose json exists and rebuilds the others.
+
+The trainer reads one shard at a time (memory stays flat as shards grow), refuses a
+cache made with another backbone, and then reads and decodes no image.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from tqdm import tqdm
+
+from demind.data import ReaderStats, decode_image, read_tar_samples, shard_name
+
+logger = logging.getLogger(__name__)
+
+CACHE_FORMAT = "demind-feature-cache/1"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class FeatureCacheError(ValueError):
+    """A feature cache that does not fit the shards or the backbone."""
+
+
+def default_cache_dir(shards: list[str], identity_str: str) -> Path:
+    """``<folder of the first shard>/features/<backbone identity>``."""
+    return Path(shards[0]).parent / "features" / identity_str
+
+
+def cache_files(directory: str | Path, shard: str) -> tuple[Path, Path]:
+    """(tensor file, index json) of ``shard``'s cache inside ``directory``."""
+    base = Path(directory) / shard_name(shard)
+    return base.with_suffix(".safetensors"), base.with_suffix(".json")
+
+
+def _same_identity(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return json.dumps(a, sort_keys=True, default=str) == json.dumps(b, sort_keys=True, default=str)
+
+
+def read_index(directory: str | Path, shard: str) -> dict[str, Any] | None:
+    """The done-marker json of a shard's cache, or None when the shard is not cached."""
+    tensors, index = cache_files(directory, shard)
+    if not (index.is_file() and tensors.is_file()):
+        return None
+    try:
+        return json.loads(index.read_text())
+    except json.JSONDecodeError as exn:
+        raise FeatureCacheError(f"feature cache index {index} is not valid JSON ({exn}); delete it "
+                                f"and rerun python -m demind.features to rebuild that shard") from None
+
+
+def check_identity(index: dict[str, Any], identity: dict[str, Any], where: Path) -> None:
+    """Refuse a cache written by another backbone, naming both."""
+    cached = index.get("backbone")
+    if index.get("format") != CACHE_FORMAT or not _same_identity(cached or {}, identity):
+        raise FeatureCacheError(
+            f"feature cache {where} was made with backbone {cached} but this run uses {identity}; "
+            f"point data.features at a cache of this backbone, rebuild it with "
+            f"python -m demind.features, or set data.features=null to decode images"
+        )
+
+
+class FeatureCache:
+    """Read side of the cache: per-shard samples with embeddings instead of images."""
+
+    def __init__(self, directory: str | Path, identity: dict[str, Any]):
+        self.directory = Path(directory)
+        self.identity = identity
+
+    @classmethod
+    def find(cls, directory: str | Path, shards: list[str], identity: dict[str, Any],
+             required: bool) -> FeatureCache | None:
+        """The cache in ``directory`` if it holds every shard, checked against ``identity``.
+
+        ``required`` (an explicit data.features path): a missing shard is an error.
+        Otherwise (``auto``) an incomplete cache is reported and None returned.
+        """
+        directory = Path(directory)
+        missing = []
+        for shard in shards:
+            index = read_index(directory, shard)
+            if index is None:
+                missing.append(shard)
+            else:
+                check_identity(index, identity, cache_files(directory, shard)[1])
+        if not missing:
+            return cls(directory, identity)
+        message = (f"feature cache {directory} lacks {len(missing)} of {len(shards)} shards "
+                   f"(e.g. {shard_name(missing[0])}); build them with "
+                   f"python -m demind.features --config <train config>")
+        if required:
+            raise FeatureCacheError(message)
+        if len(missing) < len(shards):
+            logger.warning("%s; decoding images instead", message)
+        return None
+
+    def samples(self, shard: str) -> Iterator[dict[str, Any]]:
+        """Samples of ``shard`` in tar order: key, texts, image_emb (D,), teacher_emb (D,) float32."""
+        from safetensors.torch import load_file
+
+        tensors_path, index_path = cache_files(self.directory, shard)
+        index = read_index(self.directory, shard)
+        if index is None:
+            raise FeatureCacheError(f"feature cache {index_path} disappeared during training")
+        tensors = load_file(str(tensors_path))
+        image_emb = tensors["image_emb"].float()
+        teacher_emb = tensors["teacher_emb"].float()
+        for i, key in enumerate(index["keys"]):
+            yield dict(key=key, shard=shard, original=index["original"][i],
+                       rewritten=index["rewritten"][i], intent=index["intent"][i],
+                       image_emb=image_emb[i], teacher_emb=teacher_emb[i])
+
+
+# --------------------------------------------------------------------------- building
+
+
+class ShardImageBatches(IterableDataset):
+    """Decoded image batches of whole shards; each shard is read by one worker, in order.
+
+    Yields dict(shard, keys, pixels (b, 3, H, W) or None, original, rewritten, intent,
+    last, counts); the batch with ``last`` closes its shard.
+    """
+
+    def __init__(self, shards: list[str], transform: Any, batch_size: int, missing_text: str):
+        super().__init__()
+        self.shards, self.transform = shards, transform
+        self.batch_size, self.missing_text = batch_size, missing_text
+
+    def _shard_batches(self, shard: str) -> Iterator[dict[str, Any]]:
+        stats = ReaderStats()
+        rows: list[dict[str, Any]] = []
+
+        def emit(last: bool) -> dict[str, Any]:
+            batch = dict(shard=shard, keys=[r["key"] for r in rows],
+                         pixels=torch.stack([r["pixels"] for r in rows]) if rows else None,
+                         original=[r["original"] for r in rows], rewritten=[r["rewritten"] for r in rows],
+                         intent=[r["intent"] for r in rows], last=last, counts=stats.take())
+            rows.clear()
+            return batch
+
+        for sample in read_tar_samples(shard, self.missing_text, stats):
+            for label in sample.pop("fallbacks"):
+                stats.add(f"fallback_{label}")
+            if sample["image"] is None:
+                logger.warning("skipping sample %s in shard %s: no image field", sample["key"], shard)
+                stats.add("skipped_no_image")
+                continue
+            try:
+                sample["pixels"] = decode_image(sample.pop("image"), self.transform)
+            except Exception as exn:  # PIL raises many types for a broken image
+                logger.warning("skipping corrupt image %s in shard %s: %s", sample["key"], shard, exn)
+                stats.add("skipped_corrupt_image")
+                continue
+            rows.append(sample)
+            if len(rows) == self.batch_size:
+                yield emit(last=False)
+        yield emit(last=True)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        for shard in self.shards[worker::num_workers]:
+            yield from self._shard_batches(shard)
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def write_shard_cache(directory: Path, shard: str, identity: dict[str, Any], parts: dict[str, list],
+                      counts: dict[str, int], dtype: torch.dtype) -> dict[str, Any]:
+    """Write one shard's tensors, then its index json (the done-marker)."""
+    from safetensors.torch import save
+
+    tensors_path, index_path = cache_files(directory, shard)
+    image_emb = torch.cat(parts["image_emb"]) if parts["image_emb"] else torch.zeros(0, 0)
+    teacher_emb = torch.cat(parts["teacher_emb"]) if parts["teacher_emb"] else torch.zeros(0, 0)
+    _atomic_write_bytes(tensors_path, save({"image_emb": image_emb.to(dtype).contiguous(),
+                                            "teacher_emb": teacher_emb.to(dtype).contiguous()}))
+    index = dict(format=CACHE_FORMAT, backbone=identity, shard=str(shard), dtype=str(dtype).removeprefix("torch."),
+                 num_samples=len(parts["keys"]), counts=counts, keys=parts["keys"],
+                 original=parts["original"], rewritten=parts["rewritten"], intent=parts["intent"])
+    _atomic_write_bytes(index_path, json.dumps(index).encode())
+    return index
+
+
+def shards_to_build(directory: Path, shards: list[str], identity: dict[str, Any]) -> list[str]:
+    """Shards without a finished cache; a cache of another backbone here is an error."""
+    todo = []
+    for shard in shards:
+        index = read_index(directory, shard)
+        if index is None:
+            todo.append(shard)
+        else:
+            check_identity(index, identity, cache_files(directory, shard)[1])
+    return todo
+
+
+@torch.no_grad()
+def build_feature_cache(shards: list[str], directory: str | Path, backbone: Any, *, batch_size: int = 256,
+                        num_workers: int = 4, missing_text: str = "error", dtype: str = "float32",
+                        device: str | torch.device = "cpu") -> dict[str, Any]:
+    """Cache image and teacher embeddings of every shard not yet cached in ``directory``.
+
+    ``backbone`` is a ``FrozenCLIP``.  Returns a summary: shards built/skipped, samples,
+    skip/fallback counts, seconds.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    todo = shards_to_build(directory, shards, backbone.identity)
+    logger.info("feature cache %s: %d shards to build, %d already done", directory, len(todo), len(shards) - len(todo))
+    backbone = backbone.to(device)
+    start, totals, samples = time.time(), Counter(), 0
+    parts_by_shard: dict[str, dict[str, list]] = {}
+    loader = DataLoader(ShardImageBatches(todo, backbone.preprocess, batch_size, missing_text),
+                        batch_size=None, num_workers=min(num_workers, len(todo)))
+    bar = tqdm(total=len(todo), desc="feature cache", unit="shard")
+    for batch in loader:
+        parts = parts_by_shard.setdefault(batch["shard"], dict(
+            keys=[], original=[], rewritten=[], intent=[], image_emb=[], teacher_emb=[], counts=Counter()))
+        parts["counts"].update(batch["counts"])
+        if batch["keys"]:
+            parts["image_emb"].append(backbone.encode_image(batch["pixels"].to(device)).float().cpu())
+            parts["teacher_emb"].append(backbone.encode_text(batch["intent"]).pooled.float().cpu())
+            for name in ("keys", "original", "rewritten", "intent"):
+                parts[name].extend(batch[name])
+        if batch["last"]:
+            done = parts_by_shard.pop(batch["shard"])
+            counts = dict(done.pop("counts"))
+            write_shard_cache(directory, batch["shard"], backbone.identity, done, counts, DTYPES[dtype])
+            totals.update(counts)
+            samples += len(done["keys"])
+            bar.update(1)
+    bar.close()
+    return dict(directory=str(directory), shards_built=len(todo), shards_skipped=len(shards) - len(todo),
+                samples=samples, counts=dict(totals), seconds=round(time.time() - start, 2))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m demind.features --config configs/train/paper.yaml [dotted overrides]``.
+
+    Uses the train config's ``backbone`` and ``data`` sections, so the cache lands where
+    the trainer looks for it (``data.features=auto``) unless ``--out`` says otherwise.
+    """
+    from demind.backbone import build_backbone
+    from demind.config import load_config
+    from demind.data import resolve_shards
+    from demind.training import TrainConfig
+
+    parser = argparse.ArgumentParser(prog="python -m demind.features", description=main.__doc__)
+    parser.add_argument("--config", help="train config YAML (backbone and data sections are used)")
+    parser.add_argument("--out", help="cache folder (default: data.features, or <shard folder>/features/<backbone>)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides such as data.shards=shards/cc3m")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    cfg = load_config(TrainConfig, args.config, args.overrides)
+    shards = resolve_shards(cfg.data.shards)
+    # Seeded like the trainer, so a randomly initialised backbone (pretrained: null,
+    # smoke runs) gets the same weights here and there.
+    torch.manual_seed(cfg.run.seed)
+    backbone = build_backbone(cfg.backbone)
+    out = args.out
+    if out is None:
+        out = cfg.data.features if cfg.data.features not in (None, "auto") else default_cache_dir(shards, backbone.identity_str)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    summary = build_feature_cache(shards, out, backbone, batch_size=cfg.data.cache_batch_size,
+                                  num_workers=cfg.data.num_workers, missing_text=cfg.data.missing_text,
+                                  dtype=cfg.data.cache_dtype, device=device)
+    width = max(len(k) for k in summary)
+    for key, value in summary.items():
+        print(f"{key:<{width}}  {value}")
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

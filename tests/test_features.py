@@ -1,0 +1,188 @@
+"""Frozen-feature cache: built once per shard, refused for another backbone, and training
+on it equals training on decoded images."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import demind.data
+import train
+from demind import features
+from demind.backbone import build_backbone
+from demind.config import load_config
+from demind.data import decode_image, write_intent_shard, write_synthetic_shards
+from demind.features import FeatureCacheError, default_cache_dir
+from demind.training import TrainConfig, TrainState, build_data, build_modules, compute_losses
+
+
+@pytest.fixture(autouse=True)
+def one_thread_and_fresh_accelerator():
+    from accelerate.state import AcceleratorState, GradientState
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+class OneProcess:
+    process_index, num_processes = 0, 1
+
+
+def overrides(repo_root: Path, shards: Path, *extra: str) -> list[str]:
+    return [f"data.shards={shards}", f"backbone.name={repo_root / 'configs/model/tiny-clip.json'}", *extra]
+
+
+def smoke_config(repo_root: Path, shards: Path, *extra: str) -> TrainConfig:
+    return load_config(TrainConfig, repo_root / "configs/train/smoke.yaml", overrides(repo_root, shards, *extra))
+
+
+def build_cache(repo_root: Path, shards: Path, *extra: str) -> None:
+    assert features.main(["--config", str(repo_root / "configs/train/smoke.yaml"),
+                          *overrides(repo_root, shards, *extra)]) == 0
+
+
+def cache_dir_of(cfg: TrainConfig, shards: Path) -> Path:
+    torch.manual_seed(cfg.run.seed)
+    backbone = build_backbone(cfg.backbone)
+    return default_cache_dir([str(shards / "00000.tar")], backbone.identity_str)
+
+
+def test_cache_holds_the_frozen_embeddings_per_shard_and_rerun_skips(repo_root, tmp_path, capsys):
+    shards = tmp_path / "shards"
+    write_synthetic_shards(shards, num_shards=2, samples_per_shard=6)
+    build_cache(repo_root, shards)
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["shards_built"] == 2 and summary["samples"] == 12
+
+    cfg = smoke_config(repo_root, shards)
+    torch.manual_seed(cfg.run.seed)
+    backbone = build_backbone(cfg.backbone)
+    directory = default_cache_dir([str(shards / "00000.tar")], backbone.identity_str)
+    index = json.loads((directory / "00001.json").read_text())
+    assert index["backbone"] == backbone.identity and index["num_samples"] == 6
+    assert index["keys"] == [f"00001{i:05d}" for i in range(6)]  # tar order
+
+    import webdataset as wds
+    from safetensors.torch import load_file
+
+    raw = list(wds.WebDataset(str(shards / "00001.tar"), shardshuffle=False))
+    images = torch.stack([decode_image(r["jpg"], backbone.preprocess) for r in raw])
+    tensors = load_file(str(directory / "00001.safetensors"))
+    torch.testing.assert_close(tensors["image_emb"], backbone.encode_image(images), rtol=1e-5, atol=1e-5)
+    teacher = backbone.encode_text([r["int.txt"].decode() for r in raw]).pooled
+    torch.testing.assert_close(tensors["teacher_emb"], teacher, rtol=1e-5, atol=1e-5)
+    assert index["intent"] == [r["int.txt"].decode() for r in raw]
+
+    before = (directory / "00000.safetensors").stat().st_mtime_ns
+    build_cache(repo_root, shards)
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["shards_built"] == 0 and summary["shards_skipped"] == 2
+    assert (directory / "00000.safetensors").stat().st_mtime_ns == before
+
+
+def test_one_step_on_cached_features_equals_one_step_on_images(repo_root, tmp_path):
+    shards = tmp_path / "shards"
+    write_synthetic_shards(shards, num_shards=2, samples_per_shard=12)
+    build_cache(repo_root, shards, "data.cache_dtype=float32")
+
+    results = {}
+    for mode in ("auto", "null"):
+        cfg = smoke_config(repo_root, shards, f"data.features={mode}", "model.mapping_dropout=0")
+        backbone, model = build_modules(cfg, torch.device("cpu"))
+        loader, cache = build_data(cfg, OneProcess(), backbone, TrainState())
+        assert (cache is not None) == (mode == "auto")
+        batch = next(iter(loader))
+        losses = compute_losses(model, batch, backbone)
+        losses["loss"].backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results[mode] = (batch, losses, grads)
+
+    (cached, cached_losses, cached_grads), (raw, raw_losses, raw_grads) = results["auto"], results["null"]
+    assert "images" in raw and "images" not in cached
+    assert cached["keys"] == raw["keys"] and cached["targets"] == raw["targets"]
+    for term in ("loss", "distil", "align"):
+        torch.testing.assert_close(cached_losses[term], raw_losses[term], rtol=1e-5, atol=1e-5)
+    assert cached_grads.keys() == raw_grads.keys()
+    for name, grad in raw_grads.items():
+        scale = grad.abs().max().item()
+        torch.testing.assert_close(cached_grads[name], grad, rtol=1e-4, atol=1e-4 * scale, msg=name)
+
+
+def test_training_on_the_cache_decodes_no_image(repo_root, tmp_path, monkeypatch, capsys):
+    shards = tmp_path / "shards"
+    write_synthetic_shards(shards, num_shards=2, samples_per_shard=12)
+    build_cache(repo_root, shards)
+
+    decoded = []
+
+    def counting_decode(data, transform):
+        decoded.append(len(data))
+        return decode_image(data, transform)
+
+    monkeypatch.setattr(demind.data, "decode_image", counting_decode)
+    args = ["--config", str(repo_root / "configs/train/smoke.yaml"), *overrides(repo_root, shards),
+            "optim.max_steps=2", f"run.output_dir={tmp_path / 'run'}"]
+    assert train.main(args) == 0
+    assert "features: cache" in capsys.readouterr().out
+    assert decoded == []
+    # the same run without the cache decodes at least the 32 images it trains on
+    train.main(args[:-1] + [f"run.output_dir={tmp_path / 'run2'}", "data.features=null"])
+    assert len(decoded) >= 32
+
+
+def test_cache_of_another_backbone_is_refused(repo_root, tmp_path):
+    shards = tmp_path / "shards"
+    write_synthetic_shards(shards, num_shards=1, samples_per_shard=4)
+    other = json.loads((repo_root / "configs/model/tiny-clip.json").read_text())
+    other["text_cfg"]["layers"] = 2
+    other_json = tmp_path / "tiny-clip-2layer.json"
+    other_json.write_text(json.dumps(other))
+    cache = tmp_path / "cache"
+    assert features.main(["--config", str(repo_root / "configs/train/smoke.yaml"), "--out", str(cache),
+                          f"data.shards={shards}", f"backbone.name={other_json}"]) == 0
+
+    cfg = smoke_config(repo_root, shards, f"data.features={cache}")
+    backbone, _ = build_modules(cfg, torch.device("cpu"))
+    with pytest.raises(FeatureCacheError) as info:
+        build_data(cfg, OneProcess(), backbone, TrainState())
+    message = str(info.value)
+    assert "tiny-clip-2layer@" in message and "tiny-clip@" in message and str(cache) in message
+
+
+def test_incomplete_cache_is_an_error_when_named_and_skipped_when_auto(repo_root, tmp_path, caplog):
+    shards = tmp_path / "shards"
+    write_synthetic_shards(shards, num_shards=2, samples_per_shard=4)
+    build_cache(repo_root, shards)
+    write_synthetic_shards(tmp_path / "more", num_shards=3, samples_per_shard=4)
+    (tmp_path / "more" / "00002.tar").rename(shards / "00002.tar")
+
+    cfg = smoke_config(repo_root, shards)
+    backbone, _ = build_modules(cfg, torch.device("cpu"))
+    directory = default_cache_dir([str(shards / "00000.tar")], backbone.identity_str)
+    with pytest.raises(FeatureCacheError, match=r"lacks 1 of 3 shards \(e\.g\. 00002\)"):
+        build_data(smoke_config(repo_root, shards, f"data.features={directory}"), OneProcess(), backbone, TrainState())
+    _, cache = build_data(cfg, OneProcess(), backbone, TrainState())
+    assert cache is None and "decoding images instead" in caplog.text
+
+
+def test_corrupt_image_is_skipped_and_counted_in_the_cache(repo_root, tmp_path):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    good = write_synthetic_shards(tmp_path / "good", num_shards=1, samples_per_shard=1)[0]
+    import webdataset as wds
+
+    jpg = next(iter(wds.WebDataset(str(good), shardshuffle=False)))["jpg"]
+    write_intent_shard(shards / "00000.tar", [
+        {"key": f"k{i}", "jpg": b"\xff\xd8 broken" if i == 1 else jpg, "txt": "a", "rew.txt": "b", "int.txt": "c"}
+        for i in range(3)])
+    build_cache(repo_root, shards)
+    cfg = smoke_config(repo_root, shards)
+    index = json.loads((cache_dir_of(cfg, shards) / "00000.json").read_text())
+    assert index["keys"] == ["k0", "k2"] and index["counts"] == {"skipped_corrupt_image": 1}

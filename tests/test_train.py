@@ -1,0 +1,197 @@
+"""train.py end to end on the tiny backbone and generated intent shards (CPU)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import train
+from demind.checkpoint import load_checkpoint, read_checkpoint_metadata
+from demind.data import ShardFormatError, write_intent_shard, write_synthetic_shards
+from demind.training import NonFiniteLossError, ResumeError, TrainConfig, check_finite, lr_factor, OptimConfig
+
+
+@pytest.fixture(autouse=True)
+def one_thread_and_fresh_accelerator():
+    """One torch thread (2 shared cores: OpenMP spinning makes 2 threads 30x slower here),
+    and a fresh Accelerate singleton per test (each run may choose its own precision)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def smoke_args(repo_root: Path, shards: Path, run: Path, *extra: str) -> list[str]:
+    return ["--config", str(repo_root / "configs/train/smoke.yaml"), f"data.shards={shards}",
+            f"run.output_dir={run}", f"backbone.name={repo_root / 'configs/model/tiny-clip.json'}", *extra]
+
+
+def read_metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_few_steps_write_state_and_export(repo_root, tmp_path, tiny_backbone):
+    shards = tmp_path / "shards"
+    write_synthetic_shards(shards, num_shards=2, samples_per_shard=24)
+    run = tmp_path / "run"
+    args = smoke_args(repo_root, shards, run, "optim.max_steps=4", "run.save_every=2", "run.log_every=2",
+                      "run.keep_checkpoints=1")
+    assert train.main(args) == 0
+
+    export = run / "demind.safetensors"
+    meta = read_checkpoint_metadata(export)
+    assert meta["backbone_identity"] == tiny_backbone.identity
+    model = load_checkpoint(export, tiny_backbone)
+    assert model.cfg.num_queries == 2  # from smoke.yaml, not the default 4
+    # keep_checkpoints=1: the step-2 state was pruned, the final one is complete
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000004"]
+    final = run / "checkpoints" / "step_00000004"
+    state = json.loads((final / "trainer_state.json").read_text())
+    assert state["step"] == 4 and state["samples_seen"] == 4 * 16
+    assert (final / "config.yaml").is_file() and (final / "optimizer.bin").is_file()
+    # the Accelerate state and the export hold the same trained weights, which moved from init
+    saved = load_file(str(final / "model.safetensors"))
+    exported = load_file(str(export))
+    assert saved.keys() == exported.keys()
+    for name in saved:
+        torch.testing.assert_close(saved[name], exported[name])
+    assert not torch.equal(exported["gate"], torch.tensor(0.0))
+    metrics = read_metrics(run)
+    assert [m["step"] for m in metrics] == [2, 4]
+    assert all(math.isfinite(m["loss"]) and m["loss"] == pytest.approx(m["distil"] + m["align"], rel=1e-5)
+               for m in metrics)
+
+    # Rerunning the finished command trains nothing more and re-exports the same weights.
+    assert train.main(args) == 0
+    assert [m["step"] for m in read_metrics(run)] == [2, 4]
+    for name, value in load_file(str(export)).items():
+        torch.testing.assert_close(value, exported[name])
+
+    # Resuming with another model is refused, naming the key.
+    with pytest.raises(ResumeError, match="model.num_queries"):
+        train.main(args + ["model.num_queries=3"])
+
+
+def test_loss_falls_on_a_learnable_task(repo_root, tmp_path):
+    shards = tmp_path / "shards"
+    write_synthetic_shards(shards, num_shards=2, samples_per_shard=32, seed=1)
+    run = tmp_path / "run"
+    train.main(smoke_args(repo_root, shards, run, "optim.max_steps=30", "optim.warmup_steps=3", "optim.lr=3e-3",
+                          "run.log_every=1", "run.save_every=100"))
+    losses = [m["loss"] for m in read_metrics(run)]
+    assert len(losses) == 30
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < 0.75 * first, (first, last)  # 0.41-0.59 seen over four data/run seeds
+
+
+def test_missing_intent_field_is_an_error_naming_shard_and_field(repo_root, tmp_path):
+    shards = tmp_path / "shards"
+    write_synthetic_shards(shards, num_shards=1, samples_per_shard=20, omit=("int.txt",))
+    with pytest.raises(ShardFormatError) as info:
+        train.main(smoke_args(repo_root, shards, tmp_path / "run", "optim.max_steps=1"))
+    message = str(info.value)
+    assert "00000.tar" in message and "'int.txt'" in message and "data.missing_text=original" in message
+
+
+def test_missing_field_fallback_is_counted(repo_root, tmp_path):
+    shards = tmp_path / "shards"
+    write_synthetic_shards(shards, num_shards=1, samples_per_shard=40, omit=("rew.txt",))
+    run = tmp_path / "run"
+    train.main(smoke_args(repo_root, shards, run, "optim.max_steps=2", "data.missing_text=original",
+                          "data.shuffle_buffer=1"))
+    counts = json.loads((run / "checkpoints/step_00000002/trainer_state.json").read_text())["counts"]
+    # buffer 1 -> no read-ahead beyond the batch: exactly the 32 consumed samples fell back
+    assert counts == {"fallback_rewritten": 32}
+
+
+def test_corrupt_images_are_skipped_and_counted(repo_root, tmp_path):
+    shards = tmp_path / "shards"
+    good = write_synthetic_shards(tmp_path / "good", num_shards=1, samples_per_shard=1)[0]
+    import webdataset as wds
+    sample = next(iter(wds.WebDataset(str(good), shardshuffle=False)))
+    samples = []
+    for i in range(20):
+        samples.append({"key": f"k{i:03d}", "jpg": b"not a jpeg" if i % 4 == 0 else sample["jpg"],
+                        "txt": "a red square", "rew.txt": "a square painted red", "int.txt": "make it red"})
+    shards.mkdir()
+    write_intent_shard(shards / "00000.tar", samples)
+    run = tmp_path / "run"
+    train.main(smoke_args(repo_root, shards, run, "optim.max_steps=1", "optim.global_batch_size=12",
+                          "data.shuffle_buffer=1"))
+    counts = json.loads((run / "checkpoints/step_00000001/trainer_state.json").read_text())["counts"]
+    assert counts == {"skipped_corrupt_image": 4}  # keys 0, 4, 8, 12 of the 16 read for 12 good ones
+
+
+def test_non_finite_loss_stops_the_run_naming_the_terms(repo_root, tmp_path):
+    shards = tmp_path / "shards"
+    write_synthetic_shards(shards, num_shards=1, samples_per_shard=20)
+    with pytest.raises(NonFiniteLossError, match=r"distil=nan.*align=nan"):
+        train.main(smoke_args(repo_root, shards, tmp_path / "run", "optim.max_steps=2",
+                              "model.init_logit_scale=.nan"))
+
+    class OneProcess:
+        num_processes = 1
+
+    terms = {"loss": torch.tensor(float("inf")), "distil": torch.tensor(float("inf")), "align": torch.tensor(0.5)}
+    with pytest.raises(NonFiniteLossError, match=r"step 7.*terms loss, distil"):
+        check_finite(terms, 7, OneProcess())
+    check_finite({k: torch.tensor(1.0) for k in terms}, 7, OneProcess())
+
+
+def test_config_errors_name_the_key(repo_root, tmp_path, capsys):
+    shards = tmp_path / "shards"
+    write_synthetic_shards(shards, num_shards=1, samples_per_shard=4)
+    with pytest.raises(SystemExit):
+        train.main(smoke_args(repo_root, shards, tmp_path / "run", "optim.lrr=1"))
+    assert "optim.lrr" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train.main(smoke_args(repo_root, shards, tmp_path / "run", "data.missing_text=caption"))
+    assert "data.missing_text must be one of ('error', 'original')" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="global_batch_size=10.*multiple of 4"):
+        train.main(smoke_args(repo_root, shards, tmp_path / "run", "optim.global_batch_size=10",
+                              "optim.grad_accum_steps=4"))
+
+
+def test_learning_rate_schedule():
+    optim = OptimConfig(warmup_steps=10, max_steps=110, min_lr_ratio=0.0)
+    assert lr_factor(0, optim) == pytest.approx(0.1)
+    assert lr_factor(9, optim) == pytest.approx(1.0)
+    assert lr_factor(60, optim) == pytest.approx(0.5)
+    assert lr_factor(110, optim) == pytest.approx(0.0, abs=1e-12)
+    assert TrainConfig().optim.lr == 1e-6
+
+
+def test_grad_accumulation_bf16_and_checkpointing_from_the_config(repo_root, tmp_path):
+    """2 micro-batches of 8 per optimizer step: 2 optimizer steps consume 32 samples."""
+    shards = tmp_path / "shards"
+    write_synthetic_shards(shards, num_shards=1, samples_per_shard=40)
+    run = tmp_path / "run"
+    train.main(smoke_args(repo_root, shards, run, "optim.max_steps=2", "optim.grad_accum_steps=2",
+                          "run.log_every=1", "run.mixed_precision=bf16", "data.shards_per_group=1",
+                          "backbone.grad_checkpointing=true"))
+    assert [m["samples_seen"] for m in read_metrics(run)] == [16, 32]
+    assert all(math.isfinite(m["loss"]) for m in read_metrics(run))
+    final = run / "checkpoints/step_00000002"
+    optimizer = torch.load(final / "optimizer.bin", weights_only=True)
+    assert {int(s["step"]) for s in optimizer["state"].values()} == {2}  # not 4: accumulation held the step
+    state = json.loads((final / "trainer_state.json").read_text())
+    assert state["positions"] == [{"0": [0, 32]}]  # worker 0 consumed 32 samples of its first group
+    assert load_file(str(run / "demind.safetensors"))["gate"].dtype == torch.float32
+
+
+def test_shards_without_a_usable_image_stop_the_run(repo_root, tmp_path):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    write_intent_shard(shards / "00000.tar", [
+        {"key": f"k{i:03d}", "jpg": b"not a jpeg", "txt": "a", "rew.txt": "b", "int.txt": "c"} for i in range(20)])
+    with pytest.raises(ShardFormatError, match=r"1000 samples in a row could not be used.*00000\.tar"):
+        train.main(smoke_args(repo_root, shards, tmp_path / "run", "optim.max_steps=1"))
