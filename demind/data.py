@@ -182,7 +182,8 @@ def raw_texts(sample: dict[str, Any], shard: str, missing_text: str, stats: Read
     A missing ``rew.txt``/``int.txt`` raises ShardFormatError naming the shard, key and
     field, unless ``missing_text == "original"``: then the caption stands in and the
     field's label ("rewritten"/"intent") is listed in ``fallbacks`` (counted when the
-    sample is consumed).  A sample without a caption is malformed: returns None (the
+    sample is consumed).  An empty field (data_gen's single-prompt mode writes an empty
+    ``rew.txt``) also falls back to the caption, counted as ``empty_<label>``.  A sample without a caption is malformed: returns None (the
     caller skips it; it is counted here).
     """
     key = sample.get("__key__", "?")
@@ -194,7 +195,12 @@ def raw_texts(sample: dict[str, Any], shard: str, missing_text: str, stats: Read
     out, fallbacks = [original], []
     for name, label in ((REWRITTEN_FIELD, "rewritten"), (INTENT_FIELD, "intent")):
         if name in sample:
-            out.append(_text(sample, name))
+            text = _text(sample, name)
+            if not text:
+                # data_gen's single-prompt ("w/o CoT") mode writes an empty rew.txt on purpose.
+                fallbacks.append(f"empty_{label}")
+                text = original
+            out.append(text)
             continue
         if missing_text != "original":
             raise ShardFormatError(

@@ -113,6 +113,23 @@ def test_missing_field_fallback_is_counted(repo_root, tmp_path):
     assert counts == {"fallback_rewritten": 32}
 
 
+def test_empty_rewritten_caption_of_single_prompt_mode_falls_back_and_is_counted(repo_root, tmp_path):
+    # data_gen's "w/o CoT" mode writes an empty rew.txt; the caption stands in, counted.
+    good = write_synthetic_shards(tmp_path / "good", num_shards=1, samples_per_shard=1)[0]
+    import webdataset as wds
+    image = next(iter(wds.WebDataset(str(good), shardshuffle=False)))["jpg"]
+    samples = [{"key": f"k{i:03d}", "jpg": image, "txt": "a red square", "rew.txt": "" if i % 2 else "a red square",
+                "int.txt": "make it red"} for i in range(16)]
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    write_intent_shard(shards / "00000.tar", samples)
+    run = tmp_path / "run"
+    train.main(smoke_args(repo_root, shards, run, "optim.max_steps=1", "optim.global_batch_size=12",
+                          "data.shuffle_buffer=1"))
+    counts = json.loads((run / "checkpoints/step_00000001/trainer_state.json").read_text())["counts"]
+    assert counts == {"fallback_empty_rewritten": 6}
+
+
 def test_corrupt_images_are_skipped_and_counted(repo_root, tmp_path):
     shards = tmp_path / "shards"
     good = write_synthetic_shards(tmp_path / "good", num_shards=1, samples_per_shard=1)[0]
