@@ -9,7 +9,6 @@ keeps its finished parts, and a rerun encodes only what no part holds.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from dataclasses import dataclass
@@ -27,24 +26,9 @@ log = logging.getLogger(__name__)
 
 
 def backbone_cache_slug(backbone: FrozenCLIP) -> str:
-    """Cache folder name: the backbone's identity slug plus its precision (fp16 features differ).
-
-    A random-init backbone (``pretrained=None``) has the same identity in every process but
-    different weights, so its slug also carries a fingerprint of the weights themselves.
-    """
-    slug = f"{backbone.identity_str}-{backbone.cfg.precision}"
-    if backbone.identity.get("pretrained") is None:
-        slug += f"-w{weights_fingerprint(backbone)}"
-    return slug
-
-
-def weights_fingerprint(backbone: FrozenCLIP, per_tensor: int = 4096) -> str:
-    """A short hash of the first ``per_tensor`` values of every backbone tensor (cheap, discriminative)."""
-    digest = hashlib.sha256()
-    for name, tensor in backbone.model.state_dict().items():
-        digest.update(name.encode())
-        digest.update(tensor.detach().flatten()[:per_tensor].float().cpu().numpy().tobytes())
-    return digest.hexdigest()[:10]
+    """Cache folder name: the backbone's identity slug (which fingerprints random-init
+    weights) plus its precision (fp16 features differ)."""
+    return f"{backbone.identity_str}-{backbone.cfg.precision}"
 
 
 class ImageRefDataset(Dataset):
