@@ -1,0 +1,276 @@
+"""The quickstart: the whole method on the toy world, on a CPU, in minutes.
+
+``run_quickstart(cfg)`` does, each step cached so a rerun only does what is missing:
+
+1. toy intent shards (``<workdir>/shards``) and toy benchmarks (``<workdir>/benchmarks``);
+2. the toy CLIP backbone (trained once, ``<workdir>/backbone``);
+3. the frozen-feature cache of the shards (``demind.features``);
+4. De-MINDS training through ``demind.training.train`` (the code behind ``train.py``),
+   one run per (variant, seed); the Table 5 ablations are variants;
+5. every method through the evaluation harness (``demind.eval.harness.evaluate``), with
+   per-modification-type recall on the toy CIRR;
+6. a paper-style table (mean ± std over seeds), ``results.json`` and a recall@K plot.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .backbone import ToyBackboneConfig, ensure_toy_backbone
+from .benchmarks import ToyBenchmarkConfig, write_benchmarks
+from .shards import ToyShardConfig, write_toy_shards
+
+logger = logging.getLogger(__name__)
+
+# Table 5 of the paper, as overrides of the training config.
+VARIANTS: dict[str, list[str]] = {
+    "demind": [],
+    # w/o intent data: only original captions, hence no T_int to distil from either
+    "only-original": ["data.targets.p_original=1.0", "data.targets.p_rewritten=0.0",
+                      "data.targets.p_intent=0.0", "loss.distil=false"],
+    "no-distil": ["loss.distil=false"],
+    "no-gate": ["model.fusion=add"],
+    "no-global": ["model.fusion=intent_only"],
+}
+ALL_METHODS = ("demind", "mapping-only", "image+text", "image-only", "text-only")
+HEADLINE = {"cirr": ("R@1", "R@5", "R@10"), "imagenet-r": ("average/R@10", "average/R@50"),
+            "coco": ("R@1", "R@5", "R@10")}
+BENCH_FOLDERS = {"cirr": "cirr", "imagenet-r": "imgnet", "coco": "coco"}
+
+
+@dataclass
+class QuickstartConfig:
+    workdir: str = "runs/quickstart"
+    train_config: str = "configs/train/toy.yaml"
+    train_overrides: list[str] = field(default_factory=list)
+    seeds: list[int] = field(default_factory=lambda: [0])
+    ablations: bool = False          # also train and evaluate the Table 5 variants
+    benchmarks: list[str] = field(default_factory=lambda: ["cirr", "imagenet-r", "coco"])
+    eval_batch_size: int = 256
+    progress: bool = True
+    shards: ToyShardConfig = field(default_factory=ToyShardConfig)
+    toy_benchmarks: ToyBenchmarkConfig = field(default_factory=ToyBenchmarkConfig)
+    backbone: ToyBackboneConfig = field(default_factory=ToyBackboneConfig)
+
+
+# ------------------------------------------------------------------------ stages
+
+def prepare_backbone(cfg: QuickstartConfig):
+    """Train or reuse the toy CLIP; returns (FrozenCLIP, its report, log of its logit scale)."""
+    from demind.backbone import BackboneConfig, FrozenCLIP
+
+    weights, report = ensure_toy_backbone(cfg.backbone, Path(cfg.workdir) / "backbone", cfg.progress)
+    backbone = FrozenCLIP(BackboneConfig(name=cfg.backbone.model_config, pretrained=str(weights)))
+    # De-MINDS uses the backbone's own (fixed) temperature, as with CLIP's trained 100.
+    log_scale = float(backbone.model.logit_scale.detach().clamp(max=math.log(100)))
+    return backbone, report, log_scale
+
+
+def build_features(cfg: QuickstartConfig, backbone, shards: list[Path]) -> Path:
+    """Frozen image and T_int features of every shard, where ``data.features=auto`` finds them."""
+    from demind.features import build_feature_cache, default_cache_dir
+
+    names = [str(p) for p in shards]
+    directory = default_cache_dir(names, backbone.identity_str)
+    build_feature_cache(names, directory, backbone, batch_size=256, num_workers=0)
+    return directory
+
+
+def train_variant(cfg: QuickstartConfig, backbone, variant: str, seed: int, log_scale: float) -> Path:
+    """Train one (variant, seed) run with the trainer's own code; reuse a finished export."""
+    from demind.training import EXPORT_NAME, load_train_config, train
+
+    # keyed by the backbone, so a retrained backbone never reuses a model trained on another
+    run_dir = Path(cfg.workdir) / "train" / backbone.identity_str / f"{variant}-seed{seed}"
+    export = run_dir / EXPORT_NAME
+    if export.is_file():
+        logger.info("reusing %s", export)
+        return export
+    overrides = [
+        f"backbone.name={backbone.cfg.name}", f"backbone.pretrained={backbone.cfg.pretrained}",
+        f"data.shards={Path(cfg.workdir) / 'shards'}", f"run.output_dir={run_dir}", f"run.seed={seed}",
+        f"model.init_logit_scale={log_scale}", *VARIANTS[variant], *cfg.train_overrides,
+    ]
+    return train(load_train_config(cfg.train_config, overrides))
+
+
+def evaluate_run(cfg: QuickstartConfig, backbone, export: Path, variant: str, seed: int,
+                 methods: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """Every benchmark for one trained model; returns benchmark -> results dict."""
+    from demind.checkpoint import load_checkpoint
+    from demind.eval.harness import ReaderOptions, evaluate
+
+    model = load_checkpoint(export, backbone)
+    bench_root = Path(cfg.workdir) / "benchmarks"
+    out = {}
+    for bench in cfg.benchmarks:
+        root = bench_root / BENCH_FOLDERS[bench]
+        options = ReaderOptions(coco_csv=str(root / "coco_eval.csv")) if bench == "coco" else None
+        results = evaluate(bench, root, backbone=backbone, model=model, methods=list(methods),
+                           out_dir=Path(cfg.workdir) / "eval" / backbone.identity_str / f"{variant}-seed{seed}" / bench,
+                           cache_dir=Path(cfg.workdir) / "eval" / "feature_cache", options=options,
+                           batch_size=cfg.eval_batch_size, progress=cfg.progress)
+        if bench == "cirr":
+            results["per_type"] = per_type_recall(root, results["files"]["rankings"])
+        out[bench] = results
+    return out
+
+
+def per_type_recall(cirr_root: Path, rankings: dict[str, str], ks: tuple[int, ...] = (1, 5, 10)
+                    ) -> dict[str, dict[str, dict[str, float]]]:
+    """method -> modification type -> {"R@k": percent, "n": count}, from rankings/<method>.json."""
+    captions = json.loads((cirr_root / "captions" / "cap.rc2.val.json").read_text())
+    truth = {str(e["pairid"]): (e["target_hard"], e["toy_type"]) for e in captions}
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for method, path in rankings.items():
+        ranked = json.loads(Path(path).read_text())
+        by_type: dict[str, list[float]] = {}
+        for qid, names in ranked.items():
+            target, kind = truth[str(qid)]
+            # the rankings hold the top 50 only: a target outside them counts as a miss at every K
+            rank = names.index(target) if target in names else math.inf
+            by_type.setdefault(kind, []).append(rank)
+            by_type.setdefault("all", []).append(rank)
+        out[method] = {kind: {**{f"R@{k}": 100.0 * sum(r < k for r in ranks) / len(ranks) for k in ks},
+                              "n": len(ranks)} for kind, ranks in sorted(by_type.items())}
+    return out
+
+
+# ---------------------------------------------------------------------- summary
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    return (statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def summarise(runs: dict[str, dict[int, dict[str, dict[str, Any]]]]) -> dict[str, Any]:
+    """variant -> seed -> benchmark -> results  ==>  rows of mean ± std per (variant, method)."""
+    rows: dict[str, dict[str, Any]] = {}
+    for variant, by_seed in runs.items():
+        seeds = sorted(by_seed)
+        methods = by_seed[seeds[0]][next(iter(by_seed[seeds[0]]))]["methods"].keys()
+        for method in methods:
+            label = method if variant == "demind" else f"{method} [{variant}]"
+            row: dict[str, Any] = {"variant": variant, "method": method, "seeds": seeds, "metrics": {}}
+            for bench, keys in HEADLINE.items():
+                if bench not in by_seed[seeds[0]]:
+                    continue
+                for key in keys:
+                    values = [by_seed[s][bench]["methods"][method][key] for s in seeds]
+                    row["metrics"][f"{bench}:{key}"] = mean_std(values)
+            if "cirr" in by_seed[seeds[0]]:
+                types = by_seed[seeds[0]]["cirr"]["per_type"][method]
+                row["per_type"] = {kind: {k: mean_std([by_seed[s]["cirr"]["per_type"][method][kind][k] for s in seeds])
+                                          for k in ("R@1", "R@5", "R@10")} | {"n": types[kind]["n"]}
+                                   for kind in types}
+            rows[label] = row
+    return rows
+
+
+def format_summary(rows: dict[str, Any]) -> str:
+    """Paper-style text table: one row per method (and ablation), mean ± std over seeds."""
+    present = {c for r in rows.values() for c in r["metrics"]}
+    columns = [f"{b}:{k}" for b, keys in HEADLINE.items() for k in keys if f"{b}:{k}" in present]
+    header = ["method"] + [c.replace("average/", "") for c in columns]
+    lines = [header]
+    for label, row in rows.items():
+        cells = [label]
+        for c in columns:
+            m, s = row["metrics"].get(c, (float("nan"), 0.0))
+            cells.append(f"{m:.1f} ± {s:.1f}" if len(row["seeds"]) > 1 else f"{m:.1f}")
+        lines.append(cells)
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    text = [" | ".join(c.ljust(w) for c, w in zip(line, widths)) for line in lines]
+    text.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(text)
+
+
+def format_per_type(rows: dict[str, Any]) -> str:
+    """Toy CIRR R@10 per modification type, for the main variant's methods."""
+    main = {k: r for k, r in rows.items() if r["variant"] == "demind" and "per_type" in r}
+    if not main:
+        return ""
+    kinds = sorted({k for r in main.values() for k in r["per_type"]})
+    lines = ["toy CIRR R@10 by modification type (n queries): " +
+             ", ".join(f"{k} ({next(iter(main.values()))['per_type'][k]['n']})" for k in kinds)]
+    for label, r in main.items():
+        lines.append(f"  {label:<13} " + "  ".join(f"{k}={r['per_type'][k]['R@10'][0]:.1f}" for k in kinds))
+    return "\n".join(lines)
+
+
+def plot_recall(rows: dict[str, Any], path: Path) -> Path | None:
+    """Toy CIRR recall@K (K = 1, 5, 10) per method, mean over seeds, as a PNG."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib is not installed: no recall plot")
+        return None
+    ks = (1, 5, 10)
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for label, row in rows.items():
+        if row["variant"] != "demind" or "cirr:R@1" not in row["metrics"]:
+            continue
+        means = [row["metrics"][f"cirr:R@{k}"][0] for k in ks]
+        stds = [row["metrics"][f"cirr:R@{k}"][1] for k in ks]
+        ax.errorbar(ks, means, yerr=stds, marker="o", capsize=3, label=label)
+    ax.set_xlabel("K")
+    ax.set_ylabel("Recall@K (%)")
+    ax.set_title("toy CIRR")
+    ax.set_xticks(ks)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)
+    return path
+
+
+# ------------------------------------------------------------------------ driver
+
+def run_quickstart(cfg: QuickstartConfig) -> dict[str, Any]:
+    """Run (or finish) the whole quickstart; returns the summary written to results.json."""
+    workdir = Path(cfg.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+
+    def timed(name: str, fn, *args):
+        start = time.perf_counter()
+        value = fn(*args)
+        timings[name] = round(time.perf_counter() - start, 1) + timings.get(name, 0.0)
+        logger.info("%s done in %.1f s", name, time.perf_counter() - start)
+        return value
+
+    shards = timed("shards", write_toy_shards, workdir / "shards", cfg.shards, cfg.progress)
+    timed("benchmarks", write_benchmarks, workdir / "benchmarks", cfg.toy_benchmarks,
+          ("cirr", "imgnet", "coco", "exclusion"), cfg.progress)
+    backbone, backbone_report, log_scale = timed("backbone", prepare_backbone, cfg)
+    timed("features", build_features, cfg, backbone, shards)
+
+    variants = list(VARIANTS) if cfg.ablations else ["demind"]
+    runs: dict[str, dict[int, dict[str, dict[str, Any]]]] = {}
+    for variant in variants:
+        methods = ALL_METHODS if variant == "demind" else ("demind",)
+        for seed in cfg.seeds:
+            export = timed("train", train_variant, cfg, backbone, variant, seed, log_scale)
+            runs.setdefault(variant, {})[seed] = timed("evaluate", evaluate_run, cfg, backbone, export,
+                                                       variant, seed, methods)
+    rows = summarise(runs)
+    table = format_summary(rows)
+    per_type = format_per_type(rows)
+    plot = plot_recall(rows, workdir / "recall_at_k.png")
+    summary = {"rows": rows, "table": table, "per_type_table": per_type, "timings_s": timings,
+               "backbone": backbone_report, "config": asdict(cfg), "plot": str(plot) if plot else None}
+    tmp = workdir / "results.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2, default=str))
+    tmp.replace(workdir / "results.json")
+    return summary

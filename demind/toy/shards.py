@@ -1,0 +1,150 @@
+"""Toy intent shards: the stand-in for intent-CC3M, in exactly data_gen's sample schema.
+
+Each WebDataset sample is ``KEY.jpg``, ``KEY.txt`` (T_ori), ``KEY.rew.txt`` (T_rew),
+``KEY.int.txt`` (T_int) and ``KEY.json`` (input metadata plus a ``generation`` record),
+written with data_gen's own writer (``demind.gen.writer``), so the trainer cannot tell
+toy shards from generated ones. Like data_gen, ``NNNNN_stats.json`` is written last and
+marks a shard done; a rerun skips finished shards and redoes unfinished ones.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from demind.gen.shards import ShardOutput
+from demind.gen.writer import ShardWriter, encode_sample, write_stats
+
+from .render import render_image
+from .texts import alt_text, full_description, hypothetical_source, pseudo_manipulation
+from .world import WORLD_VERSION, Scene, derive_seed, scene_from_seed, stream_seed
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ToyShardConfig:
+    """How many toy intent samples to write and how."""
+
+    num_samples: int = 12000
+    samples_per_shard: int = 1000
+    stream: str = "cc3m"  # seed stream (world.SEED_STREAMS); disjoint from the benchmarks'
+    image_size: int = 64
+    jpeg_quality: int = 90
+
+
+@dataclass
+class ToySample:
+    """One intent sample before encoding."""
+
+    key: str
+    image_jpeg: bytes
+    caption: str
+    rewritten: str
+    intent: str
+    meta: dict[str, Any]
+
+
+def make_toy_sample(index: int, cfg: ToyShardConfig, key: str) -> ToySample:
+    """Sample ``index`` of the stream: scene, image, the three texts and the metadata."""
+    scene = scene_from_seed(stream_seed(cfg.stream, index))
+    image = render_image(scene, derive_seed(cfg.stream, "nuisance", index), cfg.image_size)
+    buf = io.BytesIO()
+    image.save(buf, format="JPEG", quality=cfg.jpeg_quality)
+    rng = random.Random(derive_seed(cfg.stream, "text", index))
+    caption = alt_text(scene, rng)
+    rewritten = full_description(scene, rng)
+    source = hypothetical_source(scene, rng)
+    intent = pseudo_manipulation(source, scene, rng)
+    meta = {
+        # img2dataset-like input metadata
+        "key": key,
+        "caption": caption,
+        "url": f"toy://{cfg.stream}/{index}",
+        "width": cfg.image_size,
+        "height": cfg.image_size,
+        "status": "success",
+        # ground truth, for analysis only (the trainer never reads it)
+        "toy": {"world_version": WORLD_VERSION, "index": index, "scene": scene.to_dict(),
+                "intent_source_scene": source.to_dict()},
+        "generation": {
+            "engine": "toy-world",
+            "model": f"demind.toy.texts@{WORLD_VERSION}",
+            "prompt_version": WORLD_VERSION,
+            "mode": "cot",
+            "sampling": {"seed": derive_seed(cfg.stream, "text", index)},
+            "flags": [],
+        },
+    }
+    return ToySample(key, buf.getvalue(), caption, rewritten, intent, meta)
+
+
+def shard_output(out_dir: Path, shard_id: int) -> ShardOutput:
+    return ShardOutput(tar=out_dir / f"{shard_id:05d}.tar", stats=out_dir / f"{shard_id:05d}_stats.json")
+
+
+def write_toy_shard(out_dir: Path, shard_id: int, cfg: ToyShardConfig) -> dict[str, Any]:
+    """Write one shard atomically (tar renamed into place, then its stats). Returns the stats."""
+    output = shard_output(out_dir, shard_id)
+    output.remove(include_done=True)
+    start = time.perf_counter()
+    first = shard_id * cfg.samples_per_shard
+    count = min(cfg.samples_per_shard, cfg.num_samples - first)
+    writer = ShardWriter(output)
+    try:
+        for i in range(count):
+            s = make_toy_sample(first + i, cfg, key=f"{shard_id:05d}{i:04d}")
+            writer.write(encode_sample(s.key, "jpg", s.image_jpeg, s.caption, s.rewritten, s.intent, s.meta))
+        writer.commit()
+    except BaseException:
+        writer.abandon()
+        raise
+    elapsed = time.perf_counter() - start
+    stats = {
+        "shard": shard_id, "output": str(output.tar), "samples_in": count, "written": count,
+        "skipped": {}, "flagged": {}, "elapsed_s": round(elapsed, 3),
+        "images_per_s": round(count / elapsed, 2) if elapsed > 0 else None,
+        "engine": "toy-world", "world_version": WORLD_VERSION, "config": asdict(cfg),
+    }
+    write_stats(output, stats)  # last: marks the shard done
+    return stats
+
+
+def write_toy_shards(out_dir: str | Path, cfg: ToyShardConfig | None = None, show_progress: bool = True) -> list[Path]:
+    """Write all shards of ``cfg`` into ``out_dir``, skipping finished ones. Returns the tar paths.
+
+    A shard written by another world version or config is redone (its stats say which).
+    """
+    cfg = cfg or ToyShardConfig()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    num_shards = -(-cfg.num_samples // cfg.samples_per_shard)
+    todo = [i for i in range(num_shards) if not _is_current(shard_output(out_dir, i), cfg)]
+    if todo:
+        logger.info("toy shards: %d to write, %d already done in %s", len(todo), num_shards - len(todo), out_dir)
+    for shard_id in tqdm(todo, desc="toy shards", unit="shard", disable=not show_progress or not todo):
+        write_toy_shard(out_dir, shard_id, cfg)
+    return [shard_output(out_dir, i).tar for i in range(num_shards)]
+
+
+def _is_current(output: ShardOutput, cfg: ToyShardConfig) -> bool:
+    if not output.is_done() or not output.tar.is_file():
+        return False
+    try:
+        stats = json.loads(output.stats.read_text())
+    except (OSError, ValueError):
+        return False
+    return stats.get("world_version") == WORLD_VERSION and stats.get("config") == asdict(cfg)
+
+
+def read_scene(meta: dict[str, Any]) -> Scene:
+    """The ground-truth scene stored in a toy sample's json."""
+    return Scene.from_dict(meta["toy"]["scene"])

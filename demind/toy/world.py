@@ -1,0 +1,227 @@
+"""Procedural toy scenes: the semantic spec, seeded sampling and single edits.
+
+A :class:`Scene` is the ground truth that every text and every benchmark label is
+computed from; pixels come from :mod:`demind.toy.render`. Everything is a pure function
+of integer seeds, so the same seed gives the same scene, texts and image bytes on any
+machine. Design choices are argued in ``demind/toy/README.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import random
+from dataclasses import dataclass
+from typing import Any
+
+SHAPES = ("circle", "square", "triangle", "star", "cross", "diamond", "hexagon", "heart")
+COLOURS = ("red", "green", "blue", "yellow", "purple", "orange", "pink", "white")
+SIZES = ("small", "large")
+POSITIONS = ("top left", "top", "top right", "left", "center", "right",
+             "bottom left", "bottom", "bottom right")
+BACKGROUNDS = ("grass", "sand", "water", "snow", "brick", "wood")
+STYLES = ("photo", "cartoon", "origami", "toy", "sculpture")
+# Pic2Word's ImageNet-R domain order: label = class + 1000 * index.
+DOMAINS = ("cartoon", "origami", "toy", "sculpture")
+# Web images are mostly photographs.
+STYLE_WEIGHTS = (0.6, 0.1, 0.1, 0.1, 0.1)
+OBJECT_COUNT_WEIGHTS = {1: 0.35, 2: 0.4, 3: 0.25}
+EDIT_KINDS = ("colour", "shape", "size", "position", "add", "remove", "background", "style")
+
+# Bump when the world's sampling or rendering changes, so caches keyed on it go stale.
+WORLD_VERSION = "toy-world-1"
+
+# Disjoint seed streams: scene seed = stream base + index. No two uses share a scene.
+SEED_STREAMS = {
+    "web": 1_000_000_000,        # backbone (the "web CLIP") training scenes
+    "web_eval": 1_900_000_000,   # the backbone's own held-out recall check
+    "cc3m": 2_000_000_000,       # toy intent shards (De-MINDS training data)
+    "cirr": 3_000_000_000,
+    "imgnet": 3_100_000_000,
+    "coco": 3_200_000_000,
+    "exclusion": 3_300_000_000,
+}
+
+
+@dataclass(frozen=True)
+class ToyObject:
+    """One object; ``oid`` tracks identity across edits (a recoloured circle keeps it)."""
+
+    oid: int
+    shape: str
+    colour: str
+    size: str
+    position: str
+
+
+@dataclass(frozen=True)
+class Scene:
+    """The semantic content of an image: objects, background, style (domain)."""
+
+    objects: tuple[ToyObject, ...]
+    background: str
+    style: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"objects": [dataclasses.asdict(o) for o in self.objects],
+                "background": self.background, "style": self.style}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Scene":
+        return cls(tuple(ToyObject(**o) for o in data["objects"]), data["background"], data["style"])
+
+    def canonical(self) -> tuple:
+        """Identity-free content: two scenes with equal canonical forms look the same."""
+        objs = sorted((o.shape, o.colour, o.size, o.position) for o in self.objects)
+        return (tuple(objs), self.background, self.style)
+
+    def object_with_shape(self, shape: str) -> ToyObject | None:
+        return next((o for o in self.objects if o.shape == shape), None)
+
+
+def derive_seed(*parts: Any) -> int:
+    """A stable 63-bit seed from any parts (Python's hash() is salted per process)."""
+    digest = hashlib.sha256("/".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def stream_seed(stream: str, index: int) -> int:
+    """Seed of scene ``index`` in a named stream (see SEED_STREAMS)."""
+    if stream not in SEED_STREAMS:
+        raise ValueError(f"unknown seed stream {stream!r}; known: {sorted(SEED_STREAMS)}")
+    return SEED_STREAMS[stream] + index
+
+
+def _sample_object(rng: random.Random, oid: int, used_shapes: set[str], used_cells: set[str],
+                   colour: str | None = None, shape: str | None = None) -> ToyObject:
+    shape = shape or rng.choice([s for s in SHAPES if s not in used_shapes])
+    return ToyObject(
+        oid=oid,
+        shape=shape,
+        colour=colour or rng.choice(COLOURS),
+        size=rng.choice(SIZES),
+        position=rng.choice([p for p in POSITIONS if p not in used_cells]),
+    )
+
+
+def sample_scene(rng: random.Random, num_objects: int | None = None, style: str | None = None,
+                 background: str | None = None) -> Scene:
+    """A random scene; distinct shapes and grid cells within the scene."""
+    if num_objects is None:
+        counts, weights = zip(*OBJECT_COUNT_WEIGHTS.items())
+        num_objects = rng.choices(counts, weights)[0]
+    objects: list[ToyObject] = []
+    for oid in range(num_objects):
+        objects.append(_sample_object(rng, oid, {o.shape for o in objects}, {o.position for o in objects}))
+    return Scene(
+        objects=tuple(objects),
+        background=background or rng.choice(BACKGROUNDS),
+        style=style or rng.choices(STYLES, STYLE_WEIGHTS)[0],
+    )
+
+
+def scene_from_seed(seed: int, **kwargs: Any) -> Scene:
+    return sample_scene(random.Random(seed), **kwargs)
+
+
+def _replace_object(scene: Scene, new: ToyObject) -> Scene:
+    return dataclasses.replace(scene, objects=tuple(new if o.oid == new.oid else o for o in scene.objects))
+
+
+def edit_is_possible(scene: Scene, kind: str) -> bool:
+    if kind == "add":
+        return len(scene.objects) < 3
+    if kind == "remove":
+        return len(scene.objects) >= 2
+    return kind in EDIT_KINDS
+
+
+def apply_edit(scene: Scene, kind: str, rng: random.Random, oid: int | None = None) -> Scene:
+    """Return ``scene`` changed by one edit of ``kind`` (on object ``oid`` when given).
+
+    Every edit changes what the image shows: a new colour differs from the old one, a new
+    shape is not already in the scene, and so on.
+    """
+    if not edit_is_possible(scene, kind):
+        raise ValueError(f"edit {kind!r} is not possible on a scene with {len(scene.objects)} objects")
+    by_id = {o.oid: o for o in scene.objects}
+    target = by_id[oid] if oid is not None else rng.choice(scene.objects)
+    shapes = {o.shape for o in scene.objects}
+    cells = {o.position for o in scene.objects}
+    if kind == "colour":
+        return _replace_object(scene, dataclasses.replace(
+            target, colour=rng.choice([c for c in COLOURS if c != target.colour])))
+    if kind == "shape":
+        return _replace_object(scene, dataclasses.replace(
+            target, shape=rng.choice([s for s in SHAPES if s not in shapes])))
+    if kind == "size":
+        return _replace_object(scene, dataclasses.replace(
+            target, size="large" if target.size == "small" else "small"))
+    if kind == "position":
+        return _replace_object(scene, dataclasses.replace(
+            target, position=rng.choice([p for p in POSITIONS if p not in cells])))
+    if kind == "add":
+        new_oid = max(by_id) + 1
+        return dataclasses.replace(scene, objects=scene.objects + (_sample_object(rng, new_oid, shapes, cells),))
+    if kind == "remove":
+        return dataclasses.replace(scene, objects=tuple(o for o in scene.objects if o.oid != target.oid))
+    if kind == "background":
+        return dataclasses.replace(scene, background=rng.choice([b for b in BACKGROUNDS if b != scene.background]))
+    if kind == "style":
+        return dataclasses.replace(scene, style=rng.choice([s for s in STYLES if s != scene.style]))
+    raise ValueError(f"unknown edit kind {kind!r}; known: {EDIT_KINDS}")
+
+
+def random_edit(scene: Scene, rng: random.Random, exclude: tuple[str, ...] = ()) -> tuple[str, Scene]:
+    """One random possible edit whose kind is not in ``exclude``; returns (kind, new scene)."""
+    kinds = [k for k in EDIT_KINDS if k not in exclude and edit_is_possible(scene, k)]
+    kind = rng.choice(kinds)
+    return kind, apply_edit(scene, kind, rng)
+
+
+@dataclass(frozen=True)
+class Change:
+    """One difference between a source and a target scene, for writing texts.
+
+    kind: one of EDIT_KINDS. ``before``/``after`` are the object before and after
+    (None for add / remove respectively); ``old``/``new`` hold the background or style.
+    """
+
+    kind: str
+    before: ToyObject | None = None
+    after: ToyObject | None = None
+    old: str | None = None
+    new: str | None = None
+
+
+def scene_diff(source: Scene, target: Scene) -> list[Change]:
+    """Differences from ``source`` to ``target``, objects matched by ``oid``.
+
+    An object whose shape changed is one "shape" change (colour/size/position changes on
+    it are folded into the replacement's description); otherwise each attribute is its own
+    change. Order: removals, object edits, additions, background, style.
+    """
+    src = {o.oid: o for o in source.objects}
+    tgt = {o.oid: o for o in target.objects}
+    changes = [Change("remove", before=src[i]) for i in sorted(src) if i not in tgt]
+    for i in sorted(src):
+        if i not in tgt:
+            continue
+        a, b = src[i], tgt[i]
+        if a.shape != b.shape:
+            changes.append(Change("shape", before=a, after=b))
+            continue
+        for attr, kind in (("colour", "colour"), ("size", "size"), ("position", "position")):
+            if getattr(a, attr) != getattr(b, attr):
+                changes.append(Change(kind, before=a, after=b))
+    changes += [Change("add", after=tgt[i]) for i in sorted(tgt) if i not in src]
+    if source.background != target.background:
+        changes.append(Change("background", old=source.background, new=target.background))
+    if source.style != target.style:
+        changes.append(Change("style", old=source.style, new=target.style))
+    return changes
+
+
+def modification_type(changes: list[Change]) -> str:
+    """Label for per-type recall: the single change's kind, or "multi"."""
+    return changes[0].kind if len(changes) == 1 else "multi"

@@ -1,0 +1,128 @@
+"""Toy CLIP: trains a couple of steps, is cached by config, reloads through FrozenCLIP."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import open_clip
+import pytest
+import torch
+
+from demind.toy import backbone as toy_backbone
+from demind.toy.backbone import (
+    ToyBackboneConfig, cached_paths, ensure_toy_backbone, images_to_tensor, text_to_image_recall,
+)
+from demind.toy.render import render_scene
+from demind.toy.world import scene_from_seed
+
+TINY = {
+    "embed_dim": 32,
+    "vision_cfg": {"image_size": 64, "layers": 1, "width": 32, "head_width": 8, "patch_size": 16},
+    "text_cfg": {"context_length": 56, "vocab_size": 49408, "width": 32, "heads": 4, "layers": 1},
+}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("toyclip")
+    model_json = root / "toy-clip-test.json"
+    model_json.write_text(json.dumps(TINY))
+    cfg = ToyBackboneConfig(model_config=str(model_json), steps=2, batch_size=8, warmup_steps=1,
+                            num_train_images=16, num_eval_scenes=20)
+    weights, report = ensure_toy_backbone(cfg, root / "cache", progress=False)
+    return cfg, root, weights, report
+
+
+def test_training_writes_weights_and_report(trained):
+    cfg, root, weights, report = trained
+    assert weights.is_file() and weights == cached_paths(cfg, root / "cache")[0]
+    assert report["config"]["steps"] == 2 and np.isfinite(report["final_loss"])
+    for texts in ("full_description", "alt_text"):
+        assert set(report["heldout_text_to_image"][texts]) == {"R@1", "R@5", "R@10"}
+        assert all(0.0 <= v <= 1.0 for v in report["heldout_text_to_image"][texts].values())
+    # training moved the weights away from the seeded random init
+    torch.manual_seed(cfg.seed)
+    init, _, _ = toy_backbone.build_toy_model(cfg)
+    saved = torch.load(weights, weights_only=True)
+    assert not torch.equal(saved["visual.conv1.weight"], init.state_dict()["visual.conv1.weight"])
+
+
+def test_cache_is_reused_and_keyed_by_config(trained, monkeypatch):
+    cfg, root, weights, report = trained
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("cached backbone should have been reused")
+
+    monkeypatch.setattr(toy_backbone, "train_toy_clip", no_training)
+    again, report2 = ensure_toy_backbone(cfg, root / "cache", progress=False)
+    assert again == weights and report2 == report
+    other = ToyBackboneConfig(**{**cfg.__dict__, "seed": 1})
+    assert cached_paths(other, root / "cache")[0] != weights
+
+
+def test_open_clip_and_frozen_clip_load_the_saved_file(trained):
+    from demind.backbone import BackboneConfig, FrozenCLIP
+
+    cfg, root, weights, _ = trained
+    name = toy_backbone._model_name(cfg.model_config)
+    direct = open_clip.create_model(name, pretrained=str(weights)).eval()
+    saved = torch.load(weights, weights_only=True)
+    for key, value in direct.state_dict().items():
+        assert torch.equal(value, saved[key]), key
+
+    frozen = FrozenCLIP(BackboneConfig(name=cfg.model_config, pretrained=str(weights)))
+    assert frozen.embed_dim == 32 and frozen.context_length == 56
+    image = render_scene(scene_from_seed(3), 3).pil()
+    ours = images_to_tensor(np.asarray(image)[None])
+    theirs = frozen.preprocess(image).unsqueeze(0)
+    assert torch.allclose(ours, theirs, atol=1e-5)  # same pixels, same normalisation
+    with torch.no_grad():
+        expected = direct.encode_image(ours)
+    assert torch.allclose(frozen.encode_image(theirs), expected, atol=1e-5)
+    out = frozen.encode_text(["make the circle red"])
+    with torch.no_grad():
+        ref = direct.encode_text(frozen.tokenize(["make the circle red"]))
+    assert torch.allclose(out.pooled, ref, atol=1e-5)
+
+
+def test_recall_against_hand_made_embeddings():
+    """An oracle model (text i embeds like image i) gets recall 1; a shuffled one does not."""
+
+    class Oracle(torch.nn.Module):
+        def __init__(self, perm):
+            super().__init__()
+            self.perm = perm
+
+        def encode_image(self, x, normalize=True):
+            return torch.nn.functional.normalize(x.flatten(1)[:, :16], dim=-1)
+
+        def encode_text(self, tokens, normalize=True):
+            return self.table[tokens[:, 0]]
+
+    images = np.random.default_rng(0).integers(0, 255, size=(6, 64, 64, 3), dtype=np.uint8)
+    img_emb = torch.nn.functional.normalize(images_to_tensor(images).flatten(1)[:, :16], dim=-1)
+    tokenizer = lambda texts: torch.tensor([[int(t)] for t in texts])  # noqa: E731 - text i -> row i
+    oracle = Oracle(None)
+    oracle.table = img_emb
+    assert text_to_image_recall(oracle, tokenizer, images, [str(i) for i in range(6)], ks=(1,)) == {"R@1": 1.0}
+    oracle.table = img_emb[[1, 0, 3, 2, 5, 4]]  # every text points at its neighbour's image
+    assert text_to_image_recall(oracle, tokenizer, images, [str(i) for i in range(6)], ks=(1,)) == {"R@1": 0.0}
+
+
+
+def test_trimmed_text_encoding_equals_open_clip(trained):
+    from demind.toy.backbone import build_toy_model, encode_text_trimmed
+
+    cfg, *_ = trained
+    torch.manual_seed(0)
+    model, tokenizer, _ = build_toy_model(cfg)
+    texts = ["red circle", "a photo of a large blue square at the top left and a small green star on the right, "
+             "on a grass background.", "remove the triangle", "make it a cartoon", "x"]
+    tokens = tokenizer(texts)
+    with torch.no_grad():
+        expected = model.encode_text(tokens)
+        for chunks in (1, 2, 3, 8):
+            assert torch.allclose(encode_text_trimmed(model, tokens, chunks), expected, atol=1e-5)
+    encode_text_trimmed(model, tokens).sum().backward()  # gradients reach the text tower
+    assert model.token_embedding.weight.grad is not None and model.transformer.resblocks[0].mlp.c_fc.weight.grad is not None

@@ -1,0 +1,155 @@
+"""Toy benchmarks: official on-disk formats, ground truth by construction, and the eval readers."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from demind.toy.benchmarks import (
+    ToyBenchmarkConfig, build_cirr_set, read_exclusion, write_benchmarks,
+)
+from demind.toy.world import DOMAINS, EDIT_KINDS, SHAPES, scene_diff
+
+SMALL = ToyBenchmarkConfig(cirr_sets=6, imgnet_queries_per_class=2, imgnet_targets_per_domain=2,
+                           imgnet_distractors_per_class=1, coco_images=6, exclusion_queries=4)
+
+
+@pytest.fixture(scope="module")
+def bench_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("toybench")
+    write_benchmarks(root, SMALL, progress=False)
+    return root
+
+
+def test_cirr_files_have_the_official_structure(bench_root):
+    captions = json.loads((bench_root / "cirr/captions/cap.rc2.val.json").read_text())
+    split = json.loads((bench_root / "cirr/image_splits/split.rc2.val.json").read_text())
+    assert len(captions) == 2 * SMALL.cirr_sets and len(split) == 6 * SMALL.cirr_sets
+    for name, rel in split.items():
+        assert rel == f"./dev/{name}.png" and (bench_root / "cirr" / rel).is_file()
+    for e in captions:
+        assert {"pairid", "reference", "target_hard", "target_soft", "caption", "img_set", "toy_type"} <= set(e)
+        members = e["img_set"]["members"]
+        assert len(members) == 6 and e["reference"] in members and e["target_hard"] in members
+        assert members[e["img_set"]["reference_rank"]] == e["reference"]
+        assert members[e["img_set"]["target_rank"]] == e["target_hard"]
+        assert e["toy_type"] in EDIT_KINDS + ("multi",)
+        assert isinstance(e["caption"], str) and e["caption"]
+    assert len({e["pairid"] for e in captions}) == len(captions)
+
+
+def test_cirr_sets_are_distinct_with_the_designed_distractors():
+    import random
+
+    for seed in range(30):
+        cset = build_cirr_set(random.Random(seed))
+        base, target, n1, n2, n3, n4 = cset.members
+        assert len({m.canonical() for m in cset.members}) == 6
+        assert len(scene_diff(base, target)) == 1             # one edit
+        assert len(scene_diff(target, n2)) == 1               # target + an unmentioned change
+        assert cset.queries == [(0, 1), (4, 1)]
+
+
+def test_imagenet_lists_follow_pic2word(bench_root):
+    queries = (bench_root / "imgnet/imgnet_real_query.txt").read_text().splitlines()
+    targets = (bench_root / "imgnet/imgnet_targets.txt").read_text().splitlines()
+    assert len(queries) == len(SHAPES) * 2
+    assert len(targets) == len(SHAPES) * (len(DOMAINS) * 2 + 1)
+    labels = set()
+    for line in queries + targets:
+        path, label = line.split()
+        assert line.endswith(" ") and (bench_root / path).is_file()
+        labels.add(int(label))
+    for c in range(len(SHAPES)):
+        for d, domain in enumerate(DOMAINS):
+            assert c + 1000 * d in labels
+        assert c + 6000 in labels
+    first_target = targets[0].split()[0]
+    assert first_target.startswith("imgnet/imagenet-r/circle/cartoon_")
+
+
+def test_coco_csv_and_masked_images(bench_root):
+    with (bench_root / "coco/coco_eval.csv").open() as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["id", "query_regions", "query_class", "classes"]
+    for name, region, query_class, classes in rows[1:]:
+        x1, y1, x2, y2 = (int(v) for v in region.strip().split(";"))
+        area = (x2 - x1) * (y2 - y1)
+        assert 0.05 * 64 * 64 < area < 0.5 * 64 * 64
+        assert query_class in SHAPES and all(c in SHAPES and c != query_class for c in classes.split(";"))
+        masked = np.asarray(Image.open(bench_root / "coco/val2017_masked" / name))
+        full = np.asarray(Image.open(bench_root / "coco/val2017" / name))
+        assert masked.shape == full.shape == (64, 64, 3)
+        outside = np.ones((64, 64), bool)
+        outside[y1:y2, x1:x2] = False
+        assert masked[outside].mean() > 245  # white outside the query object (JPEG noise aside)
+
+
+def test_exclusion_file_is_consistent(bench_root):
+    data = read_exclusion(bench_root / "exclusion/exclusion.json")
+    assert len(data["queries"]) == SMALL.exclusion_queries
+    for q in data["queries"]:
+        ex = q["excluded"]
+        assert f"{ex['colour']} {ex['shape']}" in q["text"] and f"{ex['colour']} {ex['shape']}" in q["modification"]
+        assert q["reference"] in q["hard_negatives"] and q["target"] in q["positives"]
+        assert not set(q["positives"]) & set(q["hard_negatives"])
+
+
+def test_exclusion_reader_rejects_bad_files(tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="x.json"):
+        read_exclusion(bad)
+    bad.write_text(json.dumps({"format": "other"}))
+    with pytest.raises(ValueError, match="expected format"):
+        read_exclusion(bad)
+
+
+def test_rerun_skips_finished_benchmarks(bench_root):
+    marker = bench_root / "cirr/toy_benchmark.json"
+    before = marker.stat().st_mtime_ns
+    write_benchmarks(bench_root, SMALL, which=("cirr",), progress=False)
+    assert marker.stat().st_mtime_ns == before
+
+
+def test_same_config_same_files(tmp_path):
+    cfg = ToyBenchmarkConfig(cirr_sets=2, coco_images=2)
+    write_benchmarks(tmp_path / "a", cfg, which=("cirr", "coco"), progress=False)
+    write_benchmarks(tmp_path / "b", cfg, which=("cirr", "coco"), progress=False)
+    for rel in ("cirr/captions/cap.rc2.val.json", "cirr/dev/dev-0-0-img0.png", "coco/coco_eval.csv",
+                "coco/val2017/000000000001.jpg"):
+        assert (tmp_path / "a" / rel).read_bytes() == (tmp_path / "b" / rel).read_bytes()
+
+
+# --- through the evaluation readers (demind/eval) ------------------------------------
+
+def test_imagenet_r_reader_loads_toy_lists(bench_root):
+    from demind.eval.imagenet_r import read_imagenet_r
+
+    data = read_imagenet_r(bench_root / "imgnet")
+    assert [g.name for g in data.groups] == list(DOMAINS)
+    group = data.groups[0]
+    assert len(group.queries) == len(SHAPES) * 2
+    assert all(len(q.targets) == 2 for q in group.queries)  # 2 cartoons of the query's class
+
+
+def test_coco_reader_loads_toy_csv(bench_root):
+    from demind.eval.coco import read_coco
+
+    data = read_coco(bench_root / "coco", csv_path=bench_root / "coco/coco_eval.csv")
+    queries = data.groups[0].queries
+    assert len(queries) == SMALL.coco_images
+    assert "val2017_masked" in str(queries[0].reference.path)
+
+
+def test_cirr_reader_loads_toy_files(bench_root):
+    from demind.eval.cirr import read_cirr
+
+    data = read_cirr(bench_root / "cirr")
+    group = data.groups[0]
+    assert len(group.queries) == 2 * SMALL.cirr_sets and len(group.gallery) == 6 * SMALL.cirr_sets

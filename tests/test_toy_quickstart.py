@@ -1,0 +1,79 @@
+"""The quickstart end to end on a tiny setting: every stage runs, outputs are written, reruns reuse."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from demind.toy.backbone import ToyBackboneConfig
+from demind.toy.benchmarks import ToyBenchmarkConfig
+from demind.toy.pipeline import QuickstartConfig, per_type_recall, run_quickstart
+from demind.toy.shards import ToyShardConfig
+
+TINY_CLIP = {
+    "embed_dim": 32,
+    "vision_cfg": {"image_size": 64, "layers": 1, "width": 32, "head_width": 8, "patch_size": 16},
+    "text_cfg": {"context_length": 56, "vocab_size": 49408, "width": 32, "heads": 4, "layers": 1},
+}
+TINY_TRAIN = ["optim.max_steps=2", "optim.warmup_steps=1", "optim.global_batch_size=8", "data.shuffle_buffer=8",
+              "data.shards_per_group=1", "model.num_blocks=1", "model.num_heads=4", "model.mapping_hidden=32",
+              "run.save_every=100"]
+
+
+def tiny_config(tmp_path, **kw) -> QuickstartConfig:
+    model_json = tmp_path / "toy-clip-tiny.json"
+    model_json.write_text(json.dumps(TINY_CLIP))
+    return QuickstartConfig(
+        workdir=str(tmp_path / "qs"), train_overrides=TINY_TRAIN, progress=False, eval_batch_size=32,
+        shards=ToyShardConfig(num_samples=24, samples_per_shard=12),
+        toy_benchmarks=ToyBenchmarkConfig(cirr_sets=4, imgnet_queries_per_class=1, imgnet_targets_per_domain=1,
+                                          imgnet_distractors_per_class=1, coco_images=4, exclusion_queries=2),
+        backbone=ToyBackboneConfig(model_config=str(model_json), steps=2, batch_size=8, warmup_steps=1,
+                                   num_train_images=16, num_eval_scenes=10),
+        **kw,
+    )
+
+
+def test_quickstart_runs_every_stage_and_reuses_them(tmp_path, monkeypatch):
+    cfg = tiny_config(tmp_path)
+    summary = run_quickstart(cfg)
+    qs = tmp_path / "qs"
+    assert (qs / "results.json").is_file() and (qs / "recall_at_k.png").is_file()
+    assert len(list((qs / "train").glob("*/demind-seed0/demind.safetensors"))) == 1
+    rows = summary["rows"]
+    assert set(rows) == {"demind", "mapping-only", "image+text", "image-only", "text-only"}
+    for row in rows.values():
+        for key in ("cirr:R@1", "cirr:R@10", "imagenet-r:average/R@10", "coco:R@1"):
+            mean, std = row["metrics"][key]
+            assert 0.0 <= mean <= 100.0 and std == 0.0
+        assert row["per_type"]["all"]["n"] == 2 * 4
+    assert "demind" in summary["table"] and "text-only" in summary["table"]
+
+    # Second run: nothing is retrained.
+    import demind.toy.backbone as toy_backbone
+    import demind.training as training
+
+    def fail(*a, **k):
+        raise AssertionError("should have been reused")
+
+    monkeypatch.setattr(toy_backbone, "train_toy_clip", fail)
+    monkeypatch.setattr(training, "train", fail)
+    again = run_quickstart(cfg)
+    assert again["rows"]["demind"]["metrics"] == rows["demind"]["metrics"]
+
+
+def test_per_type_recall_by_hand(tmp_path):
+    root = tmp_path / "cirr"
+    (root / "captions").mkdir(parents=True)
+    caps = [{"pairid": 0, "target_hard": "a", "toy_type": "colour"},
+            {"pairid": 1, "target_hard": "b", "toy_type": "colour"},
+            {"pairid": 2, "target_hard": "c", "toy_type": "remove"}]
+    (root / "captions" / "cap.rc2.val.json").write_text(json.dumps(caps))
+    ranking = {"0": ["a", "x"], "1": ["x", "y", "b"], "2": ["x"]}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(ranking))
+    out = per_type_recall(root, {"m": str(path)}, ks=(1, 3))["m"]
+    assert out["colour"] == {"R@1": 50.0, "R@3": 100.0, "n": 2}
+    assert out["remove"] == {"R@1": 0.0, "R@3": 0.0, "n": 1}
+    assert out["all"]["R@3"] == pytest.approx(200 / 3)

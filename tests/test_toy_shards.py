@@ -1,0 +1,78 @@
+"""Toy intent shards: data_gen's schema, readable with webdataset and by the trainer's reader."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import webdataset as wds
+from PIL import Image
+
+from demind.toy.shards import ToyShardConfig, make_toy_sample, read_scene, write_toy_shards
+from demind.toy.world import SHAPES
+
+FIELDS = {"__key__", "__url__", "jpg", "txt", "rew.txt", "int.txt", "json"}
+
+
+def _read(paths):
+    return list(wds.WebDataset([str(p) for p in paths], shardshuffle=False, empty_check=False))
+
+
+def test_shards_have_the_intent_schema(tmp_path):
+    cfg = ToyShardConfig(num_samples=12, samples_per_shard=5)
+    paths = write_toy_shards(tmp_path, cfg, show_progress=False)
+    assert [p.name for p in paths] == ["00000.tar", "00001.tar", "00002.tar"]
+    for i in range(3):
+        stats = json.loads((tmp_path / f"{i:05d}_stats.json").read_text())
+        assert stats["written"] == (5 if i < 2 else 2)
+    samples = _read(paths)
+    assert len(samples) == 12
+    assert len({s["__key__"] for s in samples}) == 12
+    for s in samples:
+        assert set(s) - {"__local_path__"} == FIELDS
+        assert "." not in s["__key__"]
+        image = Image.open(io.BytesIO(s["jpg"]))
+        assert image.size == (64, 64) and image.mode == "RGB"
+        caption, rew, intent = (s[k].decode() for k in ("txt", "rew.txt", "int.txt"))
+        assert caption and rew and intent
+        meta = json.loads(s["json"])
+        assert meta["key"] == s["__key__"] and meta["caption"] == caption
+        assert {"engine", "model", "prompt_version", "flags"} <= set(meta["generation"])
+        scene = read_scene(meta)
+        # T_rew names every object of the ground-truth scene
+        assert all(o.shape in rew for o in scene.objects)
+        assert any(sh in rew for sh in SHAPES)
+
+
+def test_same_config_same_bytes_and_rerun_skips_done_shards(tmp_path):
+    cfg = ToyShardConfig(num_samples=6, samples_per_shard=3)
+    a = write_toy_shards(tmp_path / "a", cfg, show_progress=False)
+    b = write_toy_shards(tmp_path / "b", cfg, show_progress=False)
+    samples_a, samples_b = _read(a), _read(b)
+    for x, y in zip(samples_a, samples_b):
+        assert all(x[k] == y[k] for k in ("__key__", "jpg", "txt", "rew.txt", "int.txt", "json"))
+
+    mtimes = [p.stat().st_mtime_ns for p in a]
+    (tmp_path / "a" / "00001_stats.json").unlink()  # as if killed before the done-marker
+    write_toy_shards(tmp_path / "a", cfg, show_progress=False)
+    assert a[0].stat().st_mtime_ns == mtimes[0]        # finished shard untouched
+    assert (tmp_path / "a" / "00001_stats.json").is_file()  # unfinished shard redone
+    assert [s["jpg"] for s in _read(a)] == [s["jpg"] for s in samples_b]
+
+
+def test_other_stream_gives_other_samples():
+    cc3m = make_toy_sample(0, ToyShardConfig(), "k")
+    web = make_toy_sample(0, ToyShardConfig(stream="web"), "k")
+    assert cc3m.image_jpeg != web.image_jpeg
+
+
+def test_trainer_reader_accepts_toy_shards(tmp_path):
+    from demind.data import ReaderStats, read_tar_samples
+
+    paths = write_toy_shards(tmp_path, ToyShardConfig(num_samples=4, samples_per_shard=4), show_progress=False)
+    stats = ReaderStats()
+    samples = list(read_tar_samples(str(paths[0]), "error", stats))
+    assert len(samples) == 4 and not stats.take()
+    first = samples[0]
+    assert first["image"][:2] == b"\xff\xd8"  # JPEG
+    assert first["original"] and first["rewritten"] and first["intent"]
