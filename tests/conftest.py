@@ -22,3 +22,17 @@ def tiny_backbone():
 
     torch.manual_seed(0)
     return FrozenCLIP(BackboneConfig(name=str(TINY_CLIP), pretrained=None))
+
+
+@pytest.fixture()
+def one_thread_and_fresh_accelerator():
+    """One torch thread (on 2 shared cores OpenMP spinning made 2 threads ~30x slower),
+    and a fresh Accelerate singleton per test (each run may choose its own precision)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()

@@ -19,16 +19,7 @@ from demind.features import FeatureCacheError, default_cache_dir
 from demind.training import TrainConfig, TrainState, build_data, build_modules, compute_losses
 
 
-@pytest.fixture(autouse=True)
-def one_thread_and_fresh_accelerator():
-    from accelerate.state import AcceleratorState, GradientState
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+pytestmark = pytest.mark.usefixtures("one_thread_and_fresh_accelerator")
 
 
 class OneProcess:

@@ -16,18 +16,7 @@ from demind.data import ShardFormatError, write_intent_shard, write_synthetic_sh
 from demind.training import NonFiniteLossError, ResumeError, TrainConfig, check_finite, lr_factor, OptimConfig
 
 
-@pytest.fixture(autouse=True)
-def one_thread_and_fresh_accelerator():
-    """One torch thread (2 shared cores: OpenMP spinning makes 2 threads 30x slower here),
-    and a fresh Accelerate singleton per test (each run may choose its own precision)."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+pytestmark = pytest.mark.usefixtures("one_thread_and_fresh_accelerator")
 
 
 def smoke_args(repo_root: Path, shards: Path, run: Path, *extra: str) -> list[str]:

@@ -20,16 +20,7 @@ from demind.data import write_synthetic_shards
 TOTAL_STEPS = 40
 
 
-@pytest.fixture(autouse=True)
-def one_thread_and_fresh_accelerator():
-    from accelerate.state import AcceleratorState, GradientState
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+pytestmark = pytest.mark.usefixtures("one_thread_and_fresh_accelerator")
 
 
 def run_args(repo_root: Path, shards: Path, run: Path) -> list[str]:
