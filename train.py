@@ -19,11 +19,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=1e-5 run.output_dir=runs/x")
     args = parser.parse_args(argv)
 
+    from demind.logs import setup_logging
     from demind.training import load_train_config, train
 
     # Info logs from the main process only (RANK is set by accelerate launch / torchrun).
     level = logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(level)
     try:
         cfg = load_train_config(args.config, args.overrides)
     except ValueError as exn:  # ConfigError (unknown key, bad type) or a section's own check

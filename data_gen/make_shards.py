@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 
 from demind.gen.ingest import build_shards
+from demind.logs import setup_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     try:
         report = build_shards(args.images, args.captions, args.output, args.samples_per_shard,
                               args.image_column, args.caption_column)

@@ -21,6 +21,7 @@ from demind.gen.engines import build_engine
 from demind.gen.job import format_summary, run_plan
 from demind.gen.prompts import load_prompts
 from demind.gen.shards import ShardSpecError, format_plan, make_plan
+from demind.logs import setup_logging
 
 logger = logging.getLogger("data_gen")
 
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     """Returns 0 when every selected shard is done, 1 if an input shard failed, 2 on bad usage."""
     # intermixed: overrides may come before or after the flags
     args = build_parser().parse_intermixed_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     try:
         cfg = load_config(GenConfig, args.config, args.overrides)
         validate_config(cfg)

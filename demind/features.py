@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from tqdm import tqdm
 
 from demind.data import ReaderStats, decode_image, read_tar_samples, shard_name
+from demind.logs import setup_logging
 
 logger = logging.getLogger(__name__)
 
@@ -279,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides such as data.shards=shards/cc3m")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
 
     cfg = load_config(TrainConfig, args.config, args.overrides)
     shards = resolve_shards(cfg.data.shards)

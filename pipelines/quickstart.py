@@ -13,13 +13,13 @@ with the evaluation harness, prints the table and writes <workdir>/results.json 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from demind.config import ConfigError, load_config  # noqa: E402
+from demind.logs import setup_logging  # noqa: E402
 from demind.toy.pipeline import QuickstartConfig, run_quickstart  # noqa: E402
 
 
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. seeds=[0,1,2] backbone.steps=600")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     try:
         cfg = load_config(QuickstartConfig, args.config, args.overrides)
     except ConfigError as e:

@@ -9,7 +9,6 @@ No exception is caught here: a failing benchmark fails the command with its trac
 from __future__ import annotations
 
 import argparse
-import logging
 from typing import Any
 
 import torch
@@ -17,6 +16,7 @@ import torch
 from demind.eval.harness import BENCHMARKS, ReaderOptions, evaluate
 from demind.eval.methods import METHODS, load_backbone_and_model
 from demind.eval.reports import format_table
+from demind.logs import setup_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,7 +61,7 @@ def reader_options(args: argparse.Namespace) -> ReaderOptions:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run one evaluation; prints the table and returns the results dict."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     backbone, model = load_backbone_and_model(args.checkpoint, args.backbone, args.device, args.precision)
     results = evaluate(
         args.benchmark, args.data_root, backbone=backbone, model=model, methods=args.methods, split=args.split,
