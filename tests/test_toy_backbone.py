@@ -126,3 +126,32 @@ def test_trimmed_text_encoding_equals_open_clip(trained):
             assert torch.allclose(encode_text_trimmed(model, tokens, chunks), expected, atol=1e-5)
     encode_text_trimmed(model, tokens).sum().backward()  # gradients reach the text tower
     assert model.token_embedding.weight.grad is not None and model.transformer.resblocks[0].mlp.c_fc.weight.grad is not None
+
+
+def test_killed_training_resumes_where_it_stopped(tmp_path, monkeypatch):
+    model_json = tmp_path / "toy-clip-resume.json"
+    model_json.write_text(json.dumps(TINY))
+    cfg = ToyBackboneConfig(model_config=str(model_json), steps=4, batch_size=8, warmup_steps=1,
+                            num_train_images=16, num_eval_scenes=20)
+    reference, _ = toy_backbone.train_toy_clip(cfg, progress=False)
+
+    real_lr, state, seen = toy_backbone._lr_at, tmp_path / "toy.state.pt", []
+
+    def killed_at_step_3(step, c):
+        if step == 3:
+            raise KeyboardInterrupt("killed")
+        return real_lr(step, c)
+
+    def recording(step, c):
+        seen.append(step)
+        return real_lr(step, c)
+
+    monkeypatch.setattr(toy_backbone, "_lr_at", killed_at_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        toy_backbone.train_toy_clip(cfg, progress=False, state_path=state, save_every=2)
+    assert state.is_file()
+    monkeypatch.setattr(toy_backbone, "_lr_at", recording)
+    resumed, _ = toy_backbone.train_toy_clip(cfg, progress=False, state_path=state, save_every=2)
+    assert sorted(set(seen)) == [2, 3]  # only the steps after the saved state ran again
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[name], value)

@@ -141,8 +141,23 @@ def build_toy_model(cfg: ToyBackboneConfig) -> tuple[torch.nn.Module, Any, int]:
     return model, open_clip.get_tokenizer(name), model.visual.image_size[0]
 
 
-def train_toy_clip(cfg: ToyBackboneConfig, progress: bool = True) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """Train the toy CLIP from scratch with open_clip's ClipLoss. Returns (model, log)."""
+def save_train_state(path: Path, model: torch.nn.Module, optim: torch.optim.Optimizer, step: int,
+                     rng: random.Random, losses: list[float], elapsed: float) -> None:
+    """Everything a killed run needs to continue exactly: weights, optimizer, the next step,
+    the sampling RNG (which batches and captions come next), recent losses. Atomic."""
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"model": model.state_dict(), "optim": optim.state_dict(), "step": step,
+                "rng": rng.getstate(), "losses": losses, "elapsed": elapsed}, tmp)
+    os.replace(tmp, path)
+
+
+def train_toy_clip(cfg: ToyBackboneConfig, progress: bool = True, state_path: Path | None = None,
+                   save_every: int = 100) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """Train the toy CLIP from scratch with open_clip's ClipLoss. Returns (model, log).
+
+    With ``state_path``, the training state is saved every ``save_every`` steps, and a run
+    that finds one continues from it (same batches, same captions) instead of restarting.
+    """
     torch.manual_seed(cfg.seed)
     model, tokenizer, image_size = build_toy_model(cfg)
     scenes, images = render_pool("web", cfg.num_train_images, image_size, progress)
@@ -152,9 +167,18 @@ def train_toy_clip(cfg: ToyBackboneConfig, progress: bool = True) -> tuple[torch
                                {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.98), eps=1e-6)
     loss_fn = ClipLoss()
     rng = random.Random(derive_seed("toy-backbone", cfg.seed))
+    first_step, losses, earlier = 0, [], 0.0
+    if state_path is not None and state_path.is_file():
+        state = torch.load(state_path, weights_only=False)  # our own file: holds the RNG tuple
+        model.load_state_dict(state["model"])
+        optim.load_state_dict(state["optim"])
+        rng.setstate(state["rng"])
+        first_step, losses, earlier = state["step"], state["losses"], state["elapsed"]
+        logger.info("toy CLIP: resuming from step %d (%s)", first_step, state_path)
     model.train()
-    start, losses = time.perf_counter(), []
-    bar = tqdm(range(cfg.steps), desc="toy CLIP", unit="step", disable=not progress)
+    start = time.perf_counter() - earlier
+    bar = tqdm(range(first_step, cfg.steps), desc="toy CLIP", unit="step", disable=not progress,
+               initial=first_step, total=cfg.steps)
     for step in bar:
         for group in optim.param_groups:
             group["lr"] = _lr_at(step, cfg)
@@ -178,6 +202,8 @@ def train_toy_clip(cfg: ToyBackboneConfig, progress: bool = True) -> tuple[torch
             logger.info("toy CLIP step %d/%d loss %.4f lr %.2e scale %.1f %.1f samples/s", step + 1, cfg.steps,
                         float(np.mean(losses[-cfg.log_every:])), _lr_at(step, cfg), scale.item(),
                         (step + 1) * cfg.batch_size / elapsed)
+        if state_path is not None and (step + 1) % save_every == 0 and step + 1 < cfg.steps:
+            save_train_state(state_path, model, optim, step + 1, rng, losses, time.perf_counter() - start)
     model.eval()
     return model, {"train_seconds": round(time.perf_counter() - start, 1), "final_loss": float(np.mean(losses[-20:]))}
 
@@ -234,8 +260,11 @@ def ensure_toy_backbone(cfg: ToyBackboneConfig | None = None, cache_dir: str | P
         return weights, json.loads(report_path.read_text())
     logger.info("training toy CLIP (%s, %d steps of batch %d) -> %s", cfg.model_config, cfg.steps,
                 cfg.batch_size, weights)
-    model, log = train_toy_clip(cfg, progress)
+    state_path = weights.with_name(weights.stem + ".state.pt")  # mid-training state: a rerun resumes
+    weights.parent.mkdir(parents=True, exist_ok=True)
+    model, log = train_toy_clip(cfg, progress, state_path)
     save_weights(model, weights)
+    state_path.unlink(missing_ok=True)
     _, tokenizer, image_size = build_toy_model(cfg)
     recall = evaluate_toy_clip(model, tokenizer, image_size, cfg.num_eval_scenes, progress)
     report = {"weights": str(weights), "cache_key": cache_key(cfg), "world_version": WORLD_VERSION,
