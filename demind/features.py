@@ -101,13 +101,7 @@ class FeatureCache:
         Otherwise (``auto``) an incomplete cache is reported and None returned.
         """
         directory = Path(directory)
-        missing = []
-        for shard in shards:
-            index = read_index(directory, shard)
-            if index is None:
-                missing.append(shard)
-            else:
-                check_identity(index, identity, cache_files(directory, shard)[1])
+        missing = shards_to_build(directory, shards, identity)
         if not missing:
             return cls(directory, identity)
         message = (f"feature cache {directory} lacks {len(missing)} of {len(shards)} shards "
