@@ -42,9 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     if summary["per_type_table"]:
         print()
         print(summary["per_type_table"])
-    bb = summary["backbone"]["heldout_text_to_image"]["full_description"]
-    print("\ntoy CLIP held-out text->image (full descriptions): "
-          + ", ".join(f"{k} {100 * v:.1f}" for k, v in bb.items()))
+    print("\ntoy CLIP held-out text->image recall (R@1 / R@5 / R@10, %; probe = a text naming one attribute):")
+    for texts, recall in summary["backbone"]["heldout_text_to_image"].items():
+        print(f"  {texts:<17} " + " / ".join(f"{100 * v:.1f}" for v in recall.values()))
     print("stage seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in summary["timings_s"].items()))
     print(f"results: {Path(cfg.workdir) / 'results.json'}" + (f"\nplot: {summary['plot']}" if summary["plot"] else ""))
     return 0

@@ -54,6 +54,26 @@ def test_trimming_padding_is_exact(tiny_backbone):
     assert trimmed.tokens.shape[1] == int((tokens == tiny_backbone.eot_id).int().argmax(dim=1).max()) + 1
 
 
+def test_length_buckets_match_one_padded_batch(tiny_backbone, monkeypatch):
+    """Sorting texts by length into buckets changes nothing we read: pooled, word features
+    under the mask, and the gradient reaching the pseudo tokens."""
+    texts = ["* dog", "a photo of * , a red car on the left of a big blue house with a garden",
+             "* , small", "a photo of * , a cat", "* on grass at night under the moon and the stars"]
+    pseudo = torch.randn(len(texts), 1, tiny_backbone.width)
+    results = {}
+    for buckets in (1, 3):
+        monkeypatch.setattr(tiny_backbone.cfg, "text_buckets", buckets)
+        p = pseudo.clone().requires_grad_(True)
+        out = tiny_backbone.encode_with_pseudo_tokens(texts, p)
+        (out.pooled.square().sum() + (out.tokens * out.mask.unsqueeze(-1)).sum()).backward()
+        results[buckets] = (out, p.grad)
+    (one, grad_one), (three, grad_three) = results[1], results[3]
+    assert torch.allclose(one.pooled, three.pooled, atol=1e-5)
+    assert torch.equal(one.mask, three.mask) and one.tokens.shape == three.tokens.shape
+    assert torch.allclose(one.tokens[one.mask], three.tokens[three.mask], atol=1e-5)
+    assert torch.allclose(grad_one, grad_three, atol=1e-4)
+
+
 def test_long_text_truncation_keeps_placeholder_and_eot(tiny_backbone):
     text = "a photo of " + "very " * 100 + "* , and then " + "more " * 50
     tokens = tiny_backbone.tokenize([text])[0]

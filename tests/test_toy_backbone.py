@@ -38,7 +38,9 @@ def test_training_writes_weights_and_report(trained):
     cfg, root, weights, report = trained
     assert weights.is_file() and weights == cached_paths(cfg, root / "cache")[0]
     assert report["config"]["steps"] == 2 and np.isfinite(report["final_loss"])
-    for texts in ("full_description", "alt_text"):
+    assert set(report["heldout_text_to_image"]) == {"full_description", "alt_text", "probe:shape", "probe:colour",
+                                                    "probe:position", "probe:background"}
+    for texts in report["heldout_text_to_image"]:
         assert set(report["heldout_text_to_image"][texts]) == {"R@1", "R@5", "R@10"}
         assert all(0.0 <= v <= 1.0 for v in report["heldout_text_to_image"][texts].values())
     # training moved the weights away from the seeded random init
@@ -155,3 +157,23 @@ def test_killed_training_resumes_where_it_stopped(tmp_path, monkeypatch):
     assert sorted(set(seen)) == [2, 3]  # only the steps after the saved state ran again
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(resumed.state_dict()[name], value)
+
+
+def test_render_pool_gives_the_same_images_in_one_or_two_processes():
+    scenes_one, one = toy_backbone.render_pool("web", 7, 32, progress=False, workers=1, chunk=3)
+    scenes_two, two = toy_backbone.render_pool("web", 7, 32, progress=False, workers=2, chunk=3)
+    assert one.shape == (7, 32, 32, 3) and one.dtype == np.uint8
+    assert np.array_equal(one, two) and scenes_one == scenes_two
+    # scene i's image is render_scene of that scene with its own nuisance seed
+    assert np.array_equal(one[4], render_scene(scenes_one[4], toy_backbone.derive_seed("web", "nuisance", 4), 32).image)
+
+
+def test_probe_texts_name_one_attribute_only():
+    from demind.toy.world import Scene, ToyObject
+
+    scene = Scene(objects=(ToyObject(0, "heart", "red", "small", "top left"),
+                           ToyObject(1, "star", "blue", "large", "center")), background="grass", style="origami")
+    assert toy_backbone.probe_text(scene, "shape") == "an origami of a heart and a star"
+    assert toy_backbone.probe_text(scene, "colour") == "an origami of a red object and a blue object"
+    assert toy_backbone.probe_text(scene, "background") == "an origami on grass"
+    assert "heart" not in toy_backbone.probe_text(scene, "position")

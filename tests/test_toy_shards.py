@@ -44,10 +44,10 @@ def test_shards_have_the_intent_schema(tmp_path):
         assert any(sh in rew for sh in SHAPES)
 
 
-def test_same_config_same_bytes_and_rerun_skips_done_shards(tmp_path):
+def test_same_config_same_bytes_in_one_or_two_processes_and_rerun_skips_done_shards(tmp_path):
     cfg = ToyShardConfig(num_samples=6, samples_per_shard=3)
-    a = write_toy_shards(tmp_path / "a", cfg, show_progress=False)
-    b = write_toy_shards(tmp_path / "b", cfg, show_progress=False)
+    a = write_toy_shards(tmp_path / "a", cfg, show_progress=False, workers=1)
+    b = write_toy_shards(tmp_path / "b", cfg, show_progress=False, workers=2)
     samples_a, samples_b = _read(a), _read(b)
     for x, y in zip(samples_a, samples_b):
         assert all(x[k] == y[k] for k in ("__key__", "jpg", "txt", "rew.txt", "int.txt", "json"))

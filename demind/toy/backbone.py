@@ -32,6 +32,7 @@ from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 from open_clip.loss import ClipLoss
 from tqdm import tqdm
 
+from .parallel import parallel_map
 from .render import render_scene
 from .texts import alt_text, full_description, web_text
 from .world import WORLD_VERSION, Scene, derive_seed, scene_from_seed, stream_seed
@@ -53,6 +54,7 @@ class ToyBackboneConfig:
     warmup_steps: int = 100
     num_train_images: int = 8000   # rendered once; each step draws fresh texts for them
     num_eval_scenes: int = 1000
+    fused_adamw: bool = True       # same update, one kernel (44 -> 8 ms a step on 2 cores)
     log_every: int = 50
 
 
@@ -91,14 +93,25 @@ def images_to_tensor(images: np.ndarray) -> torch.Tensor:
     return (x - mean) / std
 
 
-def render_pool(stream: str, count: int, image_size: int, progress: bool = True) -> tuple[list[Scene], np.ndarray]:
-    """Scenes ``0..count-1`` of a seed stream and their images, (count, H, W, 3) uint8."""
+def _render_chunk(job: tuple[str, int, int, int]) -> np.ndarray:
+    """Images of scenes ``start..stop-1`` of a stream, (n, H, W, 3) uint8 (a worker's share)."""
+    stream, start, stop, image_size = job
+    return np.stack([render_scene(scene_from_seed(stream_seed(stream, i)), derive_seed(stream, "nuisance", i),
+                                  image_size).image for i in range(start, stop)])
+
+
+def render_pool(stream: str, count: int, image_size: int, progress: bool = True,
+                workers: int | None = None, chunk: int = 250) -> tuple[list[Scene], np.ndarray]:
+    """Scenes ``0..count-1`` of a seed stream and their images, (count, H, W, 3) uint8.
+
+    Rendered in chunks over ``workers`` processes (default: every core) when there is more
+    than one chunk; the images do not depend on how the work is split.
+    """
     scenes = [scene_from_seed(stream_seed(stream, i)) for i in range(count)]
-    images = np.stack([
-        render_scene(s, derive_seed(stream, "nuisance", i), image_size).image
-        for i, s in enumerate(tqdm(scenes, desc=f"render {stream}", unit="img", disable=not progress, leave=False))
-    ])
-    return scenes, images
+    jobs = [(stream, start, min(start + chunk, count), image_size) for start in range(0, count, chunk)]
+    parts = parallel_map(_render_chunk, jobs, workers if len(jobs) > 1 else 1, desc=f"render {stream}",
+                         progress=progress, unit="chunk")
+    return scenes, np.concatenate(list(parts))
 
 
 # ----------------------------------------------------------------------- training
@@ -138,7 +151,8 @@ def build_toy_model(cfg: ToyBackboneConfig) -> tuple[torch.nn.Module, Any, int]:
     """(model, tokenizer, image size) for the config, randomly initialised."""
     name = _model_name(cfg.model_config)
     model = open_clip.create_model(name, pretrained=None)
-    return model, open_clip.get_tokenizer(name), model.visual.image_size[0]
+    size = model.visual.image_size  # (H, W) for a ViT, an int for open_clip's ModifiedResNet
+    return model, open_clip.get_tokenizer(name), size[0] if isinstance(size, (tuple, list)) else int(size)
 
 
 def save_train_state(path: Path, model: torch.nn.Module, optim: torch.optim.Optimizer, step: int,
@@ -164,7 +178,8 @@ def train_toy_clip(cfg: ToyBackboneConfig, progress: bool = True, state_path: Pa
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embedding" not in n]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2 or "embedding" in n]
     optim = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                               {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.98), eps=1e-6)
+                               {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.98), eps=1e-6,
+                              fused=cfg.fused_adamw)
     loss_fn = ClipLoss()
     rng = random.Random(derive_seed("toy-backbone", cfg.seed))
     first_step, losses, earlier = 0, [], 0.0
@@ -225,15 +240,38 @@ def text_to_image_recall(model: torch.nn.Module, tokenizer: Any, images: np.ndar
     return {f"R@{k}": float((rank < k).float().mean()) for k in ks}
 
 
+def probe_text(scene: Scene, attribute: str) -> str:
+    """A text naming one attribute of a scene only: what the backbone can see of it.
+
+    ``shape``: "a photo of a heart and a star"; ``colour``: "a photo of a red object and a
+    blue object"; ``background``: "a photo on grass"; ``position``: "a photo of an object
+    at the top left and ..." (the style word replaces "photo").
+    """
+    head = f"{'an' if scene.style[0] in 'aeiou' else 'a'} {scene.style}"
+    if attribute == "background":
+        return f"{head} on {scene.background}"
+    phrase = {"shape": lambda o: f"a {o.shape}", "colour": lambda o: f"a {o.colour} object",
+              "position": lambda o: f"an object at the {o.position}"}[attribute]
+    return f"{head} of " + " and ".join(phrase(o) for o in scene.objects)
+
+
+PROBED_ATTRIBUTES = ("shape", "colour", "position", "background")
+
+
 def evaluate_toy_clip(model: torch.nn.Module, tokenizer: Any, image_size: int, num_scenes: int,
                       progress: bool = True) -> dict[str, dict[str, float]]:
-    """Text-to-image recall on held-out scenes, with full descriptions and with alt-texts."""
+    """Text-to-image recall on held-out scenes: full descriptions, alt-texts, and texts
+    that name one attribute only (``probe:shape`` ...), which show what the backbone sees."""
     scenes, images = render_pool("web_eval", num_scenes, image_size, progress)
     rng = random.Random(derive_seed("web_eval", "texts"))
-    return {
+    recall = {
         "full_description": text_to_image_recall(model, tokenizer, images, [full_description(s, rng) for s in scenes]),
         "alt_text": text_to_image_recall(model, tokenizer, images, [alt_text(s, rng) for s in scenes]),
     }
+    for attribute in PROBED_ATTRIBUTES:
+        recall[f"probe:{attribute}"] = text_to_image_recall(model, tokenizer, images,
+                                                            [probe_text(s, attribute) for s in scenes])
+    return recall
 
 
 # -------------------------------------------------------------------------- cache

@@ -18,11 +18,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from demind.gen.shards import ShardOutput
 from demind.gen.writer import ShardWriter, encode_sample, write_stats
 
+from .parallel import parallel_map
 from .render import render_image
 from .texts import alt_text, full_description, hypothetical_source, pseudo_manipulation
 from .world import WORLD_VERSION, Scene, derive_seed, scene_from_seed, stream_seed
@@ -118,8 +117,16 @@ def write_toy_shard(out_dir: Path, shard_id: int, cfg: ToyShardConfig) -> dict[s
     return stats
 
 
-def write_toy_shards(out_dir: str | Path, cfg: ToyShardConfig | None = None, show_progress: bool = True) -> list[Path]:
+def _write_shard_job(job: tuple[Path, int, ToyShardConfig]) -> dict[str, Any]:
+    return write_toy_shard(*job)
+
+
+def write_toy_shards(out_dir: str | Path, cfg: ToyShardConfig | None = None, show_progress: bool = True,
+                     workers: int | None = None) -> list[Path]:
     """Write all shards of ``cfg`` into ``out_dir``, skipping finished ones. Returns the tar paths.
+
+    Shards are written by ``workers`` processes (default: every core); each is written
+    atomically and only from its own seeds, so the files do not depend on the split.
 
     A shard written by another world version or config is redone (its stats say which).
     """
@@ -130,8 +137,9 @@ def write_toy_shards(out_dir: str | Path, cfg: ToyShardConfig | None = None, sho
     todo = [i for i in range(num_shards) if not _is_current(shard_output(out_dir, i), cfg)]
     if todo:
         logger.info("toy shards: %d to write, %d already done in %s", len(todo), num_shards - len(todo), out_dir)
-    for shard_id in tqdm(todo, desc="toy shards", unit="shard", disable=not show_progress or not todo):
-        write_toy_shard(out_dir, shard_id, cfg)
+    jobs = [(out_dir, shard_id, cfg) for shard_id in todo]
+    for _ in parallel_map(_write_shard_job, jobs, workers, desc="toy shards", progress=show_progress, unit="shard"):
+        pass
     return [shard_output(out_dir, i).tar for i in range(num_shards)]
 
 
