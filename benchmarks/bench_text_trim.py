@@ -1,9 +1,10 @@
-"""Text-tower cost with padding trimmed (ours) vs open_clip's full 77-position forward.
+"""Text-tower cost: open_clip's full 77-position forward vs ours (padding trimmed after the
+batch's last EOT, in one length bucket or in ``text_buckets`` sorted by length).
 
     PYTHONPATH=. python benchmarks/bench_text_trim.py --model ViT-B-32 --batch 32 --repeats 5
 
-Both paths compute the same pooled embeddings (checked here and in tests); the ratio is
-taken within one run, timings interleaved, median of the repeats.
+All paths compute the same pooled embeddings (checked here and in tests); ratios are taken
+within one run, timings interleaved, median of the repeats.
 """
 
 from __future__ import annotations
@@ -16,12 +17,43 @@ import torch
 
 from demind.backbone import BackboneConfig, FrozenCLIP
 
-CAPTIONS = [
+CIRR_STYLE = [
     "a photo of * , show three bottles of soft drink on a wooden table instead of one",
     "a photo of * , make it red and remove the dog",
-    "* * * *",
     "a photo of * , has two children instead of one and is outdoors",
 ]
+INTENTION = ["* * * *"]
+# De-MINDS training targets: a short alt-text (T_ori), a ~65-token rewritten caption
+# (T_rew) and a ~27-token intention (T_int), mixed in one batch as the sampler mixes them.
+TRAINING_MIX = [
+    "a photo of * , actor attends the premiere",
+    "a photo of * , a man in a dark suit and a white shirt stands on a red carpet in front of a wall of "
+    "logos; the background is blurred with photographers and bright lights; the colours are mostly red, "
+    "black and white; the style is a candid event photograph with flash lighting",
+    "a photo of * , make the man wear a dark suit and stand on a red carpet in front of photographers",
+    "a photo of * , dog on the beach",
+]
+
+
+def time_paths(backbone: FrozenCLIP, texts: list[str], repeats: int) -> tuple[float, float, float]:
+    """Median seconds of (open_clip full, trimmed one bucket, trimmed ``text_buckets``)."""
+    tokens = backbone.tokenize(texts)
+    buckets = backbone.cfg.text_buckets
+    runs: tuple[list[float], list[float], list[float]] = ([], [], [])
+    with torch.no_grad():
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            backbone.model.encode_text(tokens)
+            t1 = time.perf_counter()
+            backbone.cfg.text_buckets = 1
+            backbone.encode_text(texts)
+            t2 = time.perf_counter()
+            backbone.cfg.text_buckets = buckets
+            backbone.encode_text(texts)
+            t3 = time.perf_counter()
+            for times, value in zip(runs, (t1 - t0, t2 - t1, t3 - t2)):
+                times.append(value)
+    return tuple(statistics.median(t) for t in runs)  # type: ignore[return-value]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -32,25 +64,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     backbone = FrozenCLIP(BackboneConfig(name=args.model, pretrained=None))
-    for prompts in (CAPTIONS[:2] + CAPTIONS[3:], CAPTIONS[2:3]):
+    for label, prompts in (("CIRR-style prompts", CIRR_STYLE), ("intention prompt '* * * *'", INTENTION),
+                           ("training mix T_ori/T_rew/T_int", TRAINING_MIX)):
         texts = [prompts[i % len(prompts)] for i in range(args.batch)]
-        tokens = backbone.tokenize(texts)
         with torch.no_grad():
-            assert torch.allclose(backbone.encode_text(texts).pooled, backbone.model.encode_text(tokens), atol=1e-4)
-        full, trimmed = [], []
-        for _ in range(args.repeats):
-            with torch.no_grad():
-                t0 = time.perf_counter()
-                backbone.model.encode_text(tokens)
-                t1 = time.perf_counter()
-                backbone.encode_text(texts)
-                t2 = time.perf_counter()
-            full.append(t1 - t0)
-            trimmed.append(t2 - t1)
-        f, t = statistics.median(full), statistics.median(trimmed)
-        label = "intention prompt '* * * *'" if len(prompts) == 1 else "CIRR-style prompts"
-        print(f"{args.model} batch {args.batch}, {label}: full 77 positions {f * 1e3:.1f} ms, "
-              f"trimmed {t * 1e3:.1f} ms, speed-up x{f / t:.2f}")
+            reference = backbone.model.encode_text(backbone.tokenize(texts))
+            assert torch.allclose(backbone.encode_text(texts).pooled, reference, atol=1e-4)
+        full, one, many = time_paths(backbone, texts, args.repeats)
+        print(f"{args.model} batch {args.batch}, {label}: full 77 positions {full * 1e3:.1f} ms | trimmed, "
+              f"1 bucket {one * 1e3:.1f} ms (x{full / one:.2f}) | trimmed, {backbone.cfg.text_buckets} buckets "
+              f"{many * 1e3:.1f} ms (x{full / many:.2f}; x{one / many:.2f} over 1 bucket)")
 
 
 if __name__ == "__main__":

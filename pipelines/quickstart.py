@@ -39,9 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     summary = run_quickstart(cfg)
     print()
     print(summary["table"])
-    if summary["per_type_table"]:
-        print()
-        print(summary["per_type_table"])
+    for table in ("per_type_table", "paired_table"):
+        if summary[table]:
+            print()
+            print(summary[table])
     print("\ntoy CLIP held-out text->image recall (R@1 / R@5 / R@10, %; probe = a text naming one attribute):")
     for texts, recall in summary["backbone"]["heldout_text_to_image"].items():
         print(f"  {texts:<17} " + " / ".join(f"{100 * v:.1f}" for v in recall.values()))

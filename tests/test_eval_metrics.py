@@ -122,3 +122,22 @@ def test_masked_crop_has_white_background(tmp_path):
     assert tuple(crop[0, 0]) == (255, 255, 255)  # outside the object: masked white
     assert tuple(crop[8, 8]) == (200, 10, 10)  # inside: the object's pixels
     assert ref.cache_key != ImageRef("q", tmp_path / "img.png", box=(2.0, 2.0, 18.0, 18.0)).cache_key
+
+
+def test_paired_hits_and_sign_test_by_hand():
+    from demind.eval.metrics import paired_hits, sign_test_p
+
+    targets = {"q1": {"t1"}, "q2": {"t2"}, "q3": {"t3"}, "q4": {"t4"}}
+    a = {"q1": ["t1", "x"], "q2": ["x", "t2"], "q3": ["x", "y"], "q4": ["t4", "y"]}
+    b = {"q1": ["x", "t1"], "q2": ["t2", "x"], "q3": ["x", "t3"], "q4": ["y", "x"]}
+    # at K=1: q1 and q4 only A, q2 only B, q3 neither
+    assert paired_hits(a, b, targets, k=1) == (2, 1)
+    # at K=2: q4 only A, q3 only B, q1 and q2 both
+    assert paired_hits(a, b, targets, k=2) == (1, 1)
+    # 2 vs 1 discordant: P(split at least as uneven) = 2 * (C(3,0) + C(3,1)) / 8 = 1.0
+    assert sign_test_p(2, 1) == 1.0
+    # 9 vs 1: 2 * (1 + 10) / 1024
+    assert abs(sign_test_p(9, 1) - 22 / 1024) < 1e-12 and sign_test_p(1, 9) == sign_test_p(9, 1)
+    assert sign_test_p(0, 0) == 1.0
+    with pytest.raises(ValueError, match="different queries"):
+        paired_hits(a, {"q1": []}, targets, k=1)

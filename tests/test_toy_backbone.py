@@ -177,3 +177,15 @@ def test_probe_texts_name_one_attribute_only():
     assert toy_backbone.probe_text(scene, "colour") == "an origami of a red object and a blue object"
     assert toy_backbone.probe_text(scene, "background") == "an origami on grass"
     assert "heart" not in toy_backbone.probe_text(scene, "position")
+
+
+def test_a_resnet_image_tower_config_builds_and_trains(tmp_path):
+    """open_clip's ModifiedResNet (CLIP RN50's tower) reports its image size as an int."""
+    model_json = tmp_path / "toy-clip-rn-test.json"
+    model_json.write_text(json.dumps({**TINY, "vision_cfg": {"image_size": 64, "layers": [1, 1, 1, 1], "width": 8,
+                                                             "head_width": 32}}))
+    cfg = ToyBackboneConfig(model_config=str(model_json), steps=1, batch_size=4, warmup_steps=1, num_train_images=8)
+    model, _, image_size = toy_backbone.build_toy_model(cfg)
+    assert image_size == 64
+    trained, log = toy_backbone.train_toy_clip(cfg, progress=False)
+    assert np.isfinite(log["final_loss"])

@@ -153,3 +153,36 @@ def test_cirr_reader_loads_toy_files(bench_root):
     data = read_cirr(bench_root / "cirr")
     group = data.groups[0]
     assert len(group.queries) == 2 * SMALL.cirr_sets and len(group.gallery) == 6 * SMALL.cirr_sets
+
+
+def test_exclusion_reader_loads_toy_file(bench_root):
+    from demind.eval.harness import read_benchmark
+
+    data = read_benchmark("exclusion", bench_root / "exclusion")
+    group = data.groups[0]
+    raw = read_exclusion(bench_root / "exclusion/exclusion.json")
+    assert group.metric == "map" and len(group.queries) == SMALL.exclusion_queries
+    assert len(group.gallery) == len(raw["images"]) == 5 * SMALL.exclusion_queries
+    for q, spec in zip(group.queries, raw["queries"]):
+        assert q.targets == tuple(spec["positives"]) and q.exclude == spec["reference"]
+        assert q.prompt == f"a photo of * , {spec['modification']}" and q.text == spec["text"]
+        assert q.reference.path.is_file()
+
+
+def test_exclusion_eval_reader_names_the_problem(tmp_path):
+    from demind.eval.exclusion import FORMAT, read_exclusion as read_for_eval
+    from demind.eval.structures import DataLayoutError
+
+    with pytest.raises(DataLayoutError, match="exclusion.json"):
+        read_for_eval(tmp_path)
+    query = {"id": 3, "reference": "a", "target": "b", "modification": "without the red square",
+             "text": "t", "positives": ["a", "b"], "hard_negatives": []}
+    (tmp_path / "exclusion.json").write_text(json.dumps({"format": FORMAT, "images": {"a": "a.png", "b": "b.png"},
+                                                         "queries": [query]}))
+    with pytest.raises(ValueError, match="query 3: its reference a cannot be a positive"):
+        read_for_eval(tmp_path)
+    query["positives"] = ["b"]
+    (tmp_path / "exclusion.json").write_text(json.dumps({"format": FORMAT, "images": {"a": "a.png", "b": "b.png"},
+                                                         "queries": [query]}))
+    with pytest.raises(DataLayoutError, match="a.png"):  # images listed but absent
+        read_for_eval(tmp_path)

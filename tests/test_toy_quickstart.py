@@ -44,11 +44,20 @@ def test_quickstart_runs_every_stage_and_reuses_them(tmp_path, monkeypatch):
     rows = summary["rows"]
     assert set(rows) == {"demind", "mapping-only", "image+text", "image-only", "text-only"}
     for row in rows.values():
-        for key in ("cirr:R@1", "cirr:R@10", "imagenet-r:average/R@10", "coco:R@1"):
+        for key in ("cirr:R@1", "cirr:R@10", "imagenet-r:average/R@10", "coco:R@1", "exclusion:mAP@10"):
             mean, std = row["metrics"][key]
             assert 0.0 <= mean <= 100.0 and std == 0.0
         assert row["per_type"]["all"]["n"] == 2 * 4
     assert "demind" in summary["table"] and "text-only" in summary["table"]
+    # paired comparison: discordant counts differ exactly by the recall difference
+    paired = summary["paired"][0]
+    assert set(paired) == {"mapping-only", "image+text", "image-only", "text-only"}
+    for other, by_k in paired.items():
+        for k in ("R@5", "R@10"):
+            diff = rows["demind"]["per_type"]["all"][k][0] - rows[other]["per_type"]["all"][k][0]
+            assert by_k[k]["only_demind"] - by_k[k]["only_other"] == round(diff * 8 / 100)
+            assert 0.0 <= by_k[k]["p"] <= 1.0
+    assert "sign-test" in summary["paired_table"]
 
     # Second run: nothing is retrained.
     import demind.toy.backbone as toy_backbone

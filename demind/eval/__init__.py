@@ -1,4 +1,4 @@
-"""Zero-shot composed image retrieval evaluation (CIRR, FashionIQ, COCO, ImageNet-R, CIRCO).
+"""Zero-shot composed image retrieval evaluation (CIRR, FashionIQ, COCO, ImageNet-R, CIRCO, and our exclusion set).
 
 Library entry point::
 

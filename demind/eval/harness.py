@@ -24,6 +24,7 @@ from demind.eval import metrics as M
 from demind.eval.circo import read_circo
 from demind.eval.cirr import read_cirr
 from demind.eval.coco import read_coco
+from demind.eval.exclusion import read_exclusion
 from demind.eval.fashioniq import read_fashioniq
 from demind.eval.features import FeatureCache, backbone_cache_slug, encode_images, stack_features
 from demind.eval.imagenet_r import read_imagenet_r
@@ -39,7 +40,7 @@ from demind.model import DeMinds
 
 log = logging.getLogger(__name__)
 
-BENCHMARKS = ("cirr", "fashioniq", "coco", "imagenet-r", "circo")
+BENCHMARKS = ("cirr", "fashioniq", "coco", "imagenet-r", "circo", "exclusion")
 RANKING_DEPTH = 50
 
 
@@ -70,6 +71,8 @@ def read_benchmark(benchmark: str, data_root: str | Path, split: str = "val", li
         return read_imagenet_r(data_root, split, limit)
     if benchmark == "circo":
         return read_circo(data_root, split, limit)
+    if benchmark == "exclusion":
+        return read_exclusion(data_root, split, limit)
     raise ValueError(f"unknown benchmark {benchmark!r}; choose from {', '.join(BENCHMARKS)}")
 
 

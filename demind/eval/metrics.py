@@ -12,6 +12,7 @@ Three definitions are in use in the ZS-CIR literature, and they are not intercha
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -130,3 +131,31 @@ def _check_ks(relevance: torch.Tensor, ks: Sequence[int]) -> None:
         raise ValueError(f"k must be >= 1, got {list(ks)}")
     # k beyond K is allowed only because callers rank min(50, gallery size): a gallery
     # smaller than k is then fully ranked, and "top k" is the whole gallery.
+
+
+def paired_hits(ranked_a: dict[str, list[str]], ranked_b: dict[str, list[str]], targets: dict[str, set[str]],
+                k: int) -> tuple[int, int]:
+    """Queries that only A / only B answers at K: (A hits and B misses, B hits and A misses).
+
+    ranked_*: query id -> gallery names best first (``rankings/<method>.json``); targets:
+    query id -> relevant names. Both methods must rank the same queries.
+    """
+    if set(ranked_a) != set(ranked_b):
+        raise ValueError(f"the two rankings cover different queries ({len(ranked_a)} vs {len(ranked_b)})")
+    only_a = only_b = 0
+    for qid, relevant in targets.items():
+        hit_a = any(name in relevant for name in ranked_a[qid][:k])
+        hit_b = any(name in relevant for name in ranked_b[qid][:k])
+        only_a += hit_a and not hit_b
+        only_b += hit_b and not hit_a
+    return only_a, only_b
+
+
+def sign_test_p(only_a: int, only_b: int) -> float:
+    """Exact two-sided sign (McNemar) test on discordant pairs: P(a split at least this
+    uneven | A and B equally good). Ties (both hit or both miss) carry no information."""
+    n = only_a + only_b
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(only_a, only_b) + 1)) / 2**n
+    return min(1.0, 2 * tail)

@@ -54,6 +54,8 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
+from demind.eval.exclusion import FORMAT, check_exclusion
+
 from .render import render_scene
 from .texts import annotator_text, noun_phrase, with_article
 from .world import (
@@ -65,7 +67,7 @@ from .world import (
 logger = logging.getLogger(__name__)
 
 BENCHMARKS = ("cirr", "imgnet", "coco", "exclusion")
-EXCLUSION_FORMAT = "demind-toy-exclusion/1"
+EXCLUSION_FORMAT = FORMAT  # documented in demind.eval.exclusion
 REAL_DISTRACTOR_OFFSET = 6000  # Pic2Word's list labels real distractors class + 6000
 
 
@@ -317,21 +319,14 @@ def write_exclusion(folder: Path, cfg: ToyBenchmarkConfig, progress: bool = True
 
 
 def read_exclusion(path: str | Path) -> dict[str, Any]:
-    """Load and check an exclusion file; malformed content is an error naming the file."""
+    """Load and check an exclusion file (the checks of :mod:`demind.eval.exclusion`, whose
+    ``read_exclusion`` turns the folder into queries for the evaluation harness)."""
     path = Path(path)
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise ValueError(f"{path}: cannot read the exclusion benchmark ({e})") from None
-    if data.get("format") != EXCLUSION_FORMAT:
-        raise ValueError(f"{path}: expected format {EXCLUSION_FORMAT!r}, got {data.get('format')!r}")
-    images = data["images"]
-    for q in data["queries"]:
-        missing = [n for n in [q["reference"], q["target"], *q["positives"], *q["hard_negatives"]] if n not in images]
-        if missing:
-            raise ValueError(f"{path}: query {q['id']} names images not in 'images': {missing[:3]}")
-        if q["target"] not in q["positives"]:
-            raise ValueError(f"{path}: query {q['id']}: target {q['target']} is not among its positives")
+    check_exclusion(data, path)
     return data
 
 

@@ -41,8 +41,8 @@ VARIANTS: dict[str, list[str]] = {
 }
 ALL_METHODS = ("demind", "mapping-only", "image+text", "image-only", "text-only")
 HEADLINE = {"cirr": ("R@1", "R@5", "R@10"), "imagenet-r": ("average/R@10", "average/R@50"),
-            "coco": ("R@1", "R@5", "R@10")}
-BENCH_FOLDERS = {"cirr": "cirr", "imagenet-r": "imgnet", "coco": "coco"}
+            "coco": ("R@1", "R@5", "R@10"), "exclusion": ("mAP@5", "mAP@10")}
+BENCH_FOLDERS = {"cirr": "cirr", "imagenet-r": "imgnet", "coco": "coco", "exclusion": "exclusion"}
 
 
 @dataclass
@@ -52,7 +52,7 @@ class QuickstartConfig:
     train_overrides: list[str] = field(default_factory=list)
     seeds: list[int] = field(default_factory=lambda: [0])
     ablations: bool = False          # also train and evaluate the Table 5 variants
-    benchmarks: list[str] = field(default_factory=lambda: ["cirr", "imagenet-r", "coco"])
+    benchmarks: list[str] = field(default_factory=lambda: ["cirr", "imagenet-r", "coco", "exclusion"])
     eval_batch_size: int = 256
     progress: bool = True
     shards: ToyShardConfig = field(default_factory=ToyShardConfig)
@@ -119,6 +119,8 @@ def evaluate_run(cfg: QuickstartConfig, backbone, export: Path, variant: str, se
                            batch_size=cfg.eval_batch_size, progress=cfg.progress)
         if bench == "cirr":
             results["per_type"] = per_type_recall(root, results["files"]["rankings"])
+            if "demind" in methods:
+                results["paired"] = paired_comparison(root, results["files"]["rankings"])
         out[bench] = results
     return out
 
@@ -141,6 +143,44 @@ def per_type_recall(cirr_root: Path, rankings: dict[str, str], ks: tuple[int, ..
         out[method] = {kind: {**{f"R@{k}": 100.0 * sum(r < k for r in ranks) / len(ranks) for k in ks},
                               "n": len(ranks)} for kind, ranks in sorted(by_type.items())}
     return out
+
+
+def paired_comparison(cirr_root: Path, rankings: dict[str, str], ks: tuple[int, ...] = (5, 10)
+                      ) -> dict[str, dict[str, dict[str, float]]]:
+    """De-MINDS against every other method on the same toy-CIRR queries:
+    other method -> "R@k" -> {"only_demind", "only_other", "p"} (exact sign test)."""
+    from demind.eval.metrics import paired_hits, sign_test_p
+
+    captions = json.loads((cirr_root / "captions" / "cap.rc2.val.json").read_text())
+    targets = {str(e["pairid"]): {e["target_hard"]} for e in captions}
+    ranked = {m: json.loads(Path(p).read_text()) for m, p in rankings.items()}
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for other in ranked:
+        if other == "demind":
+            continue
+        out[other] = {}
+        for k in ks:
+            only_demind, only_other = paired_hits(ranked["demind"], ranked[other], targets, k)
+            out[other][f"R@{k}"] = {"only_demind": only_demind, "only_other": only_other,
+                                    "p": sign_test_p(only_demind, only_other)}
+    return out
+
+
+def format_paired(runs: dict[str, dict[int, dict[str, dict[str, Any]]]], k: int = 10) -> str:
+    """Per seed, De-MINDS vs each method on toy CIRR at R@k: discordant queries and p."""
+    by_seed = runs.get("demind", {})
+    lines = []
+    for seed, benches in sorted(by_seed.items()):
+        paired = benches.get("cirr", {}).get("paired")
+        if not paired:
+            continue
+        cells = [f"{other} {v[f'R@{k}']['only_demind']}:{v[f'R@{k}']['only_other']} (p {v[f'R@{k}']['p']:.2f})"
+                 for other, v in paired.items()]
+        lines.append(f"  seed {seed}: " + ", ".join(cells))
+    if not lines:
+        return ""
+    return (f"De-MINDS vs each method, toy CIRR R@{k}, same queries: queries only De-MINDS hits : only the "
+            "other hits (exact sign-test p)\n" + "\n".join(lines))
 
 
 # ---------------------------------------------------------------------- summary
@@ -267,8 +307,11 @@ def run_quickstart(cfg: QuickstartConfig) -> dict[str, Any]:
     rows = summarise(runs)
     table = format_summary(rows)
     per_type = format_per_type(rows)
+    paired = format_paired(runs)
     plot = plot_recall(rows, workdir / "recall_at_k.png")
-    summary = {"rows": rows, "table": table, "per_type_table": per_type, "timings_s": timings,
+    summary = {"rows": rows, "table": table, "per_type_table": per_type, "paired_table": paired,
+               "paired": {seed: b["cirr"].get("paired") for seed, b in runs.get("demind", {}).items() if "cirr" in b},
+               "timings_s": timings,
                "backbone": backbone_report, "config": asdict(cfg), "plot": str(plot) if plot else None}
     tmp = workdir / "results.json.tmp"
     tmp.write_text(json.dumps(summary, indent=2, default=str))
