@@ -35,8 +35,9 @@ class BackboneConfig:
     pretrained: an open_clip pretrained tag (``openai``), the path of a local checkpoint
         file, or ``None`` for random initialisation (tests, toy worlds).
     text_buckets: the texts of a batch are sorted by length and run through the text
-        transformer in this many groups, each cut after its own longest text. Exact under
-        CLIP's causal mask; 1 pads every text to the batch's longest.
+        transformer in up to this many groups, each cut after its own longest text, when
+        that saves at least 30 % of the padded positions. Exact under CLIP's causal mask;
+        1 pads every text to the batch's longest.
     """
 
     name: str = "ViT-L-14"
@@ -283,12 +284,15 @@ class FrozenCLIP(nn.Module):
         else:
             length = int(eot.max()) + 1
             buckets = self._length_buckets(eot)
-            chunks = []
-            for idx in buckets:
-                own = int(eot[idx].max()) + 1
-                out = self._run_transformer(embedded[idx, :own], self.model.attn_mask)
-                chunks.append(nn.functional.pad(out, (0, 0, 0, length - own)))
-            x = torch.cat(chunks)[torch.argsort(torch.cat(buckets))]  # back to the input order
+            if buckets is None:
+                x = self._run_transformer(embedded[:, :length], self.model.attn_mask)
+            else:
+                chunks = []
+                for idx in buckets:
+                    own = int(eot[idx].max()) + 1
+                    out = self._run_transformer(embedded[idx, :own], self.model.attn_mask)
+                    chunks.append(nn.functional.pad(out, (0, 0, 0, length - own)))
+                x = torch.cat(chunks)[torch.argsort(torch.cat(buckets))]  # back to the input order
             tokens = tokens[:, :length]
         pooled = x[torch.arange(x.shape[0], device=x.device), eot]
         proj = self.model.text_projection
@@ -298,10 +302,18 @@ class FrozenCLIP(nn.Module):
         mask = (positions[None, :] > 0) & (positions[None, :] < eot[:, None])
         return TextOutput(pooled.float(), x.float(), mask, eot)
 
-    def _length_buckets(self, eot: torch.Tensor) -> list[torch.Tensor]:
-        """Row indices sorted by EOT position, split into at most ``text_buckets`` groups."""
+    def _length_buckets(self, eot: torch.Tensor) -> list[torch.Tensor] | None:
+        """Row indices sorted by EOT position in at most ``text_buckets`` equal groups, or
+        None (run the batch whole) when splitting would not save at least 30 % of the
+        padded positions: several small matmuls cost more than one big one (measured:
+        splitting a batch of equal-length prompts in 4 made it 1.9x slower)."""
+        if self.cfg.text_buckets <= 1 or eot.numel() < 2:
+            return None
         order = torch.argsort(eot, stable=True)
-        return [idx for idx in torch.tensor_split(order, max(1, self.cfg.text_buckets)) if idx.numel()]
+        groups = [idx for idx in torch.tensor_split(order, self.cfg.text_buckets) if idx.numel()]
+        padded_whole = eot.numel() * (int(eot.max()) + 1)
+        padded_split = sum(idx.numel() * (int(eot[idx].max()) + 1) for idx in groups)
+        return groups if padded_split <= 0.7 * padded_whole else None
 
     def _run_transformer(self, embedded: torch.Tensor, causal_mask: torch.Tensor | None) -> torch.Tensor:
         """(b, l, W) token embeddings -> (b, l, W) final-layer features after ln_final."""

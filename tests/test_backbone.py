@@ -60,6 +60,8 @@ def test_length_buckets_match_one_padded_batch(tiny_backbone, monkeypatch):
     texts = ["* dog", "a photo of * , a red car on the left of a big blue house with a garden",
              "* , small", "a photo of * , a cat", "* on grass at night under the moon and the stars"]
     pseudo = torch.randn(len(texts), 1, tiny_backbone.width)
+    monkeypatch.setattr(tiny_backbone.cfg, "text_buckets", 3)
+    assert tiny_backbone._length_buckets(tiny_backbone.tokenize(texts).eq(tiny_backbone.eot_id).int().argmax(1))
     results = {}
     for buckets in (1, 3):
         monkeypatch.setattr(tiny_backbone.cfg, "text_buckets", buckets)
@@ -72,6 +74,12 @@ def test_length_buckets_match_one_padded_batch(tiny_backbone, monkeypatch):
     assert torch.equal(one.mask, three.mask) and one.tokens.shape == three.tokens.shape
     assert torch.allclose(one.tokens[one.mask], three.tokens[three.mask], atol=1e-5)
     assert torch.allclose(grad_one, grad_three, atol=1e-4)
+
+
+def test_texts_of_equal_length_are_not_split_into_buckets(tiny_backbone):
+    # one batch beats several small ones when splitting saves little padding
+    eot = tiny_backbone.tokenize(["* * * *"] * 8).eq(tiny_backbone.eot_id).int().argmax(1)
+    assert tiny_backbone._length_buckets(eot) is None
 
 
 def test_long_text_truncation_keeps_placeholder_and_eot(tiny_backbone):

@@ -174,7 +174,7 @@ def format_paired(runs: dict[str, dict[int, dict[str, dict[str, Any]]]], k: int 
         paired = benches.get("cirr", {}).get("paired")
         if not paired:
             continue
-        cells = [f"{other} {v[f'R@{k}']['only_demind']}:{v[f'R@{k}']['only_other']} (p {v[f'R@{k}']['p']:.2f})"
+        cells = [f"{other} {v[f'R@{k}']['only_demind']}:{v[f'R@{k}']['only_other']} (p {v[f'R@{k}']['p']:.2g})"
                  for other, v in paired.items()]
         lines.append(f"  seed {seed}: " + ", ".join(cells))
     if not lines:
