@@ -220,7 +220,7 @@ def shards_to_build(directory: Path, shards: list[str], identity: dict[str, Any]
 @torch.no_grad()
 def build_feature_cache(shards: list[str], directory: str | Path, backbone: Any, *, batch_size: int = 256,
                         num_workers: int = 4, missing_text: str = "error", dtype: str = "float32",
-                        device: str | torch.device = "cpu") -> dict[str, Any]:
+                        device: str | torch.device = "cpu", progress: bool = True) -> dict[str, Any]:
     """Cache image and teacher embeddings of every shard not yet cached in ``directory``.
 
     ``backbone`` is a ``FrozenCLIP``.  Returns a summary: shards built/skipped, samples,
@@ -235,7 +235,7 @@ def build_feature_cache(shards: list[str], directory: str | Path, backbone: Any,
     parts_by_shard: dict[str, dict[str, list]] = {}
     loader = DataLoader(ShardImageBatches(todo, backbone.preprocess, batch_size, missing_text),
                         batch_size=None, num_workers=min(num_workers, len(todo)))
-    bar = tqdm(total=len(todo), desc="feature cache", unit="shard")
+    bar = tqdm(total=len(todo), desc="feature cache", unit="shard", disable=not progress)
     for batch in loader:
         parts = parts_by_shard.setdefault(batch["shard"], dict(
             keys=[], original=[], rewritten=[], intent=[], image_emb=[], teacher_emb=[], counts=Counter()))

@@ -87,6 +87,7 @@ class RunConfig:
     keep_checkpoints: int = 2
     resume: bool = True
     trackers: list[str] = field(default_factory=lambda: ["tensorboard"])  # used when installed
+    progress: bool = True  # tqdm bar (the log line every log_every steps is printed either way)
 
 
 @dataclass
@@ -348,17 +349,24 @@ def prune_checkpoints(run_dir: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+# Backbone settings that change how fast, not what, the frozen CLIP computes: a run may
+# resume with other values (and checkpoints written before a key existed still resume).
+SPEED_ONLY_KEYS = frozenset({"backbone.text_buckets", "backbone.grad_checkpointing"})
+
+
 def check_resumable(saved: dict[str, Any], cfg: TrainConfig, where: Path) -> None:
     """The backbone and model must match the checkpoint; other changes are only reported."""
     current = to_dict(cfg)
     for section in ("backbone", "model"):
-        diff = _diff(saved.get(section, {}), current[section], section)
+        diff = [d for d in _diff(saved.get(section, {}), current[section], section)
+                if d.split(" ")[0] not in SPEED_ONLY_KEYS]
         if diff:
             raise ResumeError(
                 f"cannot resume from {where}: {', '.join(diff)} differ from the checkpoint's config; "
                 f"use a new run.output_dir or set run.resume=false with an empty run folder"
             )
-    other = [d for s in ("data", "optim", "loss", "run") for d in _diff(saved.get(s, {}), current[s], s)]
+    other = [d for s in ("backbone", "data", "optim", "loss", "run") for d in _diff(saved.get(s, {}), current[s], s)
+             if s != "backbone" or d.split(" ")[0] in SPEED_ONLY_KEYS]
     if other:
         logger.warning("resuming from %s with changed settings: %s", where, ", ".join(other))
 
@@ -482,7 +490,7 @@ def train_steps(cfg: TrainConfig, accelerator, model, optimizer, scheduler, load
     window = LogWindow()
     batches = iter(loader)
     with tqdm(total=cfg.optim.max_steps, initial=state.step, desc="train", unit="step",
-              disable=not accelerator.is_local_main_process) as bar:
+              disable=not (accelerator.is_local_main_process and cfg.run.progress)) as bar:
         while state.step < cfg.optim.max_steps:
             train_one_step(cfg, accelerator, model, optimizer, scheduler, batches, backbone, state, window, gather)
             window.samples += cfg.optim.global_batch_size

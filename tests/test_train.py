@@ -68,6 +68,8 @@ def test_few_steps_write_state_and_export(repo_root, tmp_path, tiny_backbone):
     # Resuming with another model is refused, naming the key.
     with pytest.raises(ResumeError, match="model.num_queries"):
         train.main(args + ["model.num_queries=3"])
+    # A speed-only backbone setting is not another backbone: the finished run is accepted.
+    assert train.main(args + ["backbone.text_buckets=1"]) == 0
 
 
 def test_loss_falls_on_a_learnable_task(repo_root, tmp_path):

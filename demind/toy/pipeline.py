@@ -79,7 +79,7 @@ def build_features(cfg: QuickstartConfig, backbone, shards: list[Path]) -> Path:
 
     names = [str(p) for p in shards]
     directory = default_cache_dir(names, backbone.identity_str)
-    build_feature_cache(names, directory, backbone, batch_size=256, num_workers=0)
+    build_feature_cache(names, directory, backbone, batch_size=256, num_workers=0, progress=cfg.progress)
     return directory
 
 
@@ -96,7 +96,8 @@ def train_variant(cfg: QuickstartConfig, backbone, variant: str, seed: int, log_
     overrides = [
         f"backbone.name={backbone.cfg.name}", f"backbone.pretrained={backbone.cfg.pretrained}",
         f"data.shards={Path(cfg.workdir) / 'shards'}", f"run.output_dir={run_dir}", f"run.seed={seed}",
-        f"model.init_logit_scale={log_scale}", *VARIANTS[variant], *cfg.train_overrides,
+        f"model.init_logit_scale={log_scale}", f"run.progress={str(cfg.progress).lower()}",
+        *VARIANTS[variant], *cfg.train_overrides,
     ]
     return train(load_train_config(cfg.train_config, overrides))
 
