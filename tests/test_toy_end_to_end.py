@@ -1,7 +1,7 @@
 """The quickstart's default run learns what the method should: De-MINDS beats Image-only
 and Text-only on the toy CIRR benchmark by a clear margin.
 
-Slow (about 14 minutes on a 2-core CPU: it trains the toy CLIP and De-MINDS from nothing),
+Slow (11-14 minutes on a 2-core CPU; 682 s measured: it trains the toy CLIP and De-MINDS from nothing),
 so it is off by default: ``pytest -m slow tests/test_toy_end_to_end.py``.
 
 The margin: over seeds 0, 1, 2 the default run gave De-MINDS toy-CIRR R@5 35.2 +- 1.0
