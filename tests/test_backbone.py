@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from demind.backbone import BackboneConfig, FrozenCLIP, truncate_keeping_placeholders
+from demind.backbone import BackboneConfig, FrozenCLIP, length_buckets, truncate_keeping_placeholders
 
 
 def own_placeholder_embedding(backbone: FrozenCLIP, batch: int, k: int) -> torch.Tensor:
@@ -61,7 +61,7 @@ def test_length_buckets_match_one_padded_batch(tiny_backbone, monkeypatch):
              "* , small", "a photo of * , a cat", "* on grass at night under the moon and the stars"]
     pseudo = torch.randn(len(texts), 1, tiny_backbone.width)
     monkeypatch.setattr(tiny_backbone.cfg, "text_buckets", 3)
-    assert tiny_backbone._length_buckets(tiny_backbone.tokenize(texts).eq(tiny_backbone.eot_id).int().argmax(1))
+    assert length_buckets(tiny_backbone.tokenize(texts).eq(tiny_backbone.eot_id).int().argmax(1), 3)
     results = {}
     for buckets in (1, 3):
         monkeypatch.setattr(tiny_backbone.cfg, "text_buckets", buckets)
@@ -79,7 +79,7 @@ def test_length_buckets_match_one_padded_batch(tiny_backbone, monkeypatch):
 def test_texts_of_equal_length_are_not_split_into_buckets(tiny_backbone):
     # one batch beats several small ones when splitting saves little padding
     eot = tiny_backbone.tokenize(["* * * *"] * 8).eq(tiny_backbone.eot_id).int().argmax(1)
-    assert tiny_backbone._length_buckets(eot) is None
+    assert length_buckets(eot, tiny_backbone.cfg.text_buckets) is None
 
 
 def test_long_text_truncation_keeps_placeholder_and_eot(tiny_backbone):
