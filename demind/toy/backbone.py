@@ -36,7 +36,7 @@ from demind.backbone import run_text_transformer
 
 from .parallel import parallel_map
 from .render import render_scene
-from .texts import alt_text, full_description, web_text
+from .texts import alt_text, article, full_description, web_text
 from .world import WORLD_VERSION, Scene, derive_seed, scene_from_seed, stream_seed
 
 logger = logging.getLogger(__name__)
@@ -143,8 +143,12 @@ def build_toy_model(cfg: ToyBackboneConfig) -> tuple[torch.nn.Module, Any, int]:
     """(model, tokenizer, image size) for the config, randomly initialised."""
     name = _model_name(cfg.model_config)
     model = open_clip.create_model(name, pretrained=None)
+    return model, open_clip.get_tokenizer(name), _image_side(model)
+
+
+def _image_side(model: torch.nn.Module) -> int:
     size = model.visual.image_size  # (H, W) for a ViT, an int for open_clip's ModifiedResNet
-    return model, open_clip.get_tokenizer(name), size[0] if isinstance(size, (tuple, list)) else int(size)
+    return size[0] if isinstance(size, (tuple, list)) else int(size)
 
 
 def save_train_state(path: Path, model: torch.nn.Module, optim: torch.optim.Optimizer, step: int,
@@ -218,12 +222,22 @@ def train_toy_clip(cfg: ToyBackboneConfig, progress: bool = True, state_path: Pa
 # ---------------------------------------------------------------------- evaluation
 
 @torch.no_grad()
-def text_to_image_recall(model: torch.nn.Module, tokenizer: Any, images: np.ndarray, texts: list[str],
-                         ks: tuple[int, ...] = (1, 5, 10), batch: int = 250) -> dict[str, float]:
-    """Text i should retrieve image i among all images. Returns {"R@k": fraction}."""
+def encode_images(model: torch.nn.Module, images: np.ndarray, batch: int = 250) -> torch.Tensor:
+    """(N, H, W, 3) uint8 -> (N, D) L2-normalised image embeddings."""
     model.eval()
-    img = torch.cat([model.encode_image(images_to_tensor(images[i:i + batch]), normalize=True)
-                     for i in range(0, len(images), batch)])
+    return torch.cat([model.encode_image(images_to_tensor(images[i:i + batch]), normalize=True)
+                      for i in range(0, len(images), batch)])
+
+
+@torch.no_grad()
+def text_to_image_recall(model: torch.nn.Module, tokenizer: Any, images: np.ndarray | torch.Tensor, texts: list[str],
+                         ks: tuple[int, ...] = (1, 5, 10), batch: int = 250) -> dict[str, float]:
+    """Text i should retrieve image i among all images. Returns {"R@k": fraction}.
+
+    ``images``: (N, H, W, 3) uint8, or their (N, D) embeddings from :func:`encode_images`
+    (several text sets against one image set encode the images once)."""
+    model.eval()
+    img = images if isinstance(images, torch.Tensor) else encode_images(model, images, batch)
     txt = torch.cat([model.encode_text(tokenizer(texts[i:i + batch]), normalize=True)
                      for i in range(0, len(texts), batch)])
     sims = txt @ img.T                                   # (N texts, N images)
@@ -239,7 +253,7 @@ def probe_text(scene: Scene, attribute: str) -> str:
     blue object"; ``background``: "a photo on grass"; ``position``: "a photo of an object
     at the top left and ..." (the style word replaces "photo").
     """
-    head = f"{'an' if scene.style[0] in 'aeiou' else 'a'} {scene.style}"
+    head = f"{article(scene.style)} {scene.style}"
     if attribute == "background":
         return f"{head} on {scene.background}"
     phrase = {"shape": lambda o: f"a {o.shape}", "colour": lambda o: f"a {o.colour} object",
@@ -255,6 +269,7 @@ def evaluate_toy_clip(model: torch.nn.Module, tokenizer: Any, image_size: int, n
     """Text-to-image recall on held-out scenes: full descriptions, alt-texts, and texts
     that name one attribute only (``probe:shape`` ...), which show what the backbone sees."""
     scenes, images = render_pool("web_eval", num_scenes, image_size, progress)
+    images = encode_images(model, images)  # one image pass for all six text sets
     rng = random.Random(derive_seed("web_eval", "texts"))
     recall = {
         "full_description": text_to_image_recall(model, tokenizer, images, [full_description(s, rng) for s in scenes]),
@@ -295,8 +310,8 @@ def ensure_toy_backbone(cfg: ToyBackboneConfig | None = None, cache_dir: str | P
     model, log = train_toy_clip(cfg, progress, state_path)
     save_weights(model, weights)
     state_path.unlink(missing_ok=True)
-    _, tokenizer, image_size = build_toy_model(cfg)
-    recall = evaluate_toy_clip(model, tokenizer, image_size, cfg.num_eval_scenes, progress)
+    tokenizer = open_clip.get_tokenizer(_model_name(cfg.model_config))
+    recall = evaluate_toy_clip(model, tokenizer, _image_side(model), cfg.num_eval_scenes, progress)
     report = {"weights": str(weights), "cache_key": cache_key(cfg), "world_version": WORLD_VERSION,
               "config": asdict(cfg), "model_config": json.loads(Path(cfg.model_config).read_text()),
               **log, "heldout_text_to_image": recall}

@@ -57,7 +57,7 @@ from tqdm import tqdm
 from demind.eval.exclusion import FORMAT, check_exclusion
 
 from .render import render_scene
-from .texts import annotator_text, noun_phrase, with_article
+from .texts import annotator_text, article, noun_phrase, with_article
 from .world import (
     BACKGROUNDS, COLOURS, DOMAINS, EDIT_KINDS, POSITIONS, SHAPES, SIZES, WORLD_VERSION, Scene, ToyObject,
     apply_edit, derive_seed, edit_is_possible, modification_type, random_edit, sample_scene, scene_diff,
@@ -291,7 +291,7 @@ def write_exclusion(folder: Path, cfg: ToyBenchmarkConfig, progress: bool = True
             images[name], scenes[name], names[role] = f"images/{name}.png", scene, name
         ex_np = f"{excluded.colour} {excluded.shape}"
         kept_text = " and ".join(with_article(noun_phrase(o, rng, p_size=0.3)) for o in kept)
-        style = f"{'an' if reference.style[0] in 'aeiou' else 'a'} {reference.style}"
+        style = f"{article(reference.style)} {reference.style}"
         modification = rng.choice(("without the {x}", "remove the {x}", "no {x}")).format(x=ex_np)
         specs.append({"id": q, "reference": names["ref"], "target": names["tgt"],
                       "text": f"{style} of {kept_text} on {reference.background} without the {ex_np}",

@@ -119,21 +119,32 @@ def evaluate_run(cfg: QuickstartConfig, backbone, export: Path, variant: str, se
                            cache_dir=Path(cfg.workdir) / "eval" / "feature_cache", options=options,
                            batch_size=cfg.eval_batch_size, progress=cfg.progress)
         if bench == "cirr":
-            results["per_type"] = per_type_recall(root, results["files"]["rankings"])
+            captions, ranked = load_cirr_truth_and_rankings(root, results["files"]["rankings"])
+            results["per_type"] = _per_type(captions, ranked)
             if "demind" in methods:
-                results["paired"] = paired_comparison(root, results["files"]["rankings"])
+                results["paired"] = _paired(captions, ranked)
         out[bench] = results
     return out
+
+
+def load_cirr_truth_and_rankings(cirr_root: Path, rankings: dict[str, str]
+                                 ) -> tuple[list[dict[str, Any]], dict[str, dict[str, list[str]]]]:
+    """(toy-CIRR caption entries, method -> query id -> top-50 names), each file read once."""
+    captions = json.loads((cirr_root / "captions" / "cap.rc2.val.json").read_text())
+    return captions, {method: json.loads(Path(path).read_text()) for method, path in rankings.items()}
 
 
 def per_type_recall(cirr_root: Path, rankings: dict[str, str], ks: tuple[int, ...] = (1, 5, 10)
                     ) -> dict[str, dict[str, dict[str, float]]]:
     """method -> modification type -> {"R@k": percent, "n": count}, from rankings/<method>.json."""
-    captions = json.loads((cirr_root / "captions" / "cap.rc2.val.json").read_text())
+    return _per_type(*load_cirr_truth_and_rankings(cirr_root, rankings), ks)
+
+
+def _per_type(captions: list[dict[str, Any]], ranked_by_method: dict[str, dict[str, list[str]]],
+              ks: tuple[int, ...] = (1, 5, 10)) -> dict[str, dict[str, dict[str, float]]]:
     truth = {str(e["pairid"]): (e["target_hard"], e["toy_type"]) for e in captions}
     out: dict[str, dict[str, dict[str, float]]] = {}
-    for method, path in rankings.items():
-        ranked = json.loads(Path(path).read_text())
+    for method, ranked in ranked_by_method.items():
         by_type: dict[str, list[float]] = {}
         for qid, names in ranked.items():
             target, kind = truth[str(qid)]
@@ -146,15 +157,13 @@ def per_type_recall(cirr_root: Path, rankings: dict[str, str], ks: tuple[int, ..
     return out
 
 
-def paired_comparison(cirr_root: Path, rankings: dict[str, str], ks: tuple[int, ...] = (5, 10)
-                      ) -> dict[str, dict[str, dict[str, float]]]:
+def _paired(captions: list[dict[str, Any]], ranked: dict[str, dict[str, list[str]]], ks: tuple[int, ...] = (5, 10)
+            ) -> dict[str, dict[str, dict[str, float]]]:
     """De-MINDS against every other method on the same toy-CIRR queries:
     other method -> "R@k" -> {"only_demind", "only_other", "p"} (exact sign test)."""
     from demind.eval.metrics import paired_hits, sign_test_p
 
-    captions = json.loads((cirr_root / "captions" / "cap.rc2.val.json").read_text())
     targets = {str(e["pairid"]): {e["target_hard"]} for e in captions}
-    ranked = {m: json.loads(Path(p).read_text()) for m, p in rankings.items()}
     out: dict[str, dict[str, dict[str, float]]] = {}
     for other in ranked:
         if other == "demind":
