@@ -93,49 +93,49 @@ def test_missing_intent_field_is_an_error_naming_shard_and_field(repo_root, tmp_
     assert "00000.tar" in message and "'int.txt'" in message and "data.missing_text=original" in message
 
 
+def counts_after_training(repo_root, shards, run, steps: int, *overrides: str) -> dict:
+    """Train ``steps`` smoke steps with no read-ahead (shuffle buffer 1); the checkpoint's skip/fallback counts."""
+    train.main(smoke_args(repo_root, shards, run, f"optim.max_steps={steps}", "data.shuffle_buffer=1", *overrides))
+    return json.loads((run / f"checkpoints/step_{steps:08d}/trainer_state.json").read_text())["counts"]
+
+
+def first_good_jpeg(tmp_path) -> bytes:
+    import webdataset as wds
+
+    good = write_synthetic_shards(tmp_path / "good", num_shards=1, samples_per_shard=1)[0]
+    return next(iter(wds.WebDataset(str(good), shardshuffle=False)))["jpg"]
+
+
 def test_missing_field_fallback_is_counted(repo_root, tmp_path):
     shards = tmp_path / "shards"
     write_synthetic_shards(shards, num_shards=1, samples_per_shard=40, omit=("rew.txt",))
-    run = tmp_path / "run"
-    train.main(smoke_args(repo_root, shards, run, "optim.max_steps=2", "data.missing_text=original",
-                          "data.shuffle_buffer=1"))
-    counts = json.loads((run / "checkpoints/step_00000002/trainer_state.json").read_text())["counts"]
+    counts = counts_after_training(repo_root, shards, tmp_path / "run", 2, "data.missing_text=original")
     # buffer 1 -> no read-ahead beyond the batch: exactly the 32 consumed samples fell back
     assert counts == {"fallback_rewritten": 32}
 
 
 def test_empty_rewritten_caption_of_single_prompt_mode_falls_back_and_is_counted(repo_root, tmp_path):
     # data_gen's "w/o CoT" mode writes an empty rew.txt; the caption stands in, counted.
-    good = write_synthetic_shards(tmp_path / "good", num_shards=1, samples_per_shard=1)[0]
-    import webdataset as wds
-    image = next(iter(wds.WebDataset(str(good), shardshuffle=False)))["jpg"]
+    image = first_good_jpeg(tmp_path)
     samples = [{"key": f"k{i:03d}", "jpg": image, "txt": "a red square", "rew.txt": "" if i % 2 else "a red square",
                 "int.txt": "make it red"} for i in range(16)]
     shards = tmp_path / "shards"
     shards.mkdir()
     write_intent_shard(shards / "00000.tar", samples)
-    run = tmp_path / "run"
-    train.main(smoke_args(repo_root, shards, run, "optim.max_steps=1", "optim.global_batch_size=12",
-                          "data.shuffle_buffer=1"))
-    counts = json.loads((run / "checkpoints/step_00000001/trainer_state.json").read_text())["counts"]
+    counts = counts_after_training(repo_root, shards, tmp_path / "run", 1, "optim.global_batch_size=12")
     assert counts == {"fallback_empty_rewritten": 6}
 
 
 def test_corrupt_images_are_skipped_and_counted(repo_root, tmp_path):
     shards = tmp_path / "shards"
-    good = write_synthetic_shards(tmp_path / "good", num_shards=1, samples_per_shard=1)[0]
-    import webdataset as wds
-    sample = next(iter(wds.WebDataset(str(good), shardshuffle=False)))
+    image = first_good_jpeg(tmp_path)
     samples = []
     for i in range(20):
-        samples.append({"key": f"k{i:03d}", "jpg": b"not a jpeg" if i % 4 == 0 else sample["jpg"],
+        samples.append({"key": f"k{i:03d}", "jpg": b"not a jpeg" if i % 4 == 0 else image,
                         "txt": "a red square", "rew.txt": "a square painted red", "int.txt": "make it red"})
     shards.mkdir()
     write_intent_shard(shards / "00000.tar", samples)
-    run = tmp_path / "run"
-    train.main(smoke_args(repo_root, shards, run, "optim.max_steps=1", "optim.global_batch_size=12",
-                          "data.shuffle_buffer=1"))
-    counts = json.loads((run / "checkpoints/step_00000001/trainer_state.json").read_text())["counts"]
+    counts = counts_after_training(repo_root, shards, tmp_path / "run", 1, "optim.global_batch_size=12")
     assert counts == {"skipped_corrupt_image": 4}  # keys 0, 4, 8, 12 of the 16 read for 12 good ones
 
 

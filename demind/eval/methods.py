@@ -80,23 +80,23 @@ class ImagePlusText(RetrievalMethod):
         return F.normalize(image + self._text_embeddings(texts), dim=-1)
 
 
-class MappingOnly(RetrievalMethod):
-    name = "mapping-only"
+class TrainedMethod(RetrievalMethod):
+    """A method that needs the trained De-MINDS weights."""
 
     def __init__(self, backbone: FrozenCLIP, model: DeMinds) -> None:
         super().__init__(backbone)
         self.model = model
+
+
+class MappingOnly(TrainedMethod):
+    name = "mapping-only"
 
     def embed(self, ref_features, prompts, texts):
         return self.model.mapping_only(ref_features, prompts)
 
 
-class DeMindsQuery(RetrievalMethod):
+class DeMindsQuery(TrainedMethod):
     name = "demind"
-
-    def __init__(self, backbone: FrozenCLIP, model: DeMinds) -> None:
-        super().__init__(backbone)
-        self.model = model
 
     def embed(self, ref_features, prompts, texts):
         return self.model.compose(ref_features, prompts).t_hat
