@@ -7,7 +7,6 @@ records which backbone it was trained on, and loading onto another one is an err
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
@@ -16,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from demind.backbone import BackboneConfig, FrozenCLIP
 from demind.config import from_dict, to_dict
 from demind.model import DeMinds, ModelConfig
+from demind.io import atomic_path
 
 FORMAT = "demind-checkpoint/1"
 
@@ -35,9 +35,8 @@ def save_checkpoint(path: str | Path, model: DeMinds) -> Path:
         "backbone_identity": json.dumps(model.backbone.identity),
         "backbone_config": json.dumps(to_dict(model.backbone.cfg)),
     }
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(state, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        save_file(state, str(tmp), metadata=metadata)
     return path
 
 

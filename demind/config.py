@@ -17,6 +17,8 @@ from typing import Any, TypeVar
 
 import yaml
 
+from demind.io import write_text_atomic
+
 T = TypeVar("T")
 
 
@@ -170,7 +172,4 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
 
 def save_config(cfg: Any, path: str | Path) -> None:
     """Write the resolved config as YAML, atomically."""
-    path = Path(path)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    tmp.replace(path)
+    write_text_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))

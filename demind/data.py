@@ -40,6 +40,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from demind.targets import TargetSampling, sample_target_text
+from demind.io import atomic_path
 
 logger = logging.getLogger(__name__)
 
@@ -414,8 +415,7 @@ def write_intent_shard(path: str | Path, samples: list[dict[str, Any]]) -> Path:
     from PIL import Image
 
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with wds.TarWriter(str(tmp)) as sink:
+    with atomic_path(path) as tmp, wds.TarWriter(str(tmp)) as sink:
         for sample in samples:
             record: dict[str, Any] = {"__key__": sample["key"]}
             for name, value in sample.items():
@@ -427,7 +427,6 @@ def write_intent_shard(path: str | Path, samples: list[dict[str, Any]]) -> Path:
                     value = buffer.getvalue()
                 record[name] = value
             sink.write(record)
-    tmp.replace(path)
     return path
 
 

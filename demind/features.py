@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import time
 from collections import Counter
@@ -36,6 +35,7 @@ from tqdm import tqdm
 
 from demind.data import ReaderStats, decode_image, read_tar_samples, shard_name
 from demind.logs import setup_logging
+from demind.io import write_bytes_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -182,10 +182,6 @@ class ShardImageBatches(IterableDataset):
             yield from self._shard_batches(shard)
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def write_shard_cache(directory: Path, shard: str, identity: dict[str, Any], parts: dict[str, list],
@@ -196,12 +192,12 @@ def write_shard_cache(directory: Path, shard: str, identity: dict[str, Any], par
     tensors_path, index_path = cache_files(directory, shard)
     image_emb = torch.cat(parts["image_emb"]) if parts["image_emb"] else torch.zeros(0, 0)
     teacher_emb = torch.cat(parts["teacher_emb"]) if parts["teacher_emb"] else torch.zeros(0, 0)
-    _atomic_write_bytes(tensors_path, save({"image_emb": image_emb.to(dtype).contiguous(),
+    write_bytes_atomic(tensors_path, save({"image_emb": image_emb.to(dtype).contiguous(),
                                             "teacher_emb": teacher_emb.to(dtype).contiguous()}))
     index = dict(format=CACHE_FORMAT, backbone=identity, shard=str(shard), dtype=str(dtype).removeprefix("torch."),
                  num_samples=len(parts["keys"]), counts=counts, keys=parts["keys"],
                  original=parts["original"], rewritten=parts["rewritten"], intent=parts["intent"])
-    _atomic_write_bytes(index_path, json.dumps(index).encode())
+    write_bytes_atomic(index_path, json.dumps(index).encode())
     return index
 
 

@@ -38,6 +38,7 @@ from demind.data import DataConfig, StreamSpec, build_loader, resolve_shards
 from demind.features import FeatureCache, default_cache_dir
 from demind.losses import Gather, demind_losses
 from demind.model import DeMinds, ModelConfig, build_model
+from demind.io import write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -415,9 +416,7 @@ def trim_metrics(run_dir: Path, step: int) -> None:
     if not path.is_file():
         return
     keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    tmp.replace(path)
+    write_text_atomic(path, "".join(line + "\n" for line in keep))
 
 
 @dataclass

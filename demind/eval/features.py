@@ -10,7 +10,6 @@ keeps its finished parts, and a rerun encodes only what no part holds.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -21,6 +20,7 @@ from tqdm.auto import tqdm
 
 from demind.backbone import FrozenCLIP
 from demind.eval.structures import ImageRef, load_image
+from demind.io import atomic_path
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +87,8 @@ class FeatureCache:
         while path.exists():
             index += 1
             path = role_dir / f"part-{index:05d}.pt"
-        tmp = path.with_name(path.name + ".tmp")
-        torch.save({"names": names, "keys": keys, "features": features.contiguous()}, tmp)
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            torch.save({"names": names, "keys": keys, "features": features.contiguous()}, tmp)
         return path
 
 

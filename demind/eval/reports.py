@@ -13,12 +13,11 @@ Every file is written to a temporary name and renamed, so a crash never leaves h
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 from typing import Any
 
 from demind.eval.methods import METHOD_LABELS
+from demind.io import write_json_atomic, write_text_atomic
 
 TITLES = {
     "cirr": "CIRR",
@@ -28,24 +27,6 @@ TITLES = {
     "circo": "CIRCO",
 }
 GROUP_LABELS = {"average": "Avg", "toptee": "TopTee"}
-
-
-def write_json_atomic(path: Path, obj: Any, indent: int | None = None) -> Path:
-    """Write JSON to ``path`` through a temporary file and ``os.replace``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=indent)
-    os.replace(tmp, path)
-    return path
-
-
-def write_text_atomic(path: Path, text: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-    return path
 
 
 def column_label(key: str) -> str:

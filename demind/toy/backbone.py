@@ -18,7 +18,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -33,6 +32,7 @@ from open_clip.loss import ClipLoss
 from tqdm import tqdm
 
 from demind.backbone import run_text_transformer
+from demind.io import atomic_path, write_json_atomic
 
 from .parallel import parallel_map
 from .render import render_scene
@@ -155,10 +155,9 @@ def save_train_state(path: Path, model: torch.nn.Module, optim: torch.optim.Opti
                      rng: random.Random, losses: list[float], elapsed: float) -> None:
     """Everything a killed run needs to continue exactly: weights, optimizer, the next step,
     the sampling RNG (which batches and captions come next), recent losses. Atomic."""
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save({"model": model.state_dict(), "optim": optim.state_dict(), "step": step,
-                "rng": rng.getstate(), "losses": losses, "elapsed": elapsed}, tmp)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        torch.save({"model": model.state_dict(), "optim": optim.state_dict(), "step": step,
+                    "rng": rng.getstate(), "losses": losses, "elapsed": elapsed}, tmp)
 
 
 def train_toy_clip(cfg: ToyBackboneConfig, progress: bool = True, state_path: Path | None = None,
@@ -285,10 +284,8 @@ def evaluate_toy_clip(model: torch.nn.Module, tokenizer: Any, image_size: int, n
 
 def save_weights(model: torch.nn.Module, path: Path) -> None:
     """Plain open_clip state dict, written atomically."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(model.state_dict(), tmp)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        torch.save(model.state_dict(), tmp)
 
 
 def ensure_toy_backbone(cfg: ToyBackboneConfig | None = None, cache_dir: str | Path = "cache/toy",
@@ -315,8 +312,6 @@ def ensure_toy_backbone(cfg: ToyBackboneConfig | None = None, cache_dir: str | P
     report = {"weights": str(weights), "cache_key": cache_key(cfg), "world_version": WORLD_VERSION,
               "config": asdict(cfg), "model_config": json.loads(Path(cfg.model_config).read_text()),
               **log, "heldout_text_to_image": recall}
-    tmp = report_path.with_name(report_path.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=2))
-    os.replace(tmp, report_path)
+    write_json_atomic(report_path, report, indent=2)
     logger.info("toy CLIP held-out text->image recall: %s", json.dumps(recall))
     return weights, report

@@ -44,7 +44,6 @@ import csv
 import dataclasses
 import json
 import logging
-import os
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -55,6 +54,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from demind.eval.exclusion import FORMAT, check_exclusion
+from demind.io import atomic_path, write_json_atomic, write_text_atomic
 
 from .render import render_scene
 from .texts import annotator_text, article, noun_phrase, with_article
@@ -90,9 +90,7 @@ def _save_png(image: np.ndarray, path: Path) -> None:
 
 
 def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+    write_json_atomic(path, data, indent=1)
 
 
 def _marker(folder: Path, name: str, cfg: ToyBenchmarkConfig) -> dict[str, Any]:
@@ -216,9 +214,7 @@ def write_imgnet(folder: Path, cfg: ToyBenchmarkConfig, progress: bool = True) -
     for path, scene, seed in tqdm(jobs, desc="toy ImageNet-R", unit="img", disable=not progress):
         _save_png(render_scene(scene, seed, cfg.image_size).image, root / path)
     for name, lines in (("imgnet_real_query.txt", query_lines), ("imgnet_targets.txt", target_lines)):
-        tmp = folder / (name + ".tmp")
-        tmp.write_text("\n".join(lines) + "\n")
-        os.replace(tmp, folder / name)
+        write_text_atomic(folder / name, "\n".join(lines) + "\n")
 
 
 # ------------------------------------------------------------------------------ COCO
@@ -249,12 +245,10 @@ def write_coco(folder: Path, cfg: ToyBenchmarkConfig, progress: bool = True,
         others = [o.shape for o in scene.objects if o.oid != query.oid]
         box = ";".join(str(v) for v in rendered.boxes[query.oid])
         rows.append([name, box + " ", query.shape, ";".join(others)])
-    tmp = folder / "coco_eval.csv.tmp"
-    with tmp.open("w", newline="") as f:
+    with atomic_path(folder / "coco_eval.csv") as tmp, tmp.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["id", "query_regions", "query_class", "classes"])
         writer.writerows(rows)
-    os.replace(tmp, folder / "coco_eval.csv")
 
 
 # ------------------------------------------------------------------------- exclusion

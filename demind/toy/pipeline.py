@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from demind.io import write_json_atomic
+
 from .backbone import ToyBackboneConfig, ensure_toy_backbone
 from .benchmarks import ToyBenchmarkConfig, write_benchmarks
 from .shards import ToyShardConfig, write_toy_shards
@@ -323,7 +325,5 @@ def run_quickstart(cfg: QuickstartConfig) -> dict[str, Any]:
                "paired": {seed: b["cirr"].get("paired") for seed, b in runs.get("demind", {}).items() if "cirr" in b},
                "timings_s": timings,
                "backbone": backbone_report, "config": asdict(cfg), "plot": str(plot) if plot else None}
-    tmp = workdir / "results.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2, default=str))
-    tmp.replace(workdir / "results.json")
+    write_json_atomic(workdir / "results.json", summary, indent=2, default=str)
     return summary
