@@ -363,19 +363,8 @@ class IntentStream(IterableDataset):
             yield sample
 
     def _with_pixels(self, sample: dict[str, Any], stats: ReaderStats) -> dict[str, Any] | None:
-        """Decode the sample's image into ``pixels`` (3, H, W); None (logged, counted) if it cannot be."""
         self._last_shard = sample["shard"]
-        if sample["image"] is None:
-            logger.warning("skipping sample %s in shard %s: no image field", sample["key"], sample["shard"])
-            stats.add("skipped_no_image")
-            return None
-        try:
-            sample["pixels"] = decode_image(sample.pop("image"), self.transform)
-        except Exception as exn:  # PIL raises many types for a broken image
-            logger.warning("skipping corrupt image %s in shard %s: %s", sample["key"], sample["shard"], exn)
-            stats.add("skipped_corrupt_image")
-            return None
-        return sample
+        return with_pixels(sample, self.transform, stats)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
@@ -405,6 +394,22 @@ def collate(samples: list[dict[str, Any]], worker: int, counts: dict[str, int]) 
         batch["image_emb"] = torch.stack([s["image_emb"] for s in samples])
         batch["teacher_emb"] = torch.stack([s["teacher_emb"] for s in samples])
     return batch
+
+
+def with_pixels(sample: dict[str, Any], transform: Callable, stats: ReaderStats) -> dict[str, Any] | None:
+    """Decode a read sample's ``image`` bytes into ``pixels`` (3, H, W); None, logged and
+    counted (``skipped_no_image`` / ``skipped_corrupt_image``), if it has none or it is broken."""
+    if sample["image"] is None:
+        logger.warning("skipping sample %s in shard %s: no image field", sample["key"], sample["shard"])
+        stats.add("skipped_no_image")
+        return None
+    try:
+        sample["pixels"] = decode_image(sample.pop("image"), transform)
+    except Exception as exn:  # PIL raises many types for a broken image
+        logger.warning("skipping corrupt image %s in shard %s: %s", sample["key"], sample["shard"], exn)
+        stats.add("skipped_corrupt_image")
+        return None
+    return sample
 
 
 def write_intent_shard(path: str | Path, samples: list[dict[str, Any]]) -> Path:

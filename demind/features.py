@@ -33,7 +33,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from tqdm import tqdm
 
-from demind.data import ReaderStats, decode_image, read_tar_samples, shard_name
+from demind.data import ReaderStats, read_tar_samples, shard_name, with_pixels
 from demind.logs import setup_logging
 from demind.io import write_bytes_atomic
 
@@ -160,15 +160,7 @@ class ShardImageBatches(IterableDataset):
         for sample in read_tar_samples(shard, self.missing_text, stats):
             for label in sample.pop("fallbacks"):
                 stats.add(f"fallback_{label}")
-            if sample["image"] is None:
-                logger.warning("skipping sample %s in shard %s: no image field", sample["key"], shard)
-                stats.add("skipped_no_image")
-                continue
-            try:
-                sample["pixels"] = decode_image(sample.pop("image"), self.transform)
-            except Exception as exn:  # PIL raises many types for a broken image
-                logger.warning("skipping corrupt image %s in shard %s: %s", sample["key"], shard, exn)
-                stats.add("skipped_corrupt_image")
+            if with_pixels(sample, self.transform, stats) is None:
                 continue
             rows.append(sample)
             if len(rows) == self.batch_size:
