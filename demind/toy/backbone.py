@@ -56,7 +56,7 @@ class ToyBackboneConfig:
     warmup_steps: int = 100
     num_train_images: int = 8000   # rendered once; each step draws fresh texts for them
     num_eval_scenes: int = 1000
-    fused_adamw: bool = True       # same update, one kernel (44 -> 8 ms a step on 2 cores)
+    fused_adamw: bool = True       # same update, one kernel (optimizer step 33 -> 7.6 ms: benchmarks/bench_toy.py)
     log_every: int = 50
 
 
