@@ -1,0 +1,36 @@
+"""Training De-MINDS on intent shards with Accelerate (one process, DDP or DeepSpeed).
+
+    cfg = load_train_config("configs/train/smoke.yaml", ["optim.max_steps=50"])
+    checkpoint = train(cfg)          # -> <run.output_dir>/demind.safetensors
+
+The run folder ``run.output_dir`` holds ``config.yaml`` (resolved config),
+``checkpoints/step_XXXXXXXX/`` (see :mod:`demind.training.state`), ``metrics.jsonl``
+(one JSON line per log step), ``logs/`` (trackers) and, at the end,
+``demind.safetensors`` in the core checkpoint format.  Rerunning the same command resumes
+from the newest checkpoint and continues the data stream where it stopped.
+
+Batch sizes: ``optim.global_batch_size`` samples per optimizer step =
+micro batch x processes x ``optim.grad_accum_steps``.  The contrastive negatives are
+gathered over processes (all_gather with gradients), so each loss sees
+micro batch x processes samples; accumulation steps do not share negatives.
+
+Modules: ``config`` (the recipe's schema), ``accel`` (Accelerate set-up), ``optim``
+(optimizer and schedule), ``batches`` (data glue), ``step`` (losses and one step),
+``state`` (checkpoints and resume), ``metrics_log`` (log lines), ``loop`` (``train``).
+"""
+
+from demind.data import DataConfig
+from demind.training.accel import make_gather, micro_batch_size, setup
+from demind.training.batches import batch_embeddings, build_data, find_feature_cache
+from demind.training.config import LossConfig, OptimConfig, RunConfig, TrainConfig, load_train_config
+from demind.training.loop import EXPORT_NAME, build_modules, train
+from demind.training.metrics_log import LOSS_TERMS
+from demind.training.optim import build_optimizer, build_scheduler, lr_factor
+from demind.training.state import ResumeError, TrainState, latest_checkpoint
+from demind.training.step import NonFiniteLossError, check_finite, compute_losses
+
+__all__ = ["TrainConfig", "OptimConfig", "LossConfig", "RunConfig", "DataConfig", "TrainState", "train",
+           "load_train_config", "build_modules", "build_data", "find_feature_cache", "batch_embeddings",
+           "build_optimizer", "build_scheduler", "lr_factor", "setup", "micro_batch_size", "make_gather",
+           "compute_losses", "check_finite", "latest_checkpoint", "EXPORT_NAME", "LOSS_TERMS",
+           "NonFiniteLossError", "ResumeError"]

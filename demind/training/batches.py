@@ -1,0 +1,53 @@
+"""Data glue: the feature cache or decoded images, the per-process loader, and a batch's embeddings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from demind.backbone import FrozenCLIP
+from demind.data import DataConfig, StreamSpec, build_loader, resolve_shards
+from demind.features import FeatureCache, default_cache_dir
+from demind.training.accel import micro_batch_size
+from demind.training.config import TrainConfig
+from demind.training.state import TrainState
+
+
+def find_feature_cache(data: DataConfig, shards: list[str], backbone: FrozenCLIP) -> FeatureCache | None:
+    """The feature cache to train on, or None to decode images (see DataConfig.features)."""
+    if data.features is None or str(data.features).lower() in ("none", "null", ""):
+        return None
+    if data.features == "auto":
+        directory = default_cache_dir(shards, backbone.identity_str)
+        if not directory.is_dir():
+            return None
+        return FeatureCache.find(directory, shards, backbone.identity, required=False)
+    return FeatureCache.find(data.features, shards, backbone.identity, required=True)
+
+
+def build_data(cfg: TrainConfig, accelerator, backbone: FrozenCLIP, state: TrainState):
+    """Per-process DataLoader, positioned after the data a resumed run already consumed.
+
+    Returns (loader, cache or None).
+    """
+    shards = resolve_shards(cfg.data.shards)
+    cache = find_feature_cache(cfg.data, shards, backbone)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    start = dict(state.resumed_positions[rank]) if state.resumed_positions is not None else {}
+    # A stream that cannot continue exactly restarts on fresh seeds rather than repeating data.
+    seed = cfg.run.seed if (start or state.step == 0) else cfg.run.seed + state.step
+    spec = StreamSpec(shards=shards, batch_size=micro_batch_size(cfg.optim, world), seed=seed, rank=rank,
+                      world_size=world, shuffle_buffer=cfg.data.shuffle_buffer,
+                      shards_per_group=cfg.data.shards_per_group, resample=cfg.data.resample,
+                      missing_text=cfg.data.missing_text, targets=cfg.data.targets, start=start)
+    loader = build_loader(spec, cfg.data.num_workers, transform=None if cache else backbone.preprocess, cache=cache)
+    return loader, cache
+
+
+def batch_embeddings(batch: dict[str, Any], backbone: FrozenCLIP) -> tuple[torch.Tensor, torch.Tensor]:
+    """(image_emb, teacher_emb), both (B, D) raw: from the feature cache, or the frozen encoders."""
+    if "image_emb" in batch:
+        return batch["image_emb"].to(backbone.device), batch["teacher_emb"].to(backbone.device)
+    return backbone.encode_image(batch["images"]), backbone.encode_text(batch["intents"]).pooled
+

@@ -1,0 +1,86 @@
+"""``train(cfg)``: build the modules, resume, stream the data, step, checkpoint and export."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from demind.backbone import FrozenCLIP, build_backbone
+from demind.checkpoint import save_checkpoint
+from demind.config import save_config
+from demind.features import FeatureCache
+from demind.model import DeMinds, build_model
+from demind.training.accel import tracker_config, available_trackers, micro_batch_size, setup
+from demind.training.batches import build_data
+from demind.training.config import TrainConfig
+from demind.training.metrics_log import trim_metrics
+from demind.training.optim import build_optimizer, build_scheduler
+from demind.training.state import TrainState, resume_state
+from demind.training.step import train_steps
+
+
+EXPORT_NAME = "demind.safetensors"
+
+
+def build_modules(cfg: TrainConfig, device: torch.device) -> tuple[FrozenCLIP, DeMinds]:
+    """The frozen backbone and the trainable De-MINDS model on ``device``.
+
+    Seeded by run.seed first: a randomly initialised backbone (pretrained: null) then has
+    the same weights as the one ``python -m demind.features`` cached features with.
+    """
+    torch.manual_seed(cfg.run.seed)
+    backbone = build_backbone(cfg.backbone, device=device)
+    model = build_model(cfg.model, backbone)
+    return backbone, model
+
+
+def describe_run(cfg: TrainConfig, accelerator, model: DeMinds, cache: FeatureCache | None, state: TrainState) -> None:
+    """Derived quantities, printed once at start-up."""
+    micro = micro_batch_size(cfg.optim, accelerator.num_processes)
+    lines = [
+        f"processes {accelerator.num_processes} ({accelerator.distributed_type}, {accelerator.device}), "
+        f"mixed precision {accelerator.mixed_precision}",
+        f"global batch {cfg.optim.global_batch_size} = micro batch {micro} x {accelerator.num_processes} processes "
+        f"x {cfg.optim.grad_accum_steps} accumulation; contrastive batch {micro * accelerator.num_processes}",
+        f"trainable parameters {model.num_trainable_parameters():,}; backbone {model.backbone.identity}",
+        f"steps {state.step} -> {cfg.optim.max_steps} ({cfg.optim.max_steps * cfg.optim.global_batch_size:,} samples)",
+        f"features: {'cache ' + str(cache.directory) if cache else 'decoding images (no feature cache)'}",
+    ]
+    for line in lines:
+        accelerator.print(line)
+
+
+def train(cfg: TrainConfig) -> Path:
+    """Train (or resume) the run described by ``cfg``; returns the exported checkpoint path.
+
+    Call it in every process (``accelerate launch``); only the main process writes files.
+    """
+    accelerator = setup(cfg)
+    run_dir = Path(cfg.run.output_dir)
+    if accelerator.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    accelerator.wait_for_everyone()
+    backbone, model = build_modules(cfg, accelerator.device)
+    optimizer = build_optimizer(cfg.optim, model)
+    scheduler = build_scheduler(cfg.optim, optimizer)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    state = resume_state(accelerator, cfg)
+    if accelerator.is_main_process:
+        save_config(cfg, run_dir / "config.yaml")
+        trim_metrics(run_dir, state.step)
+    loader, cache = build_data(cfg, accelerator, backbone, state)
+    describe_run(cfg, accelerator, accelerator.unwrap_model(model), cache, state)
+    if available_trackers(cfg.run.trackers):
+        accelerator.init_trackers("demind", config=tracker_config(cfg))
+    train_steps(cfg, accelerator, model, optimizer, scheduler, loader, backbone, state)
+    export = run_dir / EXPORT_NAME
+    if accelerator.is_main_process:
+        save_checkpoint(export, accelerator.unwrap_model(model))
+        accelerator.print(f"exported {export} (step {state.step}, {state.samples_seen:,} samples"
+                          + (f"; {dict(state.counts)}" if state.counts else "") + ")")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return export
+

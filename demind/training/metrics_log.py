@@ -1,0 +1,63 @@
+"""Progress logging: loss sums since the last log line, one console/metrics.jsonl/tracker line per log step."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from demind.io import write_text_atomic
+from demind.training.config import TrainConfig
+from demind.training.state import TrainState
+
+LOSS_TERMS = ("loss", "distil", "align")
+
+
+@dataclass
+class LogWindow:
+    """Loss sums and sample counts since the last log line."""
+
+    sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(LOSS_TERMS, 0.0))
+    micro_steps: int = 0
+    samples: int = 0
+    start: float = field(default_factory=time.perf_counter)
+
+    def add(self, losses: dict[str, torch.Tensor]) -> None:
+        for t in LOSS_TERMS:
+            self.sums[t] += float(losses[t].detach())
+        self.micro_steps += 1
+
+
+def log_metrics(accelerator, cfg: TrainConfig, state: TrainState, window: LogWindow, model, scheduler,
+                bar: tqdm) -> None:
+    """One console line, a metrics.jsonl line and tracker values, averaged over processes."""
+    local = torch.tensor([window.sums[t] / max(window.micro_steps, 1) for t in LOSS_TERMS], device=accelerator.device)
+    means = accelerator.reduce(local, reduction="mean") if accelerator.num_processes > 1 else local
+    core = accelerator.unwrap_model(model)
+    elapsed = max(time.perf_counter() - window.start, 1e-9)
+    metrics = {t: round(float(v), 6) for t, v in zip(LOSS_TERMS, means.tolist())}
+    metrics.update(lr=scheduler.get_last_lr()[0], gate=round(float(torch.tanh(core.gate.detach())), 6),
+                   samples_per_s=round(window.samples / elapsed, 2))
+    accelerator.log(metrics, step=state.step)
+    if accelerator.is_main_process:
+        skipped = ", ".join(f"{k} {v}" for k, v in sorted(state.counts.items()))
+        bar.write(f"step {state.step}/{cfg.optim.max_steps} | loss {metrics['loss']:.4f} | distil {metrics['distil']:.4f}"
+                  f" | align {metrics['align']:.4f} | lr {metrics['lr']:.3g} | tanh(gate) {metrics['gate']:+.4f}"
+                  f" | {metrics['samples_per_s']:.1f} samples/s" + (f" | {skipped}" if skipped else ""))
+        with open(Path(cfg.run.output_dir) / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(dict(step=state.step, samples_seen=state.samples_seen, **metrics,
+                                    counts=dict(state.counts))) + "\n")
+
+
+def trim_metrics(run_dir: Path, step: int) -> None:
+    """Drop metrics lines logged after ``step`` by an interrupted run (they will be redone)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+    write_text_atomic(path, "".join(line + "\n" for line in keep))
+

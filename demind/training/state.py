@@ -1,0 +1,151 @@
+"""Checkpoints and resume: Accelerate state plus trainer_state.json, saved atomically, pruned, resumed.
+
+``<run.output_dir>/checkpoints/step_XXXXXXXX/`` holds the Accelerate state (model, optimizer,
+scheduler, scaler, RNG), ``trainer_state.json`` (progress, data-stream positions, skip counts)
+and ``config.yaml``; it is saved to ``*.tmp`` then renamed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from demind.config import save_config, to_dict
+from demind.training.config import TrainConfig
+
+logger = logging.getLogger(__name__)
+
+
+STATE_NAME = "trainer_state.json"
+
+
+class ResumeError(ValueError):
+    """A run folder whose checkpoints cannot continue with this config."""
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint adds to Accelerate's state: progress and data-stream positions."""
+
+    step: int = 0
+    samples_seen: int = 0
+    positions: dict[int, tuple[int, int]] = field(default_factory=dict)  # this process: worker -> (group, offset)
+    counts: Counter = field(default_factory=Counter)  # skipped / patched samples, this process
+    resumed_positions: list[dict[int, tuple[int, int]]] | None = None  # all processes, from the checkpoint
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """Newest complete checkpoint folder (a ``*.tmp`` folder is an interrupted save)."""
+    done = [p for p in checkpoint_root(run_dir).glob("step_*")
+            if p.is_dir() and not p.name.endswith(".tmp") and (p / STATE_NAME).is_file()]
+    return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
+
+
+def save_training_state(accelerator, cfg: TrainConfig, state: TrainState) -> Path:
+    """Accelerate state + trainer_state.json + config.yaml into ``step_N.tmp``, then rename.
+
+    Every process must call this (each saves its RNG state and reports its data positions).
+    """
+    from accelerate.utils import gather_object
+
+    run_dir = Path(cfg.run.output_dir)
+    final = checkpoint_root(run_dir) / f"step_{state.step:08d}"
+    tmp = final.with_name(final.name + ".tmp")
+    positions = gather_object([{int(w): list(p) for w, p in state.positions.items()}])
+    counts = gather_object([dict(state.counts)])
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        total = Counter()
+        for c in counts:
+            total.update(c)
+        trainer_state = dict(step=state.step, samples_seen=state.samples_seen, num_processes=accelerator.num_processes,
+                             num_workers=cfg.data.num_workers, positions=positions, counts=dict(total))
+        (tmp / STATE_NAME).write_text(json.dumps(trainer_state, indent=1))
+        save_config(cfg, tmp / "config.yaml")
+        if final.exists():  # the same step saved before (e.g. the final save after a resume)
+            shutil.rmtree(final)
+        tmp.replace(final)
+        prune_checkpoints(run_dir, cfg.run.keep_checkpoints)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def prune_checkpoints(run_dir: Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` complete checkpoints, and saves interrupted by a kill."""
+    folders = list(checkpoint_root(run_dir).glob("step_*"))
+    done = sorted((p for p in folders if not p.name.endswith(".tmp")), key=lambda p: int(p.name.split("_")[1]))
+    stale = [p for p in folders if p.name.endswith(".tmp")]
+    for old in (done[:-keep] if keep > 0 else []) + stale:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# Backbone settings that change how fast, not what, the frozen CLIP computes: a run may
+# resume with other values (and checkpoints written before a key existed still resume).
+SPEED_ONLY_KEYS = frozenset({"backbone.text_buckets", "backbone.grad_checkpointing"})
+
+
+def check_resumable(saved: dict[str, Any], cfg: TrainConfig, where: Path) -> None:
+    """The backbone and model must match the checkpoint; other changes are only reported."""
+    current = to_dict(cfg)
+    for section in ("backbone", "model"):
+        diff = [d for d in _diff(saved.get(section, {}), current[section], section)
+                if d.split(" ")[0] not in SPEED_ONLY_KEYS]
+        if diff:
+            raise ResumeError(
+                f"cannot resume from {where}: {', '.join(diff)} differ from the checkpoint's config; "
+                f"use a new run.output_dir or set run.resume=false with an empty run folder"
+            )
+    other = [d for s in ("backbone", "data", "optim", "loss", "run") for d in _diff(saved.get(s, {}), current[s], s)
+             if s != "backbone" or d.split(" ")[0] in SPEED_ONLY_KEYS]
+    if other:
+        logger.warning("resuming from %s with changed settings: %s", where, ", ".join(other))
+
+
+def _diff(old: Any, new: Any, prefix: str) -> list[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [d for k in sorted(set(old) | set(new)) for d in _diff(old.get(k), new.get(k), f"{prefix}.{k}")]
+    return [] if old == new else [f"{prefix} ({old!r} -> {new!r})"]
+
+
+def resume_state(accelerator, cfg: TrainConfig) -> TrainState:
+    """Load the newest checkpoint of the run folder, or start fresh."""
+    import yaml
+
+    run_dir = Path(cfg.run.output_dir)
+    latest = latest_checkpoint(run_dir)
+    if latest is None:
+        return TrainState()
+    if not cfg.run.resume:
+        raise ResumeError(f"{run_dir} already holds checkpoints (newest {latest.name}) but run.resume=false; "
+                          f"use a new run.output_dir or delete {checkpoint_root(run_dir)}")
+    check_resumable(yaml.safe_load((latest / "config.yaml").read_text()), cfg, latest)
+    accelerator.load_state(str(latest))
+    saved = json.loads((latest / STATE_NAME).read_text())
+    positions = [{int(w): tuple(p) for w, p in per_rank.items()} for per_rank in saved["positions"]]
+    same_readers = len(positions) == accelerator.num_processes and saved.get("num_workers") == cfg.data.num_workers
+    if not same_readers:
+        logger.warning("checkpoint %s was written by %d processes x %s workers, this run has %d x %d: the data "
+                       "streams restart on a new seed instead of continuing exactly", latest, len(positions),
+                       saved.get("num_workers"), accelerator.num_processes, cfg.data.num_workers)
+    state = TrainState(step=saved["step"], samples_seen=saved["samples_seen"],
+                       resumed_positions=positions if same_readers else None)
+    state.positions = dict(positions[accelerator.process_index]) if same_readers else {}
+    if accelerator.is_main_process:
+        state.counts.update(saved.get("counts", {}))
+    logger.info("resumed from %s at step %d (%d samples seen)", latest, state.step, state.samples_seen)
+    return state
+

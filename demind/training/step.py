@@ -1,0 +1,94 @@
+"""One optimizer step: losses of a batch, the NaN/inf check, accumulation, and the step loop."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from demind.backbone import FrozenCLIP
+from demind.losses import Gather, demind_losses
+from demind.training.accel import make_gather
+from demind.training.batches import batch_embeddings
+from demind.training.config import TrainConfig
+from demind.training.metrics_log import LOSS_TERMS, LogWindow, log_metrics
+from demind.training.state import TrainState, save_training_state
+
+
+class NonFiniteLossError(FloatingPointError):
+    """A loss term became NaN or infinite; the run stops instead of training on garbage."""
+
+
+def compute_losses(model: torch.nn.Module, batch: dict[str, Any], backbone: FrozenCLIP, *,
+                   distil: bool = True, gather: Gather | None = None) -> dict[str, torch.Tensor]:
+    """One forward pass on a batch from the data stream -> {"loss", "distil", "align"} scalars.
+
+    ``model`` may be wrapped (DDP); the temperature is read from the unwrapped module.
+    """
+    image_emb, teacher_emb = batch_embeddings(batch, backbone)
+    out = model(image_emb, batch["targets"])
+    core = model.module if hasattr(model, "module") else model
+    return demind_losses(out, teacher_emb, image_emb, core.temperature_scale(), distil=distil, gather=gather)
+
+
+def check_finite(losses: dict[str, torch.Tensor], step: int, accelerator) -> None:
+    """Stop every process when any process sees a NaN/inf loss term, naming the term."""
+    flags = torch.stack([torch.isfinite(losses[t].detach()).float() for t in LOSS_TERMS])
+    if accelerator.num_processes > 1:
+        flags = accelerator.reduce(flags.to(accelerator.device), reduction="sum") / accelerator.num_processes
+    bad = [t for t, ok in zip(LOSS_TERMS, flags.tolist()) if ok < 1.0]
+    if bad:
+        values = {t: float(losses[t].detach()) for t in bad}
+        raise NonFiniteLossError(
+            f"non-finite loss at step {step}: {', '.join(f'{t}={v}' for t, v in values.items())} "
+            f"(term{'s' if len(bad) > 1 else ''} {', '.join(bad)}); lower optim.lr, set optim.grad_clip, or check "
+            f"the data; rerunning resumes from the last checkpoint"
+        )
+
+
+def train_one_step(cfg: TrainConfig, accelerator, model, optimizer, scheduler, batches, backbone: FrozenCLIP,
+                   state: TrainState, window: LogWindow, gather: Gather | None) -> None:
+    """One optimizer step over ``optim.grad_accum_steps`` micro-batches from ``batches``."""
+    for _ in range(cfg.optim.grad_accum_steps):
+        batch = next(batches)
+        with accelerator.accumulate(model):
+            with accelerator.autocast():
+                losses = compute_losses(model, batch, backbone, distil=cfg.loss.distil, gather=gather)
+            check_finite(losses, state.step, accelerator)
+            accelerator.backward(losses["loss"])
+            if accelerator.sync_gradients and cfg.optim.grad_clip:
+                accelerator.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        state.positions[batch["worker"]] = tuple(batch["position"])
+        state.counts.update(batch["counts"])
+        window.add(losses)
+    # Stepped here, once per optimizer step, not by Accelerate (which steps it once per process).
+    if not optimizer.step_was_skipped:
+        scheduler.step()
+    state.step += 1
+    state.samples_seen += cfg.optim.global_batch_size
+
+
+def train_steps(cfg: TrainConfig, accelerator, model, optimizer, scheduler, loader, backbone: FrozenCLIP,
+                state: TrainState) -> None:
+    """Optimizer steps from ``state.step`` to ``optim.max_steps``, logging and checkpointing."""
+    if state.step >= cfg.optim.max_steps:
+        return  # a finished run, rerun: nothing to train
+    gather = make_gather(accelerator)
+    model.train()
+    window = LogWindow()
+    batches = iter(loader)
+    with tqdm(total=cfg.optim.max_steps, initial=state.step, desc="train", unit="step",
+              disable=not (accelerator.is_local_main_process and cfg.run.progress)) as bar:
+        while state.step < cfg.optim.max_steps:
+            train_one_step(cfg, accelerator, model, optimizer, scheduler, batches, backbone, state, window, gather)
+            window.samples += cfg.optim.global_batch_size
+            bar.update(1)
+            if state.step % cfg.run.log_every == 0 or state.step == cfg.optim.max_steps:
+                log_metrics(accelerator, cfg, state, window, model, scheduler, bar)
+                window = LogWindow()
+            if state.step % cfg.run.save_every == 0 or state.step == cfg.optim.max_steps:
+                save_training_state(accelerator, cfg, state)
+
