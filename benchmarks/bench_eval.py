@@ -24,7 +24,7 @@ import torch
 from PIL import Image
 
 from demind.backbone import build_backbone
-from demind.eval.features import encode_images
+from demind.eval.image_cache import encode_image_refs
 from demind.eval.methods import parse_backbone_spec
 from demind.eval.structures import ImageRef
 from demind.model import TEMPLATES, DeMinds, ModelConfig, fill_template
@@ -76,9 +76,9 @@ def gallery_throughput(backbone, n_images: int, size: int, batch_size: int, num_
             path = Path(tmp) / f"{i:06d}.jpg"
             Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(path, quality=90)
             refs.append(ImageRef(path.stem, path))
-        encode_images(backbone, refs[:batch_size], None, batch_size=batch_size, num_workers=0, progress=False)  # warm-up
+        encode_image_refs(backbone, refs[:batch_size], None, batch_size=batch_size, num_workers=0, progress=False)  # warm-up
         start = time.perf_counter()
-        encode_images(backbone, refs, None, batch_size=batch_size, num_workers=num_workers, progress=False)
+        encode_image_refs(backbone, refs, None, batch_size=batch_size, num_workers=num_workers, progress=False)
         return n_images / (time.perf_counter() - start)
 
 

@@ -1,52 +1,11 @@
-r"""Build img2dataset-style input shards from a folder of images and a CSV/JSONL of captions.
+"""Input shards from images + captions: ``python data_gen/make_shards.py --images ... --captions ... --output ...``.
 
-    python data_gen/make_shards.py --images photos/ --captions captions.csv --output shards/mine
-    python data_gen/make_shards.py --images photos/ --captions captions.jsonl --output shards/mine \
-        --image-column file --caption-column text --samples-per-shard 1000
-
-CSV needs a header row; JSONL needs one object per line. Image paths are relative to --images.
-Other columns are kept in each sample's json. Skipped rows are listed with their line and reason.
+The command is :mod:`demind.cli.make_shards` (also installed as ``demind-make-shards``).
 """
 
-from __future__ import annotations
-
-import argparse
-import json
 import sys
 
-from demind.gen.ingest import build_shards
-from demind.logs import setup_logging
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="data_gen/make_shards.py", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--images", required=True, help="folder the image paths in --captions are relative to")
-    parser.add_argument("--captions", required=True, help=".csv (with header) or .jsonl caption file")
-    parser.add_argument("--output", required=True, help="folder for 00000.tar, 00001.tar, ... and their _stats.json")
-    parser.add_argument("--samples-per-shard", type=int, default=10000, help="samples per tar (img2dataset: 10000)")
-    parser.add_argument("--image-column", default="image", help="column/field holding the image path")
-    parser.add_argument("--caption-column", default="caption", help="column/field holding the caption")
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    setup_logging()
-    try:
-        report = build_shards(args.images, args.captions, args.output, args.samples_per_shard,
-                              args.image_column, args.caption_column)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"make_shards: error: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {report.written} samples into {len(report.shards)} shard(s) in {args.output}; "
-          f"skipped {sum(report.skipped.values())}: {json.dumps(dict(report.skipped))}")
-    for row in report.skipped_rows[:20]:
-        print(f"  line {row['line']}: {row['reason']} {row['detail']}")
-    if len(report.skipped_rows) > 20:
-        print(f"  ... and {len(report.skipped_rows) - 20} more")
-    return 0
-
+from demind.cli.make_shards import main
 
 if __name__ == "__main__":
     sys.exit(main())

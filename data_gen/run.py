@@ -1,95 +1,11 @@
-r"""Turn image-caption shards into intent shards (T_rew, T_int) with a multimodal LLM.
+"""Intent-data generation: ``python data_gen/run.py --input ... --output ... [--config ...]``.
 
-    python data_gen/run.py --input /data/cc3m --output /data/intent-cc3m --shard 0-99 \
-        --config configs/data_gen/llava-1.6-7b.yaml [engine.tensor_parallel_size=2 ...]
-
-Rerunning the same command skips finished shards and redoes interrupted ones.
-Schema of the input and output shards: shards/README.md.
+The command is :mod:`demind.cli.generate` (also installed as ``demind-generate``).
 """
 
-from __future__ import annotations
-
-import argparse
-import logging
 import sys
 
-from tqdm.contrib.logging import logging_redirect_tqdm
-
-from demind.config import ConfigError, load_config, to_dict
-from demind.gen.config import GenConfig, validate_config
-from demind.gen.engines import build_engine
-from demind.gen.job import format_summary, run_plan
-from demind.gen.prompts import load_prompts
-from demind.gen.shards import ShardSpecError, format_plan, make_plan
-from demind.logs import setup_logging
-
-logger = logging.getLogger("data_gen")
-
-
-def config_keys_help() -> str:
-    """Every config key with its default, for --help (meanings: demind/gen/config.py)."""
-    lines = ["config keys (KEY=VALUE overrides or YAML; meanings in demind/gen/config.py), with defaults:"]
-    for section, values in to_dict(GenConfig()).items():
-        lines += [f"  {section}.{key} = {value}" for key, value in values.items()]
-    return "\n".join(lines)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="data_gen/run.py",
-        description=__doc__,
-        epilog=config_keys_help(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--input", required=True,
-                        help="folder of input .tar shards (img2dataset layout: KEY.jpg, KEY.txt, KEY.json) "
-                             "or a brace pattern such as '/data/cc3m/{00000..00331}.tar'")
-    parser.add_argument("--output", required=True,
-                        help="folder for the intent shards: one NNNNN.tar and NNNNN_stats.json per input shard")
-    parser.add_argument("--shard", default=None,
-                        help="input shard ids to process, inclusive ranges and lists: '0-99', '0-9,20-29', '7' "
-                             "(default: every shard in --input). Give each process or node a disjoint range.")
-    parser.add_argument("--config", default=None,
-                        help="YAML config, e.g. configs/data_gen/llava-1.6-7b.yaml (default: built-in defaults)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="redo selected shards even if their stats file says they are done")
-    parser.add_argument("--dry-run", action="store_true", help="print the plan and exit without loading a model")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars (log lines only)")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                        help="dotted config overrides, e.g. engine.name=transformers engine.model=/path "
-                             "sampling.temperature=0.2 prompts.mode=single")
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Returns 0 when every selected shard is done, 1 if an input shard failed, 2 on bad usage."""
-    # intermixed: overrides may come before or after the flags
-    args = build_parser().parse_intermixed_args(argv)
-    setup_logging()
-    try:
-        cfg = load_config(GenConfig, args.config, args.overrides)
-        validate_config(cfg)
-        plan = make_plan(args.input, args.output, args.shard, args.overwrite)
-    except (ConfigError, ShardSpecError, ValueError) as e:
-        print(f"data_gen: error: {e}", file=sys.stderr)
-        return 2
-    print(format_plan(plan), flush=True)
-    if args.dry_run or not plan.todo:
-        print("nothing to do" if not plan.todo else "dry run: stopping before loading the model")
-        return 0
-    try:
-        prompts = load_prompts(cfg.prompts.version)
-        engine = build_engine(cfg.engine, cfg.sampling)
-    except (ImportError, FileNotFoundError, ValueError) as e:
-        print(f"data_gen: error: {e}", file=sys.stderr)
-        return 2
-    print(f"engine {engine.name}: {engine.model_id}; prompts {prompts.version} ({prompts.sha}), mode {cfg.prompts.mode}",
-          flush=True)
-    with logging_redirect_tqdm():  # log lines print above the progress bars instead of through them
-        summary = run_plan(plan, cfg, engine, prompts, show_progress=not args.no_progress)
-    print(format_summary(summary))
-    return 1 if summary.failed else 0
-
+from demind.cli.generate import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -21,6 +21,8 @@ import open_clip
 import torch
 import torch.nn as nn
 
+from demind.config import ConfigError
+
 log = logging.getLogger(__name__)
 
 PLACEHOLDER = "*"
@@ -338,3 +340,22 @@ def _text_layers(model: nn.Module, embedded: torch.Tensor, causal_mask: torch.Te
 def build_backbone(cfg: BackboneConfig, device: str | torch.device = "cpu") -> FrozenCLIP:
     """Load the frozen backbone described by ``cfg``."""
     return FrozenCLIP(cfg, device=device)
+
+
+RANDOM_TAGS = ("none", "random", "null")
+
+
+def parse_backbone_spec(spec: str, precision: str = "fp32") -> BackboneConfig:
+    """``NAME:TAG_OR_PATH`` -> BackboneConfig. ``NAME:none`` is a random-init backbone (smoke tests).
+
+    NAME is an open_clip model name or a model-config JSON path; the tag is an open_clip
+    pretrained tag or a local checkpoint file.
+    """
+    name, sep, tag = spec.partition(":")
+    if not sep or not name or not tag:
+        raise ConfigError(f"--backbone must be NAME:TAG_OR_PATH (e.g. ViT-L-14:openai, "
+                          f"configs/model/tiny-clip.json:none), got {spec!r}")
+    pretrained = None if tag.lower() in RANDOM_TAGS else tag
+    if pretrained is None:
+        log.warning("backbone %s has random weights: results are meaningful only as a smoke test", name)
+    return BackboneConfig(name=name, pretrained=pretrained, precision=precision)

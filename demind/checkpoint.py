@@ -12,8 +12,10 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from demind.backbone import BackboneConfig, FrozenCLIP
-from demind.config import from_dict, to_dict
+import torch
+
+from demind.backbone import BackboneConfig, FrozenCLIP, build_backbone, parse_backbone_spec
+from demind.config import ConfigError, from_dict, to_dict
 from demind.model import DeMinds, ModelConfig
 from demind.io import atomic_path
 
@@ -72,3 +74,35 @@ def load_checkpoint(path: str | Path, backbone: FrozenCLIP) -> DeMinds:
     model = DeMinds(from_dict(ModelConfig, meta["model_config"]), backbone)
     model.load_state_dict(load_file(str(path)))
     return model.to(backbone.device).eval()
+
+
+def load_backbone_and_model(
+    checkpoint: str | Path | None = None,
+    backbone: str | FrozenCLIP | None = None,
+    *,
+    precision: str = "fp32",
+    device: str | torch.device = "cpu",
+) -> tuple[FrozenCLIP, DeMinds | None]:
+    """The one place a backbone and a trained model are loaded for use (evaluation, the quickstart).
+
+    checkpoint: a De-MINDS checkpoint (.safetensors), or None for the backbone-only methods.
+    backbone: a loaded FrozenCLIP, a ``NAME:TAG_OR_PATH`` spec (see
+        :func:`demind.backbone.parse_backbone_spec`), or None to rebuild the backbone the
+        checkpoint records.  With a checkpoint, it must be the backbone the checkpoint was
+        trained on (:class:`CheckpointError` otherwise, naming both identities).
+    precision, device: for a backbone built here (a loaded one is used as it is).
+    Returns (backbone, model or None), the model in eval mode on the backbone's device.
+    """
+    if checkpoint is None and backbone is None:
+        raise ConfigError("give a checkpoint (--checkpoint CKPT), or a backbone (--backbone NAME:TAG_OR_PATH) "
+                          "for the backbone-only methods")
+    if not isinstance(backbone, FrozenCLIP):
+        if backbone is not None:
+            cfg = parse_backbone_spec(backbone, precision)
+        else:
+            cfg = checkpoint_backbone_config(checkpoint)
+            cfg.precision = precision
+            cfg.grad_checkpointing = False  # loaded for inference: no gradients
+        backbone = build_backbone(cfg, device=device)
+    model = load_checkpoint(checkpoint, backbone) if checkpoint is not None else None
+    return backbone, model

@@ -26,6 +26,10 @@ class ConfigError(ValueError):
     """A config file or override that does not fit the dataclass schema."""
 
 
+class MissingDependencyError(ImportError):
+    """An optional dependency the chosen setting needs is not installed; the message says what to install."""
+
+
 def _field_types(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}

@@ -65,7 +65,8 @@ class DataConfig:
     ``shards/cc3m/{00000..00331}.tar`` (several patterns joined by ``::``)."""
     features: str | None = "auto"
     """Frozen-feature cache folder.  ``auto``: ``<shard folder>/features/<backbone>``,
-    used when it holds every shard; a path: must hold every shard; null: never."""
+    used when it holds every shard; a path: must hold every shard; null or none: never
+    (see demind.features.features_off)."""
     shuffle_buffer: int = 1000
     shards_per_group: int = 4
     resample: bool = True

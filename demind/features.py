@@ -1,7 +1,7 @@
 """Frozen-feature cache: run the frozen encoders over the intent shards once.
 
 The image tower and the teacher text embedding of T_int never change during training,
-so ``python -m demind.features --config configs/train/paper.yaml`` computes, per shard,
+so ``demind-features --config configs/train/paper.yaml`` (:mod:`demind.cli.features`) computes, per shard,
 
 * ``image_emb`` (N, D): ``FrozenCLIP.encode_image`` of each image (raw, not normalised),
 * ``teacher_emb`` (N, D): ``FrozenCLIP.encode_text(T_int).pooled`` (raw, not normalised),
@@ -19,10 +19,8 @@ cache made with another backbone, and then reads and decodes no image.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -34,7 +32,6 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from tqdm import tqdm
 
 from demind.data import ReaderStats, read_tar_samples, shard_name, with_pixels
-from demind.logs import setup_logging
 from demind.io import write_bytes_atomic
 
 logger = logging.getLogger(__name__)
@@ -47,9 +44,27 @@ class FeatureCacheError(ValueError):
     """A feature cache that does not fit the shards or the backbone."""
 
 
+OFF_VALUES = ("none", "null", "")
+
+
+def features_off(setting: str | None) -> bool:
+    """True when ``data.features`` turns the cache off: null, or the strings none/null/'' (any case)."""
+    return setting is None or str(setting).strip().lower() in OFF_VALUES
+
+
 def default_cache_dir(shards: list[str], identity_str: str) -> Path:
     """``<folder of the first shard>/features/<backbone identity>``."""
     return Path(shards[0]).parent / "features" / identity_str
+
+
+def cache_dir_for(setting: str | None, shards: list[str], identity_str: str) -> Path:
+    """The folder ``data.features`` names: an explicit path, else (auto, or off) the default beside the shards.
+
+    Off means "do not train on a cache", never a folder called ``none``.
+    """
+    if features_off(setting) or setting == "auto":
+        return default_cache_dir(shards, identity_str)
+    return Path(setting)
 
 
 def cache_files(directory: str | Path, shard: str) -> tuple[Path, Path]:
@@ -85,7 +100,7 @@ def check_identity(index: dict[str, Any], identity: dict[str, Any], where: Path)
         )
 
 
-class FeatureCache:
+class ShardFeatureCache:
     """Read side of the cache: per-shard samples with embeddings instead of images."""
 
     def __init__(self, directory: str | Path, identity: dict[str, Any]):
@@ -94,7 +109,7 @@ class FeatureCache:
 
     @classmethod
     def find(cls, directory: str | Path, shards: list[str], identity: dict[str, Any],
-             required: bool) -> FeatureCache | None:
+             required: bool) -> ShardFeatureCache | None:
         """The cache in ``directory`` if it holds every shard, checked against ``identity``.
 
         ``required`` (an explicit data.features path): a missing shard is an error.
@@ -245,44 +260,9 @@ def build_feature_cache(shards: list[str], directory: str | Path, backbone: Any,
                 samples=samples, counts=dict(totals), seconds=round(time.time() - start, 2))
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m demind.features --config configs/train/paper.yaml [dotted overrides]``.
+if __name__ == "__main__":  # ``python -m demind.features``: the command lives in demind.cli.features
+    import sys
 
-    Uses the train config's ``backbone`` and ``data`` sections, so the cache lands where
-    the trainer looks for it (``data.features=auto``) unless ``--out`` says otherwise.
-    """
-    from demind.backbone import build_backbone
-    from demind.config import load_config
-    from demind.data import resolve_shards
-    from demind.training import TrainConfig
+    from demind.cli.features import main
 
-    parser = argparse.ArgumentParser(prog="python -m demind.features", description=main.__doc__)
-    parser.add_argument("--config", help="train config YAML (backbone and data sections are used)")
-    parser.add_argument("--out", help="cache folder (default: data.features, or <shard folder>/features/<backbone>)")
-    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides such as data.shards=shards/cc3m")
-    args = parser.parse_args(argv)
-    setup_logging()
-
-    cfg = load_config(TrainConfig, args.config, args.overrides)
-    shards = resolve_shards(cfg.data.shards)
-    # Seeded like the trainer, so a randomly initialised backbone (pretrained: null,
-    # smoke runs) gets the same weights here and there.
-    torch.manual_seed(cfg.run.seed)
-    backbone = build_backbone(cfg.backbone)
-    out = args.out
-    if out is None:
-        out = cfg.data.features if cfg.data.features not in (None, "auto") else default_cache_dir(shards, backbone.identity_str)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    summary = build_feature_cache(shards, out, backbone, batch_size=cfg.data.cache_batch_size,
-                                  num_workers=cfg.data.num_workers, missing_text=cfg.data.missing_text,
-                                  dtype=cfg.data.cache_dtype, device=device)
-    width = max(len(k) for k in summary)
-    for key, value in summary.items():
-        print(f"{key:<{width}}  {value}")
-    print(json.dumps(summary))
-    return 0
-
-
-if __name__ == "__main__":
     sys.exit(main())

@@ -1,6 +1,6 @@
 """Intent-data generation job (issue 4), end to end on CPU with a tiny random LLaVA-NeXT.
 
-The real ``data_gen/run.py`` main() runs over input shards written here; nothing is downloaded.
+The real generation command (``demind.cli.generate.main``, behind ``data_gen/run.py``) runs over input shards written here; nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import torch
 import webdataset as wds
 from PIL import Image
 
+from demind.cli.generate import main as generate_main
+from demind.cli.make_shards import main as make_shards_main
 from demind.gen.config import GenConfig
 from demind.gen.engines.base import GenRequest, GenResult, request_seed
 from demind.gen.engines.transformers_engine import SeededRowSampler
@@ -30,14 +32,6 @@ from demind.gen.shards import ShardSpecError, parse_shard_range
 from demind.gen.tiny_model import build_tiny_llava_next
 
 CORRUPT_KEY = "000010002"
-
-
-def load_script(repo_root: Path, name: str):
-    """Import data_gen/<name>.py as a module (data_gen/ holds scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(f"data_gen_{name}", repo_root / "data_gen" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -55,7 +49,7 @@ def tiny_llava(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def run_main(repo_root):
-    return load_script(repo_root, "run").main
+    return generate_main
 
 
 def jpeg_bytes(seed: int, size: tuple[int, int]) -> bytes:
@@ -270,7 +264,7 @@ def test_make_shards_then_read(repo_root, tmp_path, capsys):
     csv_path = tmp_path / "captions.csv"
     csv_path.write_text("image,caption,source\n0.jpg,a cat,web\n1.jpg,,web\nnope.jpg,a bus,web\n"
                         "2.jpg,\"a dog, black\",web\nbroken.png,a fish,web\n3.jpg,a tree,web\n4.jpg,a car,web\n")
-    make_shards = load_script(repo_root, "make_shards").main
+    make_shards = make_shards_main
     out = tmp_path / "shards"
     assert make_shards(["--images", str(images), "--captions", str(csv_path), "--output", str(out),
                         "--samples-per-shard", "2"]) == 0

@@ -12,8 +12,9 @@ import torch
 import pytest
 from PIL import Image
 
-from demind.eval import evaluate, format_table
-from demind.eval.cli import main
+from demind.cli.evaluate import main as evaluate_main
+from demind.config import ConfigError
+from demind.eval import evaluate, format_table, load_backbone_and_model
 from demind.eval.coco import build_coco_queries, coco_texts, read_coco
 from demind.eval.fashioniq import read_fashioniq
 from demind.eval.harness import ReaderOptions, read_benchmark
@@ -23,6 +24,12 @@ from demind.model import DeMinds, ModelConfig
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY_CLIP = REPO_ROOT / "configs" / "model" / "tiny-clip.json"
 RNG = np.random.default_rng(0)
+
+
+def run_eval_command(argv: list[str]) -> dict:
+    """The real ``demind-eval`` command; returns the results.json it wrote to --out."""
+    assert evaluate_main(argv) == 0
+    return json.loads((Path(argv[argv.index("--out") + 1]) / "results.json").read_text())
 
 
 def write_image(path: Path, size: tuple[int, int] = (12, 12)) -> None:
@@ -78,7 +85,7 @@ def test_fashioniq_prompts_follow_the_chosen_caption_order(tmp_path):
 
 def test_fashioniq_missing_images_are_counted_and_reported(tmp_path, capsys):
     root = make_fashioniq(tmp_path / "fiq")
-    results = main(["--benchmark", "fashioniq", "--data-root", str(root), "--backbone", f"{TINY_CLIP}:none",
+    results = run_eval_command(["--benchmark", "fashioniq", "--data-root", str(root), "--backbone", f"{TINY_CLIP}:none",
                     "--out", str(tmp_path / "out"), "--num-workers", "0", "--quiet"])
     dress = results["counts"]["dress"]
     assert (dress["queries"], dress["evaluated"], dress["skipped"]) == (5, 2, 3)
@@ -297,8 +304,10 @@ def test_unknown_method_and_model_methods_without_checkpoint_are_errors(tmp_path
         evaluate("circo", root, backbone=tiny_backbone, methods="demind", progress=False)
     with pytest.raises(ValueError, match="unknown method"):
         evaluate("circo", root, backbone=tiny_backbone, methods="image_only", progress=False)
-    with pytest.raises(ValueError, match="NAME:TAG_OR_PATH"):
-        main(["--benchmark", "circo", "--data-root", str(root), "--backbone", "ViT-B-32", "--out", str(tmp_path)])
+    with pytest.raises(ConfigError, match="NAME:TAG_OR_PATH"):
+        load_backbone_and_model(backbone="ViT-B-32")
+    with pytest.raises(ConfigError, match="give a checkpoint"):
+        load_backbone_and_model()
 
 
 def test_reader_options_reach_the_readers(tmp_path):
@@ -307,12 +316,15 @@ def test_reader_options_reach_the_readers(tmp_path):
     assert prose.options["seed"] == 3 and " , " in prose.groups[0].queries[0].prompt
 
 
-def test_evaluate_accepts_a_checkpoint_path_and_restores_train_mode(tmp_path, tiny_backbone, tiny_model):
+def test_a_loaded_checkpoint_evaluates_like_the_model_and_train_mode_is_restored(tmp_path, tiny_backbone,
+                                                                                  tiny_model):
     from demind.checkpoint import save_checkpoint
 
     root = make_circo(tmp_path / "circo")
     ckpt = save_checkpoint(tmp_path / "tiny.safetensors", tiny_model)
-    from_path = evaluate("circo", root, backbone=tiny_backbone, model=ckpt, methods="demind", progress=False)
+    backbone, loaded = load_backbone_and_model(ckpt, tiny_backbone)
+    assert backbone is tiny_backbone and not loaded.training
+    from_path = evaluate("circo", root, backbone=backbone, model=loaded, methods="demind", progress=False)
     tiny_model.train()
     from_object = evaluate("circo", root, model=tiny_model, methods="demind", progress=False)
     assert tiny_model.training  # evaluated in eval mode, then restored
@@ -322,7 +334,7 @@ def test_evaluate_accepts_a_checkpoint_path_and_restores_train_mode(tmp_path, ti
 
 
 def test_feature_cache_keeps_finished_parts_after_a_crash_and_resumes(tmp_path, tiny_backbone):
-    from demind.eval.features import FeatureCache, encode_images
+    from demind.eval.image_cache import ImageFeatureCache, encode_image_refs
     from demind.eval.structures import ImageRef
 
     refs = []
@@ -330,13 +342,13 @@ def test_feature_cache_keeps_finished_parts_after_a_crash_and_resumes(tmp_path, 
         write_image(tmp_path / "img" / f"{i}.png")
         refs.append(ImageRef(str(i), tmp_path / "img" / f"{i}.png"))
     (tmp_path / "img" / "7.png").write_bytes(b"broken")  # the run dies in the second part
-    cache = FeatureCache(tmp_path / "cache", "tiny", "bench", "val")
+    cache = ImageFeatureCache(tmp_path / "cache", "tiny", "bench", "val")
     with pytest.raises(ImageReadError, match="7.png"):
-        encode_images(tiny_backbone, refs, cache, batch_size=2, part_size=4, progress=False)
+        encode_image_refs(tiny_backbone, refs, cache, batch_size=2, part_size=4, progress=False)
     assert set(cache.load("gallery")) == {"0", "1", "2", "3"}  # the finished part survived
 
     write_image(tmp_path / "img" / "7.png")
-    resumed, stats = encode_images(tiny_backbone, refs, cache, batch_size=2, part_size=4, progress=False)
+    resumed, stats = encode_image_refs(tiny_backbone, refs, cache, batch_size=2, part_size=4, progress=False)
     assert stats.as_dict() == {"images": 10, "cached": 4, "encoded": 6}
-    fresh, _ = encode_images(tiny_backbone, refs, None, batch_size=3, progress=False)
+    fresh, _ = encode_image_refs(tiny_backbone, refs, None, batch_size=3, progress=False)
     assert all(torch.allclose(resumed[n], fresh[n], atol=1e-5) for n in fresh)  # cached == uncached

@@ -4,6 +4,7 @@ the tiny backbone and a tiny De-MINDS checkpoint."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -14,13 +15,18 @@ from PIL import Image
 
 from demind.backbone import BackboneConfig, FrozenCLIP
 from demind.checkpoint import save_checkpoint
-from demind.eval.cli import main
-from demind.eval.structures import DataLayoutError
+from demind.cli.evaluate import main as evaluate_main
 from demind.model import DeMinds, ModelConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CIRR_FIXTURES = REPO_ROOT.parent / "shared" / "fixtures" / "cirr"
 TINY_CLIP = REPO_ROOT / "configs" / "model" / "tiny-clip.json"
+
+
+def run_eval_command(argv: list[str]) -> dict:
+    """The real ``demind-eval`` command; returns the results.json it wrote to --out."""
+    assert evaluate_main(argv) == 0
+    return json.loads((Path(argv[argv.index("--out") + 1]) / "results.json").read_text())
 
 
 def load_fixture(name: str):
@@ -59,9 +65,13 @@ def tiny_checkpoint(tmp_path_factory, tiny_backbone) -> Path:
     return save_checkpoint(folder / "tiny.safetensors", model)
 
 
+def cirr_args(root: Path, ckpt: Path, out: Path, *extra: str) -> list[str]:
+    return ["--benchmark", "cirr", "--data-root", str(root), "--checkpoint", str(ckpt), "--out", str(out),
+            "--num-workers", "0", "--batch-size", "512", "--quiet", *extra]
+
+
 def run(root: Path, ckpt: Path, out: Path, *extra: str) -> dict:
-    return main(["--benchmark", "cirr", "--data-root", str(root), "--checkpoint", str(ckpt), "--out", str(out),
-                 "--num-workers", "0", "--batch-size", "512", "--quiet", *extra])
+    return run_eval_command(cirr_args(root, ckpt, out, *extra))
 
 
 @pytest.fixture(scope="module")
@@ -142,11 +152,15 @@ def test_test1_submission_files_are_valid(cirr_root, tiny_checkpoint, tmp_path):
     check_cirr_submission(tmp_path / "demind", "demind", 300)
 
 
-def test_missing_image_folder_names_the_expected_path(cirr_root, tiny_checkpoint, tmp_path):
+def test_missing_image_folder_names_the_expected_path(cirr_root, tiny_checkpoint, tmp_path, capsys):
     root = tmp_path / "cirr"
     shutil.copytree(cirr_root / "captions", root / "captions")
     shutil.copytree(cirr_root / "image_splits", root / "image_splits")
-    with pytest.raises(DataLayoutError, match=r"dev.*does not exist(.|\n)*captions/cap.rc2"):
-        run(root, tiny_checkpoint, tmp_path / "out")
-    with pytest.raises(DataLayoutError, match="cap.rc2.val.json"):
-        run(tmp_path / "nowhere", tiny_checkpoint, tmp_path / "out")
+    assert evaluate_main(cirr_args(root, tiny_checkpoint, tmp_path / "out")) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"^error: .*dev.*does not exist(.|\n)*captions/cap.rc2", err, flags=re.M)
+    assert "Traceback" not in err
+    # --debug: the same line under the traceback, which names the error type
+    assert evaluate_main(cirr_args(tmp_path / "nowhere", tiny_checkpoint, tmp_path / "out", "--debug")) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "DataLayoutError" in err and "cap.rc2.val.json" in err

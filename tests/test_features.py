@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import demind.data
-import train
 from demind import features
+from demind.cli import features as features_cli
+from demind.cli import train
 from demind.backbone import build_backbone
 from demind.config import load_config
 from demind.data import decode_image, write_intent_shard, write_synthetic_shards
@@ -35,7 +36,7 @@ def smoke_config(repo_root: Path, shards: Path, *extra: str) -> TrainConfig:
 
 
 def build_cache(repo_root: Path, shards: Path, *extra: str) -> None:
-    assert features.main(["--config", str(repo_root / "configs/train/smoke.yaml"),
+    assert features_cli.main(["--config", str(repo_root / "configs/train/smoke.yaml"),
                           *overrides(repo_root, shards, *extra)]) == 0
 
 
@@ -136,7 +137,7 @@ def test_cache_of_another_backbone_is_refused(repo_root, tmp_path):
     other_json = tmp_path / "tiny-clip-2layer.json"
     other_json.write_text(json.dumps(other))
     cache = tmp_path / "cache"
-    assert features.main(["--config", str(repo_root / "configs/train/smoke.yaml"), "--out", str(cache),
+    assert features_cli.main(["--config", str(repo_root / "configs/train/smoke.yaml"), "--out", str(cache),
                           f"data.shards={shards}", f"backbone.name={other_json}"]) == 0
 
     cfg = smoke_config(repo_root, shards, f"data.features={cache}")

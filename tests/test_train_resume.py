@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import train
+from demind.cli import train
 from demind.data import write_synthetic_shards
 
 TOTAL_STEPS = 40

@@ -3,14 +3,16 @@
 Library entry point::
 
     from demind.eval import evaluate, load_backbone_and_model
-    backbone, model = load_backbone_and_model("model.safetensors", None, device="cuda")
+    backbone, model = load_backbone_and_model("model.safetensors", device="cuda")
     results = evaluate("cirr", "data/CIRR", backbone=backbone, model=model, out_dir="runs/eval/cirr")
 
-Command line: ``python -m demind.eval --help``.
+``load_backbone_and_model`` lives in :mod:`demind.checkpoint` (re-exported here).
+Command line: ``demind-eval --help`` or ``python -m demind.eval --help`` (:mod:`demind.cli.evaluate`).
 """
 
+from demind.checkpoint import load_backbone_and_model
 from demind.eval.harness import BENCHMARKS, ReaderOptions, evaluate, read_benchmark
-from demind.eval.methods import METHODS, load_backbone_and_model
+from demind.eval.methods import METHODS
 from demind.eval.reports import format_table, markdown_table
 
 __all__ = [

@@ -1,6 +1,8 @@
-"""``python -m demind.eval --benchmark ... --data-root ... --out ...`` (see demind.eval.cli)."""
+"""``python -m demind.eval``: the command is :mod:`demind.cli.evaluate` (also ``demind-eval``)."""
 
-from demind.eval.cli import main
+import sys
+
+from demind.cli.evaluate import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -19,21 +19,16 @@ import torch
 from tqdm.auto import tqdm
 
 from demind.backbone import FrozenCLIP
-from demind.checkpoint import load_checkpoint
+from demind.config import ConfigError
 from demind.eval import metrics as M
 from demind.eval.circo import read_circo
 from demind.eval.cirr import read_cirr
 from demind.eval.coco import read_coco
 from demind.eval.exclusion import read_exclusion
 from demind.eval.fashioniq import read_fashioniq
-from demind.eval.features import FeatureCache, backbone_cache_slug, encode_images, stack_features
+from demind.eval.image_cache import ImageFeatureCache, backbone_cache_slug, encode_image_refs, stack_features
 from demind.eval.imagenet_r import read_imagenet_r
-from demind.eval.methods import (
-    RetrievalMethod,
-    build_methods,
-    load_backbone_and_model,
-    parse_method_names,
-)
+from demind.eval.methods import RetrievalMethod, build_methods, parse_method_names
 from demind.eval.reports import write_reports
 from demind.eval.structures import BenchmarkData, ImageRef, QueryGroup
 from demind.model import DeMinds
@@ -90,8 +85,8 @@ def evaluate(
     benchmark: str,
     data_root: str | Path,
     *,
-    backbone: FrozenCLIP | str | None = None,
-    model: DeMinds | str | Path | None = None,
+    backbone: FrozenCLIP | None = None,
+    model: DeMinds | None = None,
     methods: str | list[str] | None = None,
     split: str = "val",
     out_dir: str | Path | None = None,
@@ -100,26 +95,28 @@ def evaluate(
     batch_size: int = 64,
     num_workers: int = 0,
     limit: int | None = None,
-    device: str | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Evaluate ``methods`` on one benchmark split; returns the results dict (values in percent).
 
-    backbone: a loaded FrozenCLIP, or a ``NAME:TAG_OR_PATH`` spec, or None when ``model`` is a
-        checkpoint path (its backbone is rebuilt from the checkpoint's record).
-    model: a loaded De-MINDS model or a checkpoint path; needed for ``demind`` and
-        ``mapping-only``. It is put in eval mode for the run (dropout off) and restored after.
+    backbone: the frozen CLIP (None: the model's backbone).  Load both with
+        :func:`demind.checkpoint.load_backbone_and_model`.
+    model: the trained De-MINDS model, needed for ``demind`` and ``mapping-only``. It is
+        put in eval mode for the run (dropout off) and restored after.
     methods: names or a comma-separated string; None = every method the inputs allow.
     out_dir: where results.json, rankings/, table.md and submission files go (None: nothing written).
     cache_dir: image-feature cache (default ``<out_dir>/feature_cache``; no cache without either).
-    device: where to build a backbone given as a spec or checkpoint (default: cuda if available).
     """
-    backbone, model = resolve_backbone_and_model(backbone, model, device)
+    if backbone is None:
+        if model is None:
+            raise ConfigError("evaluate() needs a backbone or a model; load them with "
+                              "demind.checkpoint.load_backbone_and_model")
+        backbone = model.backbone
     data = read_benchmark(benchmark, data_root, split, limit, options)
     method_objs = build_methods(parse_method_names(methods, model is not None), backbone, model)
     if cache_dir is None and out_dir is not None:
         cache_dir = Path(out_dir) / "feature_cache"
-    cache = FeatureCache(cache_dir, backbone_cache_slug(backbone), data.benchmark, data.split) if cache_dir else None
+    cache = ImageFeatureCache(cache_dir, backbone_cache_slug(backbone), data.benchmark, data.split) if cache_dir else None
     for note in data.notes:
         log.info(note)
 
@@ -144,24 +141,7 @@ def evaluate(
     return results
 
 
-def resolve_backbone_and_model(backbone: FrozenCLIP | str | None, model: DeMinds | str | Path | None,
-                               device: str | None) -> tuple[FrozenCLIP, DeMinds | None]:
-    """Accept loaded objects, a backbone spec, or a checkpoint path (see :func:`evaluate`)."""
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if isinstance(model, (str, Path)):
-        if isinstance(backbone, FrozenCLIP):
-            return backbone, load_checkpoint(model, backbone)
-        return load_backbone_and_model(model, backbone, device)
-    if isinstance(backbone, str):
-        backbone = load_backbone_and_model(None, backbone, device)[0]
-    if backbone is None:
-        backbone = model.backbone if model is not None else None
-    if backbone is None:
-        raise ValueError("evaluate() needs a backbone (FrozenCLIP or 'NAME:TAG'), or a model/checkpoint")
-    return backbone, model
-
-
-def encode_benchmark_images(backbone: FrozenCLIP, data: BenchmarkData, cache: FeatureCache | None,
+def encode_benchmark_images(backbone: FrozenCLIP, data: BenchmarkData, cache: ImageFeatureCache | None,
                             batch_size: int, num_workers: int, progress: bool
                             ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, int]]]:
     """Raw features for every gallery and reference image, each encoded once.
@@ -171,7 +151,7 @@ def encode_benchmark_images(backbone: FrozenCLIP, data: BenchmarkData, cache: Fe
     """
     gallery_refs = [ref for groups in _groups_by_gallery(data.groups) for ref in groups[0].gallery]
     tag = f"{data.benchmark}/{data.split}"
-    features, gallery_stats = encode_images(backbone, gallery_refs, cache, "gallery", batch_size, num_workers,
+    features, gallery_stats = encode_image_refs(backbone, gallery_refs, cache, "gallery", batch_size, num_workers,
                                             progress=progress, desc=f"gallery {tag}")
     gallery_keys = {ref.name: ref.cache_key for ref in gallery_refs}
     references: list[ImageRef] = []
@@ -183,7 +163,7 @@ def encode_benchmark_images(backbone: FrozenCLIP, data: BenchmarkData, cache: Fe
             elif key != q.reference.cache_key:
                 raise ValueError(f"query {q.qid}: reference {q.reference.name!r} ({q.reference.cache_key}) "
                                  f"differs from the gallery image of that name ({key})")
-    query_features, query_stats = encode_images(backbone, references, cache, "queries", batch_size, num_workers,
+    query_features, query_stats = encode_image_refs(backbone, references, cache, "queries", batch_size, num_workers,
                                                 progress=progress, desc=f"references {tag}")
     features = {**features, **query_features}
     return features, {"gallery": gallery_stats.as_dict(), "queries": query_stats.as_dict()}

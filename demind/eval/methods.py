@@ -11,17 +11,12 @@ Every method returns (B, D) L2-normalised query embeddings.
 
 from __future__ import annotations
 
-import logging
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 
-from demind.backbone import BackboneConfig, FrozenCLIP, build_backbone
-from demind.checkpoint import checkpoint_backbone_config, load_checkpoint
+from demind.backbone import FrozenCLIP
+from demind.config import ConfigError
 from demind.model import DeMinds
-
-log = logging.getLogger(__name__)
 
 METHOD_LABELS = {
     "image-only": "Image-only",
@@ -32,7 +27,6 @@ METHOD_LABELS = {
 }
 METHODS = tuple(METHOD_LABELS)
 CHECKPOINT_METHODS = ("mapping-only", "demind")
-RANDOM_TAGS = ("none", "random", "null")
 
 
 class RetrievalMethod:
@@ -109,10 +103,10 @@ def parse_method_names(spec: str | list[str] | tuple[str, ...] | None, have_mode
     names = [n.strip() for n in (spec.split(",") if isinstance(spec, str) else spec) if n.strip()]
     unknown = [n for n in names if n not in METHODS]
     if unknown:
-        raise ValueError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
+        raise ConfigError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
     needs_model = [n for n in names if n in CHECKPOINT_METHODS]
     if needs_model and not have_model:
-        raise ValueError(f"method(s) {needs_model} need a trained model: pass --checkpoint CKPT")
+        raise ConfigError(f"method(s) {needs_model} need a trained model: pass --checkpoint CKPT")
     return names
 
 
@@ -128,43 +122,3 @@ def build_methods(names: list[str], backbone: FrozenCLIP, model: DeMinds | None)
         else:
             methods.append((DeMindsQuery if name == "demind" else MappingOnly)(backbone, model))
     return methods
-
-
-def parse_backbone_spec(spec: str, precision: str = "fp32") -> BackboneConfig:
-    """``NAME:TAG_OR_PATH`` -> BackboneConfig. ``NAME:none`` is a random-init backbone (smoke tests).
-
-    NAME is an open_clip model name or a model-config JSON path; the tag is an open_clip
-    pretrained tag or a local checkpoint file.
-    """
-    name, sep, tag = spec.partition(":")
-    if not sep or not name or not tag:
-        raise ValueError(f"--backbone must be NAME:TAG_OR_PATH (e.g. ViT-L-14:openai, "
-                         f"configs/model/tiny-clip.json:none), got {spec!r}")
-    pretrained = None if tag.lower() in RANDOM_TAGS else tag
-    if pretrained is None:
-        log.warning("backbone %s has random weights: results are meaningful only as a smoke test", name)
-    return BackboneConfig(name=name, pretrained=pretrained, precision=precision)
-
-
-def load_backbone_and_model(
-    checkpoint: str | Path | None,
-    backbone_spec: str | None,
-    device: str | torch.device = "cpu",
-    precision: str = "fp32",
-) -> tuple[FrozenCLIP, DeMinds | None]:
-    """Build the backbone (from ``backbone_spec``, else from the checkpoint's record) and load the model.
-
-    With both given, the checkpoint must have been trained on that backbone
-    (:class:`demind.checkpoint.CheckpointError` otherwise, naming both identities).
-    """
-    if checkpoint is None and backbone_spec is None:
-        raise ValueError("give --checkpoint CKPT, or --backbone NAME:TAG_OR_PATH for the backbone-only methods")
-    if backbone_spec is not None:
-        cfg = parse_backbone_spec(backbone_spec, precision)
-    else:
-        cfg = checkpoint_backbone_config(checkpoint)
-        cfg.precision = precision
-        cfg.grad_checkpointing = False  # evaluation runs without gradients
-    backbone = build_backbone(cfg, device=device)
-    model = load_checkpoint(checkpoint, backbone) if checkpoint is not None else None
-    return backbone, model

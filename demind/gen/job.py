@@ -316,7 +316,7 @@ def run_plan(plan: JobPlan, cfg: GenConfig, engine: Engine, prompts: PromptSet, 
     return summary
 
 
-def format_summary(summary: JobSummary) -> str:
+def format_job_summary(summary: JobSummary) -> str:
     """The table printed at the end of a run."""
     header = f"{'shard':>7} {'in':>7} {'written':>8} {'skipped':>8} {'flagged':>8} {'retried':>8} {'T_rew tok':>10} {'T_int tok':>10} {'img/s':>8}"
     lines = [header]

@@ -221,7 +221,7 @@ def train_toy_clip(cfg: ToyBackboneConfig, progress: bool = True, state_path: Pa
 # ---------------------------------------------------------------------- evaluation
 
 @torch.no_grad()
-def encode_images(model: torch.nn.Module, images: np.ndarray, batch: int = 250) -> torch.Tensor:
+def encode_toy_images(model: torch.nn.Module, images: np.ndarray, batch: int = 250) -> torch.Tensor:
     """(N, H, W, 3) uint8 -> (N, D) L2-normalised image embeddings."""
     model.eval()
     return torch.cat([model.encode_image(images_to_tensor(images[i:i + batch]), normalize=True)
@@ -233,10 +233,10 @@ def text_to_image_recall(model: torch.nn.Module, tokenizer: Any, images: np.ndar
                          ks: tuple[int, ...] = (1, 5, 10), batch: int = 250) -> dict[str, float]:
     """Text i should retrieve image i among all images. Returns {"R@k": fraction}.
 
-    ``images``: (N, H, W, 3) uint8, or their (N, D) embeddings from :func:`encode_images`
+    ``images``: (N, H, W, 3) uint8, or their (N, D) embeddings from :func:`encode_toy_images`
     (several text sets against one image set encode the images once)."""
     model.eval()
-    img = images if isinstance(images, torch.Tensor) else encode_images(model, images, batch)
+    img = images if isinstance(images, torch.Tensor) else encode_toy_images(model, images, batch)
     txt = torch.cat([model.encode_text(tokenizer(texts[i:i + batch]), normalize=True)
                      for i in range(0, len(texts), batch)])
     sims = txt @ img.T                                   # (N texts, N images)
@@ -268,7 +268,7 @@ def evaluate_toy_clip(model: torch.nn.Module, tokenizer: Any, image_size: int, n
     """Text-to-image recall on held-out scenes: full descriptions, alt-texts, and texts
     that name one attribute only (``probe:shape`` ...), which show what the backbone sees."""
     scenes, images = render_pool("web_eval", num_scenes, image_size, progress)
-    images = encode_images(model, images)  # one image pass for all six text sets
+    images = encode_toy_images(model, images)  # one image pass for all six text sets
     rng = random.Random(derive_seed("web_eval", "texts"))
     recall = {
         "full_description": text_to_image_recall(model, tokenizer, images, [full_description(s, rng) for s in scenes]),

@@ -107,10 +107,10 @@ def train_variant(cfg: QuickstartConfig, backbone, variant: str, seed: int, log_
 def evaluate_run(cfg: QuickstartConfig, backbone, export: Path, variant: str, seed: int,
                  methods: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     """Every benchmark for one trained model; returns benchmark -> results dict."""
-    from demind.checkpoint import load_checkpoint
+    from demind.checkpoint import load_backbone_and_model
     from demind.eval.harness import ReaderOptions, evaluate
 
-    model = load_checkpoint(export, backbone)
+    backbone, model = load_backbone_and_model(export, backbone)
     bench_root = Path(cfg.workdir) / "benchmarks"
     out = {}
     for bench in cfg.benchmarks:
@@ -225,7 +225,7 @@ def summarise(runs: dict[str, dict[int, dict[str, dict[str, Any]]]]) -> dict[str
     return rows
 
 
-def format_summary(rows: dict[str, Any]) -> str:
+def format_quickstart_table(rows: dict[str, Any]) -> str:
     """Paper-style text table: one row per method (and ablation), mean ± std over seeds."""
     present = {c for r in rows.values() for c in r["metrics"]}
     columns = [f"{b}:{k}" for b, keys in HEADLINE.items() for k in keys if f"{b}:{k}" in present]
@@ -317,7 +317,7 @@ def run_quickstart(cfg: QuickstartConfig) -> dict[str, Any]:
             runs.setdefault(variant, {})[seed] = timed("evaluate", evaluate_run, cfg, backbone, export,
                                                        variant, seed, methods)
     rows = summarise(runs)
-    table = format_summary(rows)
+    table = format_quickstart_table(rows)
     per_type = format_per_type(rows)
     paired = format_paired(runs)
     plot = plot_recall(rows, workdir / "recall_at_k.png")

@@ -8,22 +8,22 @@ import torch
 
 from demind.backbone import FrozenCLIP
 from demind.data import DataConfig, StreamSpec, build_loader, resolve_shards
-from demind.features import FeatureCache, default_cache_dir
+from demind.features import ShardFeatureCache, default_cache_dir, features_off
 from demind.training.accel import micro_batch_size
 from demind.training.config import TrainConfig
 from demind.training.state import TrainState
 
 
-def find_feature_cache(data: DataConfig, shards: list[str], backbone: FrozenCLIP) -> FeatureCache | None:
+def find_feature_cache(data: DataConfig, shards: list[str], backbone: FrozenCLIP) -> ShardFeatureCache | None:
     """The feature cache to train on, or None to decode images (see DataConfig.features)."""
-    if data.features is None or str(data.features).lower() in ("none", "null", ""):
+    if features_off(data.features):
         return None
     if data.features == "auto":
         directory = default_cache_dir(shards, backbone.identity_str)
         if not directory.is_dir():
             return None
-        return FeatureCache.find(directory, shards, backbone.identity, required=False)
-    return FeatureCache.find(data.features, shards, backbone.identity, required=True)
+        return ShardFeatureCache.find(directory, shards, backbone.identity, required=False)
+    return ShardFeatureCache.find(data.features, shards, backbone.identity, required=True)
 
 
 def build_data(cfg: TrainConfig, accelerator, backbone: FrozenCLIP, state: TrainState):

@@ -9,7 +9,7 @@ import torch
 from demind.backbone import FrozenCLIP, build_backbone
 from demind.checkpoint import save_checkpoint
 from demind.config import save_config
-from demind.features import FeatureCache
+from demind.features import ShardFeatureCache
 from demind.model import DeMinds, build_model
 from demind.training.accel import tracker_config, available_trackers, micro_batch_size, setup
 from demind.training.batches import build_data
@@ -35,7 +35,7 @@ def build_modules(cfg: TrainConfig, device: torch.device) -> tuple[FrozenCLIP, D
     return backbone, model
 
 
-def describe_run(cfg: TrainConfig, accelerator, model: DeMinds, cache: FeatureCache | None, state: TrainState) -> None:
+def describe_run(cfg: TrainConfig, accelerator, model: DeMinds, cache: ShardFeatureCache | None, state: TrainState) -> None:
     """Derived quantities, printed once at start-up."""
     micro = micro_batch_size(cfg.optim, accelerator.num_processes)
     lines = [

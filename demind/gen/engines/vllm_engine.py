@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from demind.config import MissingDependencyError
 from demind.gen.config import EngineConfig, SamplingConfig
 from demind.gen.engines.base import GenRequest, GenResult
 
@@ -22,11 +23,11 @@ INSTALL_HINT = (
 
 
 def import_vllm() -> Any:
-    """Import vllm or raise ImportError saying how to install it."""
+    """Import vllm or raise MissingDependencyError (an ImportError) saying how to install it."""
     try:
         import vllm
     except ImportError as e:
-        raise ImportError(f"{INSTALL_HINT} (import failed: {e})") from e
+        raise MissingDependencyError(f"{INSTALL_HINT} (import failed: {e})") from e
     return vllm
 
 

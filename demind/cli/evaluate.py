@@ -1,26 +1,25 @@
-"""``python -m demind.eval``: one benchmark, one command, a table and files you can check.
+"""``demind-eval`` / ``python -m demind.eval``: one benchmark, one command, a table and files you can check.
 
-    python -m demind.eval --benchmark cirr --data-root data/CIRR --checkpoint runs/demind/model.safetensors \
+    demind-eval --benchmark cirr --data-root data/CIRR --checkpoint runs/demind/demind.safetensors \
         --split val --out runs/eval/cirr
 
-No exception is caught here: a failing benchmark fails the command with its traceback.
+Loads the backbone and model (:func:`demind.checkpoint.load_backbone_and_model`), then runs
+:func:`demind.eval.evaluate`.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
-import torch
-
-from demind.eval.harness import BENCHMARKS, ReaderOptions, evaluate
-from demind.eval.methods import METHODS, load_backbone_and_model
-from demind.eval.reports import format_table
-from demind.logs import setup_logging
+from demind.cli.common import run_command
+from demind.config import ConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m demind.eval", description=__doc__.split("\n\n")[0])
+    from demind.eval.harness import BENCHMARKS
+    from demind.eval.methods import METHODS
+
+    p = argparse.ArgumentParser(prog="demind-eval", description=__doc__.split("\n\n")[0])
     p.add_argument("--benchmark", required=True, choices=BENCHMARKS)
     p.add_argument("--data-root", required=True, help="the benchmark's folder in its official layout")
     p.add_argument("--checkpoint", help="De-MINDS checkpoint (.safetensors); its backbone is rebuilt from it")
@@ -33,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", help="image-feature cache (default OUT/feature_cache); share it across runs")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--num-workers", type=int, default=4, help="image-decoding workers")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--precision", default="fp32", help="backbone precision (fp32, fp16, bf16, amp)")
     p.add_argument("--limit", type=int, help="evaluate only the first N queries (smoke runs; flagged in outputs)")
     p.add_argument("--fashioniq-caption-order", default="released", choices=("released", "file"),
@@ -48,28 +47,41 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def reader_options(args: argparse.Namespace) -> ReaderOptions:
+def reader_options(args: argparse.Namespace):
+    """The ReaderOptions the flags ask for."""
+    from demind.eval.harness import ReaderOptions
+
     try:
         low, high = (float(v) for v in args.coco_area.split(","))
     except ValueError:
-        raise SystemExit(f"--coco-area must be MIN,MAX fractions such as 0.05,0.5, got {args.coco_area!r}") from None
+        raise ConfigError(f"--coco-area must be MIN,MAX fractions such as 0.05,0.5, got {args.coco_area!r}") from None
     return ReaderOptions(fashioniq_caption_order=args.fashioniq_caption_order, coco_csv=args.coco_csv,
                          coco_prompt=args.coco_prompt, coco_seed=args.coco_seed,
                          coco_min_area=low, coco_max_area=high)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run one evaluation; prints the table and returns the results dict."""
-    args = build_parser().parse_args(argv)
-    setup_logging()
-    backbone, model = load_backbone_and_model(args.checkpoint, args.backbone, args.device, args.precision)
+def evaluate_command(args: argparse.Namespace) -> int:
+    """Load, evaluate, print the table and the files written."""
+    import torch
+
+    from demind.checkpoint import load_backbone_and_model
+    from demind.eval.harness import evaluate
+    from demind.eval.reports import format_table
+
+    options = reader_options(args)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    backbone, model = load_backbone_and_model(args.checkpoint, args.backbone, precision=args.precision, device=device)
     results = evaluate(
         args.benchmark, args.data_root, backbone=backbone, model=model, methods=args.methods, split=args.split,
-        out_dir=args.out, cache_dir=args.cache_dir, options=reader_options(args), batch_size=args.batch_size,
+        out_dir=args.out, cache_dir=args.cache_dir, options=options, batch_size=args.batch_size,
         num_workers=args.num_workers, limit=args.limit, progress=not args.quiet,
     )
     print(format_table(results))
     print(f"results: {results['files']['results']}\ntable: {results['files']['table']}")
     for path in results["files"]["submissions"]:
         print(f"submission: {path}")
-    return results
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(build_parser(), evaluate_command, argv)

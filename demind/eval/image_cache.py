@@ -57,7 +57,7 @@ class EncodeStats:
         return {"images": self.images, "cached": self.cached, "encoded": self.encoded}
 
 
-class FeatureCache:
+class ImageFeatureCache:
     """On-disk features for one backbone, benchmark and split, in atomic parts per role."""
 
     def __init__(self, root: str | Path, backbone_slug: str, benchmark: str, split: str) -> None:
@@ -105,10 +105,10 @@ def unique_refs(refs: list[ImageRef]) -> list[ImageRef]:
 
 
 @torch.no_grad()
-def encode_images(
+def encode_image_refs(
     backbone: FrozenCLIP,
     refs: list[ImageRef],
-    cache: FeatureCache | None = None,
+    cache: ImageFeatureCache | None = None,
     role: str = "gallery",
     batch_size: int = 64,
     num_workers: int = 0,

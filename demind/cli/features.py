@@ -1,0 +1,54 @@
+"""``demind-features`` / ``python -m demind.features --config configs/train/paper.yaml [dotted overrides]``.
+
+Uses the train config's ``backbone`` and ``data`` sections, so the cache lands where the
+trainer looks for it (``data.features=auto``) unless ``--out`` says otherwise.  The work
+happens in :func:`demind.features.build_feature_cache`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from demind.cli.common import run_command
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="demind-features", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", help="train config YAML (backbone and data sections are used)")
+    parser.add_argument("--out", help="cache folder (default: data.features, or <shard folder>/features/<backbone> "
+                                      "when it is auto or off)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides such as data.shards=shards/cc3m")
+    return parser
+
+
+def features_command(args: argparse.Namespace) -> int:
+    """Build the cache of every shard not yet cached; print the summary (aligned, then as JSON)."""
+    import torch
+
+    from demind.backbone import build_backbone
+    from demind.data import resolve_shards
+    from demind.features import build_feature_cache, cache_dir_for
+    from demind.training.config import load_train_config
+
+    cfg = load_train_config(args.config, args.overrides)
+    shards = resolve_shards(cfg.data.shards)
+    # Seeded like the trainer, so a randomly initialised backbone (pretrained: null,
+    # smoke runs) gets the same weights here and there.
+    torch.manual_seed(cfg.run.seed)
+    backbone = build_backbone(cfg.backbone)
+    out = args.out or cache_dir_for(cfg.data.features, shards, backbone.identity_str)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    summary = build_feature_cache(shards, out, backbone, batch_size=cfg.data.cache_batch_size,
+                                  num_workers=cfg.data.num_workers, missing_text=cfg.data.missing_text,
+                                  dtype=cfg.data.cache_dtype, device=device)
+    width = max(len(k) for k in summary)
+    for key, value in summary.items():
+        print(f"{key:<{width}}  {value}")
+    print(json.dumps(summary))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(build_parser(), features_command, argv)
