@@ -178,3 +178,25 @@ def test_corrupt_image_is_skipped_and_counted_in_the_cache(repo_root, tmp_path):
     cfg = smoke_config(repo_root, shards)
     index = json.loads((cache_dir_of(cfg, shards) / "00000.json").read_text())
     assert index["keys"] == ["k0", "k2"] and index["counts"] == {"skipped_corrupt_image": 1}
+
+
+@pytest.mark.parametrize("setting, off", [(None, True), ("none", True), ("None", True), ("null", True), ("", True),
+                                          ("auto", False), ("runs/cache", False), ("none-of-these", False)])
+def test_which_data_features_values_turn_the_cache_off(setting, off):
+    assert features.features_off(setting) is off
+
+
+def test_data_features_none_is_off_for_the_trainer_and_the_cache_builder(repo_root, tmp_path, monkeypatch):
+    """'none' never names a folder: the builder writes where auto looks, the trainer decodes images."""
+    monkeypatch.chdir(tmp_path)
+    shards = tmp_path / "shards"
+    write_synthetic_shards(shards, num_shards=1, samples_per_shard=4)
+    build_cache(repo_root, shards, "data.features=none")
+    assert not (tmp_path / "none").exists()
+    cfg = smoke_config(repo_root, shards, "data.features=none")
+    assert (cache_dir_of(cfg, shards) / "00000.json").is_file()
+    backbone, _ = build_modules(cfg, torch.device("cpu"))
+    _, cache = build_data(cfg, OneProcess(), backbone, TrainState())
+    assert cache is None  # the finished cache beside the shards is not used: the setting says off
+    _, cache = build_data(smoke_config(repo_root, shards), OneProcess(), backbone, TrainState())
+    assert cache is not None  # while auto finds it
