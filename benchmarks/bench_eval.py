@@ -25,7 +25,7 @@ from PIL import Image
 
 from demind.backbone import build_backbone
 from demind.eval.image_cache import encode_image_refs
-from demind.eval.methods import parse_backbone_spec
+from demind.backbone import parse_backbone_spec
 from demind.eval.structures import ImageRef
 from demind.model import TEMPLATES, DeMinds, ModelConfig, fill_template
 
