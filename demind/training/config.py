@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from demind.backbone import BackboneConfig
+from demind.config import load_config
 from demind.data import DataConfig
 from demind.model import ModelConfig
 
@@ -52,6 +53,8 @@ class RunConfig:
 
 @dataclass
 class TrainConfig:
+    """A training recipe (configs/train/*.yaml): the frozen backbone, the model, and how to train it."""
+
     backbone: BackboneConfig = field(default_factory=BackboneConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -62,7 +65,5 @@ class TrainConfig:
 
 def load_train_config(path: str | Path | None, overrides: list[str] | None = None) -> TrainConfig:
     """TrainConfig from a YAML recipe plus dotted overrides (see demind.config.load_config)."""
-    from demind.config import load_config
-
     return load_config(TrainConfig, path, overrides)
 
