@@ -84,4 +84,5 @@ def evaluate_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command on ``argv`` (default: sys.argv[1:]); returns the exit status (2: bad input)."""
     return run_command(build_parser(), evaluate_command, argv)

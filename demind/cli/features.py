@@ -51,4 +51,5 @@ def features_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command on ``argv`` (default: sys.argv[1:]); returns the exit status (2: bad input)."""
     return run_command(build_parser(), features_command, argv)

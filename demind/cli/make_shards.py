@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def make_shards_command(args: argparse.Namespace) -> int:
+    """Build the shards; print what was written and the first 20 skipped rows with their reasons."""
     from demind.gen.ingest import build_shards
 
     report = build_shards(args.images, args.captions, args.output, args.samples_per_shard,
@@ -44,4 +45,5 @@ def make_shards_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command on ``argv`` (default: sys.argv[1:]); returns the exit status (2: bad input)."""
     return run_command(build_parser(), make_shards_command, argv)

@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def make_tiny_model_command(args: argparse.Namespace) -> int:
+    """Build and save the tiny model; print where."""
     from demind.gen.tiny_model import build_tiny_llava_next
 
     path = build_tiny_llava_next(args.output, seed=args.seed)
@@ -32,4 +33,5 @@ def make_tiny_model_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command on ``argv`` (default: sys.argv[1:]); returns the exit status (2: bad input)."""
     return run_command(build_parser(), make_tiny_model_command, argv)

@@ -30,6 +30,7 @@ def train_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command on ``argv`` (default: sys.argv[1:]); returns the exit status (2: bad input)."""
     # Info logs from the main process only (RANK is set by accelerate launch / torchrun).
     level = logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING
     return run_command(build_parser(), train_command, argv, log_level=level)
