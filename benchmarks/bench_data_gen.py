@@ -33,11 +33,11 @@ from demind.gen.config import GenConfig
 from demind.gen.engines.transformers_engine import TransformersEngine
 from demind.gen.generate import ChunkItem, IntentGenerator
 from demind.gen.job import run_plan
+from demind.gen.plan import make_plan
 from demind.gen.prompts import intent_conversation, load_prompts, render, rewrite_conversation
-from demind.gen.reader import RawSample, decode_image, iter_shard
-from demind.gen.shards import ShardOutput, make_plan
-from demind.gen.tiny_model import build_tiny_llava_next
-from demind.gen.writer import ShardWriter, encode_sample
+from demind.gen.reader import RawSample, decode_and_shrink, iter_shard
+from demind.shard_format import ShardWriter, encode_sample
+from demind.testing import build_tiny_llava_next
 
 
 def make_input_shard(path: Path, samples: int, width: int, height: int) -> None:
@@ -79,14 +79,14 @@ def time_overhead_parts(shard: Path, out_dir: Path, cfg: GenConfig, renderer) ->
     raws = [s for s in iter_shard(shard, cfg.io.max_caption_chars) if isinstance(s, RawSample)]
     read = time.perf_counter() - start
     start = time.perf_counter()
-    images = [decode_image(s.image_bytes, cfg.io.image_max_side) for s in raws]
+    images = [decode_and_shrink(s.image_bytes, cfg.io.image_max_side) for s in raws]
     decode = time.perf_counter() - start
     start = time.perf_counter()
     for s in raws:
         render(renderer, rewrite_conversation(prompts, s.caption))
         render(renderer, intent_conversation(prompts, s.caption, "a rewritten caption " * 8))
     prompt = time.perf_counter() - start
-    writer = ShardWriter(ShardOutput(out_dir / "parts.tar", out_dir / "parts_stats.json"))
+    writer = ShardWriter(out_dir / "parts.tar")
     start = time.perf_counter()
     for s in raws:
         writer.write(encode_sample(s.key, s.image_ext, s.image_bytes, s.caption, "rewritten " * 40, "intent " * 15,
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
         cfg.engine.chunk_size = args.samples
         cfg.sampling.rewrite_max_tokens, cfg.sampling.intent_max_tokens = 24, 12
         cfg.sampling.retries = 0  # equal work in both engine timings
-        items = [ChunkItem(s.key, s.caption, decode_image(s.image_bytes, cfg.io.image_max_side))
+        items = [ChunkItem(s.key, s.caption, decode_and_shrink(s.image_bytes, cfg.io.image_max_side))
                  for s in iter_shard(tmp / "in" / "00000.tar") if isinstance(s, RawSample)]
 
         batched, single = time_engines(items, args.batch_size, cfg, args.repeats)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from demind.gen.tiny_model import build_tiny_llava_next
+from demind.testing import build_tiny_llava_next
 
 
 def main(argv: list[str] | None = None) -> int:

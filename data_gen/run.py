@@ -20,7 +20,7 @@ from demind.gen.config import GenConfig, validate_config
 from demind.gen.engines import build_engine
 from demind.gen.job import format_summary, run_plan
 from demind.gen.prompts import load_prompts
-from demind.gen.shards import ShardSpecError, format_plan, make_plan
+from demind.gen.plan import ShardSpecError, format_plan, make_plan
 from demind.logs import setup_logging
 
 logger = logging.getLogger("data_gen")

@@ -33,9 +33,10 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from tqdm import tqdm
 
-from demind.data import ReaderStats, read_tar_samples, shard_name, with_pixels
+from demind.data import ReaderStats, read_tar_samples, with_pixels
 from demind.logs import setup_logging
 from demind.io import write_bytes_atomic
+from demind.shard_format import shard_name
 
 logger = logging.getLogger(__name__)
 
@@ -253,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     from demind.backbone import build_backbone
     from demind.config import load_config
-    from demind.data import resolve_shards
+    from demind.shard_format import resolve_shards
     from demind.training import TrainConfig
 
     parser = argparse.ArgumentParser(prog="python -m demind.features", description=main.__doc__)

@@ -34,7 +34,8 @@ from tqdm import tqdm
 from demind.backbone import BackboneConfig, FrozenCLIP, build_backbone
 from demind.checkpoint import save_checkpoint
 from demind.config import ConfigError, save_config, to_dict
-from demind.data import DataConfig, StreamSpec, build_loader, resolve_shards
+from demind.data import DataConfig, StreamSpec, build_loader
+from demind.shard_format import resolve_shards
 from demind.features import FeatureCache, default_cache_dir
 from demind.losses import Gather, demind_losses
 from demind.model import DeMinds, ModelConfig, build_model
