@@ -189,6 +189,7 @@ class ShardWriter:
     :meth:`commit` / :meth:`abandon` yourself.  An abandoned write removes its ``.tmp``; a
     killed process leaves only the ``.tmp``, which no reader takes for a shard
     (:func:`resolve_shards` globs ``*.tar``; :meth:`ShardOutput.stray_files` finds it).
+    A writer garbage-collected without a commit counts as abandoned (its ``.tmp`` goes).
     Records are WebDataset samples: ``__key__`` plus field -> bytes (see :func:`encode_sample`).
     """
 

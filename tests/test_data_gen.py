@@ -195,8 +195,14 @@ def test_kill_mid_shard_then_rerun_resumes(repo_root, tiny_llava, run_main, inpu
             raise KeyboardInterrupt("injected kill")
         real_write(self, sample)
 
+    killed_writers = []
+
     def killed(self):
-        self._file.close()  # a killed process cleans nothing up: its tmp file stays
+        # a killed process cleans nothing up: its tmp file stays (the writer is kept alive, since
+        # collecting an uncommitted writer removes its tmp like abandon does)
+        self._tar.close()
+        self._file.close()
+        killed_writers.append(self)
 
     monkeypatch.setattr(ShardWriter, "write", dying_write)
     monkeypatch.setattr(ShardWriter, "abandon", killed)
