@@ -26,7 +26,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import webdataset as wds
 from PIL import Image
 
 from demind.gen.config import GenConfig
@@ -36,20 +35,20 @@ from demind.gen.job import run_plan
 from demind.gen.plan import make_plan
 from demind.gen.prompts import intent_conversation, load_prompts, render, rewrite_conversation
 from demind.gen.reader import RawSample, decode_and_shrink, iter_shard
-from demind.shard_format import ShardWriter, encode_sample
+from demind.shard_format import ShardWriter, encode_sample, sample_key
 from demind.testing import build_tiny_llava_next
 
 
 def make_input_shard(path: Path, samples: int, width: int, height: int) -> None:
     rng = np.random.default_rng(0)
-    with open(path, "wb") as f, wds.TarWriter(f, encoder=False) as tar:
+    with ShardWriter(path) as tar:
         for i in range(samples):
             # smooth random images compress like photos, unlike white noise
             small = rng.integers(0, 255, (height // 16, width // 16, 3), dtype=np.uint8)
             img = Image.fromarray(small).resize((width, height), Image.Resampling.BILINEAR)
             buf = io.BytesIO()
             img.save(buf, format="JPEG", quality=90)
-            key = f"00000{i:04d}"
+            key = sample_key(0, i, 4)
             caption = f"a photo of a red dog number {i} playing on the beach near the water"
             tar.write({"__key__": key, "jpg": buf.getvalue(), "txt": caption.encode(),
                        "json": json.dumps({"key": key, "caption": caption}).encode()})
