@@ -26,30 +26,29 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import webdataset as wds
 from PIL import Image
 
 from demind.gen.config import GenConfig
 from demind.gen.engines.transformers_engine import TransformersEngine
 from demind.gen.generate import ChunkItem, IntentGenerator
 from demind.gen.job import run_plan
+from demind.gen.plan import make_plan
 from demind.gen.prompts import intent_conversation, load_prompts, render, rewrite_conversation
-from demind.gen.reader import RawSample, decode_image, iter_shard
-from demind.gen.shards import ShardOutput, make_plan
-from demind.gen.tiny_model import build_tiny_llava_next
-from demind.gen.writer import ShardWriter, encode_sample
+from demind.gen.reader import RawSample, decode_and_shrink, iter_shard
+from demind.shard_format import ShardWriter, encode_sample, sample_key
+from demind.testing import build_tiny_llava_next
 
 
 def make_input_shard(path: Path, samples: int, width: int, height: int) -> None:
     rng = np.random.default_rng(0)
-    with open(path, "wb") as f, wds.TarWriter(f, encoder=False) as tar:
+    with ShardWriter(path) as tar:
         for i in range(samples):
             # smooth random images compress like photos, unlike white noise
             small = rng.integers(0, 255, (height // 16, width // 16, 3), dtype=np.uint8)
             img = Image.fromarray(small).resize((width, height), Image.Resampling.BILINEAR)
             buf = io.BytesIO()
             img.save(buf, format="JPEG", quality=90)
-            key = f"00000{i:04d}"
+            key = sample_key(0, i, 4)
             caption = f"a photo of a red dog number {i} playing on the beach near the water"
             tar.write({"__key__": key, "jpg": buf.getvalue(), "txt": caption.encode(),
                        "json": json.dumps({"key": key, "caption": caption}).encode()})
@@ -79,14 +78,14 @@ def time_overhead_parts(shard: Path, out_dir: Path, cfg: GenConfig, renderer) ->
     raws = [s for s in iter_shard(shard, cfg.io.max_caption_chars) if isinstance(s, RawSample)]
     read = time.perf_counter() - start
     start = time.perf_counter()
-    images = [decode_image(s.image_bytes, cfg.io.image_max_side) for s in raws]
+    images = [decode_and_shrink(s.image_bytes, cfg.io.image_max_side) for s in raws]
     decode = time.perf_counter() - start
     start = time.perf_counter()
     for s in raws:
         render(renderer, rewrite_conversation(prompts, s.caption))
         render(renderer, intent_conversation(prompts, s.caption, "a rewritten caption " * 8))
     prompt = time.perf_counter() - start
-    writer = ShardWriter(ShardOutput(out_dir / "parts.tar", out_dir / "parts_stats.json"))
+    writer = ShardWriter(out_dir / "parts.tar")
     start = time.perf_counter()
     for s in raws:
         writer.write(encode_sample(s.key, s.image_ext, s.image_bytes, s.caption, "rewritten " * 40, "intent " * 15,
@@ -123,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
         cfg.engine.chunk_size = args.samples
         cfg.sampling.rewrite_max_tokens, cfg.sampling.intent_max_tokens = 24, 12
         cfg.sampling.retries = 0  # equal work in both engine timings
-        items = [ChunkItem(s.key, s.caption, decode_image(s.image_bytes, cfg.io.image_max_side))
+        items = [ChunkItem(s.key, s.caption, decode_and_shrink(s.image_bytes, cfg.io.image_max_side))
                  for s in iter_shard(tmp / "in" / "00000.tar") if isinstance(s, RawSample)]
 
         batched, single = time_engines(items, args.batch_size, cfg, args.repeats)

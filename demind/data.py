@@ -2,7 +2,8 @@
 
 A sample in an intent shard is ``KEY.jpg`` (image), ``KEY.txt`` (original caption
 T_ori), ``KEY.rew.txt`` (rewritten caption T_rew), ``KEY.int.txt`` (pseudo-manipulation
-description T_int) and ``KEY.json`` (metadata, unused here); see ``shards/README.md``.
+description T_int) and ``KEY.json`` (metadata, unused here); see ``shards/README.md``.  Field names and shard
+lists (``resolve_shards``) come from ``demind.shard_format``.
 
 Every process reads its own, deterministic stream, so that a run can resume exactly:
 
@@ -33,21 +34,16 @@ import random
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from demind.shard_format import CAPTION_FIELD, IMAGE_FIELDS, INTENT_FIELD, REWRITTEN_FIELD
 from demind.targets import TargetSampling, sample_target_text
-from demind.io import atomic_path
 
 logger = logging.getLogger(__name__)
 
-IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
-CAPTION_FIELD = "txt"
-REWRITTEN_FIELD = "rew.txt"
-INTENT_FIELD = "int.txt"
 MISSING_TEXT_CHOICES = ("error", "original")
 MAX_CONSECUTIVE_SKIPS = 1000  # this many unusable samples in a row: the data is broken, stop
 
@@ -87,37 +83,7 @@ class DataConfig:
             raise ValueError(f"data.cache_dtype must be float32, float16 or bfloat16, got {self.cache_dtype!r}")
 
 
-# --------------------------------------------------------------------------- shards
-
-
-def resolve_shards(spec: str) -> list[str]:
-    """Expand a folder or brace pattern into the sorted list of shard paths.
-
-    Raises FileNotFoundError naming the spec when nothing matches.
-    """
-    from webdataset.shardlists import expand_urls
-
-    if not spec:
-        raise FileNotFoundError("data.shards is empty; set it to a folder of .tar shards or a brace pattern")
-    path = Path(spec)
-    if path.is_dir():
-        shards = sorted(str(p) for p in path.glob("*.tar"))
-    else:
-        shards = expand_urls(spec)
-        missing = [s for s in shards if "://" not in s and not Path(s).is_file()]
-        if missing:
-            raise FileNotFoundError(
-                f"{len(missing)} of {len(shards)} shards from data.shards={spec!r} do not exist, "
-                f"e.g. {missing[0]}; check the pattern"
-            )
-    if not shards:
-        raise FileNotFoundError(f"no .tar shards found at data.shards={spec!r}")
-    return shards
-
-
-def shard_name(shard: str) -> str:
-    """``shards/cc3m/00012.tar`` -> ``00012`` (names cache files and messages)."""
-    return Path(shard).name.removesuffix(".tar")
+# --------------------------------------------------------------------------- shard groups
 
 
 def _seeded_rng(*parts: Any) -> random.Random:
@@ -222,7 +188,7 @@ def image_bytes(sample: dict[str, Any]) -> bytes | None:
     return None
 
 
-def decode_image(data: bytes, transform: Callable) -> torch.Tensor:
+def decode_to_tensor(data: bytes, transform: Callable) -> torch.Tensor:
     """JPEG/PNG bytes -> (3, H, W) float tensor through the backbone's eval transform."""
     from PIL import Image
 
@@ -264,9 +230,6 @@ def shuffled(samples: Iterator[Any], buffer_size: int, rng: random.Random) -> It
 
 
 # --------------------------------------------------------------------------- stream
-
-
-SampleSource = Callable[[str, ReaderStats], Iterator[dict[str, Any]]]
 
 
 @dataclass
@@ -405,69 +368,12 @@ def with_pixels(sample: dict[str, Any], transform: Callable, stats: ReaderStats)
         stats.add("skipped_no_image")
         return None
     try:
-        sample["pixels"] = decode_image(sample.pop("image"), transform)
+        sample["pixels"] = decode_to_tensor(sample.pop("image"), transform)
     except Exception as exn:  # PIL raises many types for a broken image
         logger.warning("skipping corrupt image %s in shard %s: %s", sample["key"], sample["shard"], exn)
         stats.add("skipped_corrupt_image")
         return None
     return sample
-
-
-def write_intent_shard(path: str | Path, samples: list[dict[str, Any]]) -> Path:
-    """Write an intent shard: each sample a dict with ``key``, ``jpg`` (bytes or PIL image),
-    ``txt``, ``rew.txt``, ``int.txt`` and optionally ``json`` (dict); a field left out is
-    left out of the tar.  Written to a temp file then renamed.  Returns ``path``."""
-    import webdataset as wds
-    from PIL import Image
-
-    path = Path(path)
-    with atomic_path(path) as tmp, wds.TarWriter(str(tmp)) as sink:
-        for sample in samples:
-            record: dict[str, Any] = {"__key__": sample["key"]}
-            for name, value in sample.items():
-                if name == "key":
-                    continue
-                if isinstance(value, Image.Image):
-                    buffer = io.BytesIO()
-                    value.save(buffer, format="JPEG", quality=95)
-                    value = buffer.getvalue()
-                record[name] = value
-            sink.write(record)
-    return path
-
-
-SYNTHETIC_COLOURS = {"red": (220, 30, 30), "green": (30, 190, 40), "blue": (30, 40, 220), "yellow": (230, 220, 30),
-                     "purple": (140, 30, 170), "orange": (240, 140, 20), "white": (240, 240, 240), "black": (15, 15, 15)}
-
-
-def write_synthetic_shards(directory: str | Path, num_shards: int = 2, samples_per_shard: int = 32,
-                           image_size: int = 32, seed: int = 0, omit: tuple[str, ...] = ()) -> list[Path]:
-    """Intent shards of noisy coloured squares whose three texts name the colour.
-
-    A small learnable task for smoke runs, tests and benchmarks (image colour <-> text).
-    ``omit`` leaves fields out (e.g. ``("int.txt",)``) to exercise the missing-field path.
-    Returns the shard paths ``directory/00000.tar`` ...
-    """
-    import numpy as np
-    from PIL import Image
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    names = list(SYNTHETIC_COLOURS)
-    paths = []
-    for shard in range(num_shards):
-        samples = []
-        for i in range(samples_per_shard):
-            colour = names[int(rng.integers(len(names)))]
-            pixels = np.asarray(SYNTHETIC_COLOURS[colour], dtype=np.float32)[None, None]
-            pixels = pixels + rng.normal(0, 25, (image_size, image_size, 3))
-            sample = {"key": f"{shard:05d}{i:05d}", "jpg": Image.fromarray(pixels.clip(0, 255).astype("uint8")),
-                      "txt": f"a {colour} square", "rew.txt": f"a square painted {colour}",
-                      "int.txt": f"make the square {colour}", "json": {"colour": colour}}
-            samples.append({k: v for k, v in sample.items() if k not in omit})
-        paths.append(write_intent_shard(directory / f"{shard:05d}.tar", samples))
-    return paths
 
 
 def build_loader(spec: StreamSpec, num_workers: int, transform: Callable | None = None,

@@ -31,8 +31,9 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from tqdm import tqdm
 
-from demind.data import ReaderStats, read_tar_samples, shard_name, with_pixels
+from demind.data import ReaderStats, read_tar_samples, with_pixels
 from demind.io import write_bytes_atomic
+from demind.shard_format import shard_name
 
 logger = logging.getLogger(__name__)
 

@@ -13,6 +13,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 
+def temp_path(path: str | Path) -> Path:
+    """``path + '.tmp'``: where :func:`atomic_path` writes before the rename (a killed run leaves it)."""
+    path = Path(path)
+    return path.with_name(path.name + ".tmp")
+
+
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield ``path + '.tmp'`` to write to; on success it replaces ``path``, on error it is removed.
@@ -20,7 +26,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     For writers that want a file name (``torch.save``, safetensors, tar and CSV writers)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = temp_path(path)
     try:
         yield tmp
         os.replace(tmp, path)

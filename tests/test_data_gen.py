@@ -27,9 +27,9 @@ from demind.gen.engines.vllm_engine import build_vllm_requests, results_from_out
 from demind.gen.generate import ChunkItem, IntentGenerator
 from demind.gen.prompts import intent_conversation, load_prompts, render, rewrite_conversation
 from demind.gen.quality import clean_output, max_ngram_count, quality_flags
-from demind.gen.reader import RawSample, SkippedSample, decode_image, iter_shard
-from demind.gen.shards import ShardSpecError, parse_shard_range
-from demind.gen.tiny_model import build_tiny_llava_next
+from demind.gen.plan import ShardSpecError, parse_shard_range
+from demind.gen.reader import RawSample, SkippedSample, decode_and_shrink, iter_shard
+from demind.testing import build_tiny_llava_next
 
 CORRUPT_KEY = "000010002"
 
@@ -177,19 +177,29 @@ def test_rerun_skips_done_shards_and_text_is_seeded_per_key(repo_root, tiny_llav
 
 
 def test_kill_mid_shard_then_rerun_resumes(repo_root, tiny_llava, run_main, input_shards, tmp_path, monkeypatch, capsys):
-    from demind.gen import writer as writer_module
+    from demind.shard_format import ShardWriter
 
     out = tmp_path / "out"
     argv = base_argv(repo_root, tiny_llava, input_shards, out, "engine.chunk_size=1")
-    real_write = writer_module.ShardWriter.write
+    real_write, real_abandon = ShardWriter.write, ShardWriter.abandon
 
     def dying_write(self, sample):
         # the process "dies" after one sample of the second shard has been written
-        if self.output.tar.name == "00001.tar" and self.count == 1:
+        if self.path.name == "00001.tar" and self.count == 1:
             raise KeyboardInterrupt("injected kill")
         real_write(self, sample)
 
-    monkeypatch.setattr(writer_module.ShardWriter, "write", dying_write)
+    killed_writers = []
+
+    def killed(self):
+        # a killed process cleans nothing up: its tmp file stays (the writer is kept alive, since
+        # collecting an uncommitted writer removes its tmp like abandon does)
+        self._tar.close()
+        self._file.close()
+        killed_writers.append(self)
+
+    monkeypatch.setattr(ShardWriter, "write", dying_write)
+    monkeypatch.setattr(ShardWriter, "abandon", killed)
     with pytest.raises(KeyboardInterrupt):
         run_main(argv)
     assert (out / "00000_stats.json").is_file()
@@ -198,7 +208,8 @@ def test_kill_mid_shard_then_rerun_resumes(repo_root, tiny_llava, run_main, inpu
     done_stats = (out / "00000_stats.json").read_bytes()
     done_mtime = (out / "00000.tar").stat().st_mtime_ns
 
-    monkeypatch.setattr(writer_module.ShardWriter, "write", real_write)
+    monkeypatch.setattr(ShardWriter, "write", real_write)
+    monkeypatch.setattr(ShardWriter, "abandon", real_abandon)
     capsys.readouterr()
     assert run_main(argv) == 0
     printed = capsys.readouterr().out
@@ -480,12 +491,12 @@ def test_reader_reports_every_bad_sample(tmp_path):
     assert all(isinstance(i, SkippedSample) for i in items[1:])
 
 
-def test_decode_image_shrinks_longest_side_only():
-    img = decode_image(jpeg_bytes(0, (100, 40)), max_side=50)
+def test_decode_and_shrink_shrinks_longest_side_only():
+    img = decode_and_shrink(jpeg_bytes(0, (100, 40)), max_side=50)
     assert img.size == (50, 20) and img.mode == "RGB"
-    assert decode_image(jpeg_bytes(0, (30, 20)), max_side=50).size == (30, 20)  # never enlarged
+    assert decode_and_shrink(jpeg_bytes(0, (30, 20)), max_side=50).size == (30, 20)  # never enlarged
     with pytest.raises(ValueError, match="undecodable image"):
-        decode_image(b"garbage", 50)
+        decode_and_shrink(b"garbage", 50)
 
 
 def test_prefetched_yields_in_order_reraises_and_stops_early():
@@ -522,7 +533,7 @@ def test_prefetched_yields_in_order_reraises_and_stops_early():
 
 
 def test_plan_states_from_files_on_disk(tmp_path):
-    from demind.gen.shards import format_plan, make_plan
+    from demind.gen.plan import format_plan, make_plan
 
     inp, out = tmp_path / "in", tmp_path / "out"
     inp.mkdir()
@@ -538,8 +549,11 @@ def test_plan_states_from_files_on_disk(tmp_path):
     assert [t.shard_id for t in plan.todo] == [1, 2, 3, 4]
     assert "already done    :      1  (0)" in format_plan(plan)
     assert [t.state for t in make_plan(str(inp), out, "0-1", overwrite=True).tasks] == ["redo", "redo"]
-    brace = make_plan(str(inp / "{00003..00006}.tar"), out, None, overwrite=False)  # brace pattern input
+    brace = make_plan(str(inp / "{00003..00004}.tar"), out, None, overwrite=False)  # brace pattern input
     assert [t.shard_id for t in brace.tasks] == [3, 4]
+    # a shard the pattern names but the disk lacks is an error, as for the trainer
+    with pytest.raises(ShardSpecError, match=r"2 of 4 shards from --input=.* do not exist, e\.g\. .*00005\.tar"):
+        make_plan(str(inp / "{00003..00006}.tar"), out, None, overwrite=False)
     with pytest.raises(ShardSpecError, match="no number"):
         (inp / "extra.tar").write_bytes(b"")
         make_plan(str(inp), out, None, overwrite=False)

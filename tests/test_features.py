@@ -15,7 +15,8 @@ from demind.cli import features as features_cli
 from demind.cli import train
 from demind.backbone import build_backbone
 from demind.config import load_config
-from demind.data import decode_image, write_intent_shard, write_synthetic_shards
+from demind.data import decode_to_tensor
+from demind.testing import write_intent_shard, write_synthetic_shards
 from demind.features import FeatureCacheError, default_cache_dir
 from demind.training import TrainConfig, TrainState, build_data, build_modules, compute_losses
 
@@ -65,7 +66,7 @@ def test_cache_holds_the_frozen_embeddings_per_shard_and_rerun_skips(repo_root, 
     from safetensors.torch import load_file
 
     raw = list(wds.WebDataset(str(shards / "00001.tar"), shardshuffle=False))
-    images = torch.stack([decode_image(r["jpg"], backbone.preprocess) for r in raw])
+    images = torch.stack([decode_to_tensor(r["jpg"], backbone.preprocess) for r in raw])
     tensors = load_file(str(directory / "00001.safetensors"))
     torch.testing.assert_close(tensors["image_emb"], backbone.encode_image(images), rtol=1e-5, atol=1e-5)
     teacher = backbone.encode_text([r["int.txt"].decode() for r in raw]).pooled
@@ -116,9 +117,9 @@ def test_training_on_the_cache_decodes_no_image(repo_root, tmp_path, monkeypatch
 
     def counting_decode(data, transform):
         decoded.append(len(data))
-        return decode_image(data, transform)
+        return decode_to_tensor(data, transform)
 
-    monkeypatch.setattr(demind.data, "decode_image", counting_decode)
+    monkeypatch.setattr(demind.data, "decode_to_tensor", counting_decode)
     args = ["--config", str(repo_root / "configs/train/smoke.yaml"), *overrides(repo_root, shards),
             "optim.max_steps=2", f"run.output_dir={tmp_path / 'run'}"]
     assert train.main(args) == 0

@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from demind.toy.benchmarks import (
-    ToyBenchmarkConfig, build_cirr_set, read_exclusion, write_benchmarks,
-)
+from demind.testing import load_exclusion_json
+from demind.toy.benchmarks import ToyBenchmarkConfig, build_cirr_set, write_benchmarks
 from demind.toy.world import DOMAINS, EDIT_KINDS, SHAPES, scene_diff
 
 SMALL = ToyBenchmarkConfig(cirr_sets=6, imgnet_queries_per_class=2, imgnet_targets_per_domain=2,
@@ -91,7 +90,7 @@ def test_coco_csv_and_masked_images(bench_root):
 
 
 def test_exclusion_file_is_consistent(bench_root):
-    data = read_exclusion(bench_root / "exclusion/exclusion.json")
+    data = load_exclusion_json(bench_root / "exclusion/exclusion.json")
     assert len(data["queries"]) == SMALL.exclusion_queries
     for q in data["queries"]:
         ex = q["excluded"]
@@ -104,10 +103,10 @@ def test_exclusion_reader_rejects_bad_files(tmp_path):
     bad = tmp_path / "x.json"
     bad.write_text("{not json")
     with pytest.raises(ValueError, match="x.json"):
-        read_exclusion(bad)
+        load_exclusion_json(bad)
     bad.write_text(json.dumps({"format": "other"}))
     with pytest.raises(ValueError, match="expected format"):
-        read_exclusion(bad)
+        load_exclusion_json(bad)
 
 
 def test_rerun_skips_finished_benchmarks(bench_root):
@@ -160,7 +159,7 @@ def test_exclusion_reader_loads_toy_file(bench_root):
 
     data = read_benchmark("exclusion", bench_root / "exclusion")
     group = data.groups[0]
-    raw = read_exclusion(bench_root / "exclusion/exclusion.json")
+    raw = load_exclusion_json(bench_root / "exclusion/exclusion.json")
     assert group.metric == "map" and len(group.queries) == SMALL.exclusion_queries
     assert len(group.gallery) == len(raw["images"]) == 5 * SMALL.exclusion_queries
     for q, spec in zip(group.queries, raw["queries"]):

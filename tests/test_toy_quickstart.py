@@ -8,8 +8,9 @@ import pytest
 
 from demind.toy.backbone import ToyBackboneConfig
 from demind.toy.benchmarks import ToyBenchmarkConfig
-from demind.toy.pipeline import QuickstartConfig, per_type_recall, run_quickstart
-from demind.toy.shards import ToyShardConfig
+from demind.testing import per_type_recall
+from demind.toy.intent_data import ToyShardConfig
+from demind.toy.pipeline import QuickstartConfig, run_quickstart
 
 TINY_CLIP = {
     "embed_dim": 32,

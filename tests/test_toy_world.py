@@ -8,9 +8,10 @@ import re
 import numpy as np
 import pytest
 
+from demind.testing import intent_texts
 from demind.toy.render import render_scene
 from demind.toy.texts import (
-    alt_text, annotator_text, full_description, hypothetical_source, intent_texts, modification_text, web_text,
+    alt_text, annotator_text, full_description, hypothetical_source, modification_text, web_text,
 )
 from demind.toy.world import (
     COLOURS, EDIT_KINDS, SHAPES, Scene, ToyObject, apply_edit, derive_seed, edit_is_possible,

@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 
 from demind.cli import train
 from demind.checkpoint import load_checkpoint, read_checkpoint_metadata
-from demind.data import ShardFormatError, write_intent_shard, write_synthetic_shards
+from demind.data import ShardFormatError
+from demind.testing import write_intent_shard, write_synthetic_shards
 from demind.training import NonFiniteLossError, ResumeError, TrainConfig, check_finite, lr_factor, OptimConfig
 
 

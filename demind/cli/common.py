@@ -19,7 +19,7 @@ from demind.config import ConfigError, MissingDependencyError
 from demind.data import ShardFormatError
 from demind.eval.structures import DataLayoutError, ImageReadError
 from demind.features import FeatureCacheError
-from demind.gen.shards import ShardSpecError
+from demind.gen.plan import ShardSpecError
 from demind.logs import setup_logging
 from demind.training.state import ResumeError
 from demind.training.step import NonFiniteLossError

@@ -28,7 +28,7 @@ def features_command(args: argparse.Namespace) -> int:
     import torch
 
     from demind.backbone import build_backbone
-    from demind.data import resolve_shards
+    from demind.shard_format import resolve_shards
     from demind.features import build_feature_cache, cache_dir_for
     from demind.training.config import load_train_config
 

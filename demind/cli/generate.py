@@ -61,7 +61,7 @@ def generate_command(args: argparse.Namespace) -> int:
     from demind.gen.engines import build_engine
     from demind.gen.job import format_job_summary, run_plan
     from demind.gen.prompts import load_prompts
-    from demind.gen.shards import format_plan, make_plan
+    from demind.gen.plan import format_plan, make_plan
 
     cfg = load_config(GenConfig, args.config, args.overrides)
     validate_config(cfg)

@@ -11,18 +11,15 @@ from __future__ import annotations
 import csv
 import json
 import logging
-import os
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import webdataset as wds
 from PIL import Image
 
-from demind.gen.writer import write_stats
-from demind.gen.shards import ShardOutput
+from demind.shard_format import CAPTION_FIELD, JSON_FIELD, ShardOutput, ShardWriter, sample_key
 
 logger = logging.getLogger(__name__)
 
@@ -103,35 +100,44 @@ def load_image_bytes(path: Path) -> tuple[bytes, str, tuple[int, int]]:
 
 
 class _ShardSink:
-    """Writes samples into NNNNN.tar files of ``per_shard`` samples, each atomically."""
+    """Splits a stream of samples into shards of ``per_shard`` samples (``shard_format.ShardWriter`` each)."""
 
     def __init__(self, output_dir: Path, per_shard: int, report: IngestReport):
         self.output_dir, self.per_shard, self.report = output_dir, per_shard, report
         self.sample_digits = len(str(per_shard - 1))
-        self.shard_id, self.in_shard, self.writer, self.file, self.output = 0, 0, None, None, None
+        self.shard_id, self.in_shard = 0, 0
+        self.output: ShardOutput | None = None
+        self.writer: ShardWriter | None = None
 
     def key(self) -> str:
-        return f"{self.shard_id:05d}{self.in_shard:0{self.sample_digits}d}"
+        return sample_key(self.shard_id, self.in_shard, self.sample_digits)
 
     def write(self, sample: dict[str, Any]) -> None:
         if self.writer is None:
-            self.output = ShardOutput(self.output_dir / f"{self.shard_id:05d}.tar", self.output_dir / f"{self.shard_id:05d}_stats.json")
-            self.file = open(self.output.tmp_tar, "wb")
-            self.writer = wds.TarWriter(self.file, encoder=False, mode=0o644)
+            self.output = ShardOutput.for_id(self.output_dir, self.shard_id)
+            self.writer = ShardWriter(self.output.tar)
         self.writer.write(sample)
         self.in_shard += 1
         if self.in_shard == self.per_shard:
             self.close()
 
     def close(self) -> None:
+        """Commit the open shard and write its img2dataset-style stats (the done-marker)."""
         if self.writer is None:
             return
-        self.writer.close()
-        self.file.close()
-        os.replace(self.output.tmp_tar, self.output.tar)
-        write_stats(self.output, {"successes": self.in_shard, "count": self.in_shard})
+        self.writer.commit()
+        self.output.mark_done({"successes": self.in_shard, "count": self.in_shard})
         self.report.shards.append(self.output.tar)
         self.shard_id, self.in_shard, self.writer = self.shard_id + 1, 0, None
+
+    def __enter__(self) -> "_ShardSink":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        elif self.writer is not None:
+            self.writer.abandon()  # the open shard's tmp goes; finished shards stay
 
 
 def build_shards(images_dir: Path, captions: Path, output_dir: Path, samples_per_shard: int = 10000,
@@ -144,24 +150,24 @@ def build_shards(images_dir: Path, captions: Path, output_dir: Path, samples_per
         raise FileNotFoundError(f"caption file {captions} does not exist")
     output_dir.mkdir(parents=True, exist_ok=True)
     report = IngestReport()
-    sink = _ShardSink(output_dir, samples_per_shard, report)
-    for row in read_caption_rows(captions, image_column, caption_column, report):
-        if not row.caption:
-            report.skip(row.line, "missing caption")
-            continue
-        image_path = images_dir / row.image
-        if not row.image or not image_path.is_file():
-            report.skip(row.line, "missing image", str(image_path))
-            continue
-        try:
-            data, ext, (width, height) = load_image_bytes(image_path)
-        except ValueError as e:
-            report.skip(row.line, "unreadable image", f"{image_path}: {e}")
-            continue
-        key = sink.key()
-        meta = {"key": key, "caption": row.caption, "image_path": row.image, "width": width, "height": height, **row.extra}
-        sink.write({"__key__": key, ext: data, "txt": row.caption.encode("utf-8"),
-                    "json": json.dumps(meta, ensure_ascii=False).encode("utf-8")})
-        report.written += 1
-    sink.close()
+    with _ShardSink(output_dir, samples_per_shard, report) as sink:
+        for row in read_caption_rows(captions, image_column, caption_column, report):
+            if not row.caption:
+                report.skip(row.line, "missing caption")
+                continue
+            image_path = images_dir / row.image
+            if not row.image or not image_path.is_file():
+                report.skip(row.line, "missing image", str(image_path))
+                continue
+            try:
+                data, ext, (width, height) = load_image_bytes(image_path)
+            except ValueError as e:
+                report.skip(row.line, "unreadable image", f"{image_path}: {e}")
+                continue
+            key = sink.key()
+            meta = {"key": key, "caption": row.caption, "image_path": row.image, "width": width, "height": height,
+                    **row.extra}
+            sink.write({"__key__": key, ext: data, CAPTION_FIELD: row.caption.encode("utf-8"),
+                        JSON_FIELD: json.dumps(meta, ensure_ascii=False).encode("utf-8")})
+            report.written += 1
     return report

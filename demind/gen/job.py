@@ -7,7 +7,6 @@ A shard is redone from its start when a run was interrupted inside it.
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
@@ -26,9 +25,9 @@ from demind.gen.config import GenConfig
 from demind.gen.engines.base import Engine
 from demind.gen.generate import ChunkItem, ChunkOutput, IntentGenerator
 from demind.gen.prompts import PromptSet
-from demind.gen.reader import InputShardError, RawSample, SkippedSample, decode_image, iter_shard
-from demind.gen.shards import JobPlan, ShardTask
-from demind.gen.writer import ShardWriter, encode_sample, write_stats
+from demind.gen.plan import JobPlan, ShardTask
+from demind.gen.reader import InputShardError, RawSample, SkippedSample, decode_and_shrink, iter_shard
+from demind.shard_format import ShardOutput, ShardWriter, encode_sample
 
 logger = logging.getLogger(__name__)
 
@@ -99,10 +98,10 @@ class JobSummary:
 
 def expected_samples(input_path: Path) -> int | None:
     """img2dataset writes ``00000_stats.json`` beside each tar; its 'successes' sizes the progress bar."""
-    stats = input_path.with_name(input_path.name[: -len(".tar")] + "_stats.json")
+    stats = ShardOutput.of(input_path).load_stats() or {}
     try:
-        return int(json.loads(stats.read_text())["successes"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return int(stats["successes"])
+    except (KeyError, TypeError, ValueError):
         return None
 
 
@@ -115,7 +114,7 @@ def decoded_chunks(
         stats.samples_in += 1
         if isinstance(sample, RawSample):
             try:
-                image = decode_image(sample.image_bytes, cfg.io.image_max_side)
+                image = decode_and_shrink(sample.image_bytes, cfg.io.image_max_side)
             except ValueError as e:
                 sample = SkippedSample(sample.key, "undecodable image", str(e))
             else:
@@ -216,10 +215,9 @@ def process_shard(task: ShardTask, generator: IntentGenerator, cfg: GenConfig, s
     stats = ShardStats()
     engine_s0 = generator.engine_seconds
     start = time.perf_counter()
-    writer = ShardWriter(task.output)
     bar = tqdm(total=expected_samples(task.input_path), desc=f"shard {task.input_path.name}", unit="img",
                leave=False, disable=not show_progress)
-    try:
+    with bar, ShardWriter(task.output.tar) as writer:  # committed at the end, abandoned on an exception
         samples = iter_shard(task.input_path, cfg.io.max_caption_chars)
         for chunk in prefetched(decoded_chunks(samples, cfg, stats), cfg.io.prefetch_chunks):
             outputs = generator.generate([item for _, item in chunk])
@@ -229,14 +227,8 @@ def process_shard(task: ShardTask, generator: IntentGenerator, cfg: GenConfig, s
             if overall is not None:
                 overall.update(len(chunk))
             _log_progress(task, stats, time.perf_counter() - start, cfg.io.log_every, len(chunk))
-        writer.commit()
-    except BaseException:
-        writer.abandon()
-        bar.close()
-        raise
-    bar.close()
     result = shard_record(task, stats, generator, cfg, time.perf_counter() - start, generator.engine_seconds - engine_s0)
-    write_stats(task.output, result)  # last: this file marks the shard done
+    task.output.mark_done(result)  # last: this file marks the shard done
     return result
 
 

@@ -19,9 +19,9 @@ from typing import Any
 import webdataset as wds
 from PIL import Image
 
-logger = logging.getLogger(__name__)
+from demind.shard_format import CAPTION_FIELD, IMAGE_FIELDS, JSON_FIELD
 
-IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
+logger = logging.getLogger(__name__)
 
 
 class InputShardError(RuntimeError):
@@ -49,13 +49,13 @@ class SkippedSample:
 def _validate(raw: dict[str, Any], max_caption_chars: int) -> RawSample | SkippedSample:
     """Turn one webdataset record (extension -> bytes) into a RawSample, or say why not."""
     key = raw["__key__"]
-    image_ext = next((ext for ext in IMAGE_EXTENSIONS if ext in raw), None)
+    image_ext = next((ext for ext in IMAGE_FIELDS if ext in raw), None)
     if image_ext is None:
         return SkippedSample(key, "missing image")
-    if "txt" not in raw:
+    if CAPTION_FIELD not in raw:
         return SkippedSample(key, "missing caption")
     try:
-        caption = raw["txt"].decode("utf-8").strip()
+        caption = raw[CAPTION_FIELD].decode("utf-8").strip()
     except UnicodeDecodeError:
         return SkippedSample(key, "caption is not UTF-8")
     if not caption:
@@ -63,9 +63,9 @@ def _validate(raw: dict[str, Any], max_caption_chars: int) -> RawSample | Skippe
     if len(caption) > max_caption_chars:
         return SkippedSample(key, "caption too long", f"{len(caption)} chars > io.max_caption_chars={max_caption_chars}")
     meta: dict[str, Any] = {}
-    if "json" in raw:
+    if JSON_FIELD in raw:
         try:
-            meta = json.loads(raw["json"].decode("utf-8"))
+            meta = json.loads(raw[JSON_FIELD].decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError):
             return SkippedSample(key, "malformed json")
         if not isinstance(meta, dict):
@@ -96,7 +96,7 @@ def iter_shard(path: Path, max_caption_chars: int = 2000) -> Iterator[RawSample 
         ) from e
 
 
-def decode_image(data: bytes, max_side: int) -> Image.Image:
+def decode_and_shrink(data: bytes, max_side: int) -> Image.Image:
     """Decode to RGB and shrink (never enlarge) so that max(width, height) <= max_side.
 
     Raises ValueError with the decoder's message when the bytes are not a readable image.

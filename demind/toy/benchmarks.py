@@ -53,7 +53,7 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
-from demind.eval.exclusion import FORMAT, check_exclusion
+from demind.eval.exclusion import FORMAT
 from demind.io import atomic_path, write_json_atomic, write_text_atomic
 
 from .render import render_scene
@@ -310,18 +310,6 @@ def write_exclusion(folder: Path, cfg: ToyBenchmarkConfig, progress: bool = True
         "images": images,
         "queries": queries,
     })
-
-
-def read_exclusion(path: str | Path) -> dict[str, Any]:
-    """Load and check an exclusion file (the checks of :mod:`demind.eval.exclusion`, whose
-    ``read_exclusion`` turns the folder into queries for the evaluation harness)."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: cannot read the exclusion benchmark ({e})") from None
-    check_exclusion(data, path)
-    return data
 
 
 # ----------------------------------------------------------------------------- driver

@@ -23,11 +23,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from demind.io import write_json_atomic
+from demind.io import atomic_path, write_json_atomic
 
 from .backbone import ToyBackboneConfig, ensure_toy_backbone
 from .benchmarks import ToyBenchmarkConfig, write_benchmarks
-from .shards import ToyShardConfig, write_toy_shards
+from .intent_data import ToyShardConfig, write_toy_shards
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def evaluate_run(cfg: QuickstartConfig, backbone, export: Path, variant: str, se
                            batch_size=cfg.eval_batch_size, progress=cfg.progress)
         if bench == "cirr":
             captions, ranked = load_cirr_truth_and_rankings(root, results["files"]["rankings"])
-            results["per_type"] = _per_type(captions, ranked)
+            results["per_type"] = recall_by_type(captions, ranked)
             if "demind" in methods:
                 results["paired"] = _paired(captions, ranked)
         out[bench] = results
@@ -136,14 +136,10 @@ def load_cirr_truth_and_rankings(cirr_root: Path, rankings: dict[str, str]
     return captions, {method: json.loads(Path(path).read_text()) for method, path in rankings.items()}
 
 
-def per_type_recall(cirr_root: Path, rankings: dict[str, str], ks: tuple[int, ...] = (1, 5, 10)
-                    ) -> dict[str, dict[str, dict[str, float]]]:
-    """method -> modification type -> {"R@k": percent, "n": count}, from rankings/<method>.json."""
-    return _per_type(*load_cirr_truth_and_rankings(cirr_root, rankings), ks)
-
-
-def _per_type(captions: list[dict[str, Any]], ranked_by_method: dict[str, dict[str, list[str]]],
-              ks: tuple[int, ...] = (1, 5, 10)) -> dict[str, dict[str, dict[str, float]]]:
+def recall_by_type(captions: list[dict[str, Any]], ranked_by_method: dict[str, dict[str, list[str]]],
+                   ks: tuple[int, ...] = (1, 5, 10)) -> dict[str, dict[str, dict[str, float]]]:
+    """method -> modification type -> {"R@k": percent, "n": count}, from the toy CIRR caption
+    entries and each method's rankings (query id -> top-50 names)."""
     truth = {str(e["pairid"]): (e["target_hard"], e["toy_type"]) for e in captions}
     out: dict[str, dict[str, dict[str, float]]] = {}
     for method, ranked in ranked_by_method.items():
@@ -280,10 +276,9 @@ def plot_recall(rows: dict[str, Any], path: Path) -> Path | None:
     ax.set_xticks(ks)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=120)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")  # the tmp name has no .png for matplotlib to go by
     plt.close(fig)
-    tmp.replace(path)
     return path
 
 

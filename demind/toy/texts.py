@@ -312,15 +312,6 @@ def hypothetical_source(scene: Scene, rng: random.Random) -> Scene:
     return source
 
 
-def intent_texts(scene: Scene, rng: random.Random) -> dict[str, str]:
-    """The three texts of an intent sample: ``txt`` (T_ori), ``rew`` (T_rew), ``int`` (T_int)."""
-    return {
-        "txt": alt_text(scene, rng),
-        "rew": full_description(scene, rng),
-        "int": pseudo_manipulation(hypothetical_source(scene, rng), scene, rng),
-    }
-
-
 # Mixture of the backbone's training text (README: "Backbone training text").
 WEB_TEXT_MIX = {"alt": 0.45, "full": 0.20, "edit": 0.35}
 

@@ -7,7 +7,8 @@ from typing import Any
 import torch
 
 from demind.backbone import FrozenCLIP
-from demind.data import DataConfig, StreamSpec, build_loader, resolve_shards
+from demind.data import DataConfig, StreamSpec, build_loader
+from demind.shard_format import resolve_shards
 from demind.features import ShardFeatureCache, default_cache_dir, features_off
 from demind.training.accel import micro_batch_size
 from demind.training.config import TrainConfig

@@ -2,15 +2,14 @@
 
 Each WebDataset sample is ``KEY.jpg``, ``KEY.txt`` (T_ori), ``KEY.rew.txt`` (T_rew),
 ``KEY.int.txt`` (T_int) and ``KEY.json`` (input metadata plus a ``generation`` record),
-written with data_gen's own writer (``demind.gen.writer``), so the trainer cannot tell
-toy shards from generated ones. Like data_gen, ``NNNNN_stats.json`` is written last and
-marks a shard done; a rerun skips finished shards and redoes unfinished ones.
+written with the project's one shard writer (``demind.shard_format``), as data_gen's are,
+so the trainer cannot tell toy shards from generated ones. Like data_gen, ``NNNNN_stats.json``
+is written last and marks a shard done; a rerun skips finished shards and redoes unfinished ones.
 """
 
 from __future__ import annotations
 
 import io
-import json
 import logging
 import random
 import time
@@ -18,13 +17,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from demind.gen.shards import ShardOutput
-from demind.gen.writer import ShardWriter, encode_sample, write_stats
+from demind.shard_format import ShardOutput, ShardWriter, encode_sample, sample_key
 
 from .parallel import parallel_map
 from .render import render_image
 from .texts import alt_text, full_description, hypothetical_source, pseudo_manipulation
-from .world import WORLD_VERSION, Scene, derive_seed, scene_from_seed, stream_seed
+from .world import WORLD_VERSION, derive_seed, scene_from_seed, stream_seed
 
 logger = logging.getLogger(__name__)
 
@@ -86,26 +84,17 @@ def make_toy_sample(index: int, cfg: ToyShardConfig, key: str) -> ToySample:
     return ToySample(key, buf.getvalue(), caption, rewritten, intent, meta)
 
 
-def shard_output(out_dir: Path, shard_id: int) -> ShardOutput:
-    return ShardOutput(tar=out_dir / f"{shard_id:05d}.tar", stats=out_dir / f"{shard_id:05d}_stats.json")
-
-
 def write_toy_shard(out_dir: Path, shard_id: int, cfg: ToyShardConfig) -> dict[str, Any]:
     """Write one shard atomically (tar renamed into place, then its stats). Returns the stats."""
-    output = shard_output(out_dir, shard_id)
+    output = ShardOutput.for_id(out_dir, shard_id)
     output.remove(include_done=True)
     start = time.perf_counter()
     first = shard_id * cfg.samples_per_shard
     count = min(cfg.samples_per_shard, cfg.num_samples - first)
-    writer = ShardWriter(output)
-    try:
+    with ShardWriter(output.tar) as writer:
         for i in range(count):
-            s = make_toy_sample(first + i, cfg, key=f"{shard_id:05d}{i:04d}")
+            s = make_toy_sample(first + i, cfg, key=sample_key(shard_id, i, 4))
             writer.write(encode_sample(s.key, "jpg", s.image_jpeg, s.caption, s.rewritten, s.intent, s.meta))
-        writer.commit()
-    except BaseException:
-        writer.abandon()
-        raise
     elapsed = time.perf_counter() - start
     stats = {
         "shard": shard_id, "output": str(output.tar), "samples_in": count, "written": count,
@@ -113,7 +102,7 @@ def write_toy_shard(out_dir: Path, shard_id: int, cfg: ToyShardConfig) -> dict[s
         "images_per_s": round(count / elapsed, 2) if elapsed > 0 else None,
         "engine": "toy-world", "world_version": WORLD_VERSION, "config": asdict(cfg),
     }
-    write_stats(output, stats)  # last: marks the shard done
+    output.mark_done(stats)  # last: marks the shard done
     return stats
 
 
@@ -134,25 +123,15 @@ def write_toy_shards(out_dir: str | Path, cfg: ToyShardConfig | None = None, sho
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     num_shards = -(-cfg.num_samples // cfg.samples_per_shard)
-    todo = [i for i in range(num_shards) if not _is_current(shard_output(out_dir, i), cfg)]
+    todo = [i for i in range(num_shards) if not _is_current(ShardOutput.for_id(out_dir, i), cfg)]
     if todo:
         logger.info("toy shards: %d to write, %d already done in %s", len(todo), num_shards - len(todo), out_dir)
     jobs = [(out_dir, shard_id, cfg) for shard_id in todo]
     for _ in parallel_map(_write_shard_job, jobs, workers, desc="toy shards", progress=show_progress, unit="shard"):
         pass
-    return [shard_output(out_dir, i).tar for i in range(num_shards)]
+    return [ShardOutput.for_id(out_dir, i).tar for i in range(num_shards)]
 
 
 def _is_current(output: ShardOutput, cfg: ToyShardConfig) -> bool:
-    if not output.is_done() or not output.tar.is_file():
-        return False
-    try:
-        stats = json.loads(output.stats.read_text())
-    except (OSError, ValueError):
-        return False
-    return stats.get("world_version") == WORLD_VERSION and stats.get("config") == asdict(cfg)
-
-
-def read_scene(meta: dict[str, Any]) -> Scene:
-    """The ground-truth scene stored in a toy sample's json."""
-    return Scene.from_dict(meta["toy"]["scene"])
+    stats = output.load_stats() if output.tar.is_file() else None
+    return stats is not None and stats.get("world_version") == WORLD_VERSION and stats.get("config") == asdict(cfg)

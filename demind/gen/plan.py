@@ -1,19 +1,17 @@
-"""Input shard discovery, ``--shard`` range parsing and the per-shard work plan.
+"""The per-shard work plan of data_gen: ``--shard`` range parsing, input shard ids, each shard's state.
 
 The shard is the unit of work (as in img2dataset): output ``DIR/00042.tar`` is only
-trusted when ``DIR/00042_stats.json`` exists, because the stats file is written last.
+trusted when ``DIR/00042_stats.json`` exists, because the stats file is written last
+(file naming and the done-marker: :mod:`demind.shard_format`).
 """
 
 from __future__ import annotations
 
-import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from braceexpand import braceexpand
-
-logger = logging.getLogger(__name__)
+from demind.shard_format import SHARD_SUFFIX, ShardListError, ShardOutput, resolve_shards
 
 _TRAILING_DIGITS = re.compile(r"(\d+)$")
 
@@ -48,7 +46,8 @@ def parse_shard_range(spec: str) -> list[int]:
 
 def shard_id_from_path(path: Path) -> int:
     """``.../00042.tar`` -> 42 (the trailing digits of the file stem, img2dataset naming)."""
-    match = _TRAILING_DIGITS.search(path.name[: -len(".tar")] if path.name.endswith(".tar") else path.stem)
+    stem = path.name.removesuffix(SHARD_SUFFIX) if path.name.endswith(SHARD_SUFFIX) else path.stem
+    match = _TRAILING_DIGITS.search(stem)
     if not match:
         raise ShardSpecError(
             f"input shard {path} has no number at the end of its name; name shards like img2dataset "
@@ -58,20 +57,13 @@ def shard_id_from_path(path: Path) -> int:
 
 
 def find_input_shards(spec: str) -> dict[int, Path]:
-    """Map shard id -> path for a folder of ``*.tar`` or a brace pattern ``/d/{00000..00099}.tar``."""
-    root = Path(spec)
-    if root.is_dir():
-        paths = sorted(root.glob("*.tar"))
-        if not paths:
-            raise ShardSpecError(f"input folder {root} holds no .tar shards")
-    else:
-        paths = [Path(p) for p in braceexpand(spec)]
-        absent = [p for p in paths if not p.is_file()]
-        if len(absent) == len(paths):
-            raise ShardSpecError(f"--input {spec!r} is neither a folder nor a pattern of existing .tar files")
-        if absent:
-            logger.warning("%d of %d shards in %r do not exist (first: %s)", len(absent), len(paths), spec, absent[0])
-        paths = [p for p in paths if p.is_file()]
+    """Map shard id -> path for a folder of ``*.tar`` or a brace pattern ``/d/{00000..00099}.tar``.
+
+    A shard the pattern names but the disk lacks is an error (:func:`resolve_shards`'s rule)."""
+    try:
+        paths = [Path(p) for p in resolve_shards(spec, setting="--input")]
+    except ShardListError as e:
+        raise ShardSpecError(str(e)) from None
     shards: dict[int, Path] = {}
     for path in paths:
         shard_id = shard_id_from_path(path)
@@ -79,46 +71,6 @@ def find_input_shards(spec: str) -> dict[int, Path]:
             raise ShardSpecError(f"input shards {shards[shard_id]} and {path} have the same number {shard_id}")
         shards[shard_id] = path
     return shards
-
-
-@dataclass
-class ShardOutput:
-    """The files one input shard produces in the output folder."""
-
-    tar: Path
-    stats: Path
-
-    @classmethod
-    def for_input(cls, input_path: Path, output_dir: Path) -> "ShardOutput":
-        stem = input_path.name[: -len(".tar")]
-        return cls(tar=output_dir / f"{stem}.tar", stats=output_dir / f"{stem}_stats.json")
-
-    @property
-    def tmp_tar(self) -> Path:
-        return self.tar.with_name(self.tar.name + ".tmp")
-
-    @property
-    def tmp_stats(self) -> Path:
-        return self.stats.with_name(self.stats.name + ".tmp")
-
-    def is_done(self) -> bool:
-        return self.stats.is_file()
-
-    def stray_files(self) -> list[Path]:
-        """Files a killed run may have left: a tmp tar/stats, or a renamed tar without its stats."""
-        stray = [p for p in (self.tmp_tar, self.tmp_stats) if p.exists()]
-        if self.tar.exists() and not self.stats.exists():
-            stray.append(self.tar)
-        return stray
-
-    def remove(self, include_done: bool) -> list[Path]:
-        """Delete stray files (and, with ``include_done``, the finished tar and stats). Returns them."""
-        targets = self.stray_files()
-        if include_done:
-            targets += [p for p in (self.tar, self.stats) if p.exists() and p not in targets]
-        for path in targets:
-            path.unlink()
-        return targets
 
 
 @dataclass

@@ -8,7 +8,8 @@ import json
 import webdataset as wds
 from PIL import Image
 
-from demind.toy.shards import ToyShardConfig, make_toy_sample, read_scene, write_toy_shards
+from demind.testing import read_scene
+from demind.toy.intent_data import ToyShardConfig, make_toy_sample, write_toy_shards
 from demind.toy.world import SHAPES
 
 FIELDS = {"__key__", "__url__", "jpg", "txt", "rew.txt", "int.txt", "json"}

@@ -1,0 +1,206 @@
+"""Builders for tests, benchmarks and smoke runs; not used by the library itself.
+
+Like ``torch.testing``, this module ships with the package because code outside ``tests/``
+needs it: ``benchmarks/`` (synthetic shards, the tiny LLaVA-NeXT), the CPU smoke config
+``configs/data_gen/tiny-cpu.yaml`` (whose model ``data_gen/make_tiny_model.py`` builds here)
+and the test suite.  Nothing under ``demind/`` imports it.
+
+* :func:`write_intent_shard`, :func:`write_synthetic_shards` — small intent shards (through
+  the one shard writer, :class:`demind.shard_format.ShardWriter`).
+* :func:`build_tiny_llava_next` — a tiny random LLaVA-NeXT and its processor.
+* Toy-world readers only tests use: :func:`read_scene`, :func:`intent_texts`,
+  :func:`per_type_recall`, :func:`load_exclusion_json`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+from demind.shard_format import ShardWriter, sample_key, shard_filename
+
+# --------------------------------------------------------------------------- shards
+
+
+def write_intent_shard(path: str | Path, samples: list[dict[str, Any]]) -> Path:
+    """Write one shard: each sample a dict with ``key`` and fields such as ``jpg`` (bytes or a
+    PIL image, saved as JPEG), ``txt``, ``rew.txt``, ``int.txt`` (str) and ``json`` (dict); a
+    field left out is left out of the tar, so tests can build malformed shards.  Returns ``path``."""
+    with ShardWriter(path) as writer:
+        for sample in samples:
+            writer.write({"__key__": sample["key"],
+                          **{name: _field_bytes(value) for name, value in sample.items() if name != "key"}})
+    return Path(path)
+
+
+def _field_bytes(value: Any) -> bytes:
+    from PIL import Image
+
+    if isinstance(value, Image.Image):
+        buffer = io.BytesIO()
+        value.save(buffer, format="JPEG", quality=95)
+        return buffer.getvalue()
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    if isinstance(value, dict):
+        return json.dumps(value).encode("utf-8")
+    return value
+
+
+SYNTHETIC_COLOURS = {"red": (220, 30, 30), "green": (30, 190, 40), "blue": (30, 40, 220), "yellow": (230, 220, 30),
+                     "purple": (140, 30, 170), "orange": (240, 140, 20), "white": (240, 240, 240), "black": (15, 15, 15)}
+
+
+def write_synthetic_shards(directory: str | Path, num_shards: int = 2, samples_per_shard: int = 32,
+                           image_size: int = 32, seed: int = 0, omit: tuple[str, ...] = ()) -> list[Path]:
+    """Intent shards of noisy coloured squares whose three texts name the colour.
+
+    A small learnable task for smoke runs, tests and benchmarks (image colour <-> text).
+    ``omit`` leaves fields out (e.g. ``("int.txt",)``) to exercise the missing-field path.
+    Returns the shard paths ``directory/00000.tar`` ...
+    """
+    import numpy as np
+    from PIL import Image
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    names = list(SYNTHETIC_COLOURS)
+    paths = []
+    for shard in range(num_shards):
+        samples = []
+        for i in range(samples_per_shard):
+            colour = names[int(rng.integers(len(names)))]
+            pixels = np.asarray(SYNTHETIC_COLOURS[colour], dtype=np.float32)[None, None]
+            pixels = pixels + rng.normal(0, 25, (image_size, image_size, 3))
+            sample = {"key": sample_key(shard, i, 5), "jpg": Image.fromarray(pixels.clip(0, 255).astype("uint8")),
+                      "txt": f"a {colour} square", "rew.txt": f"a square painted {colour}",
+                      "int.txt": f"make the square {colour}", "json": {"colour": colour}}
+            samples.append({k: v for k, v in sample.items() if k not in omit})
+        paths.append(write_intent_shard(directory / shard_filename(shard), samples))
+    return paths
+
+
+# --------------------------------------------------------------------------- tiny LLaVA-NeXT
+
+# A tiny random LLaVA-NeXT (model + processor) for tests, benchmarks and CPU smoke runs. It has
+# the real architecture and processing path (CLIP vision tower, any-resolution image grid, Llama
+# text model, chat template) at a size that runs in milliseconds; its text is random words.
+# About 40k parameters, ~14 image tokens per image.
+
+TINY_WORDS = (
+    "a an the photo painting sketch cartoon rendering image of with and in on at by near under behind "
+    "dog cat bird horse car bus boat tree flower house street beach mountain sky water grass road city "
+    "man woman child people red blue green yellow black white brown small large old young bright dark "
+    "make turn change add remove put it into night day sunny snowy foreground background style colour"
+).split()
+SPECIAL_TOKENS = ["<unk>", "<pad>", "<s>", "</s>", "<image>"]
+ROLE_TOKENS = ["USER", "ASSISTANT", ":", ".", ",", '"', "?", "!"]
+
+# Formats HF chat content lists ({"type": "image"} / {"type": "text"}) like the LLaVA-1.6 templates.
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] | upper }}: "
+    "{% if message['content'] is string %}{{ message['content'] }} "
+    "{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}<image> {% elif item['type'] == 'text' %}{{ item['text'] }} {% endif %}"
+    "{% endfor %}{% endif %}"
+    "{% if message['role'] == 'assistant' %}</s> {% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+
+
+def build_tiny_llava_next(output_dir: str | Path, seed: int = 0) -> Path:
+    """Build and save a random tiny LLaVA-NeXT and its processor; returns ``output_dir``.
+
+    Vision: CLIP, hidden 32, 2 layers, 16 px tiles of 8 px patches; grid pinpoints
+    16x16, 16x32, 32x16. Text: Llama, hidden 32, 1 layer, word-level vocabulary.
+    """
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaNextConfig,
+        LlavaNextForConditionalGeneration,
+        LlavaNextImageProcessor,
+        LlavaNextProcessor,
+        PreTrainedTokenizerFast,
+    )
+
+    output_dir = Path(output_dir)
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + ROLE_TOKENS + list(dict.fromkeys(TINY_WORDS)))}
+    word_level = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    word_level.pre_tokenizer = pre_tokenizers.Whitespace()
+    word_level.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=word_level, unk_token="<unk>", pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+        additional_special_tokens=["<image>"],
+    )
+    pinpoints = [[16, 16], [16, 32], [32, 16]]
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                              image_size=16, patch_size=8, projection_dim=32)
+    text = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                       num_key_value_heads=2, vocab_size=len(vocab), max_position_embeddings=1024,
+                       bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"], pad_token_id=vocab["<pad>"])
+    config = LlavaNextConfig(vision_config=vision, text_config=text, image_token_index=vocab["<image>"],
+                             image_grid_pinpoints=pinpoints, vision_feature_layer=-1, image_seq_length=4)
+    torch.manual_seed(seed)
+    model = LlavaNextForConditionalGeneration(config).eval()
+    model.generation_config.eos_token_id = vocab["</s>"]
+    model.generation_config.pad_token_id = vocab["<pad>"]
+    image_processor = LlavaNextImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16},
+                                              image_grid_pinpoints=pinpoints)
+    processor = LlavaNextProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=8,
+                                   vision_feature_select_strategy="default", chat_template=TINY_CHAT_TEMPLATE,
+                                   num_additional_image_tokens=1)
+    model.save_pretrained(output_dir)
+    processor.save_pretrained(output_dir)
+    return output_dir
+
+
+# --------------------------------------------------------------------------- toy world
+
+
+def read_scene(meta: dict[str, Any]):
+    """The ground-truth ``demind.toy.world.Scene`` stored in a toy intent sample's json."""
+    from demind.toy.world import Scene
+
+    return Scene.from_dict(meta["toy"]["scene"])
+
+
+def intent_texts(scene, rng: random.Random) -> dict[str, str]:
+    """The three texts of a toy intent sample: ``txt`` (T_ori), ``rew`` (T_rew), ``int`` (T_int),
+    drawn in the order ``demind.toy.intent_data.make_toy_sample`` draws them."""
+    from demind.toy.texts import alt_text, full_description, hypothetical_source, pseudo_manipulation
+
+    return {
+        "txt": alt_text(scene, rng),
+        "rew": full_description(scene, rng),
+        "int": pseudo_manipulation(hypothetical_source(scene, rng), scene, rng),
+    }
+
+
+def per_type_recall(cirr_root: Path, rankings: dict[str, str], ks: tuple[int, ...] = (1, 5, 10)
+                    ) -> dict[str, dict[str, dict[str, float]]]:
+    """method -> modification type -> {"R@k": percent, "n": count}, from the toy CIRR captions
+    under ``cirr_root`` and ``rankings`` (method -> rankings/<method>.json)."""
+    from demind.toy.pipeline import load_cirr_truth_and_rankings, recall_by_type
+
+    return recall_by_type(*load_cirr_truth_and_rankings(cirr_root, rankings), ks)
+
+
+def load_exclusion_json(path: str | Path) -> dict[str, Any]:
+    """Load and check a toy exclusion file with the checks of :mod:`demind.eval.exclusion`
+    (whose ``read_exclusion`` turns the folder into queries for the evaluation harness)."""
+    from demind.eval.exclusion import check_exclusion
+
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: cannot read the exclusion benchmark ({e})") from None
+    check_exclusion(data, path)
+    return data
