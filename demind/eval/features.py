@@ -86,16 +86,20 @@ class FeatureCache:
     def _role_dir(self, role: str) -> Path:
         return self.dir / role
 
-    def load(self, role: str) -> dict[str, tuple[str, torch.Tensor]]:
-        """name -> (cache key, (D,) feature) over all parts; later parts win."""
-        found: dict[str, tuple[str, torch.Tensor]] = {}
+    def load(self, role: str) -> dict[str, dict[str, torch.Tensor]]:
+        """name -> {cache key -> (D,) feature} over all parts; for a repeated key, later parts win.
+
+        A name can hold several keys (a COCO query crop under each resize mode), so switching
+        a reader option back and forth re-encodes nothing.
+        """
+        found: dict[str, dict[str, torch.Tensor]] = {}
         role_dir = self._role_dir(role)
         if not role_dir.is_dir():
             return found
         for part in sorted(role_dir.glob("part-*.pt")):
             data = torch.load(part, map_location="cpu", weights_only=True)
             for name, key, feature in zip(data["names"], data["keys"], data["features"]):
-                found[name] = (key, feature)
+                found.setdefault(name, {})[key] = feature
         return found
 
     def write_part(self, role: str, names: list[str], keys: list[str], features: torch.Tensor) -> Path:
@@ -148,9 +152,9 @@ def encode_images(
     features: dict[str, torch.Tensor] = {}
     todo = []
     for ref in refs:
-        hit = cached.get(ref.name)
-        if hit is not None and hit[0] == ref.cache_key:
-            features[ref.name] = hit[1]
+        hit = cached.get(ref.name, {}).get(ref.cache_key)
+        if hit is not None:
+            features[ref.name] = hit
         else:
             todo.append(ref)
     stats.cached = len(features)
