@@ -96,7 +96,8 @@ class Query:
     qid: the id written to rankings (CIRR pairid, ``dress:12``, COCO file name, ...).
     reference: the reference image.
     prompt: the composed-query text with exactly one ``*`` (the pseudo-word slot).
-    text: the Text-only baseline's text.
+    text: the Text-only and Image+Text baselines' text, encoded as plain text (a ``*`` in it is
+        an ordinary token: Pic2Word's FashionIQ protocol encodes the whole prompt).
     targets: names of the relevant gallery images (empty on test splits).
     exclude: a gallery name never ranked for this query (CIRR: the reference itself).
     subset: CIRR ``img_set.members`` minus the reference (for Recall_subset).
