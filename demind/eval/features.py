@@ -144,7 +144,8 @@ def encode_images(
 
     Returns (name -> (D,) float32 feature, stats). Images missing from the cache are decoded
     with ``backbone.preprocess`` (:func:`squash_preprocess` for ``resize="squash"``) in a
-    DataLoader and encoded in batches of ``batch_size``; every ``part_size`` images are written to the cache as one part.
+    DataLoader and encoded in batches of ``batch_size``; every ``part_size`` images are written
+    to the cache as one part.
     """
     refs = unique_refs(refs)
     stats = EncodeStats(images=len(refs))
