@@ -83,6 +83,25 @@ def test_fashioniq_prompts_follow_the_chosen_caption_order(tmp_path):
     assert in_file_order.prompt == "a photo of * , is red and has long sleeves"
 
 
+def test_fashioniq_text_only_and_image_plus_text_encode_the_whole_prompt_by_default(tmp_path):
+    root = make_fashioniq(tmp_path)
+    released = read_fashioniq(root)
+    assert released.options["text_form"] == "released"
+    query = released.groups[0].queries[0]
+    assert query.text == query.prompt == "a photo of * , has long sleeves and is red"  # Pic2Word's evaluate_fashion
+    captions = read_fashioniq(root, text_form="captions").groups[0].queries[0]
+    assert (captions.prompt, captions.text) == ("a photo of * , has long sleeves and is red",
+                                                "has long sleeves and is red")
+    file_order = read_fashioniq(root, caption_order="file").groups[0].queries[0]
+    assert file_order.text == "a photo of * , is red and has long sleeves"
+    file_captions = read_fashioniq(root, caption_order="file", text_form="captions").groups[0].queries[0]
+    assert file_captions.text == "is red and has long sleeves"
+    via_options = read_benchmark("fashioniq", root, options=ReaderOptions(fashioniq_text="captions"))
+    assert via_options.groups[0].queries[0].text == "has long sleeves and is red"
+    with pytest.raises(ValueError, match="text form"):
+        read_fashioniq(root, text_form="prompt")
+
+
 def test_fashioniq_missing_images_are_counted_and_reported(tmp_path, capsys):
     root = make_fashioniq(tmp_path / "fiq")
     results = run_eval_command(["--benchmark", "fashioniq", "--data-root", str(root), "--backbone", f"{TINY_CLIP}:none",
@@ -160,7 +179,12 @@ def test_coco_prompt_forms():
     assert coco_texts("cat", ("dog", "person"), "released") == (
         "a photo of * and cat and dog and person", "a photo of cat and dog and person")
     assert coco_texts("cat", ("dog", "person"), "prose") == ("a photo of * , dog and person", "a photo of dog and person")
-    assert coco_texts("cat", (), "released")[0] == "a photo of * and cat"
+    # an image with no other class: Pic2Word joins [""] and keeps a dangling "and"
+    assert coco_texts("airplane", (), "released") == ("a photo of * and airplane and ", "a photo of airplane and ")
+    assert coco_texts("airplane", (), "trimmed") == ("a photo of * and airplane", "a photo of airplane")
+    assert coco_texts("cat", ("dog", "person"), "trimmed") == coco_texts("cat", ("dog", "person"), "released")
+    with pytest.raises(ValueError, match="prompt form"):
+        coco_texts("cat", (), "tidy")
 
 
 def test_coco_end_to_end_with_masked_crops(tmp_path, tiny_backbone, tiny_model):
@@ -174,6 +198,7 @@ def test_coco_end_to_end_with_masked_crops(tmp_path, tiny_backbone, tiny_model):
     assert set(rankings) == {"000000000001.jpg", "000000000002.jpg", "000000000003.jpg"}
     assert set(rankings["000000000001.jpg"]) == {"000000000001", "000000000002", "000000000003"}
     assert results["reader_options"]["seed"] == 0 and results["reader_options"]["prompt_form"] == "released"
+    assert results["reader_options"]["query_resize"] == "released"
 
 
 def write_pic2word_csv(path: Path) -> None:
@@ -192,7 +217,9 @@ def test_coco_pic2word_csv_prefers_the_masked_folder_and_warns_without_it(tmp_pa
     assert [q.qid for q in queries] == ["000000000001.jpg", "000000000002.jpg"]
     assert queries[0].reference.box == (2.0, 2.0, 16.0, 16.0)  # int(float(x)), as Pic2Word reads it
     assert queries[0].prompt == "a photo of * and cat and dog and person"
-    assert queries[1].prompt == "a photo of * and dog"
+    assert (queries[1].prompt, queries[1].text) == ("a photo of * and dog and ", "a photo of dog and ")  # empty classes
+    trimmed = read_coco(root, csv_path=tmp_path / "coco_eval.csv", prompt_form="trimmed").groups[0].queries[1]
+    assert (trimmed.prompt, trimmed.text) == ("a photo of * and dog", "a photo of dog")
     assert queries[0].reference.path.parent.name == "val2017"
     assert any("NOT masked" in n for n in data.notes)
 
@@ -201,6 +228,73 @@ def test_coco_pic2word_csv_prefers_the_masked_folder_and_warns_without_it(tmp_pa
     masked = read_coco(root, csv_path=tmp_path / "coco_eval.csv")
     assert masked.groups[0].queries[0].reference.path.parent.name == "val2017_masked"
     assert not any("NOT masked" in n for n in masked.notes)
+
+
+def stripes_image(path: Path) -> tuple[float, float, float, float]:
+    """An 80x40 image whose box (8, 4, 72, 36) holds four 16 px wide vertical stripes,
+    red | green | blue | white, on grey; returns the box."""
+    pixels = np.full((40, 80, 3), 128, dtype=np.uint8)
+    for i, colour in enumerate([(255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 255)]):
+        pixels[4:36, 8 + 16 * i: 8 + 16 * (i + 1)] = colour
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(pixels).save(path)
+    return (8.0, 4.0, 72.0, 36.0)
+
+
+def test_query_regions_are_resized_to_the_square_or_centre_cropped_by_value(tmp_path, tiny_backbone):
+    from demind.eval.image_cache import ImageRefDataset, image_transforms
+    from demind.eval.structures import ImageRef
+
+    box = stripes_image(tmp_path / "stripes.png")
+    refs = [ImageRef("q", tmp_path / "stripes.png", box, resize=mode) for mode in ("squash", "backbone")]
+    squashed, cropped = ImageRefDataset(refs, image_transforms(tiny_backbone))[0], ImageRefDataset(
+        refs, image_transforms(tiny_backbone))[1]
+    size = tiny_backbone.image_size  # 32: the 64x32 region becomes 32x32 either way
+    assert squashed.shape == cropped.shape == (3, size, size)
+    normalise = tiny_backbone.preprocess.transforms[-1]
+    mean, std = torch.tensor(normalise.mean).view(3, 1, 1), torch.tensor(normalise.std).view(3, 1, 1)
+    rgb = lambda t: (t * std + mean)[:, size // 2]  # noqa: E731 - (3, W) colours of the middle row
+    red, green, blue, white = (torch.tensor(c, dtype=torch.float32) for c in
+                               ((1, 0, 0), (0, 1, 0), (0, 0, 1), (1, 1, 1)))
+    # squash: the whole region, each stripe 8 px wide; centre-crop: only its middle half (green | blue)
+    for column, squash_colour, crop_colour in ((3, red, green), (12, green, green), (20, blue, blue),
+                                               (28, white, blue)):
+        assert torch.allclose(rgb(squashed)[:, column], squash_colour, atol=0.02), column
+        assert torch.allclose(rgb(cropped)[:, column], crop_colour, atol=0.02), column
+
+
+def test_squash_keeps_the_backbones_size_and_normalisation(tmp_path, tiny_backbone):
+    """On a square image, straight resize and resize + centre-crop are the same operation."""
+    from demind.eval.image_cache import squash_preprocess
+
+    write_image(tmp_path / "square.png", (50, 50))
+    image = Image.open(tmp_path / "square.png").convert("RGB")
+    assert torch.allclose(squash_preprocess(tiny_backbone)(image), tiny_backbone.preprocess(image), atol=1e-6)
+
+
+def test_the_query_resize_mode_is_part_of_the_cache_key(tmp_path, tiny_backbone):
+    from demind.eval.structures import ImageRef
+
+    root = make_coco(tmp_path / "coco")
+    assert read_coco(root).groups[0].queries[0].reference.resize == "squash"
+    assert read_coco(root, query_resize="center-crop").groups[0].queries[0].reference.resize == "backbone"
+    squashed = ImageRef("q", root / "a.jpg", (1, 2, 3, 4), resize="squash")
+    assert squashed.cache_key == ImageRef("q", root / "a.jpg", (1, 2, 3, 4)).cache_key + "|resize=squash"
+    with pytest.raises(ValueError, match="resize must be one of"):
+        ImageRef("q", root / "a.jpg", resize="crop")
+    with pytest.raises(ValueError, match="query resize"):
+        read_coco(root, query_resize="squash")
+
+    def run(mode: str) -> dict:
+        return evaluate("coco", root, backbone=tiny_backbone, methods="image-only", cache_dir=tmp_path / "cache",
+                        options=ReaderOptions(coco_query_resize=mode), progress=False)
+
+    first, other, again = run("released"), run("center-crop"), run("released")
+    assert first["encoding"]["queries"] == {"images": 3, "cached": 0, "encoded": 3}
+    assert other["encoding"]["queries"]["encoded"] == 3  # a changed option re-encodes the crops ...
+    assert other["encoding"]["gallery"]["cached"] == 3  # ... but not the full images
+    assert again["encoding"]["queries"] == {"images": 3, "cached": 3, "encoded": 0}
+    assert again["methods"] == first["methods"]
 
 
 # ----------------------------------------------------------------- ImageNet-R

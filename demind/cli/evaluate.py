@@ -13,6 +13,8 @@ import argparse
 
 from demind.cli.common import run_command
 from demind.config import ConfigError
+from demind.eval.coco import PROMPT_FORMS, QUERY_RESIZES
+from demind.eval.fashioniq import CAPTION_ORDERS, TEXT_FORMS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,12 +37,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--precision", default="fp32", help="backbone precision (fp32, fp16, bf16, amp)")
     p.add_argument("--limit", type=int, help="evaluate only the first N queries (smoke runs; flagged in outputs)")
-    p.add_argument("--fashioniq-caption-order", default="released", choices=("released", "file"),
+    p.add_argument("--fashioniq-caption-order", default="released", choices=CAPTION_ORDERS,
                    help="released: Pic2Word's '{caption2} and {caption1}' (default); file: file order")
+    p.add_argument("--fashioniq-text", default="released", choices=TEXT_FORMS,
+                   help="Text-only/Image+Text text. released: the whole prompt 'a photo of * , {captions}', "
+                        "'*' included, as Pic2Word (default); captions: the two captions only")
     p.add_argument("--coco-csv", help="read queries from a Pic2Word coco_eval.csv instead of building them")
-    p.add_argument("--coco-prompt", default="released", choices=("released", "prose"),
-                   help="released: 'a photo of * and {query class} and {others}' (default); "
+    p.add_argument("--coco-prompt", default="released", choices=PROMPT_FORMS,
+                   help="released: 'a photo of * and {query class} and {others}', with Pic2Word's dangling "
+                        "'and' when there are no others (default); trimmed: without it; "
                         "prose: 'a photo of * , {obj1} and {obj2}'")
+    p.add_argument("--coco-query-resize", default="released", choices=tuple(QUERY_RESIZES),
+                   help="released: query region resized straight to the backbone's input square, no crop, "
+                        "as Pic2Word (default); center-crop: the backbone's resize + centre-crop")
     p.add_argument("--coco-seed", type=int, default=0, help="seed of the COCO query draw")
     p.add_argument("--coco-area", default="0.05,0.5", help="MIN,MAX box area as a fraction of the image")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -55,8 +64,9 @@ def reader_options(args: argparse.Namespace):
         low, high = (float(v) for v in args.coco_area.split(","))
     except ValueError:
         raise ConfigError(f"--coco-area must be MIN,MAX fractions such as 0.05,0.5, got {args.coco_area!r}") from None
-    return ReaderOptions(fashioniq_caption_order=args.fashioniq_caption_order, coco_csv=args.coco_csv,
-                         coco_prompt=args.coco_prompt, coco_seed=args.coco_seed,
+    return ReaderOptions(fashioniq_caption_order=args.fashioniq_caption_order, fashioniq_text=args.fashioniq_text,
+                         coco_csv=args.coco_csv, coco_prompt=args.coco_prompt,
+                         coco_query_resize=args.coco_query_resize, coco_seed=args.coco_seed,
                          coco_min_area=low, coco_max_area=high)
 
 

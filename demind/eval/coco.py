@@ -17,8 +17,14 @@ Two sources of queries:
 
 Prompts: ``released`` (default) is what Pic2Word's released code builds,
 ``a photo of * and {query_class} and {other classes}`` (Text-only:
-``a photo of {query_class} and {other classes}``); ``prose`` is the papers' wording,
+``a photo of {query_class} and {other classes}``), including its dangling ``and`` when the
+image has no other class (``a photo of * and airplane and ``); ``trimmed`` is the same
+without that dangling ``and``; ``prose`` is the papers' wording,
 ``a photo of * , {obj1} and {obj2}`` (Text-only: ``a photo of {obj1} and {obj2}``).
+
+Query crops: ``released`` (default) resizes the (masked) region straight to the backbone's
+input square, as Pic2Word does (``Resize((n_px, n_px))``, no centre-crop);
+``center-crop`` gives it the backbone's resize + centre-crop like every other image.
 Ground truth = the original image; gallery = all query images; Recall@1/5/10.
 """
 
@@ -47,7 +53,9 @@ from demind.model import PLACEHOLDER
 
 log = logging.getLogger(__name__)
 
-PROMPT_FORMS = ("released", "prose")
+PROMPT_FORMS = ("released", "trimmed", "prose")
+# query-crop option -> ImageRef.resize (see demind.eval.structures.RESIZE_MODES)
+QUERY_RESIZES = {"released": "squash", "center-crop": "backbone"}
 RECALL_KS = (1, 5, 10)
 CSV_HEADER = ["id", "query_regions", "query_class", "classes"]
 LAYOUT = """  DATA_ROOT/
@@ -77,7 +85,11 @@ def coco_texts(query_class: str, others: tuple[str, ...], form: str) -> tuple[st
         raise ValueError(f"COCO prompt form must be one of {PROMPT_FORMS}, got {form!r}")
     clean = lambda s: " ".join(s.replace(PLACEHOLDER, " ").split())  # noqa: E731 - tiny local helper
     others = tuple(clean(o) for o in others if clean(o))
-    if form == "released":
+    if form == "released" and not others:
+        # Pic2Word reads an empty ``classes`` field as [""], so " and ".join keeps a dangling "and".
+        words = f"{clean(query_class)} and "
+        return f"a photo of * and {words}", f"a photo of {words}"
+    if form in ("released", "trimmed"):
         words = " and ".join([clean(query_class), *others])
         return f"a photo of * and {words}", f"a photo of {words}"
     if not others:
@@ -147,12 +159,18 @@ def read_coco(
     limit: int | None = None,
     csv_path: str | Path | None = None,
     prompt_form: str = "released",
+    query_resize: str = "released",
     seed: int = 0,
     min_area: float = 0.05,
     max_area: float = 0.5,
 ) -> BenchmarkData:
-    """Read (or build) the COCO object-composition queries under ``root``."""
+    """Read (or build) the COCO object-composition queries under ``root``.
+
+    prompt_form: one of :data:`PROMPT_FORMS`; query_resize: one of :data:`QUERY_RESIZES`.
+    """
     root = Path(root)
+    if query_resize not in QUERY_RESIZES:
+        raise ValueError(f"COCO query resize must be one of {tuple(QUERY_RESIZES)}, got {query_resize!r}")
     if split != "val":
         raise ValueError(f"COCO object composition uses val2017; got split {split!r}")
     images_dir = require_dir(root / "val2017", LAYOUT)
@@ -176,13 +194,16 @@ def read_coco(
                      f"({min_area}, {max_area}), background masked white")
     if limit is not None:
         specs = specs[:limit]
-    group = _group(specs, images_dir, crop_dir, prompt_form)
+    group = _group(specs, images_dir, crop_dir, prompt_form, QUERY_RESIZES[query_resize])
     notes.append(f"prompt form {prompt_form!r}, e.g. {group.queries[0].prompt!r}" if group.queries else
                  f"prompt form {prompt_form!r}")
-    return BenchmarkData("coco", "val2017", [group], notes=notes, options={"prompt_form": prompt_form, **source})
+    notes.append("query regions resized straight to the backbone's input square, no crop (Pic2Word)"
+                 if query_resize == "released" else "query regions resized and centre-cropped like every image")
+    options = {"prompt_form": prompt_form, "query_resize": query_resize, **source}
+    return BenchmarkData("coco", "val2017", [group], notes=notes, options=options)
 
 
-def _group(specs: list[CocoQuerySpec], images_dir: Path, crop_dir: Path, form: str) -> QueryGroup:
+def _group(specs: list[CocoQuerySpec], images_dir: Path, crop_dir: Path, form: str, resize: str) -> QueryGroup:
     seen: set[str] = set()
     gallery, queries = [], []
     for spec in specs:
@@ -192,7 +213,8 @@ def _group(specs: list[CocoQuerySpec], images_dir: Path, crop_dir: Path, form: s
         stem = canonical_name(spec.file_name)
         gallery.append(ImageRef(stem, images_dir / spec.file_name))
         box_tag = ";".join(f"{v:g}" for v in spec.box)
-        reference = ImageRef(f"{stem}#query[{box_tag}]", crop_dir / spec.file_name, spec.box, spec.segmentation)
+        reference = ImageRef(f"{stem}#query[{box_tag}]", crop_dir / spec.file_name, spec.box, spec.segmentation,
+                             resize=resize)
         prompt, text = coco_texts(spec.query_class, spec.other_classes, form)
         queries.append(Query(qid=spec.file_name, reference=reference, prompt=prompt, text=text, targets=(stem,)))
     raise_if_missing([g.path for g in gallery] + [q.reference.path for q in queries], "COCO val2017", LAYOUT)

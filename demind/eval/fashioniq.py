@@ -12,6 +12,10 @@ Caption order: Pic2Word's released code (whose protocol the compared papers foll
 builds ``a photo of * , {captions[1]} and {captions[0]}``; that is the default
 (``caption_order="released"``). ``caption_order="file"`` keeps the file's order
 (``{captions[0]} and {captions[1]}``, as SEARLE and CLIP4Cir do).
+
+Text-only and Image+Text text: Pic2Word's ``evaluate_fashion`` encodes the whole prompt,
+literal ``*`` included (``a photo of * , {cap2} and {cap1}``); that is the default
+(``text_form="released"``). ``text_form="captions"`` encodes only the joined captions.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ log = logging.getLogger(__name__)
 
 CATEGORIES = ("dress", "shirt", "toptee")
 CAPTION_ORDERS = ("released", "file")
+TEXT_FORMS = ("released", "captions")
 TEMPLATE = "a photo of * , {text}"
 RECALL_KS = (10, 50)
 LAYOUT = """  DATA_ROOT/
@@ -53,6 +58,15 @@ def join_captions(captions: list[str], order: str) -> str:
     return f"{first.strip()} and {second.strip()}"
 
 
+def fashioniq_texts(captions: list[str], order: str, text_form: str) -> tuple[str, str]:
+    """(composed prompt with one ``*``, Text-only / Image+Text text) for one entry's two captions."""
+    if text_form not in TEXT_FORMS:
+        raise ValueError(f"FashionIQ text form must be one of {TEXT_FORMS}, got {text_form!r}")
+    joined = join_captions(captions, order)
+    prompt = fill_template(TEMPLATE, text=joined)
+    return prompt, prompt if text_form == "released" else joined
+
+
 def _captions_file(root: Path, category: str) -> Path:
     for folder in ("captions", "json"):
         path = root / folder / f"cap.{category}.val.json"
@@ -67,18 +81,24 @@ def read_fashioniq(
     limit: int | None = None,
     caption_order: str = "released",
     categories: tuple[str, ...] = CATEGORIES,
+    text_form: str = "released",
 ) -> BenchmarkData:
-    """Read the FashionIQ validation split (the test split has no public ground truth)."""
+    """Read the FashionIQ validation split (the test split has no public ground truth).
+
+    caption_order: one of :data:`CAPTION_ORDERS`; text_form: one of :data:`TEXT_FORMS`.
+    """
     root = Path(root)
     if split != "val":
         raise ValueError(f"FashionIQ is evaluated on its validation split; got split {split!r}")
     images = index_image_folder(require_dir(root / "images", LAYOUT))
-    groups = [_read_category(root, c, images, caption_order, limit) for c in categories]
+    groups = [_read_category(root, c, images, caption_order, text_form, limit) for c in categories]
     notes = [
         "FashionIQ: Recall@K = fraction of queries whose target is in the top K of the category's gallery; "
         "average = mean over categories.",
         f"prompt: 'a photo of * , {{caption{2 if caption_order == 'released' else 1}}} and "
         f"{{caption{1 if caption_order == 'released' else 2}}}' (caption order {caption_order!r})",
+        "Text-only / Image+Text text: " + ("the whole prompt, '*' included (Pic2Word)" if text_form == "released"
+                                           else "the two captions only"),
     ]
     for g in groups:
         if g.skipped or g.gallery_missing:
@@ -87,10 +107,11 @@ def read_fashioniq(
                 f"{len(g.gallery_missing)} gallery images missing; metrics are over the {len(g.queries)} evaluated queries"
             )
     return BenchmarkData("fashioniq", "val", groups, notes=notes,
-                         options={"caption_order": caption_order, "template": TEMPLATE})
+                         options={"caption_order": caption_order, "text_form": text_form, "template": TEMPLATE})
 
 
-def _read_category(root: Path, category: str, images: dict[str, Path], order: str, limit: int | None) -> QueryGroup:
+def _read_category(root: Path, category: str, images: dict[str, Path], order: str, text_form: str,
+                   limit: int | None) -> QueryGroup:
     entries = read_json(_captions_file(root, category))
     if limit is not None:
         entries = entries[:limit]  # the first entries keep their file index as query id
@@ -106,11 +127,11 @@ def _read_category(root: Path, category: str, images: dict[str, Path], order: st
         if reason:
             skipped.append({"qid": qid, **reason})
             continue
-        text = join_captions(entry["captions"], order)
+        prompt, text = fashioniq_texts(entry["captions"], order, text_form)
         queries.append(Query(
             qid=qid,
             reference=ImageRef(str(entry["candidate"]), images[str(entry["candidate"])]),
-            prompt=fill_template(TEMPLATE, text=text),
+            prompt=prompt,
             text=text,
             targets=(str(entry["target"]),),
         ))

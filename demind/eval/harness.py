@@ -44,8 +44,10 @@ class ReaderOptions:
     """Benchmark-specific choices (defaults follow Pic2Word's released protocol; see each reader)."""
 
     fashioniq_caption_order: str = "released"
+    fashioniq_text: str = "released"
     coco_csv: str | None = None
     coco_prompt: str = "released"
+    coco_query_resize: str = "released"
     coco_seed: int = 0
     coco_min_area: float = 0.05
     coco_max_area: float = 0.5
@@ -58,10 +60,12 @@ def read_benchmark(benchmark: str, data_root: str | Path, split: str = "val", li
     if benchmark == "cirr":
         return read_cirr(data_root, split, limit)
     if benchmark == "fashioniq":
-        return read_fashioniq(data_root, split, limit, caption_order=opt.fashioniq_caption_order)
+        return read_fashioniq(data_root, split, limit, caption_order=opt.fashioniq_caption_order,
+                              text_form=opt.fashioniq_text)
     if benchmark == "coco":
         return read_coco(data_root, split, limit, csv_path=opt.coco_csv, prompt_form=opt.coco_prompt,
-                         seed=opt.coco_seed, min_area=opt.coco_min_area, max_area=opt.coco_max_area)
+                         query_resize=opt.coco_query_resize, seed=opt.coco_seed,
+                         min_area=opt.coco_min_area, max_area=opt.coco_max_area)
     if benchmark == "imagenet-r":
         return read_imagenet_r(data_root, split, limit)
     if benchmark == "circo":

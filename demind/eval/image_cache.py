@@ -2,9 +2,9 @@
 
 The cache is a folder per (backbone identity and precision, benchmark, split, role):
 ``<cache_dir>/<backbone>/<benchmark>/<split>/<role>/part-00000.pt``. Each part holds the
-names, per-image cache keys (file, crop, mask) and (n, D) raw features of one chunk, written
-atomically (tmp file, then ``os.replace``) as soon as the chunk is encoded; a killed run
-keeps its finished parts, and a rerun encodes only what no part holds.
+names, per-image cache keys (file, crop, mask, resize mode) and (n, D) raw features of one
+chunk, written atomically (tmp file, then ``os.replace``) as soon as the chunk is encoded; a
+killed run keeps its finished parts, and a rerun encodes only what no part holds.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import open_clip
 import torch
+from open_clip.transform import PreprocessCfg, image_transform_v2, merge_preprocess_dict
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
@@ -31,18 +33,36 @@ def backbone_cache_slug(backbone: FrozenCLIP) -> str:
     return f"{backbone.identity_str}-{backbone.cfg.precision}"
 
 
-class ImageRefDataset(Dataset):
-    """ImageRefs -> (3, H, W) tensors through the backbone's eval preprocessing."""
+def squash_preprocess(backbone: FrozenCLIP) -> Callable:
+    """PIL image -> (3, H, W) tensor resized straight to the backbone's input size (no centre-crop).
 
-    def __init__(self, refs: list[ImageRef], preprocess: Callable) -> None:
+    Pic2Word feeds its COCO query regions through ``Resize((n_px, n_px))`` instead of the
+    resize + centre-crop of the other images. Size, interpolation and normalisation come from
+    the open_clip preprocess config that ``backbone.preprocess`` was built from; only the
+    resize mode is changed (open_clip's ``squash``).
+    """
+    cfg = merge_preprocess_dict(open_clip.get_model_preprocess_cfg(backbone.model), {"resize_mode": "squash"})
+    return image_transform_v2(PreprocessCfg(**cfg), is_train=False)
+
+
+def image_transforms(backbone: FrozenCLIP) -> dict[str, Callable]:
+    """Resize mode (:data:`demind.eval.structures.RESIZE_MODES`) -> PIL image -> (3, H, W) tensor."""
+    return {"backbone": backbone.preprocess, "squash": squash_preprocess(backbone)}
+
+
+class ImageRefDataset(Dataset):
+    """ImageRefs -> (3, H, W) tensors, each through the transform of its ``resize`` mode."""
+
+    def __init__(self, refs: list[ImageRef], transforms: dict[str, Callable]) -> None:
         self.refs = refs
-        self.preprocess = preprocess
+        self.transforms = transforms
 
     def __len__(self) -> int:
         return len(self.refs)
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        return self.preprocess(load_image(self.refs[index]))
+        ref = self.refs[index]
+        return self.transforms[ref.resize](load_image(ref))
 
 
 @dataclass
@@ -66,16 +86,20 @@ class ImageFeatureCache:
     def _role_dir(self, role: str) -> Path:
         return self.dir / role
 
-    def load(self, role: str) -> dict[str, tuple[str, torch.Tensor]]:
-        """name -> (cache key, (D,) feature) over all parts; later parts win."""
-        found: dict[str, tuple[str, torch.Tensor]] = {}
+    def load(self, role: str) -> dict[str, dict[str, torch.Tensor]]:
+        """name -> {cache key -> (D,) feature} over all parts; for a repeated key, later parts win.
+
+        A name can hold several keys (a COCO query crop under each resize mode), so switching
+        a reader option back and forth re-encodes nothing.
+        """
+        found: dict[str, dict[str, torch.Tensor]] = {}
         role_dir = self._role_dir(role)
         if not role_dir.is_dir():
             return found
         for part in sorted(role_dir.glob("part-*.pt")):
             data = torch.load(part, map_location="cpu", weights_only=True)
             for name, key, feature in zip(data["names"], data["keys"], data["features"]):
-                found[name] = (key, feature)
+                found.setdefault(name, {})[key] = feature
         return found
 
     def write_part(self, role: str, names: list[str], keys: list[str], features: torch.Tensor) -> Path:
@@ -119,8 +143,9 @@ def encode_image_refs(
     """Raw (not normalised) image features for ``refs``, from the cache where possible.
 
     Returns (name -> (D,) float32 feature, stats). Images missing from the cache are decoded
-    with ``backbone.preprocess`` in a DataLoader and encoded in batches of ``batch_size``;
-    every ``part_size`` images are written to the cache as one part.
+    with ``backbone.preprocess`` (:func:`squash_preprocess` for ``resize="squash"``) in a
+    DataLoader and encoded in batches of ``batch_size``; every ``part_size`` images are written
+    to the cache as one part.
     """
     refs = unique_refs(refs)
     stats = EncodeStats(images=len(refs))
@@ -128,9 +153,9 @@ def encode_image_refs(
     features: dict[str, torch.Tensor] = {}
     todo = []
     for ref in refs:
-        hit = cached.get(ref.name)
-        if hit is not None and hit[0] == ref.cache_key:
-            features[ref.name] = hit[1]
+        hit = cached.get(ref.name, {}).get(ref.cache_key)
+        if hit is not None:
+            features[ref.name] = hit
         else:
             todo.append(ref)
     stats.cached = len(features)
@@ -150,7 +175,7 @@ def encode_image_refs(
 def _encode_chunk(backbone: FrozenCLIP, refs: list[ImageRef], batch_size: int, num_workers: int,
                   progress: bool, desc: str, done: int, total: int) -> torch.Tensor:
     """(n, D) float32 CPU features for one chunk of images."""
-    loader = DataLoader(ImageRefDataset(refs, backbone.preprocess), batch_size=batch_size,
+    loader = DataLoader(ImageRefDataset(refs, image_transforms(backbone)), batch_size=batch_size,
                         num_workers=num_workers, shuffle=False)
     out = []
     with tqdm(total=total, initial=done, unit="img", desc=desc, disable=not progress, leave=False) as bar:

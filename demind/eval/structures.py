@@ -22,6 +22,10 @@ from PIL import Image
 from demind.eval.masks import decode_segmentation
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+# How an image is brought to the backbone's input size: "backbone" = the backbone's own eval
+# preprocessing (resize the short side, centre-crop); "squash" = resize straight to the input
+# square, no crop (Pic2Word's COCO query regions).
+RESIZE_MODES = ("backbone", "squash")
 
 
 class DataLayoutError(FileNotFoundError):
@@ -58,12 +62,18 @@ class ImageRef:
     box: optional crop (x1, y1, x2, y2) in pixels, applied after masking.
     segmentation: optional COCO polygon list or RLE dict; pixels outside it become white
         (Pic2Word's masked query images).
+    resize: one of :data:`RESIZE_MODES`; how the loaded image reaches the backbone's input size.
     """
 
     name: str
     path: Path
     box: tuple[float, float, float, float] | None = None
     segmentation: Any = field(default=None, compare=False, hash=False)
+    resize: str = "backbone"
+
+    def __post_init__(self) -> None:
+        if self.resize not in RESIZE_MODES:
+            raise ValueError(f"ImageRef {self.name}: resize must be one of {RESIZE_MODES}, got {self.resize!r}")
 
     @property
     def cache_key(self) -> str:
@@ -74,6 +84,8 @@ class ImageRef:
         if self.segmentation is not None:
             seg = json.dumps(self.segmentation, sort_keys=True, default=str).encode()
             key += "|mask=" + hashlib.sha256(seg).hexdigest()[:16]
+        if self.resize != "backbone":  # the default adds nothing, so caches written before this field stay valid
+            key += "|resize=" + self.resize
         return key
 
 
@@ -84,7 +96,8 @@ class Query:
     qid: the id written to rankings (CIRR pairid, ``dress:12``, COCO file name, ...).
     reference: the reference image.
     prompt: the composed-query text with exactly one ``*`` (the pseudo-word slot).
-    text: the Text-only baseline's text.
+    text: the Text-only and Image+Text baselines' text, encoded as plain text (a ``*`` in it is
+        an ordinary token: Pic2Word's FashionIQ protocol encodes the whole prompt).
     targets: names of the relevant gallery images (empty on test splits).
     exclude: a gallery name never ranked for this query (CIRR: the reference itself).
     subset: CIRR ``img_set.members`` minus the reference (for Recall_subset).
