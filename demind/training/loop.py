@@ -9,6 +9,7 @@ import torch
 from demind.backbone import FrozenCLIP, build_backbone
 from demind.checkpoint import save_checkpoint
 from demind.config import save_config
+from demind.io import check_output_dir
 from demind.features import ShardFeatureCache
 from demind.model import DeMinds, build_model
 from demind.training.accel import tracker_config, available_trackers, micro_batch_size, setup
@@ -59,9 +60,12 @@ def train(cfg: TrainConfig) -> Path:
     accelerator = setup(cfg)
     run_dir = Path(cfg.run.output_dir)
     if accelerator.is_main_process:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        check_output_dir(run_dir)  # read-only or missing permissions: fail now, not at the first checkpoint
     accelerator.wait_for_everyone()
     backbone, model = build_modules(cfg, accelerator.device)
+    if accelerator.is_main_process:  # a checkpoint holds the weights and AdamW's two moments
+        check_output_dir(run_dir, need_bytes=3 * sum(p.numel() * p.element_size() for p in model.parameters()
+                                                     if p.requires_grad))
     optimizer = build_optimizer(cfg.optim, model)
     scheduler = build_scheduler(cfg.optim, optimizer)
     model, optimizer = accelerator.prepare(model, optimizer)
