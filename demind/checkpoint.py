@@ -117,8 +117,8 @@ def load_checkpoint(path: str | Path, backbone: FrozenCLIP) -> DeMinds:
     if not same_backbone(meta["backbone_identity"], backbone.identity):
         raise CheckpointError(
             f"checkpoint {path} was trained on backbone {meta['backbone_identity']}, "
-            f"but the loaded backbone ({backbone.cfg.name}, pretrained {backbone.cfg.pretrained}, seed "
-            f"{backbone.cfg.seed}) is {backbone.identity}; load the backbone it was trained on"
+            f"but the loaded backbone is {backbone.identity} ({backbone.cfg.name}, pretrained "
+            f"{backbone.cfg.pretrained}, seed {backbone.cfg.seed}); load the backbone it was trained on"
         )
     model = DeMinds(from_dict(ModelConfig, meta["model_config"]), backbone)
     model.load_state_dict(read_checked_tensors(path))
