@@ -29,17 +29,35 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_killed(cmd: list[str], delay: float, env: dict[str, str]) -> bool:
-    """Start ``cmd``; SIGKILL its process group after ``delay`` s. True if it was killed (not finished)."""
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+def run_killed(cmd: list[str], ready, jitter: float, env: dict[str, str], timeout: float = 600) -> bool:
+    """Start ``cmd``; once ``ready()`` is true, wait ``jitter`` s and SIGKILL its process group.
+
+    Returns True if it was killed, False if it finished first (a failure raises with its stderr)."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             start_new_session=True)
-    try:
-        proc.wait(timeout=delay)
-        return False
-    except subprocess.TimeoutExpired:
+    deadline = time.time() + timeout
+    while proc.poll() is None and not ready() and time.time() < deadline:
+        time.sleep(0.005)
+    time.sleep(jitter)
+    if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         return True
+    err = proc.stderr.read().decode(errors="replace")
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cmd[1]} failed before the kill (exit {proc.returncode}):\n{err[-2000:]}")
+    return False
+
+
+def written_since(paths, since: float) -> bool:
+    """Whether any of ``paths`` was written after ``since`` (this run's own files, not a killed run's)."""
+    for p in paths:
+        try:
+            if p.stat().st_mtime > since:
+                return True
+        except FileNotFoundError:  # renamed or removed meanwhile
+            continue
+    return False
 
 
 def run_to_end(cmd: list[str], env: dict[str, str]) -> None:
@@ -49,7 +67,10 @@ def run_to_end(cmd: list[str], env: dict[str, str]) -> None:
 def data_gen_check(work: Path, kills: int, rng: random.Random, env: dict[str, str]) -> dict:
     import webdataset as wds
 
-    from demind.gen.tiny_model import build_tiny_llava_next
+    try:
+        from demind.testing import build_tiny_llava_next
+    except ImportError:  # before issue 11's layout
+        from demind.gen.tiny_model import build_tiny_llava_next
 
     sys.path.insert(0, str(REPO / "tests"))
     from test_data_gen import make_sample, write_input_shard  # the tests' own input builder
@@ -76,7 +97,10 @@ def data_gen_check(work: Path, kills: int, rng: random.Random, env: dict[str, st
     killed_out = work / "dg-killed"
     landed = 0
     for _ in range(kills):
-        landed += run_killed(cmd(killed_out), rng.uniform(0.2, 0.7) * clean_s, env)
+        # killed while a shard is being written: its .tmp tar exists; then up to 2 s more
+        since = time.time()
+        ready = lambda: written_since(killed_out.glob("*.tmp"), since)  # noqa: E731
+        landed += run_killed(cmd(killed_out), ready, rng.uniform(0.0, 2.0), env)
     run_to_end(cmd(killed_out), env)
 
     def texts(folder: Path) -> list[tuple[str, bytes, bytes]]:
@@ -115,8 +139,15 @@ def train_check(work: Path, kills: int, rng: random.Random, env: dict[str, str])
     clean_s = time.time() - started
     killed_run = work / "tr-killed"
     landed, during_save = 0, 0
-    for _ in range(kills):
-        was_killed = run_killed(cmd(killed_run), rng.uniform(0.2, 0.7) * clean_s, env)
+    for i in range(kills):
+        # even kills: as soon as a checkpoint is being written (its step_N.tmp folder exists);
+        # odd kills: at a random moment after the first metrics line
+        since = time.time()
+        if i % 2 == 0:
+            ready, jitter = (lambda: written_since((killed_run / "checkpoints").glob("*.tmp"), since)), 0.0
+        else:
+            ready, jitter = (lambda: written_since([killed_run / "metrics.jsonl"], since)), rng.uniform(0.0, 3.0)
+        was_killed = run_killed(cmd(killed_run), ready, jitter, env)
         landed += was_killed
         during_save += was_killed and any((killed_run / "checkpoints").glob("*.tmp"))
     run_to_end(cmd(killed_run), env)
