@@ -467,3 +467,28 @@ def test_finding6_disk_full_during_a_checkpoint_names_disk_and_path(shards, tmp_
         train(smoke(shards, run, "optim.max_steps=2", "run.save_every=2"))
     message = str(info.value)
     assert f"cannot write {run / 'checkpoints' / 'step_00000002.tmp'}: no space left on device" in message
+
+
+def test_finding8_eval_command_smoke_checkpoint_runs_and_a_corrupted_one_is_one_error_line(tiny_checkpoint, tmp_path,
+                                                                                           capsys):
+    """The evaluation command with a checkpoint of a random-init backbone alone (finding 7) works;
+    the same command on a corrupted copy exits 2 with one line, no traceback (findings 4 and 8)."""
+    try:
+        from demind.cli.evaluate import main
+    except ImportError:  # before issue 11's layout
+        from demind.eval.cli import main
+
+    write_tiny_cirr(tmp_path / "cirr", "make it blue")
+    argv = ["--benchmark", "cirr", "--data-root", str(tmp_path / "cirr"), "--device", "cpu", "--num-workers", "0",
+            "--quiet", "--methods", "demind,image-only"]
+    assert main(argv + ["--checkpoint", str(tiny_checkpoint), "--out", str(tmp_path / "ok")]) in (0, None)
+    capsys.readouterr()
+
+    data = bytearray(tiny_checkpoint.read_bytes())
+    data[-8:-4] = struct.pack("<f", float("nan"))
+    tiny_checkpoint.write_bytes(bytes(data))
+    assert main(argv + ["--checkpoint", str(tiny_checkpoint), "--out", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    (line,) = [e for e in err.splitlines() if e.startswith("error:")]
+    assert "is corrupted" in line and str(tiny_checkpoint) in line
