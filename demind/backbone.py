@@ -54,7 +54,7 @@ class BackboneConfig:
     precision: str = setting("fp32", choices=PRECISIONS)
     grad_checkpointing: bool = False
     text_buckets: int = setting(4, ge=1)
-    seed: int = 0
+    seed: int = setting(0, ge=0)
 
 
 class TextOutput(NamedTuple):

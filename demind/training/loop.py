@@ -27,8 +27,9 @@ EXPORT_NAME = "demind.safetensors"
 def build_modules(cfg: TrainConfig, device: torch.device) -> tuple[FrozenCLIP, DeMinds]:
     """The frozen backbone and the trainable De-MINDS model on ``device``.
 
-    Seeded by run.seed first: a randomly initialised backbone (pretrained: null) then has
-    the same weights as the one ``python -m demind.features`` cached features with.
+    A randomly initialised backbone (pretrained: null) is drawn from ``backbone.seed`` alone,
+    so it has the same weights as the one ``python -m demind.features`` cached features with
+    and the one evaluation rebuilds from the checkpoint; ``run.seed`` seeds the model.
     """
     torch.manual_seed(cfg.run.seed)
     backbone = build_backbone(cfg.backbone, device=device)
