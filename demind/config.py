@@ -298,7 +298,8 @@ def _set_dotted(data: dict[str, Any], cls: type, keys: list[str], value: Any, ra
         raise _unknown_key_error(head, list(types_), prefix)
     tp, optional = _strip_optional(types_[head])
     if not rest:
-        keep_text = tp is str and isinstance(value, (bool, int, float)) and not (optional and value is None)
+        # YAML reads `no` as false, `1e-5` as a string and `a: b` as a mapping: a string field takes the text
+        keep_text = tp is str and value is not None and not isinstance(value, str)
         data[head] = raw.strip() if keep_text else value
         return
     if not dataclasses.is_dataclass(tp):
