@@ -9,23 +9,27 @@ gradients still flow *through* its text tower into the replaced vectors.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import logging
+import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 import open_clip
 import torch
 import torch.nn as nn
 
-from demind.config import ConfigError
+from demind.config import ConfigError, setting
 
 log = logging.getLogger(__name__)
 
 PLACEHOLDER = "*"
+PRECISIONS = ("fp32", "fp16", "bf16", "pure_fp16", "pure_bf16", "amp", "amp_bf16", "amp_bfloat16")
 
 
 @dataclass
@@ -40,13 +44,17 @@ class BackboneConfig:
         transformer in up to this many groups, each cut after its own longest text, when
         that saves at least 30 % of the padded positions. Exact under CLIP's causal mask;
         1 pads every text to the batch's longest.
+    seed: the seed of a random initialisation (``pretrained: null``): the same config gives
+        the same weights in training, feature caching and evaluation, so a smoke checkpoint
+        trained on a random backbone evaluates on a rebuilt one.
     """
 
     name: str = "ViT-L-14"
     pretrained: str | None = "openai"
-    precision: str = "fp32"
+    precision: str = setting("fp32", choices=PRECISIONS)
     grad_checkpointing: bool = False
-    text_buckets: int = 4
+    text_buckets: int = setting(4, ge=1)
+    seed: int = setting(0, ge=0)
 
 
 class TextOutput(NamedTuple):
@@ -106,21 +114,67 @@ def weights_fingerprint(model: nn.Module) -> str:
 
 
 def backbone_identity(cfg: BackboneConfig, model: nn.Module | None = None) -> dict[str, str | None]:
-    """What makes two backbones the same: architecture and weights.
+    """What makes two backbones the same: architecture and weights, by content, never by file name.
 
-    A model-config JSON is identified by its content hash (the file name can change),
-    a local checkpoint by its sha256, a tag by itself, and random initialisation by a
-    fingerprint of the weights (``model``), since two random draws are different backbones.
+    A model-config JSON is identified by its content hash, a local checkpoint by the sha256
+    of its bytes (the same weights under another name are the same backbone), a tag by
+    itself, and random initialisation by a fingerprint of the weights (``model``).
     """
     name = cfg.name
     if name.endswith(".json"):
         name = f"{Path(name).stem}@{hashlib.sha256(Path(name).read_bytes()).hexdigest()[:12]}"
     pretrained = cfg.pretrained
     if pretrained and Path(pretrained).is_file():
-        pretrained = f"file:{Path(pretrained).name}@sha256:{file_sha256(pretrained)[:16]}"
+        pretrained = f"sha256:{file_sha256(pretrained)[:16]}"
     elif not pretrained and model is not None:
         pretrained = f"random:{weights_fingerprint(model)[:16]}"
     return {"name": name, "pretrained": pretrained}
+
+
+_OLD_FILE_IDENTITY = re.compile(r"^file:.*@(sha256:[0-9a-f]+)$")
+
+
+def canonical_identity(identity: dict[str, str | None]) -> dict[str, str | None]:
+    """An identity as :func:`backbone_identity` writes it today; older records named the
+    file (``file:NAME@sha256:HEX``), which now reads ``sha256:HEX`` so they still match."""
+    out = dict(identity)
+    match = _OLD_FILE_IDENTITY.match(str(out.get("pretrained") or ""))
+    if match:
+        out["pretrained"] = match.group(1)
+    return out
+
+
+def same_backbone(a: dict[str, str | None], b: dict[str, str | None]) -> bool:
+    """Whether two recorded identities name the same backbone (architecture + weights)."""
+    return canonical_identity(a) == canonical_identity(b)
+
+
+@contextlib.contextmanager
+def _quiet_random_init_notice() -> Iterator[None]:
+    """open_clip warns "No pretrained weights loaded" through the root logger on every random
+    initialisation; for ``pretrained: null`` that is what was asked for, so it goes to debug."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        if record.getMessage().startswith("No pretrained weights loaded"):
+            log.debug("%s", record.getMessage())
+            return False
+        return True
+
+    root = logging.getLogger()
+    root.addFilter(keep)
+    try:
+        yield
+    finally:
+        root.removeFilter(keep)
+
+
+def text_width(cfg: BackboneConfig) -> int | None:
+    """The text tower's width W from the model config, without building the model (None if unknown)."""
+    try:
+        config = open_clip.get_model_config(_resolve_model_name(cfg.name))
+        return int(config["text_cfg"]["width"])
+    except (FileNotFoundError, KeyError, TypeError, ValueError):
+        return None
 
 
 def identity_slug(identity: dict[str, str | None]) -> str:
@@ -162,9 +216,16 @@ class FrozenCLIP(nn.Module):
                 f"backbone checkpoint {cfg.pretrained} does not exist; give an existing file or an open_clip "
                 f"pretrained tag (see open_clip.list_pretrained_tags_by_model({model_name!r}))"
             )
-        model, _, preprocess = open_clip.create_model_and_transforms(
-            model_name, pretrained=cfg.pretrained, precision=cfg.precision, device=device
-        )
+        with contextlib.ExitStack() as stack:
+            if not cfg.pretrained:
+                # A random draw from backbone.seed alone (the CPU generator is restored after),
+                # so every command rebuilds the same backbone from the same config.
+                stack.enter_context(torch.random.fork_rng(devices=[]))
+                stack.enter_context(_quiet_random_init_notice())
+                torch.manual_seed(cfg.seed)
+            model, _, preprocess = open_clip.create_model_and_transforms(
+                model_name, pretrained=cfg.pretrained, precision=cfg.precision, device=device
+            )
         if not hasattr(model, "token_embedding") or not hasattr(model, "transformer"):
             raise ValueError(
                 f"backbone {cfg.name} has no built-in CLIP text transformer (e.g. an HF text tower); "
@@ -176,6 +237,9 @@ class FrozenCLIP(nn.Module):
         self.tokenizer = open_clip.get_tokenizer(model_name)
         # BPE with text cleaning costs ~0.15 ms per text; prompts repeat (the intention
         # prompt on every row, templates with few fills), so ids are memoised.
+        # texts encoded / cut to the context (from the end, placeholders kept); read by the
+        # trainer and the evaluation so that truncation is counted in their outputs
+        self.text_counts: Counter = Counter()
         self._token_ids = functools.lru_cache(maxsize=1 << 16)(lambda text: tuple(self.tokenizer.encode(text)))
         self.identity = backbone_identity(cfg, self.model)
         self.identity_str = identity_slug(self.identity)
@@ -228,6 +292,8 @@ class FrozenCLIP(nn.Module):
                 ids = truncate_keeping_placeholders(ids, budget, self.placeholder_id)
             row = [self.sot_id, *ids, self.eot_id]
             rows[i, : len(row)] = torch.tensor(row)
+        self.text_counts["encoded"] += len(texts)
+        self.text_counts["truncated"] += n_truncated
         if n_truncated:
             log.debug("truncated %d of %d texts to the %d-token context", n_truncated, len(texts), self.context_length)
         return rows

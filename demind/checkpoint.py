@@ -2,28 +2,55 @@
 
 The frozen backbone is never saved (ViT-L-14 is 1.7 GB and unchanged); the checkpoint
 records which backbone it was trained on, and loading onto another one is an error.
+It also records a sha256 of its tensors, checked at load: a corrupted file (a flipped byte
+that safetensors cannot notice) and non-finite weights are errors naming the file and tensor,
+never believable wrong results.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 from pathlib import Path
 
+import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-import torch
-
-from demind.backbone import BackboneConfig, FrozenCLIP, build_backbone, parse_backbone_spec
+from demind.backbone import BackboneConfig, FrozenCLIP, build_backbone, parse_backbone_spec, same_backbone
 from demind.config import ConfigError, from_dict, to_dict
+from demind.errors import DemindError
 from demind.model import DeMinds, ModelConfig
 from demind.io import atomic_path
 
+logger = logging.getLogger(__name__)
+
 FORMAT = "demind-checkpoint/1"
+CHECKSUM_KEY = "tensors_sha256"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(DemindError, ValueError):
     """A checkpoint that cannot be used as asked."""
+
+
+def tensors_sha256(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over every tensor's name, dtype, shape and bytes, in name order."""
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        tensor = state[name].detach().cpu().contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def check_finite_tensors(state: dict[str, torch.Tensor], where: str) -> None:
+    """Raise CheckpointError naming the first tensor that holds NaN or infinity."""
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise CheckpointError(f"{where}: tensor {name!r} holds {bad} non-finite value(s) (NaN/inf); "
+                                  "the file is corrupted or the run diverged; use an earlier checkpoint")
 
 
 def save_checkpoint(path: str | Path, model: DeMinds) -> Path:
@@ -31,7 +58,9 @@ def save_checkpoint(path: str | Path, model: DeMinds) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    check_finite_tensors(state, f"refusing to save checkpoint {path}")
     metadata = {
+        CHECKSUM_KEY: tensors_sha256(state),
         "format": FORMAT,
         "model_config": json.dumps(to_dict(model.cfg)),
         "backbone_identity": json.dumps(model.backbone.identity),
@@ -55,7 +84,26 @@ def read_checkpoint_metadata(path: str | Path) -> dict:
         raise CheckpointError(f"checkpoint {path} is not a readable safetensors file: {e}") from None
     if raw.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path} is not a De-MINDS checkpoint (format {raw.get('format')!r}, expected {FORMAT!r})")
-    return {k: (json.loads(v) if k != "format" else v) for k, v in raw.items()}
+    return {k: (v if k in ("format", CHECKSUM_KEY) else json.loads(v)) for k, v in raw.items()}
+
+
+def read_checked_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors, after checking their recorded sha256 and that they are finite."""
+    meta = read_checkpoint_metadata(path)
+    try:
+        state = load_file(str(path))
+    except (SafetensorError, OSError, RuntimeError) as e:
+        raise CheckpointError(f"checkpoint {path} cannot be read ({e}); the file is truncated or corrupted") from None
+    expected = meta.get(CHECKSUM_KEY)
+    if expected is None:
+        logger.warning("checkpoint %s has no tensor checksum (written before checksums were recorded); "
+                       "its integrity cannot be verified", path)
+    elif tensors_sha256(state) != expected:
+        raise CheckpointError(f"checkpoint {path} is corrupted: the sha256 of its tensors does not match the one "
+                              "recorded when it was saved; restore it from a copy or re-export it from the run's "
+                              "last training checkpoint")
+    check_finite_tensors(state, f"checkpoint {path}")
+    return state
 
 
 def checkpoint_backbone_config(path: str | Path) -> BackboneConfig:
@@ -66,13 +114,14 @@ def checkpoint_backbone_config(path: str | Path) -> BackboneConfig:
 def load_checkpoint(path: str | Path, backbone: FrozenCLIP) -> DeMinds:
     """Rebuild the model saved at ``path`` on ``backbone``; the backbone must be the one it was trained on."""
     meta = read_checkpoint_metadata(path)
-    if meta["backbone_identity"] != backbone.identity:
+    if not same_backbone(meta["backbone_identity"], backbone.identity):
         raise CheckpointError(
             f"checkpoint {path} was trained on backbone {meta['backbone_identity']}, "
-            f"but the loaded backbone is {backbone.identity}; load the backbone it was trained on"
+            f"but the loaded backbone is {backbone.identity} ({backbone.cfg.name}, pretrained "
+            f"{backbone.cfg.pretrained}, seed {backbone.cfg.seed}); load the backbone it was trained on"
         )
     model = DeMinds(from_dict(ModelConfig, meta["model_config"]), backbone)
-    model.load_state_dict(load_file(str(path)))
+    model.load_state_dict(read_checked_tensors(path))
     return model.to(backbone.device).eval()
 
 

@@ -1,15 +1,27 @@
-"""Config as nested dataclasses: defaults in code, YAML files, dotted overrides.
+"""Config as nested dataclasses: defaults in code, YAML files, dotted overrides, one validation pass.
 
     cfg = load_config(TrainConfig, "configs/train/smoke.yaml", ["optim.lr=3e-5"])
 
 An unknown key anywhere (file or override) raises :class:`ConfigError` naming the
 key and the nearest valid ones, so a typo never silently falls back to a default.
+
+Values are checked once, at load time, against the field types without silent coercion
+(``1.5`` or ``true`` for an int is an error; an int for a float is fine) and against the
+rules declared on the fields themselves::
+
+    lr: float = setting(1e-6, gt=0)
+    schedule: str = setting("cosine", choices=("cosine", "constant"))
+
+A dataclass may add checks that involve several fields with a ``config_problems()`` method
+returning ``[(key, message), ...]``. Every error names the key, the value, where the value
+came from (the file or the command line) and what is allowed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
@@ -17,16 +29,77 @@ from typing import Any, TypeVar
 
 import yaml
 
+from demind.errors import DemindError
 from demind.io import write_text_atomic
 
 T = TypeVar("T")
 
-
-class ConfigError(ValueError):
-    """A config file or override that does not fit the dataclass schema."""
+COMMAND_LINE = "command line"
 
 
-class MissingDependencyError(ImportError):
+class ConfigError(DemindError, ValueError):
+    """A config file or override that does not fit the dataclass schema or its rules.
+
+    ``key`` is the dotted key at fault (None when the whole file is at fault)."""
+
+    def __init__(self, message: str, key: str | None = None):
+        super().__init__(message)
+        self.key = key
+
+
+# --------------------------------------------------------------------------- declared rules
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """Allowed values of one config field: bounds (inclusive ``ge``/``le``, exclusive ``gt``/``lt``)
+    and/or a set of ``choices``. Bounds apply to numbers and to every number of a list."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    choices: tuple[Any, ...] | None = None
+
+    def describe(self) -> str:
+        if self.choices is not None:
+            return "one of " + ", ".join(repr(c) for c in self.choices)
+        parts = [f"{op} {bound:g}" for op, bound in ((">=", self.ge), (">", self.gt), ("<=", self.le), ("<", self.lt))
+                 if bound is not None]
+        return " and ".join(parts)
+
+    def allows(self, value: Any) -> bool:
+        if value is None:
+            return True  # Optional fields: None is checked by the type, not the rule
+        if isinstance(value, (list, tuple)):
+            return all(self.allows(v) for v in value)
+        if self.choices is not None and value not in self.choices:
+            return False
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            # written as "not (ok)" so that NaN fails every bound
+            if self.ge is not None and not value >= self.ge:
+                return False
+            if self.gt is not None and not value > self.gt:
+                return False
+            if self.le is not None and not value <= self.le:
+                return False
+            if self.lt is not None and not value < self.lt:
+                return False
+        return True
+
+
+def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING,
+            **rule: Any) -> Any:
+    """A dataclass field with a declared :class:`Rule`: ``lr: float = setting(1e-6, gt=0)``."""
+    if "choices" in rule:
+        rule["choices"] = tuple(rule["choices"])
+    return dataclasses.field(default=default, default_factory=default_factory, metadata={"rule": Rule(**rule)})
+
+
+# --------------------------------------------------------------------------- types
+
+
+class MissingDependencyError(DemindError, ImportError):
     """An optional dependency the chosen setting needs is not installed; the message says what to install."""
 
 
@@ -39,30 +112,69 @@ def _unknown_key_error(key: str, valid: list[str], where: str) -> ConfigError:
     near = difflib.get_close_matches(key, valid, n=3, cutoff=0.4)
     hint = f"; did you mean {', '.join(repr(n) for n in near)}?" if near else ""
     return ConfigError(
-        f"unknown config key {where + key!r}{hint} (valid keys here: {', '.join(sorted(valid))})"
+        f"unknown config key {where + key!r}{hint} (valid keys here: {', '.join(sorted(valid))})", key=where + key
     )
 
 
-def _strip_optional(tp: Any) -> Any:
-    """Optional[X] -> X; other unions are returned unchanged."""
+def _strip_optional(tp: Any) -> tuple[Any, bool]:
+    """Optional[X] -> (X, True); other types -> (type, False)."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return tp
+        args = typing.get_args(tp)
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) == 1:
+            return rest[0], len(rest) < len(args)
+    return tp, tp is Any
+
+
+def _bad_type(where: str, value: Any, expected: str) -> ConfigError:
+    return ConfigError(f"config key {where!r} must be {expected}, got {value!r}", key=where)
+
+
+def _as_int(value: Any, where: str) -> int:
+    """An int, or an integral float / numeric string ('1e4' is YAML's string for 10000); 1.5 and true are errors."""
+    if isinstance(value, bool):
+        raise _bad_type(where, value, "an integer")
+    if isinstance(value, int):
+        return value
+    number = value
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            try:
+                number = float(value)
+            except ValueError:
+                raise _bad_type(where, value, "an integer") from None
+    if isinstance(number, float) and math.isfinite(number) and number.is_integer():
+        return int(number)
+    raise _bad_type(where, value, "an integer")
+
+
+def _as_float(value: Any, where: str) -> float:
+    if isinstance(value, bool):
+        raise _bad_type(where, value, "a number")
+    try:
+        number = float(value) if isinstance(value, (int, float, str)) else math.nan
+    except ValueError:
+        number = None
+    if number is None or not math.isfinite(number):
+        raise _bad_type(where, value, "a finite number")
+    return number
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
-    """Turn a YAML/CLI value into the annotated type, with errors naming the key."""
+    """Check a YAML/CLI value against the annotated type; errors name the key. Never coerces silently."""
+    tp, optional = _strip_optional(tp)
     if value is None:
-        return None
-    tp = _strip_optional(tp)
+        if optional:
+            return None
+        raise _bad_type(where, value, f"set (null is not allowed here; a {getattr(tp, '__name__', tp)})")
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):
-            raise ConfigError(f"config key {where!r} must be a mapping, got {value!r}")
+            raise _bad_type(where, value, "a mapping")
         return from_dict(tp, value, prefix=where + ".")
     origin = typing.get_origin(tp)
     if origin in (list, tuple):
@@ -70,42 +182,80 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             value = yaml.safe_load(value) if value.strip().startswith("[") else [
                 v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"config key {where!r} must be a list, got {value!r}")
+            raise _bad_type(where, value, "a list")
         args = typing.get_args(tp)
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                raise _bad_type(where, value, f"a list of {len(args)} values")
+            return tuple(_coerce(v, a, where) for v, a in zip(value, args))
         item_tp = args[0] if args else Any
         items = [_coerce(v, item_tp, where) for v in value]
         return tuple(items) if origin is tuple else items
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"config key {where!r} must be a mapping, got {value!r}")
+            raise _bad_type(where, value, "a mapping")
         return dict(value)
     if tp is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
-        raise ConfigError(f"config key {where!r} must be true or false, got {value!r}")
-    if tp in (int, float):
-        try:
-            number = float(value) if tp is float else int(value)
-        except (TypeError, ValueError):
-            kind = "an integer" if tp is int else "a number"
-            raise ConfigError(f"config key {where!r} must be {kind}, got {value!r}") from None
-        return number
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no"):
+            return value.lower() in ("true", "yes")
+        raise _bad_type(where, value, "true or false")
+    if tp is int:
+        return _as_int(value, where)
+    if tp is float:
+        return _as_float(value, where)
     if tp is str:
+        if isinstance(value, (dict, list, tuple)):
+            raise _bad_type(where, value, "a string")
         return str(value)
     return value
 
 
 def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
-    """Build dataclass ``cls`` from a (nested) dict; unknown keys are errors."""
+    """Build dataclass ``cls`` from a (nested) dict; unknown keys and wrong types are errors."""
     types_ = _field_types(cls)
     kwargs = {}
     for key, value in data.items():
         if key not in types_:
             raise _unknown_key_error(key, list(types_), prefix)
         kwargs[key] = _coerce(value, types_[key], prefix + key)
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as e:  # a section's own __post_init__ check
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(str(e), key=prefix.rstrip(".") or None) from None  # its message names the key
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def config_problems(cfg: Any, prefix: str = "") -> list[tuple[str, str]]:
+    """(dotted key, message) for every value of ``cfg`` that breaks a declared rule or a
+    section's ``config_problems()`` cross-field check, nested sections included."""
+    problems: list[tuple[str, str]] = []
+    for f in dataclasses.fields(cfg):
+        key, value = prefix + f.name, getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            problems += config_problems(value, key + ".")
+            continue
+        rule: Rule | None = f.metadata.get("rule")
+        if rule is not None and not rule.allows(value):
+            problems.append((key, f"config key {key!r} = {value!r} must be {rule.describe()}"))
+    own = getattr(cfg, "config_problems", None)
+    if callable(own):
+        problems += [(prefix + key, f"config key {prefix + key!r}{' ' if msg.startswith('=') else ': '}{msg}")
+                     for key, msg in own()]
+    return problems
+
+
+def validate(cfg: Any, origin: Any = None) -> None:
+    """Raise one ConfigError listing every problem of ``cfg``; ``origin(key)`` says where a key's value came from."""
+    problems = config_problems(cfg)
+    if problems:
+        lines = [msg + (f" ({origin(key)})" if origin else "") for key, msg in problems]
+        raise ConfigError("invalid config: " + "; ".join(lines), key=problems[0][0])
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
@@ -121,6 +271,9 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return convert(cfg)
 
 
+# --------------------------------------------------------------------------- loading
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``"optim.lr=3e-5"`` -> (["optim", "lr"], 3e-5); the value is parsed as YAML."""
     if "=" not in text:
@@ -128,30 +281,47 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key, raw = text.split("=", 1)
     if not key.strip():
         raise ConfigError(f"override {text!r} has an empty key")
-    value = yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw  # e.g. "a: b" in a free-text value: keep the text, the type check decides
     return key.strip().split("."), value
 
 
-def _set_dotted(data: dict[str, Any], cls: type, keys: list[str], value: Any) -> None:
-    """Write ``value`` at ``keys`` inside ``data``, validating each level against ``cls``."""
+def _set_dotted(data: dict[str, Any], cls: type, keys: list[str], value: Any, raw: str, prefix: str = "") -> None:
+    """Write ``value`` at ``keys`` inside ``data``, validating each level against ``cls``.
+
+    A string field gets the override's text as written (YAML would turn ``no`` into false)."""
     types_ = _field_types(cls)
     head, rest = keys[0], keys[1:]
     if head not in types_:
-        raise _unknown_key_error(head, list(types_), "")
+        raise _unknown_key_error(head, list(types_), prefix)
+    tp, optional = _strip_optional(types_[head])
     if not rest:
-        data[head] = value
+        # YAML reads `no` as false, `1e-5` as a string and `a: b` as a mapping: a string field takes the text
+        keep_text = tp is str and value is not None and not isinstance(value, str)
+        data[head] = raw.strip() if keep_text else value
         return
-    sub_tp = _strip_optional(types_[head])
-    if not dataclasses.is_dataclass(sub_tp):
-        raise ConfigError(f"config key {head!r} is not a section, so {'.'.join(keys)!r} is not a key")
-    try:
-        _set_dotted(data.setdefault(head, {}), sub_tp, rest, value)
-    except ConfigError as e:
-        raise ConfigError(str(e).replace("config key '", f"config key '{head}.", 1)) from None
+    if not dataclasses.is_dataclass(tp):
+        raise ConfigError(f"config key {prefix + head!r} is not a section, so {prefix + '.'.join(keys)!r} is not a key",
+                          key=prefix + ".".join(keys))
+    section = data.setdefault(head, {})
+    if not isinstance(section, dict):
+        section = data[head] = {}
+    _set_dotted(section, tp, rest, value, raw, prefix + head + ".")
+
+
+def _has_key(data: Any, key: str) -> bool:
+    for part in key.split("."):
+        if not isinstance(data, dict) or part not in data:
+            return False
+        data = data[part]
+    return True
 
 
 def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
-    """Defaults of ``cls``, updated by the YAML file at ``path``, then by dotted ``overrides``."""
+    """Defaults of ``cls``, updated by the YAML file at ``path``, then by dotted ``overrides``;
+    then every value is checked (types, declared rules, cross-field checks)."""
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -164,14 +334,31 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
         data = loaded
+    file_data = yaml.safe_load(yaml.safe_dump(data)) if data else {}  # a copy: overrides must not show as file keys
+    from_command_line: set[str] = set()
+
+    def origin(key: str | None) -> str:
+        if key is None:
+            return f"in {path}" if path is not None else "defaults"
+        if any(key == k or key.startswith(k + ".") or k.startswith(key + ".") for k in from_command_line):
+            return COMMAND_LINE
+        if path is not None and _has_key(file_data, key):
+            return f"in {path}"
+        return "default value"
+
     for text in overrides or []:
         keys, value = parse_override(text)
-        _set_dotted(data, cls, keys, value)
+        try:
+            _set_dotted(data, cls, keys, value, text.split("=", 1)[1])
+        except ConfigError as e:
+            raise ConfigError(f"{e} ({COMMAND_LINE}: {text!r})", key=e.key) from None
+        from_command_line.add(".".join(keys))
     try:
-        return from_dict(cls, data)
+        cfg = from_dict(cls, data)
     except ConfigError as e:
-        where = f" (in {path})" if path is not None else ""
-        raise ConfigError(f"{e}{where}") from None
+        raise ConfigError(f"{e} ({origin(e.key)})", key=e.key) from None
+    validate(cfg, origin)
+    return cfg
 
 
 def save_config(cfg: Any, path: str | Path) -> None:

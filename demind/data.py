@@ -39,6 +39,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from demind.config import setting
+from demind.errors import DemindError
 from demind.shard_format import CAPTION_FIELD, IMAGE_FIELDS, INTENT_FIELD, REWRITTEN_FIELD
 from demind.targets import TargetSampling, sample_target_text
 
@@ -48,7 +50,7 @@ MISSING_TEXT_CHOICES = ("error", "original")
 MAX_CONSECUTIVE_SKIPS = 1000  # this many unusable samples in a row: the data is broken, stop
 
 
-class ShardFormatError(ValueError):
+class ShardFormatError(DemindError, ValueError):
     """An intent shard that lacks a field the trainer needs."""
 
 
@@ -63,17 +65,17 @@ class DataConfig:
     """Frozen-feature cache folder.  ``auto``: ``<shard folder>/features/<backbone>``,
     used when it holds every shard; a path: must hold every shard; null or none: never
     (see demind.features.features_off)."""
-    shuffle_buffer: int = 1000
-    shards_per_group: int = 4
+    shuffle_buffer: int = setting(1000, ge=1)
+    shards_per_group: int = setting(4, ge=1)
     resample: bool = True
     """Draw shard groups with replacement (endless, the usual multi-epoch setting);
     false walks the shards epoch by epoch, each epoch a fresh permutation."""
-    num_workers: int = 4
+    num_workers: int = setting(4, ge=0)
     missing_text: str = "error"
     """What a sample without ``rew.txt``/``int.txt`` does: ``error`` stops with the
     shard's name; ``original`` uses the original caption instead and counts it."""
     targets: TargetSampling = field(default_factory=TargetSampling)
-    cache_batch_size: int = 256
+    cache_batch_size: int = setting(256, ge=1)
     cache_dtype: str = "float32"  # "float32" | "float16" | "bfloat16"
 
     def __post_init__(self) -> None:

@@ -32,7 +32,8 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from tqdm import tqdm
 
 from demind.data import ReaderStats, read_tar_samples, with_pixels
-from demind.io import write_bytes_atomic
+from demind.errors import DemindError
+from demind.io import check_output_dir, write_bytes_atomic
 from demind.shard_format import shard_name
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ CACHE_FORMAT = "demind-feature-cache/1"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-class FeatureCacheError(ValueError):
+class FeatureCacheError(DemindError, ValueError):
     """A feature cache that does not fit the shards or the backbone."""
 
 
@@ -75,7 +76,9 @@ def cache_files(directory: str | Path, shard: str) -> tuple[Path, Path]:
 
 
 def _same_identity(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return json.dumps(a, sort_keys=True, default=str) == json.dumps(b, sort_keys=True, default=str)
+    from demind.backbone import same_backbone
+
+    return same_backbone(a, b)
 
 
 def read_index(directory: str | Path, shard: str) -> dict[str, Any] | None:
@@ -230,8 +233,7 @@ def build_feature_cache(shards: list[str], directory: str | Path, backbone: Any,
     ``backbone`` is a ``FrozenCLIP``.  Returns a summary: shards built/skipped, samples,
     skip/fallback counts, seconds.
     """
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    directory = check_output_dir(directory)  # a read-only or full disk fails before any encoding
     todo = shards_to_build(directory, shards, backbone.identity)
     logger.info("feature cache %s: %d shards to build, %d already done", directory, len(todo), len(shards) - len(todo))
     backbone = backbone.to(device)
@@ -246,7 +248,11 @@ def build_feature_cache(shards: list[str], directory: str | Path, backbone: Any,
         parts["counts"].update(batch["counts"])
         if batch["keys"]:
             parts["image_emb"].append(backbone.encode_image(batch["pixels"].to(device)).float().cpu())
+            truncated = backbone.text_counts["truncated"]
             parts["teacher_emb"].append(backbone.encode_text(batch["intent"]).pooled.float().cpu())
+            # T_int longer than the context is cut (from its end); counted with the shard's skips
+            if backbone.text_counts["truncated"] > truncated:
+                parts["counts"]["intent_text_truncated"] += backbone.text_counts["truncated"] - truncated
             for name in ("keys", "original", "rewritten", "intent"):
                 parts[name].extend(batch[name])
         if batch["last"]:

@@ -2,15 +2,21 @@
 
 Every long job in the project writes through these (tmp file in the same folder, then
 ``os.replace``), so a killed run leaves either nothing or a complete file behind.
+A full disk or a read-only output becomes one :class:`~demind.errors.OutputLocationError`
+naming the path; :func:`check_output_dir` finds it before the expensive work starts.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
+
+from demind.errors import OutputLocationError
 
 
 def temp_path(path: str | Path) -> Path:
@@ -28,8 +34,9 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(path)
     try:
-        yield tmp
-        os.replace(tmp, path)
+        with reporting_output_errors(path):
+            yield tmp
+            os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -50,3 +57,83 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
 def write_json_atomic(path: str | Path, obj: Any, indent: int | None = None,
                       default: Callable[[Any], Any] | None = None) -> Path:
     return write_text_atomic(path, json.dumps(obj, indent=indent, default=default))
+
+
+# --------------------------------------------------------------------------- output checks
+
+# errno values that mean "this output place is unusable", not "the program has a bug".
+OUTPUT_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EROFS: "read-only file system",
+                 errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
+                 errno.EDQUOT: "disk quota exceeded"}
+
+
+def free_bytes(path: str | Path) -> int:
+    """Free bytes on the file system holding ``path`` (or its nearest existing parent)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # unreachable
+
+
+def output_error(path: str | Path, exc: BaseException) -> OutputLocationError | None:
+    """An :class:`OutputLocationError` naming ``path`` when ``exc`` means the output place is unusable.
+
+    Recognises OSError's ENOSPC/EROFS/EACCES/EPERM/EDQUOT, and writers that hide the errno
+    (torch.save reports ``basic_ios::clear: iostream error``) when the disk is (nearly) full.
+    Returns None for anything else (a bug, which should keep its traceback)."""
+    if isinstance(exc, OutputLocationError):
+        return exc
+    code = getattr(exc, "errno", None)
+    reason = OUTPUT_ERRNOS.get(code)
+    if reason is None and code is None and isinstance(exc, (OSError, RuntimeError)):
+        try:
+            if free_bytes(path) < 1 << 20:
+                reason = "no space left on device"
+        except OSError:
+            return None
+    if reason is None:
+        return None
+    try:
+        free = f"; {_human(free_bytes(path))} free there"
+    except OSError:
+        free = ""
+    return OutputLocationError(f"cannot write {path}: {reason}{free}; free space or choose another output location")
+
+
+@contextmanager
+def reporting_output_errors(path: str | Path) -> Iterator[None]:
+    """Turn a disk-full / read-only / permission failure inside the block into one OutputLocationError naming ``path``."""
+    try:
+        yield
+    except (OSError, RuntimeError) as exc:
+        error = output_error(path, exc)
+        if error is None or error is exc:
+            raise
+        raise error from exc
+
+
+def check_output_dir(path: str | Path, need_bytes: int = 0) -> Path:
+    """Create folder ``path`` if needed and make sure a file can be written there, before expensive work.
+
+    Writes and removes a probe file (the only reliable test for read-only mounts and ACLs) and,
+    when ``need_bytes`` > 0, checks the free space. Raises OutputLocationError naming the folder."""
+    path = Path(path)
+    with reporting_output_errors(path):
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".demind-write-probe-{os.getpid()}"
+        try:
+            probe.write_bytes(b"ok")
+        finally:
+            probe.unlink(missing_ok=True)
+    if need_bytes > 0 and free_bytes(path) < need_bytes:
+        raise OutputLocationError(f"cannot write {path}: {_human(free_bytes(path))} free, about {_human(need_bytes)} "
+                                  "needed; free space or choose another output location")
+    return path

@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from demind.backbone import PLACEHOLDER, FrozenCLIP
+from demind.config import ConfigError, setting
 
 TEMPLATES = {
     "cirr": "a photo of * , {text}",
@@ -40,12 +41,12 @@ class ModelConfig:
     """De-MINDS hyper-parameters (paper defaults). ``fusion`` selects the Table 5 ablations:
     ``gate`` (the method), ``add`` (w/o gate: t_cls + t*), ``intent_only`` (w/o global feature: t*)."""
 
-    num_queries: int = 4
-    num_blocks: int = 6
-    num_heads: int = 8
-    ff_mult: int = 4
-    mapping_hidden: int = 512
-    mapping_dropout: float = 0.1
+    num_queries: int = setting(4, ge=1)
+    num_blocks: int = setting(6, ge=1)
+    num_heads: int = setting(8, ge=1)  # must divide the backbone's text width (checked with the backbone)
+    ff_mult: int = setting(4, ge=1)
+    mapping_hidden: int = setting(512, ge=1)
+    mapping_dropout: float = setting(0.1, ge=0, lt=1)
     gate_init: float = 0.0
     fusion: str = "gate"
     template: str = TEMPLATES["cirr"]
@@ -148,6 +149,14 @@ class IntentionModule(nn.Module):
         return queries
 
 
+def check_heads_divide_width(num_heads: int, width: int) -> None:
+    """Multi-head attention splits the text width W into ``num_heads`` equal heads."""
+    if num_heads < 1 or width % num_heads:
+        divisors = [d for d in (1, 2, 4, 8, 16, 32) if width % d == 0]
+        raise ConfigError(f"config key 'model.num_heads' = {num_heads} must divide the backbone's text width "
+                          f"{width}; choose one of {divisors}", key="model.num_heads")
+
+
 class DeMinds(nn.Module):
     """Trainable De-MINDS modules around a frozen CLIP (held, not registered)."""
 
@@ -155,6 +164,7 @@ class DeMinds(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.__dict__["backbone"] = backbone  # not a submodule: checkpoints hold our weights only
+        check_heads_divide_width(cfg.num_heads, backbone.width)
         self.mapping = MappingNetwork(backbone.embed_dim, backbone.width, cfg.mapping_hidden, cfg.mapping_dropout)
         self.intention = IntentionModule(backbone.width, cfg.num_queries, cfg.num_blocks, cfg.num_heads, cfg.ff_mult)
         self.gate = nn.Parameter(torch.tensor(float(cfg.gate_init)))

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from demind.errors import DemindError
 from demind.io import atomic_path, temp_path, write_text_atomic
 
 IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
@@ -38,7 +40,7 @@ STATS_SUFFIX = "_stats.json"
 SHARD_ID_DIGITS = 5
 
 
-class ShardListError(FileNotFoundError):
+class ShardListError(DemindError, FileNotFoundError):
     """A shard folder or pattern that names no shard, or names shards that do not exist."""
 
 
@@ -59,6 +61,15 @@ def stats_path(shard: str | Path) -> Path:
     """``shards/cc3m/00012.tar`` -> ``shards/cc3m/00012_stats.json``, the shard's done-marker."""
     shard = Path(shard)
     return shard.with_name(shard_name(shard) + STATS_SUFFIX)
+
+
+def shard_files_in(directory: str | Path) -> list[Path]:
+    """The ``NNNNN.tar`` / ``NNNNN_stats.json`` files (and their ``.tmp``) in ``directory``, sorted."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    pattern = re.compile(rf"^\d{{{SHARD_ID_DIGITS}}}({re.escape(SHARD_SUFFIX)}|{re.escape(STATS_SUFFIX)})(\.tmp)?$")
+    return sorted(p for p in directory.iterdir() if pattern.match(p.name))
 
 
 def sample_key(shard_id: int, index: int, digits: int) -> str:

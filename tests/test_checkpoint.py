@@ -38,8 +38,7 @@ def test_wrong_backbone_names_both(tmp_path, tiny_backbone, repo_root):
 
 def test_two_random_backbones_are_different_backbones(tmp_path, tiny_backbone, repo_root):
     path = save_checkpoint(tmp_path / "ckpt.safetensors", DeMinds(ModelConfig(mapping_hidden=32), tiny_backbone))
-    torch.manual_seed(123)
-    other = FrozenCLIP(BackboneConfig(name=str(repo_root / "configs/model/tiny-clip.json"), pretrained=None))
+    other = FrozenCLIP(BackboneConfig(name=str(repo_root / "configs/model/tiny-clip.json"), pretrained=None, seed=1))
     assert other.identity["pretrained"].startswith("random:") and other.identity != tiny_backbone.identity
     with pytest.raises(CheckpointError, match="load the backbone it was trained on"):
         load_checkpoint(path, other)

@@ -68,3 +68,27 @@ def test_unknown_key_in_file_names_key_and_file(tmp_path):
 def test_missing_file_is_named(tmp_path):
     with pytest.raises(ConfigError, match="missing.yaml"):
         load_config(Root, tmp_path / "missing.yaml")
+
+
+def test_types_are_checked_without_silent_coercion(tmp_path):
+    cfg = load_config(Root, None, ["optim.lr=1e-5", "steps=1e3", "optim.betas=[1, 0.5]"])
+    assert cfg.optim.lr == 1e-5 and cfg.steps == 1000 and cfg.optim.betas == (1.0, 0.5)  # int for float is fine
+    for bad in ("steps=1.5", "steps=true", "steps=null", "optim.lr=nan", "optim.betas=[0.9]"):
+        with pytest.raises(ConfigError, match=bad.split("=")[0].replace(".", r"\.") + r".*\(command line"):
+            load_config(Root, None, [bad])
+
+
+def test_a_string_field_takes_the_override_text_as_written():
+    cfg = load_config(Root, None, ["model.template=a photo of * , {text}: no", "backbone.pretrained=no"])
+    assert cfg.model.template == "a photo of * , {text}: no" and cfg.backbone.pretrained == "no"
+    assert load_config(Root, None, ["backbone.pretrained=null"]).backbone.pretrained is None
+
+
+def test_rule_errors_name_key_value_origin_and_range(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("backbone:\n  text_buckets: 0\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(Root, path, ["model.num_blocks=0"])
+    message = str(info.value)
+    assert "'backbone.text_buckets' = 0 must be >= 1 (in " + str(path) + ")" in message
+    assert "'model.num_blocks' = 0 must be >= 1 (command line)" in message

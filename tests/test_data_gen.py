@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import tarfile
 import json
 import time
 from pathlib import Path
@@ -249,7 +250,7 @@ def test_bad_config_and_missing_vllm_are_clear_errors(repo_root, tiny_llava, run
     err = capsys.readouterr().err
     assert "sampling.temprature" in err and "temperature" in err
     assert run_main(base_argv(repo_root, tiny_llava, input_shards, out, "engine.name=tensorrt")) == 2
-    assert "engine.name must be one of" in capsys.readouterr().err
+    assert "'engine.name' = 'tensorrt' must be one of" in capsys.readouterr().err
     if importlib.util.find_spec("vllm") is None:
         assert run_main(base_argv(repo_root, tiny_llava, input_shards, out, "engine.name=vllm")) == 2
         assert "pip install 'demind[vllm]'" in capsys.readouterr().err
@@ -296,7 +297,7 @@ def test_make_shards_then_read(repo_root, tmp_path, capsys):
     assert make_shards(["--images", str(images), "--captions", str(jsonl), "--output", str(out2)]) == 0
     printed = capsys.readouterr().out
     assert "wrote 1 samples" in printed and "line 2: malformed json line" in printed and "line 3: malformed json line" in printed
-    assert make_shards(["--images", str(images), "--captions", str(csv_path), "--output", str(out2),
+    assert make_shards(["--images", str(images), "--captions", str(csv_path), "--output", str(tmp_path / "out3"),
                         "--caption-column", "text"]) == 2
     assert "no column(s) ['text']" in capsys.readouterr().err
 
@@ -495,8 +496,8 @@ def test_decode_and_shrink_shrinks_longest_side_only():
     img = decode_and_shrink(jpeg_bytes(0, (100, 40)), max_side=50)
     assert img.size == (50, 20) and img.mode == "RGB"
     assert decode_and_shrink(jpeg_bytes(0, (30, 20)), max_side=50).size == (30, 20)  # never enlarged
-    with pytest.raises(ValueError, match="undecodable image"):
-        decode_and_shrink(b"garbage", 50)
+    with pytest.raises(ValueError, match="^UnidentifiedImageError: cannot identify image file$"):
+        decode_and_shrink(b"garbage", 50)  # the reason, without the BytesIO repr (the category is the caller's)
 
 
 def test_prefetched_yields_in_order_reraises_and_stops_early():
@@ -557,3 +558,69 @@ def test_plan_states_from_files_on_disk(tmp_path):
     with pytest.raises(ShardSpecError, match="no number"):
         (inp / "extra.tar").write_bytes(b"")
         make_plan(str(inp), out, None, overwrite=False)
+
+
+# ---------------------------------------------------------------- issue 12 (reliability)
+
+
+def test_finding3_duplicate_key_is_skipped_and_the_job_goes_on(repo_root, tiny_llava, run_main, tmp_path, capsys):
+    """Members a1.jpg a1.txt a1.jpg a1.txt a2.jpg a2.txt: the second a1 is skipped and counted,
+    the shard finishes, the good shard after it too; and --no-progress hides the weight-loading bar."""
+    inp = tmp_path / "in"
+    inp.mkdir()
+    with tarfile.open(inp / "00000.tar", "w") as tar:
+        for name, data in [("a1.jpg", jpeg_bytes(1, (40, 30))), ("a1.txt", b"a red dog"),
+                           ("a1.jpg", jpeg_bytes(2, (40, 30))), ("a1.txt", b"a blue dog"),
+                           ("a2.jpg", jpeg_bytes(3, (40, 30))), ("a2.txt", b"a green dog")]:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    write_input_shard(inp / "00001.tar", [make_sample("00001000", 5, "a cat on a mat")])
+    out = tmp_path / "out"
+    assert run_main(base_argv(repo_root, tiny_llava, inp, out)) == 0
+    stats = json.loads((out / "00000_stats.json").read_text())
+    assert stats["samples_in"] == 3 and stats["written"] == 2 and stats["skipped"] == {"duplicate key": 1}
+    assert [s["__key__"] for s in read_output(out / "00000.tar")] == ["a1", "a2"]
+    assert json.loads((out / "00001_stats.json").read_text())["written"] == 1
+    assert "Loading weights" not in capsys.readouterr().err  # finding 8: --no-progress hides it
+
+
+def test_finding6_unwritable_output_fails_before_the_model_loads(repo_root, tiny_llava, run_main, input_shards,
+                                                                   tmp_path, monkeypatch, capsys):
+    import errno
+
+    from demind.gen.engines.transformers_engine import TransformersEngine
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("the model was loaded although the output cannot be written")
+
+    real_write = Path.write_bytes
+
+    def read_only(self, data):
+        if self.name.startswith(".demind-write-probe"):
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        return real_write(self, data)
+
+    monkeypatch.setattr(TransformersEngine, "__init__", no_engine)
+    monkeypatch.setattr(Path, "write_bytes", read_only)
+    out = tmp_path / "out"
+    assert run_main(base_argv(repo_root, tiny_llava, input_shards, out)) == 2
+    err = capsys.readouterr().err
+    assert f"cannot write {out}: read-only file system" in err and "Traceback" not in err
+
+
+def test_finding6_disk_full_while_writing_is_one_line_naming_the_path(repo_root, tiny_llava, run_main, input_shards,
+                                                                      tmp_path, monkeypatch, capsys):
+    import errno
+
+    from demind.gen import job
+
+    def disk_full(self, sample):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(job.ShardWriter, "write", disk_full)
+    out = tmp_path / "out"
+    assert run_main(base_argv(repo_root, tiny_llava, input_shards, out)) == 2
+    err = capsys.readouterr().err
+    assert f"cannot write {out / '00000.tar'}: no space left on device" in err and "Traceback" not in err
+    assert not (out / "00000_stats.json").exists()  # nothing marked done

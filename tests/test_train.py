@@ -147,12 +147,15 @@ def test_corrupt_images_are_skipped_and_counted(repo_root, tmp_path):
     assert counts == {"skipped_corrupt_image": 4}  # keys 0, 4, 8, 12 of the 16 read for 12 good ones
 
 
-def test_non_finite_loss_stops_the_run_naming_the_terms(repo_root, tmp_path):
+def test_non_finite_loss_stops_the_run_naming_the_terms(repo_root, tmp_path, monkeypatch):
+    from demind.model import DeMinds
+
     shards = tmp_path / "shards"
     write_synthetic_shards(shards, num_shards=1, samples_per_shard=20)
+    # a NaN temperature makes both terms NaN (model.init_logit_scale=.nan itself is now refused at load)
+    monkeypatch.setattr(DeMinds, "temperature_scale", lambda self: torch.tensor(float("nan")))
     with pytest.raises(NonFiniteLossError, match=r"distil=nan.*align=nan"):
-        run_training(smoke_args(repo_root, shards, tmp_path / "run", "optim.max_steps=2",
-                              "model.init_logit_scale=.nan"))
+        run_training(smoke_args(repo_root, shards, tmp_path / "run", "optim.max_steps=2"))
 
     class OneProcess:
         num_processes = 1
@@ -170,9 +173,11 @@ def test_config_errors_name_the_key(repo_root, tmp_path, capsys):
     assert "optim.lrr" in capsys.readouterr().err
     assert train.main(smoke_args(repo_root, shards, tmp_path / "run", "data.missing_text=caption")) == 2
     assert "error: data.missing_text must be one of ('error', 'original')" in capsys.readouterr().err
+    # found at load time now (one validation pass), not when the trainer starts
     assert train.main(smoke_args(repo_root, shards, tmp_path / "run", "optim.global_batch_size=10",
                                  "optim.grad_accum_steps=4")) == 2
-    assert re.search(r"^error: .*global_batch_size=10.*multiple of 4", capsys.readouterr().err, flags=re.M)
+    assert re.search(r"^error: .*'optim.global_batch_size' = 10 must be a multiple of optim.grad_accum_steps = 4",
+                     capsys.readouterr().err, flags=re.M)
 
 
 def test_learning_rate_schedule():

@@ -14,24 +14,19 @@ import sys
 import traceback
 from collections.abc import Callable
 
-from demind.checkpoint import CheckpointError
-from demind.config import ConfigError, MissingDependencyError
-from demind.data import ShardFormatError
-from demind.eval.structures import DataLayoutError, ImageReadError
-from demind.features import FeatureCacheError
-from demind.gen.plan import ShardSpecError
+from demind.errors import DemindError
 from demind.logs import setup_logging
-from demind.training.state import ResumeError
-from demind.training.step import NonFiniteLossError
 
 DEBUG_ENV = "DEMIND_DEBUG"
 
 KNOWN_ERRORS: tuple[type[BaseException], ...] = (
-    ConfigError, CheckpointError, ShardFormatError, ShardSpecError, FeatureCacheError, ResumeError,
-    NonFiniteLossError, DataLayoutError, ImageReadError, MissingDependencyError,
+    # Every error the library raises for input a user can fix derives from DemindError (config,
+    # checkpoint, shard format/spec, feature cache, resume, non-finite loss/weights, eval layout,
+    # image read, caption file, input shard, missing dependency, unwritable or full output).
+    DemindError,
     FileNotFoundError, PermissionError,
-    # The library reports other bad input (a caption file's column, an annotation file's line)
-    # as ValueError with the file and the fix in the message.
+    # The benchmark readers still report a bad annotation file's line as a plain ValueError with
+    # the file and the fix in the message.
     ValueError,
 )
 """Errors shown as one line; anything else is a bug and prints its traceback."""

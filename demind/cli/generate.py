@@ -62,6 +62,7 @@ def generate_command(args: argparse.Namespace) -> int:
     from demind.gen.job import format_job_summary, run_plan
     from demind.gen.prompts import load_prompts
     from demind.gen.plan import format_plan, make_plan
+    from demind.io import check_output_dir
 
     cfg = load_config(GenConfig, args.config, args.overrides)
     validate_config(cfg)
@@ -70,6 +71,11 @@ def generate_command(args: argparse.Namespace) -> int:
     if args.dry_run or not plan.todo:
         print("nothing to do" if not plan.todo else "dry run: stopping before loading the model")
         return 0
+    if args.no_progress:  # also the weight-loading bars of transformers / huggingface_hub
+        from demind.gen.engines import disable_loading_progress
+
+        disable_loading_progress()
+    check_output_dir(args.output)  # before the model loads: a read-only or full disk fails in seconds
     prompts = load_prompts(cfg.prompts.version)
     engine = build_engine(cfg.engine, cfg.sampling)
     print(f"engine {engine.name}: {engine.model_id}; prompts {prompts.version} ({prompts.sha}), mode {cfg.prompts.mode}",

@@ -6,7 +6,10 @@ from a folder of images and a CSV/JSONL of captions.
         --image-column file --caption-column text --samples-per-shard 1000
 
 CSV needs a header row; JSONL needs one object per line. Image paths are relative to --images.
-Other columns are kept in each sample's json. Skipped rows are listed with their line and reason.
+Other columns are kept in each sample's json. Skipped rows are listed with their file, line and
+reason (rows read = written + skipped). CSV is read one record per line (an unterminated quote
+costs only its own row); a line that is not UTF-8 is skipped naming its byte offset.
+An --output that already holds shards is refused unless --overwrite (which removes stale ones).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--samples-per-shard", type=int, default=10000, help="samples per tar (img2dataset: 10000)")
     parser.add_argument("--image-column", default="image", help="column/field holding the image path")
     parser.add_argument("--caption-column", default="caption", help="column/field holding the caption")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the shards of an earlier build in --output (its stale shards are removed)")
     return parser
 
 
@@ -34,11 +39,15 @@ def make_shards_command(args: argparse.Namespace) -> int:
     from demind.gen.ingest import build_shards
 
     report = build_shards(args.images, args.captions, args.output, args.samples_per_shard,
-                          args.image_column, args.caption_column)
-    print(f"wrote {report.written} samples into {len(report.shards)} shard(s) in {args.output}; "
-          f"skipped {sum(report.skipped.values())}: {json.dumps(dict(report.skipped))}")
+                          args.image_column, args.caption_column, overwrite=args.overwrite)
+    print(f"read {report.rows_read} rows from {args.captions}: wrote {report.written} samples into "
+          f"{len(report.shards)} shard(s) in {args.output}; skipped {sum(report.skipped.values())}: "
+          f"{json.dumps(dict(report.skipped))}")
+    if report.removed:
+        print(f"removed {len(report.removed)} stale file(s) of an earlier build: "
+              + ", ".join(p.name for p in report.removed))
     for row in report.skipped_rows[:20]:
-        print(f"  line {row['line']}: {row['reason']} {row['detail']}")
+        print(f"  {row['file']} line {row['line']}: {row['reason']} {row['detail']}")
     if len(report.skipped_rows) > 20:
         print(f"  ... and {len(report.skipped_rows) - 20} more")
     return 0

@@ -19,13 +19,15 @@ import torch
 from tqdm.auto import tqdm
 
 from demind.backbone import FrozenCLIP
-from demind.config import ConfigError
+from demind.config import ConfigError, Rule, config_problems, setting
+from demind.errors import NonFiniteError
+from demind.io import check_output_dir
 from demind.eval import metrics as M
 from demind.eval.circo import read_circo
 from demind.eval.cirr import read_cirr
-from demind.eval.coco import read_coco
+from demind.eval.coco import PROMPT_FORMS, QUERY_RESIZES, read_coco
 from demind.eval.exclusion import read_exclusion
-from demind.eval.fashioniq import read_fashioniq
+from demind.eval.fashioniq import CAPTION_ORDERS, TEXT_FORMS, read_fashioniq
 from demind.eval.image_cache import ImageFeatureCache, backbone_cache_slug, encode_image_refs, stack_features
 from demind.eval.imagenet_r import read_imagenet_r
 from demind.eval.methods import RetrievalMethod, build_methods, parse_method_names
@@ -43,14 +45,34 @@ RANKING_DEPTH = 50
 class ReaderOptions:
     """Benchmark-specific choices (defaults follow Pic2Word's released protocol; see each reader)."""
 
-    fashioniq_caption_order: str = "released"
-    fashioniq_text: str = "released"
+    fashioniq_caption_order: str = setting("released", choices=CAPTION_ORDERS)
+    fashioniq_text: str = setting("released", choices=TEXT_FORMS)
     coco_csv: str | None = None
-    coco_prompt: str = "released"
-    coco_query_resize: str = "released"
-    coco_seed: int = 0
-    coco_min_area: float = 0.05
-    coco_max_area: float = 0.5
+    coco_prompt: str = setting("released", choices=PROMPT_FORMS)
+    coco_query_resize: str = setting("released", choices=tuple(QUERY_RESIZES))
+    coco_seed: int = setting(0, ge=0)
+    coco_min_area: float = setting(0.05, ge=0, le=1)
+    coco_max_area: float = setting(0.5, ge=0, le=1)
+
+    def config_problems(self) -> list[tuple[str, str]]:
+        if self.coco_min_area >= self.coco_max_area:
+            return [("coco_min_area", f"= {self.coco_min_area} must be below coco_max_area = {self.coco_max_area}")]
+        return []
+
+
+# The numeric arguments of evaluate(), checked with the same declared rules as the configs.
+RUN_ARGUMENT_RULES = {"batch_size": Rule(ge=1), "num_workers": Rule(ge=0), "limit": Rule(ge=1)}
+
+
+def check_evaluation_arguments(options: ReaderOptions, **values: Any) -> None:
+    """One ConfigError listing every bad option or argument (name, value, allowed range)."""
+    problems = [f"{key} = {value!r} must be {RUN_ARGUMENT_RULES[key].describe()}"
+                for key, value in values.items()
+                if isinstance(value, bool) or not RUN_ARGUMENT_RULES[key].allows(value)
+                or not isinstance(value, (int, type(None)))]
+    problems += [message for _, message in config_problems(options)]
+    if problems:
+        raise ConfigError("invalid evaluation options: " + "; ".join(problems))
 
 
 def read_benchmark(benchmark: str, data_root: str | Path, split: str = "val", limit: int | None = None,
@@ -83,6 +105,7 @@ class GroupOutcome:
     rankings: dict[str, list[str]]
     subset_rankings: dict[str, list[str]] = field(default_factory=dict)
     seconds: float = 0.0
+    texts: Counter = field(default_factory=Counter)  # query texts encoded / cut to the backbone's context
 
 
 def evaluate(
@@ -111,6 +134,7 @@ def evaluate(
     out_dir: where results.json, rankings/, table.md and submission files go (None: nothing written).
     cache_dir: image-feature cache (default ``<out_dir>/feature_cache``; no cache without either).
     """
+    check_evaluation_arguments(options or ReaderOptions(), batch_size=batch_size, num_workers=num_workers, limit=limit)
     if backbone is None:
         if model is None:
             raise ConfigError("evaluate() needs a backbone or a model; load them with "
@@ -120,6 +144,9 @@ def evaluate(
     method_objs = build_methods(parse_method_names(methods, model is not None), backbone, model)
     if cache_dir is None and out_dir is not None:
         cache_dir = Path(out_dir) / "feature_cache"
+    for folder in (out_dir, cache_dir):  # before encoding: a read-only or full disk fails in seconds
+        if folder is not None:
+            check_output_dir(folder)
     cache = ImageFeatureCache(cache_dir, backbone_cache_slug(backbone), data.benchmark, data.split) if cache_dir else None
     for note in data.notes:
         log.info(note)
@@ -188,15 +215,26 @@ def gallery_matrix(group: QueryGroup, features: dict[str, torch.Tensor], device:
 
 @torch.no_grad()
 def embed_queries(method: RetrievalMethod, ref_features: torch.Tensor, prompts: list[str], texts: list[str],
-                  batch_size: int, progress: bool = False, desc: str = "") -> torch.Tensor:
+                  batch_size: int, progress: bool = False, desc: str = "",
+                  qids: list[str] | None = None) -> torch.Tensor:
     """(Q, D) raw reference features + prompts/texts -> (Q, D) normalised queries, batched,
-    on the backbone's device."""
+    on the backbone's device. A non-finite query embedding is an error naming the query
+    (NaN scores would rank arbitrarily and still print believable numbers)."""
     out = []
     device = method.backbone.device
     starts = range(0, len(prompts), batch_size)
     for start in tqdm(starts, desc=desc, disable=not progress, leave=False, unit="batch"):
         end = start + batch_size
-        out.append(method.embed(ref_features[start:end].to(device), prompts[start:end], texts[start:end]).float())
+        emb = method.embed(ref_features[start:end].to(device), prompts[start:end], texts[start:end]).float()
+        bad = (~torch.isfinite(emb).all(dim=1)).nonzero().flatten().tolist()
+        if bad:
+            i = start + bad[0]
+            name = qids[i] if qids is not None else f"#{i}"
+            raise NonFiniteError(
+                f"method {method.name}: the embedding of query {name} ({prompts[i]!r}) is not finite "
+                f"({len(bad)} of the {emb.shape[0]} queries in its batch); check the checkpoint and the reference "
+                f"image features (a corrupted checkpoint or feature cache gives NaN)")
+        out.append(emb)
     return torch.cat(out) if out else torch.zeros(0, method.backbone.embed_dim, device=device)
 
 
@@ -208,8 +246,11 @@ def score_group(method: RetrievalMethod, group: QueryGroup, gallery: torch.Tenso
     queries = group.queries
     refs = stack_features(features, [q.reference.name for q in queries])
     started = time.perf_counter()
+    texts_before = Counter(method.backbone.text_counts)
     embedded = embed_queries(method, refs, [q.prompt for q in queries], [q.text for q in queries], batch_size,
-                             progress, desc=f"{method.name} {group.name}")
+                             progress, desc=f"{method.name} {group.name}", qids=[q.qid for q in queries])
+    texts = Counter(method.backbone.text_counts)
+    texts.subtract(texts_before)
     if embedded.is_cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - started
@@ -228,7 +269,7 @@ def score_group(method: RetrievalMethod, group: QueryGroup, gallery: torch.Tenso
     if has_ground_truth and queries:
         relevant = _relevant_sets(queries, index, group.name)
         metrics = _group_metrics(group, ranked, relevant, subset_ranked)
-    return GroupOutcome(metrics, rankings, subset_rankings, seconds)
+    return GroupOutcome(metrics, rankings, subset_rankings, seconds, +texts)
 
 
 def _relevant_sets(queries, index: dict[str, int], group: str) -> list[frozenset[int]]:
@@ -284,7 +325,13 @@ def assemble_results(data: BenchmarkData, backbone: FrozenCLIP, model: DeMinds |
     """The results dict written to results.json (metric values in percent)."""
     methods = {}
     timing = {}
+    truncation = {}
     for name, by_group in outcomes.items():
+        texts = sum((o.texts for o in by_group.values()), Counter())
+        truncation[name] = {"texts_encoded": texts["encoded"], "texts_truncated": texts["truncated"]}
+        if texts["truncated"]:
+            log.warning("%s: %d of %d query texts were longer than the backbone's %d-token context and were cut",
+                        name, texts["truncated"], texts["encoded"], backbone.context_length)
         per_group = {g: o.metrics for g, o in by_group.items() if o.metrics}
         methods[name] = combine_group_metrics(per_group) if per_group else {}
         n_queries = sum(len(o.rankings) for o in by_group.values())
@@ -304,6 +351,7 @@ def assemble_results(data: BenchmarkData, backbone: FrozenCLIP, model: DeMinds |
         "limit": limit,
         "encoding": encoding,
         "query_timing": timing,
+        "text_truncation": truncation,
     }
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from PIL import Image
 
+from demind.errors import DemindError
 from demind.eval.masks import decode_segmentation
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
@@ -28,11 +29,11 @@ IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 RESIZE_MODES = ("backbone", "squash")
 
 
-class DataLayoutError(FileNotFoundError):
+class DataLayoutError(DemindError, FileNotFoundError):
     """An annotation file or image folder is not where the benchmark's layout puts it."""
 
 
-class ImageReadError(OSError):
+class ImageReadError(DemindError, OSError):
     """An image file exists but cannot be decoded."""
 
 

@@ -9,28 +9,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-ENGINE_NAMES = ("vllm", "transformers")
-PROMPT_MODES = ("cot", "single")
+from demind.config import setting
+
 
 
 @dataclass
 class EngineConfig:
     """Which model runs, on which engine, and how requests are grouped."""
 
-    name: str = "vllm"  # "vllm" (offline LLM, continuous batching) or "transformers" (batched generate)
+    name: str = setting("vllm", choices=("vllm", "transformers"))  # "vllm" (offline LLM, continuous batching) or "transformers" (batched generate)
     model: str = "llava-hf/llava-v1.6-mistral-7b-hf"  # hub id or local folder (model + processor)
-    dtype: str = "auto"  # "auto" (bfloat16 on GPU, float32 on CPU), "bfloat16", "float16", "float32"
+    dtype: str = setting("auto", choices=("auto", "bfloat16", "float16", "float32"))  # "auto" (bfloat16 on GPU, float32 on CPU), "bfloat16", "float16", "float32"
     # Requests handed to the engine in one call. vLLM schedules them with continuous batching;
     # the bound keeps host memory flat (decoded images and vLLM's pixel tensors live per chunk).
-    chunk_size: int = 1024
+    chunk_size: int = setting(1024, ge=1)
     # transformers only
     device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:1", ...
-    batch_size: int = 8  # rows per generate() call
-    cpu_threads: int = 0  # torch CPU threads for this process (0 = torch's default); 1 suits tiny models
+    batch_size: int = setting(8, ge=1)  # rows per generate() call
+    cpu_threads: int = setting(0, ge=0)  # torch CPU threads for this process (0 = torch's default); 1 suits tiny models
     # vLLM only
-    tensor_parallel_size: int = 1
-    max_model_len: int = 4096
-    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = setting(1, ge=1)
+    max_model_len: int = setting(4096, ge=1)
+    gpu_memory_utilization: float = setting(0.9, gt=0, le=1)
     enforce_eager: bool = False
 
 
@@ -38,12 +38,12 @@ class EngineConfig:
 class SamplingConfig:
     """Decoding parameters; every request's seed is derived from (seed, key, stage, attempt)."""
 
-    temperature: float = 0.7  # 0 = greedy (then a retry cannot change the text and is skipped)
-    top_p: float = 0.9
+    temperature: float = setting(0.7, ge=0)  # 0 = greedy (then a retry cannot change the text and is skipped)
+    top_p: float = setting(0.9, gt=0, le=1)
     seed: int = 0
-    rewrite_max_tokens: int = 160  # T_rew: the paper reports about 65 tokens on average
-    intent_max_tokens: int = 64  # T_int: about 27 tokens
-    retries: int = 1  # extra attempts (new seed) for an output that fails a quality check
+    rewrite_max_tokens: int = setting(160, ge=1)  # T_rew: the paper reports about 65 tokens on average
+    intent_max_tokens: int = setting(64, ge=1)  # T_int: about 27 tokens
+    retries: int = setting(1, ge=0)  # extra attempts (new seed) for an output that fails a quality check
 
 
 @dataclass
@@ -51,27 +51,27 @@ class PromptConfig:
     """Versioned prompt texts, rendered through the processor's chat template."""
 
     version: str = "v1"  # a folder under demind/gen/prompts/, or a path to a folder with the same files
-    mode: str = "cot"  # "cot": rewrite then reason (two turns); "single": intent in one turn (w/o CoT ablation)
+    mode: str = setting("cot", choices=("cot", "single"))  # "cot": rewrite then reason (two turns); "single": intent in one turn (w/o CoT ablation)
 
 
 @dataclass
 class QualityConfig:
     """Checks applied to every cleaned output."""
 
-    repeat_ngram: int = 3  # n of the word n-grams counted for the repetition check
-    max_ngram_repeats: int = 2  # an n-gram seen more often than this flags the output as repetitive
+    repeat_ngram: int = setting(3, ge=1)  # n of the word n-grams counted for the repetition check
+    max_ngram_repeats: int = setting(2, ge=0)  # an n-gram seen more often than this flags the output as repetitive
 
 
 @dataclass
 class IOConfig:
     """Input handling."""
 
-    image_max_side: int = 672  # images are shrunk so the longest side is at most this (LLaVA-1.6: 672)
-    max_caption_chars: int = 2000  # longer captions are skipped and counted, not silently cut
-    log_every: int = 1000  # one log line every N samples within a shard
+    image_max_side: int = setting(672, ge=1)  # images are shrunk so the longest side is at most this (LLaVA-1.6: 672)
+    max_caption_chars: int = setting(2000, ge=1)  # longer captions are skipped and counted, not silently cut
+    log_every: int = setting(1000, ge=0)  # one log line every N samples within a shard
     # chunks read and decoded by a background thread while the engine works on the current one
     # (0 = read in the main thread); memory holds up to 2 + prefetch_chunks decoded chunks
-    prefetch_chunks: int = 1
+    prefetch_chunks: int = setting(1, ge=0)
 
 
 @dataclass
@@ -84,27 +84,8 @@ class GenConfig:
 
 
 def validate_config(cfg: GenConfig) -> None:
-    """Raise ValueError for values the dataclass types cannot express (choices, ranges)."""
-    problems = []
-    if cfg.engine.name not in ENGINE_NAMES:
-        problems.append(f"engine.name must be one of {ENGINE_NAMES}, got {cfg.engine.name!r}")
-    if cfg.prompts.mode not in PROMPT_MODES:
-        problems.append(f"prompts.mode must be one of {PROMPT_MODES}, got {cfg.prompts.mode!r}")
-    if cfg.engine.cpu_threads < 0:
-        problems.append("engine.cpu_threads must be >= 0")
-    if cfg.engine.chunk_size < 1 or cfg.engine.batch_size < 1:
-        problems.append("engine.chunk_size and engine.batch_size must be >= 1")
-    if cfg.sampling.temperature < 0 or not 0 < cfg.sampling.top_p <= 1:
-        problems.append("sampling.temperature must be >= 0 and sampling.top_p in (0, 1]")
-    if cfg.sampling.retries < 0:
-        problems.append("sampling.retries must be >= 0")
-    if min(cfg.sampling.rewrite_max_tokens, cfg.sampling.intent_max_tokens) < 1:
-        problems.append("sampling.*_max_tokens must be >= 1")
-    if cfg.io.prefetch_chunks < 0:
-        problems.append("io.prefetch_chunks must be >= 0")
-    if cfg.io.image_max_side < 1:
-        problems.append("io.image_max_side must be >= 1")
-    if cfg.quality.repeat_ngram < 1:
-        problems.append("quality.repeat_ngram must be >= 1")
-    if problems:
-        raise ValueError("invalid data_gen config: " + "; ".join(problems))
+    """Kept for callers of the old API: the checks are the rules declared on the fields above,
+    run by :func:`demind.config.load_config` (and here, for a config built in code)."""
+    from demind.config import validate
+
+    validate(cfg)

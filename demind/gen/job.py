@@ -28,6 +28,7 @@ from demind.gen.prompts import PromptSet
 from demind.gen.plan import JobPlan, ShardTask
 from demind.gen.reader import InputShardError, RawSample, SkippedSample, decode_and_shrink, iter_shard
 from demind.shard_format import ShardOutput, ShardWriter, encode_sample
+from demind.io import output_error
 
 logger = logging.getLogger(__name__)
 
@@ -298,6 +299,14 @@ def run_plan(plan: JobPlan, cfg: GenConfig, engine: Engine, prompts: PromptSet, 
         except InputShardError as e:
             logger.error("%s", e)
             summary.failed[task.shard_id] = str(e)
+        except (OSError, RuntimeError) as e:
+            # a full disk or read-only output stops the job (every later shard would fail the
+            # same way), as one line naming the path; anything else is a bug with its traceback
+            error = output_error(task.output.tar, e)
+            if error is None:
+                raise
+            overall.close()
+            raise error from e
         else:
             summary.finished.append(stats)
             logger.info(

@@ -11,12 +11,13 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from demind.errors import DemindError
 from demind.shard_format import SHARD_SUFFIX, ShardListError, ShardOutput, resolve_shards
 
 _TRAILING_DIGITS = re.compile(r"(\d+)$")
 
 
-class ShardSpecError(ValueError):
+class ShardSpecError(DemindError, ValueError):
     """A ``--shard`` value or an ``--input`` that does not name usable shards."""
 
 

@@ -10,21 +10,24 @@ from __future__ import annotations
 import io
 import json
 import logging
+import re
 import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import webdataset as wds
 from PIL import Image
+from webdataset.tariterators import base_plus_ext
+
+from demind.errors import DemindError
 
 from demind.shard_format import CAPTION_FIELD, IMAGE_FIELDS, JSON_FIELD
 
 logger = logging.getLogger(__name__)
 
 
-class InputShardError(RuntimeError):
+class InputShardError(DemindError, RuntimeError):
     """An input shard that cannot be read as a tar archive."""
 
 
@@ -73,23 +76,49 @@ def _validate(raw: dict[str, Any], max_caption_chars: int) -> RawSample | Skippe
     return RawSample(key=key, image_ext=image_ext, image_bytes=raw[image_ext], caption=caption, meta=meta)
 
 
+def tar_records(path: Path) -> Iterator[dict[str, Any]]:
+    """Records of a tar in file order, webdataset's convention: consecutive members with the same
+    key (``a1.jpg``, ``a1.txt``) form one record ``{"__key__": "a1", "jpg": ..., "txt": ...}``.
+
+    Unlike webdataset's ``group_by_keys``, which raises ``duplicate file name in tar file`` and
+    so ends the whole shard, a member whose extension the current record already has starts a
+    new record with the same key; :func:`iter_shard` then skips it as a duplicate key."""
+    record: dict[str, Any] | None = None
+    with open(path, "rb") as f, tarfile.open(fileobj=f, mode="r|*") as tar:
+        for info in tar:
+            if not info.isreg() or re.match(r"__[^/]*__($|/)", info.name):
+                continue
+            key, ext = base_plus_ext(info.name)
+            if key is None:
+                continue
+            ext = ext.lower()
+            data = tar.extractfile(info).read()
+            tar.members = []  # streaming: do not keep every member's header in memory
+            if record is None or key != record["__key__"] or ext in record:
+                if record is not None:
+                    yield record
+                record = {"__key__": key}
+            record[ext] = data
+    if record is not None:
+        yield record
+
+
 def iter_shard(path: Path, max_caption_chars: int = 2000) -> Iterator[RawSample | SkippedSample]:
     """Stream the samples of one tar shard in file order.
 
-    Keys seen twice in a shard are skipped on the second occurrence so that the
-    output never holds duplicate keys. Raises InputShardError for an unreadable tar.
+    Keys seen twice in a shard are skipped (and counted) on the second occurrence so that
+    the output never holds duplicate keys. Raises InputShardError for an unreadable tar.
     """
-    dataset = wds.WebDataset(str(path), shardshuffle=False, empty_check=False)
     seen: set[str] = set()
     try:
-        for raw in dataset:
+        for raw in tar_records(path):
             item = _validate(raw, max_caption_chars)
             if item.key in seen:
-                yield SkippedSample(item.key, "duplicate key")
+                yield SkippedSample(item.key, "duplicate key", "a sample with this key came earlier in the shard; kept the first")
                 continue
             seen.add(item.key)
             yield item
-    except (tarfile.TarError, OSError, EOFError) as e:
+    except (tarfile.TarError, OSError, EOFError, ValueError) as e:
         raise InputShardError(
             f"input shard {path} is not a readable tar ({type(e).__name__}: {e}); "
             "re-download or rebuild it, or leave it out with --shard"
@@ -109,8 +138,18 @@ def decode_and_shrink(data: bytes, max_side: int) -> Image.Image:
             img.load()
             rgb = img.convert("RGB")
     except Exception as e:  # PIL raises many types (UnidentifiedImageError, OSError, SyntaxError, ...)
-        raise ValueError(f"undecodable image ({type(e).__name__}: {e})") from None
+        raise ValueError(decoder_message(e)) from None
     return resize_longest_side(rgb, max_side)
+
+
+_OBJECT_REPR = re.compile(r"\s*<[\w.]+ object at 0x[0-9a-fA-F]+>")
+
+
+def decoder_message(exc: BaseException) -> str:
+    """``UnidentifiedImageError: cannot identify image file``: the decoder's message without the
+    in-memory file object's repr (``<_io.BytesIO object at 0x…>``), which tells a user nothing."""
+    text = _OBJECT_REPR.sub("", str(exc)).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def resize_longest_side(img: Image.Image, max_side: int) -> Image.Image:

@@ -31,6 +31,7 @@ from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 from open_clip.loss import ClipLoss
 from tqdm import tqdm
 
+from demind.config import setting
 from demind.backbone import run_text_transformer
 from demind.io import atomic_path, write_json_atomic
 
@@ -49,15 +50,15 @@ class ToyBackboneConfig:
     model_config: str = "configs/model/toy-clip.json"
     seed: int = 0
     # 1,000 steps: 400 left the toy CLIP at held-out R@1 5 % (full descriptions), 1,000 gave 42 %.
-    steps: int = 1000
-    batch_size: int = 128
-    lr: float = 1e-3
-    weight_decay: float = 0.1
-    warmup_steps: int = 100
-    num_train_images: int = 8000   # rendered once; each step draws fresh texts for them
-    num_eval_scenes: int = 1000
+    steps: int = setting(1000, ge=1)
+    batch_size: int = setting(128, ge=2)  # contrastive: at least one negative
+    lr: float = setting(1e-3, gt=0)
+    weight_decay: float = setting(0.1, ge=0)
+    warmup_steps: int = setting(100, ge=0)
+    num_train_images: int = setting(8000, ge=1)   # rendered once; each step draws fresh texts for them
+    num_eval_scenes: int = setting(1000, ge=1)
     fused_adamw: bool = True       # same update, one kernel (optimizer step 33 -> 7.6 ms: benchmarks/bench_toy.py)
-    log_every: int = 50
+    log_every: int = setting(50, ge=1)
 
 
 def _model_name(model_config: str | Path) -> str:

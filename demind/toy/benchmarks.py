@@ -53,6 +53,7 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
+from demind.config import setting
 from demind.eval.exclusion import FORMAT
 from demind.io import atomic_path, write_json_atomic, write_text_atomic
 
@@ -75,13 +76,13 @@ REAL_DISTRACTOR_OFFSET = 6000  # Pic2Word's list labels real distractors class +
 class ToyBenchmarkConfig:
     """Sizes of the toy benchmarks (defaults sized for the CPU quickstart)."""
 
-    cirr_sets: int = 300               # 6 images and 2 queries per set
-    imgnet_queries_per_class: int = 25
-    imgnet_targets_per_domain: int = 10  # per class and domain
-    imgnet_distractors_per_class: int = 10
-    coco_images: int = 500
-    exclusion_queries: int = 150       # 5 images per query
-    image_size: int = 64
+    cirr_sets: int = setting(300, ge=1)              # 6 images and 2 queries per set
+    imgnet_queries_per_class: int = setting(25, ge=1)
+    imgnet_targets_per_domain: int = setting(10, ge=1)  # per class and domain
+    imgnet_distractors_per_class: int = setting(10, ge=0)
+    coco_images: int = setting(500, ge=1)
+    exclusion_queries: int = setting(150, ge=1)       # 5 images per query
+    image_size: int = setting(64, ge=8)
 
 
 def _save_png(image: np.ndarray, path: Path) -> None:

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from demind.config import setting
 from demind.io import atomic_path, write_json_atomic
 
 from .backbone import ToyBackboneConfig, ensure_toy_backbone
@@ -52,14 +53,29 @@ class QuickstartConfig:
     workdir: str = "runs/quickstart"
     train_config: str = "configs/train/toy.yaml"
     train_overrides: list[str] = field(default_factory=list)
-    seeds: list[int] = field(default_factory=lambda: [0])
+    seeds: list[int] = setting(default_factory=lambda: [0], ge=0)
     ablations: bool = False          # also train and evaluate the Table 5 variants
-    benchmarks: list[str] = field(default_factory=lambda: ["cirr", "imagenet-r", "coco", "exclusion"])
-    eval_batch_size: int = 256
+    benchmarks: list[str] = setting(default_factory=lambda: ["cirr", "imagenet-r", "coco", "exclusion"],
+                                    choices=tuple(BENCH_FOLDERS))
+    eval_batch_size: int = setting(256, ge=1)
     progress: bool = True
     shards: ToyShardConfig = field(default_factory=ToyShardConfig)
     toy_benchmarks: ToyBenchmarkConfig = field(default_factory=ToyBenchmarkConfig)
     backbone: ToyBackboneConfig = field(default_factory=ToyBackboneConfig)
+
+    def config_problems(self) -> list[tuple[str, str]]:
+        """Checks that need several fields, or a section that lives in a module without rules."""
+        problems = []
+        if not self.seeds:
+            problems.append(("seeds", "needs at least one seed"))
+        if not self.benchmarks:
+            problems.append(("benchmarks", f"needs at least one of {', '.join(BENCH_FOLDERS)}"))
+        for key in ("num_samples", "samples_per_shard", "image_size"):
+            if getattr(self.shards, key) < 1:
+                problems.append((f"shards.{key}", f"= {getattr(self.shards, key)} must be >= 1"))
+        if not 1 <= self.shards.jpeg_quality <= 100:
+            problems.append(("shards.jpeg_quality", f"= {self.shards.jpeg_quality} must be in 1..100"))
+        return problems
 
 
 # ------------------------------------------------------------------------ stages

@@ -9,27 +9,36 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from demind.backbone import BackboneConfig
-from demind.config import load_config
+from demind.backbone import BackboneConfig, text_width
+from demind.config import load_config, setting
 from demind.data import DataConfig
 from demind.model import ModelConfig
+
+
+SCHEDULES = ("cosine", "constant")
 
 
 @dataclass
 class OptimConfig:
     """AdamW with linear warm-up then cosine decay (per optimizer step)."""
 
-    lr: float = 1e-6
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.98)  # open_clip's ViT defaults; the paper does not say
-    eps: float = 1e-6
-    warmup_steps: int = 10_000
-    max_steps: int = 30_000
-    schedule: str = "cosine"  # "cosine" | "constant" (after warm-up)
-    min_lr_ratio: float = 0.0
-    grad_clip: float | None = None  # max global grad norm; null = no clipping
-    grad_accum_steps: int = 1
-    global_batch_size: int = 1024
+    lr: float = setting(1e-6, gt=0)
+    weight_decay: float = setting(0.1, ge=0)
+    betas: tuple[float, float] = setting((0.9, 0.98), ge=0, lt=1)  # open_clip's ViT defaults; the paper does not say
+    eps: float = setting(1e-6, gt=0)
+    warmup_steps: int = setting(10_000, ge=0)
+    max_steps: int = setting(30_000, ge=1)
+    schedule: str = setting("cosine", choices=SCHEDULES)  # after warm-up
+    min_lr_ratio: float = setting(0.0, ge=0, le=1)
+    grad_clip: float | None = setting(None, gt=0)  # max global grad norm; null = no clipping
+    grad_accum_steps: int = setting(1, ge=1)
+    global_batch_size: int = setting(1024, ge=1)  # samples per optimizer step, over all processes
+
+    def config_problems(self) -> list[tuple[str, str]]:
+        if self.global_batch_size >= 1 and self.grad_accum_steps >= 1 and self.global_batch_size % self.grad_accum_steps:
+            return [("global_batch_size", f"= {self.global_batch_size} must be a multiple of optim.grad_accum_steps "
+                                          f"= {self.grad_accum_steps}")]
+        return []
 
 
 @dataclass
@@ -40,12 +49,12 @@ class LossConfig:
 @dataclass
 class RunConfig:
     output_dir: str = "runs/demind"
-    seed: int = 0
-    mixed_precision: str = "no"  # "no" | "bf16" | "fp16"
+    seed: int = setting(0, ge=0)
+    mixed_precision: str = setting("no", choices=("no", "bf16", "fp16"))
     cpu: bool = False  # force CPU even when a GPU is visible
-    log_every: int = 50
-    save_every: int = 1000
-    keep_checkpoints: int = 2
+    log_every: int = setting(50, ge=1)
+    save_every: int = setting(1000, ge=1)
+    keep_checkpoints: int = setting(2, ge=0)  # 0 keeps every checkpoint
     resume: bool = True
     trackers: list[str] = field(default_factory=lambda: ["tensorboard"])  # used when installed
     progress: bool = True  # tqdm bar (the log line every log_every steps is printed either way)
@@ -61,6 +70,16 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     run: RunConfig = field(default_factory=RunConfig)
+
+    def config_problems(self) -> list[tuple[str, str]]:
+        """The model's attention heads must split the backbone's text width (read from its model config)."""
+        width = text_width(self.backbone)
+        heads = self.model.num_heads
+        if width is not None and heads >= 1 and width % heads:
+            divisors = [d for d in (1, 2, 4, 8, 16, 32) if width % d == 0]
+            return [("model.num_heads", f"= {heads} must divide the backbone's text width {width} "
+                                        f"({self.backbone.name}); choose one of {divisors}")]
+        return []
 
 
 def load_train_config(path: str | Path | None, overrides: list[str] | None = None) -> TrainConfig:

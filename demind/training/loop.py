@@ -9,6 +9,7 @@ import torch
 from demind.backbone import FrozenCLIP, build_backbone
 from demind.checkpoint import save_checkpoint
 from demind.config import save_config
+from demind.io import check_output_dir
 from demind.features import ShardFeatureCache
 from demind.model import DeMinds, build_model
 from demind.training.accel import tracker_config, available_trackers, micro_batch_size, setup
@@ -26,8 +27,9 @@ EXPORT_NAME = "demind.safetensors"
 def build_modules(cfg: TrainConfig, device: torch.device) -> tuple[FrozenCLIP, DeMinds]:
     """The frozen backbone and the trainable De-MINDS model on ``device``.
 
-    Seeded by run.seed first: a randomly initialised backbone (pretrained: null) then has
-    the same weights as the one ``python -m demind.features`` cached features with.
+    A randomly initialised backbone (pretrained: null) is drawn from ``backbone.seed`` alone,
+    so it has the same weights as the one ``python -m demind.features`` cached features with
+    and the one evaluation rebuilds from the checkpoint; ``run.seed`` seeds the model.
     """
     torch.manual_seed(cfg.run.seed)
     backbone = build_backbone(cfg.backbone, device=device)
@@ -59,9 +61,12 @@ def train(cfg: TrainConfig) -> Path:
     accelerator = setup(cfg)
     run_dir = Path(cfg.run.output_dir)
     if accelerator.is_main_process:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        check_output_dir(run_dir)  # read-only or missing permissions: fail now, not at the first checkpoint
     accelerator.wait_for_everyone()
     backbone, model = build_modules(cfg, accelerator.device)
+    if accelerator.is_main_process:  # a checkpoint holds the weights and AdamW's two moments
+        check_output_dir(run_dir, need_bytes=3 * sum(p.numel() * p.element_size() for p in model.parameters()
+                                                     if p.requires_grad))
     optimizer = build_optimizer(cfg.optim, model)
     scheduler = build_scheduler(cfg.optim, optimizer)
     model, optimizer = accelerator.prepare(model, optimizer)

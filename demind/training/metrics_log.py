@@ -6,6 +6,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -30,6 +31,18 @@ class LogWindow:
         for t in LOSS_TERMS:
             self.sums[t] += float(losses[t].detach())
         self.micro_steps += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the window (not the timer: samples/s restarts after a resume)."""
+        return {"sums": dict(self.sums), "micro_steps": self.micro_steps}
+
+    @classmethod
+    def restore(cls, saved: dict[str, Any]) -> "LogWindow":
+        window = cls()
+        if saved:
+            window.sums.update(saved["sums"])
+            window.micro_steps = saved["micro_steps"]  # samples stay 0: samples/s counts from the resume
+        return window
 
 
 def log_metrics(accelerator, cfg: TrainConfig, state: TrainState, window: LogWindow, model, scheduler,

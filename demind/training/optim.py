@@ -7,7 +7,7 @@ import math
 import torch
 
 from demind.config import ConfigError
-from demind.training.config import OptimConfig
+from demind.training.config import SCHEDULES, OptimConfig
 
 
 def build_optimizer(optim: OptimConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -34,5 +34,7 @@ def lr_factor(step: int, optim: OptimConfig) -> float:
 
 
 def build_scheduler(optim: OptimConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    if optim.schedule not in SCHEDULES:  # a config built in code skips load_config's check: fail now, not after warm-up
+        raise ConfigError(f"optim.schedule must be one of {SCHEDULES}, got {optim.schedule!r}")
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, optim))
 

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from demind.config import save_config, to_dict
+from demind.errors import DemindError
+from demind.io import reporting_output_errors
 from demind.training.config import TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -24,7 +26,7 @@ logger = logging.getLogger(__name__)
 STATE_NAME = "trainer_state.json"
 
 
-class ResumeError(ValueError):
+class ResumeError(DemindError, ValueError):
     """A run folder whose checkpoints cannot continue with this config."""
 
 
@@ -37,6 +39,9 @@ class TrainState:
     positions: dict[int, tuple[int, int]] = field(default_factory=dict)  # this process: worker -> (group, offset)
     counts: Counter = field(default_factory=Counter)  # skipped / patched samples, this process
     resumed_positions: list[dict[int, tuple[int, int]]] | None = None  # all processes, from the checkpoint
+    # this process's loss sums since the last log line: part of the resumable state, so a resumed
+    # run logs the same averages as an uninterrupted one (the window spans the resume)
+    log_window: dict[str, Any] = field(default_factory=dict)
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -62,24 +67,28 @@ def save_training_state(accelerator, cfg: TrainConfig, state: TrainState) -> Pat
     tmp = final.with_name(final.name + ".tmp")
     positions = gather_object([{int(w): list(p) for w, p in state.positions.items()}])
     counts = gather_object([dict(state.counts)])
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        total = Counter()
-        for c in counts:
-            total.update(c)
-        trainer_state = dict(step=state.step, samples_seen=state.samples_seen, num_processes=accelerator.num_processes,
-                             num_workers=cfg.data.num_workers, positions=positions, counts=dict(total))
-        (tmp / STATE_NAME).write_text(json.dumps(trainer_state, indent=1))
-        save_config(cfg, tmp / "config.yaml")
-        if final.exists():  # the same step saved before (e.g. the final save after a resume)
-            shutil.rmtree(final)
-        tmp.replace(final)
-        prune_checkpoints(run_dir, cfg.run.keep_checkpoints)
+    windows = gather_object([state.log_window])
+    # torch.save reports a full disk as "basic_ios::clear: iostream error": name the disk and path instead
+    with reporting_output_errors(tmp):
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        accelerator.wait_for_everyone()
+        accelerator.save_state(str(tmp))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            total = Counter()
+            for c in counts:
+                total.update(c)
+            trainer_state = dict(step=state.step, samples_seen=state.samples_seen,
+                                 num_processes=accelerator.num_processes, num_workers=cfg.data.num_workers,
+                                 positions=positions, counts=dict(total), log_windows=windows)
+            (tmp / STATE_NAME).write_text(json.dumps(trainer_state, indent=1))
+            save_config(cfg, tmp / "config.yaml")
+            if final.exists():  # the same step saved before (e.g. the final save after a resume)
+                shutil.rmtree(final)
+            tmp.replace(final)
+            prune_checkpoints(run_dir, cfg.run.keep_checkpoints)
     accelerator.wait_for_everyone()
     return final
 
@@ -143,6 +152,9 @@ def resume_state(accelerator, cfg: TrainConfig) -> TrainState:
                        saved.get("num_workers"), accelerator.num_processes, cfg.data.num_workers)
     state = TrainState(step=saved["step"], samples_seen=saved["samples_seen"],
                        resumed_positions=positions if same_readers else None)
+    windows = saved.get("log_windows")
+    if windows and len(windows) == accelerator.num_processes:
+        state.log_window = dict(windows[accelerator.process_index])
     state.positions = dict(positions[accelerator.process_index]) if same_readers else {}
     if accelerator.is_main_process:
         state.counts.update(saved.get("counts", {}))

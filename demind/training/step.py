@@ -8,6 +8,7 @@ import torch
 from tqdm import tqdm
 
 from demind.backbone import FrozenCLIP
+from demind.errors import NonFiniteError
 from demind.losses import Gather, demind_losses
 from demind.training.accel import make_gather
 from demind.training.batches import batch_embeddings
@@ -16,7 +17,7 @@ from demind.training.metrics_log import LOSS_TERMS, LogWindow, log_metrics
 from demind.training.state import TrainState, save_training_state
 
 
-class NonFiniteLossError(FloatingPointError):
+class NonFiniteLossError(NonFiniteError):
     """A loss term became NaN or infinite; the run stops instead of training on garbage."""
 
 
@@ -52,6 +53,7 @@ def train_one_step(cfg: TrainConfig, accelerator, model, optimizer, scheduler, b
     """One optimizer step over ``optim.grad_accum_steps`` micro-batches from ``batches``."""
     for _ in range(cfg.optim.grad_accum_steps):
         batch = next(batches)
+        truncated = backbone.text_counts["truncated"]
         with accelerator.accumulate(model):
             with accelerator.autocast():
                 losses = compute_losses(model, batch, backbone, distil=cfg.loss.distil, gather=gather)
@@ -63,6 +65,8 @@ def train_one_step(cfg: TrainConfig, accelerator, model, optimizer, scheduler, b
             optimizer.zero_grad(set_to_none=True)
         state.positions[batch["worker"]] = tuple(batch["position"])
         state.counts.update(batch["counts"])
+        if backbone.text_counts["truncated"] > truncated:  # texts cut to the context: counted and logged
+            state.counts["text_truncated"] += backbone.text_counts["truncated"] - truncated
         window.add(losses)
     # Stepped here, once per optimizer step, not by Accelerate (which steps it once per process).
     if not optimizer.step_was_skipped:
@@ -78,7 +82,7 @@ def train_steps(cfg: TrainConfig, accelerator, model, optimizer, scheduler, load
         return  # a finished run, rerun: nothing to train
     gather = make_gather(accelerator)
     model.train()
-    window = LogWindow()
+    window = LogWindow.restore(state.log_window)
     batches = iter(loader)
     with tqdm(total=cfg.optim.max_steps, initial=state.step, desc="train", unit="step",
               disable=not (accelerator.is_local_main_process and cfg.run.progress)) as bar:
@@ -89,6 +93,7 @@ def train_steps(cfg: TrainConfig, accelerator, model, optimizer, scheduler, load
             if state.step % cfg.run.log_every == 0 or state.step == cfg.optim.max_steps:
                 log_metrics(accelerator, cfg, state, window, model, scheduler, bar)
                 window = LogWindow()
+            state.log_window = window.snapshot()
             if state.step % cfg.run.save_every == 0 or state.step == cfg.optim.max_steps:
                 save_training_state(accelerator, cfg, state)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from demind.gen.config import EngineConfig, SamplingConfig
 from demind.gen.engines.base import Engine, GenRequest, GenResult, request_seed
 
-__all__ = ["Engine", "GenRequest", "GenResult", "build_engine", "request_seed"]
+__all__ = ["Engine", "GenRequest", "GenResult", "build_engine", "disable_loading_progress", "request_seed"]
 
 
 def build_engine(engine_cfg: EngineConfig, sampling_cfg: SamplingConfig) -> Engine:
@@ -19,3 +19,13 @@ def build_engine(engine_cfg: EngineConfig, sampling_cfg: SamplingConfig) -> Engi
 
         return VLLMEngine(engine_cfg, sampling_cfg)
     raise ValueError(f"engine.name must be 'vllm' or 'transformers', got {engine_cfg.name!r}")
+
+
+def disable_loading_progress() -> None:
+    """Hide the model-loading progress bars of transformers ("Loading weights") and huggingface_hub
+    (downloads), for ``--no-progress`` runs whose output goes to a log file."""
+    import transformers
+    from huggingface_hub.utils import disable_progress_bars
+
+    transformers.utils.logging.disable_progress_bar()
+    disable_progress_bars()

@@ -1,0 +1,25 @@
+"""The one base class of errors a user can fix: bad input, bad config, an unusable output place.
+
+Every such error in the library derives from :class:`DemindError` (besides the builtin type
+it always had, so ``except ValueError`` keeps working), and its message already says what is
+wrong, where (file, key, line, tensor, query) and what to do. The command-line wrapper
+(``demind/cli/common.py``) prints these as one line and exits 2; anything else is a bug and
+keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class DemindError(Exception):
+    """An error caused by the user's input or environment, with a message that names the fix."""
+
+
+class OutputLocationError(DemindError, OSError):
+    """An output folder or file that cannot be written: read-only, no permission, or disk full."""
+
+
+class NonFiniteError(DemindError, FloatingPointError):
+    """A tensor (weights, embeddings, a loss) holds NaN or infinity; the message names it."""
+
+
+__all__ = ["DemindError", "OutputLocationError", "NonFiniteError"]
