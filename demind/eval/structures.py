@@ -58,12 +58,15 @@ class ImageRef:
     box: optional crop (x1, y1, x2, y2) in pixels, applied after masking.
     segmentation: optional COCO polygon list or RLE dict; pixels outside it become white
         (Pic2Word's masked query images).
+    version: optional file version (the search index uses size and mtime), so a cached
+        feature of an edited file no longer matches.
     """
 
     name: str
     path: Path
     box: tuple[float, float, float, float] | None = None
     segmentation: Any = field(default=None, compare=False, hash=False)
+    version: str | None = None
 
     @property
     def cache_key(self) -> str:
@@ -74,6 +77,8 @@ class ImageRef:
         if self.segmentation is not None:
             seg = json.dumps(self.segmentation, sort_keys=True, default=str).encode()
             key += "|mask=" + hashlib.sha256(seg).hexdigest()[:16]
+        if self.version is not None:
+            key += "|v=" + self.version
         return key
 
 
