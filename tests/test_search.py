@@ -235,3 +235,68 @@ def test_bad_queries_get_one_clear_message(query, message, tmp_path, loaded):
         searcher.search(SearchQuery(**({"image": ref} | query)))
     with pytest.raises(SearchError, match="broken.png"):
         searcher.search(SearchQuery(image=tmp_path / "broken.png", text="red"))
+
+
+def test_index_and_search_commands_end_to_end(gallery, tmp_path, tiny_checkpoint, capsys):
+    from demind.cli.index import main as index_main
+    from demind.cli.search import main as search_main
+
+    (gallery / "broken.png").write_bytes(b"broken")
+    assert index_main(["--images", str(gallery), "--index", str(tmp_path / "idx"), "--checkpoint",
+                       str(tiny_checkpoint), "--quiet", "--num-workers", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "7 images (7 encoded" in out and "1 unreadable" in out and "broken.png" in out
+
+    ref = gallery / "img2.png"
+    assert search_main(["--index", str(tmp_path / "idx"), "--checkpoint", str(tiny_checkpoint), "--image", str(ref),
+                        "--text", "make it red", "-k", "3", "--out", str(tmp_path / "one.json")]) == 0
+    record = json.loads((tmp_path / "one.json").read_text())["queries"][0]
+    assert record["excluded"] == "img2.png" and len(record["results"]) == 3
+    assert "img2.png" not in [h["name"] for h in record["results"]]
+    printed = capsys.readouterr().out
+    assert all(h["name"] in printed for h in record["results"])
+
+    queries = tmp_path / "q.jsonl"
+    queries.write_text("\n".join(json.dumps(q) for q in [
+        {"id": "a", "image": str(ref), "text": "make it red", "k": 2},
+        {"id": "b", "text": "a red square", "method": "text-only"},
+        {"id": "c", "image": str(gallery / "broken.png"), "text": "red"},
+    ]))
+    assert search_main(["--index", str(tmp_path / "idx"), "--checkpoint", str(tiny_checkpoint),
+                        "--queries", str(queries), "--out", str(tmp_path / "many.json")]) == 1  # one query failed
+    records = {r["id"]: r for r in json.loads((tmp_path / "many.json").read_text())["queries"]}
+    assert records["a"]["results"] == record["results"][:2]  # the same query gives the same answer
+    assert len(records["b"]["results"]) == 7
+    assert "broken.png" in records["c"]["error"]
+
+
+def test_commands_turn_bad_input_into_one_line(gallery, tmp_path, tiny_checkpoint, tiny_backbone, capsys):
+    from demind.cli.search import main as search_main
+    from demind.search.index import build_index
+
+    common = ["--checkpoint", str(tiny_checkpoint)]
+    assert search_main(["--index", str(tmp_path / "none"), *common, "--text", "red", "--image", "x.png"]) == 2
+    assert "no index at" in capsys.readouterr().err
+    build_index(gallery, tmp_path / "other", tiny_backbone, progress=False)  # another backbone
+    assert search_main(["--index", str(tmp_path / "other"), *common, "--text", "red", "--image",
+                        str(gallery / "img0.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: index") and "checkpoint's backbone" in err and "Traceback" not in err
+    (tmp_path / "bad.jsonl").write_text('{"text": "red"}\n{"txt": "red"}\n')
+    assert search_main(["--index", str(tmp_path / "other"), *common, "--queries", str(tmp_path / "bad.jsonl")]) == 2
+    assert "bad.jsonl:2" in capsys.readouterr().err
+
+
+def test_quickstart_paths_pick_the_lowest_seed_of_the_newest_backbone(tmp_path):
+    from demind.toy.pipeline import quickstart_search_paths
+
+    with pytest.raises(FileNotFoundError, match="run the quickstart first"):
+        quickstart_search_paths(tmp_path)
+    for run in ("old/demind-seed0", "new/demind-seed1", "new/demind-seed0", "new/add-seed0"):
+        (tmp_path / "train" / run).mkdir(parents=True)
+        (tmp_path / "train" / run / "demind.safetensors").write_bytes(b"x")
+    os.utime(tmp_path / "train" / "old" / "demind-seed0" / "demind.safetensors", ns=(1, 1))
+    (tmp_path / "benchmarks" / "cirr" / "dev").mkdir(parents=True)
+    paths = quickstart_search_paths(tmp_path)
+    assert paths["checkpoint"] == tmp_path / "train" / "new" / "demind-seed0" / "demind.safetensors"
+    assert paths["images"] == tmp_path / "benchmarks" / "cirr" / "dev"
