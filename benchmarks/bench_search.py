@@ -47,6 +47,7 @@ def percentiles(seconds: list[float]) -> dict[str, float]:
 
 
 def bench_build(images: Path, backbone: FrozenCLIP, workers: int) -> dict:
+    print(f"building an index of {images} ...", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         first = build_index(images, Path(tmp) / "index", backbone, batch_size=128, num_workers=workers,
                             progress=False)
@@ -58,6 +59,7 @@ def bench_build(images: Path, backbone: FrozenCLIP, workers: int) -> dict:
 
 
 def bench_embed(backbone: FrozenCLIP, reference: Path, repeats: int) -> dict:
+    print("query embedding ...", flush=True)
     torch.manual_seed(0)
     model = DeMinds(ModelConfig(num_queries=4, num_blocks=6, num_heads=8, mapping_hidden=512), backbone).eval()
     index = GalleryIndex(Path("synthetic"), Path("."), ["a"], torch.ones(1, backbone.embed_dim) / backbone.embed_dim ** 0.5,
@@ -78,6 +80,7 @@ def bench_embed(backbone: FrozenCLIP, reference: Path, repeats: int) -> dict:
 
 
 def bench_rank(n: int, dim: int, n_queries: int, kinds: tuple[str, ...], k: int = 20) -> dict:
+    print(f"ranking {n} x {dim} ...", flush=True)
     generator = torch.Generator().manual_seed(0)
     gallery = torch.nn.functional.normalize(torch.randn(n, dim, generator=generator), dim=-1)
     queries = torch.nn.functional.normalize(torch.randn(n_queries, dim, generator=generator), dim=-1)
@@ -106,8 +109,9 @@ def main() -> None:
     p.add_argument("--images", required=True, help="folder of images to index (toy CIRR dev: 1,800 images)")
     p.add_argument("--gallery", type=int, default=100_000)
     p.add_argument("--queries", type=int, default=200)
-    p.add_argument("--workers", type=int, default=2, help="image-decoding workers for the build")
-    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--workers", type=int, default=0, help="image-decoding workers for the build")
+    p.add_argument("--threads", type=int, default=1, help="torch and FAISS CPU threads (1: on the shared 2-core "
+                                                           "machine more threads only spin against other jobs)")
     p.add_argument("--hnsw-dims", default="128", help="dimensions to time HNSW at (its build is slow on a CPU)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()

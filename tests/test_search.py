@@ -21,6 +21,15 @@ from demind.search.query import Ranker, SearchError, Searcher, SearchQuery
 TINY_CLIP = Path(__file__).resolve().parents[1] / "configs" / "model" / "tiny-clip.json"
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """One thread: on the shared 2-core machine OpenMP threads only spin against other jobs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def write_image(path: Path, seed: int, size: int = 16) -> Path:
     rng = np.random.default_rng(seed)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image", help="reference image")
     p.add_argument("--text", help="modification text, e.g. 'make it red'")
     p.add_argument("--queries", help="JSONL file of queries instead of --image/--text")
-    p.add_argument("--method", default=DEFAULT_METHOD, choices=METHODS)
+    p.add_argument("--method", default=DEFAULT_METHOD, help=f"one of {', '.join(METHODS)} (default {DEFAULT_METHOD})")
     p.add_argument("--template", default=DEFAULT_TEMPLATE, help=f"prompt with one '*' and one field "
                                                                  f"(default {DEFAULT_TEMPLATE!r})")
     p.add_argument("-k", type=int, default=20, help="results per query (default 20)")

@@ -6,9 +6,11 @@ benchmark run of one checkpoint score images identically. Ranking is an exact ma
 by default; FAISS (``pip install -e '.[search]'``) gives the same ranking with ``IndexFlatIP``
 and an approximate one with HNSW for large galleries.
 
-Negation ("... without the dog") goes through DEO's decomposition (``demind.negation``,
-issue "DEO"), which is not in this build yet: ``SearchQuery.negative`` is the hook, and a query
-that uses it gets a clear error until that module lands (see :func:`_apply_negation`).
+Methods are whatever the evaluation registry offers (validated by ``parse_method_names``), so
+DEO's ``<method>+deo`` variants (issue 15, ``demind.negation``: automatic decomposition of "...
+without the dog") appear here as soon as the registry has them. An explicit negative text
+(``SearchQuery.negative``, ``--negative``) is the hook for DEO with given negatives; until it is
+wired it is refused with a message, never ignored (see :func:`_apply_negation`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import torch
 from PIL import Image
 
 from demind.backbone import FrozenCLIP
-from demind.eval.methods import METHOD_LABELS, METHODS, CHECKPOINT_METHODS, build_methods
+from demind.eval import methods as registry
+from demind.eval.methods import METHOD_LABELS, METHODS, CHECKPOINT_METHODS, build_methods, parse_method_names
 from demind.eval.structures import ImageReadError, ImageRef, load_image
 from demind.backbone import PLACEHOLDER
 from demind.model import TEMPLATES, DeMinds, fill_template, template_field
@@ -35,6 +38,17 @@ DEFAULT_METHOD = "demind"
 RANKERS = ("exact", "faiss-flat", "faiss-hnsw")
 IMAGE_METHODS = ("image-only", "image+text", "mapping-only", "demind")  # need a reference image
 TEXT_METHODS = ("text-only", "image+text", "mapping-only", "demind")    # need a modification text
+PROMPT_METHODS = ("mapping-only", "demind")                              # fill the template
+
+
+def base_method(name: str) -> str:
+    """``"demind+deo"`` -> ``"demind"``: what a DEO variant needs is what its base method needs."""
+    return name.split("+deo", 1)[0]
+
+
+def method_label(name: str) -> str:
+    base = base_method(name)
+    return METHOD_LABELS.get(base, base) + (f" + DEO ({name[len(base) + 5:] or 'exact'})" if name != base else "")
 
 
 class SearchError(ValueError):
@@ -104,10 +118,13 @@ def build_prompt(template: str, text: str) -> str:
 
 
 def _apply_negation(query: SearchQuery) -> None:
-    """The DEO hook: until ``demind.negation`` lands, a negative text is refused, not ignored."""
+    """The hook for DEO with explicitly given negatives: refused (not ignored) until it is wired."""
     if query.negative:
-        raise SearchError("negative texts (--negative) need DEO's negation module (demind.negation), which this "
-                          "build does not include yet; put the whole request in the modification text instead")
+        if getattr(registry, "DEO_METHODS", ()):
+            raise SearchError(f"--negative is not wired to DEO yet; write the negation into the text "
+                              f"(e.g. '{query.text}, without {query.negative}') and use a '+deo' method")
+        raise SearchError("negative texts (--negative) need DEO's negation module (demind.negation, issue 15), "
+                          "which this build does not include yet; put the whole request in the modification text")
 
 
 class Ranker:
@@ -155,26 +172,32 @@ class Searcher:
         check_index_backbone(index, backbone)
         self.backbone, self.model, self.index = backbone, model, index
         self.ranker = Ranker(index.features, ranker)
-        self.methods = {m.name: m for m in build_methods(self.available_methods(), backbone, model)}
+        self.methods: dict[str, registry.RetrievalMethod] = {}  # built on first use
 
     def available_methods(self) -> list[str]:
-        """Every method this checkpoint allows, De-MINDS first."""
-        order = [DEFAULT_METHOD] + [m for m in METHODS if m != DEFAULT_METHOD]
-        return [m for m in order if self.model is not None or m not in CHECKPOINT_METHODS]
+        """Every method of the registry this checkpoint allows, De-MINDS first (DEO variants last)."""
+        names = [DEFAULT_METHOD] + [m for m in METHODS if m != DEFAULT_METHOD] + list(getattr(registry, "DEO_METHODS", ()))
+        return [m for m in names if self.model is not None or base_method(m) not in CHECKPOINT_METHODS]
+
+    def method(self, name: str) -> registry.RetrievalMethod:
+        if name not in self.methods:
+            self.methods[name] = build_methods([name], self.backbone, self.model)[0]
+        return self.methods[name]
 
     def validate(self, query: SearchQuery) -> None:
         """SearchError for a query that cannot be answered, naming what to change."""
-        if query.method not in METHOD_LABELS:
-            raise SearchError(f"unknown method {query.method!r}; choose from {', '.join(self.available_methods())}")
-        if query.method not in self.methods:
-            raise SearchError(f"method {query.method!r} needs a trained checkpoint (--checkpoint)")
-        if query.method in TEXT_METHODS and not (query.text or "").strip():
+        try:
+            parse_method_names([query.method], have_model=self.model is not None)
+        except ValueError as e:
+            raise SearchError(str(e).replace("pass --checkpoint", "start with --checkpoint")) from None
+        base = base_method(query.method)
+        if base in TEXT_METHODS and not (query.text or "").strip():
             raise SearchError("the modification text is empty; type what should change, e.g. 'make it red'")
-        if query.method in IMAGE_METHODS and query.image is None:
+        if base in IMAGE_METHODS and query.image is None:
             raise SearchError(f"method {query.method!r} needs a reference image")
         if query.k < 1:
             raise SearchError(f"k must be at least 1, got {query.k}")
-        if query.method in ("demind", "mapping-only"):
+        if base in PROMPT_METHODS:
             build_prompt(query.template, "x")
         if len(self.index) == 0:
             raise SearchError(f"the index {self.index.directory} holds no images")
@@ -184,14 +207,15 @@ class Searcher:
     def embed(self, query: SearchQuery) -> torch.Tensor:
         """(1, D) L2-normalised query embedding."""
         self.validate(query)
-        if query.image is not None and query.method in IMAGE_METHODS:
+        base = base_method(query.method)
+        if query.image is not None and base in IMAGE_METHODS:
             pixels = self.backbone.preprocess(read_query_image(query.image)).unsqueeze(0)
             ref = self.backbone.encode_image(pixels)
         else:
             ref = torch.zeros(1, self.backbone.embed_dim, device=self.backbone.device)
         text = " ".join(query.text.split())
-        prompt = build_prompt(query.template, text) if query.method in ("demind", "mapping-only") else text
-        return self.methods[query.method].embed(ref, [prompt], [text]).float().cpu()
+        prompt = build_prompt(query.template, text) if base in PROMPT_METHODS else text
+        return self.method(query.method).embed(ref, [prompt], [text]).float().cpu()
 
     def search(self, query: SearchQuery) -> list[SearchHit]:
         """The top ``query.k`` gallery images, best first (the excluded name never appears)."""

@@ -26,9 +26,8 @@ from PIL import Image
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 from werkzeug.serving import BaseWSGIServer, make_server
 
-from demind.eval.methods import METHOD_LABELS
 from demind.search.index import GalleryIndexError
-from demind.search.query import DEFAULT_TEMPLATE, SearchError, Searcher, SearchQuery
+from demind.search.query import DEFAULT_TEMPLATE, SearchError, Searcher, SearchQuery, method_label
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +75,7 @@ def create_app(searcher: Searcher | None, problem: str | None = None) -> Flask:
             return jsonify({"problem": problem, "methods": [], "gallery_size": 0})
         return jsonify({
             "problem": None,
-            "methods": [{"name": m, "label": METHOD_LABELS[m]} for m in searcher.available_methods()],
+            "methods": [{"name": m, "label": method_label(m)} for m in searcher.available_methods()],
             "template": DEFAULT_TEMPLATE,
             "gallery_size": len(searcher.index),
             "index": str(searcher.index.directory),
