@@ -16,7 +16,7 @@ from selenium import webdriver
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
-from demind.eval.methods import load_backbone_and_model
+from demind.checkpoint import load_backbone_and_model
 from demind.search.index import load_index
 from demind.search.query import Searcher
 from demind.search.server import create_app, start_server
@@ -33,7 +33,7 @@ def main() -> None:
     p.add_argument("--out", default="docs/search.png")
     args = p.parse_args()
 
-    backbone, model = load_backbone_and_model(args.checkpoint, None)
+    backbone, model = load_backbone_and_model(args.checkpoint)
     server, _ = start_server(create_app(Searcher(backbone, model, load_index(args.index))))
     options = webdriver.ChromeOptions()
     options.binary_location = shutil.which("chromium") or shutil.which("chromium-browser")

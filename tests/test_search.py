@@ -54,9 +54,9 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def loaded(tiny_checkpoint):
-    from demind.eval.methods import load_backbone_and_model
+    from demind.checkpoint import load_backbone_and_model
 
-    return load_backbone_and_model(tiny_checkpoint, None)
+    return load_backbone_and_model(tiny_checkpoint)
 
 
 @pytest.fixture()
@@ -113,9 +113,9 @@ def test_rerun_encodes_only_new_and_changed_files_and_drops_removed_ones(gallery
 
 def test_a_killed_build_resumes_from_its_finished_parts(gallery, tmp_path, loaded, monkeypatch):
     backbone, _ = loaded
-    import demind.eval.features as features
+    import demind.eval.image_cache as image_cache
 
-    real, calls = features._encode_chunk, []
+    real, calls = image_cache._encode_chunk, []
 
     def dies_on_second_part(*args, **kwargs):
         calls.append(1)
@@ -123,13 +123,13 @@ def test_a_killed_build_resumes_from_its_finished_parts(gallery, tmp_path, loade
             raise KeyboardInterrupt("killed")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(features, "_encode_chunk", dies_on_second_part)
+    monkeypatch.setattr(image_cache, "_encode_chunk", dies_on_second_part)
     with pytest.raises(KeyboardInterrupt):
         build(gallery, tmp_path / "index", backbone)
     assert not (tmp_path / "index" / "index.json").exists()  # unfinished: not loadable ...
     with pytest.raises(GalleryIndexError, match="unfinished build"):
         load_index(tmp_path / "index")
-    monkeypatch.setattr(features, "_encode_chunk", real)
+    monkeypatch.setattr(image_cache, "_encode_chunk", real)
     stats = build(gallery, tmp_path / "index", backbone)   # ... until the rerun finishes it
     assert (stats.cached, stats.encoded, stats.indexed) == (3, 4, 7)
     fresh = build(gallery, tmp_path / "fresh", backbone)
@@ -162,7 +162,7 @@ def test_an_index_of_another_backbone_is_refused_naming_both(gallery, tmp_path, 
 
 def oracle_searcher(features: torch.Tensor, names: list[str], loaded, ranker: str = "exact") -> Searcher:
     """A searcher over a hand-made index, so the expected ranking is known exactly."""
-    from demind.eval.features import backbone_cache_slug
+    from demind.eval.image_cache import backbone_cache_slug
     from demind.search.index import GalleryIndex
 
     backbone, model = loaded

@@ -21,12 +21,12 @@ from test_search import one_torch_thread, tiny_checkpoint, write_image  # noqa: 
 
 @pytest.fixture(scope="module")
 def searcher(tmp_path_factory, tiny_checkpoint):  # noqa: F811
-    from demind.eval.methods import load_backbone_and_model
+    from demind.checkpoint import load_backbone_and_model
 
     root = tmp_path_factory.mktemp("page")
     for i in range(8):
         write_image(root / "gallery" / f"img{i}.png", i, size=24)
-    backbone, model = load_backbone_and_model(tiny_checkpoint, None)
+    backbone, model = load_backbone_and_model(tiny_checkpoint)
     build_index(root / "gallery", root / "index", backbone, batch_size=4, progress=False)
     return Searcher(backbone, model, load_index(root / "index"))
 

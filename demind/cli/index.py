@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from demind.cli.search import add_model_arguments, load_model, run_command
+from demind.cli.common import run_command
+from demind.cli.search import add_model_arguments, load_model
 from demind.search.index import build_index
 
 
@@ -47,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_command(run, build_parser().parse_args(argv))
+    """``demind-index``: build or update the index; prints its counts."""
+    return run_command(build_parser(), run, argv)
 
 
 if __name__ == "__main__":

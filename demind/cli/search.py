@@ -8,9 +8,10 @@ Prints the ranked file names with scores and writes them as JSON. A JSONL line i
 with ``text`` and optionally ``image`` (paths relative to the current folder), ``method``,
 ``template``, ``k``, ``negative`` and ``id``. A query that cannot be answered (an unreadable
 image, an empty text) is reported, counted and kept in the JSON with its error; the others run.
+Exit status: 0, 1 when some queries could not be answered, 2 on an error (one line).
 
-This module also holds the small helpers demind-index and demind-serve share (model
-arguments, loading, one-line errors); they move to ``demind/cli/common.py`` with issue 11.
+This module also holds the two helpers demind-index and demind-serve share (model arguments
+and loading).
 """
 
 from __future__ import annotations
@@ -18,55 +19,37 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from pathlib import Path
-from typing import Callable
 
-from demind.checkpoint import CheckpointError
+from demind.checkpoint import load_backbone_and_model
+from demind.cli.common import run_command
 from demind.eval.methods import METHODS
-from demind.eval.structures import ImageReadError
 from demind.io import write_json_atomic
-from demind.logs import setup_logging
-from demind.search.index import GalleryIndexError, load_index
+from demind.search.index import load_index
 from demind.search.query import DEFAULT_METHOD, DEFAULT_TEMPLATE, RANKERS, SearchError, Searcher, SearchQuery
 
 log = logging.getLogger(__name__)
 
-# errors a user can fix from the message alone: one line, no traceback (--debug shows it)
-USER_ERRORS = (GalleryIndexError, SearchError, CheckpointError, ImageReadError, FileNotFoundError, ValueError)
-
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """--checkpoint / --backbone / --device / --precision / --debug, shared by the search commands."""
+    """--checkpoint / --backbone / --device / --precision, shared by the search commands.
+
+    Every search error (GalleryIndexError, SearchError) is a ValueError with the fix in its
+    message, so ``run_command`` prints it as one line."""
     p.add_argument("--checkpoint", help="De-MINDS checkpoint (.safetensors); its backbone is rebuilt from it")
     p.add_argument("--backbone", help="NAME:TAG_OR_PATH for the backbone-only methods without a checkpoint "
                                       "(e.g. ViT-L-14:openai)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--precision", default="fp32", help="backbone precision (fp32, fp16, bf16); the index records it")
-    p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
 
 
 def load_model(args: argparse.Namespace):
     """(backbone, model or None) as the arguments ask."""
     import torch
 
-    from demind.eval.methods import load_backbone_and_model
-
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return load_backbone_and_model(args.checkpoint, args.backbone, device, args.precision)
-
-
-def run_command(body: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
-    """Run ``body``; a user error becomes one line on stderr and exit status 2."""
-    setup_logging()
-    try:
-        return body(args)
-    except USER_ERRORS as e:
-        if args.debug or os.environ.get("DEMIND_DEBUG") == "1":
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return load_backbone_and_model(args.checkpoint, args.backbone, precision=args.precision, device=device)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,8 +150,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return run_command(run, args)
+    """``demind-search``: answer the queries, print and write them; exit status as above."""
+    return run_command(build_parser(), run, argv)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ import argparse
 import logging
 import sys
 
-from demind.cli.search import add_model_arguments, load_model, run_command
+from demind.cli.common import run_command
+from demind.cli.search import add_model_arguments, load_model
 from demind.search.index import GalleryIndexError, build_index, load_index
 from demind.search.query import RANKERS, Searcher
 
@@ -75,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_command(run, build_parser().parse_args(argv))
+    """``demind-serve``: (build and) load the index and model once, then serve the page."""
+    return run_command(build_parser(), run, argv)
 
 
 if __name__ == "__main__":

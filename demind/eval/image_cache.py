@@ -6,8 +6,8 @@ names, per-image cache keys (file, crop, mask) and (n, D) raw features of one ch
 atomically (tmp file, then ``os.replace``) as soon as the chunk is encoded; a killed run
 keeps its finished parts, and a rerun encodes only what no part holds. The search index
 (``demind.search.index``) keeps its gallery embeddings in the same parts
-(:meth:`FeatureCache.at`), skipping unreadable images (``on_unreadable="skip"``) and compacting
-parts when files change or go (:meth:`FeatureCache.replace_all`).
+(:meth:`ImageFeatureCache.at`), skipping unreadable images (``on_unreadable="skip"``) and compacting
+parts when files change or go (:meth:`ImageFeatureCache.replace_all`).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class ImageFeatureCache:
         self.dir = Path(root) / backbone_slug / benchmark / split
 
     @classmethod
-    def at(cls, directory: str | Path) -> "FeatureCache":
+    def at(cls, directory: str | Path) -> "ImageFeatureCache":
         """A cache whose roles live directly under ``directory`` (the search index's folder)."""
         cache = cls.__new__(cls)
         cache.dir = Path(directory)

@@ -4,7 +4,7 @@ Layout of an index folder::
 
     backbone.json            backbone identity, slug and precision (written first, checked on every rerun)
     embeddings/part-*.pt     names, per-file keys and (n, D) raw image features, atomic parts
-                             (the evaluation feature cache, ``demind.eval.features.FeatureCache.at``)
+                             (the evaluation image cache, ``demind.eval.image_cache.ImageFeatureCache.at``)
     index.json               the file list in index order, unreadable files, counts (written last)
 
 A file's key is its relative path, size and modification time, so a rerun encodes only new or
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from demind.backbone import FrozenCLIP
-from demind.eval.features import FeatureCache, backbone_cache_slug, encode_images, stack_features
+from demind.eval.image_cache import ImageFeatureCache, backbone_cache_slug, encode_image_refs, stack_features
 from demind.eval.structures import IMAGE_EXTENSIONS, ImageRef, read_json
 from demind.io import write_json_atomic
 
@@ -149,7 +149,7 @@ def build_index(
 ) -> IndexBuildStats:
     """Build or update the index of every image under ``images`` into ``index_dir``.
 
-    Only new or changed files are encoded (``encode_images`` reuses every part whose key
+    Only new or changed files are encoded (``encode_image_refs`` reuses every part whose key
     matches); files that failed to decode before and have not changed are not retried.
     When files were removed or changed the parts are compacted so they hold only live entries.
     """
@@ -167,9 +167,9 @@ def build_index(
         if ref.name in known_bad and known_bad[ref.name][0] == ref.cache_key:
             stats.unreadable[ref.name] = known_bad[ref.name][1]  # unchanged since it failed: not retried
 
-    cache = FeatureCache.at(index_dir)
-    features, encode_stats = encode_images(backbone, todo, cache, ROLE, batch_size, num_workers, part_size,
-                                           progress, desc="index images", on_unreadable="skip")
+    cache = ImageFeatureCache.at(index_dir)
+    features, encode_stats = encode_image_refs(backbone, todo, cache, ROLE, batch_size, num_workers, part_size,
+                                               progress, desc="index images", on_unreadable="skip")
     stats.cached, stats.encoded = encode_stats.cached, encode_stats.encoded
     stats.unreadable.update(encode_stats.unreadable)
     keys = {r.name: r.cache_key for r in refs}
@@ -212,7 +212,7 @@ def load_index(index_dir: str | Path, root: str | Path | None = None) -> Gallery
                 if (index_dir / ROLE).is_dir() else "")
         raise GalleryIndexError(f"no index at {index_dir}: {MANIFEST} is missing{hint}; "
                                 f"build one with demind-index --images DIR --index {index_dir} --checkpoint CKPT")
-    stored = FeatureCache.at(index_dir).load(ROLE)
+    stored = ImageFeatureCache.at(index_dir).load(ROLE)
     names = [name for name, _ in manifest["images"]]
     stale = [name for name, key in manifest["images"] if stored.get(name, ("",))[0] != key]
     if stale:
