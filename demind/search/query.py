@@ -28,6 +28,7 @@ from demind.eval import methods as registry
 from demind.eval.methods import METHOD_LABELS, METHODS, CHECKPOINT_METHODS, build_methods, parse_method_names
 from demind.eval.structures import ImageReadError, ImageRef, load_image
 from demind.backbone import PLACEHOLDER
+from demind.config import MissingDependencyError
 from demind.model import TEMPLATES, DeMinds, fill_template, template_field
 from demind.search.index import GalleryIndex, check_index_backbone
 
@@ -152,8 +153,8 @@ def build_faiss_index(features: torch.Tensor, kind: str, hnsw_m: int = 32, ef_se
     """FAISS index over (N, D) rows: ``faiss-flat`` exact inner product, ``faiss-hnsw`` approximate."""
     try:
         import faiss
-    except ImportError:
-        raise SearchError(f"ranker {kind!r} needs FAISS: pip install -e '.[search]' (faiss-cpu)") from None
+    except ImportError as e:
+        raise MissingDependencyError(f"ranker {kind!r} needs FAISS: pip install -e '.[search]' (faiss-cpu)") from e
     dim = features.shape[1]
     if kind == "faiss-flat":
         index = faiss.IndexFlatIP(dim)

@@ -21,11 +21,16 @@ import time
 from functools import lru_cache
 from importlib import resources
 
-from flask import Flask, Response, jsonify, request
 from PIL import Image
-from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
-from werkzeug.serving import BaseWSGIServer, make_server
 
+from demind.config import MissingDependencyError
+
+try:
+    from flask import Flask, Response, jsonify, request
+    from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
+    from werkzeug.serving import BaseWSGIServer, make_server
+except ImportError as e:  # an optional extra: say how to get it instead of a traceback
+    raise MissingDependencyError(f"the search page needs Flask: pip install -e '.[search]' ({e})") from e
 from demind.search.index import GalleryIndexError
 from demind.search.query import DEFAULT_TEMPLATE, SearchError, Searcher, SearchQuery, method_label
 
