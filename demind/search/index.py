@@ -157,15 +157,17 @@ def build_index(
     images, index_dir = Path(images), Path(index_dir)
     index_dir.mkdir(parents=True, exist_ok=True)
     _check_or_write_backbone(index_dir, backbone)
-    previous = _read_manifest(index_dir) or {"images": [], "unreadable": {}}
+    previous = _read_manifest(index_dir) or {"images": [], "unreadable": {}, "root": None}
+    if previous["root"] and Path(previous["root"]) != images.resolve():
+        log.warning("index %s was built from %s; it now follows %s (files only in the old folder are dropped)",
+                    index_dir, previous["root"], images.resolve())
     refs = list_gallery_images(images)
     stats = IndexBuildStats(images=len(refs))
 
-    known_bad = {name: (key, reason) for name, (key, reason) in previous["unreadable"].items()}
-    todo = [r for r in refs if known_bad.get(r.name, (None,))[0] != r.cache_key]
-    for ref in refs:
-        if ref.name in known_bad and known_bad[ref.name][0] == ref.cache_key:
-            stats.unreadable[ref.name] = known_bad[ref.name][1]  # unchanged since it failed: not retried
+    known_bad = previous["unreadable"]  # name -> [key, reason]; unchanged since it failed: not retried
+    still_bad = {r.name for r in refs if r.name in known_bad and known_bad[r.name][0] == r.cache_key}
+    stats.unreadable = {name: known_bad[name][1] for name in sorted(still_bad)}
+    todo = [r for r in refs if r.name not in still_bad]
 
     cache = ImageFeatureCache.at(index_dir)
     features, encode_stats = encode_image_refs(backbone, todo, cache, ROLE, batch_size, num_workers, part_size,
@@ -192,7 +194,7 @@ def build_index(
         "precision": record["precision"], "embed_dim": record["embed_dim"],
         "images": [[n, keys[n]] for n in names],
         "unreadable": {n: [keys[n], reason] for n, reason in sorted(stats.unreadable.items())},
-    }, indent=1)
+    })
     stats.seconds = time.perf_counter() - start
     if stats.unreadable:
         log.warning("%d unreadable image(s) left out of the index, e.g. %s", len(stats.unreadable),
