@@ -23,12 +23,11 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from demind.backbone import FrozenCLIP
-from demind.eval import methods as registry
-from demind.eval.methods import METHOD_LABELS, METHODS, CHECKPOINT_METHODS, build_methods, parse_method_names
-from demind.eval.structures import ImageReadError, ImageRef, load_image
-from demind.backbone import PLACEHOLDER
+from demind.backbone import PLACEHOLDER, FrozenCLIP
 from demind.config import MissingDependencyError
+from demind.eval import methods as registry
+from demind.eval.methods import CHECKPOINT_METHODS, METHOD_LABELS, METHODS, build_methods, parse_method_names
+from demind.eval.structures import ImageReadError, ImageRef, load_image
 from demind.model import TEMPLATES, DeMinds, fill_template, template_field
 from demind.search.index import GalleryIndex, check_index_backbone
 
@@ -48,6 +47,7 @@ def base_method(name: str) -> str:
 
 
 def method_label(name: str) -> str:
+    """The page's name of a method: ``"demind+deo-adam"`` -> ``"De-MINDS + DEO (adam)"``."""
     base = base_method(name)
     return METHOD_LABELS.get(base, base) + (f" + DEO ({name[len(base) + 5:] or 'exact'})" if name != base else "")
 
