@@ -3,6 +3,7 @@ files, ranking against an oracle, FAISS == exact, bad inputs, and the command li
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from pathlib import Path
@@ -309,3 +310,42 @@ def test_quickstart_paths_pick_the_lowest_seed_of_the_newest_backbone(tmp_path):
     paths = quickstart_search_paths(tmp_path)
     assert paths["checkpoint"] == tmp_path / "train" / "new" / "demind-seed0" / "demind.safetensors"
     assert paths["images"] == tmp_path / "benchmarks" / "cirr" / "dev"
+
+
+def write_shard(path: Path, members: dict[str, bytes]) -> Path:
+    import tarfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_image_members_of_tar_shards_are_indexed_in_place(gallery, tmp_path, loaded):
+    import gzip
+
+    backbone, model = loaded
+    loose = {f"k{i}.png": write_image(tmp_path / "src" / f"k{i}.png", 70 + i).read_bytes() for i in range(3)}
+    write_shard(gallery / "shards" / "00000.tar",
+                {**loose, "k0.txt": b"a caption", "k9.jpg": b"not a jpeg"})
+    (gallery / "shards" / "00001.tar").write_bytes(gzip.compress(b"compressed shards have no byte spans"))
+    stats = build(gallery, tmp_path / "index", backbone)
+    assert (stats.indexed, sorted(stats.unreadable)) == (10, ["shards/00000.tar/k9.jpg", "shards/00001.tar"])
+    index = load_index(tmp_path / "index")
+    member = "shards/00000.tar/k1.png"
+    assert member in index.names and "shards/00000.tar/k0.txt" not in index.names
+    with torch.no_grad():  # the member's feature is that of the same image as a file
+        pixels = backbone.preprocess(Image.open(tmp_path / "src" / "k1.png").convert("RGB")).unsqueeze(0)
+        direct = torch.nn.functional.normalize(backbone.encode_image(pixels), dim=-1)[0]
+    assert torch.allclose(index.features[index.names.index(member)], direct, atol=1e-5)
+    # a member can be the reference (picked from the gallery) and is read in place
+    searcher = Searcher(backbone, model, index)
+    hit = searcher.search(SearchQuery(image=index.image_ref(member), text="", method="image-only", k=1))[0]
+    assert hit.name == member and hit.score == pytest.approx(1.0, abs=1e-5)
+    # touching the shard re-encodes its members only
+    os.utime(gallery / "shards" / "00000.tar", ns=(1, 2_000_000_000))
+    again = build(gallery, tmp_path / "index", backbone)
+    assert (again.encoded, again.cached) == (3, 7)

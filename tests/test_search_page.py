@@ -184,3 +184,18 @@ def test_page_shows_an_index_of_another_backbone(browser):
         assert not browser.find_element(By.ID, "search").is_enabled()
     finally:
         server.shutdown()
+
+
+def test_shard_members_are_shown_and_can_be_the_reference(tmp_path, searcher):
+    from test_search import write_shard
+
+    backbone, model = searcher.backbone, searcher.model
+    pngs = {f"m{i}.png": write_image(tmp_path / "src" / f"m{i}.png", 40 + i).read_bytes() for i in range(3)}
+    write_shard(tmp_path / "gallery" / "00000.tar", pngs)
+    build_index(tmp_path / "gallery", tmp_path / "index", backbone, progress=False)
+    client = create_app(Searcher(backbone, model, load_index(tmp_path / "index"))).test_client()
+    thumb = client.get("/thumb?name=00000.tar/m1.png")
+    assert thumb.status_code == 200 and thumb.data[:4] == b"\x89PNG"
+    response = client.post("/api/search", data={"gallery_name": "00000.tar/m1.png", "text": "red", "k": "5"})
+    assert response.status_code == 200
+    assert sorted(r["name"] for r in response.get_json()["results"]) == ["00000.tar/m0.png", "00000.tar/m2.png"]

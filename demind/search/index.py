@@ -7,8 +7,10 @@ Layout of an index folder::
                              (the evaluation image cache, ``demind.eval.image_cache.ImageFeatureCache.at``)
     index.json               the file list in index order, unreadable files, counts (written last)
 
-A file's key is its relative path, size and modification time, so a rerun encodes only new or
-changed files and drops removed ones. Parts are written every ``part_size`` images; a killed
+Images are the image files under the folder and the image members of the uncompressed tar
+shards under it (WebDataset / img2dataset shards, read in place: ``00000.tar/KEY.jpg``). A
+file's key is its relative path, size and modification time (a shard member's: its shard's),
+so a rerun encodes only new or changed files and drops removed ones. Parts are written every ``part_size`` images; a killed
 build keeps them and the rerun resumes. ``index.json`` is the done-marker: a folder without it
 is an unfinished build that search refuses to load.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tarfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +31,7 @@ from demind.backbone import FrozenCLIP
 from demind.eval.image_cache import ImageFeatureCache, backbone_cache_slug, encode_image_refs, stack_features
 from demind.eval.structures import IMAGE_EXTENSIONS, ImageRef, read_json
 from demind.io import write_json_atomic
+from demind.shard_format import IMAGE_FIELDS, SHARD_SUFFIX
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +56,7 @@ class IndexBuildStats:
     removed: int = 0           # in the previous index, gone from the folder
     unreadable: dict[str, str] = field(default_factory=dict)  # name -> reason, not in the index
     seconds: float = 0.0
+    members: dict[str, tuple[str, int, int]] = field(default_factory=dict)  # shard member -> (shard, offset, length)
 
     def as_dict(self) -> dict:
         return {"images": self.images, "indexed": self.indexed, "cached": self.cached,
@@ -71,13 +76,21 @@ class GalleryIndex:
     backbone: dict
     backbone_slug: str
     precision: str
+    members: dict[str, tuple[str, int, int]] = field(default_factory=dict)  # shard member -> (shard, offset, length)
 
     def __len__(self) -> int:
         return len(self.names)
 
     def path_of(self, name: str) -> Path:
-        """The image file of an indexed name (a path relative to the indexed folder)."""
-        return self.root / name
+        """The image file of an indexed name (for a shard member: its shard)."""
+        return self.root / self.members[name][0] if name in self.members else self.root / name
+
+    def image_ref(self, name: str) -> ImageRef:
+        """What :func:`demind.eval.structures.load_image` reads to show an indexed image."""
+        if name in self.members:
+            shard, offset, length = self.members[name]
+            return ImageRef(name=name, path=self.root / shard, span=(offset, length))
+        return ImageRef(name=name, path=self.root / name)
 
 
 def file_version(stat: os.stat_result) -> str:
@@ -85,23 +98,43 @@ def file_version(stat: os.stat_result) -> str:
     return f"{stat.st_size}-{stat.st_mtime_ns}"
 
 
-def list_gallery_images(folder: str | Path) -> list[ImageRef]:
-    """Every image file under ``folder`` (recursive, sorted), named by its path relative to it.
+def list_gallery_images(folder: str | Path) -> tuple[list[ImageRef], dict[str, str]]:
+    """Every image under ``folder`` (recursive, sorted): files, and image members of ``*.tar`` shards.
 
-    Returns ImageRefs with ``version`` = size and mtime, so the cache key changes with the file.
+    Returns (ImageRefs named by their path relative to ``folder`` (a shard member:
+    ``shard.tar/member``), with ``version`` = size and mtime of the file or shard so the cache
+    key changes with it; {shard name: error} for shards that cannot be listed).
     """
     folder = Path(folder)
     if not folder.is_dir():
         raise GalleryIndexError(f"image folder {folder} does not exist or is not a folder")
-    refs = []
+    refs, bad_shards = [], {}
     for dirpath, dirnames, filenames in os.walk(folder):
         dirnames.sort()
         for filename in sorted(filenames):
-            if os.path.splitext(filename)[1].lower() not in IMAGE_EXTENSIONS:
-                continue
             path = Path(dirpath) / filename
             name = path.relative_to(folder).as_posix()
-            refs.append(ImageRef(name=name, path=path, version=file_version(path.stat())))
+            if filename.endswith(SHARD_SUFFIX):
+                try:
+                    refs.extend(list_shard_images(path, name))
+                except (tarfile.TarError, OSError) as e:
+                    bad_shards[name] = f"cannot list shard {path}: {e}"
+            elif os.path.splitext(filename)[1].lower() in IMAGE_EXTENSIONS:
+                refs.append(ImageRef(name=name, path=path, version=file_version(path.stat())))
+    return refs, bad_shards
+
+
+def list_shard_images(shard: Path, shard_name: str) -> list[ImageRef]:
+    """The image members of one uncompressed tar shard, read in place by byte span (no unpacking).
+
+    A compressed shard (``.tar`` holding gzip) has no byte spans and raises tarfile.ReadError."""
+    version = file_version(shard.stat())
+    refs = []
+    with tarfile.open(shard, "r:") as tar:  # "r:" = uncompressed only
+        for member in tar:
+            if member.isfile() and member.name.rsplit(".", 1)[-1].lower() in IMAGE_FIELDS:
+                refs.append(ImageRef(name=f"{shard_name}/{member.name}", path=shard, version=version,
+                                     span=(member.offset_data, member.size)))
     return refs
 
 
@@ -161,8 +194,9 @@ def build_index(
     if previous["root"] and Path(previous["root"]) != images.resolve():
         log.warning("index %s was built from %s; it now follows %s (files only in the old folder are dropped)",
                     index_dir, previous["root"], images.resolve())
-    refs = list_gallery_images(images)
+    refs, bad_shards = list_gallery_images(images)
     stats = IndexBuildStats(images=len(refs))
+    stats.members = {r.name: (r.path.relative_to(images).as_posix(), *r.span) for r in refs if r.span}
 
     known_bad = previous["unreadable"]  # name -> [key, reason]; unchanged since it failed: not retried
     still_bad = {r.name for r in refs if r.name in known_bad and known_bad[r.name][0] == r.cache_key}
@@ -174,6 +208,7 @@ def build_index(
                                                progress, desc="index images", on_unreadable="skip")
     stats.cached, stats.encoded = encode_stats.cached, encode_stats.encoded
     stats.unreadable.update(encode_stats.unreadable)
+    stats.unreadable.update(bad_shards)  # retried on every run (listing a shard is cheap)
     keys = {r.name: r.cache_key for r in refs}
     names = [r.name for r in refs if r.name in features]
     stats.indexed = len(names)
@@ -193,7 +228,8 @@ def build_index(
         "backbone": record["identity"], "backbone_slug": record["slug"],
         "precision": record["precision"], "embed_dim": record["embed_dim"],
         "images": [[n, keys[n]] for n in names],
-        "unreadable": {n: [keys[n], reason] for n, reason in sorted(stats.unreadable.items())},
+        "members": {n: stats.members[n] for n in names if n in stats.members},
+        "unreadable": {n: [keys.get(n), reason] for n, reason in sorted(stats.unreadable.items())},
     })
     stats.seconds = time.perf_counter() - start
     if stats.unreadable:
@@ -225,7 +261,8 @@ def load_index(index_dir: str | Path, root: str | Path | None = None) -> Gallery
         features = torch.zeros(0, manifest["embed_dim"])
     return GalleryIndex(directory=index_dir, root=Path(root) if root else Path(manifest["root"]), names=names,
                         features=F.normalize(features.float(), dim=-1), backbone=manifest["backbone"],
-                        backbone_slug=manifest["backbone_slug"], precision=manifest["precision"])
+                        backbone_slug=manifest["backbone_slug"], precision=manifest["precision"],
+                        members={n: tuple(v) for n, v in manifest.get("members", {}).items()})
 
 
 def check_index_backbone(index: GalleryIndex, backbone: FrozenCLIP) -> None:

@@ -60,14 +60,15 @@ class SearchError(ValueError):
 class SearchQuery:
     """One composed query.
 
-    image: reference image (a path, or the bytes of an uploaded file), or None for text-only.
+    image: reference image (a path, an indexed image's ImageRef, or the bytes of an uploaded
+        file), or None for text-only.
     text: the modification text ("make it red").
     template: the prompt with one ``*`` (the pseudo-word) and one ``{text}`` field.
     exclude: a gallery name never returned (the reference itself when it was picked from the gallery).
     negative: what the results must not show (DEO hook, see the module docstring).
     """
 
-    image: str | Path | bytes | None
+    image: str | Path | ImageRef | bytes | None
     text: str
     method: str = DEFAULT_METHOD
     template: str = DEFAULT_TEMPLATE
@@ -88,8 +89,8 @@ class SearchHit:
         return asdict(self)
 
 
-def read_query_image(image: str | Path | bytes) -> Image.Image:
-    """Decode a reference image (path or uploaded bytes) to RGB; SearchError naming it if it fails."""
+def read_query_image(image: str | Path | ImageRef | bytes) -> Image.Image:
+    """Decode a reference image (path, ImageRef or uploaded bytes) to RGB; SearchError naming it if it fails."""
     if isinstance(image, (bytes, bytearray)):
         try:
             with Image.open(io.BytesIO(image)) as img:
@@ -97,11 +98,11 @@ def read_query_image(image: str | Path | bytes) -> Image.Image:
         except (OSError, ValueError, Image.DecompressionBombError) as e:
             raise SearchError(f"the uploaded reference image cannot be read ({e}); upload a PNG, JPEG or WebP "
                               f"image") from None
-    path = Path(image)
-    if not path.is_file():
-        raise SearchError(f"reference image {path} does not exist")
+    ref = image if isinstance(image, ImageRef) else ImageRef(name=Path(image).name, path=Path(image))
+    if not ref.path.is_file():
+        raise SearchError(f"reference image {ref.path} does not exist")
     try:
-        return load_image(ImageRef(name=path.name, path=path))
+        return load_image(ref)
     except ImageReadError as e:
         raise SearchError(str(e).replace("remove it from the split", "give another image")) from None
 
@@ -231,6 +232,7 @@ class Searcher:
             if name == query.exclude:
                 continue
             hits.append(SearchHit(len(hits) + 1, name, round(float(score), 6), str(self.index.path_of(name))))
+            # (a shard member's path is its shard; the name says which member)
         return hits[: query.k]
 
     def gallery_name_of(self, path: str | Path) -> str | None:

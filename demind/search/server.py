@@ -21,9 +21,8 @@ import time
 from functools import lru_cache
 from importlib import resources
 
-from PIL import Image
-
 from demind.config import MissingDependencyError
+from demind.eval.structures import ImageRef, load_image
 
 try:
     from flask import Flask, Response, jsonify, request
@@ -46,13 +45,12 @@ def page_html() -> str:
     return resources.files("demind.search").joinpath("static/search.html").read_text(encoding="utf-8")
 
 
-def thumbnail_png(path: str, side: int = THUMB_SIDE) -> bytes:
+def thumbnail_png(ref: ImageRef, side: int = THUMB_SIDE) -> bytes:
     """A PNG no larger than ``side`` pixels (small images are sent as they are; the page scales them)."""
-    with Image.open(path) as img:
-        img = img.convert("RGB")
-        img.thumbnail((side, side))
-        buffer = io.BytesIO()
-        img.save(buffer, format="PNG")
+    img = load_image(ref)
+    img.thumbnail((side, side))
+    buffer = io.BytesIO()
+    img.save(buffer, format="PNG")
     return buffer.getvalue()
 
 
@@ -68,7 +66,7 @@ def create_app(searcher: Searcher | None, problem: str | None = None) -> Flask:
 
     @lru_cache(maxsize=4096)
     def cached_thumbnail(name: str) -> bytes:
-        return thumbnail_png(str(searcher.index.path_of(name)))
+        return thumbnail_png(searcher.index.image_ref(name))
 
     @app.get("/")
     def index_page():
@@ -119,7 +117,7 @@ def create_app(searcher: Searcher | None, problem: str | None = None) -> Flask:
         elif picked:
             if picked not in rows:
                 raise SearchError(f"{picked!r} is not an image of this index; pick one from the gallery")
-            image, exclude = searcher.index.path_of(picked), picked  # never answer with the reference itself
+            image, exclude = searcher.index.image_ref(picked), picked  # never answer with the reference itself
         else:
             image, exclude = None, None
         try:
