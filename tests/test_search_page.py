@@ -199,3 +199,38 @@ def test_shard_members_are_shown_and_can_be_the_reference(tmp_path, searcher):
     response = client.post("/api/search", data={"gallery_name": "00000.tar/m1.png", "text": "red", "k": "5"})
     assert response.status_code == 200
     assert sorted(r["name"] for r in response.get_json()["results"]) == ["00000.tar/m0.png", "00000.tar/m2.png"]
+
+
+def test_serve_command_builds_the_index_and_serves_a_mismatch_as_a_page_message(tmp_path, tiny_checkpoint,  # noqa: F811
+                                                                                  tiny_backbone, monkeypatch, capsys):
+    import threading
+
+    import demind.search.server as server_module
+    from demind.cli.serve import main as serve_main
+
+    apps = []
+
+    class Stopped:
+        port = 1234
+
+    def fake_start_server(app, host, port):  # record the app instead of blocking on a real server
+        apps.append(app)
+        done = threading.Thread(target=lambda: None)
+        done.start()
+        return Stopped(), done
+
+    monkeypatch.setattr(server_module, "start_server", fake_start_server)
+    for i in range(3):
+        write_image(tmp_path / "gallery" / f"g{i}.png", i)
+    common = ["--checkpoint", str(tiny_checkpoint), "--quiet"]
+    assert serve_main(["--index", str(tmp_path / "idx"), "--images", str(tmp_path / "gallery"), *common]) == 0
+    assert "3 images (3 encoded" in capsys.readouterr().out
+    info = apps[-1].test_client().get("/api/info").get_json()
+    assert info["problem"] is None and info["gallery_size"] == 3
+
+    build_index(tmp_path / "gallery", tmp_path / "other", tiny_backbone, progress=False)  # another backbone
+    assert serve_main(["--index", str(tmp_path / "other"), *common]) == 0  # still serves ...
+    info = apps[-1].test_client().get("/api/info").get_json()
+    assert "checkpoint's backbone" in info["problem"]  # ... the page says what is wrong
+    assert serve_main(["--quickstart", str(tmp_path / "no-quickstart")]) == 2
+    assert "run the quickstart first" in capsys.readouterr().err
