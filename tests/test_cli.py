@@ -16,7 +16,8 @@ from demind.cli import common
 from demind.cli import train as train_cli
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-COMMANDS = ("train", "features", "evaluate", "generate", "make_shards", "make_tiny_model", "quickstart")
+COMMANDS = ("train", "features", "evaluate", "generate", "make_shards", "make_tiny_model", "quickstart",
+            "index", "search", "serve")
 SHIMS = {"train.py": "train", "data_gen/run.py": "generate", "data_gen/make_shards.py": "make_shards",
          "data_gen/make_tiny_model.py": "make_tiny_model", "pipelines/quickstart.py": "quickstart",
          "demind/eval/__main__.py": "evaluate"}
@@ -84,4 +85,5 @@ def test_console_scripts_point_at_the_command_mains():
         assert name.startswith("demind-") and func == "main"
         assert callable(getattr(importlib.import_module(module), func))
     assert set(scripts) == {"demind-train", "demind-features", "demind-eval", "demind-generate",
-                            "demind-make-shards", "demind-quickstart"}
+                            "demind-make-shards", "demind-quickstart", "demind-index", "demind-search",
+                            "demind-serve"}

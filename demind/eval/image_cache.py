@@ -4,13 +4,16 @@ The cache is a folder per (backbone identity and precision, benchmark, split, ro
 ``<cache_dir>/<backbone>/<benchmark>/<split>/<role>/part-00000.pt``. Each part holds the
 names, per-image cache keys (file, crop, mask, resize mode) and (n, D) raw features of one
 chunk, written atomically (tmp file, then ``os.replace``) as soon as the chunk is encoded; a
-killed run keeps its finished parts, and a rerun encodes only what no part holds.
+killed run keeps its finished parts, and a rerun encodes only what no part holds. The search index
+(``demind.search.index``) keeps its gallery embeddings in the same parts
+(:meth:`ImageFeatureCache.at`), skipping unreadable images (``on_unreadable="skip"``) and compacting
+parts when files change or go (:meth:`ImageFeatureCache.replace_all`).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -21,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from demind.backbone import FrozenCLIP
-from demind.eval.structures import ImageRef, load_image
+from demind.eval.structures import ImageReadError, ImageRef, load_image
 from demind.io import atomic_path
 
 log = logging.getLogger(__name__)
@@ -51,18 +54,39 @@ def image_transforms(backbone: FrozenCLIP) -> dict[str, Callable]:
 
 
 class ImageRefDataset(Dataset):
-    """ImageRefs -> (3, H, W) tensors, each through the transform of its ``resize`` mode."""
+    """ImageRefs -> (3, H, W) tensors, each through the transform of its ``resize`` mode.
 
-    def __init__(self, refs: list[ImageRef], transforms: dict[str, Callable]) -> None:
+    With ``skip_unreadable`` an item is ``(tensor or None, error or None)`` so that one bad
+    file (in a user's own folder) is counted instead of stopping the whole job.
+    """
+
+    def __init__(self, refs: list[ImageRef], transforms: dict[str, Callable], skip_unreadable: bool = False) -> None:
         self.refs = refs
         self.transforms = transforms
+        self.skip_unreadable = skip_unreadable
 
     def __len__(self) -> int:
         return len(self.refs)
 
-    def __getitem__(self, index: int) -> torch.Tensor:
+    def _load(self, index: int) -> torch.Tensor:
         ref = self.refs[index]
         return self.transforms[ref.resize](load_image(ref))
+
+    def __getitem__(self, index: int):
+        if not self.skip_unreadable:
+            return self._load(index)
+        try:
+            return self._load(index), None
+        except ImageReadError as e:
+            return None, str(e)
+
+
+def _collate_skipping(items: list[tuple[torch.Tensor | None, str | None]]):
+    """(stacked readable images or None, positions of the readable ones, {position: error})."""
+    good = [i for i, (t, _) in enumerate(items) if t is not None]
+    errors = {i: err for i, (t, err) in enumerate(items) if t is None}
+    stacked = torch.stack([items[i][0] for i in good]) if good else None
+    return stacked, good, errors
 
 
 @dataclass
@@ -72,6 +96,7 @@ class EncodeStats:
     images: int = 0
     cached: int = 0
     encoded: int = 0
+    unreadable: dict[str, str] = field(default_factory=dict)  # name -> error (on_unreadable="skip")
 
     def as_dict(self) -> dict[str, int]:
         return {"images": self.images, "cached": self.cached, "encoded": self.encoded}
@@ -82,6 +107,17 @@ class ImageFeatureCache:
 
     def __init__(self, root: str | Path, backbone_slug: str, benchmark: str, split: str) -> None:
         self.dir = Path(root) / backbone_slug / benchmark / split
+
+    @classmethod
+    def at(cls, directory: str | Path) -> "ImageFeatureCache":
+        """A cache whose roles live directly under ``directory`` (the search index's folder)."""
+        cache = cls.__new__(cls)
+        cache.dir = Path(directory)
+        return cache
+
+    def parts(self, role: str) -> list[Path]:
+        """The role's part files, oldest first (later parts win on load)."""
+        return sorted(self._role_dir(role).glob("part-*.pt"))
 
     def _role_dir(self, role: str) -> Path:
         return self.dir / role
@@ -106,14 +142,28 @@ class ImageFeatureCache:
         """Write one chunk of (n, D) features atomically; returns the part's path."""
         role_dir = self._role_dir(role)
         role_dir.mkdir(parents=True, exist_ok=True)
-        index = len(list(role_dir.glob("part-*.pt")))
+        # after the last existing part (not at their count): once old parts are removed by
+        # replace_all, a count would sort a new part before older ones and lose "later wins"
+        existing = self.parts(role)
+        index = int(existing[-1].stem.split("-")[1]) + 1 if existing else 0
         path = role_dir / f"part-{index:05d}.pt"
-        while path.exists():
-            index += 1
-            path = role_dir / f"part-{index:05d}.pt"
         with atomic_path(path) as tmp:
             torch.save({"names": names, "keys": keys, "features": features.contiguous()}, tmp)
         return path
+
+    def replace_all(self, role: str, names: list[str], keys: list[str], features: torch.Tensor,
+                    part_size: int = 4096) -> list[Path]:
+        """Rewrite the role as exactly these (n, D) entries (drops removed or superseded ones).
+
+        New parts are written after the old ones before the old ones are deleted, so a kill at
+        any point leaves a cache that loads to the same entries (later parts win).
+        """
+        old = self.parts(role)
+        new = [self.write_part(role, names[i:i + part_size], keys[i:i + part_size], features[i:i + part_size])
+               for i in range(0, len(names), part_size)]
+        for path in old:
+            path.unlink()
+        return new
 
 
 def unique_refs(refs: list[ImageRef]) -> list[ImageRef]:
@@ -139,14 +189,19 @@ def encode_image_refs(
     part_size: int = 4096,
     progress: bool = True,
     desc: str = "encode images",
+    on_unreadable: str = "raise",
 ) -> tuple[dict[str, torch.Tensor], EncodeStats]:
     """Raw (not normalised) image features for ``refs``, from the cache where possible.
 
     Returns (name -> (D,) float32 feature, stats). Images missing from the cache are decoded
     with ``backbone.preprocess`` (:func:`squash_preprocess` for ``resize="squash"``) in a
     DataLoader and encoded in batches of ``batch_size``; every ``part_size`` images are written
-    to the cache as one part.
+    to the cache as one part. ``on_unreadable``:
+    ``"raise"`` (benchmarks: a broken file is an error naming it) or ``"skip"`` (a user's
+    gallery: the image is left out, logged and listed in ``stats.unreadable``).
     """
+    if on_unreadable not in ("raise", "skip"):
+        raise ValueError(f"on_unreadable must be 'raise' or 'skip', got {on_unreadable!r}")
     refs = unique_refs(refs)
     stats = EncodeStats(images=len(refs))
     cached = cache.load(role) if cache is not None else {}
@@ -162,8 +217,13 @@ def encode_image_refs(
     log.info("%s: %d images, %d from cache, %d to encode", desc, len(refs), stats.cached, len(todo))
     for start in range(0, len(todo), part_size):
         chunk = todo[start : start + part_size]
-        chunk_features = _encode_chunk(backbone, chunk, batch_size, num_workers, progress, desc, start, len(todo))
-        if cache is not None:
+        chunk_features, errors = _encode_chunk(backbone, chunk, batch_size, num_workers, progress, desc, start,
+                                               len(todo), skip_unreadable=on_unreadable == "skip")
+        for position, error in errors.items():
+            log.warning("%s: skipping unreadable image: %s", desc, error)
+            stats.unreadable[chunk[position].name] = error
+        chunk = [r for i, r in enumerate(chunk) if i not in errors]
+        if cache is not None and chunk:
             cache.write_part(role, [r.name for r in chunk], [r.cache_key for r in chunk], chunk_features)
         features.update({r.name: f for r, f in zip(chunk, chunk_features)})
         stats.encoded += len(chunk)
@@ -173,16 +233,25 @@ def encode_image_refs(
 
 
 def _encode_chunk(backbone: FrozenCLIP, refs: list[ImageRef], batch_size: int, num_workers: int,
-                  progress: bool, desc: str, done: int, total: int) -> torch.Tensor:
-    """(n, D) float32 CPU features for one chunk of images."""
-    loader = DataLoader(ImageRefDataset(refs, image_transforms(backbone)), batch_size=batch_size,
-                        num_workers=num_workers, shuffle=False)
-    out = []
+                  progress: bool, desc: str, done: int, total: int,
+                  skip_unreadable: bool = False) -> tuple[torch.Tensor, dict[int, str]]:
+    """(n_readable, D) float32 CPU features for one chunk, and {position in chunk: error} of
+    the unreadable images (always empty unless ``skip_unreadable``)."""
+    loader = DataLoader(ImageRefDataset(refs, image_transforms(backbone), skip_unreadable), batch_size=batch_size,
+                        num_workers=num_workers, shuffle=False,
+                        collate_fn=_collate_skipping if skip_unreadable else None)
+    out, errors = [], {}
     with tqdm(total=total, initial=done, unit="img", desc=desc, disable=not progress, leave=False) as bar:
-        for images in loader:
-            out.append(backbone.encode_image(images).float().cpu())
-            bar.update(images.shape[0])
-    return torch.cat(out)
+        for batch_start, batch in zip(range(0, len(refs), batch_size), loader):
+            if skip_unreadable:
+                images, _, batch_errors = batch
+                errors.update({batch_start + i: e for i, e in batch_errors.items()})
+            else:
+                images = batch
+            if images is not None:
+                out.append(backbone.encode_image(images).float().cpu())
+            bar.update(min(batch_size, len(refs) - batch_start))
+    return (torch.cat(out) if out else torch.zeros(0, backbone.embed_dim)), errors
 
 
 def stack_features(features: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:

@@ -10,6 +10,7 @@ exclusion and ground truth never depend on how a path is spelled.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import os
@@ -64,12 +65,18 @@ class ImageRef:
     segmentation: optional COCO polygon list or RLE dict; pixels outside it become white
         (Pic2Word's masked query images).
     resize: one of :data:`RESIZE_MODES`; how the loaded image reaches the backbone's input size.
+    version: optional file version (the search index uses size and mtime), so a cached
+        feature of an edited file no longer matches.
+    span: optional (byte offset, length) of the image inside ``path``, for a member of an
+        uncompressed tar shard (the search index reads shards without unpacking them).
     """
 
     name: str
     path: Path
     box: tuple[float, float, float, float] | None = None
     segmentation: Any = field(default=None, compare=False, hash=False)
+    version: str | None = None
+    span: tuple[int, int] | None = None
     resize: str = "backbone"
 
     def __post_init__(self) -> None:
@@ -87,6 +94,8 @@ class ImageRef:
             key += "|mask=" + hashlib.sha256(seg).hexdigest()[:16]
         if self.resize != "backbone":  # the default adds nothing, so caches written before this field stay valid
             key += "|resize=" + self.resize
+        if self.version is not None:
+            key += "|v=" + self.version
         return key
 
 
@@ -209,13 +218,24 @@ def _pixel_box(box: tuple[float, float, float, float], width: int, height: int) 
     return x1, y1, x2, y2
 
 
+def _span_bytes(path: Path, span: tuple[int, int]) -> io.BytesIO:
+    """The bytes of one member inside an uncompressed archive (a tar shard)."""
+    offset, length = span
+    with open(path, "rb") as f:
+        f.seek(offset)
+        data = f.read(length)
+    if len(data) != length:
+        raise OSError(f"{path} ends before the member at byte {offset} (length {length}): the shard was truncated")
+    return io.BytesIO(data)
+
+
 def load_image(ref: ImageRef) -> Image.Image:
     """Decode ``ref`` to an RGB PIL image: mask the background white, then crop.
 
     A file that cannot be decoded raises :class:`ImageReadError` naming it.
     """
     try:
-        with Image.open(ref.path) as img:
+        with Image.open(_span_bytes(ref.path, ref.span) if ref.span else ref.path) as img:
             image = img.convert("RGB")
     except (OSError, ValueError, Image.DecompressionBombError) as e:
         raise ImageReadError(f"cannot read image {ref.path}: {e}; re-download or remove it from the split") from e

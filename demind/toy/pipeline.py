@@ -120,6 +120,26 @@ def train_variant(cfg: QuickstartConfig, backbone, variant: str, seed: int, log_
     return train(load_train_config(cfg.train_config, overrides))
 
 
+def quickstart_search_paths(workdir: str | Path = "runs/quickstart") -> dict[str, Path]:
+    """What ``demind-serve --quickstart`` searches after a quickstart run: the De-MINDS export of
+    the lowest seed (newest backbone when the toy CLIP was retrained), the toy CIRR dev images as
+    the gallery, and where their index goes. FileNotFoundError naming what to run otherwise."""
+    from demind.training import EXPORT_NAME
+
+    workdir = Path(workdir)
+    exports = list((workdir / "train").glob(f"*/demind-seed*/{EXPORT_NAME}"))
+    if not exports:
+        raise FileNotFoundError(f"no trained De-MINDS model under {workdir / 'train'}: run the quickstart first "
+                                f"(python pipelines/quickstart.py workdir={workdir})")
+    newest_backbone = max(exports, key=lambda p: p.stat().st_mtime).parents[1]
+    seed = lambda p: int(p.parent.name.rsplit("seed", 1)[1])  # noqa: E731
+    checkpoint = min((p for p in exports if p.parents[1] == newest_backbone), key=seed)
+    gallery = workdir / "benchmarks" / "cirr" / "dev"
+    if not gallery.is_dir():
+        raise FileNotFoundError(f"the toy gallery {gallery} is missing: rerun the quickstart")
+    return {"checkpoint": checkpoint, "images": gallery, "index": workdir / "search-index"}
+
+
 def evaluate_run(cfg: QuickstartConfig, backbone, export: Path, variant: str, seed: int,
                  methods: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     """Every benchmark for one trained model; returns benchmark -> results dict."""

@@ -1,0 +1,84 @@
+"""``demind-serve``: the search web page for one checkpoint and one gallery.
+
+    demind-serve --quickstart                      # after pipelines/quickstart.py: toy CIRR gallery
+    demind-serve --index runs/photos-index --checkpoint CKPT [--images photos/] [--port 8000]
+
+``--images`` (or ``--quickstart``) builds or updates the index first (only new or changed
+files are encoded). The index and the model load once; open the printed address in a browser.
+An index of another backbone than the checkpoint's does not stop the server: the page shows
+what to do instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from demind.cli.common import run_command
+from demind.cli.search import add_model_arguments, load_model
+from demind.search.index import GalleryIndexError, build_index, load_index
+from demind.search.query import RANKERS, Searcher
+
+log = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="demind-serve", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quickstart", nargs="?", const="runs/quickstart", metavar="WORKDIR",
+                   help="serve the quickstart's model over its toy CIRR gallery (default runs/quickstart)")
+    p.add_argument("--index", help="index folder (built by demind-index, or here with --images)")
+    p.add_argument("--images", help="build or update the index from this folder first")
+    add_model_arguments(p)
+    p.add_argument("--ranker", default="exact", choices=RANKERS)
+    p.add_argument("--host", default="127.0.0.1", help="127.0.0.1 (default) serves this machine only")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--quiet", action="store_true", help="no progress bar while indexing")
+    return p
+
+
+def resolve_paths(args: argparse.Namespace) -> None:
+    """Fill --checkpoint/--images/--index from the quickstart's layout when --quickstart is given."""
+    if args.quickstart:
+        from demind.toy.pipeline import quickstart_search_paths
+
+        paths = quickstart_search_paths(args.quickstart)
+        args.checkpoint = args.checkpoint or str(paths["checkpoint"])
+        args.images = args.images or str(paths["images"])
+        args.index = args.index or str(paths["index"])
+    if not args.index or not (args.checkpoint or args.backbone):
+        raise ValueError("give --quickstart [WORKDIR], or --index DIR with --checkpoint CKPT")
+
+
+def run(args: argparse.Namespace) -> int:
+    from demind.search.server import create_app, start_server
+
+    resolve_paths(args)
+    backbone, model = load_model(args)
+    if args.images:
+        stats = build_index(args.images, args.index, backbone, progress=not args.quiet)
+        print(f"index {args.index}: {stats.indexed} images ({stats.encoded} encoded, {stats.cached} reused, "
+              f"{len(stats.unreadable)} unreadable)")
+    try:
+        app = create_app(Searcher(backbone, model, load_index(args.index), args.ranker))
+    except GalleryIndexError as e:
+        log.error("%s", e)  # the page shows it too; the server still starts
+        app = create_app(None, problem=str(e))
+    server, thread = start_server(app, args.host, args.port)
+    print(f"demind search: http://{args.host}:{server.port}/  (checkpoint {args.checkpoint}, index {args.index}); "
+          f"Ctrl-C stops it", flush=True)
+    try:
+        thread.join()
+    except KeyboardInterrupt:
+        server.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``demind-serve``: (build and) load the index and model once, then serve the page."""
+    return run_command(build_parser(), run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

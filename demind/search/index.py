@@ -1,0 +1,274 @@
+"""A searchable gallery index: every image under a folder, encoded once by a frozen backbone.
+
+Layout of an index folder::
+
+    backbone.json            backbone identity, slug and precision (written first, checked on every rerun)
+    embeddings/part-*.pt     names, per-file keys and (n, D) raw image features, atomic parts
+                             (the evaluation image cache, ``demind.eval.image_cache.ImageFeatureCache.at``)
+    index.json               the file list in index order, unreadable files, counts (written last)
+
+Images are the image files under the folder and the image members of the uncompressed tar
+shards under it (WebDataset / img2dataset shards, read in place: ``00000.tar/KEY.jpg``). A
+file's key is its relative path, size and modification time (a shard member's: its shard's),
+so a rerun encodes only new or changed files and drops removed ones. Parts are written every ``part_size`` images; a killed
+build keeps them and the rerun resumes. ``index.json`` is the done-marker: a folder without it
+is an unfinished build that search refuses to load.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tarfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from demind.backbone import FrozenCLIP
+from demind.eval.image_cache import ImageFeatureCache, backbone_cache_slug, encode_image_refs, stack_features
+from demind.eval.structures import IMAGE_EXTENSIONS, ImageRef, read_json
+from demind.io import write_json_atomic
+from demind.shard_format import IMAGE_FIELDS, SHARD_SUFFIX
+
+log = logging.getLogger(__name__)
+
+INDEX_FORMAT = "demind-index/1"
+MANIFEST = "index.json"
+BACKBONE_FILE = "backbone.json"
+ROLE = "embeddings"
+
+
+class GalleryIndexError(ValueError):
+    """An index that cannot be used as asked (missing, unfinished, or another backbone's)."""
+
+
+@dataclass
+class IndexBuildStats:
+    """What one build or update did."""
+
+    images: int = 0            # image files found under the folder
+    indexed: int = 0           # images in the finished index
+    cached: int = 0            # reused from an earlier (possibly killed) build
+    encoded: int = 0           # encoded by this run
+    removed: int = 0           # in the previous index, gone from the folder
+    unreadable: dict[str, str] = field(default_factory=dict)  # name -> reason, not in the index
+    seconds: float = 0.0
+    members: dict[str, tuple[str, int, int]] = field(default_factory=dict)  # shard member -> (shard, offset, length)
+
+    def as_dict(self) -> dict:
+        return {"images": self.images, "indexed": self.indexed, "cached": self.cached,
+                "encoded": self.encoded, "removed": self.removed, "unreadable": len(self.unreadable),
+                "seconds": round(self.seconds, 2),
+                "encoded_per_s": round(self.encoded / self.seconds, 1) if self.seconds > 0 else None}
+
+
+@dataclass
+class GalleryIndex:
+    """A loaded index: ``features`` (N, D) L2-normalised float32 rows in the order of ``names``."""
+
+    directory: Path
+    root: Path
+    names: list[str]
+    features: torch.Tensor
+    backbone: dict
+    backbone_slug: str
+    precision: str
+    members: dict[str, tuple[str, int, int]] = field(default_factory=dict)  # shard member -> (shard, offset, length)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def path_of(self, name: str) -> Path:
+        """The image file of an indexed name (for a shard member: its shard)."""
+        return self.root / self.members[name][0] if name in self.members else self.root / name
+
+    def image_ref(self, name: str) -> ImageRef:
+        """What :func:`demind.eval.structures.load_image` reads to show an indexed image."""
+        if name in self.members:
+            shard, offset, length = self.members[name]
+            return ImageRef(name=name, path=self.root / shard, span=(offset, length))
+        return ImageRef(name=name, path=self.root / name)
+
+
+def file_version(stat: os.stat_result) -> str:
+    """What makes a file "changed" for the index: size and modification time (ns)."""
+    return f"{stat.st_size}-{stat.st_mtime_ns}"
+
+
+def list_gallery_images(folder: str | Path) -> tuple[list[ImageRef], dict[str, str]]:
+    """Every image under ``folder`` (recursive, sorted): files, and image members of ``*.tar`` shards.
+
+    Returns (ImageRefs named by their path relative to ``folder`` (a shard member:
+    ``shard.tar/member``), with ``version`` = size and mtime of the file or shard so the cache
+    key changes with it; {shard name: error} for shards that cannot be listed).
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise GalleryIndexError(f"image folder {folder} does not exist or is not a folder")
+    refs, bad_shards = [], {}
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames.sort()
+        for filename in sorted(filenames):
+            path = Path(dirpath) / filename
+            name = path.relative_to(folder).as_posix()
+            if filename.endswith(SHARD_SUFFIX):
+                try:
+                    refs.extend(list_shard_images(path, name))
+                except (tarfile.TarError, OSError) as e:
+                    bad_shards[name] = f"cannot list shard {path}: {e}"
+            elif os.path.splitext(filename)[1].lower() in IMAGE_EXTENSIONS:
+                refs.append(ImageRef(name=name, path=path, version=file_version(path.stat())))
+    return refs, bad_shards
+
+
+def list_shard_images(shard: Path, shard_name: str) -> list[ImageRef]:
+    """The image members of one uncompressed tar shard, read in place by byte span (no unpacking).
+
+    A compressed shard (``.tar`` holding gzip) has no byte spans and raises tarfile.ReadError."""
+    version = file_version(shard.stat())
+    refs = []
+    with tarfile.open(shard, "r:") as tar:  # "r:" = uncompressed only
+        for member in tar:
+            if member.isfile() and member.name.rsplit(".", 1)[-1].lower() in IMAGE_FIELDS:
+                refs.append(ImageRef(name=f"{shard_name}/{member.name}", path=shard, version=version,
+                                     span=(member.offset_data, member.size)))
+    return refs
+
+
+def backbone_record(backbone: FrozenCLIP) -> dict:
+    """What an index records about the backbone that encoded it."""
+    return {"identity": backbone.identity, "slug": backbone_cache_slug(backbone),
+            "precision": backbone.cfg.precision, "embed_dim": backbone.embed_dim}
+
+
+def _check_or_write_backbone(index_dir: Path, backbone: FrozenCLIP) -> None:
+    """The first build records the backbone; a rerun with another one is refused before any
+    part is mixed in (features of two backbones are not comparable)."""
+    record = backbone_record(backbone)
+    path = index_dir / BACKBONE_FILE
+    if path.is_file():
+        found = read_json(path)
+        if found.get("slug") != record["slug"]:
+            raise GalleryIndexError(
+                f"index {index_dir} was built with backbone {found.get('identity')} "
+                f"({found.get('precision')}), not {record['identity']} ({record['precision']}); "
+                f"give another --index folder, or delete {index_dir} to rebuild it")
+        return
+    write_json_atomic(path, record, indent=2)
+
+
+def _read_manifest(index_dir: Path) -> dict | None:
+    path = index_dir / MANIFEST
+    if not path.is_file():
+        return None
+    manifest = read_json(path)
+    if manifest.get("format") != INDEX_FORMAT:
+        raise GalleryIndexError(f"{path} is not a demind index (format {manifest.get('format')!r}, "
+                                f"expected {INDEX_FORMAT!r})")
+    return manifest
+
+
+def build_index(
+    images: str | Path,
+    index_dir: str | Path,
+    backbone: FrozenCLIP,
+    batch_size: int = 64,
+    num_workers: int = 0,
+    part_size: int = 1024,
+    progress: bool = True,
+) -> IndexBuildStats:
+    """Build or update the index of every image under ``images`` into ``index_dir``.
+
+    Only new or changed files are encoded (``encode_image_refs`` reuses every part whose key
+    matches); files that failed to decode before and have not changed are not retried.
+    When files were removed or changed the parts are compacted so they hold only live entries.
+    """
+    start = time.perf_counter()
+    images, index_dir = Path(images), Path(index_dir)
+    index_dir.mkdir(parents=True, exist_ok=True)
+    _check_or_write_backbone(index_dir, backbone)
+    previous = _read_manifest(index_dir) or {"images": [], "unreadable": {}, "root": None}
+    if previous["root"] and Path(previous["root"]) != images.resolve():
+        log.warning("index %s was built from %s; it now follows %s (files only in the old folder are dropped)",
+                    index_dir, previous["root"], images.resolve())
+    refs, bad_shards = list_gallery_images(images)
+    stats = IndexBuildStats(images=len(refs))
+    stats.members = {r.name: (r.path.relative_to(images).as_posix(), *r.span) for r in refs if r.span}
+
+    known_bad = previous["unreadable"]  # name -> [key, reason]; unchanged since it failed: not retried
+    still_bad = {r.name for r in refs if r.name in known_bad and known_bad[r.name][0] == r.cache_key}
+    stats.unreadable = {name: known_bad[name][1] for name in sorted(still_bad)}
+    todo = [r for r in refs if r.name not in still_bad]
+
+    cache = ImageFeatureCache.at(index_dir)
+    features, encode_stats = encode_image_refs(backbone, todo, cache, ROLE, batch_size, num_workers, part_size,
+                                               progress, desc="index images", on_unreadable="skip")
+    stats.cached, stats.encoded = encode_stats.cached, encode_stats.encoded
+    stats.unreadable.update(encode_stats.unreadable)
+    stats.unreadable.update(bad_shards)  # retried on every run (listing a shard is cheap)
+    keys = {r.name: r.cache_key for r in refs}
+    names = [r.name for r in refs if r.name in features]
+    stats.indexed = len(names)
+
+    previous_keys = dict(previous["images"])
+    stats.removed = sum(1 for name in previous_keys if name not in keys)
+    dead = set(previous_keys.items()) - {(n, keys[n]) for n in names}  # removed, changed or now unreadable
+    if dead:
+        # their entries would otherwise stay in the parts for ever (load ignores them: disk only)
+        log.info("compacting %s: %d entries removed or superseded", index_dir, len(dead))
+        cache.replace_all(ROLE, names, [keys[n] for n in names], stack_features(features, names), part_size)
+
+    record = backbone_record(backbone)
+    write_json_atomic(index_dir / MANIFEST, {
+        "format": INDEX_FORMAT,
+        "root": str(images.resolve()),
+        "backbone": record["identity"], "backbone_slug": record["slug"],
+        "precision": record["precision"], "embed_dim": record["embed_dim"],
+        "images": [[n, keys[n]] for n in names],
+        "members": {n: stats.members[n] for n in names if n in stats.members},
+        "unreadable": {n: [keys.get(n), reason] for n, reason in sorted(stats.unreadable.items())},
+    })
+    stats.seconds = time.perf_counter() - start
+    if stats.unreadable:
+        log.warning("%d unreadable image(s) left out of the index, e.g. %s", len(stats.unreadable),
+                    next(iter(stats.unreadable.values())))
+    return stats
+
+
+def load_index(index_dir: str | Path, root: str | Path | None = None) -> GalleryIndex:
+    """Load a finished index; ``root`` overrides where its images live (a moved folder).
+
+    Returns a :class:`GalleryIndex` with (N, D) L2-normalised features in file-list order.
+    """
+    index_dir = Path(index_dir)
+    manifest = _read_manifest(index_dir)
+    if manifest is None:
+        hint = (" (it holds parts of an unfinished build: rerun demind-index to finish it)"
+                if (index_dir / ROLE).is_dir() else "")
+        raise GalleryIndexError(f"no index at {index_dir}: {MANIFEST} is missing{hint}; "
+                                f"build one with demind-index --images DIR --index {index_dir} --checkpoint CKPT")
+    stored = ImageFeatureCache.at(index_dir).load(ROLE)
+    names = [name for name, _ in manifest["images"]]
+    stale = [name for name, key in manifest["images"] if stored.get(name, ("",))[0] != key]
+    if stale:
+        raise GalleryIndexError(f"index {index_dir} lacks the embeddings of {len(stale)} listed file(s), e.g. "
+                                f"{stale[0]}; rerun demind-index on it")
+    features = stack_features({n: stored[n][1] for n in names}, names)
+    if not names:
+        features = torch.zeros(0, manifest["embed_dim"])
+    return GalleryIndex(directory=index_dir, root=Path(root) if root else Path(manifest["root"]), names=names,
+                        features=F.normalize(features.float(), dim=-1), backbone=manifest["backbone"],
+                        backbone_slug=manifest["backbone_slug"], precision=manifest["precision"],
+                        members={n: tuple(v) for n, v in manifest.get("members", {}).items()})
+
+
+def check_index_backbone(index: GalleryIndex, backbone: FrozenCLIP) -> None:
+    """Fail, naming both, when ``index`` was encoded by another backbone (or precision)."""
+    if index.backbone_slug != backbone_cache_slug(backbone):
+        raise GalleryIndexError(
+            f"index {index.directory} was built with backbone {index.backbone} ({index.precision}), but the "
+            f"checkpoint's backbone is {backbone.identity} ({backbone.cfg.precision}); rebuild the index with "
+            f"demind-index --images {index.root} --index NEW_DIR --checkpoint CKPT")

@@ -1,0 +1,244 @@
+"""Composed queries against a gallery index: embed through the evaluation methods, rank.
+
+A query (reference image + modification text, through a template with one ``*``) is embedded
+by the same method classes the benchmarks use (``demind.eval.methods``), so a search and a
+benchmark run of one checkpoint score images identically. Ranking is an exact matrix product
+by default; FAISS (``pip install -e '.[search]'``) gives the same ranking with ``IndexFlatIP``
+and an approximate one with HNSW for large galleries.
+
+Methods are whatever the evaluation registry offers (validated by ``parse_method_names``), so
+DEO's ``<method>+deo`` variants (issue 15, ``demind.negation``: automatic decomposition of "...
+without the dog") appear here as soon as the registry has them. An explicit negative text
+(``SearchQuery.negative``, ``--negative``) is the hook for DEO with given negatives; until it is
+wired it is refused with a message, never ignored (see :func:`_apply_negation`).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from demind.backbone import PLACEHOLDER, FrozenCLIP
+from demind.config import MissingDependencyError
+from demind.eval import methods as registry
+from demind.eval.methods import CHECKPOINT_METHODS, METHOD_LABELS, METHODS, build_methods, parse_method_names
+from demind.eval.structures import ImageReadError, ImageRef, load_image
+from demind.model import TEMPLATES, DeMinds, fill_template, template_field
+from demind.search.index import GalleryIndex, check_index_backbone
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TEMPLATE = TEMPLATES["cirr"]
+DEFAULT_METHOD = "demind"
+RANKERS = ("exact", "faiss-flat", "faiss-hnsw")
+IMAGE_METHODS = ("image-only", "image+text", "mapping-only", "demind")  # need a reference image
+TEXT_METHODS = ("text-only", "image+text", "mapping-only", "demind")    # need a modification text
+PROMPT_METHODS = ("mapping-only", "demind")                              # fill the template
+
+
+def base_method(name: str) -> str:
+    """``"demind+deo"`` -> ``"demind"``: what a DEO variant needs is what its base method needs."""
+    return name.split("+deo", 1)[0]
+
+
+def method_label(name: str) -> str:
+    """The page's name of a method: ``"demind+deo-adam"`` -> ``"De-MINDS + DEO (adam)"``."""
+    base = base_method(name)
+    return METHOD_LABELS.get(base, base) + (f" + DEO ({name[len(base) + 5:] or 'exact'})" if name != base else "")
+
+
+class SearchError(ValueError):
+    """A query that cannot be answered as given; the message says what to change."""
+
+
+@dataclass
+class SearchQuery:
+    """One composed query.
+
+    image: reference image (a path, an indexed image's ImageRef, or the bytes of an uploaded
+        file), or None for text-only.
+    text: the modification text ("make it red").
+    template: the prompt with one ``*`` (the pseudo-word) and one ``{text}`` field.
+    exclude: a gallery name never returned (the reference itself when it was picked from the gallery).
+    negative: what the results must not show (DEO hook, see the module docstring).
+    """
+
+    image: str | Path | ImageRef | bytes | None
+    text: str
+    method: str = DEFAULT_METHOD
+    template: str = DEFAULT_TEMPLATE
+    k: int = 20
+    exclude: str | None = None
+    negative: str | None = None
+    qid: str | None = None
+
+
+@dataclass
+class SearchHit:
+    rank: int
+    name: str
+    score: float
+    path: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def read_query_image(image: str | Path | ImageRef | bytes) -> Image.Image:
+    """Decode a reference image (path, ImageRef or uploaded bytes) to RGB; SearchError naming it if it fails."""
+    if isinstance(image, (bytes, bytearray)):
+        try:
+            with Image.open(io.BytesIO(image)) as img:
+                return img.convert("RGB")
+        except (OSError, ValueError, Image.DecompressionBombError) as e:
+            raise SearchError(f"the uploaded reference image cannot be read ({e}); upload a PNG, JPEG or WebP "
+                              f"image") from None
+    ref = image if isinstance(image, ImageRef) else ImageRef(name=Path(image).name, path=Path(image))
+    if not ref.path.is_file():
+        raise SearchError(f"reference image {ref.path} does not exist")
+    try:
+        return load_image(ref)
+    except ImageReadError as e:
+        raise SearchError(str(e).replace("remove it from the split", "give another image")) from None
+
+
+def build_prompt(template: str, text: str) -> str:
+    """The template's one field filled with ``text``: ``("a {domain} of *", "sketch")`` -> ``"a sketch of *"``.
+
+    A template needs one ``*`` (the reference image's pseudo-word) and one ``{field}``."""
+    try:
+        field_name = template_field(template)
+    except ValueError:
+        raise SearchError(f"template {template!r} must contain one {PLACEHOLDER!r} (the reference image's "
+                          f"pseudo-word) and one field such as '{{text}}', e.g. {DEFAULT_TEMPLATE!r}") from None
+    return fill_template(template, **{field_name: text})
+
+
+def _apply_negation(query: SearchQuery) -> None:
+    """The hook for DEO with explicitly given negatives: refused (not ignored) until it is wired."""
+    if query.negative:
+        if getattr(registry, "DEO_METHODS", ()):
+            raise SearchError(f"--negative is not wired to DEO yet; write the negation into the text "
+                              f"(e.g. '{query.text}, without {query.negative}') and use a '+deo' method")
+        raise SearchError("negative texts (--negative) need DEO's negation module (demind.negation, issue 15), "
+                          "which this build does not include yet; put the whole request in the modification text")
+
+
+class Ranker:
+    """Top-k inner-product search over (N, D) L2-normalised rows."""
+
+    def __init__(self, features: torch.Tensor, kind: str = "exact", hnsw_m: int = 32, ef_search: int = 128) -> None:
+        if kind not in RANKERS:
+            raise SearchError(f"unknown ranker {kind!r}; choose from {', '.join(RANKERS)}")
+        self.kind = kind
+        self.features = features.float().contiguous()
+        self.faiss_index = None
+        if kind != "exact":
+            self.faiss_index = build_faiss_index(self.features, kind, hnsw_m, ef_search)
+
+    def top_k(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, D) queries -> (B, k') scores and row indices, best first; k' = min(k, N)."""
+        k = min(k, self.features.shape[0])
+        if self.faiss_index is None:
+            return torch.topk(queries.float().cpu() @ self.features.T, k, dim=1)
+        scores, rows = self.faiss_index.search(queries.float().cpu().contiguous().numpy(), k)
+        return torch.from_numpy(scores), torch.from_numpy(rows).long()
+
+
+def build_faiss_index(features: torch.Tensor, kind: str, hnsw_m: int = 32, ef_search: int = 128):
+    """FAISS index over (N, D) rows: ``faiss-flat`` exact inner product, ``faiss-hnsw`` approximate."""
+    try:
+        import faiss
+    except ImportError as e:
+        raise MissingDependencyError(f"ranker {kind!r} needs FAISS: pip install -e '.[search]' (faiss-cpu)") from e
+    dim = features.shape[1]
+    if kind == "faiss-flat":
+        index = faiss.IndexFlatIP(dim)
+    else:
+        index = faiss.IndexHNSWFlat(dim, hnsw_m, faiss.METRIC_INNER_PRODUCT)
+        index.hnsw.efSearch = ef_search
+    index.add(features.numpy())
+    return index
+
+
+class Searcher:
+    """Embeds composed queries with one checkpoint and ranks one index; both load once."""
+
+    def __init__(self, backbone: FrozenCLIP, model: DeMinds | None, index: GalleryIndex,
+                 ranker: str = "exact") -> None:
+        check_index_backbone(index, backbone)
+        self.backbone, self.model, self.index = backbone, model, index
+        self.ranker = Ranker(index.features, ranker)
+        self.methods: dict[str, registry.RetrievalMethod] = {}  # built on first use
+
+    def available_methods(self) -> list[str]:
+        """Every method of the registry this checkpoint allows, De-MINDS first (DEO variants last)."""
+        names = [DEFAULT_METHOD] + [m for m in METHODS if m != DEFAULT_METHOD] + list(getattr(registry, "DEO_METHODS", ()))
+        return [m for m in names if self.model is not None or base_method(m) not in CHECKPOINT_METHODS]
+
+    def method(self, name: str) -> registry.RetrievalMethod:
+        if name not in self.methods:
+            self.methods[name] = build_methods([name], self.backbone, self.model)[0]
+        return self.methods[name]
+
+    def validate(self, query: SearchQuery) -> None:
+        """SearchError for a query that cannot be answered, naming what to change."""
+        try:
+            parse_method_names([query.method], have_model=self.model is not None)
+        except ValueError as e:
+            raise SearchError(str(e).replace("pass --checkpoint", "start with --checkpoint")) from None
+        base = base_method(query.method)
+        if base in TEXT_METHODS and not (query.text or "").strip():
+            raise SearchError("the modification text is empty; type what should change, e.g. 'make it red'")
+        if base in IMAGE_METHODS and query.image is None:
+            raise SearchError(f"method {query.method!r} needs a reference image")
+        if query.k < 1:
+            raise SearchError(f"k must be at least 1, got {query.k}")
+        if base in PROMPT_METHODS:
+            build_prompt(query.template, "x")
+        if len(self.index) == 0:
+            raise SearchError(f"the index {self.index.directory} holds no images")
+        _apply_negation(query)
+
+    @torch.no_grad()
+    def embed(self, query: SearchQuery) -> torch.Tensor:
+        """(1, D) L2-normalised query embedding."""
+        self.validate(query)
+        base = base_method(query.method)
+        if query.image is not None and base in IMAGE_METHODS:
+            pixels = self.backbone.preprocess(read_query_image(query.image)).unsqueeze(0)
+            ref = self.backbone.encode_image(pixels)
+        else:
+            ref = torch.zeros(1, self.backbone.embed_dim, device=self.backbone.device)
+        text = " ".join(query.text.split())
+        prompt = build_prompt(query.template, text) if base in PROMPT_METHODS else text
+        return self.method(query.method).embed(ref, [prompt], [text]).float().cpu()
+
+    def search(self, query: SearchQuery) -> list[SearchHit]:
+        """The top ``query.k`` gallery images, best first (the excluded name never appears)."""
+        q = self.embed(query)
+        extra = 1 if query.exclude is not None else 0
+        scores, rows = self.ranker.top_k(q, query.k + extra)
+        hits = []
+        for score, row in zip(scores[0].tolist(), rows[0].tolist()):
+            if row < 0:  # FAISS pads with -1 when it finds fewer than k
+                continue
+            name = self.index.names[row]
+            if name == query.exclude:
+                continue
+            hits.append(SearchHit(len(hits) + 1, name, round(float(score), 6), str(self.index.path_of(name))))
+            # (a shard member's path is its shard; the name says which member)
+        return hits[: query.k]
+
+    def gallery_name_of(self, path: str | Path) -> str | None:
+        """The indexed name of ``path`` when the file lies in the indexed folder (to exclude it)."""
+        try:
+            name = Path(path).resolve().relative_to(self.index.root.resolve()).as_posix()
+        except ValueError:
+            return None
+        return name if name in set(self.index.names) else None

@@ -1,0 +1,351 @@
+"""Gallery index and composed search: build, incremental update, resume after a kill, corrupt
+files, ranking against an oracle, FAISS == exact, bad inputs, and the command lines."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from demind.backbone import BackboneConfig, FrozenCLIP
+from demind.checkpoint import save_checkpoint
+from demind.model import DeMinds, ModelConfig
+from demind.search.index import GalleryIndexError, build_index, load_index
+from demind.search.query import Ranker, SearchError, Searcher, SearchQuery
+
+TINY_CLIP = Path(__file__).resolve().parents[1] / "configs" / "model" / "tiny-clip.json"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """One thread: on the shared 2-core machine OpenMP threads only spin against other jobs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def write_image(path: Path, seed: int, size: int = 16) -> Path:
+    rng = np.random.default_rng(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """A tiny De-MINDS checkpoint whose backbone weights live in a file, so every process
+    (the CLIs run in-process here) rebuilds the same backbone."""
+    folder = tmp_path_factory.mktemp("ckpt")
+    torch.manual_seed(0)
+    random_backbone = FrozenCLIP(BackboneConfig(name=str(TINY_CLIP), pretrained=None))
+    weights = folder / "tiny-clip-weights.pt"
+    torch.save(random_backbone.model.state_dict(), weights)
+    backbone = FrozenCLIP(BackboneConfig(name=str(TINY_CLIP), pretrained=str(weights)))
+    torch.manual_seed(0)
+    model = DeMinds(ModelConfig(num_queries=2, num_blocks=1, num_heads=4, mapping_hidden=16, gate_init=0.5), backbone)
+    return save_checkpoint(folder / "tiny.safetensors", model)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_checkpoint):
+    from demind.checkpoint import load_backbone_and_model
+
+    return load_backbone_and_model(tiny_checkpoint)
+
+
+@pytest.fixture()
+def gallery(tmp_path) -> Path:
+    for i in range(6):
+        write_image(tmp_path / "gallery" / f"img{i}.png", i)
+    write_image(tmp_path / "gallery" / "sub" / "deep.jpg", 99)
+    (tmp_path / "gallery" / "notes.txt").write_text("not an image")
+    return tmp_path / "gallery"
+
+
+def build(gallery: Path, index: Path, backbone, **kw):
+    return build_index(gallery, index, backbone, batch_size=2, part_size=3, progress=False, **kw)
+
+
+def test_index_holds_every_image_and_matches_direct_encoding(gallery, tmp_path, loaded):
+    backbone, _ = loaded
+    stats = build(gallery, tmp_path / "index", backbone)
+    assert stats.as_dict() | {"seconds": 0, "encoded_per_s": 0} == {
+        "images": 7, "indexed": 7, "cached": 0, "encoded": 7, "removed": 0, "unreadable": 0,
+        "seconds": 0, "encoded_per_s": 0}
+    index = load_index(tmp_path / "index")
+    assert index.names == [f"img{i}.png" for i in range(6)] + ["sub/deep.jpg"]
+    with torch.no_grad():
+        pixels = backbone.preprocess(Image.open(gallery / "sub" / "deep.jpg").convert("RGB")).unsqueeze(0)
+        direct = torch.nn.functional.normalize(backbone.encode_image(pixels), dim=-1)[0]
+    assert torch.allclose(index.features[6], direct, atol=1e-5)
+    assert torch.allclose(index.features.norm(dim=-1), torch.ones(7), atol=1e-5)
+
+
+def test_rerun_encodes_only_new_and_changed_files_and_drops_removed_ones(gallery, tmp_path, loaded):
+    backbone, _ = loaded
+    build(gallery, tmp_path / "index", backbone)
+    before = load_index(tmp_path / "index")
+
+    write_image(gallery / "new.png", 50)                    # added
+    write_image(gallery / "img1.png", 51)                   # changed content (size equal, mtime differs)
+    os.utime(gallery / "img1.png", ns=(1, 1_000_000_000))
+    (gallery / "img2.png").unlink()                         # removed
+    stats = build(gallery, tmp_path / "index", backbone)
+    assert (stats.encoded, stats.cached, stats.removed, stats.indexed) == (2, 5, 1, 7)
+
+    after = load_index(tmp_path / "index")
+    assert "img2.png" not in after.names and "new.png" in after.names
+    row = {n: i for i, n in enumerate(after.names)}
+    old_row = {n: i for i, n in enumerate(before.names)}
+    assert torch.equal(after.features[row["img0.png"]], before.features[old_row["img0.png"]])
+    assert not torch.allclose(after.features[row["img1.png"]], before.features[old_row["img1.png"]])
+    # compaction: the parts hold exactly the live entries
+    stored = sum(len(torch.load(p, weights_only=True)["names"]) for p in (tmp_path / "index" / "embeddings").glob("part-*.pt"))
+    assert stored == 7
+    assert build(gallery, tmp_path / "index", backbone).encoded == 0  # nothing changed: nothing encoded
+
+
+def test_a_killed_build_resumes_from_its_finished_parts(gallery, tmp_path, loaded, monkeypatch):
+    backbone, _ = loaded
+    import demind.eval.image_cache as image_cache
+
+    real, calls = image_cache._encode_chunk, []
+
+    def dies_on_second_part(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("killed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(image_cache, "_encode_chunk", dies_on_second_part)
+    with pytest.raises(KeyboardInterrupt):
+        build(gallery, tmp_path / "index", backbone)
+    assert not (tmp_path / "index" / "index.json").exists()  # unfinished: not loadable ...
+    with pytest.raises(GalleryIndexError, match="unfinished build"):
+        load_index(tmp_path / "index")
+    monkeypatch.setattr(image_cache, "_encode_chunk", real)
+    stats = build(gallery, tmp_path / "index", backbone)   # ... until the rerun finishes it
+    assert (stats.cached, stats.encoded, stats.indexed) == (3, 4, 7)
+    fresh = build(gallery, tmp_path / "fresh", backbone)
+    assert fresh.encoded == 7
+    assert torch.allclose(load_index(tmp_path / "index").features, load_index(tmp_path / "fresh").features, atol=1e-6)
+
+
+def test_corrupt_images_are_skipped_counted_and_not_retried_until_changed(gallery, tmp_path, loaded):
+    backbone, _ = loaded
+    (gallery / "broken.jpg").write_bytes(b"not a jpeg")
+    stats = build(gallery, tmp_path / "index", backbone)
+    assert (stats.indexed, len(stats.unreadable)) == (7, 1)
+    assert "broken.jpg" in stats.unreadable["broken.jpg"]
+    assert "broken.jpg" not in load_index(tmp_path / "index").names
+    again = build(gallery, tmp_path / "index", backbone)
+    assert (again.encoded, len(again.unreadable)) == (0, 1)   # still counted, not re-decoded
+    write_image(gallery / "broken.jpg", 7)                     # repaired
+    fixed = build(gallery, tmp_path / "index", backbone)
+    assert (fixed.encoded, len(fixed.unreadable), fixed.indexed) == (1, 0, 8)
+
+
+def test_an_index_of_another_backbone_is_refused_naming_both(gallery, tmp_path, loaded, tiny_backbone):
+    backbone, model = loaded
+    build(gallery, tmp_path / "index", tiny_backbone)  # random-init backbone: another identity
+    with pytest.raises(GalleryIndexError, match="was built with backbone"):
+        build(gallery, tmp_path / "index", backbone)
+    with pytest.raises(GalleryIndexError, match="checkpoint's backbone"):
+        Searcher(backbone, model, load_index(tmp_path / "index"))
+
+
+def oracle_searcher(features: torch.Tensor, names: list[str], loaded, ranker: str = "exact") -> Searcher:
+    """A searcher over a hand-made index, so the expected ranking is known exactly."""
+    from demind.eval.image_cache import backbone_cache_slug
+    from demind.search.index import GalleryIndex
+
+    backbone, model = loaded
+    index = GalleryIndex(Path("oracle"), Path("/gallery"), names, torch.nn.functional.normalize(features, dim=-1),
+                         backbone.identity, backbone_cache_slug(backbone), backbone.cfg.precision)
+    return Searcher(backbone, model, index, ranker)
+
+
+def test_results_are_ranked_by_cosine_with_the_query(tmp_path, loaded):
+    backbone, model = loaded
+    ref = write_image(tmp_path / "ref.png", 3)
+    searcher = oracle_searcher(torch.randn(4, backbone.embed_dim), ["a", "b", "c", "d"], loaded)
+    q = searcher.embed(SearchQuery(image=ref, text="make it red"))
+    # an oracle gallery: scores 0.9, -0.5, 0.2 and 1.0 with the query, by construction
+    orth = torch.randn(4, backbone.embed_dim)
+    orth -= (orth @ q[0])[:, None] * q[0]
+    orth = torch.nn.functional.normalize(orth, dim=-1)
+    cos = torch.tensor([0.9, -0.5, 0.2, 1.0])
+    gallery = cos[:, None] * q[0] + (1 - cos[:, None] ** 2).clamp(min=0).sqrt() * orth
+    searcher = oracle_searcher(gallery, ["a", "b", "c", "d"], loaded)
+    hits = searcher.search(SearchQuery(image=ref, text="make it red", k=3))
+    assert [h.name for h in hits] == ["d", "a", "c"]
+    assert [h.score for h in hits] == pytest.approx([1.0, 0.9, 0.2], abs=1e-5)
+    excluded = searcher.search(SearchQuery(image=ref, text="make it red", k=3, exclude="d"))
+    assert [h.name for h in excluded] == ["a", "c", "b"]
+
+
+def test_faiss_flat_equals_exact_and_hnsw_recalls_it(loaded):
+    pytest.importorskip("faiss", reason="faiss-cpu not installed (optional extra 'search')")
+    generator = torch.Generator().manual_seed(0)
+    gallery = torch.nn.functional.normalize(torch.randn(2000, 32, generator=generator), dim=-1)
+    queries = torch.nn.functional.normalize(torch.randn(50, 32, generator=generator), dim=-1)
+    exact_scores, exact_rows = Ranker(gallery, "exact").top_k(queries, 10)
+    flat_scores, flat_rows = Ranker(gallery, "faiss-flat").top_k(queries, 10)
+    assert torch.equal(flat_rows, exact_rows)
+    assert torch.allclose(flat_scores, exact_scores, atol=1e-5)
+    _, hnsw_rows = Ranker(gallery, "faiss-hnsw").top_k(queries, 10)
+    recall = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(hnsw_rows.tolist(), exact_rows.tolist())])
+    assert recall >= 0.9
+
+
+def test_every_method_searches_the_real_index(gallery, tmp_path, loaded):
+    backbone, model = loaded
+    build(gallery, tmp_path / "index", backbone)
+    searcher = Searcher(backbone, model, load_index(tmp_path / "index"))
+    assert searcher.available_methods()[0] == "demind"
+    ref = gallery / "img3.png"
+    for method in searcher.available_methods():
+        hits = searcher.search(SearchQuery(image=ref, text="make it red", method=method, k=4))
+        assert len(hits) == 4 and [h.rank for h in hits] == [1, 2, 3, 4]
+        assert [h.score for h in hits] == sorted([h.score for h in hits], reverse=True)
+    # image-only finds the reference itself first unless it is excluded
+    assert searcher.search(SearchQuery(image=ref, text="", method="image-only", k=1))[0].name == "img3.png"
+    name = searcher.gallery_name_of(ref)
+    assert name == "img3.png"
+    assert searcher.search(SearchQuery(image=ref, text="x", method="image-only", k=1, exclude=name))[0].name != name
+    # the demind query equals the model's documented inference API
+    with torch.no_grad():
+        v = backbone.encode_image(backbone.preprocess(Image.open(ref).convert("RGB")).unsqueeze(0))
+        expected = model.query(v, ["make it red"])
+    assert torch.allclose(searcher.embed(SearchQuery(image=ref, text="make it red")), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("query, message", [
+    (dict(text="   "), "modification text is empty"),
+    (dict(image=b"garbage bytes", text="red"), "uploaded reference image cannot be read"),
+    (dict(image="missing.png", text="red"), "does not exist"),
+    (dict(text="red", method="nope"), "unknown method"),
+    (dict(text="red", template="a photo of {text}"), "must contain one"),
+    (dict(image=None, text="red"), "needs a reference image"),
+    (dict(text="red", negative="the dog"), "negation module"),
+])
+def test_bad_queries_get_one_clear_message(query, message, tmp_path, loaded):
+    backbone, _ = loaded
+    ref = write_image(tmp_path / "ref.png", 1)
+    (tmp_path / "broken.png").write_bytes(b"broken")
+    searcher = oracle_searcher(torch.randn(3, backbone.embed_dim), ["a", "b", "c"], loaded)
+    with pytest.raises(SearchError, match=message):
+        searcher.search(SearchQuery(**({"image": ref} | query)))
+    with pytest.raises(SearchError, match="broken.png"):
+        searcher.search(SearchQuery(image=tmp_path / "broken.png", text="red"))
+
+
+def test_index_and_search_commands_end_to_end(gallery, tmp_path, tiny_checkpoint, capsys):
+    from demind.cli.index import main as index_main
+    from demind.cli.search import main as search_main
+
+    (gallery / "broken.png").write_bytes(b"broken")
+    assert index_main(["--images", str(gallery), "--index", str(tmp_path / "idx"), "--checkpoint",
+                       str(tiny_checkpoint), "--quiet", "--num-workers", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "7 images (7 encoded" in out and "1 unreadable" in out and "broken.png" in out
+
+    ref = gallery / "img2.png"
+    assert search_main(["--index", str(tmp_path / "idx"), "--checkpoint", str(tiny_checkpoint), "--image", str(ref),
+                        "--text", "make it red", "-k", "3", "--out", str(tmp_path / "one.json")]) == 0
+    record = json.loads((tmp_path / "one.json").read_text())["queries"][0]
+    assert record["excluded"] == "img2.png" and len(record["results"]) == 3
+    assert "img2.png" not in [h["name"] for h in record["results"]]
+    printed = capsys.readouterr().out
+    assert all(h["name"] in printed for h in record["results"])
+
+    queries = tmp_path / "q.jsonl"
+    queries.write_text("\n".join(json.dumps(q) for q in [
+        {"id": "a", "image": str(ref), "text": "make it red", "k": 2},
+        {"id": "b", "text": "a red square", "method": "text-only"},
+        {"id": "c", "image": str(gallery / "broken.png"), "text": "red"},
+    ]))
+    assert search_main(["--index", str(tmp_path / "idx"), "--checkpoint", str(tiny_checkpoint),
+                        "--queries", str(queries), "--out", str(tmp_path / "many.json")]) == 1  # one query failed
+    records = {r["id"]: r for r in json.loads((tmp_path / "many.json").read_text())["queries"]}
+    assert records["a"]["results"] == record["results"][:2]  # the same query gives the same answer
+    assert len(records["b"]["results"]) == 7
+    assert "broken.png" in records["c"]["error"]
+
+
+def test_commands_turn_bad_input_into_one_line(gallery, tmp_path, tiny_checkpoint, tiny_backbone, capsys):
+    from demind.cli.search import main as search_main
+    from demind.search.index import build_index
+
+    common = ["--checkpoint", str(tiny_checkpoint)]
+    assert search_main(["--index", str(tmp_path / "none"), *common, "--text", "red", "--image", "x.png"]) == 2
+    assert "no index at" in capsys.readouterr().err
+    build_index(gallery, tmp_path / "other", tiny_backbone, progress=False)  # another backbone
+    assert search_main(["--index", str(tmp_path / "other"), *common, "--text", "red", "--image",
+                        str(gallery / "img0.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: index") and "checkpoint's backbone" in err and "Traceback" not in err
+    (tmp_path / "bad.jsonl").write_text('{"text": "red"}\n{"txt": "red"}\n')
+    assert search_main(["--index", str(tmp_path / "other"), *common, "--queries", str(tmp_path / "bad.jsonl")]) == 2
+    assert "bad.jsonl:2" in capsys.readouterr().err
+
+
+def test_quickstart_paths_pick_the_lowest_seed_of_the_newest_backbone(tmp_path):
+    from demind.toy.pipeline import quickstart_search_paths
+
+    with pytest.raises(FileNotFoundError, match="run the quickstart first"):
+        quickstart_search_paths(tmp_path)
+    for run in ("old/demind-seed0", "new/demind-seed1", "new/demind-seed0", "new/add-seed0"):
+        (tmp_path / "train" / run).mkdir(parents=True)
+        (tmp_path / "train" / run / "demind.safetensors").write_bytes(b"x")
+    os.utime(tmp_path / "train" / "old" / "demind-seed0" / "demind.safetensors", ns=(1, 1))
+    (tmp_path / "benchmarks" / "cirr" / "dev").mkdir(parents=True)
+    paths = quickstart_search_paths(tmp_path)
+    assert paths["checkpoint"] == tmp_path / "train" / "new" / "demind-seed0" / "demind.safetensors"
+    assert paths["images"] == tmp_path / "benchmarks" / "cirr" / "dev"
+
+
+def write_shard(path: Path, members: dict[str, bytes]) -> Path:
+    import tarfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_image_members_of_tar_shards_are_indexed_in_place(gallery, tmp_path, loaded):
+    import gzip
+
+    backbone, model = loaded
+    loose = {f"k{i}.png": write_image(tmp_path / "src" / f"k{i}.png", 70 + i).read_bytes() for i in range(3)}
+    write_shard(gallery / "shards" / "00000.tar",
+                {**loose, "k0.txt": b"a caption", "k9.jpg": b"not a jpeg"})
+    (gallery / "shards" / "00001.tar").write_bytes(gzip.compress(b"compressed shards have no byte spans"))
+    stats = build(gallery, tmp_path / "index", backbone)
+    assert (stats.indexed, sorted(stats.unreadable)) == (10, ["shards/00000.tar/k9.jpg", "shards/00001.tar"])
+    index = load_index(tmp_path / "index")
+    member = "shards/00000.tar/k1.png"
+    assert member in index.names and "shards/00000.tar/k0.txt" not in index.names
+    with torch.no_grad():  # the member's feature is that of the same image as a file
+        pixels = backbone.preprocess(Image.open(tmp_path / "src" / "k1.png").convert("RGB")).unsqueeze(0)
+        direct = torch.nn.functional.normalize(backbone.encode_image(pixels), dim=-1)[0]
+    assert torch.allclose(index.features[index.names.index(member)], direct, atol=1e-5)
+    # a member can be the reference (picked from the gallery) and is read in place
+    searcher = Searcher(backbone, model, index)
+    hit = searcher.search(SearchQuery(image=index.image_ref(member), text="", method="image-only", k=1))[0]
+    assert hit.name == member and hit.score == pytest.approx(1.0, abs=1e-5)
+    # touching the shard re-encodes its members only
+    os.utime(gallery / "shards" / "00000.tar", ns=(1, 2_000_000_000))
+    again = build(gallery, tmp_path / "index", backbone)
+    assert (again.encoded, again.cached) == (3, 7)
