@@ -252,11 +252,11 @@ def load_index(index_dir: str | Path, root: str | Path | None = None) -> Gallery
                                 f"build one with demind-index --images DIR --index {index_dir} --checkpoint CKPT")
     stored = ImageFeatureCache.at(index_dir).load(ROLE)
     names = [name for name, _ in manifest["images"]]
-    stale = [name for name, key in manifest["images"] if stored.get(name, ("",))[0] != key]
+    stale = [name for name, key in manifest["images"] if key not in stored.get(name, {})]
     if stale:
         raise GalleryIndexError(f"index {index_dir} lacks the embeddings of {len(stale)} listed file(s), e.g. "
                                 f"{stale[0]}; rerun demind-index on it")
-    features = stack_features({n: stored[n][1] for n in names}, names)
+    features = stack_features({name: stored[name][key] for name, key in manifest["images"]}, names)
     if not names:
         features = torch.zeros(0, manifest["embed_dim"])
     return GalleryIndex(directory=index_dir, root=Path(root) if root else Path(manifest["root"]), names=names,
