@@ -24,6 +24,7 @@ from demind.eval import metrics as M
 from demind.eval.circo import read_circo
 from demind.eval.cirr import read_cirr
 from demind.eval.coco import read_coco
+from demind.eval.exclcoco import read_exclcoco
 from demind.eval.exclusion import read_exclusion
 from demind.eval.fashioniq import read_fashioniq
 from demind.eval.image_cache import ImageFeatureCache, backbone_cache_slug, encode_image_refs, stack_features
@@ -35,7 +36,7 @@ from demind.model import DeMinds
 
 log = logging.getLogger(__name__)
 
-BENCHMARKS = ("cirr", "fashioniq", "coco", "imagenet-r", "circo", "exclusion")
+BENCHMARKS = ("cirr", "fashioniq", "coco", "imagenet-r", "circo", "exclusion", "exclcoco")
 RANKING_DEPTH = 50
 
 
@@ -68,6 +69,8 @@ def read_benchmark(benchmark: str, data_root: str | Path, split: str = "val", li
         return read_circo(data_root, split, limit)
     if benchmark == "exclusion":
         return read_exclusion(data_root, split, limit)
+    if benchmark == "exclcoco":
+        return read_exclcoco(data_root, split, limit)
     raise ValueError(f"unknown benchmark {benchmark!r}; choose from {', '.join(BENCHMARKS)}")
 
 
@@ -253,6 +256,8 @@ def _group_metrics(group: QueryGroup, ranked: torch.Tensor, relevant: list[froze
         values = {f"R@{k}": v for k, v in M.fraction_recall_at_k(rel, n_relevant, group.ks).items()}
     elif group.metric == "map":
         values = {f"mAP@{k}": v for k, v in M.map_at_k(rel, n_relevant, group.ks).items()}
+    elif group.metric == "exclusion":
+        values = M.exclusion_metrics(rel, n_relevant)
     else:
         raise ValueError(f"unknown metric family {group.metric!r}")
     if group.subset_ks:
