@@ -99,6 +99,7 @@ def evaluate(
     num_workers: int = 0,
     limit: int | None = None,
     progress: bool = True,
+    exclmm: Any = None,
 ) -> dict[str, Any]:
     """Evaluate ``methods`` on one benchmark split; returns the results dict (values in percent).
 
@@ -109,6 +110,7 @@ def evaluate(
     methods: names or a comma-separated string; None = every method the inputs allow.
     out_dir: where results.json, rankings/, table.md and submission files go (None: nothing written).
     cache_dir: image-feature cache (default ``<out_dir>/feature_cache``; no cache without either).
+    exclmm: a loaded ExclMM (:func:`demind.exclmm.load_exclmm`), for the ``exclmm`` method.
     """
     if backbone is None:
         if model is None:
@@ -116,7 +118,8 @@ def evaluate(
                               "demind.checkpoint.load_backbone_and_model")
         backbone = model.backbone
     data = read_benchmark(benchmark, data_root, split, limit, options)
-    method_objs = build_methods(parse_method_names(methods, model is not None), backbone, model)
+    method_objs = build_methods(parse_method_names(methods, model is not None, exclmm is not None), backbone, model,
+                                exclmm)
     if cache_dir is None and out_dir is not None:
         cache_dir = Path(out_dir) / "feature_cache"
     cache = ImageFeatureCache(cache_dir, backbone_cache_slug(backbone), data.benchmark, data.split) if cache_dir else None
@@ -132,8 +135,8 @@ def evaluate(
     outcomes: dict[str, dict[str, GroupOutcome]] = {}
     for method in method_objs:
         outcomes[method.name] = {
-            g.name: score_group(method, g, galleries[id(g.gallery)], features, data.has_ground_truth,
-                                batch_size, progress)
+            g.name: score_group(method, g, method.map_gallery(galleries[id(g.gallery)]), features,
+                                data.has_ground_truth, batch_size, progress)
             for g in data.groups
         }
     if was_training:
