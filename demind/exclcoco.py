@@ -195,19 +195,27 @@ class LabelIndex:
     caption_words: list[str]
     phrases: dict[str, list[tuple[str, ...]]]  # label -> token phrases
 
+    def __post_init__(self) -> None:
+        # phrase length -> {token tuple: label}, longest first (a dict lookup per position)
+        by_length: dict[int, dict[tuple[str, ...], str]] = defaultdict(dict)
+        for label, ph in self.phrases.items():
+            for p in ph:
+                by_length[len(p)].setdefault(p, label)
+        self._by_length = sorted(by_length.items(), key=lambda kv: -kv[0])
+        self._order = {label: k for k, label in enumerate(self.phrases)}
+
     def mentioned(self, caption_tokens: list[str]) -> list[str]:
         """Labels the caption names, in label order. Longer phrases claim their tokens first, so
         "a hot dog" names "hot dog" and not "dog"."""
-        by_length = sorted(((p, label) for label, ph in self.phrases.items() for p in ph), key=lambda x: -len(x[0]))
         free = list(caption_tokens)
         found = set()
-        for phrase, label in by_length:
-            n = len(phrase)
+        for n, table in self._by_length:
             for i in range(len(free) - n + 1):
-                if tuple(free[i:i + n]) == phrase:
+                label = table.get(tuple(free[i:i + n]))
+                if label is not None:
                     found.add(label)
                     free[i:i + n] = [""] * n  # claimed
-        return [label for label in self.phrases if label in found]
+        return sorted(found, key=self._order.__getitem__)
 
 
 def _load(path: Path, keys: tuple[str, ...]) -> dict[str, Any]:
@@ -258,10 +266,23 @@ def image_labels(instances: dict[str, Any], captions_by_image: dict[int, list[li
     return {k: frozenset(v) for k, v in labels.items()}
 
 
-def ground_truth(include: list[str], exclude: str, labels: dict[int, frozenset[str]]) -> list[int]:
-    """Image ids whose label set holds every include label and not the exclude label, sorted."""
-    need = set(include)
-    return sorted(i for i, have in labels.items() if need <= have and exclude not in have)
+def ground_truth(include: list[str], exclude: str, images_with: dict[str, set[int]]) -> list[int]:
+    """Image ids whose label set holds every include label and not the exclude label, sorted.
+
+    images_with: label -> ids of the images whose label set holds it (an inverted index, so a
+    query costs set intersections rather than a pass over every image).
+    """
+    found = set.intersection(*(images_with.get(x, set()) for x in include))
+    return sorted(found - images_with.get(exclude, set()))
+
+
+def invert(labels: dict[int, frozenset[str]]) -> dict[str, set[int]]:
+    """image id -> labels  =>  label -> image ids."""
+    out: dict[str, set[int]] = defaultdict(set)
+    for image_id, have in labels.items():
+        for x in have:
+            out[x].add(image_id)
+    return dict(out)
 
 
 def with_article(label: str) -> str:
@@ -359,9 +380,10 @@ def build_exclcoco(instances_path: str | Path, captions_path: str | Path, out_di
 
     pairs = form_pairs(captions, labels, index, cfg, counts)
     file_of = {img["id"]: img["file_name"] for img in instances["images"]}
+    images_with = invert(labels)
     queries = []
     for pair in pairs:
-        gt = ground_truth(pair["include"], pair["exclude"], labels)
+        gt = ground_truth(pair["include"], pair["exclude"], images_with)
         if not gt:
             counts.drop("no ground truth")
             continue

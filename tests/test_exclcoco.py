@@ -114,3 +114,49 @@ def test_reader_gives_text_queries_over_the_whole_split(fixture_coco, tmp_path):
     (tmp_path / "bad" / "exclcoco.json").write_text(json.dumps(broken))
     with pytest.raises(ValueError, match="cannot be ground truth"):
         read_exclcoco(tmp_path / "bad")
+
+
+def test_llm_texts_accepted_only_when_they_name_the_excluded_label(fixture_coco, tmp_path):
+    _, instances, captions, images = fixture_coco
+    seen = []
+
+    def fake_llm(queries):
+        seen.extend(queries)
+        # even rows name the excluded label (accepted), odd rows do not (template kept)
+        return [f"{q['include'][0]} but no {q['exclude']}" if i % 2 == 0 else "something else"
+                for i, q in enumerate(queries)]
+
+    fake_llm.record = {"version": "fake"}
+    path, counts = build_exclcoco(instances, captions, tmp_path / "llm", images,
+                                  ExclCocoConfig(caption_min_images=10, query_source="llm"), llm=fake_llm)
+    data = json.loads(path.read_text())
+    assert all(q["image_path"].is_file() for q in seen)
+    sources = [q["text_source"] for q in data["queries"]]
+    assert sources[0::2] == ["llm"] * len(sources[0::2])
+    assert set(sources[1::2]) == {"template (llm output rejected)"}
+    assert data["queries"][0]["query"].endswith(f"but no {data['queries'][0]['exclude']}")
+    assert counts.text_sources == {"llm": len(sources[0::2]), "template (llm output rejected)": len(sources[1::2])}
+    assert data["prompt"] == {"version": "fake"}
+
+
+@pytest.mark.slow
+def test_llm_query_source_end_to_end_with_the_tiny_llava(fixture_coco, tmp_path, capsys):
+    from demind.cli import build_exclcoco as cli
+    from demind.gen.tiny_model import build_tiny_llava_next
+
+    folder, *_ = fixture_coco
+    model = build_tiny_llava_next(tmp_path / "tiny-llava")
+    config = tmp_path / "llm.yaml"
+    config.write_text(f"engine: {{name: transformers, model: {model}, dtype: float32, device: cpu, batch_size: 16}}\n"
+                      "sampling: {temperature: 0.7, top_p: 0.9, seed: 0}\nio: {image_max_side: 64}\n")
+    args = ["--annotations", str(folder / "annotations"), "--split", "val2017", "--images", str(folder / "val2017"),
+            "--out", str(tmp_path / "out"), "--caption-min-images", "0", "--max-per-caption", "1",
+            "--query-source", "llm", "--llm-config", str(config)]
+    assert cli.main(args) == 0
+    data = json.loads((tmp_path / "out" / "exclcoco.json").read_text())
+    assert data["prompt"]["version"] == "v1" and len(data["prompt"]["sha"]) == 12
+    assert data["counts"]["kept"] == len(data["queries"]) == sum(data["counts"]["text_sources"].values())
+    assert {q["text_source"] for q in data["queries"]} <= {"llm", "template (llm output rejected)"}
+    assert "query text:" in capsys.readouterr().out
+    assert cli.main([*args[:-4], "--query-source", "llm"]) == 2  # no --llm-config: one clear line
+    assert "needs --llm-config" in capsys.readouterr().err

@@ -90,6 +90,8 @@ def test_train_end_to_end_and_evaluate(repo_root, train_split, tmp_path, capsys)
         assert got["Hits@10"] >= got["Hits@5"] >= got["AP@1"]
     assert cli.main(smoke_args(repo_root, train_split, run)) == 0  # finished: left as is
     assert all(torch.equal(before[k], v) for k, v in load_file(export).items())
+    assert cli.main(smoke_args(repo_root, train_split, run, "run.seed=1")) == 2  # another recipe, same folder
+    assert "written with another config (differs in ['seed'])" in capsys.readouterr().err
     with pytest.raises(ValueError, match="trained on backbone"):
         load_exclmm(export, {"name": "other"})
 

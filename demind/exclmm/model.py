@@ -203,6 +203,14 @@ class ExclMM(nn.Module):
         return Path(path)
 
 
+def read_export_config(path: str | Path) -> dict[str, Any]:
+    """The training config recorded in an export."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return json.loads((f.metadata() or {})["config"])
+
+
 def load_exclmm(path: str | Path, backbone_identity: dict[str, Any] | None = None,
                 device: str | torch.device = "cpu") -> ExclMM:
     """Load an export; with ``backbone_identity`` it must match the one it was trained on."""

@@ -17,7 +17,6 @@ run draws the same batches as an uninterrupted one. CLIP features are computed o
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import asdict, dataclass, field
@@ -277,23 +276,47 @@ def run_phase(name: str, model: ExclMM, params: list[torch.nn.Parameter], steps:
             save_state(state_path, model, optim, name, done, cfg)
 
 
+def result_defining(cfg: ExclMMConfig | dict) -> dict[str, Any]:
+    """The parts of a config that change the trained weights (not logging or where to write)."""
+    d = asdict(cfg) if not isinstance(cfg, dict) else cfg
+    return {"backbone": d["backbone"], "train": d["data"]["train"], "sae": d["sae"], "space": d["space"],
+            "query": d["query"], "seed": d["run"]["seed"]}
+
+
+def check_same_run(found: dict, cfg: ExclMMConfig, path: Path) -> None:
+    """A state or export in ``run.output_dir`` must come from the same recipe, or we would resume
+    (or reuse) another experiment under this one's name."""
+    old, new = result_defining(found), result_defining(cfg)
+    if old != new:
+        diff = [k for k in new if old.get(k) != new[k]]
+        raise ValueError(f"{path} was written with another config (differs in {diff}); "
+                         f"choose another run.output_dir or delete {path}")
+
+
 def train_exclmm(cfg: ExclMMConfig, backbone: FrozenCLIP | None = None) -> Path:
     """Train (or resume, or reuse) one ExclMM run; returns the export path."""
     run_dir = Path(cfg.run.output_dir)
     export = run_dir / EXPORT_NAME
     if export.is_file():
+        from demind.exclmm.model import read_export_config
+
+        check_same_run(read_export_config(export), cfg, export)
         log.info("exclmm: %s exists; nothing to do", export)
         return export
     run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
     torch.manual_seed(cfg.run.seed)
     backbone = backbone or build_backbone(cfg.backbone, device=cfg.run.device)
-    feats = prepare_features(cfg, backbone, run_dir)
-    model = ExclMM.from_config(cfg, backbone.embed_dim, backbone.identity)
     state_path = run_dir / STATE_NAME
+    feats = prepare_features(cfg, backbone, run_dir)
+    # seeded here, not only at the start: whether the features came from disk or were computed
+    # (DataLoaders draw from the global generator) must not change the initial weights
+    torch.manual_seed(derive_seed("exclmm-init", cfg.run.seed) % 2**63)
+    model = ExclMM.from_config(cfg, backbone.embed_dim, backbone.identity)
     state = torch.load(state_path, weights_only=False) if state_path.is_file() else None
     if state is not None:
+        check_same_run(state["config"], cfg, state_path)
         model.load_state_dict(state["model"])
+    save_config(cfg, run_dir / "config.yaml")
     phases = ("query",) if cfg.query.space == "clip" else PHASES
     log.info("exclmm: %d images, %d captions, %d words, %d queries; phases %s; d=%d, top_t=%d",
              len(feats["image_ids"]), len(feats["captions"]), len(feats["vocab"]), len(feats["queries"]),
@@ -354,7 +377,3 @@ def prepare_phase_inputs(model: ExclMM, feats: dict[str, Any], phase: str, cfg: 
     z_q = model.sentence_codes(word_codes, feats["query_words"]) if cfg.space.zc_mask else None
     feats["query_inputs"] = model.space.encode_text(feats["queries"], z_q)
     feats["gallery_codes"] = model.space.encode_image(feats["images"])
-
-
-def describe(cfg: ExclMMConfig) -> str:
-    return json.dumps(asdict(cfg), sort_keys=True)
