@@ -24,7 +24,9 @@ data set in COCO's format: ``instances_{split}.json`` (images, categories, objec
 4. **Ground truth** = every image of the split whose label set holds all include labels and not
    the exclude label (the positive image never qualifies: it shows the excluded label). Queries
    with no ground truth are dropped, as are those with more than ``max_ground_truth`` (default
-   none).
+   none); ``max_queries`` keeps a seeded random subset (default all). Ground truth is stored
+   explicitly, so the file grows with |queries| x |ground truth|: about 200 MB for a val2017-sized
+   split with no caps; for train2017 cap both (e.g. 200,000 queries, 500 ground-truth images).
 5. **Query text** from :data:`TEMPLATES` ("… without …", "… but not …", "… with no …",
    "… except for …"; one per query, seeded), or from an LLM through the data_gen engines with
    the few-shot prompt ``demind/gen/exclusion_prompts/<version>.txt`` (``query_source="llm"``);
@@ -154,6 +156,7 @@ class ExclCocoConfig:
     caption_min_images: int = 50     # caption word -> label if in the captions of >= this many images (0: off)
     max_per_caption: int = 3         # exclusion combinations kept per caption
     max_ground_truth: int = 0        # drop queries with more ground-truth images (0: no cap)
+    max_queries: int = 0             # keep a seeded random subset of this many queries (0: all)
     seed: int = 0
     query_source: str = "template"   # "template" or "llm"
     prompt_version: str = "v1"       # demind/gen/exclusion_prompts/<version>.txt (llm only)
@@ -395,6 +398,10 @@ def build_exclcoco(instances_path: str | Path, captions_path: str | Path, out_di
         pair["ground_truth"] = [str(i) for i in gt]
         pair["text_source"] = "template"
         queries.append(pair)
+    if cfg.max_queries and len(queries) > cfg.max_queries:
+        keep = set(random.Random(f"{cfg.seed}:subset").sample(range(len(queries)), cfg.max_queries))
+        counts.drop("over max_queries (seeded subset)", len(queries) - cfg.max_queries)
+        queries = [q for k, q in enumerate(queries) if k in keep]
     prompt_record = None
     if cfg.query_source == "llm":
         prompt_record = apply_llm_texts(queries, llm, Path(image_root), file_of)

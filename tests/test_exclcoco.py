@@ -72,6 +72,10 @@ def test_counts_add_up_and_build_is_deterministic(fixture_coco, tmp_path):
 
 
 def test_max_per_caption_and_categories_only(fixture_coco, tmp_path):
+    capped, counts = build(fixture_coco, tmp_path / "capped", max_queries=25, max_ground_truth=10)
+    assert len(capped["queries"]) == 25 and max(len(q["ground_truth"]) for q in capped["queries"]) <= 10
+    assert counts.dropped["over max_queries (seeded subset)"] > 0 and counts.dropped["over max_ground_truth"] > 0
+    assert counts.pairs_formed == counts.kept + sum(counts.dropped.values())
     one, counts = build(fixture_coco, tmp_path / "one", max_per_caption=1)
     assert max(sum(q["caption_id"] == c for q in one["queries"]) for c in {q["caption_id"] for q in one["queries"]}) == 1
     _, instances, captions, images = fixture_coco

@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a caption word becomes a label if it is in the captions of at least this many images (0: off)")
     p.add_argument("--max-per-caption", type=int, default=3, help="exclusion combinations kept per caption")
     p.add_argument("--max-ground-truth", type=int, default=0, help="drop queries with more ground truth (0: no cap)")
+    p.add_argument("--max-queries", type=int, default=0, help="keep a seeded random subset of N queries (0: all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--query-source", default="template", choices=("template", "llm"))
     p.add_argument("--llm-config", help="data_gen YAML (engine + sampling sections) for --query-source llm")
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(logging.INFO)
     ann = Path(args.annotations)
     cfg = ExclCocoConfig(caption_min_images=args.caption_min_images, max_per_caption=args.max_per_caption,
-                         max_ground_truth=args.max_ground_truth, seed=args.seed, query_source=args.query_source,
+                         max_ground_truth=args.max_ground_truth, max_queries=args.max_queries, seed=args.seed, query_source=args.query_source,
                          prompt_version=args.prompt_version)
     try:
         llm = None
