@@ -81,6 +81,9 @@ def test_train_end_to_end_and_evaluate(repo_root, train_split, tmp_path, capsys)
     backbone = build_backbone(BackboneConfig(name=str(repo_root / "configs/model/tiny-clip.json"), pretrained=None))
     model = load_exclmm(export, backbone.identity)
     assert not torch.equal(model.query_encoder.net[-1].weight, torch.zeros_like(model.query_encoder.net[-1].weight))
+    feats = torch.load(run / "features.pt", weights_only=False)
+    codes = model.sae.encode(feats["word_vectors"])
+    assert 0 < (codes > 0).float().mean() < 1  # the word codes are alive and sparse, not all 0 or all 1
     results = evaluate("exclcoco", train_split, backbone=backbone, methods=["text-only", "exclmm"], exclmm=model,
                        out_dir=tmp_path / "eval", progress=False)
     for name in ("text-only", "exclmm"):

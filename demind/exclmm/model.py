@@ -39,21 +39,39 @@ def mlp(d_in: int, hidden: int, d_out: int) -> nn.Sequential:
 
 
 class SparseAutoencoder(nn.Module):
-    """One hidden layer of width d: ``z = capped_relu(W x + b)``, ``x_hat = W' z + b'``."""
+    """One hidden layer of width d: ``z = capped_relu(W x_s + b)``, ``x_s_hat = W' z + b'``.
+
+    x_s is the word vector standardised per dimension over the training vocabulary (buffers
+    ``mean``, ``std``). Unit-norm CLIP vectors have entries of about 1/sqrt(D); unstandardised,
+    their reconstruction error is so small next to the partial-sparsity term (a sum over d
+    units) that every unit dies at 0 -- which is what happened before this was added. GloVe
+    vectors, which SPINE was tuned on, have entries of order 1.
+    """
 
     def __init__(self, input_dim: int, code_dim: int) -> None:
         super().__init__()
         self.encoder = nn.Linear(input_dim, code_dim)
         self.decoder = nn.Linear(code_dim, input_dim)
+        self.register_buffer("mean", torch.zeros(input_dim))
+        self.register_buffer("std", torch.ones(input_dim))
+
+    @torch.no_grad()
+    def set_statistics(self, vectors: torch.Tensor) -> None:
+        """Per-dimension mean and std of the (V, D) training word vectors."""
+        self.mean.copy_(vectors.mean(dim=0))
+        self.std.copy_(vectors.std(dim=0).clamp(min=1e-6))
+
+    def standardise(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - self.mean) / self.std
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """(N, D) word vectors -> (N, d) codes in [0, 1]."""
-        return capped_relu(self.encoder(x))
+        return capped_relu(self.encoder(self.standardise(x)))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(N, D) -> (codes (N, d), reconstructions (N, D))."""
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(N, D) -> (codes (N, d), reconstructions (N, D), standardised targets (N, D))."""
         z = self.encode(x)
-        return z, self.decoder(z)
+        return z, self.decoder(z), self.standardise(x)
 
 
 def sentence_code(word_codes: torch.Tensor, word_index: list[list[int]]) -> torch.Tensor:

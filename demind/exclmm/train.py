@@ -210,8 +210,7 @@ def sample_truth(truth: list[list[int]], rows: torch.Tensor, seed: int, step: in
 # ------------------------------------------------------------------------ phases
 
 def sae_loss(model: ExclMM, feats: dict[str, Any], rows: torch.Tensor, cfg: ExclMMConfig) -> dict[str, torch.Tensor]:
-    x = feats["word_vectors"][rows]
-    z, x_hat = model.sae(x)
+    z, x_hat, x = model.sae(feats["word_vectors"][rows])
     terms = {"rec": L.reconstruction_loss(x, x_hat), "asl": L.average_sparsity_loss(z, cfg.sae.rho),
              "psl": L.partial_sparsity_loss(z)}
     terms["loss"] = terms["rec"] + cfg.sae.w_average_sparsity * terms["asl"] + cfg.sae.w_partial_sparsity * terms["psl"]
@@ -312,6 +311,7 @@ def train_exclmm(cfg: ExclMMConfig, backbone: FrozenCLIP | None = None) -> Path:
     # (DataLoaders draw from the global generator) must not change the initial weights
     torch.manual_seed(derive_seed("exclmm-init", cfg.run.seed) % 2**63)
     model = ExclMM.from_config(cfg, backbone.embed_dim, backbone.identity)
+    model.sae.set_statistics(feats["word_vectors"])
     state = torch.load(state_path, weights_only=False) if state_path.is_file() else None
     if state is not None:
         check_same_run(state["config"], cfg, state_path)
