@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     cache = work / "feature_cache"
     common = dict(backbone=backbone, cache_dir=cache, batch_size=256, progress=False)
 
-    results: dict[str, list[dict]] = {"CLIP text-only": []}
+    results: dict[str, list[dict]] = {"random ranking": [random_ranking(data, seed) for seed in args.seeds],
+                                      "CLIP text-only": []}
     clip = evaluate("exclcoco", test_root, methods=["text-only"], out_dir=work / "eval" / "clip", **common)
     clip_ap = per_query_ap(clip, "text-only", truth)
     timings = {}
@@ -118,11 +119,27 @@ def main(argv: list[str] | None = None) -> int:
             results[variant].append(res["methods"]["exclmm"])
             log.info("%s seed %d: %s", variant, seed, res["methods"]["exclmm"])
     results["CLIP text-only"] = [clip["methods"]["text-only"]] * len(args.seeds)
+    backbone_note = json.loads(sorted(Path(args.backbone_dir).glob("toy-clip-*.json"))[-1].read_text())
     table = format_table(results, len(data["queries"]), len(data["images"]))
+    table += f"\n\nbackbone: {backbone_note.get('weights')} (step {backbone_note.get('step', 'final')})"
+    table += "\ntraining seconds per run (mean): " + ", ".join(
+        f"{v}: {statistics.mean(t):.0f}" for v, t in timings.items())
     print(table)
     (work / "table.md").write_text(table + "\n")
     (work / "results.json").write_text(json.dumps({"results": results, "train_seconds": timings}, indent=1))
     return 0
+
+
+def random_ranking(data: dict, seed: int, depth: int = 10) -> dict[str, float]:
+    """The metrics of a uniformly random ranking (the base rate: ground-truth sets are large)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = list(data["images"])
+    index = {i: k for k, i in enumerate(ids)}
+    ranked = torch.stack([torch.randperm(len(ids), generator=g)[:depth] for _ in data["queries"]])
+    relevant = [frozenset(index[i] for i in q["ground_truth"]) for q in data["queries"]]
+    rel = M.relevance_matrix(ranked, relevant)
+    n_rel = torch.tensor([len(r) for r in relevant])
+    return {k: 100 * v for k, v in M.exclusion_metrics(rel, n_rel).items()}
 
 
 def format_table(results: dict[str, list[dict]], n_queries: int, n_images: int) -> str:

@@ -5,7 +5,7 @@
 * :func:`sentence_code` -- step 2 (Eq. 5): a sentence's code is the mean of its words' codes.
 * :class:`SparseSpace` -- step 3 (Eq. 8-11): image and text encoders E_v, E_t from CLIP
   embeddings into the d-dimensional sparse space (capped ReLU), the masks
-  ``m = 1[z_c > 0] OR Top_t(h)`` and the decoders D_v, D_t back to CLIP space.
+  (text: ``1[z_c > 0] OR Top_t(h)``; image: ``Top_t(h)``) and the decoders D_v, D_t.
 * :class:`ExclusionQueryEncoder` -- stage 2: F_theta over the frozen sparse text code of an
   exclusion query; residual, with a zero-initialised last layer so that at initialisation
   F_theta is the identity (stage-1 retrieval).
@@ -109,10 +109,15 @@ class SparseSpace(nn.Module):
         m = top_t_mask(h, self.top_t)
         return m | (z_c > 0) if z_c is not None else m
 
-    def encode_image(self, clip_image: torch.Tensor, z_c: torch.Tensor | None = None) -> torch.Tensor:
-        """(N, D) normalised CLIP image embeddings -> (N, d) masked sparse codes (Eq. 10)."""
+    def encode_image(self, clip_image: torch.Tensor) -> torch.Tensor:
+        """(N, D) normalised CLIP image embeddings -> (N, d) sparse codes masked by Top_t (Eq. 10).
+
+        No caption code here, in training either: an image has none at retrieval time, and a
+        mask taken from the paired caption would hand the contrastive loss the answer (in our
+        first run, image and text codes aligned in training and not at all at inference).
+        """
         h = capped_relu(self.image_encoder(clip_image))
-        return h * self.mask(h, z_c)
+        return h * self.mask(h, None)
 
     def encode_text(self, clip_text: torch.Tensor, z_c: torch.Tensor | None = None) -> torch.Tensor:
         """(N, D) normalised CLIP text embeddings -> (N, d) masked sparse codes (Eq. 11)."""
@@ -121,7 +126,9 @@ class SparseSpace(nn.Module):
 
 
 class ExclusionQueryEncoder(nn.Module):
-    """Stage 2: F_theta(s) = s + MLP(s), clamped to [0, 1] in the sparse space (free in CLIP space).
+    """Stage 2: F_theta(s) = s + MLP(s), not clamped: a negative entry penalises images active on
+    that dimension, which is how a query says "not X" against non-negative image codes (a [0, 1]
+    clamp can only say it by absence, and dimensions pushed below 0 stop getting gradients).
 
     ``space="clip"`` is the "CLIP embeddings without stage 1" ablation: input and output are CLIP
     text embeddings, compared with CLIP image embeddings by cosine.
@@ -137,9 +144,9 @@ class ExclusionQueryEncoder(nn.Module):
         nn.init.zeros_(self.net[-1].bias)
 
     def forward(self, s: torch.Tensor) -> torch.Tensor:
-        """(N, dim) -> (N, dim) query embeddings (sparse: in [0, 1]; clip: L2-normalised)."""
+        """(N, dim) -> (N, dim) query embeddings (sparse: any sign; clip: L2-normalised)."""
         out = s + self.net(s)
-        return capped_relu(out) if self.space == "sparse" else F.normalize(out, dim=-1)
+        return out if self.space == "sparse" else F.normalize(out, dim=-1)
 
 
 WORD_PATTERN = re.compile(r"[a-z]+")

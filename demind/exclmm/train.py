@@ -221,7 +221,7 @@ def space_loss(model: ExclMM, feats: dict[str, Any], rows: torch.Tensor, cfg: Ex
     text = feats["captions"][rows]
     image = feats["images"][feats["caption_image"][rows]]
     z_c = feats["caption_codes"][rows] if cfg.space.zc_mask else None
-    h_v = model.space.encode_image(image, z_c)
+    h_v = model.space.encode_image(image)
     h_t = model.space.encode_text(text, z_c)
     terms = {"con": L.contrastive_loss(h_v, h_t, cfg.space.tau),
              "rec_v": L.reconstruction_loss(image, model.space.image_decoder(h_v)),
