@@ -194,9 +194,11 @@ def test_toy_exclcoco_ground_truth_from_the_instances(bench_root):
     for split in ("train", "test"):
         data = json.loads((bench_root / "exclcoco" / split / "exclcoco.json").read_text())
         inst = json.loads((bench_root / "exclcoco" / "coco" / "annotations" / f"instances_{split}.json").read_text())
+        names = {c["id"]: c["name"] for c in inst["categories"]}
+        assert len(names) == 64 and names[1] == "red circle"
         shapes = {str(i["id"]): set() for i in inst["images"]}
         for a in inst["annotations"]:
-            shapes[str(a["image_id"])].add(SHAPES[a["category_id"] - 1])
+            shapes[str(a["image_id"])].add(names[a["category_id"]])
         assert data["queries"] and data["labels"]["caption_words"] == []
         for q in data["queries"]:
             assert q["ground_truth"] == sorted((i for i, s in shapes.items()
