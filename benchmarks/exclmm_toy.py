@@ -37,6 +37,7 @@ from demind.config import load_config  # noqa: E402
 from demind.eval import metrics as M  # noqa: E402
 from demind.eval.exclcoco import load_exclcoco  # noqa: E402
 from demind.eval.harness import evaluate  # noqa: E402
+from demind.exclmm import load_exclmm  # noqa: E402
 from demind.exclmm.train import FEATURES_NAME, ExclMMConfig, train_exclmm  # noqa: E402
 from demind.logs import setup_logging  # noqa: E402
 from demind.toy.benchmarks import ToyBenchmarkConfig, write_benchmarks  # noqa: E402
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             timings.setdefault(variant, []).append(time.perf_counter() - started)
             if not shared.is_file():
                 shutil.copy(run / FEATURES_NAME, shared)
-            res = evaluate("exclcoco", test_root, methods=["exclmm"], exclmm=export,
+            res = evaluate("exclcoco", test_root, methods=["exclmm"], exclmm=load_exclmm(export, backbone.identity),
                            out_dir=work / "eval" / run.name, **common)
             ap = per_query_ap(res, "exclmm", truth)
             better = sum(ap[q] > clip_ap[q] for q in ap)

@@ -12,10 +12,10 @@ prompt ``demind/gen/exclusion_prompts/<--prompt-version>.txt``.
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import sys
 from pathlib import Path
+
+from demind.cli.common import run_command
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,34 +33,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--query-source", default="template", choices=("template", "llm"))
     p.add_argument("--llm-config", help="data_gen YAML (engine + sampling sections) for --query-source llm")
     p.add_argument("--prompt-version", default="v1")
-    p.add_argument("--debug", action="store_true", help="full tracebacks")
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def build_exclcoco_command(args: argparse.Namespace) -> int:
+    """Build the benchmark, print the counts and the output path."""
     from demind.exclcoco import ExclCocoConfig, build_exclcoco, llm_query_writer
-    from demind.logs import setup_logging
 
-    setup_logging(logging.INFO)
     ann = Path(args.annotations)
     cfg = ExclCocoConfig(caption_min_images=args.caption_min_images, max_per_caption=args.max_per_caption,
-                         max_ground_truth=args.max_ground_truth, max_queries=args.max_queries, seed=args.seed, query_source=args.query_source,
-                         prompt_version=args.prompt_version)
-    try:
-        llm = None
-        if args.query_source == "llm":
-            llm = build_llm(args, cfg, llm_query_writer)
-        path, counts = build_exclcoco(ann / f"instances_{args.split}.json", ann / f"captions_{args.split}.json",
-                                      args.out, args.images, cfg, llm=llm, split=args.split)
-    except (ValueError, FileNotFoundError) as exn:
-        if args.debug or os.environ.get("DEMIND_DEBUG") == "1":
-            raise
-        print(f"error: {exn}", file=sys.stderr)
-        return 2
+                         max_ground_truth=args.max_ground_truth, max_queries=args.max_queries, seed=args.seed,
+                         query_source=args.query_source, prompt_version=args.prompt_version)
+    llm = build_llm(args, cfg, llm_query_writer) if args.query_source == "llm" else None
+    path, counts = build_exclcoco(ann / f"instances_{args.split}.json", ann / f"captions_{args.split}.json",
+                                  args.out, args.images, cfg, llm=llm, split=args.split)
     print(counts.summary())
     print(f"exclcoco: {path}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command on ``argv`` (default: sys.argv[1:]); returns the exit status (2: bad input)."""
+    return run_command(build_parser(), build_exclcoco_command, argv)
 
 
 def build_llm(args: argparse.Namespace, cfg, llm_query_writer):

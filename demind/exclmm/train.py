@@ -11,7 +11,7 @@ atomically (all modules, the current optimizer, phase, step, config); rerunning 
 resumes from it. Batches are drawn from a generator seeded by (seed, phase, step), so a resumed
 run draws the same batches as an uninterrupted one. CLIP features are computed once into
 ``<output_dir>/features.pt`` (images through the evaluation image cache,
-:mod:`demind.eval.features`, so the harness reuses them). The export ``<output_dir>/exclmm.safetensors``
+:mod:`demind.eval.image_cache`, so the harness reuses them). The export ``<output_dir>/exclmm.safetensors``
 (weights + config + backbone identity) is written last: its presence means done.
 """
 
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from demind.backbone import BackboneConfig, FrozenCLIP, build_backbone
 from demind.config import save_config
 from demind.eval.exclcoco import load_exclcoco
-from demind.eval.features import FeatureCache, backbone_cache_slug, encode_images
+from demind.eval.image_cache import ImageFeatureCache, backbone_cache_slug, encode_image_refs
 from demind.eval.structures import ImageRef, read_json
 from demind.exclmm import losses as L
 from demind.exclmm.model import ExclMM, words_of
@@ -151,9 +151,9 @@ def prepare_features(cfg: ExclMMConfig, backbone: FrozenCLIP, run_dir: Path) -> 
     image_ids = list(files)
     row = {i: k for k, i in enumerate(image_ids)}
     cache_root = Path(cfg.data.cache_dir or run_dir / "feature_cache")
-    cache = FeatureCache(cache_root, backbone_cache_slug(backbone), "exclcoco", data.get("split", "train"))
+    cache = ImageFeatureCache(cache_root, backbone_cache_slug(backbone), "exclcoco", data.get("split", "train"))
     refs = [ImageRef(i, p) for i, p in files.items()]
-    raw, _ = encode_images(backbone, refs, cache, "gallery", cfg.data.encode_batch_size, progress=cfg.run.progress,
+    raw, _ = encode_image_refs(backbone, refs, cache, "gallery", cfg.data.encode_batch_size, progress=cfg.run.progress,
                            desc="exclmm train images")
     images = F.normalize(torch.stack([raw[i] for i in image_ids]).float(), dim=-1)
 
