@@ -13,4 +13,6 @@ Commands (console script; the script or ``python -m`` form that calls the same `
 * :mod:`demind.cli.make_shards` -- ``demind-make-shards``; ``python data_gen/make_shards.py``
 * :mod:`demind.cli.make_tiny_model` -- ``python data_gen/make_tiny_model.py``
 * :mod:`demind.cli.quickstart` -- ``demind-quickstart``; ``python pipelines/quickstart.py``
+* :mod:`demind.cli.build_exclcoco` -- ``demind-build-exclcoco``; ``python -m demind.cli.build_exclcoco``
+* :mod:`demind.cli.train_exclmm` -- ``demind-train-exclmm``; ``python -m demind.cli.train_exclmm``
 """
