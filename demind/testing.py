@@ -8,6 +8,8 @@ and the test suite.  Nothing under ``demind/`` imports it.
 * :func:`write_intent_shard`, :func:`write_synthetic_shards` — small intent shards (through
   the one shard writer, :class:`demind.shard_format.ShardWriter`).
 * :func:`build_tiny_llava_next` — a tiny random LLaVA-NeXT and its processor.
+* :func:`write_synthetic_coco` — a COCO-format split (instances + captions, COCO's 80 names) for
+  the ExclCOCO builder's tests and its val2017-sized run-time benchmark.
 * Toy-world readers only tests use: :func:`read_scene`, :func:`intent_texts`,
   :func:`per_type_recall`, :func:`load_exclusion_json`.
 """
@@ -204,3 +206,69 @@ def load_exclusion_json(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"{path}: cannot read the exclusion benchmark ({e})") from None
     check_exclusion(data, path)
     return data
+
+
+# ------------------------------------------------------- COCO-format data (ExclCOCO)
+
+COCO_CATEGORIES = (
+    "person bicycle car motorcycle airplane bus train truck boat traffic_light fire_hydrant stop_sign "
+    "parking_meter bench bird cat dog horse sheep cow elephant bear zebra giraffe backpack umbrella handbag tie "
+    "suitcase frisbee skis snowboard sports_ball kite baseball_bat baseball_glove skateboard surfboard "
+    "tennis_racket bottle wine_glass cup fork knife spoon bowl banana apple sandwich orange broccoli carrot "
+    "hot_dog pizza donut cake chair couch potted_plant bed dining_table toilet tv laptop mouse remote keyboard "
+    "cell_phone microwave oven toaster sink refrigerator book clock vase scissors teddy_bear hair_drier toothbrush"
+).replace("_", "\0").split()
+COCO_CATEGORIES = tuple(c.replace("\0", " ") for c in COCO_CATEGORIES)  # the 80 names of instances_2017
+SCENE_WORDS = ("street", "table", "field", "kitchen", "room", "water", "beach", "road", "grass", "building",
+               "window", "wall", "snow", "sky", "tree", "plate", "city", "park", "food", "desk")
+
+
+def write_synthetic_coco(folder: str | Path, num_images: int, split: str = "val2017", seed: int = 0,
+                         instances_per_image: float = 7.3, captions_per_image: int = 5,
+                         write_images: bool = False) -> tuple[Path, Path, Path]:
+    """A COCO-format ``instances_{split}.json`` + ``captions_{split}.json`` with COCO's 80 category
+    names (frequency skewed like COCO: "person" in about half of the images), captions naming 1-3 of
+    an image's categories (through a synonym at times) and a scene word, and, with
+    ``write_images``, 8x8 PNGs in ``folder/split``. For tests and the run-time benchmark
+    (val2017 size: 5,000 images, ~25,000 captions, ~36,000 instances). Returns the two
+    annotation paths and the image folder."""
+    from demind.exclcoco import SYNONYMS, with_article
+    from demind.io import write_json_atomic
+
+    rng = random.Random(seed)
+    folder = Path(folder)
+    weights = [12.0] + [1.0 / (1 + 0.05 * i) for i in range(len(COCO_CATEGORIES) - 1)]
+    images, annotations, captions = [], [], []
+    for n in range(num_images):
+        image_id = 1000 + 7 * n  # ids are not 0..N-1 in COCO either
+        images.append({"id": image_id, "file_name": f"{image_id:012d}.png", "width": 8, "height": 8})
+        count = max(1, round(rng.expovariate(1 / instances_per_image)))
+        cats = rng.choices(range(len(COCO_CATEGORIES)), weights, k=count)
+        for c in cats:
+            annotations.append({"id": len(annotations) + 1, "image_id": image_id, "category_id": c + 1,
+                                "bbox": [0, 0, 4, 4], "area": 16.0, "iscrowd": 0})
+        distinct = sorted(set(cats))
+        for _ in range(captions_per_image):
+            named = rng.sample(distinct, min(len(distinct), rng.choice((1, 2, 2, 3))))
+            words = []
+            for c in named:
+                name = COCO_CATEGORIES[c]
+                if SYNONYMS.get(name) and rng.random() < 0.3:
+                    name = rng.choice(SYNONYMS[name])
+                words.append(with_article(name) if rng.random() < 0.7 else name + ("es" if name.endswith("s") else "s"))
+            text = f"{' and '.join(words).capitalize()} in the {rng.choice(SCENE_WORDS)}."
+            captions.append({"id": len(captions) + 1, "image_id": image_id, "caption": text})
+    categories = [{"id": i + 1, "name": c, "supercategory": "thing"} for i, c in enumerate(COCO_CATEGORIES)]
+    instances_path = write_json_atomic(folder / "annotations" / f"instances_{split}.json",
+                                       {"images": images, "annotations": annotations, "categories": categories})
+    captions_path = write_json_atomic(folder / "annotations" / f"captions_{split}.json",
+                                      {"images": images, "annotations": captions})
+    image_dir = folder / split
+    if write_images:
+        from PIL import Image
+
+        image_dir.mkdir(parents=True, exist_ok=True)
+        for img in images:
+            colour = tuple(rng.randrange(256) for _ in range(3))
+            Image.new("RGB", (8, 8), colour).save(image_dir / img["file_name"])
+    return instances_path, captions_path, image_dir

@@ -86,4 +86,5 @@ def test_console_scripts_point_at_the_command_mains():
         assert callable(getattr(importlib.import_module(module), func))
     assert set(scripts) == {"demind-train", "demind-features", "demind-eval", "demind-generate",
                             "demind-make-shards", "demind-quickstart", "demind-index", "demind-search",
-                            "demind-serve"}
+                            "demind-serve", "demind-build-exclcoco",
+                            "demind-train-exclmm"}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -141,3 +143,36 @@ def test_paired_hits_and_sign_test_by_hand():
     assert sign_test_p(0, 0) == 1.0
     with pytest.raises(ValueError, match="different queries"):
         paired_hits(a, {"q1": []}, targets, k=1)
+
+
+def test_exclusion_metrics_hand_computed():
+    # three queries, ranks 1..10; ground-truth counts 3, 1, 2
+    rel = torch.zeros(3, 10, dtype=torch.bool)
+    rel[0, [1, 3, 9]] = True   # hits at ranks 2, 4, 10
+    rel[1, 0] = True           # hit at rank 1
+    n_relevant = torch.tensor([3, 1, 2])  # query 2's two images lie beyond rank 10
+    got = M.exclusion_metrics(rel, n_relevant)
+    assert list(got) == list(M.EXCLUSION_METRICS)
+    # query 0: AP@5 = (P@2 + P@4) / min(5, 3) = (1/2 + 2/4) / 3 = 1/3
+    assert got["AP@1"] == pytest.approx((0 + 1 + 0) / 3)
+    assert got["AP@5"] == pytest.approx((1 / 3 + 1 + 0) / 3)
+    assert got["MRR@5"] == pytest.approx((1 / 2 + 1 + 0) / 3)
+    assert got["MRR@10"] == pytest.approx((1 / 2 + 1 + 0) / 3)
+    idcg3 = 1 + 1 / math.log2(3) + 1 / math.log2(4)
+    ndcg5_q0 = (1 / math.log2(3) + 1 / math.log2(5)) / idcg3          # 0.49819...
+    ndcg10_q0 = (1 / math.log2(3) + 1 / math.log2(5) + 1 / math.log2(11)) / idcg3
+    assert ndcg5_q0 == pytest.approx(0.49819, abs=1e-5)
+    assert got["NDCG@5"] == pytest.approx((ndcg5_q0 + 1 + 0) / 3)
+    assert got["NDCG@10"] == pytest.approx((ndcg10_q0 + 1 + 0) / 3)
+    assert got["Hits@5"] == pytest.approx(2 / 3)
+    assert got["Hits@10"] == pytest.approx(2 / 3)
+
+
+def test_mrr_takes_the_first_hit_and_ndcg_caps_the_ideal_at_k():
+    rel = torch.tensor([[False, False, True, True, True, True]])
+    assert M.mrr_at_k(rel, [2, 3]) == {2: 0.0, 3: pytest.approx(1 / 3)}
+    # 9 ground-truth images, k = 2: ideal DCG = 1 + 1/log2(3) (only two slots)
+    perfect = torch.tensor([[True, True, False]])
+    assert M.ndcg_at_k(perfect, torch.tensor([9]), [2]) == {2: pytest.approx(1.0)}
+    with pytest.raises(ValueError, match="at least one ground-truth"):
+        M.ndcg_at_k(perfect, torch.tensor([0]), [2])

@@ -15,7 +15,8 @@ from demind.toy.benchmarks import ToyBenchmarkConfig, build_cirr_set, write_benc
 from demind.toy.world import DOMAINS, EDIT_KINDS, SHAPES, scene_diff
 
 SMALL = ToyBenchmarkConfig(cirr_sets=6, imgnet_queries_per_class=2, imgnet_targets_per_domain=2,
-                           imgnet_distractors_per_class=1, coco_images=6, exclusion_queries=4)
+                           imgnet_distractors_per_class=1, coco_images=6, exclusion_queries=4,
+                           exclcoco_train_images=40, exclcoco_test_images=30)
 
 
 @pytest.fixture(scope="module")
@@ -185,3 +186,25 @@ def test_exclusion_eval_reader_names_the_problem(tmp_path):
                                                          "queries": [query]}))
     with pytest.raises(DataLayoutError, match="a.png"):  # images listed but absent
         read_for_eval(tmp_path)
+
+
+def test_toy_exclcoco_ground_truth_from_the_instances(bench_root):
+    from demind.eval.exclcoco import read_exclcoco
+
+    for split in ("train", "test"):
+        data = json.loads((bench_root / "exclcoco" / split / "exclcoco.json").read_text())
+        inst = json.loads((bench_root / "exclcoco" / "coco" / "annotations" / f"instances_{split}.json").read_text())
+        names = {c["id"]: c["name"] for c in inst["categories"]}
+        assert len(names) == 64 and names[1] == "red circle"
+        shapes = {str(i["id"]): set() for i in inst["images"]}
+        for a in inst["annotations"]:
+            shapes[str(a["image_id"])].add(names[a["category_id"]])
+        assert data["queries"] and data["labels"]["caption_words"] == []
+        for q in data["queries"]:
+            assert q["ground_truth"] == sorted((i for i, s in shapes.items()
+                                               if set(q["include"]) <= s and q["exclude"] not in s), key=int)
+        assert len(read_exclcoco(bench_root / "exclcoco" / split).groups[0].gallery) == len(inst["images"])
+    train = json.loads((bench_root / "exclcoco" / "coco" / "annotations" / "captions_train.json").read_text())
+    test = json.loads((bench_root / "exclcoco" / "coco" / "annotations" / "captions_test.json").read_text())
+    # disjoint seed streams: the two splits' scenes (hence captions) differ
+    assert {c["caption"] for c in train["annotations"]} != {c["caption"] for c in test["annotations"]}

@@ -16,4 +16,6 @@ Commands (console script; the script or ``python -m`` form that calls the same `
 * :mod:`demind.cli.index` -- ``demind-index`` (a gallery index for search)
 * :mod:`demind.cli.search` -- ``demind-search`` (composed queries against an index)
 * :mod:`demind.cli.serve` -- ``demind-serve`` (the search web page)
+* :mod:`demind.cli.build_exclcoco` -- ``demind-build-exclcoco``; ``python -m demind.cli.build_exclcoco``
+* :mod:`demind.cli.train_exclmm` -- ``demind-train-exclmm``; ``python -m demind.cli.train_exclmm``
 """

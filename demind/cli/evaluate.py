@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--benchmark", required=True, choices=BENCHMARKS)
     p.add_argument("--data-root", required=True, help="the benchmark's folder in its official layout")
     p.add_argument("--checkpoint", help="De-MINDS checkpoint (.safetensors); its backbone is rebuilt from it")
+    p.add_argument("--exclmm", help="trained ExclMM export (exclmm.safetensors) for the exclmm method")
     p.add_argument("--backbone", help="NAME:TAG_OR_PATH, e.g. ViT-L-14:openai (backbone-only methods, or to "
                                       "check the checkpoint's backbone); NAME:none = random weights")
     p.add_argument("--split", default="val", help="val (default) or test (CIRR test1, CIRCO test)")
@@ -81,10 +82,15 @@ def evaluate_command(args: argparse.Namespace) -> int:
     options = reader_options(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     backbone, model = load_backbone_and_model(args.checkpoint, args.backbone, precision=args.precision, device=device)
+    exclmm = None
+    if args.exclmm:
+        from demind.exclmm import load_exclmm
+
+        exclmm = load_exclmm(args.exclmm, backbone.identity, backbone.device)
     results = evaluate(
         args.benchmark, args.data_root, backbone=backbone, model=model, methods=args.methods, split=args.split,
         out_dir=args.out, cache_dir=args.cache_dir, options=options, batch_size=args.batch_size,
-        num_workers=args.num_workers, limit=args.limit, progress=not args.quiet,
+        num_workers=args.num_workers, limit=args.limit, progress=not args.quiet, exclmm=exclmm,
     )
     print(format_table(results))
     print(f"results: {results['files']['results']}\ntable: {results['files']['table']}")

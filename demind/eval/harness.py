@@ -26,6 +26,7 @@ from demind.eval import metrics as M
 from demind.eval.circo import read_circo
 from demind.eval.cirr import read_cirr
 from demind.eval.coco import PROMPT_FORMS, QUERY_RESIZES, read_coco
+from demind.eval.exclcoco import read_exclcoco
 from demind.eval.exclusion import read_exclusion
 from demind.eval.fashioniq import CAPTION_ORDERS, TEXT_FORMS, read_fashioniq
 from demind.eval.image_cache import ImageFeatureCache, backbone_cache_slug, encode_image_refs, stack_features
@@ -37,7 +38,7 @@ from demind.model import DeMinds
 
 log = logging.getLogger(__name__)
 
-BENCHMARKS = ("cirr", "fashioniq", "coco", "imagenet-r", "circo", "exclusion")
+BENCHMARKS = ("cirr", "fashioniq", "coco", "imagenet-r", "circo", "exclusion", "exclcoco")
 RANKING_DEPTH = 50
 
 
@@ -94,6 +95,8 @@ def read_benchmark(benchmark: str, data_root: str | Path, split: str = "val", li
         return read_circo(data_root, split, limit)
     if benchmark == "exclusion":
         return read_exclusion(data_root, split, limit)
+    if benchmark == "exclcoco":
+        return read_exclcoco(data_root, split, limit)
     raise ValueError(f"unknown benchmark {benchmark!r}; choose from {', '.join(BENCHMARKS)}")
 
 
@@ -123,6 +126,7 @@ def evaluate(
     num_workers: int = 0,
     limit: int | None = None,
     progress: bool = True,
+    exclmm: Any = None,
 ) -> dict[str, Any]:
     """Evaluate ``methods`` on one benchmark split; returns the results dict (values in percent).
 
@@ -133,6 +137,7 @@ def evaluate(
     methods: names or a comma-separated string; None = every method the inputs allow.
     out_dir: where results.json, rankings/, table.md and submission files go (None: nothing written).
     cache_dir: image-feature cache (default ``<out_dir>/feature_cache``; no cache without either).
+    exclmm: a loaded ExclMM (:func:`demind.exclmm.load_exclmm`), for the ``exclmm`` method.
     """
     check_evaluation_arguments(options or ReaderOptions(), batch_size=batch_size, num_workers=num_workers, limit=limit)
     if backbone is None:
@@ -141,7 +146,8 @@ def evaluate(
                               "demind.checkpoint.load_backbone_and_model")
         backbone = model.backbone
     data = read_benchmark(benchmark, data_root, split, limit, options)
-    method_objs = build_methods(parse_method_names(methods, model is not None), backbone, model)
+    method_objs = build_methods(parse_method_names(methods, model is not None, exclmm is not None), backbone, model,
+                                exclmm)
     if cache_dir is None and out_dir is not None:
         cache_dir = Path(out_dir) / "feature_cache"
     for folder in (out_dir, cache_dir):  # before encoding: a read-only or full disk fails in seconds
@@ -160,8 +166,8 @@ def evaluate(
     outcomes: dict[str, dict[str, GroupOutcome]] = {}
     for method in method_objs:
         outcomes[method.name] = {
-            g.name: score_group(method, g, galleries[id(g.gallery)], features, data.has_ground_truth,
-                                batch_size, progress)
+            g.name: score_group(method, g, method.map_gallery(galleries[id(g.gallery)]), features,
+                                data.has_ground_truth, batch_size, progress)
             for g in data.groups
         }
     if was_training:
@@ -298,6 +304,8 @@ def _group_metrics(group: QueryGroup, ranked: torch.Tensor, relevant: list[froze
         values = {f"R@{k}": v for k, v in M.fraction_recall_at_k(rel, n_relevant, group.ks).items()}
     elif group.metric == "map":
         values = {f"mAP@{k}": v for k, v in M.map_at_k(rel, n_relevant, group.ks).items()}
+    elif group.metric == "exclusion":
+        values = M.exclusion_metrics(rel, n_relevant)
     else:
         raise ValueError(f"unknown metric family {group.metric!r}")
     if group.subset_ks:

@@ -5,8 +5,10 @@
   Pic2Word-style baseline from the same checkpoint.
 * ``image-only``, ``text-only``, ``image+text`` (sum of the normalised embeddings): the
   backbone alone.
+* ``exclmm``: a trained ExclMM (:mod:`demind.exclmm`) answering the query text; it maps the
+  gallery into its own space (``map_gallery``) and scores by dot product (its Eq. 18).
 
-Every method returns (B, D) L2-normalised query embeddings.
+Every other method returns (B, D) L2-normalised query embeddings and keeps the gallery as is.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ METHOD_LABELS = {
     "image+text": "Image+Text",
     "mapping-only": "Mapping only (Pic2Word-style)",
     "demind": "De-MINDS",
+    "exclmm": "ExclMM",
 }
 METHODS = tuple(METHOD_LABELS)
+EXCLMM_METHODS = ("exclmm",)
 CHECKPOINT_METHODS = ("mapping-only", "demind")
 
 
@@ -43,6 +47,10 @@ class RetrievalMethod:
 
     def embed(self, ref_features: torch.Tensor, prompts: list[str], texts: list[str]) -> torch.Tensor:
         raise NotImplementedError
+
+    def map_gallery(self, gallery: torch.Tensor) -> torch.Tensor:
+        """(N, D) normalised gallery features -> what ``embed``'s queries are scored against."""
+        return gallery
 
     def _text_embeddings(self, texts: list[str]) -> torch.Tensor:
         """(B, D) normalised text embeddings; repeated texts (ImageNet-R domains) are encoded once."""
@@ -96,10 +104,43 @@ class DeMindsQuery(TrainedMethod):
         return self.model.compose(ref_features, prompts).t_hat
 
 
-def parse_method_names(spec: str | list[str] | tuple[str, ...] | None, have_model: bool) -> list[str]:
+class ExclMMQuery(RetrievalMethod):
+    """ExclMM: the query text through CLIP's text tower, its words' vectors for the z_q mask,
+    the sparse text encoder and F_theta; the gallery through the sparse image encoder."""
+
+    name = "exclmm"
+
+    def __init__(self, backbone: FrozenCLIP, exclmm) -> None:
+        super().__init__(backbone)
+        self.exclmm = exclmm.to(backbone.device).eval()
+        self._word_vectors: dict[str, torch.Tensor] = {}
+
+    def _words(self, texts: list[str]) -> list[torch.Tensor]:
+        from demind.exclmm import words_of
+
+        words = [words_of(t) for t in texts]
+        new = sorted({w for ws in words for w in ws} - set(self._word_vectors))
+        if new:  # each word once per evaluation
+            pooled = F.normalize(self.backbone.encode_text(new).pooled.float(), dim=-1)
+            self._word_vectors.update(zip(new, pooled))
+        empty = torch.zeros(0, self.backbone.embed_dim, device=self.backbone.device)
+        return [torch.stack([self._word_vectors[w] for w in ws]) if ws else empty for ws in words]
+
+    def embed(self, ref_features, prompts, texts):
+        clip = self.backbone.encode_text(texts).pooled
+        needs_words = self.exclmm.uses_stage1 and self.exclmm.cfg["space"]["zc_mask"]
+        return self.exclmm.encode_queries(clip, self._words(texts) if needs_words else None)
+
+    def map_gallery(self, gallery):
+        return self.exclmm.encode_images(gallery)
+
+
+def parse_method_names(spec: str | list[str] | tuple[str, ...] | None, have_model: bool,
+                       have_exclmm: bool = False) -> list[str]:
     """``"demind,image-only"`` -> names, validated. None -> all methods the inputs allow."""
     if spec is None:
-        return list(METHODS) if have_model else [m for m in METHODS if m not in CHECKPOINT_METHODS]
+        names = [m for m in METHODS if have_model or m not in CHECKPOINT_METHODS]
+        return [m for m in names if have_exclmm or m not in EXCLMM_METHODS]
     names = [n.strip() for n in (spec.split(",") if isinstance(spec, str) else spec) if n.strip()]
     unknown = [n for n in names if n not in METHODS]
     if unknown:
@@ -107,16 +148,23 @@ def parse_method_names(spec: str | list[str] | tuple[str, ...] | None, have_mode
     needs_model = [n for n in names if n in CHECKPOINT_METHODS]
     if needs_model and not have_model:
         raise ConfigError(f"method(s) {needs_model} need a trained model: pass --checkpoint CKPT")
+    if "exclmm" in names and not have_exclmm:
+        raise ConfigError("method 'exclmm' needs a trained ExclMM: pass --exclmm runs/exclmm/exclmm.safetensors")
     return names
 
 
-def build_methods(names: list[str], backbone: FrozenCLIP, model: DeMinds | None) -> list[RetrievalMethod]:
-    """Method objects for ``names`` (see :func:`parse_method_names`)."""
+def build_methods(names: list[str], backbone: FrozenCLIP, model: DeMinds | None,
+                  exclmm=None) -> list[RetrievalMethod]:
+    """Method objects for ``names`` (see :func:`parse_method_names`); ``exclmm`` a loaded ExclMM."""
     simple = {"image-only": ImageOnly, "text-only": TextOnly, "image+text": ImagePlusText}
     methods: list[RetrievalMethod] = []
     for name in names:
         if name in simple:
             methods.append(simple[name](backbone))
+        elif name == "exclmm":
+            if exclmm is None:
+                raise ConfigError("method 'exclmm' needs a trained ExclMM (--exclmm)")
+            methods.append(ExclMMQuery(backbone, exclmm))
         elif model is None:
             raise ValueError(f"method {name!r} needs a trained model (checkpoint)")
         else:

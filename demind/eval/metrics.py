@@ -8,6 +8,17 @@ Three definitions are in use in the ZS-CIR literature, and they are not intercha
   of *all* its relevant targets found in the top K, averaged over queries. A query with no
   relevant target contributes 0 (the released code divides by ``n_relevant + 1e-5``).
 * :func:`map_at_k` -- CIRCO's mAP@K: AP@K = sum_{i<=K} P@i * rel_i / min(K, n_relevant).
+
+The exclusion benchmarks (ExclCOCO, :mod:`demind.eval.exclcoco`) report the eight metrics of
+the ExclMM paper's Table 1, which the paper names but does not define. Ours, with binary
+relevance rel_i (1 if the image at rank i is a ground-truth image), G the ground-truth set,
+averaged over queries (:func:`exclusion_metrics`):
+
+* AP@K   = sum_{i<=K} P@i * rel_i / min(K, |G|)         (= :func:`map_at_k`; AP@1 = rel_1)
+* MRR@K  = 1 / (rank of the first relevant image) if it is within K, else 0
+* NDCG@K = DCG@K / IDCG@K, DCG@K = sum_{i<=K} rel_i / log2(i + 1),
+           IDCG@K = sum_{i<=min(K, |G|)} 1 / log2(i + 1)  (the ideal ranking puts all of G first)
+* Hits@K = 1 if any of the top K is relevant, else 0    (= :func:`recall_at_k`)
 """
 
 from __future__ import annotations
@@ -92,6 +103,60 @@ def map_at_k(relevance: torch.Tensor, n_relevant: torch.Tensor, ks: Sequence[int
     return {
         k: (precision_at_hits[:, :k].sum(dim=1) / n_relevant.float().clamp(max=k)).mean().item() for k in ks
     }
+
+
+def mrr_at_k(relevance: torch.Tensor, ks: Sequence[int]) -> dict[int, float]:
+    """MRR@k: mean over queries of 1 / rank of the first relevant image within the top k (0 if none).
+
+    relevance: (Q, K) bool.
+    """
+    _check_ks(relevance, ks)
+    rel = relevance.float()
+    reciprocal = rel / torch.arange(1, rel.shape[1] + 1, dtype=torch.float32)
+    out = {}
+    for k in ks:
+        first = reciprocal[:, :k].max(dim=1).values if rel.shape[1] else torch.zeros(rel.shape[0])
+        out[k] = first.mean().item()  # the largest 1/i among hits is the first hit's
+    return out
+
+
+def ndcg_at_k(relevance: torch.Tensor, n_relevant: torch.Tensor, ks: Sequence[int]) -> dict[int, float]:
+    """Binary NDCG@k: DCG@k = sum_{i<=k} rel_i / log2(i+1), divided by the ideal DCG of
+    min(k, n_relevant) relevant images at the top; averaged over queries.
+
+    relevance: (Q, K) bool; n_relevant: (Q,) ground-truth counts (> 0).
+    """
+    _check_ks(relevance, ks)
+    if (n_relevant <= 0).any():
+        raise ValueError("NDCG needs at least one ground-truth image per query")
+    depth = max(max(ks), relevance.shape[1])
+    discount = 1.0 / torch.log2(torch.arange(2, depth + 2, dtype=torch.float64))
+    ideal_cum = discount.cumsum(0)  # ideal_cum[j - 1] = IDCG with j relevant images at the top
+    rel = relevance.double()
+    out = {}
+    for k in ks:
+        kk = min(k, rel.shape[1])
+        dcg = (rel[:, :kk] * discount[:kk]).sum(dim=1)
+        idcg = ideal_cum[n_relevant.long().clamp(max=k) - 1]
+        out[k] = (dcg / idcg).mean().item()
+    return out
+
+
+EXCLUSION_METRICS = ("AP@1", "AP@5", "MRR@5", "MRR@10", "NDCG@5", "NDCG@10", "Hits@5", "Hits@10")
+
+
+def exclusion_metrics(relevance: torch.Tensor, n_relevant: torch.Tensor) -> dict[str, float]:
+    """The ExclMM paper's Table 1 metrics (see the module docstring for the definitions).
+
+    relevance: (Q, K >= 10 unless the gallery is smaller) bool; n_relevant: (Q,) > 0.
+    Returns name -> fraction, in the order of :data:`EXCLUSION_METRICS`.
+    """
+    ap = map_at_k(relevance, n_relevant, (1, 5))
+    mrr = mrr_at_k(relevance, (5, 10))
+    ndcg = ndcg_at_k(relevance, n_relevant, (5, 10))
+    hits = recall_at_k(relevance, (5, 10))
+    return {"AP@1": ap[1], "AP@5": ap[5], "MRR@5": mrr[5], "MRR@10": mrr[10],
+            "NDCG@5": ndcg[5], "NDCG@10": ndcg[10], "Hits@5": hits[5], "Hits@10": hits[10]}
 
 
 def rank_within_subsets(

@@ -126,7 +126,8 @@ class Query:
 class QueryGroup:
     """Queries scored against one gallery, with one metric family.
 
-    metric: ``recall`` (hit rate), ``fraction_recall`` (Pic2Word's ImageNet-R recall) or ``map``.
+    metric: ``recall`` (hit rate), ``fraction_recall`` (Pic2Word's ImageNet-R recall), ``map`` or
+        ``exclusion`` (the ExclMM paper's eight metrics, :func:`demind.eval.metrics.exclusion_metrics`).
     skipped: queries that could not be evaluated, each ``{"qid", "reason", "detail"}`` (counted, reported).
     gallery_missing: gallery names listed by the annotations but absent from disk.
     """

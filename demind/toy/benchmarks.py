@@ -35,6 +35,15 @@ backbone's and the intent shards' scenes):
   ``hard_negatives`` = gallery images that match except that they show the excluded
   object. Gallery = every image in ``images``.
 
+* ``root/exclcoco/``: the ExclCOCO set (format ``demind-exclcoco/1``, documented in
+  :mod:`demind.exclcoco`) built by the same builder from a toy COCO-format split:
+  ``coco/annotations/{instances,captions}_{train,test}.json`` (categories = the 64
+  coloured shapes, "red circle", or with ``exclcoco_labels="shape"`` the 8 shapes; one instance per object with its rendered box, three captions per image: two full
+  descriptions and one web alt-text), ``coco/{train,test}/*.png``, and the benchmarks
+  ``train/exclcoco.json`` (ExclMM's training queries) and ``test/exclcoco.json`` (the
+  evaluation data root). Labels = object categories only (``caption_min_images=0``); train
+  and test scenes come from disjoint seed streams.
+
 Each folder gets ``toy_benchmark.json`` last (config + world version): the done-marker.
 """
 
@@ -57,8 +66,9 @@ from demind.config import setting
 from demind.eval.exclusion import FORMAT
 from demind.io import atomic_path, write_json_atomic, write_text_atomic
 
+from .parallel import parallel_map
 from .render import render_scene
-from .texts import annotator_text, article, noun_phrase, with_article
+from .texts import alt_text, annotator_text, article, full_description, noun_phrase, with_article
 from .world import (
     BACKGROUNDS, COLOURS, DOMAINS, EDIT_KINDS, POSITIONS, SHAPES, SIZES, WORLD_VERSION, Scene, ToyObject,
     apply_edit, derive_seed, edit_is_possible, modification_type, random_edit, sample_scene, scene_diff,
@@ -67,7 +77,7 @@ from .world import (
 
 logger = logging.getLogger(__name__)
 
-BENCHMARKS = ("cirr", "imgnet", "coco", "exclusion")
+BENCHMARKS = ("cirr", "imgnet", "coco", "exclusion", "exclcoco")
 EXCLUSION_FORMAT = FORMAT  # documented in demind.eval.exclusion
 REAL_DISTRACTOR_OFFSET = 6000  # Pic2Word's list labels real distractors class + 6000
 
@@ -82,6 +92,12 @@ class ToyBenchmarkConfig:
     imgnet_distractors_per_class: int = setting(10, ge=0)
     coco_images: int = setting(500, ge=1)
     exclusion_queries: int = setting(150, ge=1)       # 5 images per query
+    exclcoco_train_images: int = setting(3000, ge=1)
+    exclcoco_test_images: int = setting(1000, ge=1)
+    # object category of the toy ExclCOCO: "colour shape" (64, "red circle") or "shape" (8). The
+    # toy CLIP is shape-blind (shape probe R@10 7 %, colour 44 %, BENCHMARKS.md), so on shape
+    # labels every method sits at the base rate; coloured shapes give it something to see.
+    exclcoco_labels: str = setting("colour shape", choices=("colour shape", "shape"))
     image_size: int = setting(64, ge=8)
 
 
@@ -313,10 +329,73 @@ def write_exclusion(folder: Path, cfg: ToyBenchmarkConfig, progress: bool = True
     })
 
 
+# -------------------------------------------------------------------------- ExclCOCO
+
+def _render_exclcoco_image(job: tuple[str, int, int, str]) -> dict[str, Any]:
+    """Render scene ``index`` of ``stream`` into ``path``; returns its objects, boxes and captions."""
+    stream, index, size, path = job
+    rng = random.Random(stream_seed(stream, index))
+    scene = sample_scene(rng)
+    rendered = render_scene(scene, derive_seed(stream, index), size)
+    _save_png(rendered.image, Path(path))
+    captions = [full_description(scene, rng), full_description(scene, rng), alt_text(scene, rng)]
+    objects = [(o.shape, o.colour, [float(v) for v in rendered.boxes[o.oid]]) for o in scene.objects]
+    return {"objects": objects, "captions": captions}
+
+
+def toy_categories(labels: str) -> list[str]:
+    """Category names of the toy ExclCOCO: ``shape`` or ``colour shape`` (see ToyBenchmarkConfig)."""
+    if labels == "shape":
+        return list(SHAPES)
+    if labels == "colour shape":
+        return [f"{c} {s}" for c in COLOURS for s in SHAPES]
+    raise ValueError(f"exclcoco_labels must be 'shape' or 'colour shape', got {labels!r}")
+
+
+def write_toy_coco_split(folder: Path, split: str, stream: str, count: int, image_size: int,
+                         progress: bool = True, labels: str = "colour shape") -> tuple[Path, Path, Path]:
+    """A COCO-format split of toy scenes: instances (categories: :func:`toy_categories`) and captions."""
+    image_dir = folder / split
+    jobs = [(stream, i, image_size, str(image_dir / f"{i + 1:012d}.png")) for i in range(count)]
+    images, annotations, captions = [], [], []
+    names = toy_categories(labels)
+    categories = [{"id": k + 1, "name": n, "supercategory": "shape"} for k, n in enumerate(names)]
+    for i, out in enumerate(parallel_map(_render_exclcoco_image, jobs, desc=f"toy ExclCOCO {split}",
+                                         progress=progress, unit="img")):
+        image_id = i + 1
+        images.append({"id": image_id, "file_name": f"{image_id:012d}.png", "width": image_size,
+                       "height": image_size})
+        for shape, colour, (x1, y1, x2, y2) in out["objects"]:
+            name = shape if labels == "shape" else f"{colour} {shape}"
+            annotations.append({"id": len(annotations) + 1, "image_id": image_id,
+                                "category_id": names.index(name) + 1, "bbox": [x1, y1, x2 - x1, y2 - y1],
+                                "area": (x2 - x1) * (y2 - y1), "iscrowd": 0})
+        for text in out["captions"]:
+            captions.append({"id": len(captions) + 1, "image_id": image_id, "caption": text})
+    ann = folder / "annotations"
+    instances = ann / f"instances_{split}.json"
+    _write_json(instances, {"images": images, "annotations": annotations, "categories": categories})
+    caption_path = ann / f"captions_{split}.json"
+    _write_json(caption_path, {"images": images, "annotations": captions})
+    return instances, caption_path, image_dir
+
+
+def write_exclcoco(folder: Path, cfg: ToyBenchmarkConfig, progress: bool = True) -> None:
+    from demind.exclcoco import ExclCocoConfig, build_exclcoco
+
+    sizes = {"train": cfg.exclcoco_train_images, "test": cfg.exclcoco_test_images}
+    for split, count in sizes.items():
+        instances, captions, images = write_toy_coco_split(folder / "coco", split, f"exclcoco_{split}", count,
+                                                           cfg.image_size, progress, cfg.exclcoco_labels)
+        build_exclcoco(instances, captions, folder / split, images, ExclCocoConfig(caption_min_images=0),
+                       split=split)
+
+
 # ----------------------------------------------------------------------------- driver
 
 WRITERS: dict[str, Callable[[Path, ToyBenchmarkConfig, bool], None]] = {
     "cirr": write_cirr, "imgnet": write_imgnet, "coco": write_coco, "exclusion": write_exclusion,
+    "exclcoco": write_exclcoco,
 }
 
 

@@ -40,6 +40,8 @@ SEED_STREAMS = {
     "imgnet": 3_100_000_000,
     "coco": 3_200_000_000,
     "exclusion": 3_300_000_000,
+    "exclcoco_train": 3_400_000_000,  # ExclMM's training split of the toy ExclCOCO
+    "exclcoco_test": 3_500_000_000,
 }
 
 

@@ -1,0 +1,166 @@
+"""ExclMM vs CLIP text-only on the toy ExclCOCO, with the paper's cheap Table 2 ablations.
+
+    python benchmarks/exclmm_toy.py --backbone-dir runs/quickstart/backbone --workdir runs/exclmm --seeds 0 1 2
+
+Design (written before measuring):
+* Data: the toy ExclCOCO (demind/toy/benchmarks.py, defaults: 3,000 train / 1,000 test images,
+  labels = the 8 shapes); ExclMM trains on the train split only, everything is scored on test.
+* Backbone: the quickstart's toy CLIP (read only), frozen.
+* Methods: CLIP text-only (the exclusion query text through the text tower; deterministic, so
+  its std over seeds is 0), ExclMM (configs/exclmm/toy.yaml) and its variants: without L_t
+  (lambda_c = 1), without L_c (lambda_c = 0), without the z_c mask (Top_t only), CLIP embeddings
+  without stage 1 (F_theta on CLIP text embeddings), and stage 1 alone (no stage-2 steps: F_theta
+  is the identity). Text-only+DEO is not included (another branch builds it).
+* Seeds 0, 1, 2 change initialisation and batch order of every phase; the data is fixed.
+* Metrics: the eight of the paper's Table 1 (demind/eval/metrics.py), mean ± std over seeds.
+  Paired test vs CLIP on the same queries: sign test on per-query AP@5 (queries where the
+  variant is better vs worse, ties dropped), per seed; we report the largest p of the 3 seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from demind.backbone import BackboneConfig, FrozenCLIP  # noqa: E402
+from demind.config import load_config  # noqa: E402
+from demind.eval import metrics as M  # noqa: E402
+from demind.eval.exclcoco import load_exclcoco  # noqa: E402
+from demind.eval.harness import evaluate  # noqa: E402
+from demind.exclmm import load_exclmm  # noqa: E402
+from demind.exclmm.train import FEATURES_NAME, ExclMMConfig, train_exclmm  # noqa: E402
+from demind.logs import setup_logging  # noqa: E402
+from demind.toy.benchmarks import ToyBenchmarkConfig, write_benchmarks  # noqa: E402
+
+log = logging.getLogger("exclmm_toy")
+ROOT = Path(__file__).resolve().parents[1]
+VARIANTS = {
+    "ExclMM": [],
+    "w/o L_t": ["query.lambda_c=1.0"],
+    "w/o L_c": ["query.lambda_c=0.0"],
+    "w/o z_c mask": ["space.zc_mask=false"],
+    "CLIP emb. w/o stage 1": ["query.space=clip"],
+    "stage 1 only": ["query.steps=0"],
+}
+
+
+def load_toy_backbone(folder: Path) -> FrozenCLIP:
+    reports = sorted(folder.glob("toy-clip-*.json"))
+    if not reports:
+        raise SystemExit(f"no trained toy CLIP in {folder} (a toy-clip-*.json report marks a finished one)")
+    weights = Path(json.loads(reports[-1].read_text())["weights"])
+    return FrozenCLIP(BackboneConfig(name=str(ROOT / "configs/model/toy-clip.json"), pretrained=str(weights)))
+
+
+def per_query_ap(results: dict, method: str, truth: dict[str, list[str]], k: int = 5) -> dict[str, float]:
+    ranked = json.loads(Path(results["files"]["rankings"][method]).read_text())
+    out = {}
+    for qid, names in ranked.items():
+        rel = torch.tensor([[n in truth[qid] for n in names[:k]]])
+        out[qid] = M.map_at_k(rel, torch.tensor([len(truth[qid])]), [k])[k]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--backbone-dir", required=True)
+    p.add_argument("--workdir", default="runs/exclmm")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    args = p.parse_args(argv)
+    setup_logging()
+    torch.set_num_threads(1)
+    work = Path(args.workdir)
+    bench = write_benchmarks(work / "benchmarks", ToyBenchmarkConfig(), which=("exclcoco",))["exclcoco"]
+    backbone = load_toy_backbone(Path(args.backbone_dir))
+    test_root, train_root = bench / "test", bench / "train"
+    data, _ = load_exclcoco(test_root)
+    truth = {str(q["id"]): set(q["ground_truth"]) for q in data["queries"]}
+    cache = work / "feature_cache"
+    common = dict(backbone=backbone, cache_dir=cache, batch_size=256, progress=False)
+
+    results: dict[str, list[dict]] = {"random ranking": [random_ranking(data, seed) for seed in args.seeds],
+                                      "CLIP text-only": []}
+    clip = evaluate("exclcoco", test_root, methods=["text-only"], out_dir=work / "eval" / "clip", **common)
+    clip_ap = per_query_ap(clip, "text-only", truth)
+    timings = {}
+    for variant in args.variants:
+        results[variant] = []
+        for seed in args.seeds:
+            run = work / "train" / f"{variant.replace(' ', '_').replace('/', '')}-seed{seed}"
+            shared = work / "train" / FEATURES_NAME
+            run.mkdir(parents=True, exist_ok=True)
+            if shared.is_file() and not (run / FEATURES_NAME).is_file():
+                shutil.copy(shared, run / FEATURES_NAME)  # the frozen CLIP features are the same for every run
+            cfg = load_config(ExclMMConfig, ROOT / "configs/exclmm/toy.yaml", [
+                f"backbone.pretrained={backbone.cfg.pretrained}", f"data.train={train_root}",
+                f"data.cache_dir={cache}", f"run.output_dir={run}", f"run.seed={seed}", "run.progress=false",
+                *VARIANTS[variant]])
+            started = time.perf_counter()
+            export = train_exclmm(cfg, backbone)
+            timings.setdefault(variant, []).append(time.perf_counter() - started)
+            if not shared.is_file():
+                shutil.copy(run / FEATURES_NAME, shared)
+            res = evaluate("exclcoco", test_root, methods=["exclmm"], exclmm=load_exclmm(export, backbone.identity),
+                           out_dir=work / "eval" / run.name, **common)
+            ap = per_query_ap(res, "exclmm", truth)
+            better = sum(ap[q] > clip_ap[q] for q in ap)
+            worse = sum(ap[q] < clip_ap[q] for q in ap)
+            res["methods"]["exclmm"]["_sign"] = (better, worse, M.sign_test_p(better, worse))
+            results[variant].append(res["methods"]["exclmm"])
+            log.info("%s seed %d: %s", variant, seed, res["methods"]["exclmm"])
+    results["CLIP text-only"] = [clip["methods"]["text-only"]] * len(args.seeds)
+    backbone_note = json.loads(sorted(Path(args.backbone_dir).glob("toy-clip-*.json"))[-1].read_text())
+    table = format_table(results, len(data["queries"]), len(data["images"]))
+    table += f"\n\nbackbone: {backbone_note.get('weights')} (step {backbone_note.get('step', 'final')})"
+    table += "\ntraining seconds per run (mean): " + ", ".join(
+        f"{v}: {statistics.mean(t):.0f}" for v, t in timings.items())
+    print(table)
+    (work / "table.md").write_text(table + "\n")
+    (work / "results.json").write_text(json.dumps({"results": results, "train_seconds": timings}, indent=1))
+    return 0
+
+
+def random_ranking(data: dict, seed: int, depth: int = 10) -> dict[str, float]:
+    """The metrics of a uniformly random ranking (the base rate: ground-truth sets are large)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = list(data["images"])
+    index = {i: k for k, i in enumerate(ids)}
+    ranked = torch.stack([torch.randperm(len(ids), generator=g)[:depth] for _ in data["queries"]])
+    relevant = [frozenset(index[i] for i in q["ground_truth"]) for q in data["queries"]]
+    rel = M.relevance_matrix(ranked, relevant)
+    n_rel = torch.tensor([len(r) for r in relevant])
+    return {k: 100 * v for k, v in M.exclusion_metrics(rel, n_rel).items()}
+
+
+def format_table(results: dict[str, list[dict]], n_queries: int, n_images: int) -> str:
+    names = list(M.EXCLUSION_METRICS)
+    lines = [f"Toy ExclCOCO test: {n_queries} queries, {n_images} images; mean ± std over seeds (percent); "
+             "sign test vs CLIP on per-query AP@5 (better/worse queries per seed, largest p)",
+             "", "| method | " + " | ".join(names) + " | better/worse vs CLIP | p (max) |",
+             "|---" * (len(names) + 3) + "|"]
+    for method, runs in results.items():
+        cells = []
+        for n in names:
+            vals = [r[n] for r in runs]
+            sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
+            cells.append(f"{statistics.mean(vals):.1f} ± {sd:.1f}")
+        signs = [r["_sign"] for r in runs if "_sign" in r]
+        sign = ", ".join(f"{b}/{w}" for b, w, _ in signs) if signs else "—"
+        p = f"{max(s[2] for s in signs):.1e}" if signs else "—"
+        lines.append(f"| {method} | " + " | ".join(cells) + f" | {sign} | {p} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,484 @@
+"""ExclCOCO: exclusion queries ("a dog and a frisbee but not a person") from COCO-format annotations.
+
+The benchmark of *Being Positive about Negative Queries* (ExclMM paper, section 4), built from any
+data set in COCO's format: ``instances_{split}.json`` (images, categories, object instances) and
+``captions_{split}.json`` (five captions per image in COCO). Steps (:func:`build_exclcoco`):
+
+1. **Labels per image** = the categories of its instances, plus *caption-word labels*: words of
+   its captions that appear in the captions of at least ``caption_min_images`` distinct images of
+   the split (default 50; 0 = categories only), are alphabetic, at least 3 letters long, not in
+   :data:`STOPWORDS` (function words, verbs, colours, numbers, sizes, scene words like "photo")
+   and not a word of a category's name or synonyms ("man" counts as person; "bat" of
+   "baseball bat" is no label of its own).
+2. **Word normalisation.** Lower case, ``[a-z]+`` tokens, each singularised by
+   :func:`singular` (irregular table, then ``-ies -> -y``, ``-ches/-shes/-xes/-sses/-zes -> drop -es``,
+   ``-s -> drop`` except ``-ss/-us/-is``), applied to captions and label names alike, so
+   "dogs" mentions "dog" and "skis" / "ski" are one label. Category names match as contiguous
+   token sequences ("traffic light"), also through :data:`SYNONYMS` ("man", "woman", "people"
+   -> person; "bike" -> bicycle; "plane" -> airplane; "sofa" -> couch; "phone" -> cell phone; ...).
+3. **Pairs.** The labels a caption mentions (each must also be in its image's label set; a
+   caption that mentions an absent category is not used for it). A caption mentioning n >= 2
+   labels gives n combinations (exclude one, include the rest); up to ``max_per_caption`` of them
+   are kept, drawn with ``random.Random(seed, caption id)``. A combination already formed from
+   another caption of the same image is a duplicate and dropped.
+4. **Ground truth** = every image of the split whose label set holds all include labels and not
+   the exclude label (the positive image never qualifies: it shows the excluded label). Queries
+   with no ground truth are dropped, as are those with more than ``max_ground_truth`` (default
+   none); ``max_queries`` keeps a seeded random subset (default all). Ground truth is stored
+   explicitly, so the file grows with |queries| x |ground truth|: about 200 MB for a val2017-sized
+   split with no caps; for train2017 cap both (e.g. 200,000 queries, 500 ground-truth images).
+5. **Query text** from :data:`TEMPLATES` ("… without …", "… but not …", "… with no …",
+   "… except for …"; one per query, seeded), or from an LLM through the data_gen engines with
+   the few-shot prompt ``demind/gen/exclusion_prompts/<version>.txt`` (``query_source="llm"``);
+   an LLM text that fails the quality checks or does not name the excluded label falls back to
+   the template and is counted.
+
+Everything is seeded and deterministic; :class:`BuildCounts` (captions read, pairs formed, kept,
+dropped by reason) is logged and written into the output.
+
+Output: ``OUT/exclcoco.json`` (format ``demind-exclcoco/1``), read by
+:mod:`demind.eval.exclcoco` (``python -m demind.eval --benchmark exclcoco --data-root OUT``)::
+
+    {"format": "demind-exclcoco/1", "split": "val2017",
+     "image_root": "../coco/val2017",        # relative to OUT (or absolute)
+     "images": {"139": "000000000139.jpg", ...},        # every image = the gallery
+     "labels": {"categories": [...], "caption_words": [...]},
+     "config": {...}, "counts": {...}, "query_source": "template", "prompt": null,
+     "queries": [{"id": "9-0", "image_id": "139", "caption_id": 9,
+                  "positive_query": "A dog and a person play with a frisbee.",
+                  "query": "a photo of a dog and a frisbee without a person",
+                  "include": ["dog", "frisbee"], "exclude": "person",
+                  "ground_truth": ["724", ...], "text_source": "template"}, ...]}
+
+``image_id`` is the positive image (the caption's own, showing every label); ``ground_truth``
+are image ids (strings, keys of ``images``), sorted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import random
+import re
+import time
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from demind.io import write_json_atomic
+
+log = logging.getLogger(__name__)
+
+FORMAT = "demind-exclcoco/1"
+QUERY_SOURCES = ("template", "llm")
+PROMPT_ROOT = Path(__file__).resolve().parent / "gen" / "exclusion_prompts"
+
+# {inc}: "a dog and a frisbee"; {exc}: "a person" (with article); {exc_bare}: "person"
+TEMPLATES = (
+    "a photo of {inc} without {exc}",
+    "{inc} but not {exc}",
+    "{inc} with no {exc_bare}",
+    "{inc} except for {exc}",
+)
+
+IRREGULAR = {
+    "men": "man", "women": "woman", "people": "person", "persons": "person", "children": "child",
+    "mice": "mouse", "knives": "knife", "teeth": "tooth", "feet": "foot", "geese": "goose",
+    "sheep": "sheep", "leaves": "leaf", "shelves": "shelf", "loaves": "loaf", "wolves": "wolf",
+    "halves": "half", "scarves": "scarf", "giraffes": "giraffe", "skis": "ski", "buses": "bus",
+    "glasses": "glass", "dishes": "dish", "boxes": "box", "benches": "bench", "sandwiches": "sandwich",
+    "ties": "tie", "pies": "pie", "movies": "movie", "cookies": "cookie", "hoodies": "hoodie",
+}
+KEEP_S = ("ss", "us", "is", "ous")
+
+# Extra names of COCO categories (key: the category name as in instances_*.json).
+SYNONYMS: dict[str, tuple[str, ...]] = {
+    "person": ("man", "woman", "people", "boy", "girl", "child", "kid", "guy", "lady", "player",
+               "men", "women", "skier", "surfer", "skateboarder", "rider", "baby", "gentleman"),
+    "bicycle": ("bike", "cycle"), "motorcycle": ("motorbike", "motor bike", "scooter"),
+    "airplane": ("plane", "jet", "aircraft", "airliner"), "car": ("sedan",), "truck": ("pickup",),
+    "boat": ("ship", "sailboat", "canoe", "kayak"), "tv": ("television", "monitor"),
+    "couch": ("sofa",), "dining table": ("table",), "cell phone": ("phone", "cellphone", "smartphone"),
+    "laptop": ("computer", "notebook"), "sports ball": ("ball", "soccer ball", "baseball", "football"),
+    "hot dog": ("hotdog",), "donut": ("doughnut",), "potted plant": ("plant", "houseplant"),
+    "teddy bear": ("teddy", "stuffed bear"), "hair drier": ("hair dryer", "blow dryer"),
+    "skis": ("ski",), "tie": ("necktie",), "cup": ("mug",),
+    "handbag": ("purse",), "refrigerator": ("fridge",), "mouse": (), "remote": ("remote control",),
+}
+
+STOPWORDS = frozenset("""
+a an the and or but not no nor of on in at to for with without from by over under near next into onto
+up down out off about above below behind beside between along across around through while as than
+is are was were be been being am has have had do does did can could will would should may might
+it its this that these those there here their they them he she his her him we our you your who whom
+what which where when how very some any all each both few many more most other such one two three four
+five six seven eight nine ten several lots lot group bunch pair couple
+sitting standing holding looking walking riding playing laying lying sits stands holds looks walks rides
+plays lays lies eating parked parking flying hanging covered filled sitting topped wearing waiting
+sits made using taking getting going being doing shows showing has having set sitting sit stand look
+white black red blue green yellow brown orange pink purple gray grey silver gold dark light colorful
+large small big little tall long short old young new different various other another same top side
+front back view picture photo image photograph close closeup shot scene background area something
+while very together just also near onto inside outside full empty open closed
+""".split())
+
+
+def singular(word: str) -> str:
+    """English singular of a lower-case token by rule (see the module docstring)."""
+    if word in IRREGULAR:
+        return IRREGULAR[word]
+    if len(word) > 4 and word.endswith("ies"):
+        return word[:-3] + "y"
+    for suffix in ("ches", "shes", "xes", "sses", "zes"):
+        if word.endswith(suffix):
+            return word[:-2]
+    if len(word) > 3 and word.endswith("s") and not word.endswith(KEEP_S):
+        return word[:-1]
+    return word
+
+
+def tokens(text: str) -> list[str]:
+    """Lower-case alphabetic tokens, singularised."""
+    return [singular(t) for t in re.findall(r"[a-z]+", text.lower())]
+
+
+def _contains(seq: list[str], phrase: tuple[str, ...]) -> bool:
+    n = len(phrase)
+    return any(tuple(seq[i:i + n]) == phrase for i in range(len(seq) - n + 1))
+
+
+@dataclass
+class ExclCocoConfig:
+    """Choices of the builder (defaults = the documented ExclCOCO recipe)."""
+
+    caption_min_images: int = 50     # caption word -> label if in the captions of >= this many images (0: off)
+    max_per_caption: int = 3         # exclusion combinations kept per caption
+    max_ground_truth: int = 0        # drop queries with more ground-truth images (0: no cap)
+    max_queries: int = 0             # keep a seeded random subset of this many queries (0: all)
+    seed: int = 0
+    query_source: str = "template"   # "template" or "llm"
+    prompt_version: str = "v1"       # demind/gen/exclusion_prompts/<version>.txt (llm only)
+    llm_max_tokens: int = 40
+    image_max_side: int = 672        # positive image shrunk before the LLM sees it
+
+
+@dataclass
+class BuildCounts:
+    """What the builder read, formed, kept and dropped (by reason)."""
+
+    images: int = 0
+    captions_read: int = 0
+    captions_without_image: int = 0
+    captions_with_two_labels: int = 0
+    mentions_not_in_image: int = 0   # a caption naming a category its instances lack: that mention is unused
+    pairs_formed: int = 0
+    kept: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+    text_sources: dict[str, int] = field(default_factory=dict)
+
+    def drop(self, reason: str, n: int = 1) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + n
+
+    def summary(self) -> str:
+        drops = ", ".join(f"{k} {v}" for k, v in sorted(self.dropped.items())) or "none"
+        return (f"images {self.images}, captions read {self.captions_read} "
+                f"({self.captions_without_image} naming no known image), captions with >= 2 labels "
+                f"{self.captions_with_two_labels} ({self.mentions_not_in_image} mentions of labels absent from the "
+                f"image unused), pairs formed {self.pairs_formed}, kept {self.kept}; "
+                f"dropped: {drops}; query text: {self.text_sources}")
+
+
+@dataclass
+class LabelIndex:
+    """Label names and the token phrases that mention them."""
+
+    categories: list[str]
+    caption_words: list[str]
+    phrases: dict[str, list[tuple[str, ...]]]  # label -> token phrases
+
+    def __post_init__(self) -> None:
+        # phrase length -> {token tuple: label}, longest first (a dict lookup per position)
+        by_length: dict[int, dict[tuple[str, ...], str]] = defaultdict(dict)
+        for label, ph in self.phrases.items():
+            for p in ph:
+                by_length[len(p)].setdefault(p, label)
+        self._by_length = sorted(by_length.items(), key=lambda kv: -kv[0])
+        self._order = {label: k for k, label in enumerate(self.phrases)}
+
+    def mentioned(self, caption_tokens: list[str]) -> list[str]:
+        """Labels the caption names, in label order. Longer phrases claim their tokens first, so
+        "a hot dog" names "hot dog" and not "dog"."""
+        free = list(caption_tokens)
+        found = set()
+        for n, table in self._by_length:
+            for i in range(len(free) - n + 1):
+                label = table.get(tuple(free[i:i + n]))
+                if label is not None:
+                    found.add(label)
+                    free[i:i + n] = [""] * n  # claimed
+        return sorted(found, key=self._order.__getitem__)
+
+
+def _load(path: Path, keys: tuple[str, ...]) -> dict[str, Any]:
+    import json
+
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist (expected a COCO-format annotation file)")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise ValueError(f"{path} is not valid JSON ({e})") from None
+    absent = [k for k in keys if k not in data]
+    if absent:
+        raise ValueError(f"{path} lacks the COCO key(s) {absent}; is it the right file?")
+    return data
+
+
+def category_phrases(categories: list[str]) -> dict[str, list[tuple[str, ...]]]:
+    """label -> its name and synonyms as singularised token tuples."""
+    return {c: list(dict.fromkeys(tuple(tokens(p)) for p in (c, *SYNONYMS.get(c, ())) if tokens(p)))
+            for c in categories}
+
+
+def caption_word_labels(captions_by_image: dict[int, list[list[str]]], claimed: set[str],
+                        min_images: int) -> list[str]:
+    """Caption words in the captions of >= ``min_images`` images (see the module docstring)."""
+    if min_images <= 0:
+        return []
+    images_with: Counter[str] = Counter()
+    for caps in captions_by_image.values():
+        images_with.update({t for toks in caps for t in toks})
+    return sorted(w for w, n in images_with.items()
+                  if n >= min_images and len(w) >= 3 and w not in STOPWORDS and w not in claimed)
+
+
+def image_labels(instances: dict[str, Any], captions_by_image: dict[int, list[list[str]]],
+                 index: LabelIndex) -> dict[int, frozenset[str]]:
+    """image id -> categories of its instances plus the caption-word labels its captions name."""
+    cat_name = {c["id"]: c["name"] for c in instances["categories"]}
+    labels: dict[int, set[str]] = {img["id"]: set() for img in instances["images"]}
+    for ann in instances["annotations"]:
+        if ann["image_id"] in labels and ann["category_id"] in cat_name:
+            labels[ann["image_id"]].add(cat_name[ann["category_id"]])
+    words = set(index.caption_words)
+    for image_id, caps in captions_by_image.items():
+        if image_id in labels:
+            labels[image_id] |= {t for toks in caps for t in toks if t in words}
+    return {k: frozenset(v) for k, v in labels.items()}
+
+
+def ground_truth(include: list[str], exclude: str, images_with: dict[str, set[int]]) -> list[int]:
+    """Image ids whose label set holds every include label and not the exclude label, sorted.
+
+    images_with: label -> ids of the images whose label set holds it (an inverted index, so a
+    query costs set intersections rather than a pass over every image).
+    """
+    found = set.intersection(*(images_with.get(x, set()) for x in include))
+    return sorted(found - images_with.get(exclude, set()))
+
+
+def invert(labels: dict[int, frozenset[str]]) -> dict[str, set[int]]:
+    """image id -> labels  =>  label -> image ids."""
+    out: dict[str, set[int]] = defaultdict(set)
+    for image_id, have in labels.items():
+        for x in have:
+            out[x].add(image_id)
+    return dict(out)
+
+
+def with_article(label: str) -> str:
+    return f"{'an' if label[0] in 'aeiou' else 'a'} {label}"
+
+
+def template_text(include: list[str], exclude: str, rng: random.Random) -> str:
+    """One of :data:`TEMPLATES` filled in (the choice is drawn from ``rng``)."""
+    inc = " and ".join(with_article(x) for x in include)
+    return rng.choice(TEMPLATES).format(inc=inc, exc=with_article(exclude), exc_bare=exclude)
+
+
+def load_exclusion_prompt(version: str) -> tuple[str, str]:
+    """(prompt text with {caption} {include} {exclude}, sha) of ``exclusion_prompts/<version>.txt``."""
+    path = Path(version) if Path(version).is_file() else PROMPT_ROOT / f"{version}.txt"
+    if not path.is_file():
+        known = sorted(p.stem for p in PROMPT_ROOT.glob("*.txt"))
+        raise FileNotFoundError(f"exclusion prompt {version!r} not found ({path}); available: {known}")
+    text = path.read_text(encoding="utf-8").strip()
+    for slot in ("{caption}", "{include}", "{exclude}"):
+        if text.count(slot) != 1:
+            raise ValueError(f"exclusion prompt {path} must contain {slot} exactly once")
+    return text, hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def form_pairs(captions: list[dict[str, Any]], labels: dict[int, frozenset[str]], index: LabelIndex,
+               cfg: ExclCocoConfig, counts: BuildCounts) -> list[dict[str, Any]]:
+    """Step 3: (caption, include, exclude) combinations, before ground truth."""
+    pairs = []
+    seen: set[tuple[int, tuple[str, ...], str]] = set()
+    for cap in sorted(captions, key=lambda c: c["id"]):
+        counts.captions_read += 1
+        if cap["image_id"] not in labels:
+            counts.captions_without_image += 1
+            continue
+        have = labels[cap["image_id"]]
+        named = index.mentioned(tokens(cap["caption"]))
+        present = [x for x in named if x in have]
+        if len(named) > len(present):
+            counts.mentions_not_in_image += len(named) - len(present)
+        if len(present) < 2:
+            continue
+        counts.captions_with_two_labels += 1
+        combos = [([x for x in present if x != ex], ex) for ex in present]
+        counts.pairs_formed += len(combos)
+        rng = random.Random(f"{cfg.seed}:{cap['id']}")
+        rng.shuffle(combos)
+        if len(combos) > cfg.max_per_caption:
+            counts.drop("over max_per_caption", len(combos) - cfg.max_per_caption)
+            combos = combos[:cfg.max_per_caption]
+        for k, (include, exclude) in enumerate(combos):
+            key = (cap["image_id"], tuple(include), exclude)
+            if key in seen:
+                counts.drop("duplicate of another caption of the same image")
+                continue
+            seen.add(key)
+            pairs.append({"id": f"{cap['id']}-{k}", "image_id": str(cap["image_id"]), "caption_id": cap["id"],
+                          "positive_query": cap["caption"].strip(), "include": include, "exclude": exclude,
+                          "_rng": rng})
+    return pairs
+
+
+def build_exclcoco(instances_path: str | Path, captions_path: str | Path, out_dir: str | Path,
+                   image_root: str | Path, cfg: ExclCocoConfig | None = None,
+                   llm: Callable[[list[dict[str, Any]]], list[str | None]] | None = None,
+                   split: str | None = None) -> tuple[Path, BuildCounts]:
+    """Build the benchmark into ``out_dir/exclcoco.json``; returns (that path, counts).
+
+    image_root: folder of the split's images (``file_name`` of each image is relative to it).
+    llm: for ``query_source="llm"``, a function from query dicts (``positive_query``, ``include``,
+        ``exclude``, ``image_path``) to texts (None = rejected, template used); see
+        :func:`llm_query_writer` for the data_gen-engine one.
+    """
+    cfg = cfg or ExclCocoConfig()
+    if cfg.query_source not in QUERY_SOURCES:
+        raise ValueError(f"query_source must be one of {QUERY_SOURCES}, got {cfg.query_source!r}")
+    if cfg.query_source == "llm" and llm is None:
+        raise ValueError("query_source='llm' needs an llm function (see demind.exclcoco.llm_query_writer)")
+    started = time.perf_counter()
+    instances_path, captions_path, out_dir = Path(instances_path), Path(captions_path), Path(out_dir)
+    instances = _load(instances_path, ("images", "annotations", "categories"))
+    captions = _load(captions_path, ("annotations",))["annotations"]
+    counts = BuildCounts(images=len(instances["images"]))
+
+    categories = [c["name"] for c in sorted(instances["categories"], key=lambda c: c["id"])]
+    phrases = category_phrases(categories)
+    claimed = {t for ph in phrases.values() for p in ph for t in p}  # "bat" of "baseball bat" is no word label
+    captions_by_image: dict[int, list[list[str]]] = defaultdict(list)
+    for cap in captions:
+        captions_by_image[cap["image_id"]].append(tokens(cap["caption"]))
+    words = caption_word_labels(captions_by_image, claimed, cfg.caption_min_images)
+    phrases.update({w: [(w,)] for w in words})
+    index = LabelIndex(categories, words, phrases)
+    labels = image_labels(instances, captions_by_image, index)
+
+    pairs = form_pairs(captions, labels, index, cfg, counts)
+    file_of = {img["id"]: img["file_name"] for img in instances["images"]}
+    images_with = invert(labels)
+    queries = []
+    for pair in pairs:
+        gt = ground_truth(pair["include"], pair["exclude"], images_with)
+        if not gt:
+            counts.drop("no ground truth")
+            continue
+        if cfg.max_ground_truth and len(gt) > cfg.max_ground_truth:
+            counts.drop("over max_ground_truth")
+            continue
+        rng = pair.pop("_rng")
+        pair["query"] = template_text(pair["include"], pair["exclude"], rng)
+        pair["ground_truth"] = [str(i) for i in gt]
+        pair["text_source"] = "template"
+        queries.append(pair)
+    if cfg.max_queries and len(queries) > cfg.max_queries:
+        keep = set(random.Random(f"{cfg.seed}:subset").sample(range(len(queries)), cfg.max_queries))
+        counts.drop("over max_queries (seeded subset)", len(queries) - cfg.max_queries)
+        queries = [q for k, q in enumerate(queries) if k in keep]
+    prompt_record = None
+    if cfg.query_source == "llm":
+        prompt_record = apply_llm_texts(queries, llm, Path(image_root), file_of)
+    counts.kept = len(queries)
+    counts.text_sources = dict(Counter(q["text_source"] for q in queries))
+
+    root_rel = os.path.relpath(Path(image_root).resolve(), out_dir.resolve()) if not Path(image_root).is_absolute() \
+        else str(image_root)
+    data = {
+        "format": FORMAT,
+        "split": split or instances_path.stem.replace("instances_", ""),
+        "source": {"instances": str(instances_path), "captions": str(captions_path)},
+        "image_root": root_rel,
+        "images": {str(img["id"]): img["file_name"] for img in sorted(instances["images"], key=lambda i: i["id"])},
+        "labels": {"categories": categories, "caption_words": words},
+        "config": asdict(cfg),
+        "counts": asdict(counts),
+        "query_source": cfg.query_source,
+        "prompt": prompt_record,
+        "queries": queries,
+    }
+    path = write_json_atomic(out_dir / "exclcoco.json", data)
+    log.info("ExclCOCO %s: %s (%.1f s)", data["split"], counts.summary(), time.perf_counter() - started)
+    return path, counts
+
+
+def apply_llm_texts(queries: list[dict[str, Any]], llm: Callable, image_root: Path, file_of: dict[int, str]
+                    ) -> dict[str, Any] | None:
+    """Replace template texts by the LLM's where it names the excluded label (the template stays,
+    marked ``template (llm output rejected)``, otherwise). Returns the prompt record of ``llm``."""
+    requests = [{**q, "image_path": image_root / file_of[int(q["image_id"])]} for q in queries]
+    texts = llm(requests) if requests else []
+    if len(texts) != len(queries):
+        raise RuntimeError(f"the llm returned {len(texts)} texts for {len(queries)} queries")
+    for q, text in zip(queries, texts):
+        if text and _contains(tokens(text), tuple(tokens(q["exclude"]))):
+            q["query"], q["text_source"] = text, "llm"
+        else:
+            q["text_source"] = "template (llm output rejected)"
+    return getattr(llm, "record", None)
+
+
+def llm_query_writer(engine: Any, prompt_version: str = "v1", seed: int = 0, max_new_tokens: int = 40,
+                     image_max_side: int = 672, repeat_ngram: int = 3, max_ngram_repeats: int = 2) -> Callable:
+    """An ``llm`` for :func:`build_exclcoco` on a data_gen engine (vLLM or transformers).
+
+    Each request: the positive image and the few-shot prompt with the caption, include and
+    exclude labels; per-request seed from (seed, query id). Outputs are cleaned and checked
+    with data_gen's quality rules; a flagged output is None (the builder keeps the template).
+    """
+    from PIL import Image
+
+    from demind.gen.engines import GenRequest, request_seed
+    from demind.gen.prompts import render, user_turn
+    from demind.gen.quality import clean_output, quality_flags
+
+    prompt, sha = load_exclusion_prompt(prompt_version)
+
+    def write(queries: list[dict[str, Any]]) -> list[str | None]:
+        requests = []
+        for q in queries:
+            path = Path(q["image_path"])
+            if not path.is_file():
+                raise FileNotFoundError(f"image {path} of query {q['id']} does not exist (check --image-root)")
+            image = Image.open(path).convert("RGB")
+            image.thumbnail((image_max_side, image_max_side))
+            text = (prompt.replace("{caption}", q["positive_query"]).replace("{include}", ", ".join(q["include"]))
+                    .replace("{exclude}", q["exclude"]))
+            rendered = render(engine.renderer, [user_turn(text, with_image=True)])
+            requests.append(GenRequest(rendered, image, request_seed(seed, q["id"], "exclusion", 0), max_new_tokens))
+        out = []
+        for result in engine.generate(requests):
+            text = clean_output(result.text)
+            flags = quality_flags(text, result.finish_reason, repeat_ngram, max_ngram_repeats)
+            out.append(None if flags else text)
+        return out
+
+    write.record = {"version": prompt_version, "sha": sha, "engine": getattr(engine, "name", "?"),
+                    "model": getattr(engine, "model_id", "?")}
+    return write

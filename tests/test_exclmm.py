@@ -1,0 +1,134 @@
+"""ExclMM: losses by hand, identity at initialisation, end-to-end training with the tiny CLIP,
+evaluation in the harness, bad input, and kill-and-resume to the same weights."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from demind.cli import train_exclmm as cli
+from demind.exclcoco import ExclCocoConfig, build_exclcoco
+from demind.testing import write_synthetic_coco
+from demind.exclmm import losses as L
+from demind.exclmm.model import ExclusionQueryEncoder, SparseSpace, sentence_code, top_t_mask
+
+
+def test_sparsity_losses_by_hand():
+    z = torch.tensor([[1.0, 0.5, 0.0], [0.0, 0.5, 0.0]])
+    # unit means 0.5, 0.5, 0 ; rho 0.2 -> (0.3^2 + 0.3^2 + 0) = 0.18
+    assert L.average_sparsity_loss(z, 0.2).item() == pytest.approx(0.18)
+    # rows: 0 + 0.25 + 0 = 0.25 and 0 + 0.25 + 0 = 0.25 -> mean 0.25
+    assert L.partial_sparsity_loss(z).item() == pytest.approx(0.25)
+    assert L.reconstruction_loss(torch.tensor([[1.0, 2.0]]), torch.tensor([[0.0, 0.0]])).item() == pytest.approx(5.0)
+
+
+def test_query_losses_by_hand():
+    q = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    gt = torch.tensor([[2.0, 0.0], [1.0, 1.0]])
+    pos = torch.tensor([[1.5, 0.0], [0.0, 0.0]])
+    # margin 1: row 0: max(0, 1 - 2 + 1.5) = 0.5 ; row 1: max(0, 1 - 1 + 0) = 0 -> 0.25
+    assert L.triplet_loss(q, gt, pos, margin=1.0).item() == pytest.approx(0.25)
+    # logits q @ gt.T = [[2, 1], [0, 1]]; row 1 masks image 0 (also relevant) -> its loss is 0
+    also = torch.tensor([[False, False], [True, False]])
+    expected = (-(2 - torch.logsumexp(torch.tensor([2.0, 1.0]), 0))).item() / 2
+    assert L.query_contrastive_loss(q, gt, also).item() == pytest.approx(expected)
+
+
+def test_masks_sentence_codes_and_identity_at_init():
+    h = torch.tensor([[0.1, 0.9, 0.5, 0.0]])
+    assert top_t_mask(h, 2).tolist() == [[False, True, True, False]]
+    space = SparseSpace(clip_dim=4, code_dim=4, hidden=8, top_t=1)
+    z_c = torch.tensor([[0.0, 0.0, 0.0, 0.3]])
+    assert space.mask(h, z_c).tolist() == [[False, True, False, True]]
+    codes = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    assert sentence_code(codes, [[0, 1], [], [2]]).tolist() == [[0.5, 0.5], [0.0, 0.0], [1.0, 1.0]]
+    f = ExclusionQueryEncoder(4, 8)
+    s = torch.rand(3, 4)
+    assert torch.equal(f(s), s)  # stage 2 starts from stage-1 retrieval
+
+
+@pytest.fixture(scope="module")
+def train_split(tmp_path_factory):
+    root = tmp_path_factory.mktemp("exclmm-data")
+    instances, captions, images = write_synthetic_coco(root / "coco", 40, split="train", seed=5, write_images=True)
+    build_exclcoco(instances, captions, root / "train", images, ExclCocoConfig(caption_min_images=5), split="train")
+    return root / "train"
+
+
+def smoke_args(repo_root, train_dir, run_dir, *extra):
+    return ["--config", str(repo_root / "configs/exclmm/smoke.yaml"),
+            f"backbone.name={repo_root / 'configs/model/tiny-clip.json'}", f"data.train={train_dir}",
+            f"run.output_dir={run_dir}", *extra]
+
+
+def test_train_end_to_end_and_evaluate(repo_root, train_split, tmp_path, capsys):
+    from demind.backbone import BackboneConfig, build_backbone
+    from demind.eval.harness import evaluate
+    from demind.exclmm import load_exclmm
+
+    run = tmp_path / "run"
+    assert cli.main(smoke_args(repo_root, train_split, run)) == 0
+    export = run / "exclmm.safetensors"
+    assert export.is_file() and (run / "config.yaml").is_file()
+    before = {k: v.clone() for k, v in load_file(export).items()}
+    torch.manual_seed(0)  # the run built its random backbone after seeding with run.seed = 0
+    backbone = build_backbone(BackboneConfig(name=str(repo_root / "configs/model/tiny-clip.json"), pretrained=None))
+    model = load_exclmm(export, backbone.identity)
+    assert not torch.equal(model.query_encoder.net[-1].weight, torch.zeros_like(model.query_encoder.net[-1].weight))
+    feats = torch.load(run / "features.pt", weights_only=False)
+    codes = model.sae.encode(feats["word_vectors"])
+    assert 0 < (codes > 0).float().mean() < 1  # the word codes are alive and sparse, not all 0 or all 1
+    results = evaluate("exclcoco", train_split, backbone=backbone, methods=["text-only", "exclmm"], exclmm=model,
+                       out_dir=tmp_path / "eval", progress=False)
+    for name in ("text-only", "exclmm"):
+        got = results["methods"][name]
+        assert set(got) == {"AP@1", "AP@5", "MRR@5", "MRR@10", "NDCG@5", "NDCG@10", "Hits@5", "Hits@10"}
+        assert all(0.0 <= v <= 100.0 for v in got.values())
+        assert got["Hits@10"] >= got["Hits@5"] >= got["AP@1"]
+    assert cli.main(smoke_args(repo_root, train_split, run)) == 0  # finished: left as is
+    assert all(torch.equal(before[k], v) for k, v in load_file(export).items())
+    assert cli.main(smoke_args(repo_root, train_split, run, "run.seed=1")) == 2  # another recipe, same folder
+    assert "written with another config (differs in ['seed'])" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="trained on backbone"):
+        load_exclmm(export, {"name": "other"})
+
+
+def test_bad_input_is_one_clear_line(repo_root, tmp_path, capsys):
+    assert cli.main(smoke_args(repo_root, tmp_path / "nothing", tmp_path / "run")) == 2
+    assert "exclcoco.json does not exist" in capsys.readouterr().err
+    assert cli.main(smoke_args(repo_root, tmp_path, tmp_path / "run", "space.nope=1")) == 2
+    assert "unknown config key 'space.nope'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_to_the_same_weights(repo_root, train_split, tmp_path):
+    steps = ["sae.steps=60", "space.steps=60", "query.steps=60", "run.save_every=3"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo_root))
+    command = [sys.executable, "-m", "demind.cli.train_exclmm"]
+    reference = tmp_path / "uninterrupted"
+    subprocess.run([*command, *smoke_args(repo_root, train_split, reference, *steps)], env=env, check=True,
+                   cwd=repo_root, capture_output=True)
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen([*command, *smoke_args(repo_root, train_split, killed, *steps)], env=env, cwd=repo_root,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.time() + 120
+    state = killed / "state.pt"
+    while proc.poll() is None and time.time() < deadline:
+        if state.exists() and torch.load(state, weights_only=False)["phase"] == "space":
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed in phase 'space'"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "exclmm.safetensors").exists()
+    subprocess.run([*command, *smoke_args(repo_root, train_split, killed, *steps)], env=env, check=True,
+                   cwd=repo_root, capture_output=True)
+    a, b = load_file(reference / "exclmm.safetensors"), load_file(killed / "exclmm.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
