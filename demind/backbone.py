@@ -9,6 +9,7 @@ gradients still flow *through* its text tower into the replaced vectors.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -26,6 +27,11 @@ from demind.config import ConfigError
 log = logging.getLogger(__name__)
 
 PLACEHOLDER = "*"
+# open_clip's precision names -> the autocast dtype the towers run under (None: no autocast).
+PRECISIONS: dict[str, torch.dtype | None] = {
+    "fp32": None, "fp16": None, "bf16": None, "pure_fp16": None, "pure_bf16": None,
+    "amp": torch.float16, "amp_bf16": torch.bfloat16,
+}
 
 
 @dataclass
@@ -40,6 +46,10 @@ class BackboneConfig:
         transformer in up to this many groups, each cut after its own longest text, when
         that saves at least 30 % of the padded positions. Exact under CLIP's causal mask;
         1 pads every text to the batch's longest.
+    precision: open_clip's precision names. ``fp32``; ``fp16`` / ``bf16`` (weights in half
+        precision, LayerNorms as open_clip keeps them); ``pure_fp16`` / ``pure_bf16`` (every
+        weight in half precision); ``amp`` / ``amp_bf16`` (fp32 weights, the towers run under
+        fp16 / bf16 autocast). Inputs are cast to the tower's dtype; outputs are float32.
     """
 
     name: str = "ViT-L-14"
@@ -47,6 +57,10 @@ class BackboneConfig:
     precision: str = "fp32"
     grad_checkpointing: bool = False
     text_buckets: int = 4
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"backbone.precision must be one of {', '.join(PRECISIONS)}; got {self.precision!r}")
 
 
 class TextOutput(NamedTuple):
@@ -205,11 +219,32 @@ class FrozenCLIP(nn.Module):
     def device(self) -> torch.device:
         return self.model.token_embedding.weight.device
 
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Autocast for ``amp`` / ``amp_bf16`` backbones, a no-op otherwise."""
+        dtype = PRECISIONS[self.cfg.precision]
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    @property
+    def image_dtype(self) -> torch.dtype:
+        """The dtype the image tower's weights are stored in (its inputs are cast to it)."""
+        # The first conv/linear weight: open_clip's ``bf16`` keeps e.g. class embeddings in fp32.
+        layers = (m for m in self.model.visual.modules() if isinstance(m, (nn.Conv2d, nn.Linear)))
+        first = next(layers, None)
+        return first.weight.dtype if first is not None else next(self.model.visual.parameters()).dtype
+
     # ----------------------------------------------------------------- images
     @torch.no_grad()
     def encode_image(self, images: torch.Tensor) -> torch.Tensor:
-        """(B, 3, H, W) preprocessed images -> (B, D) embeddings, not normalised."""
-        return self.model.encode_image(images.to(self.device)).float()
+        """(B, 3, H, W) preprocessed images -> (B, D) float32 embeddings, not normalised.
+
+        Images are cast to the tower's dtype (a ``pure_bf16`` tower takes bf16 pixels);
+        ``non_blocking`` lets a copy from pinned memory overlap the previous batch's work.
+        """
+        images = images.to(self.device, dtype=self.image_dtype, non_blocking=True)
+        with self.autocast():
+            return self.model.encode_image(images).float()
 
     # ------------------------------------------------------------------- text
     def tokenize(self, texts: list[str]) -> torch.Tensor:
@@ -236,7 +271,8 @@ class FrozenCLIP(nn.Module):
     def encode_text(self, texts: list[str]) -> TextOutput:
         """Plain text encoding (no placeholder substitution), without gradients."""
         tokens = self.tokenize(texts).to(self.device)
-        return self._encode_embedded(self.model.token_embedding(tokens), tokens)
+        with self.autocast():
+            return self._encode_embedded(self.model.token_embedding(tokens), tokens)
 
     def encode_with_pseudo_tokens(self, texts: list[str], pseudo: torch.Tensor) -> TextOutput:
         """Encode texts whose ``*`` placeholders are replaced by given token embeddings.
@@ -257,7 +293,8 @@ class FrozenCLIP(nn.Module):
         embedded = self.model.token_embedding(tokens).to(pseudo.dtype)
         # Boolean-mask assignment walks rows then positions, matching pseudo's (b, k) order.
         embedded = embedded.masked_scatter(is_placeholder.unsqueeze(-1), pseudo.reshape(-1, width))
-        return self._encode_embedded(embedded, tokens)
+        with self.autocast():
+            return self._encode_embedded(embedded, tokens)
 
     def _check_placeholder_counts(self, texts: list[str], counts: torch.Tensor, expected: int) -> None:
         bad = (counts != expected).nonzero().flatten().tolist()

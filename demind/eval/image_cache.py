@@ -150,12 +150,14 @@ def encode_image_refs(
 def _encode_chunk(backbone: FrozenCLIP, refs: list[ImageRef], batch_size: int, num_workers: int,
                   progress: bool, desc: str, done: int, total: int) -> torch.Tensor:
     """(n, D) float32 CPU features for one chunk of images."""
+    # Decoding runs in worker processes; pinned batches copy to the GPU asynchronously.
     loader = DataLoader(ImageRefDataset(refs, backbone.preprocess), batch_size=batch_size,
-                        num_workers=num_workers, shuffle=False)
+                        num_workers=num_workers, shuffle=False, pin_memory=backbone.device.type == "cuda",
+                        prefetch_factor=4 if num_workers > 0 else None)
     out = []
     with tqdm(total=total, initial=done, unit="img", desc=desc, disable=not progress, leave=False) as bar:
         for images in loader:
-            out.append(backbone.encode_image(images).float().cpu())
+            out.append(backbone.encode_image(images).cpu())
             bar.update(images.shape[0])
     return torch.cat(out)
 
