@@ -557,3 +557,40 @@ def test_plan_states_from_files_on_disk(tmp_path):
     with pytest.raises(ShardSpecError, match="no number"):
         (inp / "extra.tar").write_bytes(b"")
         make_plan(str(inp), out, None, overwrite=False)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 0.0])
+def test_stage_two_reuses_stage_one_prefix_with_the_same_text(tiny_llava, temperature):
+    """Keeping stage 1's prompt KV (image + turn 1) prefills stage 2 only from the answer on:
+    same texts as a full prefill, sampled and greedy, in batches with left padding of
+    different images and captions, retries included; fewer prefilled tokens."""
+    from demind.gen.engines.transformers_engine import TransformersEngine
+
+    rng = np.random.default_rng(0)
+    sizes = [(40, 30), (30, 40), (64, 20), (20, 20), (50, 50), (33, 61), (64, 64)]
+    items = [ChunkItem(f"k{i}", " ".join(rng.choice(["a", "red", "dog", "on", "the", "street", "tree"], 2 + 3 * i)),
+                       Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)))
+             for i, (w, h) in enumerate(sizes)]
+    outs = {}
+    for prefix_cache in (False, True):
+        cfg = GenConfig()
+        cfg.engine.model, cfg.engine.device, cfg.engine.dtype, cfg.engine.batch_size = str(tiny_llava), "cpu", "float32", 3
+        cfg.engine.prefix_cache, cfg.engine.cpu_threads = prefix_cache, 1
+        cfg.sampling.temperature = temperature
+        cfg.sampling.rewrite_max_tokens, cfg.sampling.intent_max_tokens = 12, 8
+        engine = TransformersEngine(cfg.engine, cfg.sampling)
+        outs[prefix_cache] = IntentGenerator(engine, cfg, load_prompts("v1")).generate(items)
+        if prefix_cache:
+            assert len(engine.prefixes) == 0  # released at the end of the chunk
+    full, reused = outs[False], outs[True]
+    assert [(o.rewrite.text, o.intent.text) for o in reused] == [(o.rewrite.text, o.intent.text) for o in full]
+    assert [o.intent.prompt_tokens for o in reused] == [o.intent.prompt_tokens for o in full]
+    for a, b in zip(full, reused):
+        assert b.rewrite.prefilled_tokens == a.rewrite.prefilled_tokens  # stage 1 is prefilled in full
+        # stage 2 prefills only what follows stage 1's prompt, per attempt
+        expected = b.intent.attempts * (b.intent.prompt_tokens - b.rewrite.prompt_tokens)
+        assert a.intent.prefilled_tokens == a.intent.attempts * a.intent.prompt_tokens
+        assert b.intent.prefilled_tokens == expected > 0
+    if temperature > 0:
+        assert len({o.intent.text for o in full}) > 1  # the texts really vary
+        assert any(o.intent.attempts > 1 for o in full)  # retries of stage 2 reuse the prefix too

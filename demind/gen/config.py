@@ -23,7 +23,11 @@ class EngineConfig:
     # Requests handed to the engine in one call. vLLM schedules them with continuous batching;
     # the bound keeps host memory flat (decoded images and vLLM's pixel tensors live per chunk).
     chunk_size: int = 1024
+    # Stage 2 continues stage 1's conversation, so its prefix (image + turn 1) is computed once:
+    # the transformers engine keeps stage 1's prompt KV cache, vLLM turns on automatic prefix caching.
+    prefix_cache: bool = True
     # transformers only
+    prefix_cache_rows: int = 256  # stage-1 prompts kept at most (oldest dropped; a dropped one is prefilled again)
     device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:1", ...
     batch_size: int = 8  # rows per generate() call
     cpu_threads: int = 0  # torch CPU threads for this process (0 = torch's default); 1 suits tiny models
