@@ -288,7 +288,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--only: unknown sections {sorted(unknown)}; choose from {','.join(SECTIONS)}")
     big = not args.tiny
     args.workers = min(16, os.cpu_count() or 1) if big else 0
-    args.repeats = 20 if big else 2
+    args.repeats = 20 if big else 1
     args.tower_batch = 256 if big else 4
     args.cache_images, args.cache_batch = (8192, 512) if big else (16, 8)
     args.gallery_images = 512 if big else 8
