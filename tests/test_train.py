@@ -237,7 +237,7 @@ def test_cc3m_like_synthetic_texts_have_the_papers_lengths(tmp_path, tiny_backbo
 def test_log_window_sums_on_the_device_equal_python_float_sums():
     """Loss sums kept as float64 tensors (no host sync per step) give the means that summing
     Python floats gave."""
-    from demind.training import LOSS_TERMS, LogWindow
+    from demind.training.metrics_log import LOSS_TERMS, LogWindow
 
     torch.manual_seed(0)
     steps = [{t: torch.rand(()) * 10 for t in LOSS_TERMS} for _ in range(7)]
