@@ -194,7 +194,7 @@ def bench_gen(args: argparse.Namespace, work: Path) -> dict:
     from demind.gen.engines.transformers_engine import PrefixStore, TransformersEngine
     from demind.gen.generate import ChunkItem, IntentGenerator
     from demind.gen.prompts import load_prompts
-    from demind.gen.reader import decode_image
+    from demind.gen.reader import decode_and_shrink
 
     model_dir, build_s = gpu_models.build_llava(args.llava_dir or work / "llava", args.tiny, args.device)
     rng = np.random.default_rng(0)
@@ -204,7 +204,7 @@ def bench_gen(args: argparse.Namespace, work: Path) -> dict:
         buf = io.BytesIO()
         Image.fromarray(small).resize((800, 600), Image.Resampling.BILINEAR).save(buf, format="JPEG", quality=90)
         caption = f"a photo of a red dog number {i} playing on the beach near the water"
-        items.append(ChunkItem(f"{i:09d}", caption, decode_image(buf.getvalue(), 672)))
+        items.append(ChunkItem(f"{i:09d}", caption, decode_and_shrink(buf.getvalue(), 672)))
     cfg = GenConfig()
     cfg.engine.name, cfg.engine.model, cfg.engine.device = "transformers", str(model_dir), args.device
     cfg.engine.dtype = "float32" if args.device == "cpu" else "bfloat16"
