@@ -55,7 +55,7 @@ def run_training(overrides: list[str]) -> list[dict]:
 
 def build_cache(overrides: list[str]) -> float:
     """Run ``python -m demind.features`` in-process; return its seconds."""
-    from demind import features
+    from demind.cli import features
 
     start = time.perf_counter()
     features.main(overrides)
