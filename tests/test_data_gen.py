@@ -572,17 +572,24 @@ def test_stage_two_reuses_stage_one_prefix_with_the_same_text(tiny_llava, temper
                        Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)))
              for i, (w, h) in enumerate(sizes)]
     outs = {}
-    for prefix_cache in (False, True):
+    for prefix_cache, budget in ((False, None), (True, None), ("full", 60)):
         cfg = GenConfig()
         cfg.engine.model, cfg.engine.device, cfg.engine.dtype, cfg.engine.batch_size = str(tiny_llava), "cpu", "float32", 3
-        cfg.engine.prefix_cache, cfg.engine.cpu_threads = prefix_cache, 1
+        cfg.engine.prefix_cache, cfg.engine.cpu_threads = bool(prefix_cache), 1
+        cfg.engine.prefix_cache_tokens = budget or cfg.engine.prefix_cache_tokens
         cfg.sampling.temperature = temperature
         cfg.sampling.rewrite_max_tokens, cfg.sampling.intent_max_tokens = 12, 8
         engine = TransformersEngine(cfg.engine, cfg.sampling)
         outs[prefix_cache] = IntentGenerator(engine, cfg, load_prompts("v1")).generate(items)
         if prefix_cache:
-            assert len(engine.prefixes) == 0  # released at the end of the chunk
-    full, reused = outs[False], outs[True]
+            assert len(engine.prefixes) == 0 and engine.prefixes.tokens == 0  # released at the end of the chunk
+        if prefix_cache == "full":
+            assert engine.prefixes.dropped > 0  # a budget of 60 tokens holds about one prompt
+    full, reused, dropped = outs[False], outs[True], outs["full"]
+    # Batches with a dropped prefix are prefilled in full: same text, more tokens than with room.
+    assert [(o.rewrite.text, o.intent.text) for o in dropped] == [(o.rewrite.text, o.intent.text) for o in full]
+    assert (sum(o.intent.prefilled_tokens for o in reused) < sum(o.intent.prefilled_tokens for o in dropped)
+            <= sum(o.intent.prefilled_tokens for o in full))
     assert [(o.rewrite.text, o.intent.text) for o in reused] == [(o.rewrite.text, o.intent.text) for o in full]
     assert [o.intent.prompt_tokens for o in reused] == [o.intent.prompt_tokens for o in full]
     for a, b in zip(full, reused):

@@ -27,7 +27,10 @@ class EngineConfig:
     # the transformers engine keeps stage 1's prompt KV cache, vLLM turns on automatic prefix caching.
     prefix_cache: bool = True
     # transformers only
-    prefix_cache_rows: int = 256  # stage-1 prompts kept at most (oldest dropped; a dropped one is prefilled again)
+    # Prompt tokens of kept stage-1 prefixes (oldest dropped; a batch with a dropped one is prefilled in full).
+    # LLaVA-1.6 7B in bf16 keeps 128 KiB per token: 131,072 tokens = 16 GiB, about 48 images of 2.7k tokens, so
+    # keep engine.chunk_size x prompt tokens below it.
+    prefix_cache_tokens: int = 131072
     device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:1", ...
     batch_size: int = 8  # rows per generate() call
     cpu_threads: int = 0  # torch CPU threads for this process (0 = torch's default); 1 suits tiny models

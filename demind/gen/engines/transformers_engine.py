@@ -82,17 +82,27 @@ class Prefix:
 
 
 class PrefixStore:
-    """Kept prompt KV caches by image object, oldest dropped beyond ``max_rows``."""
+    """Kept prompt KV caches by image object, oldest dropped beyond ``max_tokens`` prompt tokens."""
 
-    def __init__(self, max_rows: int):
-        self.max_rows = max_rows
+    def __init__(self, max_tokens: int):
+        self.max_tokens = max_tokens
+        self.tokens = 0
+        self.dropped = 0
         self._by_image: OrderedDict[int, Prefix] = OrderedDict()
 
     def put(self, prefix: Prefix) -> None:
+        old = self._by_image.pop(id(prefix.image), None)
+        self.tokens -= len(old.ids) if old is not None else 0
         self._by_image[id(prefix.image)] = prefix
-        self._by_image.move_to_end(id(prefix.image))
-        while len(self._by_image) > self.max_rows:
-            self._by_image.popitem(last=False)
+        self.tokens += len(prefix.ids)
+        while self.tokens > self.max_tokens and len(self._by_image) > 1:
+            _, dropped = self._by_image.popitem(last=False)
+            self.tokens -= len(dropped.ids)
+            if self.dropped == 0:
+                logger.warning("prefix cache full (%d prompt tokens): the oldest stage-1 prefixes are dropped and "
+                               "prefilled again; lower engine.chunk_size or raise engine.prefix_cache_tokens",
+                               self.max_tokens)
+            self.dropped += 1
 
     def match(self, image: Any, ids: list[int], forbidden: set[int]) -> Prefix | None:
         """The kept prefix of ``image`` if ``ids`` starts with it, leaves at least one token to
@@ -105,6 +115,7 @@ class PrefixStore:
 
     def clear(self) -> None:
         self._by_image.clear()
+        self.tokens = 0
 
     def __len__(self) -> int:
         return len(self._by_image)
@@ -148,7 +159,7 @@ class TransformersEngine:
         self.eos_ids = self._eos_ids()
         image_token_id = getattr(self.processor, "image_token_id", None)
         self.suppress_ids = [image_token_id] if image_token_id is not None else []
-        self.prefixes = PrefixStore(engine_cfg.prefix_cache_rows) if engine_cfg.prefix_cache else None
+        self.prefixes = PrefixStore(engine_cfg.prefix_cache_tokens) if engine_cfg.prefix_cache else None
         logger.info("transformers engine: %s on %s (%s), batch %d", self.model_id, self.device, self.dtype, self.batch_size)
 
     @property
