@@ -160,6 +160,11 @@ class TransformersEngine:
         image_token_id = getattr(self.processor, "image_token_id", None)
         self.suppress_ids = [image_token_id] if image_token_id is not None else []
         self.prefixes = PrefixStore(engine_cfg.prefix_cache_tokens) if engine_cfg.prefix_cache else None
+        text_config = getattr(self.model.config, "text_config", self.model.config)
+        if self.prefixes is not None and getattr(text_config, "sliding_window", None):
+            # A sliding-window cache keeps only the last window of keys: a prompt's full prefix is not in it.
+            logger.warning("engine.prefix_cache is off for %s: its text model uses a sliding window", self.model_id)
+            self.prefixes = None
         logger.info("transformers engine: %s on %s (%s), batch %d", self.model_id, self.device, self.dtype, self.batch_size)
 
     @property
