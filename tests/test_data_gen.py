@@ -601,3 +601,31 @@ def test_stage_two_reuses_stage_one_prefix_with_the_same_text(tiny_llava, temper
     if temperature > 0:
         assert len({o.intent.text for o in full}) > 1  # the texts really vary
         assert any(o.intent.attempts > 1 for o in full)  # retries of stage 2 reuse the prefix too
+
+
+def test_vllm_engine_turns_on_prefix_caching_and_counts_cached_tokens(tiny_llava, monkeypatch):
+    """Without vLLM installed: the engine asks for automatic prefix caching (engine.prefix_cache),
+    and a result's prefilled tokens are its prompt tokens minus those vLLM served from the cache."""
+    from types import SimpleNamespace
+
+    from demind.gen.engines import vllm_engine
+
+    made = {}
+
+    class FakeLLM:
+        def __init__(self, **kwargs):
+            made.update(kwargs)
+
+    fake = SimpleNamespace(LLM=FakeLLM, SamplingParams=dict)
+    monkeypatch.setattr(vllm_engine, "import_vllm", lambda: fake)
+    for on in (True, False):
+        cfg = GenConfig()
+        cfg.engine.model, cfg.engine.prefix_cache = str(tiny_llava), on
+        vllm_engine.VLLMEngine(cfg.engine, cfg.sampling)
+        assert made["enable_prefix_caching"] is on
+    completion = SimpleNamespace(text="a dog", finish_reason="stop", token_ids=[5, 6])
+    cached = SimpleNamespace(prompt_token_ids=list(range(100)), outputs=[completion], num_cached_tokens=96)
+    uncached = SimpleNamespace(prompt_token_ids=list(range(100)), outputs=[completion])
+    first, second = vllm_engine.results_from_outputs([cached, uncached])
+    assert (first.prompt_tokens, first.prefilled_tokens) == (100, 4)
+    assert (second.prompt_tokens, second.prefilled_tokens) == (100, 100)
