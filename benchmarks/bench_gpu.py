@@ -28,6 +28,7 @@ throughput figure needs. Prints the table and writes JSON (``--json``).
 from __future__ import annotations
 
 import argparse
+import gc
 import io
 import json
 import logging
@@ -321,6 +322,9 @@ def main(argv: list[str] | None = None) -> dict:
                 traceback.print_exc()
                 results["sections"][name] = {"error": f"{type(exn).__name__}: {exn}"}
             results["seconds"][name] = round(time.perf_counter() - start, 1)
+            gc.collect()  # each section's models go before the next one's (the 7B needs the room)
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
             print(f"[{name}] {time.perf_counter() - start:.0f} s: {json.dumps(results['sections'][name])}", flush=True)
             if args.json:  # after every section, so a run stopped by a time limit keeps what it measured
                 Path(args.json).write_text(json.dumps(results, indent=1))
