@@ -5,6 +5,8 @@
 Measures, in one run:
 1. images/s of the transformers engine (both stages, the job's own IntentGenerator)
    with ``--batch-size`` rows per generate() vs one image at a time, and their ratio;
+   batched with stage 1's prefix kept for stage 2 (``engine.prefix_cache``, default) vs
+   prefilled again, with the prompt tokens prefilled per image;
 2. the job's own overhead per sample outside the engine (read, decode + resize,
    prompt rendering, cleaning, writing): the wall time outside engine calls in a full
    job run (decoding in the main thread, and one chunk ahead in a background thread),
@@ -54,21 +56,27 @@ def make_input_shard(path: Path, samples: int, width: int, height: int) -> None:
                        "json": json.dumps({"key": key, "caption": caption}).encode()})
 
 
-def time_engines(items: list[ChunkItem], batch_size: int, cfg: GenConfig, repeats: int) -> tuple[float, float]:
-    """Median images/s of both stages, ``batch_size`` rows per generate() vs one; runs interleaved
-    so that load from other processes hits both alike."""
+def time_engines(items: list[ChunkItem], batch_size: int, cfg: GenConfig, repeats: int
+                 ) -> dict[str, tuple[float, float]]:
+    """Median images/s of both stages and prompt tokens prefilled per image, for ``batch_size``
+    rows per generate() and one row at a time, each with and without the prefix cache; runs interleaved so that load from other processes hits all alike."""
+    variants = {"batched": (batch_size, True), "batched_no_prefix_cache": (batch_size, False), "single": (1, True),
+                "single_no_prefix_cache": (1, False)}
     generators = {}
-    for rows in (batch_size, 1):
-        cfg.engine.batch_size = rows
-        generators[rows] = IntentGenerator(TransformersEngine(cfg.engine, cfg.sampling), cfg, load_prompts("v1"))
-        generators[rows].generate(items[: min(4, len(items))])  # warm-up
-    rates: dict[int, list[float]] = {batch_size: [], 1: []}
+    for name, (rows, prefix_cache) in variants.items():
+        cfg.engine.batch_size, cfg.engine.prefix_cache = rows, prefix_cache
+        generators[name] = IntentGenerator(TransformersEngine(cfg.engine, cfg.sampling), cfg, load_prompts("v1"))
+        generators[name].generate(items[: min(4, len(items))])  # warm-up
+    rates: dict[str, list[float]] = {name: [] for name in variants}
+    prefilled: dict[str, float] = {}
     for _ in range(repeats):
-        for rows, generator in generators.items():
+        for name, generator in generators.items():
             start = time.perf_counter()
-            generator.generate(items)
-            rates[rows].append(len(items) / (time.perf_counter() - start))
-    return statistics.median(rates[batch_size]), statistics.median(rates[1])
+            outputs = generator.generate(items)
+            rates[name].append(len(items) / (time.perf_counter() - start))
+            prefilled[name] = sum(o.rewrite.prefilled_tokens + o.intent.prefilled_tokens for o in outputs) / len(items)
+    cfg.engine.prefix_cache = True
+    return {name: (statistics.median(rates[name]), prefilled[name]) for name in variants}
 
 
 def time_overhead_parts(shard: Path, out_dir: Path, cfg: GenConfig, renderer) -> dict[str, float]:
@@ -125,7 +133,8 @@ def main(argv: list[str] | None = None) -> dict:
         items = [ChunkItem(s.key, s.caption, decode_and_shrink(s.image_bytes, cfg.io.image_max_side))
                  for s in iter_shard(tmp / "in" / "00000.tar") if isinstance(s, RawSample)]
 
-        batched, single = time_engines(items, args.batch_size, cfg, args.repeats)
+        timed = time_engines(items, args.batch_size, cfg, args.repeats)
+        batched, single, no_prefix = timed["batched"][0], timed["single"][0], timed["batched_no_prefix_cache"][0]
 
         cfg.engine.batch_size = args.batch_size
         cfg.engine.chunk_size = args.chunk_size
@@ -142,6 +151,11 @@ def main(argv: list[str] | None = None) -> dict:
         "engine_images_per_s_batched": round(batched, 2),
         "engine_images_per_s_single": round(single, 2),
         "batched_over_single": round(batched / single, 2),
+        "engine_images_per_s_batched_no_prefix_cache": round(no_prefix, 2),
+        "engine_images_per_s_single_no_prefix_cache": round(timed["single_no_prefix_cache"][0], 2),
+        "batched_over_single_no_prefix_cache": round(no_prefix / timed["single_no_prefix_cache"][0], 2),
+        "prefix_cache_speedup": round(batched / no_prefix, 2),
+        "prefilled_tokens_per_image": {name: round(t[1], 1) for name, t in timed.items()},
         "chunk_size": args.chunk_size,
         "job_images_per_s_prefetch0": job[0]["images_per_s"],
         "job_images_per_s_prefetch1": job[1]["images_per_s"],
@@ -153,6 +167,12 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{'engine img/s, batch ' + str(args.batch_size):<44} {batched:>10.2f}")
     print(f"{'engine img/s, one at a time':<44} {single:>10.2f}")
     print(f"{'ratio batched / one at a time':<44} {batched / single:>10.2f}")
+    print(f"{'engine img/s, batch, stage 1 prefix prefilled again':<44} {no_prefix:>10.2f}")
+    print(f"{'ratio prefix kept / prefilled again':<44} {batched / no_prefix:>10.2f}")
+    print(f"{'ratio batched / one at a time, no prefix cache':<44} "
+          f"{no_prefix / timed['single_no_prefix_cache'][0]:>10.2f}")
+    print(f"{'prompt tokens prefilled per image, kept / again':<44} "
+          f"{timed['batched'][1]:>5.0f} / {timed['batched_no_prefix_cache'][1]:.0f}")
     for prefetch in (0, 1):
         print(f"{f'full job img/s, io.prefetch_chunks={prefetch}':<44} {job[prefetch]['images_per_s']:>10.2f}")
         print(f"{f'job time outside engine, ms/sample, prefetch={prefetch}':<44} "

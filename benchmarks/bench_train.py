@@ -55,7 +55,7 @@ def run_training(overrides: list[str]) -> list[dict]:
 
 def build_cache(overrides: list[str]) -> float:
     """Run ``python -m demind.features`` in-process; return its seconds."""
-    from demind import features
+    from demind.cli import features
 
     start = time.perf_counter()
     features.main(overrides)
@@ -67,7 +67,7 @@ def throughput(args: argparse.Namespace, work: Path) -> dict:
 
     shards = work / "shards_tp"
     write_synthetic_shards(shards, num_shards=2, samples_per_shard=args.batch * (args.steps + 1),
-                           image_size=256, seed=0)
+                           image_size=256, seed=0, text_lengths=args.text_lengths)
     base = dict(shards=shards, backbone=args.backbone, batch=args.batch, steps=args.steps, small_model=False)
     cache_s = build_cache(train_overrides(run=work / "unused", features="auto", **base))
     per_run = {}
@@ -75,6 +75,7 @@ def throughput(args: argparse.Namespace, work: Path) -> dict:
         rows = run_training(train_overrides(run=work / f"run_{mode}", features=features, **base))
         per_run[mode] = statistics.median(r["samples_per_s"] for r in rows[1:])
     return dict(backbone=f"{args.backbone} (random init)", global_batch=args.batch, steps_timed=args.steps - 1,
+                text_lengths=args.text_lengths,
                 uncached_samples_per_s=round(per_run["uncached"], 2), cached_samples_per_s=round(per_run["cached"], 2),
                 ratio_cached_over_uncached=round(per_run["cached"] / per_run["uncached"], 2),
                 cache_build_s=round(cache_s, 1), cache_build_samples=2 * args.batch * (args.steps + 1))
@@ -116,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backbone", default="ViT-B-32", help="open_clip model name, randomly initialised")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--text-lengths", choices=("short", "cc3m"), default="short",
+                        help="synthetic texts: 3-4 words, or CC3M-like (T_ori ~12 words, T_rew ~65, T_int ~27 tokens)")
     parser.add_argument("--shard-counts", type=int, nargs="*", default=[2, 8, 32])
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--skip-memory", action="store_true")

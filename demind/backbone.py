@@ -29,7 +29,11 @@ from demind.config import ConfigError, setting
 log = logging.getLogger(__name__)
 
 PLACEHOLDER = "*"
-PRECISIONS = ("fp32", "fp16", "bf16", "pure_fp16", "pure_bf16", "amp", "amp_bf16", "amp_bfloat16")
+# open_clip's precision names -> the autocast dtype the towers run under (None: no autocast).
+PRECISIONS: dict[str, torch.dtype | None] = {
+    "fp32": None, "fp16": None, "bf16": None, "pure_fp16": None, "pure_bf16": None,
+    "amp": torch.float16, "amp_bf16": torch.bfloat16, "amp_bfloat16": torch.bfloat16,
+}
 
 
 @dataclass
@@ -47,6 +51,10 @@ class BackboneConfig:
     seed: the seed of a random initialisation (``pretrained: null``): the same config gives
         the same weights in training, feature caching and evaluation, so a smoke checkpoint
         trained on a random backbone evaluates on a rebuilt one.
+    precision: open_clip's precision names. ``fp32``; ``fp16`` / ``bf16`` (weights in half
+        precision, LayerNorms as open_clip keeps them); ``pure_fp16`` / ``pure_bf16`` (every
+        weight in half precision); ``amp`` / ``amp_bf16`` (fp32 weights, the towers run under
+        fp16 / bf16 autocast). Inputs are cast to the tower's dtype; outputs are float32.
     """
 
     name: str = "ViT-L-14"
@@ -55,6 +63,10 @@ class BackboneConfig:
     grad_checkpointing: bool = False
     text_buckets: int = setting(4, ge=1)
     seed: int = setting(0, ge=0)
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"backbone.precision must be one of {', '.join(PRECISIONS)}; got {self.precision!r}")
 
 
 class TextOutput(NamedTuple):
@@ -241,6 +253,11 @@ class FrozenCLIP(nn.Module):
         # trainer and the evaluation so that truncation is counted in their outputs
         self.text_counts: Counter = Counter()
         self._token_ids = functools.lru_cache(maxsize=1 << 16)(lambda text: tuple(self.tokenizer.encode(text)))
+        self._templates: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        # The text layers' function and the length rounding: swapped by DeMinds.set_query_mode
+        # for a compiled / CUDA-graph path (fixed lengths bound the number of captured graphs).
+        self.text_layers: Callable = _text_layers
+        self.length_multiple = 1
         self.identity = backbone_identity(cfg, self.model)
         self.identity_str = identity_slug(self.identity)
         self.embed_dim: int = self._infer_embed_dim()
@@ -269,11 +286,32 @@ class FrozenCLIP(nn.Module):
     def device(self) -> torch.device:
         return self.model.token_embedding.weight.device
 
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Autocast for ``amp`` / ``amp_bf16`` backbones, a no-op otherwise."""
+        dtype = PRECISIONS[self.cfg.precision]
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    @property
+    def image_dtype(self) -> torch.dtype:
+        """The dtype the image tower's weights are stored in (its inputs are cast to it)."""
+        # The first conv/linear weight: open_clip's ``bf16`` keeps e.g. class embeddings in fp32.
+        layers = (m for m in self.model.visual.modules() if isinstance(m, (nn.Conv2d, nn.Linear)))
+        first = next(layers, None)
+        return first.weight.dtype if first is not None else next(self.model.visual.parameters()).dtype
+
     # ----------------------------------------------------------------- images
     @torch.no_grad()
     def encode_image(self, images: torch.Tensor) -> torch.Tensor:
-        """(B, 3, H, W) preprocessed images -> (B, D) embeddings, not normalised."""
-        return self.model.encode_image(images.to(self.device)).float()
+        """(B, 3, H, W) preprocessed images -> (B, D) float32 embeddings, not normalised.
+
+        Images are cast to the tower's dtype (a ``pure_bf16`` tower takes bf16 pixels);
+        ``non_blocking`` lets a copy from pinned memory overlap the previous batch's work.
+        """
+        images = images.to(self.device, dtype=self.image_dtype, non_blocking=True)
+        with self.autocast():
+            return self.model.encode_image(images).float()
 
     # ------------------------------------------------------------------- text
     def tokenize(self, texts: list[str]) -> torch.Tensor:
@@ -282,27 +320,40 @@ class FrozenCLIP(nn.Module):
         Text longer than the context loses free-text tokens from its end; placeholders
         and the end-of-text token are never cut.
         """
+        return self._tokenize_with_eot(texts)[0]
+
+    def _tokenize_with_eot(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, L) token ids and (B,) EOT positions, both on the CPU: the lengths are known
+        here, so nothing later has to read them back from the device."""
         budget = self.context_length - 2
         rows = torch.zeros(len(texts), self.context_length, dtype=torch.long)
+        eot = torch.empty(len(texts), dtype=torch.long)
         n_truncated = 0
         for i, text in enumerate(texts):
-            ids = list(self._token_ids(text))
-            if len(ids) > budget:
+            row = self._token_row(text)
+            if len(row) > self.context_length:
                 n_truncated += 1
-                ids = truncate_keeping_placeholders(ids, budget, self.placeholder_id)
-            row = [self.sot_id, *ids, self.eot_id]
-            rows[i, : len(row)] = torch.tensor(row)
+                ids = truncate_keeping_placeholders(list(row[1:-1]), budget, self.placeholder_id)
+                row = (self.sot_id, *ids, self.eot_id)
+            rows[i, : len(row)] = torch.as_tensor(row)
+            eot[i] = len(row) - 1
         self.text_counts["encoded"] += len(texts)
         self.text_counts["truncated"] += n_truncated
         if n_truncated:
             log.debug("truncated %d of %d texts to the %d-token context", n_truncated, len(texts), self.context_length)
-        return rows
+        return rows, eot
+
+    def _token_row(self, text: str) -> tuple[int, ...]:
+        """SOT, the text's memoised ids, EOT (not yet truncated)."""
+        return (self.sot_id, *self._token_ids(text), self.eot_id)
 
     @torch.no_grad()
     def encode_text(self, texts: list[str]) -> TextOutput:
         """Plain text encoding (no placeholder substitution), without gradients."""
-        tokens = self.tokenize(texts).to(self.device)
-        return self._encode_embedded(self.model.token_embedding(tokens), tokens)
+        tokens, eot = self._tokenize_with_eot(texts)
+        tokens = tokens.to(self.device, non_blocking=True)
+        with self.autocast():
+            return self._encode_embedded(self.model.token_embedding(tokens), tokens, eot)
 
     def encode_with_pseudo_tokens(self, texts: list[str], pseudo: torch.Tensor) -> TextOutput:
         """Encode texts whose ``*`` placeholders are replaced by given token embeddings.
@@ -317,13 +368,37 @@ class FrozenCLIP(nn.Module):
         batch, k, width = pseudo.shape
         if batch != len(texts) or width != self.width:
             raise ValueError(f"pseudo tokens of shape {tuple(pseudo.shape)} do not fit {len(texts)} texts of width {self.width}")
-        tokens = self.tokenize(texts).to(self.device)
+        tokens, eot = self._tokenize_with_eot(texts)
+        # Checked on the CPU copy: no wait for the device.
+        self._check_placeholder_counts(texts, (tokens == self.placeholder_id).sum(dim=1), k)
+        tokens = tokens.to(self.device, non_blocking=True)
+        return self._encode_with_pseudo(tokens, eot, pseudo)
+
+    def encode_template_with_pseudo_tokens(self, template: str, pseudo: torch.Tensor) -> TextOutput:
+        """:meth:`encode_with_pseudo_tokens` of one text repeated B times (the intention
+        prompt ``* * * *``): tokenised and checked once per (text, device), then expanded."""
+        if pseudo.dim() == 2:
+            pseudo = pseudo.unsqueeze(1)
+        key = (template, self.device, pseudo.shape[1])
+        if key not in self._templates:
+            tokens, eot = self._tokenize_with_eot([template])
+            self._check_placeholder_counts([template], (tokens == self.placeholder_id).sum(dim=1), pseudo.shape[1])
+            self._templates[key] = (tokens.to(self.device), eot)
+        tokens, eot = self._templates[key]
+        batch = pseudo.shape[0]
+        return self._encode_with_pseudo(tokens.expand(batch, -1), eot.expand(batch), pseudo)
+
+    def _encode_with_pseudo(self, tokens: torch.Tensor, eot: torch.Tensor, pseudo: torch.Tensor) -> TextOutput:
+        """tokens (B, L) on the device, eot (B,) on the CPU, pseudo (B, K, W) -> TextOutput."""
+        batch, _, width = pseudo.shape
+        if batch != tokens.shape[0] or width != self.width:
+            raise ValueError(f"pseudo tokens of shape {tuple(pseudo.shape)} do not fit {tokens.shape[0]} texts of width {self.width}")
         is_placeholder = tokens == self.placeholder_id
-        self._check_placeholder_counts(texts, is_placeholder.sum(dim=1), k)
         embedded = self.model.token_embedding(tokens).to(pseudo.dtype)
         # Boolean-mask assignment walks rows then positions, matching pseudo's (b, k) order.
         embedded = embedded.masked_scatter(is_placeholder.unsqueeze(-1), pseudo.reshape(-1, width))
-        return self._encode_embedded(embedded, tokens)
+        with self.autocast():
+            return self._encode_embedded(embedded, tokens, eot)
 
     def _check_placeholder_counts(self, texts: list[str], counts: torch.Tensor, expected: int) -> None:
         bad = (counts != expected).nonzero().flatten().tolist()
@@ -335,16 +410,18 @@ class FrozenCLIP(nn.Module):
                 f"e.g. 'a photo of * , {{text}}'"
             )
 
-    def _encode_embedded(self, embedded: torch.Tensor, tokens: torch.Tensor) -> TextOutput:
+    def _encode_embedded(self, embedded: torch.Tensor, tokens: torch.Tensor, eot_cpu: torch.Tensor) -> TextOutput:
         """Run the text transformer on (B, L, W) token embeddings; pool at EOT.
 
         Padding is cut and texts run in length buckets (:func:`run_text_transformer`), so
         the template ``* * * *`` costs 6 positions instead of 77 and a batch that mixes
         short and long captions no longer pads every one to the longest. Outputs keep the
-        first L' = max EOT + 1 positions.
+        first L' = max EOT + 1 positions (rounded up to ``length_multiple``). The EOT
+        positions come from the CPU (``eot_cpu``, (B,)), so cutting needs no device sync.
         """
-        eot = (tokens == self.eot_id).int().argmax(dim=1)
-        x = run_text_transformer(self.model, embedded, eot, self.cfg.text_buckets)
+        x = run_text_transformer(self.model, embedded, eot_cpu, self.cfg.text_buckets,
+                                 layers=self.text_layers, length_multiple=self.length_multiple)
+        eot = eot_cpu.to(x.device, non_blocking=True)
         tokens = tokens[:, : x.shape[1]]
         pooled = x[torch.arange(x.shape[0], device=x.device), eot]
         proj = self.model.text_projection
@@ -370,28 +447,38 @@ def length_buckets(eot: torch.Tensor, max_buckets: int, min_saving: float = 0.3)
 
 
 def run_text_transformer(model: nn.Module, embedded: torch.Tensor, eot: torch.Tensor, max_buckets: int = 1,
-                         min_saving: float = 0.3) -> torch.Tensor:
+                         min_saving: float = 0.3, layers: Callable | None = None,
+                         length_multiple: int = 1) -> torch.Tensor:
     """An open_clip text tower on (B, L, W) token embeddings -> (B, L', W) features after ln_final.
 
     Under CLIP's causal mask no token sees the positions after it, so the positions after
     a text's EOT (padding) cannot change any output read at or before it: L' = max EOT + 1,
     and with ``max_buckets`` > 1 the texts run in length groups (:func:`length_buckets`),
     each cut after its own longest text; a row's positions after its group's length are
-    zeros. A non-causal tower runs whole. Gradients flow to ``embedded`` and to any
-    trainable weights of ``model``.
+    zeros. A non-causal tower runs whole. ``eot`` (B,) may live on the CPU (then no device
+    sync is needed to cut); ``length_multiple`` rounds L' up (fewer distinct shapes for a
+    compiled path), ``layers`` replaces :func:`_text_layers` (a compiled copy). Gradients
+    flow to ``embedded`` and to any trainable weights of ``model``.
     """
+    layers = layers or _text_layers
     if model.attn_mask is None:
-        return _text_layers(model, embedded, None)
-    length = int(eot.max()) + 1
+        return layers(model, embedded, None)
+    eot = eot.cpu()  # free when the caller passes CPU positions
+
+    def cut(n: int) -> int:
+        return min(-(-n // length_multiple) * length_multiple, embedded.shape[1])
+
+    length = cut(int(eot.max()) + 1)
     buckets = length_buckets(eot, max_buckets, min_saving)
     if buckets is None:
-        return _text_layers(model, embedded[:, :length], model.attn_mask)
+        return layers(model, embedded[:, :length], model.attn_mask)
     chunks = []
     for idx in buckets:
-        own = int(eot[idx].max()) + 1
-        out = _text_layers(model, embedded[idx, :own], model.attn_mask)
+        own = cut(int(eot[idx].max()) + 1)
+        out = layers(model, embedded[idx.to(embedded.device), :own], model.attn_mask)
         chunks.append(nn.functional.pad(out, (0, 0, 0, length - own)))
-    return torch.cat(chunks)[torch.argsort(torch.cat(buckets))]  # back to the input order
+    order = torch.argsort(torch.cat(buckets)).to(embedded.device)
+    return torch.cat(chunks)[order]  # back to the input order
 
 
 def _text_layers(model: nn.Module, embedded: torch.Tensor, causal_mask: torch.Tensor | None) -> torch.Tensor:

@@ -31,6 +31,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from tqdm import tqdm
 
+from demind.backbone import identity_slug
 from demind.data import ReaderStats, read_tar_samples, with_pixels
 from demind.errors import DemindError
 from demind.io import check_output_dir, write_bytes_atomic
@@ -52,6 +53,19 @@ OFF_VALUES = ("none", "null", "")
 def features_off(setting: str | None) -> bool:
     """True when ``data.features`` turns the cache off: null, or the strings none/null/'' (any case)."""
     return setting is None or str(setting).strip().lower() in OFF_VALUES
+def cache_identity(backbone: Any) -> dict[str, Any]:
+    """What a cache's features depend on: the backbone's identity and, unless fp32, the
+    precision its towers ran in, so a bf16 cache is never read by an fp32 run (or the
+    reverse). fp32 adds nothing, so caches written before precisions existed stay valid."""
+    identity = dict(backbone.identity)
+    if backbone.cfg.precision != "fp32":
+        identity["precision"] = backbone.cfg.precision
+    return identity
+
+
+def cache_slug(backbone: Any) -> str:
+    """Folder name of ``backbone``'s cache (its identity slug when fp32)."""
+    return identity_slug(cache_identity(backbone))
 
 
 def default_cache_dir(shards: list[str], identity_str: str) -> Path:
@@ -234,20 +248,23 @@ def build_feature_cache(shards: list[str], directory: str | Path, backbone: Any,
     skip/fallback counts, seconds.
     """
     directory = check_output_dir(directory)  # a read-only or full disk fails before any encoding
-    todo = shards_to_build(directory, shards, backbone.identity)
+    identity = cache_identity(backbone)
+    todo = shards_to_build(directory, shards, identity)
     logger.info("feature cache %s: %d shards to build, %d already done", directory, len(todo), len(shards) - len(todo))
     backbone = backbone.to(device)
     start, totals, samples = time.time(), Counter(), 0
     parts_by_shard: dict[str, dict[str, list]] = {}
+    # Workers decode whole shards in parallel; pinned batches copy to the GPU asynchronously.
     loader = DataLoader(ShardImageBatches(todo, backbone.preprocess, batch_size, missing_text),
-                        batch_size=None, num_workers=min(num_workers, len(todo)))
+                        batch_size=None, num_workers=min(num_workers, len(todo)),
+                        pin_memory=torch.device(device).type == "cuda")
     bar = tqdm(total=len(todo), desc="feature cache", unit="shard", disable=not progress)
     for batch in loader:
         parts = parts_by_shard.setdefault(batch["shard"], dict(
             keys=[], original=[], rewritten=[], intent=[], image_emb=[], teacher_emb=[], counts=Counter()))
         parts["counts"].update(batch["counts"])
         if batch["keys"]:
-            parts["image_emb"].append(backbone.encode_image(batch["pixels"].to(device)).float().cpu())
+            parts["image_emb"].append(backbone.encode_image(batch["pixels"].to(device)).cpu())
             truncated = backbone.text_counts["truncated"]
             parts["teacher_emb"].append(backbone.encode_text(batch["intent"]).pooled.float().cpu())
             # T_int longer than the context is cut (from its end); counted with the shard's skips
@@ -258,7 +275,7 @@ def build_feature_cache(shards: list[str], directory: str | Path, backbone: Any,
         if batch["last"]:
             done = parts_by_shard.pop(batch["shard"])
             counts = dict(done.pop("counts"))
-            write_shard_cache(directory, batch["shard"], backbone.identity, done, counts, DTYPES[dtype])
+            write_shard_cache(directory, batch["shard"], identity, done, counts, DTYPES[dtype])
             totals.update(counts)
             samples += len(done["keys"])
             bar.update(1)

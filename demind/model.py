@@ -34,6 +34,7 @@ TEMPLATES = {
     "objects": "a photo of * , {objects}",
 }
 FUSIONS = ("gate", "add", "intent_only")
+QUERY_MODES = ("eager", "compile", "cudagraphs")
 
 
 @dataclass
@@ -196,7 +197,7 @@ class DeMinds(nn.Module):
     def intention_embedding(self, words: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Word features (B, L, W) with mask (B, L) -> t* (B, D), L2-normalised."""
         refined = self.intention(words, mask)
-        out = self.backbone.encode_with_pseudo_tokens([self.intent_prompt] * words.shape[0], refined)
+        out = self.backbone.encode_template_with_pseudo_tokens(self.intent_prompt, refined)
         return F.normalize(out.pooled, dim=-1)
 
     def compose(self, image_emb: torch.Tensor, prompts: list[str]) -> ComposeOutput:
@@ -236,6 +237,35 @@ class DeMinds(nn.Module):
         if mapping_only:
             return self.mapping_only(image_emb, prompts)
         return self.compose(image_emb, prompts).t_hat
+
+    def set_query_mode(self, mode: str = "eager", backend: str = "inductor") -> None:
+        """How queries run: ``eager`` (default), ``compile`` (``torch.compile`` of the text
+        layers, the mapping and the intention module, dynamic shapes), or ``cudagraphs``
+        (compiled with ``mode="reduce-overhead"``: CUDA graphs replay the launches; text
+        lengths are rounded up to multiples of 8, exact under the causal mask, so a handful
+        of graphs cover every prompt). Weights and state_dict keys are unchanged; meant for
+        inference (evaluation, serving), where the launch overhead of two text passes and
+        six blocks at batch 1 dominates on a GPU.
+        """
+        from demind.backbone import _text_layers
+
+        if mode not in QUERY_MODES:
+            raise ValueError(f"query mode must be one of {QUERY_MODES}, got {mode!r}")
+        if mode == "eager":
+            self.backbone.text_layers, self.backbone.length_multiple = _text_layers, 1
+            for module in (self.mapping, self.intention):
+                module._compiled_call_impl = None  # undo nn.Module.compile
+            return
+        options: dict = {"backend": backend}
+        if mode == "cudagraphs":
+            options.update(mode="reduce-overhead", dynamic=False)
+            self.backbone.length_multiple = 8
+        else:
+            options.update(dynamic=True)
+            self.backbone.length_multiple = 1
+        self.backbone.text_layers = torch.compile(_text_layers, **options)
+        self.mapping.compile(**options)
+        self.intention.compile(**options)
 
     def num_trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)

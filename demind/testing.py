@@ -56,12 +56,37 @@ SYNTHETIC_COLOURS = {"red": (220, 30, 30), "green": (30, 190, 40), "blue": (30, 
                      "purple": (140, 30, 170), "orange": (240, 140, 20), "white": (240, 240, 240), "black": (15, 15, 15)}
 
 
+# Mean words of (T_ori, T_rew, T_int) in CC3M-like intent data: alt-texts ~12 words, the
+# paper's T_rew ~65 and T_int ~27 tokens (these filler words are one CLIP token each).
+CC3M_TEXT_WORDS = (12, 65, 27)
+_FILLER = ("the a of with on in near large small bright old young wooden green open quiet busy "
+           "street table window water light people building photo scene view background").split()
+
+
+def synthetic_texts(colour: str, rng: Any, text_lengths: str) -> tuple[str, str, str]:
+    """(T_ori, T_rew, T_int) naming ``colour``: ``short`` (3-4 words) or ``cc3m`` (lengths
+    drawn around :data:`CC3M_TEXT_WORDS`, +-25 %), for training at realistic text lengths."""
+    short = (f"a {colour} square", f"a square painted {colour}", f"make the square {colour}")
+    if text_lengths == "short":
+        return short
+    if text_lengths != "cc3m":
+        raise ValueError(f"text_lengths must be 'short' or 'cc3m', got {text_lengths!r}")
+    texts = []
+    for base, mean in zip(short, CC3M_TEXT_WORDS):
+        extra = max(0, int(round(rng.normal(mean, 0.25 * mean))) - len(base.split()))
+        texts.append(" ".join([base, *rng.choice(_FILLER, extra)]))
+    return tuple(texts)
+
+
 def write_synthetic_shards(directory: str | Path, num_shards: int = 2, samples_per_shard: int = 32,
-                           image_size: int = 32, seed: int = 0, omit: tuple[str, ...] = ()) -> list[Path]:
+                           image_size: int = 32, seed: int = 0, omit: tuple[str, ...] = (),
+                           text_lengths: str = "short") -> list[Path]:
     """Intent shards of noisy coloured squares whose three texts name the colour.
 
     A small learnable task for smoke runs, tests and benchmarks (image colour <-> text).
     ``omit`` leaves fields out (e.g. ``("int.txt",)``) to exercise the missing-field path.
+    ``text_lengths``: ``short`` (3-4 words) or ``cc3m`` (CC3M-like lengths, see
+    :func:`synthetic_texts`), since text length sets the text tower's cost.
     Returns the shard paths ``directory/00000.tar`` ...
     """
     import numpy as np
@@ -78,9 +103,9 @@ def write_synthetic_shards(directory: str | Path, num_shards: int = 2, samples_p
             colour = names[int(rng.integers(len(names)))]
             pixels = np.asarray(SYNTHETIC_COLOURS[colour], dtype=np.float32)[None, None]
             pixels = pixels + rng.normal(0, 25, (image_size, image_size, 3))
+            original, rewritten, intent = synthetic_texts(colour, rng, text_lengths)
             sample = {"key": sample_key(shard, i, 5), "jpg": Image.fromarray(pixels.clip(0, 255).astype("uint8")),
-                      "txt": f"a {colour} square", "rew.txt": f"a square painted {colour}",
-                      "int.txt": f"make the square {colour}", "json": {"colour": colour}}
+                      "txt": original, "rew.txt": rewritten, "int.txt": intent, "json": {"colour": colour}}
             samples.append({k: v for k, v in sample.items() if k not in omit})
         paths.append(write_intent_shard(directory / shard_filename(shard), samples))
     return paths
@@ -114,6 +139,25 @@ TINY_CHAT_TEMPLATE = (
 )
 
 
+def word_level_tokenizer(vocab_size: int | None = None):
+    """A word-level tokenizer over SPECIAL_TOKENS + ROLE_TOKENS + TINY_WORDS, padded with
+    filler words ``w<i>`` up to ``vocab_size`` (a real model's vocabulary size)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = SPECIAL_TOKENS + ROLE_TOKENS + list(dict.fromkeys(TINY_WORDS))
+    if vocab_size is not None:
+        words += [f"w{i}" for i in range(vocab_size - len(words))]
+    vocab = {tok: i for i, tok in enumerate(words)}
+    word_level = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    word_level.pre_tokenizer = pre_tokenizers.Whitespace()
+    word_level.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(
+        tokenizer_object=word_level, unk_token="<unk>", pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+        additional_special_tokens=["<image>"],
+    )
+
+
 def build_tiny_llava_next(output_dir: str | Path, seed: int = 0) -> Path:
     """Build and save a random tiny LLaVA-NeXT and its processor; returns ``output_dir``.
 
@@ -121,7 +165,6 @@ def build_tiny_llava_next(output_dir: str | Path, seed: int = 0) -> Path:
     16x16, 16x32, 32x16. Text: Llama, hidden 32, 1 layer, word-level vocabulary.
     """
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import (
         CLIPVisionConfig,
         LlamaConfig,
@@ -129,18 +172,11 @@ def build_tiny_llava_next(output_dir: str | Path, seed: int = 0) -> Path:
         LlavaNextForConditionalGeneration,
         LlavaNextImageProcessor,
         LlavaNextProcessor,
-        PreTrainedTokenizerFast,
     )
 
     output_dir = Path(output_dir)
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + ROLE_TOKENS + list(dict.fromkeys(TINY_WORDS)))}
-    word_level = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    word_level.pre_tokenizer = pre_tokenizers.Whitespace()
-    word_level.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=word_level, unk_token="<unk>", pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-        additional_special_tokens=["<image>"],
-    )
+    tokenizer = word_level_tokenizer()
+    vocab = tokenizer.get_vocab()
     pinpoints = [[16, 16], [16, 32], [32, 16]]
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                               image_size=16, patch_size=8, projection_dim=32)

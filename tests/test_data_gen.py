@@ -624,3 +624,75 @@ def test_finding6_disk_full_while_writing_is_one_line_naming_the_path(repo_root,
     err = capsys.readouterr().err
     assert f"cannot write {out / '00000.tar'}: no space left on device" in err and "Traceback" not in err
     assert not (out / "00000_stats.json").exists()  # nothing marked done
+
+
+@pytest.mark.parametrize("temperature", [0.7, 0.0])
+def test_stage_two_reuses_stage_one_prefix_with_the_same_text(tiny_llava, temperature):
+    """Keeping stage 1's prompt KV (image + turn 1) prefills stage 2 only from the answer on:
+    same texts as a full prefill, sampled and greedy, in batches with left padding of
+    different images and captions, retries included; fewer prefilled tokens."""
+    from demind.gen.engines.transformers_engine import TransformersEngine
+
+    rng = np.random.default_rng(0)
+    sizes = [(40, 30), (30, 40), (64, 20), (20, 20), (50, 50), (33, 61), (64, 64)]
+    items = [ChunkItem(f"k{i}", " ".join(rng.choice(["a", "red", "dog", "on", "the", "street", "tree"], 2 + 3 * i)),
+                       Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)))
+             for i, (w, h) in enumerate(sizes)]
+    outs = {}
+    for prefix_cache, budget in ((False, None), (True, None), ("full", 60)):
+        cfg = GenConfig()
+        cfg.engine.model, cfg.engine.device, cfg.engine.dtype, cfg.engine.batch_size = str(tiny_llava), "cpu", "float32", 3
+        cfg.engine.prefix_cache, cfg.engine.cpu_threads = bool(prefix_cache), 1
+        cfg.engine.prefix_cache_tokens = budget or cfg.engine.prefix_cache_tokens
+        cfg.sampling.temperature = temperature
+        cfg.sampling.rewrite_max_tokens, cfg.sampling.intent_max_tokens = 12, 8
+        engine = TransformersEngine(cfg.engine, cfg.sampling)
+        outs[prefix_cache] = IntentGenerator(engine, cfg, load_prompts("v1")).generate(items)
+        if prefix_cache:
+            assert len(engine.prefixes) == 0 and engine.prefixes.tokens == 0  # released at the end of the chunk
+        if prefix_cache == "full":
+            assert engine.prefixes.dropped > 0  # a budget of 60 tokens holds about one prompt
+    full, reused, dropped = outs[False], outs[True], outs["full"]
+    # Batches with a dropped prefix are prefilled in full: same text, more tokens than with room.
+    assert [(o.rewrite.text, o.intent.text) for o in dropped] == [(o.rewrite.text, o.intent.text) for o in full]
+    assert (sum(o.intent.prefilled_tokens for o in reused) < sum(o.intent.prefilled_tokens for o in dropped)
+            <= sum(o.intent.prefilled_tokens for o in full))
+    assert [(o.rewrite.text, o.intent.text) for o in reused] == [(o.rewrite.text, o.intent.text) for o in full]
+    assert [o.intent.prompt_tokens for o in reused] == [o.intent.prompt_tokens for o in full]
+    for a, b in zip(full, reused):
+        assert b.rewrite.prefilled_tokens == a.rewrite.prefilled_tokens  # stage 1 is prefilled in full
+        # stage 2 prefills only what follows stage 1's prompt, per attempt
+        expected = b.intent.attempts * (b.intent.prompt_tokens - b.rewrite.prompt_tokens)
+        assert a.intent.prefilled_tokens == a.intent.attempts * a.intent.prompt_tokens
+        assert b.intent.prefilled_tokens == expected > 0
+    if temperature > 0:
+        assert len({o.intent.text for o in full}) > 1  # the texts really vary
+        assert any(o.intent.attempts > 1 for o in full)  # retries of stage 2 reuse the prefix too
+
+
+def test_vllm_engine_turns_on_prefix_caching_and_counts_cached_tokens(tiny_llava, monkeypatch):
+    """Without vLLM installed: the engine asks for automatic prefix caching (engine.prefix_cache),
+    and a result's prefilled tokens are its prompt tokens minus those vLLM served from the cache."""
+    from types import SimpleNamespace
+
+    from demind.gen.engines import vllm_engine
+
+    made = {}
+
+    class FakeLLM:
+        def __init__(self, **kwargs):
+            made.update(kwargs)
+
+    fake = SimpleNamespace(LLM=FakeLLM, SamplingParams=dict)
+    monkeypatch.setattr(vllm_engine, "import_vllm", lambda: fake)
+    for on in (True, False):
+        cfg = GenConfig()
+        cfg.engine.model, cfg.engine.prefix_cache = str(tiny_llava), on
+        vllm_engine.VLLMEngine(cfg.engine, cfg.sampling)
+        assert made["enable_prefix_caching"] is on
+    completion = SimpleNamespace(text="a dog", finish_reason="stop", token_ids=[5, 6])
+    cached = SimpleNamespace(prompt_token_ids=list(range(100)), outputs=[completion], num_cached_tokens=96)
+    uncached = SimpleNamespace(prompt_token_ids=list(range(100)), outputs=[completion])
+    first, second = vllm_engine.results_from_outputs([cached, uncached])
+    assert (first.prompt_tokens, first.prefilled_tokens) == (100, 4)
+    assert (second.prompt_tokens, second.prefilled_tokens) == (100, 100)

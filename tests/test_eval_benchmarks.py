@@ -379,16 +379,16 @@ def test_circo_map_matches_the_rankings_and_test_submission_uses_ids(tmp_path, t
 
 
 # ------------------------------------------------------------------- layouts
-@pytest.mark.parametrize("benchmark, expected", [
+@pytest.mark.parametrize("benchmark_name, expected", [
     ("fashioniq", "images"),
     ("coco", "val2017"),
     ("imagenet-r", "imgnet_real_query.txt"),
     ("circo", "annotations/val.json"),
     ("cirr", "captions/cap.rc2.val.json"),
 ])
-def test_missing_files_name_the_expected_path_and_layout(tmp_path, benchmark, expected):
+def test_missing_files_name_the_expected_path_and_layout(tmp_path, benchmark_name, expected):
     with pytest.raises(DataLayoutError, match=expected) as err:
-        read_benchmark(benchmark, tmp_path)
+        read_benchmark(benchmark_name, tmp_path)
     assert str(tmp_path) in str(err.value) and "Expected layout" in str(err.value)
 
 

@@ -201,3 +201,51 @@ def test_data_features_none_is_off_for_the_trainer_and_the_cache_builder(repo_ro
     assert cache is None  # the finished cache beside the shards is not used: the setting says off
     _, cache = build_data(smoke_config(repo_root, shards), OneProcess(), backbone, TrainState())
     assert cache is not None  # while auto finds it
+def test_bf16_cache_matches_fp32_and_is_never_read_as_fp32(repo_root, tmp_path):
+    """amp_bf16 towers (fp32 weights, bf16 autocast) give features close to fp32's; the
+    cache records the precision, so an fp32 run refuses the bf16 cache and finds its own."""
+    shards = tmp_path / "shards"
+    write_synthetic_shards(shards, num_shards=1, samples_per_shard=8)
+    fp32_dir, bf16_dir = tmp_path / "fp32", tmp_path / "bf16"
+    for out, precision in ((fp32_dir, "fp32"), (bf16_dir, "amp_bf16")):
+        assert features_cli.main(["--config", str(repo_root / "configs/train/smoke.yaml"), "--out", str(out),
+                              *overrides(repo_root, shards, f"backbone.precision={precision}")]) == 0
+    from safetensors.torch import load_file
+
+    ref, low = load_file(str(fp32_dir / "00000.safetensors")), load_file(str(bf16_dir / "00000.safetensors"))
+    for name in ("image_emb", "teacher_emb"):
+        assert not torch.equal(ref[name], low[name])  # bf16 really ran
+        cosine = torch.nn.functional.cosine_similarity(ref[name], low[name])
+        # Measured on the tiny CLIP: cosine >= 0.99995, max |diff| <= 0.6 % of max |x|.
+        assert cosine.min() > 0.9995, (name, cosine.min())
+        assert (ref[name] - low[name]).abs().max() < 0.02 * ref[name].abs().max()
+
+    index = json.loads((bf16_dir / "00000.json").read_text())
+    assert index["backbone"]["precision"] == "amp_bf16"
+    assert "precision" not in json.loads((fp32_dir / "00000.json").read_text())["backbone"]
+    cfg = smoke_config(repo_root, shards, f"data.features={bf16_dir}")
+    backbone, _ = build_modules(cfg, torch.device("cpu"))
+    with pytest.raises(FeatureCacheError, match="amp_bf16"):
+        build_data(cfg, OneProcess(), backbone, TrainState())
+    # The default folders differ too, so "auto" never mixes them up.
+    fp32_auto = features.default_cache_dir(["x/00000.tar"], features.cache_slug(backbone))
+    backbone.cfg.precision = "amp_bf16"
+    bf16_auto = features.default_cache_dir(["x/00000.tar"], features.cache_slug(backbone))
+    assert fp32_auto == default_cache_dir(["x/00000.tar"], backbone.identity_str) and bf16_auto != fp32_auto
+
+
+def test_half_precision_backbones_encode_float32_images_and_texts(tiny_backbone):
+    """pure_bf16 / bf16 / pure_fp16 towers take float32 pixels (cast to the tower's dtype)."""
+    from demind.backbone import BackboneConfig, FrozenCLIP
+
+    images = torch.rand(3, 3, 32, 32)
+    ref_img, ref_txt = tiny_backbone.encode_image(images), tiny_backbone.encode_text(["a red dog"]).pooled
+    for precision in ("pure_bf16", "bf16", "pure_fp16"):
+        torch.manual_seed(0)  # same draw as the fixture, then cast
+        low = FrozenCLIP(BackboneConfig(name=tiny_backbone.cfg.name, pretrained=None, precision=precision))
+        img, txt = low.encode_image(images), low.encode_text(["a red dog"]).pooled
+        assert img.dtype == torch.float32 and txt.dtype == torch.float32
+        assert torch.nn.functional.cosine_similarity(img, ref_img).min() > 0.999
+        assert torch.nn.functional.cosine_similarity(txt, ref_txt).min() > 0.999
+    with pytest.raises(ValueError, match="backbone.precision"):
+        BackboneConfig(precision="half")

@@ -117,3 +117,55 @@ def test_vit_l14_shapes_and_trainable_parameter_count():
     block = attention + feed_forward + 3 * 2 * 768  # three LayerNorms
     expected = mapping + 6 * block + 4 * 768 + 1  # + queries + gate
     assert model.num_trainable_parameters() == expected == 43_589_889
+
+
+QUERY_TEXTS = ["make it red", "", "a dog on the grass, seen from far away at night in the snow", "without the cat"]
+
+
+def eager_queries(model, tiny_backbone, image_emb) -> tuple[torch.Tensor, torch.Tensor]:
+    model.set_query_mode("eager")
+    return model.query(image_emb, QUERY_TEXTS), model.query(image_emb, QUERY_TEXTS, mapping_only=True)
+
+
+def test_intent_prompt_fast_path_and_length_rounding_are_exact(model, tiny_backbone):
+    """The repeated intention prompt, tokenised once, and lengths rounded up to 8 (the CUDA-graph
+    path's shapes) give exactly what per-row tokenisation and tight lengths give."""
+    model.eval()
+    refined = torch.randn(3, model.cfg.num_queries, tiny_backbone.width)
+    slow = tiny_backbone.encode_with_pseudo_tokens([model.intent_prompt] * 3, refined)
+    fast = tiny_backbone.encode_template_with_pseudo_tokens(model.intent_prompt, refined)
+    for a, b in zip(slow, fast):
+        assert torch.equal(a, b)
+    image_emb = tiny_backbone.encode_image(torch.randn(4, 3, 32, 32))
+    reference = eager_queries(model, tiny_backbone, image_emb)
+    try:
+        tiny_backbone.length_multiple = 8
+        rounded = model.query(image_emb, QUERY_TEXTS), model.query(image_emb, QUERY_TEXTS, mapping_only=True)
+    finally:
+        tiny_backbone.length_multiple = 1
+    for a, b in zip(reference, rounded):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-6)
+    with pytest.raises(ValueError, match="placeholder"):
+        tiny_backbone.encode_template_with_pseudo_tokens("a photo", refined)
+
+
+@pytest.mark.parametrize("mode, backend", [
+    ("compile", "aot_eager"),  # graph capture and autograd tracing, no code generation: fast
+    pytest.param("compile", "inductor", marks=pytest.mark.slow),  # generated kernels
+    pytest.param("cudagraphs", "inductor", marks=pytest.mark.slow),  # on CPU: inductor with rounded lengths
+])
+def test_compiled_query_gives_the_eager_embeddings(model, tiny_backbone, mode, backend):
+    model.eval()
+    image_emb = tiny_backbone.encode_image(torch.randn(4, 3, 32, 32))
+    reference = eager_queries(model, tiny_backbone, image_emb)
+    try:
+        model.set_query_mode(mode, backend=backend)
+        for _ in range(2):  # the second call runs the compiled code
+            fast = model.query(image_emb, QUERY_TEXTS), model.query(image_emb, QUERY_TEXTS, mapping_only=True)
+            for a, b in zip(reference, fast):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert set(model.state_dict()) == set(DeMinds(model.cfg, tiny_backbone).state_dict())
+    finally:
+        model.set_query_mode("eager")
+    with pytest.raises(ValueError, match="query mode"):
+        model.set_query_mode("fast")

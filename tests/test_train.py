@@ -214,3 +214,41 @@ def test_shards_without_a_usable_image_stop_the_run(repo_root, tmp_path):
         {"key": f"k{i:03d}", "jpg": b"not a jpeg", "txt": "a", "rew.txt": "b", "int.txt": "c"} for i in range(20)])
     with pytest.raises(ShardFormatError, match=r"1000 samples in a row could not be used.*00000\.tar"):
         run_training(smoke_args(repo_root, shards, tmp_path / "run", "optim.max_steps=1"))
+
+
+def test_cc3m_like_synthetic_texts_have_the_papers_lengths(tmp_path, tiny_backbone):
+    """text_lengths=cc3m: T_ori ~12 words, T_rew ~65 and T_int ~27 CLIP tokens, each naming the colour;
+    the default short texts are unchanged."""
+    import numpy as np
+    import webdataset as wds
+
+    from demind.testing import CC3M_TEXT_WORDS, synthetic_texts
+
+    rng = np.random.default_rng(0)
+    texts = [synthetic_texts("red", rng, "cc3m") for _ in range(300)]
+    for column, target in zip(zip(*texts), CC3M_TEXT_WORDS):
+        tokens = [len(tiny_backbone._token_ids(t)) for t in column]
+        assert abs(np.mean(tokens) - target) < 0.1 * target, (np.mean(tokens), target)
+        assert np.std(tokens) > 0.1 * target  # lengths vary, as real captions do
+        assert all("red" in t for t in column)
+    assert synthetic_texts("red", rng, "short") == ("a red square", "a square painted red", "make the square red")
+    with pytest.raises(ValueError, match="text_lengths"):
+        synthetic_texts("red", rng, "long")
+    shard = write_synthetic_shards(tmp_path, num_shards=1, samples_per_shard=4, text_lengths="cc3m")[0]
+    samples = list(wds.WebDataset(str(shard), shardshuffle=False))
+    assert all(len(s["rew.txt"].split()) > 20 for s in samples)
+
+
+def test_log_window_sums_on_the_device_equal_python_float_sums():
+    """Loss sums kept as float64 tensors (no host sync per step) give the means that summing
+    Python floats gave."""
+    from demind.training.metrics_log import LOSS_TERMS, LogWindow
+
+    torch.manual_seed(0)
+    steps = [{t: torch.rand(()) * 10 for t in LOSS_TERMS} for _ in range(7)]
+    window = LogWindow()
+    for losses in steps:
+        window.add(losses)
+    expected = torch.tensor([sum(float(s[t]) for s in steps) / len(steps) for t in LOSS_TERMS])
+    assert torch.equal(window.means(torch.device("cpu")), expected)
+    assert torch.equal(LogWindow().means(torch.device("cpu")), torch.zeros(len(LOSS_TERMS)))

@@ -29,7 +29,7 @@ def features_command(args: argparse.Namespace) -> int:
 
     from demind.backbone import build_backbone
     from demind.shard_format import resolve_shards
-    from demind.features import build_feature_cache, cache_dir_for
+    from demind.features import build_feature_cache, cache_dir_for, cache_slug
     from demind.training.config import load_train_config
 
     cfg = load_train_config(args.config, args.overrides)
@@ -38,7 +38,7 @@ def features_command(args: argparse.Namespace) -> int:
     # smoke runs) gets the same weights here and there.
     torch.manual_seed(cfg.run.seed)
     backbone = build_backbone(cfg.backbone)
-    out = args.out or cache_dir_for(cfg.data.features, shards, backbone.identity_str)
+    out = args.out or cache_dir_for(cfg.data.features, shards, cache_slug(backbone))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     summary = build_feature_cache(shards, out, backbone, batch_size=cfg.data.cache_batch_size,
                                   num_workers=cfg.data.num_workers, missing_text=cfg.data.missing_text,

@@ -238,8 +238,10 @@ def _encode_chunk(backbone: FrozenCLIP, refs: list[ImageRef], batch_size: int, n
     """(n_readable, D) float32 CPU features for one chunk, and {position in chunk: error} of
     the unreadable images (always empty unless ``skip_unreadable``)."""
     loader = DataLoader(ImageRefDataset(refs, image_transforms(backbone), skip_unreadable), batch_size=batch_size,
-                        num_workers=num_workers, shuffle=False,
+                        num_workers=num_workers, shuffle=False, pin_memory=backbone.device.type == "cuda",
+                        prefetch_factor=4 if num_workers > 0 else None,
                         collate_fn=_collate_skipping if skip_unreadable else None)
+    # Decoding runs in worker processes; pinned batches copy to the GPU asynchronously.
     out, errors = [], {}
     with tqdm(total=total, initial=done, unit="img", desc=desc, disable=not progress, leave=False) as bar:
         for batch_start, batch in zip(range(0, len(refs), batch_size), loader):
@@ -249,7 +251,7 @@ def _encode_chunk(backbone: FrozenCLIP, refs: list[ImageRef], batch_size: int, n
             else:
                 images = batch
             if images is not None:
-                out.append(backbone.encode_image(images).float().cpu())
+                out.append(backbone.encode_image(images).cpu())
             bar.update(min(batch_size, len(refs) - batch_start))
     return (torch.cat(out) if out else torch.zeros(0, backbone.embed_dim)), errors
 

@@ -23,7 +23,14 @@ class EngineConfig:
     # Requests handed to the engine in one call. vLLM schedules them with continuous batching;
     # the bound keeps host memory flat (decoded images and vLLM's pixel tensors live per chunk).
     chunk_size: int = setting(1024, ge=1)
+    # Stage 2 continues stage 1's conversation, so its prefix (image + turn 1) is computed once:
+    # the transformers engine keeps stage 1's prompt KV cache, vLLM turns on automatic prefix caching.
+    prefix_cache: bool = True
     # transformers only
+    # Prompt tokens of kept stage-1 prefixes (oldest dropped; a batch with a dropped one is prefilled in full).
+    # LLaVA-1.6 7B in bf16 keeps 128 KiB per token: 131,072 tokens = 16 GiB, about 48 images of 2.7k tokens, so
+    # keep engine.chunk_size x prompt tokens below it.
+    prefix_cache_tokens: int = 131072
     device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:1", ...
     batch_size: int = setting(8, ge=1)  # rows per generate() call
     cpu_threads: int = setting(0, ge=0)  # torch CPU threads for this process (0 = torch's default); 1 suits tiny models

@@ -39,6 +39,7 @@ class StageOutput:
     prompt_tokens: int
     output_tokens: int
     seed: int
+    prefilled_tokens: int = 0  # prompt tokens the engine computed (fewer than prompt_tokens with a prefix cache)
     attempts: int = 1
     flags: list[str] = field(default_factory=list)
     first_flags: list[str] = field(default_factory=list)  # flags of attempt 1 when it was retried
@@ -92,17 +93,27 @@ class IntentGenerator:
             intents = self.run_stage("intent", items, convs, sampling.intent_max_tokens)
             return [ChunkOutput(None, out) for out in intents]
         convs = [rewrite_conversation(self.prompts, it.caption) for it in items]
-        rewrites = self.run_stage("rewrite", items, convs, sampling.rewrite_max_tokens)
-        convs = [intent_conversation(self.prompts, it.caption, rw.text) for it, rw in zip(items, rewrites)]
-        intents = self.run_stage("intent", items, convs, sampling.intent_max_tokens)
+        try:
+            # Stage 2's prompt starts with stage 1's, so the engine may keep stage 1's prefix.
+            rewrites = self.run_stage("rewrite", items, convs, sampling.rewrite_max_tokens, keep_prefix=True)
+            convs = [intent_conversation(self.prompts, it.caption, rw.text) for it, rw in zip(items, rewrites)]
+            intents = self.run_stage("intent", items, convs, sampling.intent_max_tokens)
+        finally:
+            release = getattr(self.engine, "release_prefixes", None)
+            if release is not None:
+                release()
         return [ChunkOutput(rw, it) for rw, it in zip(rewrites, intents)]
 
     def run_stage(
-        self, stage: str, items: list[ChunkItem], conversations: list[Conversation], max_new_tokens: int
+        self, stage: str, items: list[ChunkItem], conversations: list[Conversation], max_new_tokens: int,
+        keep_prefix: bool = False,
     ) -> list[StageOutput]:
-        """One stage for all items, then retries of the flagged ones with new seeds."""
+        """One stage for all items, then retries of the flagged ones with new seeds.
+
+        ``keep_prefix``: a later stage continues these conversations (see GenRequest)."""
         prompts = [render(self.engine.renderer, conv) for conv in conversations]
-        outputs = self._attempt(stage, items, prompts, max_new_tokens, list(range(len(items))), attempt=0)
+        outputs = self._attempt(stage, items, prompts, max_new_tokens, list(range(len(items))), attempt=0,
+                                keep_prefix=keep_prefix)
         # With greedy decoding a new seed gives the same text, so retrying would only cost time.
         retries = self.cfg.sampling.retries if self.cfg.sampling.temperature > 0 else 0
         for attempt in range(1, retries + 1):
@@ -111,6 +122,7 @@ class IntentGenerator:
                 break
             retried = self._attempt(stage, items, prompts, max_new_tokens, todo, attempt)
             for i, new in zip(todo, retried):
+                new.prefilled_tokens += outputs[i].prefilled_tokens  # every attempt's prefill was paid for
                 new.attempts = attempt + 1
                 new.first_flags = outputs[i].first_flags if outputs[i].attempts > 1 else outputs[i].flags
                 # keep the attempt with fewer problems; on a tie the newer one
@@ -118,10 +130,12 @@ class IntentGenerator:
                     outputs[i] = new
                 else:
                     outputs[i].attempts, outputs[i].first_flags = new.attempts, new.first_flags
+                    outputs[i].prefilled_tokens = new.prefilled_tokens
         return outputs
 
     def _attempt(
-        self, stage: str, items: list[ChunkItem], prompts: list[str], max_new_tokens: int, indices: list[int], attempt: int
+        self, stage: str, items: list[ChunkItem], prompts: list[str], max_new_tokens: int, indices: list[int], attempt: int,
+        keep_prefix: bool = False,
     ) -> list[StageOutput]:
         requests = [
             GenRequest(
@@ -129,6 +143,7 @@ class IntentGenerator:
                 image=items[i].image,
                 seed=request_seed(self.cfg.sampling.seed, items[i].key, stage, attempt),
                 max_new_tokens=max_new_tokens,
+                keep_prefix=keep_prefix,
             )
             for i in indices
         ]
@@ -149,5 +164,6 @@ class IntentGenerator:
             prompt_tokens=result.prompt_tokens,
             output_tokens=result.output_tokens,
             seed=seed,
+            prefilled_tokens=result.prefilled_tokens,
             flags=flags,
         )

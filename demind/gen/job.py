@@ -48,6 +48,7 @@ class ShardStats:
     text_tokens: dict[str, list[int]] = field(default_factory=lambda: {"rewrite": [], "intent": []})
     engine_prompt_tokens: int = 0
     engine_output_tokens: int = 0
+    engine_prefilled_tokens: int = 0  # prompt tokens computed, retries included (a prefix cache saves the rest)
 
     def skip(self, item: SkippedSample) -> None:
         self.skipped[item.reason] += 1
@@ -65,6 +66,7 @@ class ShardStats:
                 self.fixed_by_retry[stage] += not res.flags
             self.engine_prompt_tokens += res.prompt_tokens
             self.engine_output_tokens += res.output_tokens
+            self.engine_prefilled_tokens += res.prefilled_tokens
         self.flagged.update(flags)
         self.samples_flagged += bool(flags)
         return flags
@@ -83,7 +85,10 @@ class ShardStats:
             "retried": dict(self.retried),
             "fixed_by_retry": dict(self.fixed_by_retry),
             "text_tokens": {stage: summary(v) for stage, v in self.text_tokens.items()},
-            "engine_tokens": {"prompt": self.engine_prompt_tokens, "output": self.engine_output_tokens},
+            "engine_tokens": {"prompt": self.engine_prompt_tokens, "output": self.engine_output_tokens,
+                              "prefilled": self.engine_prefilled_tokens,
+                              "prefilled_per_sample": round(self.engine_prefilled_tokens / self.written, 1)
+                              if self.written else 0.0},
             "skipped_samples": self.skipped_samples,
         }
 

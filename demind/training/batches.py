@@ -9,7 +9,7 @@ import torch
 from demind.backbone import FrozenCLIP
 from demind.data import DataConfig, StreamSpec, build_loader
 from demind.shard_format import resolve_shards
-from demind.features import ShardFeatureCache, default_cache_dir, features_off
+from demind.features import ShardFeatureCache, cache_identity, cache_slug, default_cache_dir, features_off
 from demind.training.accel import micro_batch_size
 from demind.training.config import TrainConfig
 from demind.training.state import TrainState
@@ -20,11 +20,11 @@ def find_feature_cache(data: DataConfig, shards: list[str], backbone: FrozenCLIP
     if features_off(data.features):
         return None
     if data.features == "auto":
-        directory = default_cache_dir(shards, backbone.identity_str)
+        directory = default_cache_dir(shards, cache_slug(backbone))
         if not directory.is_dir():
             return None
-        return ShardFeatureCache.find(directory, shards, backbone.identity, required=False)
-    return ShardFeatureCache.find(data.features, shards, backbone.identity, required=True)
+        return ShardFeatureCache.find(directory, shards, cache_identity(backbone), required=False)
+    return ShardFeatureCache.find(data.features, shards, cache_identity(backbone), required=True)
 
 
 def build_data(cfg: TrainConfig, accelerator, backbone: FrozenCLIP, state: TrainState):

@@ -22,14 +22,17 @@ LOSS_TERMS = ("loss", "distil", "align")
 class LogWindow:
     """Loss sums and sample counts since the last log line."""
 
-    sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(LOSS_TERMS, 0.0))
+    # float64 tensors on the loss's device: adding needs no host sync (a float() per term and
+    # step made the CPU wait for every step to finish before queueing the next one), and
+    # float64 adds the same as the Python floats summed before.
+    sums: dict[str, torch.Tensor | float] = field(default_factory=lambda: dict.fromkeys(LOSS_TERMS, 0.0))
     micro_steps: int = 0
     samples: int = 0
     start: float = field(default_factory=time.perf_counter)
 
     def add(self, losses: dict[str, torch.Tensor]) -> None:
         for t in LOSS_TERMS:
-            self.sums[t] += float(losses[t].detach())
+            self.sums[t] = self.sums[t] + losses[t].detach().double()
         self.micro_steps += 1
 
     def snapshot(self) -> dict[str, Any]:
@@ -44,11 +47,16 @@ class LogWindow:
             window.micro_steps = saved["micro_steps"]  # samples stay 0: samples/s counts from the resume
         return window
 
+    def means(self, device: torch.device) -> torch.Tensor:
+        """(terms,) float32 mean of each loss term over the window's micro-steps."""
+        sums = torch.stack([torch.as_tensor(self.sums[t], dtype=torch.float64, device=device) for t in LOSS_TERMS])
+        return (sums / max(self.micro_steps, 1)).float()
+
 
 def log_metrics(accelerator, cfg: TrainConfig, state: TrainState, window: LogWindow, model, scheduler,
                 bar: tqdm) -> None:
     """One console line, a metrics.jsonl line and tracker values, averaged over processes."""
-    local = torch.tensor([window.sums[t] / max(window.micro_steps, 1) for t in LOSS_TERMS], device=accelerator.device)
+    local = window.means(accelerator.device)
     means = accelerator.reduce(local, reduction="mean") if accelerator.num_processes > 1 else local
     core = accelerator.unwrap_model(model)
     elapsed = max(time.perf_counter() - window.start, 1e-9)

@@ -57,8 +57,9 @@ def train_one_step(cfg: TrainConfig, accelerator, model, optimizer, scheduler, b
         with accelerator.accumulate(model):
             with accelerator.autocast():
                 losses = compute_losses(model, batch, backbone, distil=cfg.loss.distil, gather=gather)
-            check_finite(losses, state.step, accelerator)
             accelerator.backward(losses["loss"])
+            # After queueing backward (the check waits for the device), still before any update.
+            check_finite(losses, state.step, accelerator)
             if accelerator.sync_gradients and cfg.optim.grad_clip:
                 accelerator.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
             optimizer.step()

@@ -17,6 +17,9 @@ class GenRequest:
     image: Image.Image  # RGB, already shrunk to io.image_max_side
     seed: int
     max_new_tokens: int
+    # Stage 1 of a conversation that a later request continues: an engine with a prefix
+    # cache keeps this prompt's KV (image + turn 1) for that request (see Engine.release_prefixes).
+    keep_prefix: bool = False
 
 
 @dataclass
@@ -25,6 +28,11 @@ class GenResult:
     finish_reason: str  # "stop" (end of sequence) or "length" (hit max_new_tokens)
     prompt_tokens: int  # text + image tokens of the prompt
     output_tokens: int
+    prefilled_tokens: int | None = None  # prompt tokens actually computed (fewer with a prefix cache); None = all
+
+    def __post_init__(self) -> None:
+        if self.prefilled_tokens is None:
+            self.prefilled_tokens = self.prompt_tokens
 
 
 class Engine(Protocol):
@@ -42,6 +50,10 @@ class Engine(Protocol):
 
     def count_tokens(self, texts: list[str]) -> list[int]:
         """Tokens of each text with the model's tokenizer (no special tokens)."""
+        ...
+
+    def release_prefixes(self) -> None:
+        """Drop prefixes kept for ``keep_prefix`` requests (their conversations are done)."""
         ...
 
 

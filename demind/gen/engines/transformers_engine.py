@@ -2,15 +2,26 @@
 
 For small runs and tests. Per-request seeds are honoured inside a batch by
 :class:`SeededRowSampler`, so a sample's text does not depend on its batch mates.
+
+Prefix reuse: stage 2 continues stage 1's conversation, so its prompt starts with stage 1's
+prompt token for token (image tokens and turn 1, most of the prompt). A ``keep_prefix``
+request leaves its prompt's KV cache in :class:`PrefixStore`; a later request on the same
+image whose prompt starts with those tokens prefills only the rest. Rows of a batch keep
+their own prefix length, so the batch is laid out as [left padding, prefix | padding,
+suffix]: positions come from the attention mask (padding takes none), so every row sees
+the same positions and keys as in a full prefill; only float rounding of the shorter
+matmuls differs. A batch reuses prefixes only when every row has one.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import AutoModelForImageTextToText, AutoProcessor, GenerationConfig, LogitsProcessor
+from transformers import AutoModelForImageTextToText, AutoProcessor, DynamicCache, GenerationConfig, LogitsProcessor
 
 from demind.gen.config import EngineConfig, SamplingConfig
 from demind.gen.engines.base import GenRequest, GenResult
@@ -61,6 +72,55 @@ class SeededRowSampler(LogitsProcessor):
         return forced
 
 
+@dataclass
+class Prefix:
+    """One kept prompt: its token ids and per-layer (keys, values), each (heads, length, head_dim)."""
+
+    image: Any  # held so that id(image) stays unique while the prefix is kept
+    ids: tuple[int, ...]
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class PrefixStore:
+    """Kept prompt KV caches by image object, oldest dropped beyond ``max_tokens`` prompt tokens."""
+
+    def __init__(self, max_tokens: int):
+        self.max_tokens = max_tokens
+        self.tokens = 0
+        self.dropped = 0
+        self._by_image: OrderedDict[int, Prefix] = OrderedDict()
+
+    def put(self, prefix: Prefix) -> None:
+        old = self._by_image.pop(id(prefix.image), None)
+        self.tokens -= len(old.ids) if old is not None else 0
+        self._by_image[id(prefix.image)] = prefix
+        self.tokens += len(prefix.ids)
+        while self.tokens > self.max_tokens and len(self._by_image) > 1:
+            _, dropped = self._by_image.popitem(last=False)
+            self.tokens -= len(dropped.ids)
+            if self.dropped == 0:
+                logger.warning("prefix cache full (%d prompt tokens): the oldest stage-1 prefixes are dropped and "
+                               "prefilled again; lower engine.chunk_size or raise engine.prefix_cache_tokens",
+                               self.max_tokens)
+            self.dropped += 1
+
+    def match(self, image: Any, ids: list[int], forbidden: set[int]) -> Prefix | None:
+        """The kept prefix of ``image`` if ``ids`` starts with it, leaves at least one token to
+        compute and no ``forbidden`` token (image tokens need the pixels) in the rest."""
+        prefix = self._by_image.get(id(image))
+        n = len(prefix.ids) if prefix is not None else 0
+        if prefix is None or n >= len(ids) or tuple(ids[:n]) != prefix.ids or forbidden.intersection(ids[n:]):
+            return None
+        return prefix
+
+    def clear(self) -> None:
+        self._by_image.clear()
+        self.tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._by_image)
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -99,6 +159,12 @@ class TransformersEngine:
         self.eos_ids = self._eos_ids()
         image_token_id = getattr(self.processor, "image_token_id", None)
         self.suppress_ids = [image_token_id] if image_token_id is not None else []
+        self.prefixes = PrefixStore(engine_cfg.prefix_cache_tokens) if engine_cfg.prefix_cache else None
+        text_config = getattr(self.model.config, "text_config", self.model.config)
+        if self.prefixes is not None and getattr(text_config, "sliding_window", None):
+            # A sliding-window cache keeps only the last window of keys: a prompt's full prefix is not in it.
+            logger.warning("engine.prefix_cache is off for %s: its text model uses a sliding window", self.model_id)
+            self.prefixes = None
         logger.info("transformers engine: %s on %s (%s), batch %d", self.model_id, self.device, self.dtype, self.batch_size)
 
     @property
@@ -121,28 +187,90 @@ class TransformersEngine:
             results.extend(self._generate_batch(requests[start : start + self.batch_size]))
         return results
 
+    def release_prefixes(self) -> None:
+        if self.prefixes is not None:
+            self.prefixes.clear()
+
     @torch.inference_mode()
     def _generate_batch(self, batch: list[GenRequest]) -> list[GenResult]:
         inputs = self.processor(
             images=[r.image for r in batch], text=[r.prompt for r in batch], return_tensors="pt", padding=True
-        ).to(self.device, dtype=self.dtype)
-        max_new = max(r.max_new_tokens for r in batch)
+        )
+        mask = inputs["attention_mask"].bool()
+        prompt_ids = [row[keep].tolist() for row, keep in zip(inputs["input_ids"], mask)]
+        prefixes = self._matching_prefixes(batch, prompt_ids)
+        keep = self.prefixes is not None and prefixes is None and any(r.keep_prefix for r in batch)
         sampler = SeededRowSampler([r.seed for r in batch], self.sampling.temperature, self.sampling.top_p, self.suppress_ids)
         config = GenerationConfig(
-            max_new_tokens=max_new,
+            max_new_tokens=max(r.max_new_tokens for r in batch),
             do_sample=False,  # sampling happens in SeededRowSampler, per row
             pad_token_id=self.tokenizer.pad_token_id,
             eos_token_id=sorted(self.eos_ids),
+            return_dict_in_generate=keep,
         )
-        output = self.model.generate(**inputs, generation_config=config, logits_processor=[sampler])
-        new_tokens = output[:, inputs["input_ids"].shape[1] :].cpu()
-        prompt_lengths = inputs["attention_mask"].sum(dim=1).tolist()
+        if prefixes is None:
+            model_inputs = inputs.to(self.device, dtype=self.dtype)
+            prefilled = [len(ids) for ids in prompt_ids]
+        else:
+            model_inputs = self._continuation_inputs(prompt_ids, prefixes)
+            prefilled = [len(ids) - len(p.ids) for ids, p in zip(prompt_ids, prefixes)]
+        output = self.model.generate(**model_inputs, generation_config=config, logits_processor=[sampler])
+        sequences = output.sequences if keep else output
+        width = model_inputs["input_ids"].shape[1]
+        if keep:
+            self._keep_prefixes(batch, prompt_ids, output.past_key_values, width)
+        new_tokens = sequences[:, width:].cpu()
         return [
-            self._result(row.tolist(), request.max_new_tokens, int(n_prompt))
-            for row, request, n_prompt in zip(new_tokens, batch, prompt_lengths)
+            self._result(row.tolist(), request.max_new_tokens, len(ids), n_prefilled)
+            for row, request, ids, n_prefilled in zip(new_tokens, batch, prompt_ids, prefilled)
         ]
 
-    def _result(self, token_ids: list[int], max_new_tokens: int, prompt_tokens: int) -> GenResult:
+    def _matching_prefixes(self, batch: list[GenRequest], prompt_ids: list[list[int]]) -> list[Prefix] | None:
+        """A kept prefix for every row, or None (the batch is prefilled in full)."""
+        if self.prefixes is None or not len(self.prefixes):
+            return None
+        forbidden = set(self.suppress_ids)
+        found = [self.prefixes.match(r.image, ids, forbidden) for r, ids in zip(batch, prompt_ids)]
+        return found if all(p is not None for p in found) else None
+
+    def _continuation_inputs(self, prompt_ids: list[list[int]], prefixes: list[Prefix]) -> dict[str, Any]:
+        """input_ids / attention_mask laid out as [pad, prefix | pad, rest] and a DynamicCache
+        holding each row's prefix keys and values right-aligned in the first block."""
+        n_prefix = max(len(p.ids) for p in prefixes)
+        n_rest = max(len(ids) - len(p.ids) for ids, p in zip(prompt_ids, prefixes))
+        rows = len(prompt_ids)
+        input_ids = torch.full((rows, n_prefix + n_rest), self.tokenizer.pad_token_id, dtype=torch.long)
+        attention = torch.zeros_like(input_ids)
+        for i, (ids, prefix) in enumerate(zip(prompt_ids, prefixes)):
+            head, rest = ids[: len(prefix.ids)], ids[len(prefix.ids):]
+            input_ids[i, n_prefix - len(head) : n_prefix] = torch.tensor(head)
+            input_ids[i, n_prefix + n_rest - len(rest) :] = torch.tensor(rest)
+            attention[i, n_prefix - len(head) : n_prefix] = 1
+            attention[i, n_prefix + n_rest - len(rest) :] = 1
+        layers = []
+        for layer in range(len(prefixes[0].layers)):
+            keys0, _ = prefixes[0].layers[layer]
+            shape = (rows, keys0.shape[0], n_prefix, keys0.shape[2])
+            keys = torch.zeros(shape, dtype=keys0.dtype, device=keys0.device)
+            values = torch.zeros_like(keys)
+            for i, prefix in enumerate(prefixes):
+                k, v = prefix.layers[layer]
+                keys[i, :, n_prefix - k.shape[1] :] = k
+                values[i, :, n_prefix - v.shape[1] :] = v
+            layers.append((keys, values))
+        return {"input_ids": input_ids.to(self.device), "attention_mask": attention.to(self.device),
+                "past_key_values": DynamicCache(ddp_cache_data=layers)}
+
+    def _keep_prefixes(self, batch: list[GenRequest], prompt_ids: list[list[int]], cache: Any, width: int) -> None:
+        """Keep the prompt part of ``keep_prefix`` rows' KV cache (their own tokens, no padding)."""
+        for i, (request, ids) in enumerate(zip(batch, prompt_ids)):
+            if not request.keep_prefix:
+                continue
+            layers = [(layer.keys[i, :, width - len(ids) : width].clone(), layer.values[i, :, width - len(ids) : width].clone())
+                      for layer in cache.layers]
+            self.prefixes.put(Prefix(request.image, tuple(ids), layers))
+
+    def _result(self, token_ids: list[int], max_new_tokens: int, prompt_tokens: int, prefilled: int) -> GenResult:
         """Cut at the first EOS (rows that stopped early are padded) and at the row's own limit."""
         end = next((i for i, t in enumerate(token_ids) if t in self.eos_ids), None)
         if end is not None and end < max_new_tokens:
@@ -150,4 +278,5 @@ class TransformersEngine:
         else:
             kept, reason = token_ids[:max_new_tokens], "length"
         text = self.tokenizer.decode(kept, skip_special_tokens=True)
-        return GenResult(text=text, finish_reason=reason, prompt_tokens=prompt_tokens, output_tokens=len(kept))
+        return GenResult(text=text, finish_reason=reason, prompt_tokens=prompt_tokens, output_tokens=len(kept),
+                         prefilled_tokens=prefilled)

@@ -66,6 +66,8 @@ def results_from_outputs(outputs: list[Any]) -> list[GenResult]:
                 finish_reason="length" if completion.finish_reason == "length" else "stop",
                 prompt_tokens=len(out.prompt_token_ids or []),
                 output_tokens=len(completion.token_ids),
+                # vLLM reports the prompt tokens its prefix cache served (None or absent without it)
+                prefilled_tokens=len(out.prompt_token_ids or []) - int(getattr(out, "num_cached_tokens", 0) or 0),
             )
         )
     return results
@@ -92,6 +94,8 @@ class VLLMEngine:
             max_model_len=engine_cfg.max_model_len,
             gpu_memory_utilization=engine_cfg.gpu_memory_utilization,
             enforce_eager=engine_cfg.enforce_eager,
+            # stage 2 repeats stage 1's prompt (image + turn 1): its KV blocks are reused, not recomputed
+            enable_prefix_caching=engine_cfg.prefix_cache,
             limit_mm_per_prompt={"image": 1},
             seed=sampling_cfg.seed,
         )
@@ -109,3 +113,6 @@ class VLLMEngine:
         params = [self._sampling_params_cls(**kw) for kw in param_kwargs]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         return results_from_outputs(outputs)
+
+    def release_prefixes(self) -> None:
+        """vLLM's prefix cache evicts by itself."""
