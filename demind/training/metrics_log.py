@@ -37,7 +37,9 @@ class LogWindow:
 
     def snapshot(self) -> dict[str, Any]:
         """What a checkpoint keeps of the window (not the timer: samples/s restarts after a resume)."""
-        return {"sums": dict(self.sums), "micro_steps": self.micro_steps}
+        # the sums live on the device (see above); the checkpoint's JSON wants plain floats, and
+        # float64 -> float keeps every bit, so a resumed window logs what an uninterrupted one does
+        return {"sums": {t: float(v) for t, v in self.sums.items()}, "micro_steps": self.micro_steps}
 
     @classmethod
     def restore(cls, saved: dict[str, Any]) -> "LogWindow":
