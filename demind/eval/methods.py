@@ -5,6 +5,8 @@
   Pic2Word-style baseline from the same checkpoint.
 * ``image-only``, ``text-only``, ``image+text`` (sum of the normalised embeddings): the
   backbone alone.
+* ``oracle`` (headroom check, only when asked for): the target's ground-truth description
+  through the frozen text tower; needs benchmarks that carry one (the toy benchmarks).
 
 Every method returns (B, D) L2-normalised query embeddings.
 """
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 
 from demind.backbone import FrozenCLIP
 from demind.config import ConfigError
+from demind.eval.structures import Query
 from demind.model import DeMinds
 
 METHOD_LABELS = {
@@ -24,9 +27,11 @@ METHOD_LABELS = {
     "image+text": "Image+Text",
     "mapping-only": "Mapping only (Pic2Word-style)",
     "demind": "De-MINDS",
+    "oracle": "Oracle (target's description)",
 }
 METHODS = tuple(METHOD_LABELS)
 CHECKPOINT_METHODS = ("mapping-only", "demind")
+ON_REQUEST_METHODS = ("oracle",)  # not in the default set: real benchmarks have no target descriptions
 
 
 class RetrievalMethod:
@@ -43,6 +48,10 @@ class RetrievalMethod:
 
     def embed(self, ref_features: torch.Tensor, prompts: list[str], texts: list[str]) -> torch.Tensor:
         raise NotImplementedError
+
+    def query_texts(self, queries: list[Query]) -> list[str]:
+        """The ``texts`` given to :meth:`embed` for these queries (the baselines' text)."""
+        return [q.text for q in queries]
 
     def _text_embeddings(self, texts: list[str]) -> torch.Tensor:
         """(B, D) normalised text embeddings; repeated texts (ImageNet-R domains) are encoded once."""
@@ -74,6 +83,23 @@ class ImagePlusText(RetrievalMethod):
         return F.normalize(image + self._text_embeddings(texts), dim=-1)
 
 
+class Oracle(RetrievalMethod):
+    """Headroom: the target's ground-truth description as the query (no reference image)."""
+
+    name = "oracle"
+
+    def query_texts(self, queries: list[Query]) -> list[str]:
+        missing = [q.qid for q in queries if q.target_description is None]
+        if missing:
+            raise ConfigError(f"method oracle needs each query's target description, which this benchmark does not "
+                              f"have ({len(missing)} of {len(queries)} queries lack it, e.g. {missing[0]}); only the "
+                              f"toy benchmarks carry one (regenerate them with the current demind.toy.benchmarks)")
+        return [q.target_description for q in queries]
+
+    def embed(self, ref_features, prompts, texts):
+        return self._text_embeddings(texts)
+
+
 class TrainedMethod(RetrievalMethod):
     """A method that needs the trained De-MINDS weights."""
 
@@ -99,7 +125,8 @@ class DeMindsQuery(TrainedMethod):
 def parse_method_names(spec: str | list[str] | tuple[str, ...] | None, have_model: bool) -> list[str]:
     """``"demind,image-only"`` -> names, validated. None -> all methods the inputs allow."""
     if spec is None:
-        return list(METHODS) if have_model else [m for m in METHODS if m not in CHECKPOINT_METHODS]
+        defaults = [m for m in METHODS if m not in ON_REQUEST_METHODS]
+        return defaults if have_model else [m for m in defaults if m not in CHECKPOINT_METHODS]
     names = [n.strip() for n in (spec.split(",") if isinstance(spec, str) else spec) if n.strip()]
     unknown = [n for n in names if n not in METHODS]
     if unknown:
@@ -112,7 +139,7 @@ def parse_method_names(spec: str | list[str] | tuple[str, ...] | None, have_mode
 
 def build_methods(names: list[str], backbone: FrozenCLIP, model: DeMinds | None) -> list[RetrievalMethod]:
     """Method objects for ``names`` (see :func:`parse_method_names`)."""
-    simple = {"image-only": ImageOnly, "text-only": TextOnly, "image+text": ImagePlusText}
+    simple = {"image-only": ImageOnly, "text-only": TextOnly, "image+text": ImagePlusText, "oracle": Oracle}
     methods: list[RetrievalMethod] = []
     for name in names:
         if name in simple:
