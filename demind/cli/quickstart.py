@@ -45,6 +45,8 @@ def quickstart_command(args: argparse.Namespace) -> int:
             print(summary[table])
     print()
     print(format_backbone_report(summary["backbone"]))
+    for variant, by_seed in summary["gate"].items():
+        print(f"tanh(gate) [{variant}]: " + ", ".join(f"seed {s} {g:.3f}" for s, g in by_seed.items()))
     print("stage seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in summary["timings_s"].items()))
     print(f"results: {Path(cfg.workdir) / 'results.json'}" + (f"\nplot: {summary['plot']}" if summary["plot"] else ""))
     return 0
