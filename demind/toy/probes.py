@@ -95,12 +95,17 @@ def clip_pair_scorer(model: torch.nn.Module, tokenizer, batch: int = 250) -> Pai
     """The toy CLIP's cosine similarity of image i and text i, (N,)."""
     from .backbone import encode_toy_images  # backbone imports this module for its report
 
+    encoded: dict[tuple[str, ...], torch.Tensor] = {}  # every attribute scores the same descriptions
+
     @torch.no_grad()
     def score(images: np.ndarray, texts: list[str]) -> torch.Tensor:
         img = encode_toy_images(model, images, batch)
-        txt = torch.cat([model.encode_text(tokenizer(texts[i:i + batch]), normalize=True)
-                         for i in range(0, len(texts), batch)])
-        return (img * txt).sum(dim=-1)
+        key = tuple(texts)
+        if key not in encoded:
+            encoded.clear()
+            encoded[key] = torch.cat([model.encode_text(tokenizer(texts[i:i + batch]), normalize=True)
+                                      for i in range(0, len(texts), batch)])
+        return (img * encoded[key]).sum(dim=-1)
 
     return score
 
