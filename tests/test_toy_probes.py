@@ -125,3 +125,30 @@ def test_probe_ceiling_hand_computed():
     flipped = dataclasses.replace(two, objects=two.objects[::-1])
     assert probe_ceiling([two, flipped] * 6, "shape") == pytest.approx(10 / 12)
     assert probe_ceiling([scene("grass"), scene("grass", "toy")], "background", k=1) == 1.0
+
+
+def test_clip_scorer_is_the_cosine_of_image_and_text(tmp_path):
+    import json
+
+    from demind.toy.backbone import ToyBackboneConfig, build_toy_model, encode_toy_images
+    from demind.toy.probes import clip_pair_scorer
+
+    model_json = tmp_path / "toy-clip-probe.json"
+    model_json.write_text(json.dumps({
+        "embed_dim": 16, "vision_cfg": {"image_size": 32, "layers": 1, "width": 16, "head_width": 8, "patch_size": 16},
+        "text_cfg": {"context_length": 56, "vocab_size": 49408, "width": 16, "heads": 2, "layers": 1}}))
+    torch.manual_seed(0)
+    model, tokenizer, size = build_toy_model(ToyBackboneConfig(model_config=str(model_json)))
+    cases = pair_probe_cases(3)
+    images = np.stack([render_scene(c.scene, c.nuisance_seed, size, per_part=True).image for c in cases])
+    texts = [c.description for c in cases]
+    score = clip_pair_scorer(model.eval(), tokenizer)
+    got = score(images, texts)
+    with torch.no_grad():
+        expected = (encode_toy_images(model, images) * model.encode_text(tokenizer(texts), normalize=True)).sum(-1)
+    assert torch.allclose(got, expected, atol=1e-5)
+    # the second call reuses the encoded descriptions: still image i against text i
+    flipped = images[::-1].copy()
+    with torch.no_grad():
+        expected_flipped = (encode_toy_images(model, flipped) * model.encode_text(tokenizer(texts), normalize=True)).sum(-1)
+    assert torch.allclose(score(flipped, texts), expected_flipped, atol=1e-5)
