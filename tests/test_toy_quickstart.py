@@ -108,3 +108,20 @@ def test_per_type_recall_by_hand(tmp_path):
     assert out["colour"] == {"R@1": 50.0, "R@3": 100.0, "n": 2}
     assert out["remove"] == {"R@1": 0.0, "R@3": 0.0, "n": 1}
     assert out["all"]["R@3"] == pytest.approx(200 / 3)
+
+
+def test_quickstart_command_prints_probes_ceilings_and_gate(monkeypatch, capsys):
+    import demind.toy.pipeline as pipeline
+    from demind.cli.quickstart import main
+
+    summary = {"table": "TABLE", "per_type_table": "", "paired_table": "", "timings_s": {"train": 1.0}, "plot": None,
+               "gate": {"demind": {0: 0.0912}},
+               "backbone": {"pair_probes": {"shape": 55.5, "colour": 94.7}, "pair_probe_scenes": 600,
+                            "heldout_probe_ceiling_R@10": {"probe:background": 0.3},
+                            "heldout_text_to_image": {"probe:background": {"R@1": 0.02, "R@5": 0.1, "R@10": 0.2}}}}
+    monkeypatch.setattr(pipeline, "run_quickstart", lambda cfg: summary)
+    assert main(["--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "shape 55.5  colour 94.7" in out and "600 held-out scenes" in out
+    assert "2.0 / 10.0 / 20.0   (ceiling 30.0)" in out
+    assert "tanh(gate) [demind]: seed 0 0.091" in out
