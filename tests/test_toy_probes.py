@@ -131,7 +131,7 @@ def test_clip_scorer_is_the_cosine_of_image_and_text(tmp_path):
     import json
 
     from demind.toy.backbone import ToyBackboneConfig, build_toy_model, encode_toy_images
-    from demind.toy.probes import clip_pair_scorer
+    from demind.toy.backbone import clip_pair_scorer
 
     model_json = tmp_path / "toy-clip-probe.json"
     model_json.write_text(json.dumps({

@@ -36,7 +36,7 @@ from demind.backbone import run_text_transformer
 from demind.io import atomic_path, write_json_atomic
 
 from .parallel import parallel_map
-from .probes import clip_pair_scorer, pair_probe_cases, probe_ceiling, run_pair_probes
+from .probes import PairScorer, pair_probe_cases, probe_ceiling, run_pair_probes
 from .render import render_scene
 from .texts import alt_text, article, full_description, web_text
 from .world import WORLD_VERSION, Scene, derive_seed, scene_from_seed, stream_seed
@@ -282,6 +282,23 @@ def evaluate_toy_clip(model: torch.nn.Module, tokenizer: Any, image_size: int, n
         recall[f"probe:{attribute}"] = text_to_image_recall(model, tokenizer, images,
                                                             [probe_text(s, attribute) for s in scenes])
     return recall
+
+
+def clip_pair_scorer(model: torch.nn.Module, tokenizer, batch: int = 250) -> PairScorer:
+    """The toy CLIP's cosine similarity of image i and text i, (N,)."""
+    encoded: dict[tuple[str, ...], torch.Tensor] = {}  # every attribute scores the same descriptions
+
+    @torch.no_grad()
+    def score(images: np.ndarray, texts: list[str]) -> torch.Tensor:
+        img = encode_toy_images(model, images, batch)
+        key = tuple(texts)
+        if key not in encoded:
+            encoded.clear()
+            encoded[key] = torch.cat([model.encode_text(tokenizer(texts[i:i + batch]), normalize=True)
+                                      for i in range(0, len(texts), batch)])
+        return (img * encoded[key]).sum(dim=-1)
+
+    return score
 
 
 def probe_ceilings(num_scenes: int, k: int = 10) -> dict[str, float]:

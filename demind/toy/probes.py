@@ -91,25 +91,6 @@ def run_pair_probes(score: PairScorer, cases: list[PairCase], image_size: int,
     return result
 
 
-def clip_pair_scorer(model: torch.nn.Module, tokenizer, batch: int = 250) -> PairScorer:
-    """The toy CLIP's cosine similarity of image i and text i, (N,)."""
-    from .backbone import encode_toy_images  # backbone imports this module for its report
-
-    encoded: dict[tuple[str, ...], torch.Tensor] = {}  # every attribute scores the same descriptions
-
-    @torch.no_grad()
-    def score(images: np.ndarray, texts: list[str]) -> torch.Tensor:
-        img = encode_toy_images(model, images, batch)
-        key = tuple(texts)
-        if key not in encoded:
-            encoded.clear()
-            encoded[key] = torch.cat([model.encode_text(tokenizer(texts[i:i + batch]), normalize=True)
-                                      for i in range(0, len(texts), batch)])
-        return (img * encoded[key]).sum(dim=-1)
-
-    return score
-
-
 def probe_key(scene: Scene, attribute: str) -> tuple:
     """What a one-attribute probe text says of ``scene``: the style and the multiset of the
     attribute's values (object order in the text carries no meaning). Scenes with equal keys
