@@ -29,7 +29,7 @@ def trained(tmp_path_factory):
     model_json = root / "toy-clip-test.json"
     model_json.write_text(json.dumps(TINY))
     cfg = ToyBackboneConfig(model_config=str(model_json), steps=2, batch_size=8, warmup_steps=1,
-                            num_train_images=16, num_eval_scenes=20)
+                            num_train_images=16, num_eval_scenes=20, num_pair_probe_scenes=8)
     weights, report = ensure_toy_backbone(cfg, root / "cache", progress=False)
     return cfg, root, weights, report
 
@@ -43,6 +43,12 @@ def test_training_writes_weights_and_report(trained):
     for texts in report["heldout_text_to_image"]:
         assert set(report["heldout_text_to_image"][texts]) == {"R@1", "R@5", "R@10"}
         assert all(0.0 <= v <= 1.0 for v in report["heldout_text_to_image"][texts].values())
+    assert set(report["pair_probes"]) == {"shape", "colour", "size", "position", "background", "style"}
+    assert all(0.0 <= v <= 100.0 for v in report["pair_probes"].values()) and report["pair_probe_scenes"] == 8
+    assert set(report["heldout_probe_ceiling_R@10"]) == {"probe:shape", "probe:colour", "probe:position",
+                                                         "probe:background"}
+    text = toy_backbone.format_backbone_report(report)
+    assert "pair probes" in text and "ceiling" in text
     # training moved the weights away from the seeded random init
     torch.manual_seed(cfg.seed)
     init, _, _ = toy_backbone.build_toy_model(cfg)
@@ -58,6 +64,7 @@ def test_cache_is_reused_and_keyed_by_config(trained, monkeypatch):
 
     monkeypatch.setattr(toy_backbone, "train_toy_clip", no_training)
     again, report2 = ensure_toy_backbone(cfg, root / "cache", progress=False)
+    assert report2["pair_probes"] == report["pair_probes"]
     assert again == weights and report2 == report
     other = ToyBackboneConfig(**{**cfg.__dict__, "seed": 1})
     assert cached_paths(other, root / "cache")[0] != weights

@@ -208,3 +208,59 @@ def test_toy_exclcoco_ground_truth_from_the_instances(bench_root):
     test = json.loads((bench_root / "exclcoco" / "coco" / "annotations" / "captions_test.json").read_text())
     # disjoint seed streams: the two splits' scenes (hence captions) differ
     assert {c["caption"] for c in train["annotations"]} != {c["caption"] for c in test["annotations"]}
+
+
+def test_toy_queries_carry_the_target_description(bench_root):
+    from demind.eval.harness import read_benchmark
+    import random
+
+    from demind.toy.texts import full_description
+    from demind.toy.world import derive_seed, stream_seed
+
+    cirr = read_benchmark("cirr", bench_root / "cirr").groups[0].queries
+    captions = json.loads((bench_root / "cirr/captions/cap.rc2.val.json").read_text())
+    assert [q.target_description for q in cirr] == [e["target_description"] for e in captions]
+    # the description is the target scene's, from its own seed: rebuild set 0's target
+    cset = build_cirr_set(random.Random(stream_seed("cirr", 0)))
+    ref, tgt = cset.queries[0]
+    assert cirr[0].target_description == full_description(
+        cset.members[tgt], random.Random(derive_seed("cirr", "description", 0, tgt)))
+    excl = read_benchmark("exclusion", bench_root / "exclusion").groups[0].queries
+    assert all(q.target_description and q.target_description != q.text for q in excl)
+
+
+def test_oracle_method_embeds_the_description_and_refuses_without_one(bench_root, tiny_backbone, tmp_path):
+    import shutil
+
+    import torch.nn.functional as F
+
+    from demind.config import ConfigError
+    from demind.eval.harness import evaluate, read_benchmark
+    from demind.eval.methods import Oracle, parse_method_names
+
+    assert "oracle" not in parse_method_names(None, have_model=True)  # asked for only
+    queries = read_benchmark("cirr", bench_root / "cirr").groups[0].queries[:4]
+    oracle = Oracle(tiny_backbone)
+    texts = oracle.query_texts(queries)
+    emb = oracle.embed(None, [q.prompt for q in queries], texts)
+    expected = F.normalize(tiny_backbone.encode_text([q.target_description for q in queries]).pooled, dim=-1)
+    assert torch_allclose(emb, expected)
+    results = evaluate("cirr", bench_root / "cirr", backbone=tiny_backbone, methods="oracle,image-only",
+                       progress=False)
+    assert set(results["methods"]) == {"oracle", "image-only"}
+    # a benchmark without descriptions (real CIRR has none): one clear error
+    bare = tmp_path / "cirr"
+    shutil.copytree(bench_root / "cirr", bare)
+    path = bare / "captions/cap.rc2.val.json"
+    captions = json.loads(path.read_text())
+    for entry in captions:
+        entry.pop("target_description")
+    path.write_text(json.dumps(captions))
+    with pytest.raises(ConfigError, match="oracle needs each query's target description"):
+        evaluate("cirr", bare, backbone=tiny_backbone, methods="oracle", progress=False)
+
+
+def torch_allclose(a, b) -> bool:
+    import torch
+
+    return torch.allclose(a.float().cpu(), b.float().cpu(), atol=1e-5)

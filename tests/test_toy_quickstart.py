@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
+
+from demind.checkpoint import read_checked_tensors
 
 from demind.toy.backbone import ToyBackboneConfig
 from demind.toy.benchmarks import ToyBenchmarkConfig
@@ -43,16 +46,34 @@ def test_quickstart_runs_every_stage_and_reuses_them(tmp_path, monkeypatch):
     assert (qs / "results.json").is_file() and (qs / "recall_at_k.png").is_file()
     assert len(list((qs / "train").glob("*/demind-seed0/demind.safetensors"))) == 1
     rows = summary["rows"]
-    assert set(rows) == {"demind", "mapping-only", "image+text", "image-only", "text-only"}
-    for row in rows.values():
-        for key in ("cirr:R@1", "cirr:R@10", "imagenet-r:average/R@10", "coco:R@1", "exclusion:mAP@10"):
+    assert set(rows) == {"demind", "mapping-only", "image+text", "image-only", "text-only", "oracle"}
+    for label, row in rows.items():
+        keys = ("cirr:R@1", "cirr:R@10", "exclusion:mAP@10") + (
+            () if label == "oracle" else ("imagenet-r:average/R@10", "coco:R@1"))  # descriptions: CIRR, exclusion
+        for key in keys:
             mean, std = row["metrics"][key]
             assert 0.0 <= mean <= 100.0 and std == 0.0
         assert row["per_type"]["all"]["n"] == 2 * 4
+    assert "coco:R@1" not in rows["oracle"]["metrics"]
+    # results.json: the fields a script reads (README "results.json")
+    saved = json.loads((qs / "results.json").read_text())
+    assert set(saved["backbone_probes"]) == {"shape", "colour", "size", "position", "background", "style"}
+    assert saved["backbone_probes"] == summary["backbone"]["pair_probes"]
+    for bench, key in (("cirr", "R@10"), ("exclusion", "mAP@10"), ("coco", "R@1")):
+        for method in rows:
+            if method == "oracle" and bench == "coco":
+                assert "oracle" not in saved["metrics"][bench]
+                continue
+            cell = saved["metrics"][bench][method][key]
+            assert cell["mean"] == pytest.approx(rows[method]["metrics"][f"{bench}:{key}"][0])
+            assert cell["per_seed"] == {"0": cell["mean"]} and cell["std"] == 0.0
+    export = next((qs / "train").glob("*/demind-seed0/demind.safetensors"))
+    assert saved["gate"] == {"demind": {"0": pytest.approx(math.tanh(float(read_checked_tensors(export)["gate"])))}}
+    assert saved["paired"]["0"]["mapping-only"]["R@10"]["p"] == summary["paired"][0]["mapping-only"]["R@10"]["p"]
     assert "demind" in summary["table"] and "text-only" in summary["table"]
     # paired comparison: discordant counts differ exactly by the recall difference
     paired = summary["paired"][0]
-    assert set(paired) == {"mapping-only", "image+text", "image-only", "text-only"}
+    assert set(paired) == {"mapping-only", "image+text", "image-only", "text-only", "oracle"}
     for other, by_k in paired.items():
         for k in ("R@5", "R@10"):
             diff = rows["demind"]["per_type"]["all"][k][0] - rows[other]["per_type"]["all"][k][0]
@@ -87,3 +108,20 @@ def test_per_type_recall_by_hand(tmp_path):
     assert out["colour"] == {"R@1": 50.0, "R@3": 100.0, "n": 2}
     assert out["remove"] == {"R@1": 0.0, "R@3": 0.0, "n": 1}
     assert out["all"]["R@3"] == pytest.approx(200 / 3)
+
+
+def test_quickstart_command_prints_probes_ceilings_and_gate(monkeypatch, capsys):
+    import demind.toy.pipeline as pipeline
+    from demind.cli.quickstart import main
+
+    summary = {"table": "TABLE", "per_type_table": "", "paired_table": "", "timings_s": {"train": 1.0}, "plot": None,
+               "gate": {"demind": {0: 0.0912}},
+               "backbone": {"pair_probes": {"shape": 55.5, "colour": 94.7}, "pair_probe_scenes": 600,
+                            "heldout_probe_ceiling_R@10": {"probe:background": 0.3},
+                            "heldout_text_to_image": {"probe:background": {"R@1": 0.02, "R@5": 0.1, "R@10": 0.2}}}}
+    monkeypatch.setattr(pipeline, "run_quickstart", lambda cfg: summary)
+    assert main(["--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "shape 55.5  colour 94.7" in out and "600 held-out scenes" in out
+    assert "2.0 / 10.0 / 20.0   (ceiling 30.0)" in out
+    assert "tanh(gate) [demind]: seed 0 0.091" in out

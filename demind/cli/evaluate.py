@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       "check the checkpoint's backbone); NAME:none = random weights")
     p.add_argument("--split", default="val", help="val (default) or test (CIRR test1, CIRCO test)")
     p.add_argument("--methods", help=f"comma-separated subset of {','.join(METHODS)} "
-                                     "(default: all that the given checkpoint/backbone allow)")
+                                     "(default: all that the given checkpoint/backbone allow, except oracle, which needs "
+                                     "the toy benchmarks' target descriptions)")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--cache-dir", help="image-feature cache (default OUT/feature_cache); share it across runs")
     p.add_argument("--batch-size", type=int, default=64)

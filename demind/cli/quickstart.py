@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
 def quickstart_command(args: argparse.Namespace) -> int:
     """Run the quickstart; print the tables, the toy CLIP's recall and where the files are."""
     from demind.config import load_config
+    from demind.toy.backbone import format_backbone_report
     from demind.toy.pipeline import QuickstartConfig, run_quickstart
 
     cfg = load_config(QuickstartConfig, args.config, args.overrides)
@@ -42,9 +43,10 @@ def quickstart_command(args: argparse.Namespace) -> int:
         if summary[table]:
             print()
             print(summary[table])
-    print("\ntoy CLIP held-out text->image recall (R@1 / R@5 / R@10, %; probe = a text naming one attribute):")
-    for texts, recall in summary["backbone"]["heldout_text_to_image"].items():
-        print(f"  {texts:<17} " + " / ".join(f"{100 * v:.1f}" for v in recall.values()))
+    print()
+    print(format_backbone_report(summary["backbone"]))
+    for variant, by_seed in summary["gate"].items():
+        print(f"tanh(gate) [{variant}]: " + ", ".join(f"seed {s} {g:.3f}" for s, g in by_seed.items()))
     print("stage seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in summary["timings_s"].items()))
     print(f"results: {Path(cfg.workdir) / 'results.json'}" + (f"\nplot: {summary['plot']}" if summary["plot"] else ""))
     return 0

@@ -94,4 +94,5 @@ def _query(entry: dict, by_name: dict[str, ImageRef], has_gt: bool, split: str) 
         targets=targets,
         exclude=ref_name,
         subset=subset,
+        target_description=entry.get("target_description"),  # toy CIRR only: the oracle's text
     )

@@ -9,7 +9,8 @@ written by the toy world (:func:`demind.toy.benchmarks.write_exclusion`)::
      "queries": [{"id": 0, "reference": NAME, "target": NAME,
                   "text": "a photo of a blue circle on grass without the red square",
                   "modification": "without the red square",
-                  "positives": [NAME, ...], "hard_negatives": [NAME, ...], ...}, ...]}
+                  "positives": [NAME, ...], "hard_negatives": [NAME, ...],
+                  "target_description": "A photo of ..." (optional: the oracle method's text), ...}, ...]}
 
 Composed query: the reference image (which shows the excluded object) with
 ``modification`` in the CIRR template; Text-only uses ``text``. Gallery = every image
@@ -75,7 +76,8 @@ def read_exclusion(root: str | Path, split: str = "val", limit: int | None = Non
     entries = data["queries"][:limit] if limit is not None else data["queries"]
     queries = [Query(qid=str(q["id"]), reference=by_name[q["reference"]],
                      prompt=fill_template(TEMPLATES["cirr"], text=q["modification"]), text=q["text"],
-                     targets=tuple(q["positives"]), exclude=q["reference"]) for q in entries]
+                     targets=tuple(q["positives"]), exclude=q["reference"],
+                     target_description=q.get("target_description")) for q in entries]
     notes = ["exclusion: mAP@K over each query's positives (kept objects present, excluded object absent); "
              "the reference is excluded from its own ranking.", f"prompt: {TEMPLATES['cirr']!r}"]
     return BenchmarkData("exclusion", "val", [QueryGroup("all", queries, gallery, metric="map", ks=MAP_KS)],

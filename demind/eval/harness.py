@@ -253,7 +253,7 @@ def score_group(method: RetrievalMethod, group: QueryGroup, gallery: torch.Tenso
     refs = stack_features(features, [q.reference.name for q in queries])
     started = time.perf_counter()
     texts_before = Counter(method.backbone.text_counts)
-    embedded = embed_queries(method, refs, [q.prompt for q in queries], [q.text for q in queries], batch_size,
+    embedded = embed_queries(method, refs, [q.prompt for q in queries], method.query_texts(queries), batch_size,
                              progress, desc=f"{method.name} {group.name}", qids=[q.qid for q in queries])
     texts = Counter(method.backbone.text_counts)
     texts.subtract(texts_before)

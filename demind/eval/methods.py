@@ -7,6 +7,8 @@
   backbone alone.
 * ``exclmm``: a trained ExclMM (:mod:`demind.exclmm`) answering the query text; it maps the
   gallery into its own space (``map_gallery``) and scores by dot product (its Eq. 18).
+* ``oracle`` (headroom check, only when asked for): the target's ground-truth description
+  through the frozen text tower; needs benchmarks that carry one (the toy benchmarks).
 
 Every other method returns (B, D) L2-normalised query embeddings and keeps the gallery as is.
 """
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 
 from demind.backbone import FrozenCLIP
 from demind.config import ConfigError
+from demind.eval.structures import Query
 from demind.model import DeMinds
 
 METHOD_LABELS = {
@@ -27,10 +30,12 @@ METHOD_LABELS = {
     "mapping-only": "Mapping only (Pic2Word-style)",
     "demind": "De-MINDS",
     "exclmm": "ExclMM",
+    "oracle": "Oracle (target's description)",
 }
 METHODS = tuple(METHOD_LABELS)
 EXCLMM_METHODS = ("exclmm",)
 CHECKPOINT_METHODS = ("mapping-only", "demind")
+ON_REQUEST_METHODS = ("oracle",)  # not in the default set: real benchmarks have no target descriptions
 
 
 class RetrievalMethod:
@@ -51,6 +56,9 @@ class RetrievalMethod:
     def map_gallery(self, gallery: torch.Tensor) -> torch.Tensor:
         """(N, D) normalised gallery features -> what ``embed``'s queries are scored against."""
         return gallery
+    def query_texts(self, queries: list[Query]) -> list[str]:
+        """The ``texts`` given to :meth:`embed` for these queries (the baselines' text)."""
+        return [q.text for q in queries]
 
     def _text_embeddings(self, texts: list[str]) -> torch.Tensor:
         """(B, D) normalised text embeddings; repeated texts (ImageNet-R domains) are encoded once."""
@@ -80,6 +88,23 @@ class ImagePlusText(RetrievalMethod):
     def embed(self, ref_features, prompts, texts):
         image = F.normalize(ref_features.float().to(self.backbone.device), dim=-1)
         return F.normalize(image + self._text_embeddings(texts), dim=-1)
+
+
+class Oracle(RetrievalMethod):
+    """Headroom: the target's ground-truth description as the query (no reference image)."""
+
+    name = "oracle"
+
+    def query_texts(self, queries: list[Query]) -> list[str]:
+        missing = [q.qid for q in queries if q.target_description is None]
+        if missing:
+            raise ConfigError(f"method oracle needs each query's target description, which this benchmark does not "
+                              f"have ({len(missing)} of {len(queries)} queries lack it, e.g. {missing[0]}); only the "
+                              f"toy benchmarks carry one (regenerate them with the current demind.toy.benchmarks)")
+        return [q.target_description for q in queries]
+
+    def embed(self, ref_features, prompts, texts):
+        return self._text_embeddings(texts)
 
 
 class TrainedMethod(RetrievalMethod):
@@ -139,7 +164,8 @@ def parse_method_names(spec: str | list[str] | tuple[str, ...] | None, have_mode
                        have_exclmm: bool = False) -> list[str]:
     """``"demind,image-only"`` -> names, validated. None -> all methods the inputs allow."""
     if spec is None:
-        names = [m for m in METHODS if have_model or m not in CHECKPOINT_METHODS]
+        defaults = [m for m in METHODS if m not in ON_REQUEST_METHODS]
+        names = defaults if have_model else [m for m in defaults if m not in CHECKPOINT_METHODS]
         return [m for m in names if have_exclmm or m not in EXCLMM_METHODS]
     names = [n.strip() for n in (spec.split(",") if isinstance(spec, str) else spec) if n.strip()]
     unknown = [n for n in names if n not in METHODS]
@@ -156,7 +182,7 @@ def parse_method_names(spec: str | list[str] | tuple[str, ...] | None, have_mode
 def build_methods(names: list[str], backbone: FrozenCLIP, model: DeMinds | None,
                   exclmm=None) -> list[RetrievalMethod]:
     """Method objects for ``names`` (see :func:`parse_method_names`); ``exclmm`` a loaded ExclMM."""
-    simple = {"image-only": ImageOnly, "text-only": TextOnly, "image+text": ImagePlusText}
+    simple = {"image-only": ImageOnly, "text-only": TextOnly, "image+text": ImagePlusText, "oracle": Oracle}
     methods: list[RetrievalMethod] = []
     for name in names:
         if name in simple:

@@ -111,6 +111,8 @@ class Query:
     targets: names of the relevant gallery images (empty on test splits).
     exclude: a gallery name never ranked for this query (CIRR: the reference itself).
     subset: CIRR ``img_set.members`` minus the reference (for Recall_subset).
+    target_description: the target's ground-truth description, where the benchmark has one
+        (the toy benchmarks' optional ``target_description`` field; the ``oracle`` method).
     """
 
     qid: str
@@ -120,6 +122,7 @@ class Query:
     targets: tuple[str, ...] = ()
     exclude: str | None = None
     subset: tuple[str, ...] = ()
+    target_description: str | None = None
 
 
 @dataclass

@@ -26,8 +26,8 @@ from PIL import Image
 from demind.backbone import PLACEHOLDER, FrozenCLIP
 from demind.config import MissingDependencyError
 from demind.eval import methods as registry
-from demind.eval.methods import (CHECKPOINT_METHODS, EXCLMM_METHODS, METHOD_LABELS, METHODS, build_methods,
-                                 parse_method_names)
+from demind.eval.methods import (CHECKPOINT_METHODS, EXCLMM_METHODS, METHOD_LABELS, METHODS, ON_REQUEST_METHODS,
+                                 build_methods, parse_method_names)
 from demind.eval.structures import ImageReadError, ImageRef, load_image
 from demind.model import TEMPLATES, DeMinds, fill_template, template_field
 from demind.search.index import GalleryIndex, check_index_backbone
@@ -180,8 +180,9 @@ class Searcher:
     def available_methods(self) -> list[str]:
         """Every method of the registry this checkpoint allows, De-MINDS first (DEO variants last)."""
         names = [DEFAULT_METHOD] + [m for m in METHODS if m != DEFAULT_METHOD] + list(getattr(registry, "DEO_METHODS", ()))
-        # ExclMM ranks in its own sparse space (the gallery must be mapped): not served by this index.
-        names = [m for m in names if base_method(m) not in EXCLMM_METHODS]
+        # ExclMM ranks in its own sparse space (the gallery must be mapped) and the oracle needs a
+        # benchmark's ground-truth description: neither answers a user's query against this index.
+        names = [m for m in names if base_method(m) not in EXCLMM_METHODS + ON_REQUEST_METHODS]
         return [m for m in names if self.model is not None or base_method(m) not in CHECKPOINT_METHODS]
 
     def method(self, name: str) -> registry.RetrievalMethod:

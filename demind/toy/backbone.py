@@ -36,6 +36,7 @@ from demind.backbone import run_text_transformer
 from demind.io import atomic_path, write_json_atomic
 
 from .parallel import parallel_map
+from .probes import PairScorer, pair_probe_cases, probe_ceiling, run_pair_probes
 from .render import render_scene
 from .texts import alt_text, article, full_description, web_text
 from .world import WORLD_VERSION, Scene, derive_seed, scene_from_seed, stream_seed
@@ -57,6 +58,8 @@ class ToyBackboneConfig:
     warmup_steps: int = setting(100, ge=0)
     num_train_images: int = setting(8000, ge=1)   # rendered once; each step draws fresh texts for them
     num_eval_scenes: int = setting(1000, ge=1)
+    # pair probes (demind/toy/probes.py): evaluation only, so not part of the cache key
+    num_pair_probe_scenes: int = setting(600, ge=1)
     fused_adamw: bool = True       # same update, one kernel (optimizer step 33 -> 7.6 ms: benchmarks/bench_toy.py)
     log_every: int = setting(50, ge=1)
 
@@ -74,7 +77,7 @@ def cache_key(cfg: ToyBackboneConfig) -> str:
     """Hash of everything that determines the trained weights."""
     payload = {
         "model_config": json.loads(Path(cfg.model_config).read_text()),
-        "train": {k: v for k, v in asdict(cfg).items() if k not in ("model_config", "log_every")},
+        "train": {k: v for k, v in asdict(cfg).items() if k not in ("model_config", "log_every", "num_pair_probe_scenes")},
         "world": WORLD_VERSION,
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
@@ -281,6 +284,62 @@ def evaluate_toy_clip(model: torch.nn.Module, tokenizer: Any, image_size: int, n
     return recall
 
 
+def clip_pair_scorer(model: torch.nn.Module, tokenizer, batch: int = 250) -> PairScorer:
+    """The toy CLIP's cosine similarity of image i and text i, (N,)."""
+    encoded: dict[tuple[str, ...], torch.Tensor] = {}  # every attribute scores the same descriptions
+
+    @torch.no_grad()
+    def score(images: np.ndarray, texts: list[str]) -> torch.Tensor:
+        img = encode_toy_images(model, images, batch)
+        key = tuple(texts)
+        if key not in encoded:
+            encoded.clear()
+            encoded[key] = torch.cat([model.encode_text(tokenizer(texts[i:i + batch]), normalize=True)
+                                      for i in range(0, len(texts), batch)])
+        return (img * encoded[key]).sum(dim=-1)
+
+    return score
+
+
+def probe_ceilings(num_scenes: int, k: int = 10) -> dict[str, float]:
+    """``probe:<attribute>`` -> R@k (fraction) of a perfect model on the held-out probe texts of
+    :func:`evaluate_toy_clip` (their ambiguity caps it: :func:`demind.toy.probes.probe_ceiling`)."""
+    scenes = [scene_from_seed(stream_seed("web_eval", i)) for i in range(num_scenes)]
+    return {f"probe:{a}": round(probe_ceiling(scenes, a, k), 4) for a in PROBED_ATTRIBUTES}
+
+
+def pair_probes(model: torch.nn.Module, tokenizer: Any, image_size: int, num_scenes: int) -> dict[str, float]:
+    """attribute -> pair-probe accuracy in % (chance 50) on ``num_scenes`` held-out scenes."""
+    return run_pair_probes(clip_pair_scorer(model, tokenizer), pair_probe_cases(num_scenes), image_size)
+
+
+def _add_probe_reports(report: dict[str, Any], model: torch.nn.Module, tokenizer: Any, cfg: ToyBackboneConfig
+                       ) -> dict[str, Any]:
+    """The report plus the pair probes and the R@10 probe ceilings (backfilled into older reports)."""
+    report = dict(report)
+    report["pair_probes"] = pair_probes(model, tokenizer, _image_side(model), cfg.num_pair_probe_scenes)
+    report["pair_probe_scenes"] = cfg.num_pair_probe_scenes
+    report["heldout_probe_ceiling_R@10"] = probe_ceilings(cfg.num_eval_scenes)
+    logger.info("toy CLIP pair probes (%%, chance 50): %s", json.dumps(report["pair_probes"]))
+    return report
+
+
+def format_backbone_report(report: dict[str, Any]) -> str:
+    """The pair probes (main table) and the held-out R@K recall with each probe's ceiling."""
+    lines = []
+    if "pair_probes" in report:
+        lines.append(f"toy CLIP pair probes ({report.get('pair_probe_scenes', '?')} held-out scenes; % of scenes "
+                     "whose own image beats the one-attribute edit against its description; chance 50):")
+        lines.append("  " + "  ".join(f"{a} {v:.1f}" for a, v in report["pair_probes"].items()))
+    ceilings = report.get("heldout_probe_ceiling_R@10", {})
+    lines.append("toy CLIP held-out text->image recall (R@1 / R@5 / R@10, %; probe = a text naming one attribute; "
+                 "ceiling = R@10 of a perfect model):")
+    for texts, recall in report["heldout_text_to_image"].items():
+        ceiling = f"   (ceiling {100 * ceilings[texts]:.1f})" if texts in ceilings else ""
+        lines.append(f"  {texts:<17} " + " / ".join(f"{100 * v:.1f}" for v in recall.values()) + ceiling)
+    return "\n".join(lines)
+
+
 # -------------------------------------------------------------------------- cache
 
 def save_weights(model: torch.nn.Module, path: Path) -> None:
@@ -300,7 +359,13 @@ def ensure_toy_backbone(cfg: ToyBackboneConfig | None = None, cache_dir: str | P
     weights, report_path = cached_paths(cfg, cache_dir)
     if weights.is_file() and report_path.is_file():
         logger.info("reusing toy CLIP %s", weights)
-        return weights, json.loads(report_path.read_text())
+        report = json.loads(report_path.read_text())
+        if report.get("pair_probe_scenes") != cfg.num_pair_probe_scenes:  # an older report, or another count
+            model, tokenizer, _ = build_toy_model(cfg)
+            model.load_state_dict(torch.load(weights, weights_only=True))
+            report = _add_probe_reports(report, model.eval(), tokenizer, cfg)
+            write_json_atomic(report_path, report, indent=2)
+        return weights, report
     logger.info("training toy CLIP (%s, %d steps of batch %d) -> %s", cfg.model_config, cfg.steps,
                 cfg.batch_size, weights)
     state_path = weights.with_name(weights.stem + ".state.pt")  # mid-training state: a rerun resumes
@@ -313,6 +378,7 @@ def ensure_toy_backbone(cfg: ToyBackboneConfig | None = None, cache_dir: str | P
     report = {"weights": str(weights), "cache_key": cache_key(cfg), "world_version": WORLD_VERSION,
               "config": asdict(cfg), "model_config": json.loads(Path(cfg.model_config).read_text()),
               **log, "heldout_text_to_image": recall}
+    report = _add_probe_reports(report, model, tokenizer, cfg)
     write_json_atomic(report_path, report, indent=2)
     logger.info("toy CLIP held-out text->image recall: %s", json.dumps(recall))
     return weights, report

@@ -80,6 +80,9 @@ logger = logging.getLogger(__name__)
 BENCHMARKS = ("cirr", "imgnet", "coco", "exclusion", "exclcoco")
 EXCLUSION_FORMAT = FORMAT  # documented in demind.eval.exclusion
 REAL_DISTRACTOR_OFFSET = 6000  # Pic2Word's list labels real distractors class + 6000
+# In the done-marker: 2 added the optional ``target_description`` (the oracle method's text) to
+# toy CIRR and exclusion queries; folders written before are rewritten (same images).
+TOY_BENCHMARK_FORMAT = 2
 
 
 @dataclass
@@ -111,7 +114,7 @@ def _write_json(path: Path, data: Any) -> None:
 
 
 def _marker(folder: Path, name: str, cfg: ToyBenchmarkConfig) -> dict[str, Any]:
-    return {"benchmark": name, "world_version": WORLD_VERSION, "config": asdict(cfg)}
+    return {"benchmark": name, "world_version": WORLD_VERSION, "format": TOY_BENCHMARK_FORMAT, "config": asdict(cfg)}
 
 
 def is_done(folder: Path, name: str, cfg: ToyBenchmarkConfig) -> bool:
@@ -192,6 +195,9 @@ def write_cirr(folder: Path, cfg: ToyBenchmarkConfig, progress: bool = True) -> 
                 "img_set": {"id": set_id, "members": members,
                             "reference_rank": members.index(names[ref]), "target_rank": members.index(names[tgt])},
                 "toy_type": modification_type(changes),
+                # its own rng: the other fields stay as they were before this field existed
+                "target_description": full_description(
+                    cset.members[tgt], random.Random(derive_seed("cirr", "description", set_id, tgt))),
             })
             pairid += 1
     (folder / "captions").mkdir(parents=True, exist_ok=True)
@@ -307,6 +313,7 @@ def write_exclusion(folder: Path, cfg: ToyBenchmarkConfig, progress: bool = True
         specs.append({"id": q, "reference": names["ref"], "target": names["tgt"],
                       "text": f"{style} of {kept_text} on {reference.background} without the {ex_np}",
                       "modification": modification,
+                      "target_description": full_description(target, random.Random(derive_seed("exclusion", "description", q))),
                       "excluded": {"shape": excluded.shape, "colour": excluded.colour},
                       "_kept": kept, "_excluded": excluded, "_bg": reference.background, "_style": reference.style})
     queries = []

@@ -42,7 +42,9 @@ VARIANTS: dict[str, list[str]] = {
     "no-gate": ["model.fusion=add"],
     "no-global": ["model.fusion=intent_only"],
 }
-ALL_METHODS = ("demind", "mapping-only", "image+text", "image-only", "text-only")
+ALL_METHODS = ("demind", "mapping-only", "image+text", "image-only", "text-only", "oracle")
+# the toy benchmarks whose queries carry the target's description, which the oracle reads
+ORACLE_BENCHMARKS = ("cirr", "exclusion")
 HEADLINE = {"cirr": ("R@1", "R@5", "R@10"), "imagenet-r": ("average/R@10", "average/R@50"),
             "coco": ("R@1", "R@5", "R@10"), "exclusion": ("mAP@5", "mAP@10")}
 BENCH_FOLDERS = {"cirr": "cirr", "imagenet-r": "imgnet", "coco": "coco", "exclusion": "exclusion"}
@@ -152,7 +154,8 @@ def evaluate_run(cfg: QuickstartConfig, backbone, export: Path, variant: str, se
     for bench in cfg.benchmarks:
         root = bench_root / BENCH_FOLDERS[bench]
         options = ReaderOptions(coco_csv=str(root / "coco_eval.csv")) if bench == "coco" else None
-        results = evaluate(bench, root, backbone=backbone, model=model, methods=list(methods),
+        bench_methods = [m for m in methods if m != "oracle" or bench in ORACLE_BENCHMARKS]
+        results = evaluate(bench, root, backbone=backbone, model=model, methods=bench_methods,
                            out_dir=Path(cfg.workdir) / "eval" / backbone.identity_str / f"{variant}-seed{seed}" / bench,
                            cache_dir=Path(cfg.workdir) / "eval" / "feature_cache", options=options,
                            batch_size=cfg.eval_batch_size, progress=cfg.progress)
@@ -243,8 +246,8 @@ def summarise(runs: dict[str, dict[int, dict[str, dict[str, Any]]]]) -> dict[str
             label = method if variant == "demind" else f"{method} [{variant}]"
             row: dict[str, Any] = {"variant": variant, "method": method, "seeds": seeds, "metrics": {}}
             for bench, keys in HEADLINE.items():
-                if bench not in by_seed[seeds[0]]:
-                    continue
+                if bench not in by_seed[seeds[0]] or method not in by_seed[seeds[0]][bench]["methods"]:
+                    continue  # the oracle only where the benchmark has target descriptions
                 for key in keys:
                     values = [by_seed[s][bench]["methods"][method][key] for s in seeds]
                     row["metrics"][f"{bench}:{key}"] = mean_std(values)
@@ -266,7 +269,10 @@ def format_quickstart_table(rows: dict[str, Any]) -> str:
     for label, row in rows.items():
         cells = [label]
         for c in columns:
-            m, s = row["metrics"].get(c, (float("nan"), 0.0))
+            if c not in row["metrics"]:
+                cells.append("-")  # not measured (the oracle without target descriptions)
+                continue
+            m, s = row["metrics"][c]
             cells.append(f"{m:.1f} ± {s:.1f}" if len(row["seeds"]) > 1 else f"{m:.1f}")
         lines.append(cells)
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
@@ -286,6 +292,34 @@ def format_per_type(rows: dict[str, Any]) -> str:
     for label, r in main.items():
         lines.append(f"  {label:<13} " + "  ".join(f"{k}={r['per_type'][k]['R@10'][0]:.1f}" for k in kinds))
     return "\n".join(lines)
+
+
+def trained_gate(export: Path) -> float:
+    """tanh(alpha) of a trained De-MINDS export: the weight of t* in t_hat = t_cls + tanh(alpha) t*
+    (near 0: the intention branch barely reaches the query)."""
+    from demind.checkpoint import read_checked_tensors
+
+    return math.tanh(float(read_checked_tensors(export)["gate"]))
+
+
+def metrics_table(runs: dict[str, dict[int, dict[str, dict[str, Any]]]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """results.json ``metrics``: benchmark -> method -> metric -> {"mean", "std", "per_seed"}
+    (percent). Ablation variants appear as ``"demind [variant]"``, as in the table's rows."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for variant, by_seed in runs.items():
+        for seed, benches in sorted(by_seed.items()):
+            for bench, results in benches.items():
+                for method, metrics in results["methods"].items():
+                    label = method if variant == "demind" else f"{method} [{variant}]"
+                    for key, value in metrics.items():
+                        if isinstance(value, (int, float)):
+                            cell = out.setdefault(bench, {}).setdefault(label, {}).setdefault(key, {"per_seed": {}})
+                            cell["per_seed"][seed] = value
+    for by_method in out.values():
+        for by_metric in by_method.values():
+            for cell in by_metric.values():
+                cell["mean"], cell["std"] = mean_std(list(cell["per_seed"].values()))
+    return out
 
 
 def plot_recall(rows: dict[str, Any], path: Path) -> Path | None:
@@ -341,10 +375,12 @@ def run_quickstart(cfg: QuickstartConfig) -> dict[str, Any]:
 
     variants = list(VARIANTS) if cfg.ablations else ["demind"]
     runs: dict[str, dict[int, dict[str, dict[str, Any]]]] = {}
+    gates: dict[str, dict[int, float]] = {}
     for variant in variants:
         methods = ALL_METHODS if variant == "demind" else ("demind",)
         for seed in cfg.seeds:
             export = timed("train", train_variant, cfg, backbone, variant, seed, log_scale)
+            gates.setdefault(variant, {})[seed] = trained_gate(export)
             runs.setdefault(variant, {})[seed] = timed("evaluate", evaluate_run, cfg, backbone, export,
                                                        variant, seed, methods)
     rows = summarise(runs)
@@ -354,6 +390,8 @@ def run_quickstart(cfg: QuickstartConfig) -> dict[str, Any]:
     plot = plot_recall(rows, workdir / "recall_at_k.png")
     summary = {"rows": rows, "table": table, "per_type_table": per_type, "paired_table": paired,
                "paired": {seed: b["cirr"].get("paired") for seed, b in runs.get("demind", {}).items() if "cirr" in b},
+               "backbone_probes": backbone_report.get("pair_probes"),
+               "metrics": metrics_table(runs), "gate": gates,
                "timings_s": timings,
                "backbone": backbone_report, "config": asdict(cfg), "plot": str(plot) if plot else None}
     write_json_atomic(workdir / "results.json", summary, indent=2, default=str)

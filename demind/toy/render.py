@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageDraw
 
-from .world import POSITIONS, Scene, ToyObject
+from .world import POSITIONS, Scene, ToyObject, derive_seed
 
 IMAGE_SIZE = 64
 SUPERSAMPLE = 2  # for shape masks and outlines only
@@ -281,22 +281,50 @@ NOISE_SIGMA = {"photo": (2.0, 8.0), "cartoon": (0.0, 1.5), "origami": (1.0, 3.0)
                "sculpture": (3.0, 6.0)}
 
 
-def render_scene(scene: Scene, nuisance_seed: int, size: int = IMAGE_SIZE) -> RenderedScene:
+class _NuisanceStreams:
+    """Where each nuisance draws its randomness from.
+
+    Default (``per_part=False``): one shared sequence, in drawing order (the renderer's
+    historical behaviour; every cached image depends on it). ``per_part=True``: each part
+    of the photograph (light, background, clutter, each object by ``oid``, camera, noise)
+    has its own stream derived from the seed, so two scenes that differ in one attribute,
+    rendered with the same seed, differ only where that attribute shows (the pair probe).
+    """
+
+    def __init__(self, nuisance_seed: int, per_part: bool) -> None:
+        self.seed, self.per_part = nuisance_seed, per_part
+        self._py = random.Random(nuisance_seed)
+        self._np = np.random.default_rng(self._py.getrandbits(63))
+
+    def py(self, part: str) -> random.Random:
+        return random.Random(derive_seed("nuisance", self.seed, part)) if self.per_part else self._py
+
+    def np(self, part: str) -> np.random.Generator:
+        return np.random.default_rng(derive_seed("nuisance", self.seed, part)) if self.per_part else self._np
+
+
+def render_scene(scene: Scene, nuisance_seed: int, size: int = IMAGE_SIZE, per_part: bool = False) -> RenderedScene:
     """Draw ``scene``; every nuisance comes from ``nuisance_seed``.
 
+    ``per_part=True`` draws each part's nuisance from its own stream (see
+    :class:`_NuisanceStreams`): an edited scene then differs from the original, pixel for
+    pixel, only where the edit shows. The default keeps the one shared stream.
     Returns the (size, size, 3) uint8 image with each object's visible mask and box.
     """
-    rng = random.Random(nuisance_seed)
-    nrng = np.random.default_rng(rng.getrandbits(63))
+    streams = _NuisanceStreams(nuisance_seed, per_part)
+    rng = streams.py("light")
     big = size
     light = (rng.uniform(0, 2 * math.pi), rng.uniform(0.15, 0.45))
-    canvas = stylise_background(background_texture(scene.background, nrng, big), scene.style, nrng).astype(np.float32)
+    texture = background_texture(scene.background, streams.np("background"), big)
+    canvas = stylise_background(texture, scene.style, streams.np("style")).astype(np.float32)
+    rng = streams.py("clutter")
     _draw_clutter(canvas, rng, rng.randint(0, 4))
 
     # Large objects first, so small ones stay visible on top.
     order = sorted(scene.objects, key=lambda o: (o.size != "large", o.oid))
     masks: dict[int, np.ndarray] = {}
     for obj in order:
+        rng = streams.py(f"object{obj.oid}")
         fx, fy = CELL_CENTRES[obj.position]
         geom = (
             (fx + rng.uniform(-0.05, 0.05)) * big,
@@ -310,12 +338,13 @@ def render_scene(scene: Scene, nuisance_seed: int, size: int = IMAGE_SIZE) -> Re
         masks[obj.oid] = mask
 
     # Camera: exposure, contrast, white balance, sensor noise.
+    rng = streams.py("camera")
     brightness, contrast = rng.uniform(0.85, 1.15), rng.uniform(0.85, 1.15)
     gains = np.array([rng.uniform(0.94, 1.06) for _ in range(3)], dtype=np.float32)
     canvas = (canvas - 128) * contrast + 128
     canvas = canvas * brightness * gains[None, None, :]
     lo, hi = NOISE_SIGMA[scene.style]
-    canvas += nrng.normal(scale=rng.uniform(lo, hi), size=canvas.shape)
+    canvas += streams.np("noise").normal(scale=rng.uniform(lo, hi), size=canvas.shape)
 
     image = np.clip(canvas, 0, 255).round().astype(np.uint8)
     small_masks, boxes = {}, {}
@@ -327,6 +356,6 @@ def render_scene(scene: Scene, nuisance_seed: int, size: int = IMAGE_SIZE) -> Re
     return RenderedScene(image, small_masks, boxes)
 
 
-def render_image(scene: Scene, nuisance_seed: int, size: int = IMAGE_SIZE) -> Image.Image:
+def render_image(scene: Scene, nuisance_seed: int, size: int = IMAGE_SIZE, per_part: bool = False) -> Image.Image:
     """Just the PIL image of :func:`render_scene`."""
-    return render_scene(scene, nuisance_seed, size).pil()
+    return render_scene(scene, nuisance_seed, size, per_part).pil()
