@@ -19,7 +19,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from demind.eval.structures import BenchmarkData, ImageRef, Query, QueryGroup, raise_if_missing, read_json, require_file
+from demind.eval.structures import (BenchmarkData, ImageRef, Query, QueryGroup, check_query_file, raise_if_missing,
+                                     read_json, require_file)
 from demind.model import TEMPLATES, fill_template
 
 FORMAT = "demind-exclcoco/1"
@@ -32,18 +33,10 @@ QUERY_KEYS = ("id", "image_id", "positive_query", "query", "include", "exclude",
 
 def check_exclcoco(data: Any, path: Path) -> None:
     """Validate a parsed ``exclcoco.json``; anything malformed is an error naming the file and query."""
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        got = data.get("format") if isinstance(data, dict) else type(data).__name__
-        raise ValueError(f"{path}: expected format {FORMAT!r}, got {got!r} (build it with "
-                         f"python -m demind.cli.build_exclcoco)")
-    for key in ("images", "queries", "image_root"):
-        if key not in data:
-            raise ValueError(f"{path}: missing top-level key {key!r}")
+    check_query_file(data, path, FORMAT, ("images", "queries", "image_root"), QUERY_KEYS,
+                     "build it with python -m demind.cli.build_exclcoco")
     images = data["images"]
     for q in data["queries"]:
-        absent = [k for k in QUERY_KEYS if k not in q]
-        if absent:
-            raise ValueError(f"{path}: query {q.get('id', '?')} lacks {absent}")
         if not q["ground_truth"]:
             raise ValueError(f"{path}: query {q['id']} has no ground truth")
         unknown = [i for i in [q["image_id"], *q["ground_truth"]] if i not in images]

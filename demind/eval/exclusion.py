@@ -26,7 +26,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from demind.eval.structures import BenchmarkData, ImageRef, Query, QueryGroup, raise_if_missing, read_json, require_file
+from demind.eval.structures import (BenchmarkData, ImageRef, Query, QueryGroup, check_query_file, raise_if_missing,
+                                     read_json, require_file)
 from demind.model import TEMPLATES, fill_template
 
 FORMAT = "demind-toy-exclusion/1"
@@ -39,17 +40,9 @@ QUERY_KEYS = ("id", "reference", "modification", "text", "positives")
 
 def check_exclusion(data: Any, path: Path) -> None:
     """Validate a parsed exclusion file; anything malformed is an error naming the file and query."""
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        got = data.get("format") if isinstance(data, dict) else type(data).__name__
-        raise ValueError(f"{path}: expected format {FORMAT!r}, got {got!r}")
-    for key in ("images", "queries"):
-        if key not in data:
-            raise ValueError(f"{path}: missing top-level key {key!r}")
+    check_query_file(data, path, FORMAT, ("images", "queries"), QUERY_KEYS)
     images = data["images"]
     for q in data["queries"]:
-        absent = [k for k in QUERY_KEYS if k not in q]
-        if absent:
-            raise ValueError(f"{path}: query {q.get('id', '?')} lacks {absent}")
         named = [q["reference"], *q["positives"], *q.get("hard_negatives", [])] + ([q["target"]] if "target" in q else [])
         missing = [n for n in named if n not in images]
         if missing:

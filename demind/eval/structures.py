@@ -189,6 +189,22 @@ def read_json(path: Path) -> Any:
         raise ValueError(f"{path} is not valid JSON ({e}); re-download the annotation file") from e
 
 
+def check_query_file(data: Any, path: Path, fmt: str, top_keys: tuple[str, ...], query_keys: tuple[str, ...],
+                     build_hint: str = "") -> None:
+    """The checks every JSON query-file format shares: its ``format`` tag, top-level keys, and the
+    keys of each query. Each failure is a ValueError naming the file (and the query)."""
+    if not isinstance(data, dict) or data.get("format") != fmt:
+        got = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise ValueError(f"{path}: expected format {fmt!r}, got {got!r}" + (f" ({build_hint})" if build_hint else ""))
+    for key in top_keys:
+        if key not in data:
+            raise ValueError(f"{path}: missing top-level key {key!r}")
+    for q in data["queries"]:
+        absent = [k for k in query_keys if k not in q]
+        if absent:
+            raise ValueError(f"{path}: query {q.get('id', '?')} lacks {absent}")
+
+
 def raise_if_missing(paths: list[Path], what: str, layout: str) -> None:
     """Fail naming the first missing files, for datasets where every image must be present."""
     missing = [p for p in paths if not p.is_file()]
