@@ -123,8 +123,12 @@ class TransformersEngine:
 
     @torch.inference_mode()
     def _generate_batch(self, batch: list[GenRequest]) -> list[GenResult]:
+        images = [r.image for r in batch]
+        if any(i is None for i in images) and any(i is not None for i in images):
+            raise ValueError("a batch mixes text-only requests (image None) with image requests; send them apart")
         inputs = self.processor(
-            images=[r.image for r in batch], text=[r.prompt for r in batch], return_tensors="pt", padding=True
+            images=images if images[0] is not None else None, text=[r.prompt for r in batch], return_tensors="pt",
+            padding=True,
         ).to(self.device, dtype=self.dtype)
         max_new = max(r.max_new_tokens for r in batch)
         sampler = SeededRowSampler([r.seed for r in batch], self.sampling.temperature, self.sampling.top_p, self.suppress_ids)
