@@ -1,0 +1,104 @@
+"""Negation (DEO) numbers: the optimisation's latency per query, and the quickstart's
+``+deo`` results per seed.
+
+    PYTHONPATH=. python benchmarks/bench_negation.py --latency              # DEO solve time per query
+    PYTHONPATH=. python benchmarks/bench_negation.py --workdir /work/runs/qs3  # toy tables per seed
+
+Latency: the time to turn (e_o, sub-query embeddings) into e_u, exact (closed form) vs the
+paper's 20 Adam steps, for one query at a time (the paper's 0.016 s for 20 steps on a CPU)
+and for a batch of 256, at D = 128 (toy CLIP) and 768 (ViT-L/14). Encoding the sub-queries
+is extra and method-dependent; the quickstart's ``query_timing`` (results.json of each
+evaluation) holds the whole +deo query time next to the base method's.
+Toy tables: exclusion mAP@10 and toy CIRR R@10 per seed for every base and +deo method,
+mean ± std, and the paired counts. Timings, so never run in the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from demind.negation.deo import DEOConfig, SubQueries, optimise
+
+
+def time_solver(cfg: DEOConfig, batch: int, dim: int, repeats: int) -> float:
+    """Median seconds per call of :func:`optimise` on random unit embeddings (1 positive, 1 negative)."""
+    g = torch.Generator().manual_seed(0)
+    unit = lambda *s: F.normalize(torch.randn(*s, generator=g), dim=-1)  # noqa: E731
+    e_o = unit(batch, dim)
+    sub = SubQueries(unit(batch, 1, dim), torch.ones(batch, 1, dtype=torch.bool), unit(batch, 1, dim),
+                     torch.ones(batch, 1, dtype=torch.bool))
+    optimise(e_o, sub, cfg)  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        optimise(e_o, sub, cfg)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def latency_table(repeats: int) -> list[dict]:
+    rows = []
+    for dim in (128, 768):
+        for batch in (1, 256):
+            exact = time_solver(DEOConfig(mode="exact"), batch, dim, repeats)
+            adam = time_solver(DEOConfig(mode="adam", steps=20), batch, dim, repeats)
+            rows.append({"dim": dim, "batch": batch, "exact_s_per_query": exact / batch,
+                         "adam20_s_per_query": adam / batch, "adam_over_exact": adam / exact})
+    return rows
+
+
+def toy_tables(workdir: Path) -> str:
+    """Per-seed exclusion mAP@10 / toy CIRR R@10 of every method, and the +deo paired counts."""
+    summary = json.loads((workdir / "results.json").read_text())
+    evals = sorted((workdir / "eval").glob("*/demind-seed*"))
+    per_seed: dict[int, dict] = {}
+    for folder in evals:
+        seed = int(folder.name.rsplit("seed", 1)[1])
+        per_seed[seed] = {b: json.loads((folder / b / "results.json").read_text()) for b in ("exclusion", "cirr")
+                          if (folder / b / "results.json").is_file()}
+    seeds = sorted(per_seed)
+    methods = list(per_seed[seeds[0]]["exclusion"]["methods"])
+    lines = [f"seeds {seeds}", "method | " + " | ".join(f"excl mAP@10 s{s}" for s in seeds)
+             + " | mean ± std | " + " | ".join(f"CIRR R@10 s{s}" for s in seeds) + " | mean ± std"]
+    for m in methods:
+        ex = [per_seed[s]["exclusion"]["methods"][m]["mAP@10"] for s in seeds]
+        ci = [per_seed[s]["cirr"]["methods"][m]["R@10"] for s in seeds]
+        sd = lambda v: statistics.stdev(v) if len(v) > 1 else 0.0  # noqa: E731
+        lines.append(f"{m} | " + " | ".join(f"{v:.1f}" for v in ex) + f" | {statistics.fmean(ex):.1f} ± {sd(ex):.1f} | "
+                     + " | ".join(f"{v:.1f}" for v in ci) + f" | {statistics.fmean(ci):.1f} ± {sd(ci):.1f}")
+    timing = per_seed[seeds[0]]["exclusion"]["query_timing"]
+    lines.append("query time per query, exclusion, seed %d: " % seeds[0]
+                 + ", ".join(f"{m} {1000 * t['seconds_per_query']:.2f} ms" for m, t in timing.items()))
+    lines.append(summary.get("deo_table", ""))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--latency", action="store_true")
+    p.add_argument("--repeats", type=int, default=21)
+    p.add_argument("--workdir", help="a finished quickstart workdir")
+    p.add_argument("--json", help="write the latency rows here")
+    args = p.parse_args()
+    if args.latency:
+        rows = latency_table(args.repeats)
+        print(f"torch threads {torch.get_num_threads()}")
+        print("D | batch | exact s/query | Adam-20 s/query | Adam / exact")
+        for r in rows:
+            print(f"{r['dim']} | {r['batch']} | {r['exact_s_per_query']:.2e} | {r['adam20_s_per_query']:.2e} | "
+                  f"{r['adam_over_exact']:.0f}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+    if args.workdir:
+        print(toy_tables(Path(args.workdir)))
+
+
+if __name__ == "__main__":
+    main()
