@@ -252,3 +252,16 @@ def test_deo_method_names_are_checked(tiny_backbone):
         parse_method_names("image-only+deo", False)
     with pytest.raises(ValueError, match="reads no text"):
         DEOMethod(ImageOnly(tiny_backbone), RULES, DEOConfig())
+
+
+def test_report_cli(tmp_path, capsys):
+    from demind.cli.negation_report import main
+
+    caps = tmp_path / "cap.rc2.val.json"
+    caps.write_text(json.dumps([{"caption": "remove the dog"}, {"caption": "make it red"}]))
+    assert main(["--cirr", str(caps), "--json", str(tmp_path / "r.json")]) == 0
+    out = capsys.readouterr().out
+    assert "labelled phrasings" in out and "CIRR captions flagged: 1 of 2" in out
+    assert json.loads((tmp_path / "r.json").read_text())["cirr"]["by_cue"] == {"remove": 1}
+    assert main(["--phrasings", str(tmp_path / "missing.jsonl")]) == 2
+    assert "error:" in capsys.readouterr().err
