@@ -2,6 +2,7 @@
 ``+deo`` results per seed.
 
     PYTHONPATH=. python benchmarks/bench_negation.py --latency              # DEO solve time per query
+    PYTHONPATH=. python benchmarks/bench_negation.py --methods-latency      # whole +deo query vs base, toy CLIP
     PYTHONPATH=. python benchmarks/bench_negation.py --workdir /work/runs/qs3  # toy tables per seed
 
 Latency: the time to turn (e_o, sub-query embeddings) into e_u, exact (closed form) vs the
@@ -54,6 +55,32 @@ def latency_table(repeats: int) -> list[dict]:
     return rows
 
 
+@torch.no_grad()
+def methods_latency(model_config: str, batch: int, repeats: int) -> dict[str, float]:
+    """Seconds per query of each base method and its +deo variant on the toy CLIP architecture
+    (random weights: timing does not depend on them), every query holding one negation."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_eval import interleaved_medians
+
+    from demind.backbone import BackboneConfig, FrozenCLIP
+    from demind.eval.methods import build_methods
+    from demind.model import DeMinds, ModelConfig
+
+    torch.manual_seed(0)
+    backbone = FrozenCLIP(BackboneConfig(name=model_config, pretrained=None))
+    model = DeMinds(ModelConfig(), backbone).eval()
+    names = ["text-only", "text-only+deo", "text-only+deo-adam", "mapping-only", "mapping-only+deo",
+             "demind", "demind+deo", "demind+deo-adam"]
+    methods = dict(zip(names, build_methods(names, backbone, model)))
+    ref = torch.randn(batch, backbone.embed_dim)
+    prompts = ["a photo of * , without the red square"] * batch
+    texts = ["a photo of a blue circle and a green triangle on grass without the red square"] * batch
+    t = interleaved_medians({n: (lambda m=m: m.embed(ref, prompts, texts)) for n, m in methods.items()}, repeats)
+    return {n: v / batch for n, v in t.items()}
+
+
 def toy_tables(workdir: Path) -> str:
     """Per-seed exclusion mAP@10 / toy CIRR R@10 of every method, and the +deo paired counts."""
     summary = json.loads((workdir / "results.json").read_text())
@@ -84,6 +111,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--latency", action="store_true")
     p.add_argument("--repeats", type=int, default=21)
+    p.add_argument("--methods-latency", action="store_true")
+    p.add_argument("--model-config", default="configs/model/toy-clip.json")
     p.add_argument("--workdir", help="a finished quickstart workdir")
     p.add_argument("--json", help="write the latency rows here")
     args = p.parse_args()
@@ -96,6 +125,10 @@ def main() -> None:
                   f"{r['adam_over_exact']:.0f}")
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1))
+    if args.methods_latency:
+        for batch in (1, 64):
+            per_query = methods_latency(args.model_config, batch, args.repeats)
+            print(f"batch {batch}, ms per query: " + ", ".join(f"{n} {1000 * v:.2f}" for n, v in per_query.items()))
     if args.workdir:
         print(toy_tables(Path(args.workdir)))
 

@@ -14,6 +14,8 @@ Every method returns (B, D) L2-normalised query embeddings.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 
@@ -133,6 +135,13 @@ def parse_method_names(spec: str | list[str] | tuple[str, ...] | None, have_mode
     return names
 
 
+def method_label(name: str) -> str:
+    """Display name: "demind+deo" -> "De-MINDS + DEO"; unknown names are shown as they are."""
+    base, mode = split_deo_name(name)
+    label = METHOD_LABELS.get(base, base)
+    return label if mode is None else f"{label} + DEO" + (" (Adam)" if mode == "adam" else "")
+
+
 def split_deo_name(name: str) -> tuple[str, str | None]:
     """``"demind+deo-adam"`` -> ("demind", "adam"); ``"demind"`` -> ("demind", None)."""
     for suffix, mode in sorted(DEO_SUFFIXES.items(), key=lambda kv: -len(kv[0])):
@@ -146,7 +155,7 @@ def build_methods(names: list[str], backbone: FrozenCLIP, model: DeMinds | None,
     """Method objects for ``names`` (see :func:`parse_method_names`).
 
     ``+deo`` methods use ``decomposer`` (default: the rule decomposer) and ``deo`` (default:
-    :class:`DEOConfig` with the suffix's mode).
+    :class:`DEOConfig()`); the name's suffix sets the mode (``+deo`` exact, ``+deo-adam`` Adam).
     """
     simple = {"image-only": ImageOnly, "text-only": TextOnly, "image+text": ImagePlusText}
     methods: list[RetrievalMethod] = []
@@ -154,7 +163,7 @@ def build_methods(names: list[str], backbone: FrozenCLIP, model: DeMinds | None,
         base_name, mode = split_deo_name(name)
         if mode is not None:
             base = build_methods([base_name], backbone, model)[0]
-            cfg = deo if deo is not None else DEOConfig(mode=mode)
+            cfg = replace(deo, mode=mode) if deo is not None else DEOConfig(mode=mode)  # the name decides the mode
             methods.append(DEOMethod(base, decomposer or RuleDecomposer(), cfg, suffix=name[len(base_name):]))
         elif name in simple:
             methods.append(simple[name](backbone))
@@ -193,7 +202,7 @@ class DEOMethod(RetrievalMethod):
 
     @property
     def label(self) -> str:
-        return f"{self.base.label} + DEO" + (" (Adam)" if self.cfg.mode == "adam" else "")
+        return method_label(self.name)
 
     def embed(self, ref_features, prompts, texts):
         e_o = self.base.embed(ref_features, prompts, texts)
