@@ -84,4 +84,4 @@ def test_console_scripts_point_at_the_command_mains():
         assert name.startswith("demind-") and func == "main"
         assert callable(getattr(importlib.import_module(module), func))
     assert set(scripts) == {"demind-train", "demind-features", "demind-eval", "demind-generate",
-                            "demind-make-shards", "demind-quickstart"}
+                            "demind-make-shards", "demind-quickstart", "demind-negation-report"}

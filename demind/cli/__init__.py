@@ -13,4 +13,5 @@ Commands (console script; the script or ``python -m`` form that calls the same `
 * :mod:`demind.cli.make_shards` -- ``demind-make-shards``; ``python data_gen/make_shards.py``
 * :mod:`demind.cli.make_tiny_model` -- ``python data_gen/make_tiny_model.py``
 * :mod:`demind.cli.quickstart` -- ``demind-quickstart``; ``python pipelines/quickstart.py``
+* :mod:`demind.cli.negation_report` -- ``demind-negation-report``; ``python -m demind.cli.negation_report``
 """
