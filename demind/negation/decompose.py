@@ -165,7 +165,7 @@ class RuleDecomposer:
             if match is None:
                 break
             start, cue_end = match
-            end = _scope_end(query, cue_end, query[start:cue_end])
+            end = _scope_end(query, cue_end, query[start:cue_end], blocked)
             items = _split_items(query[cue_end:end])
             if not items:  # a cue with nothing after it ("not.", "... and not"): not a negation
                 pos = cue_end
@@ -188,39 +188,40 @@ def _find_cue(query: str, pos: int, blocked: list[tuple[int, int]]) -> tuple[int
     return None
 
 
-def _scope_end(query: str, start: int, cue: str) -> int:
-    """End (exclusive) of the negated phrase that starts at ``start`` after ``cue``."""
+def _scope_end(query: str, start: int, cue: str, blocked: list[tuple[int, int]]) -> int:
+    """End (exclusive) of the negated phrase that starts at ``start`` after ``cue``: the first
+    clause boundary, where a comma that continues a short list ("no cats, dogs or birds") is
+    read past."""
     after_no = bool(re.search(r"\bno$", cue.strip(), re.IGNORECASE))
     i = start
-    text = query
-    while i < len(text):
-        punct = _PUNCT_BOUNDARY.search(text, i)
-        next_cue = _find_cue(text, i, [m.span() for m in _NOT_NEGATION.finditer(text)])
-        words = list(re.finditer(r"[\w'*-]+", text[i:]))
-        cut = len(text)
-        for k, w in enumerate(words):
-            word = w.group().lower()
-            w_start = i + w.start()
-            if (word in _BOUNDARY_WORDS or word in _PREPOSITIONS) and k > 0:
-                cut = w_start
-                break
-            if word in ("and", "or", "nor") and k > 0 and k + 1 < len(words):
-                following = words[k + 1].group().lower()
-                if (following in _CLAUSE_STARTERS and following not in DETERMINERS) or (
-                        after_no and following in ("a", "an")):
-                    cut = w_start
-                    break
-            if word in ("and", "or", "nor") and k + 1 == len(words):
-                cut = w_start
-                break
+    while True:
+        cut = _boundary_in_words(query, i, after_no)
+        next_cue = _find_cue(query, i, blocked)
         if next_cue is not None and next_cue[0] > i:
             cut = min(cut, next_cue[0])
+        punct = _PUNCT_BOUNDARY.search(query, i)
         if punct is not None and punct.start() < cut:
-            if punct.group() == "," and _continues_list(text, punct.end()):
+            if punct.group() == "," and _continues_list(query, punct.end()):
                 i = punct.end()
                 continue
             cut = punct.start()
-        return _trim_conjunction(text, start, cut)
+        return _trim_conjunction(query, start, cut)
+
+
+def _boundary_in_words(text: str, i: int, after_no: bool) -> int:
+    """Start of the first word after ``i`` that ends a negated noun phrase (or len(text))."""
+    words = list(re.finditer(r"[\w'*-]+", text[i:]))
+    for k, w in enumerate(words):
+        word = w.group().lower()
+        if k > 0 and (word in _BOUNDARY_WORDS or word in _PREPOSITIONS):
+            return i + w.start()
+        if word in ("and", "or", "nor"):
+            if k + 1 == len(words):
+                return i + w.start()
+            following = words[k + 1].group().lower()
+            if k > 0 and ((following in _CLAUSE_STARTERS and following not in DETERMINERS)
+                          or (after_no and following in ("a", "an"))):
+                return i + w.start()
     return len(text)
 
 
@@ -248,7 +249,6 @@ def _split_items(segment: str) -> list[str]:
     items = []
     for part in parts:
         part = part.strip(" \t\"'")
-        part = re.sub(r"^(?:of|in)\s+", "", part, flags=re.IGNORECASE) if part.lower().startswith(("of the",)) else part
         part = strip_determiner(part)
         if part and part.lower() not in DETERMINERS:
             items.append(part)
