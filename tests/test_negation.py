@@ -265,3 +265,16 @@ def test_report_cli(tmp_path, capsys):
     assert json.loads((tmp_path / "r.json").read_text())["cirr"]["by_cue"] == {"remove": 1}
     assert main(["--phrasings", str(tmp_path / "missing.jsonl")]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_adam_variant_runs_inside_no_grad(tiny_backbone):
+    """The harness embeds under torch.no_grad(); the Adam solver must still get gradients."""
+    from demind.eval.methods import build_methods
+
+    deo, base = build_methods(["text-only+deo-adam", "text-only"], tiny_backbone, None)
+    ref = torch.randn(3, tiny_backbone.embed_dim)
+    with torch.no_grad():
+        got, e_o = deo.embed(ref, PROMPTS, TEXTS), base.embed(ref, PROMPTS, TEXTS)
+    assert deo.cfg.mode == "adam" and deo.label == "Text-only + DEO (Adam)"
+    assert not torch.allclose(got[0], e_o[0]) and torch.equal(got[1], e_o[1])
+    assert torch.allclose(got.norm(dim=-1), torch.ones(3))
