@@ -115,7 +115,10 @@ def main() -> None:
     p.add_argument("--model-config", default="configs/model/toy-clip.json")
     p.add_argument("--workdir", help="a finished quickstart workdir")
     p.add_argument("--json", help="write the latency rows here")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (1: on a shared machine a spinning second thread costs more than it gives)")
     args = p.parse_args()
+    torch.set_num_threads(args.threads)
     if args.latency:
         rows = latency_table(args.repeats)
         print(f"torch threads {torch.get_num_threads()}")
