@@ -49,6 +49,11 @@ def test_rule_decomposition_by_hand():
     assert [d.query[s:e] for s, e in d.cues] == ["without the belt and the scarf", "no logo"]
     d = RULES.decompose_one("a mug without a handle on a wooden table")
     assert (d.positive, d.negatives) == ("a mug on a wooden table", ("handle",))
+    # another article, or "as", after "and" starts a new (wanted) clause
+    d = RULES.decompose_one("remove the hexagon and a photo version")
+    assert (d.positive, d.negatives) == ("a photo version", ("hexagon",))
+    d = RULES.decompose_one("remove the small diamond and as an origami")
+    assert (d.positive, d.negatives) == ("as an origami", ("small diamond",))
 
 
 def test_placeholder_keeps_its_own_word():

@@ -19,8 +19,9 @@ is written to them, and its accuracy is measured by :mod:`demind.negation.report
   and brackets), "but", a relative pronoun ("that", "which", "while"), "with", a preposition
   ("a mug without a handle on a table": the table stays wanted; a phrase that starts with
   a preposition is kept whole: "not in the box"), the next cue, or "and"/"or" followed by
-  a verb or preposition ("... and make it bigger"); after "no", also "and a/an ..." ("no
-  windows and a red carpet"). A comma list of short items ("no cats, dogs or birds") stays
+  a verb, a preposition or "as" ("... and make it bigger", "... and as a photo"), or by an
+  article of another kind than the phrase's own ("remove the dog and a photo version", "no
+  windows and a red carpet"; but "without the belt and the scarf" negates both). A comma list of short items ("no cats, dogs or birds") stays
   in one phrase.
   The phrase is split on "and" / "or" / "nor" / commas into several negatives.
 * Negatives are returned without a leading determiner ("the red square" -> "red square").
@@ -80,7 +81,7 @@ _CLAUSE_STARTERS = (
     "is", "are", "be", "was", "were", "place", "set", "let", "leave", "swap", "zoom", "focus", "display", "include",
     "with", "on", "in", "at", "near", "under", "behind", "above", "below", "inside", "outside", "from", "to", "into",
     "onto", "over", "for", "during", "it", "they", "there", "one", "more", "less", "only", "also", "instead",
-    "same", "different", "a", "an", "the", "two", "three", "four", "many", "several", "some",
+    "same", "different", "a", "an", "the", "two", "three", "four", "many", "several", "some", "as",
 )
 _PUNCT_BOUNDARY = re.compile(r"[;.:!?()\[\]]|,")
 
@@ -192,10 +193,11 @@ def _scope_end(query: str, start: int, cue: str, blocked: list[tuple[int, int]])
     """End (exclusive) of the negated phrase that starts at ``start`` after ``cue``: the first
     clause boundary, where a comma that continues a short list ("no cats, dogs or birds") is
     read past."""
-    after_no = bool(re.search(r"\bno$", cue.strip(), re.IGNORECASE))
+    first = query[start:].split()[:1]
+    article = _article_class(first[0]) if first else "none"
     i = start
     while True:
-        cut = _boundary_in_words(query, i, after_no)
+        cut = _boundary_in_words(query, i, article)
         next_cue = _find_cue(query, i, blocked)
         if next_cue is not None and next_cue[0] > i:
             cut = min(cut, next_cue[0])
@@ -208,8 +210,19 @@ def _scope_end(query: str, start: int, cue: str, blocked: list[tuple[int, int]])
         return _trim_conjunction(query, start, cut)
 
 
-def _boundary_in_words(text: str, i: int, after_no: bool) -> int:
-    """Start of the first word after ``i`` that ends a negated noun phrase (or len(text))."""
+def _article_class(word: str) -> str:
+    """"the" -> "definite", "a"/"an" -> "indefinite", anything else -> "none"."""
+    word = word.lower()
+    return "definite" if word == "the" else "indefinite" if word in ("a", "an") else "none"
+
+
+def _boundary_in_words(text: str, i: int, article: str) -> int:
+    """Start of the first word after ``i`` that ends a negated noun phrase (or len(text)).
+
+    ``article``: the article class the negated phrase starts with; "and"/"or" followed by an
+    article of another class starts a new clause ("remove the dog and a photo version",
+    "no windows and a red carpet"), the same class continues the list ("the belt and the scarf").
+    """
     words = list(re.finditer(r"[\w'*-]+", text[i:]))
     for k, w in enumerate(words):
         word = w.group().lower()
@@ -219,8 +232,8 @@ def _boundary_in_words(text: str, i: int, after_no: bool) -> int:
             if k + 1 == len(words):
                 return i + w.start()
             following = words[k + 1].group().lower()
-            if k > 0 and ((following in _CLAUSE_STARTERS and following not in DETERMINERS)
-                          or (after_no and following in ("a", "an"))):
+            switches = following in ("the", "a", "an") and _article_class(following) != article
+            if k > 0 and ((following in _CLAUSE_STARTERS and following not in DETERMINERS) or switches):
                 return i + w.start()
     return len(text)
 
