@@ -4,12 +4,16 @@
     PYTHONPATH=. python benchmarks/bench_negation.py --latency              # DEO solve time per query
     PYTHONPATH=. python benchmarks/bench_negation.py --methods-latency      # whole +deo query vs base, toy CLIP
     PYTHONPATH=. python benchmarks/bench_negation.py --workdir /work/runs/qs3  # toy tables per seed
+    PYTHONPATH=. python benchmarks/bench_negation.py --backbone-only configs/model/toy-clip.json:WEIGHTS.pt \
+        --benchmarks /work/runs/qs3/benchmarks --out /tmp/deo-bb                # Text-only / Image+Text +- DEO
 
 Latency: the time to turn (e_o, sub-query embeddings) into e_u, exact (closed form) vs the
 paper's 20 Adam steps, for one query at a time (the paper's 0.016 s for 20 steps on a CPU)
 and for a batch of 256, at D = 128 (toy CLIP) and 768 (ViT-L/14). Encoding the sub-queries
 is extra and method-dependent; the quickstart's ``query_timing`` (results.json of each
 evaluation) holds the whole +deo query time next to the base method's.
+Backbone-only: Text-only and Image+Text need no De-MINDS training, so their +deo rows (and
+paired tests) come from the toy CLIP alone, the same for every training seed.
 Toy tables: exclusion mAP@10 and toy CIRR R@10 per seed for every base and +deo method,
 mean ± std, and the paired counts. Timings, so never run in the test suite.
 """
@@ -107,6 +111,36 @@ def toy_tables(workdir: Path) -> str:
     return "\n".join(lines)
 
 
+def backbone_only(spec: str, benchmarks: Path, out: Path) -> str:
+    """Text-only and Image+Text with and without DEO on the toy exclusion set and toy CIRR."""
+    from demind.checkpoint import load_backbone_and_model
+    from demind.eval.harness import evaluate
+    from demind.toy.pipeline import deo_paired, deo_touched
+
+    backbone, _ = load_backbone_and_model(None, spec)
+    methods = ["text-only", "text-only+deo", "image+text", "image+text+deo"]
+    lines = []
+    for bench, folder, key in (("exclusion", "exclusion", "mAP@10"), ("cirr", "cirr", "R@10")):
+        root = benchmarks / folder
+        results = evaluate(bench, root, backbone=backbone, methods=methods, out_dir=out / bench,
+                           batch_size=256, progress=False)
+        ranked = {m: json.loads(Path(f).read_text()) for m, f in results["files"]["rankings"].items()}
+        if bench == "exclusion":
+            data = json.loads((root / "exclusion.json").read_text())
+            targets = {str(q["id"]): set(q["positives"]) for q in data["queries"]}
+            paired = deo_paired(ranked, targets, (10,), ap=True)
+        else:
+            captions = json.loads((root / "captions" / "cap.rc2.val.json").read_text())
+            targets = {str(e["pairid"]): {e["target_hard"]} for e in captions}
+            paired = deo_paired(ranked, targets, (10,), ap=False)
+            lines.append(f"  toy CIRR touched: {deo_touched(captions, ranked)}")
+        lines.append(f"{bench} {key}: " + ", ".join(f"{m} {results['methods'][m][key]:.1f}" for m in methods))
+        for m, v in paired.items():
+            (k, c), = v.items()
+            lines.append(f"  {m} vs base, {k}: better on {c['only_deo']}, worse on {c['only_base']} (p {c['p']:.2g})")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--latency", action="store_true")
@@ -114,6 +148,9 @@ def main() -> None:
     p.add_argument("--methods-latency", action="store_true")
     p.add_argument("--model-config", default="configs/model/toy-clip.json")
     p.add_argument("--workdir", help="a finished quickstart workdir")
+    p.add_argument("--backbone-only", help="NAME:WEIGHTS of a trained toy CLIP (Text-only / Image+Text +- DEO)")
+    p.add_argument("--benchmarks", default="/work/runs/qs3/benchmarks", help="the quickstart's benchmarks folder")
+    p.add_argument("--out", default="/tmp/deo-backbone-only", help="evaluation outputs (and feature cache)")
     p.add_argument("--json", help="write the latency rows here")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (1: on a shared machine a spinning second thread costs more than it gives)")
@@ -132,6 +169,8 @@ def main() -> None:
         for batch in (1, 64):
             per_query = methods_latency(args.model_config, batch, args.repeats)
             print(f"batch {batch}, ms per query: " + ", ".join(f"{n} {1000 * v:.2f}" for n, v in per_query.items()))
+    if args.backbone_only:
+        print(backbone_only(args.backbone_only, Path(args.benchmarks), Path(args.out)))
     if args.workdir:
         print(toy_tables(Path(args.workdir)))
 

@@ -129,13 +129,13 @@ def evaluate_run(cfg: QuickstartConfig, backbone, export: Path, variant: str, se
             if "demind" in methods:
                 results["paired"] = _paired(captions, ranked)
             targets = {str(e["pairid"]): {e["target_hard"]} for e in captions}
-            results["deo_paired"] = _deo_paired(ranked, targets, (10,), ap=False)
+            results["deo_paired"] = deo_paired(ranked, targets, (10,), ap=False)
             results["deo_touched"] = deo_touched(captions, ranked)
         if bench == "exclusion":
             data = json.loads((root / "exclusion.json").read_text())
             ranked = {m: json.loads(Path(f).read_text()) for m, f in results["files"]["rankings"].items()}
             targets = {str(q["id"]): set(q["positives"]) for q in data["queries"]}
-            results["deo_paired"] = _deo_paired(ranked, targets, (10,), ap=True)
+            results["deo_paired"] = deo_paired(ranked, targets, (10,), ap=True)
         out[bench] = results
     return out
 
@@ -185,7 +185,7 @@ def _paired(captions: list[dict[str, Any]], ranked: dict[str, dict[str, list[str
     return out
 
 
-def _deo_paired(ranked: dict[str, dict[str, list[str]]], targets: dict[str, set[str]], ks: tuple[int, ...],
+def deo_paired(ranked: dict[str, dict[str, list[str]]], targets: dict[str, set[str]], ks: tuple[int, ...],
                 ap: bool) -> dict[str, dict[str, dict[str, float]]]:
     """Every ``X+deo`` method against its base X on the same queries:
     "X+deo" -> "AP@k" (per-query AP, mAP benchmarks) or "R@k" (hit) -> {"only_deo", "only_base", "p"}.
