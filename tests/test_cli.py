@@ -87,4 +87,4 @@ def test_console_scripts_point_at_the_command_mains():
     assert set(scripts) == {"demind-train", "demind-features", "demind-eval", "demind-generate",
                             "demind-make-shards", "demind-quickstart", "demind-index", "demind-search",
                             "demind-serve", "demind-build-exclcoco",
-                            "demind-train-exclmm"}
+                            "demind-train-exclmm", "demind-negation-report"}

@@ -46,7 +46,8 @@ def test_quickstart_runs_every_stage_and_reuses_them(tmp_path, monkeypatch):
     assert (qs / "results.json").is_file() and (qs / "recall_at_k.png").is_file()
     assert len(list((qs / "train").glob("*/demind-seed0/demind.safetensors"))) == 1
     rows = summary["rows"]
-    assert set(rows) == {"demind", "mapping-only", "image+text", "image-only", "text-only", "oracle"}
+    assert set(rows) == {"demind", "mapping-only", "image+text", "image-only", "text-only",
+                         "demind+deo", "mapping-only+deo", "image+text+deo", "text-only+deo", "oracle"}
     for label, row in rows.items():
         keys = ("cirr:R@1", "cirr:R@10", "exclusion:mAP@10") + (
             () if label == "oracle" else ("imagenet-r:average/R@10", "coco:R@1"))  # descriptions: CIRR, exclusion
@@ -73,13 +74,25 @@ def test_quickstart_runs_every_stage_and_reuses_them(tmp_path, monkeypatch):
     assert "demind" in summary["table"] and "text-only" in summary["table"]
     # paired comparison: discordant counts differ exactly by the recall difference
     paired = summary["paired"][0]
-    assert set(paired) == {"mapping-only", "image+text", "image-only", "text-only", "oracle"}
+    assert set(paired) == set(rows) - {"demind"}
     for other, by_k in paired.items():
         for k in ("R@5", "R@10"):
             diff = rows["demind"]["per_type"]["all"][k][0] - rows[other]["per_type"]["all"][k][0]
             assert by_k[k]["only_demind"] - by_k[k]["only_other"] == round(diff * 8 / 100)
             assert 0.0 <= by_k[k]["p"] <= 1.0
     assert "sign-test" in summary["paired_table"]
+
+    # DEO against its base: the exclusion set's queries all hold a cue, so the per-query AP
+    # comparison covers them; on toy CIRR, queries without a cue keep the base ranking exactly.
+    deo = summary["deo"][0]
+    bases = {"demind", "mapping-only", "image+text", "text-only"}
+    assert set(deo["exclusion"]["deo_paired"]) == {b + "+deo" for b in bases}
+    for v in deo["exclusion"]["deo_paired"].values():
+        assert v["AP@10"]["only_deo"] + v["AP@10"]["only_base"] <= 2 and 0.0 <= v["AP@10"]["p"] <= 1.0
+    touched = deo["cirr"]["deo_touched"]
+    assert touched["queries"] == 8 and 0 <= touched["touched"] <= 8
+    assert touched["untouched_ranking_changed"] == {b + "+deo": 0 for b in bases}
+    assert "DEO vs its base" in summary["deo_table"]
 
     # Second run: nothing is retrained.
     import demind.toy.backbone as toy_backbone

@@ -18,4 +18,5 @@ Commands (console script; the script or ``python -m`` form that calls the same `
 * :mod:`demind.cli.serve` -- ``demind-serve`` (the search web page)
 * :mod:`demind.cli.build_exclcoco` -- ``demind-build-exclcoco``; ``python -m demind.cli.build_exclcoco``
 * :mod:`demind.cli.train_exclmm` -- ``demind-train-exclmm``; ``python -m demind.cli.train_exclmm``
+* :mod:`demind.cli.negation_report` -- ``demind-negation-report``; ``python -m demind.cli.negation_report``
 """

@@ -29,9 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backbone", help="NAME:TAG_OR_PATH, e.g. ViT-L-14:openai (backbone-only methods, or to "
                                       "check the checkpoint's backbone); NAME:none = random weights")
     p.add_argument("--split", default="val", help="val (default) or test (CIRR test1, CIRCO test)")
-    p.add_argument("--methods", help=f"comma-separated subset of {','.join(METHODS)} "
-                                     "(default: all that the given checkpoint/backbone allow, except oracle, which needs "
-                                     "the toy benchmarks' target descriptions)")
+    p.add_argument("--methods", help=f"comma-separated subset of {','.join(METHODS)}, or a negation-aware "
+                                     "variant BASE+deo / BASE+deo-adam of text-only, image+text, mapping-only, "
+                                     "demind (default: all base methods the given checkpoint/backbone allow, except "
+                                     "oracle, which needs the toy benchmarks' target descriptions)")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--cache-dir", help="image-feature cache (default OUT/feature_cache); share it across runs")
     p.add_argument("--batch-size", type=int, default=64)

@@ -39,7 +39,7 @@ def quickstart_command(args: argparse.Namespace) -> int:
     summary = run_quickstart(cfg)
     print()
     print(summary["table"])
-    for table in ("per_type_table", "paired_table"):
+    for table in ("per_type_table", "paired_table", "deo_table"):
         if summary[table]:
             print()
             print(summary[table])

@@ -9,11 +9,16 @@
   gallery into its own space (``map_gallery``) and scores by dot product (its Eq. 18).
 * ``oracle`` (headroom check, only when asked for): the target's ground-truth description
   through the frozen text tower; needs benchmarks that carry one (the toy benchmarks).
+* ``<method>+deo`` (text-only, image+text, mapping-only, demind): the base method's query
+  refined by DEO for negation (:class:`DEOMethod`, :mod:`demind.negation`); ``+deo`` solves
+  DEO exactly (closed form), ``+deo-adam`` runs the paper's 20 Adam steps.
 
 Every other method returns (B, D) L2-normalised query embeddings and keeps the gallery as is.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +26,9 @@ import torch.nn.functional as F
 from demind.backbone import FrozenCLIP
 from demind.config import ConfigError
 from demind.eval.structures import Query
-from demind.model import DeMinds
+from demind.model import PLACEHOLDER, DeMinds
+from demind.negation.decompose import Decomposer, RuleDecomposer
+from demind.negation.deo import DEOConfig, SubQueries, optimise
 
 METHOD_LABELS = {
     "image-only": "Image-only",
@@ -36,12 +43,25 @@ METHODS = tuple(METHOD_LABELS)
 EXCLMM_METHODS = ("exclmm",)
 CHECKPOINT_METHODS = ("mapping-only", "demind")
 ON_REQUEST_METHODS = ("oracle",)  # not in the default set: real benchmarks have no target descriptions
+# DEO variants: suffix -> solver mode (see demind.negation.deo)
+DEO_SUFFIXES = {"+deo": "exact", "+deo-adam": "adam"}
+DEO_BASES = ("text-only", "image+text", "mapping-only", "demind")
+DEO_METHODS = tuple(f"{b}{s}" for b in DEO_BASES for s in DEO_SUFFIXES)
+# Negatives are encoded as text with this template: the prefix every composed query starts
+# with ("a photo of * , ...") and CLIP's standard prompt, so the negative sits where the
+# queries' texts do; no article, since a negative may be plural or a mass noun ("people").
+NEGATIVE_TEMPLATE = "a photo of {neg}"
 
 
 class RetrievalMethod:
-    """Base: ``embed(ref_features (B, D) raw, prompts, texts) -> (B, D)`` normalised queries."""
+    """Base: ``embed(ref_features (B, D) raw, prompts, texts) -> (B, D)`` normalised queries.
+
+    ``language``: which argument carries the user's words ("prompts": the template with the
+    ``*`` placeholder; "texts": plain text; None: no words), the one DEO decomposes.
+    """
 
     name = ""
+    language: str | None = None
 
     def __init__(self, backbone: FrozenCLIP) -> None:
         self.backbone = backbone
@@ -70,6 +90,7 @@ class RetrievalMethod:
 
 class ImageOnly(RetrievalMethod):
     name = "image-only"
+    language = None
 
     def embed(self, ref_features, prompts, texts):
         return F.normalize(ref_features.float(), dim=-1)
@@ -77,6 +98,7 @@ class ImageOnly(RetrievalMethod):
 
 class TextOnly(RetrievalMethod):
     name = "text-only"
+    language = "texts"
 
     def embed(self, ref_features, prompts, texts):
         return self._text_embeddings(texts)
@@ -84,6 +106,7 @@ class TextOnly(RetrievalMethod):
 
 class ImagePlusText(RetrievalMethod):
     name = "image+text"
+    language = "texts"
 
     def embed(self, ref_features, prompts, texts):
         image = F.normalize(ref_features.float().to(self.backbone.device), dim=-1)
@@ -109,6 +132,8 @@ class Oracle(RetrievalMethod):
 
 class TrainedMethod(RetrievalMethod):
     """A method that needs the trained De-MINDS weights."""
+
+    language = "prompts"
 
     def __init__(self, backbone: FrozenCLIP, model: DeMinds) -> None:
         super().__init__(backbone)
@@ -168,10 +193,10 @@ def parse_method_names(spec: str | list[str] | tuple[str, ...] | None, have_mode
         names = defaults if have_model else [m for m in defaults if m not in CHECKPOINT_METHODS]
         return [m for m in names if have_exclmm or m not in EXCLMM_METHODS]
     names = [n.strip() for n in (spec.split(",") if isinstance(spec, str) else spec) if n.strip()]
-    unknown = [n for n in names if n not in METHODS]
+    unknown = [n for n in names if n not in METHODS and n not in DEO_METHODS]
     if unknown:
-        raise ConfigError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
-    needs_model = [n for n in names if n in CHECKPOINT_METHODS]
+        raise ConfigError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS + DEO_METHODS)}")
+    needs_model = [n for n in names if split_deo_name(n)[0] in CHECKPOINT_METHODS]
     if needs_model and not have_model:
         raise ConfigError(f"method(s) {needs_model} need a trained model: pass --checkpoint CKPT")
     if "exclmm" in names and not have_exclmm:
@@ -179,13 +204,37 @@ def parse_method_names(spec: str | list[str] | tuple[str, ...] | None, have_mode
     return names
 
 
-def build_methods(names: list[str], backbone: FrozenCLIP, model: DeMinds | None,
-                  exclmm=None) -> list[RetrievalMethod]:
-    """Method objects for ``names`` (see :func:`parse_method_names`); ``exclmm`` a loaded ExclMM."""
+def method_label(name: str) -> str:
+    """Display name: "demind+deo" -> "De-MINDS + DEO"; unknown names are shown as they are."""
+    base, mode = split_deo_name(name)
+    label = METHOD_LABELS.get(base, base)
+    return label if mode is None else f"{label} + DEO" + (" (Adam)" if mode == "adam" else "")
+
+
+def split_deo_name(name: str) -> tuple[str, str | None]:
+    """``"demind+deo-adam"`` -> ("demind", "adam"); ``"demind"`` -> ("demind", None)."""
+    for suffix, mode in sorted(DEO_SUFFIXES.items(), key=lambda kv: -len(kv[0])):
+        if name.endswith(suffix):
+            return name[: -len(suffix)], mode
+    return name, None
+
+
+def build_methods(names: list[str], backbone: FrozenCLIP, model: DeMinds | None, exclmm=None,
+                  decomposer: Decomposer | None = None, deo: DEOConfig | None = None) -> list[RetrievalMethod]:
+    """Method objects for ``names`` (see :func:`parse_method_names`); ``exclmm`` a loaded ExclMM.
+
+    ``+deo`` methods use ``decomposer`` (default: the rule decomposer) and ``deo`` (default:
+    :class:`DEOConfig()`); the name's suffix sets the mode (``+deo`` exact, ``+deo-adam`` Adam).
+    """
     simple = {"image-only": ImageOnly, "text-only": TextOnly, "image+text": ImagePlusText, "oracle": Oracle}
     methods: list[RetrievalMethod] = []
     for name in names:
-        if name in simple:
+        base_name, mode = split_deo_name(name)
+        if mode is not None:
+            base = build_methods([base_name], backbone, model)[0]
+            cfg = replace(deo, mode=mode) if deo is not None else DEOConfig(mode=mode)  # the name decides the mode
+            methods.append(DEOMethod(base, decomposer or RuleDecomposer(), cfg, suffix=name[len(base_name):]))
+        elif name in simple:
             methods.append(simple[name](backbone))
         elif name == "exclmm":
             if exclmm is None:
@@ -196,3 +245,85 @@ def build_methods(names: list[str], backbone: FrozenCLIP, model: DeMinds | None,
         else:
             methods.append((DeMindsQuery if name == "demind" else MappingOnly)(backbone, model))
     return methods
+
+
+class DEOMethod(RetrievalMethod):
+    """A base method's query refined by DEO (:mod:`demind.negation`).
+
+    Per query: e_o = the base method's query; the words it reads (``base.language``) are
+    decomposed; a query without negatives keeps e_o exactly. Otherwise the positive sub-queries
+    are the base method run on the positive text(s) (composed methods: the same reference
+    with the positive prompt, e.g. "a photo of *"), the negatives are text embeddings of
+    :data:`NEGATIVE_TEMPLATE`, and e_u comes from :func:`demind.negation.deo.optimise`.
+    A positive with no words left (text methods: "remove the dog") restates nothing, so its
+    sub-query is e_o itself.
+    """
+
+    def __init__(self, base: RetrievalMethod, decomposer: Decomposer, cfg: DEOConfig, suffix: str = "+deo",
+                 negative_template: str = NEGATIVE_TEMPLATE) -> None:
+        if base.language is None:
+            raise ValueError(f"method {base.name!r} reads no text, so DEO has nothing to decompose; "
+                             f"DEO works with {', '.join(DEO_BASES)}")
+        super().__init__(base.backbone)
+        self.base = base
+        self.decomposer = decomposer
+        self.cfg = cfg
+        self.name = base.name + suffix
+        self.language = base.language
+        self.negative_template = negative_template
+        self.touched = 0  # queries whose embedding DEO changed (had a negative), over all calls
+
+    @property
+    def label(self) -> str:
+        return method_label(self.name)
+
+    def embed(self, ref_features, prompts, texts):
+        e_o = self.base.embed(ref_features, prompts, texts)
+        words = prompts if self.language == "prompts" else texts
+        decompositions = self.decomposer.decompose(list(words))
+        active = [i for i, d in enumerate(decompositions) if d.has_negation]
+        if not active:
+            return e_o
+        self.touched += len(active)
+        positives = self._positive_embeddings(ref_features, prompts, texts, decompositions, active, e_o)
+        negatives = self._negative_embeddings([decompositions[i].negatives for i in active])
+        sub = SubQueries.from_lists(positives, negatives, e_o.shape[1], e_o.device)
+        out = e_o.clone()
+        out[active] = optimise(e_o[active], sub, self.cfg).to(out.dtype)
+        return out
+
+    def _positive_embeddings(self, ref_features, prompts, texts, decompositions, active, e_o) -> list[torch.Tensor]:
+        """Per active query, (P_b, D) positive sub-query embeddings through the base method."""
+        rows: list[tuple[int, str]] = []
+        for i in active:
+            for text in decompositions[i].positive_texts:
+                if self._is_usable_positive(text):
+                    rows.append((i, text))
+        encoded = torch.zeros(0, e_o.shape[1], device=e_o.device)
+        if rows:
+            index = torch.tensor([i for i, _ in rows], device=ref_features.device)
+            new_words = [t for _, t in rows]
+            sub_prompts = new_words if self.language == "prompts" else [prompts[i] for i, _ in rows]
+            sub_texts = new_words if self.language == "texts" else [texts[i] for i, _ in rows]
+            encoded = self.base.embed(ref_features[index], sub_prompts, sub_texts)
+        out = []
+        for i in active:
+            mine = [encoded[k] for k, (j, _) in enumerate(rows) if j == i]
+            out.append(torch.stack(mine) if mine else e_o[i : i + 1])
+        return out
+
+    def _is_usable_positive(self, text: str) -> bool:
+        if self.language == "prompts":
+            return text.count(PLACEHOLDER) == 1  # the template must keep its one placeholder
+        return bool(text.strip())
+
+    def _negative_embeddings(self, negatives: list[tuple[str, ...]]) -> list[torch.Tensor]:
+        """Per active query, (N_b, D) normalised text embeddings of its negatives in the template."""
+        flat = [self.negative_template.format(neg=n) for group in negatives for n in group]
+        encoded = self._text_embeddings(flat)
+        out, start = [], 0
+        for group in negatives:
+            out.append(encoded[start : start + len(group)])
+            start += len(group)
+        return out
+

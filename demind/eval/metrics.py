@@ -95,14 +95,18 @@ def map_at_k(relevance: torch.Tensor, n_relevant: torch.Tensor, ks: Sequence[int
     relevance: (Q, K) bool; n_relevant: (Q,) number of ground-truth images per query (> 0).
     """
     _check_ks(relevance, ks)
+    return {k: average_precision_at_k(relevance, n_relevant, k).mean().item() for k in ks}
+
+
+def average_precision_at_k(relevance: torch.Tensor, n_relevant: torch.Tensor, k: int) -> torch.Tensor:
+    """(Q,) per-query AP@k of :func:`map_at_k` (for paired per-query comparisons)."""
+    _check_ks(relevance, [k])
     if (n_relevant <= 0).any():
         raise ValueError("mAP needs at least one ground-truth image per query")
     rel = relevance.float()
     ranks = torch.arange(1, rel.shape[1] + 1, dtype=torch.float32)
     precision_at_hits = rel.cumsum(dim=1) / ranks * rel
-    return {
-        k: (precision_at_hits[:, :k].sum(dim=1) / n_relevant.float().clamp(max=k)).mean().item() for k in ks
-    }
+    return precision_at_hits[:, :k].sum(dim=1) / n_relevant.float().clamp(max=k)
 
 
 def mrr_at_k(relevance: torch.Tensor, ks: Sequence[int]) -> dict[int, float]:
@@ -214,6 +218,23 @@ def paired_hits(ranked_a: dict[str, list[str]], ranked_b: dict[str, list[str]], 
         only_a += hit_a and not hit_b
         only_b += hit_b and not hit_a
     return only_a, only_b
+
+
+def paired_ap(ranked_a: dict[str, list[str]], ranked_b: dict[str, list[str]], targets: dict[str, set[str]],
+              k: int) -> tuple[int, int]:
+    """Queries where A's AP@k is higher / lower than B's (ties carry no information), for
+    :func:`sign_test_p` on a mAP benchmark. Arguments as in :func:`paired_hits`."""
+    if set(ranked_a) != set(ranked_b):
+        raise ValueError(f"the two rankings cover different queries ({len(ranked_a)} vs {len(ranked_b)})")
+    qids = list(targets)
+
+    def per_query(ranked: dict[str, list[str]]) -> torch.Tensor:
+        relevance = torch.tensor([[name in targets[q] for name in ranked[q][:k]] + [False] * (k - len(ranked[q][:k]))
+                                  for q in qids], dtype=torch.bool).reshape(len(qids), k)
+        return average_precision_at_k(relevance, torch.tensor([len(targets[q]) for q in qids]), k)
+
+    ap_a, ap_b = per_query(ranked_a), per_query(ranked_b)
+    return int((ap_a > ap_b).sum()), int((ap_b > ap_a).sum())
 
 
 def sign_test_p(only_a: int, only_b: int) -> float:

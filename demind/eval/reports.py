@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from demind.eval.methods import METHOD_LABELS
+from demind.eval.methods import method_label
 from demind.io import write_json_atomic, write_text_atomic
 
 TITLES = {
@@ -49,7 +49,7 @@ def metric_columns(results: dict) -> list[str]:
 def _rows(results: dict) -> tuple[list[str], list[list[str]]]:
     columns = metric_columns(results)
     header = ["Method", *(column_label(c) for c in columns)]
-    rows = [[METHOD_LABELS.get(m, m), *(f"{values[c]:.2f}" for c in columns)]
+    rows = [[method_label(m), *(f"{values[c]:.2f}" for c in columns)]
             for m, values in results["methods"].items()]
     return header, rows
 

@@ -8,7 +8,9 @@
 4. De-MINDS training through ``demind.training.train`` (the code behind ``train.py``),
    one run per (variant, seed); the Table 5 ablations are variants;
 5. every method through the evaluation harness (``demind.eval.harness.evaluate``), with
-   per-modification-type recall on the toy CIRR;
+   per-modification-type recall on the toy CIRR; the negation-aware ``+deo`` variants
+   (:mod:`demind.negation`) with a paired sign test against their base method on the
+   exclusion set and toy CIRR, and how many toy CIRR queries DEO touches;
 6. a paper-style table (mean ± std over seeds), ``results.json`` and a recall@K plot.
 """
 
@@ -42,7 +44,8 @@ VARIANTS: dict[str, list[str]] = {
     "no-gate": ["model.fusion=add"],
     "no-global": ["model.fusion=intent_only"],
 }
-ALL_METHODS = ("demind", "mapping-only", "image+text", "image-only", "text-only", "oracle")
+ALL_METHODS = ("demind", "mapping-only", "image+text", "image-only", "text-only",
+               "demind+deo", "mapping-only+deo", "image+text+deo", "text-only+deo", "oracle")
 # the toy benchmarks whose queries carry the target's description, which the oracle reads
 ORACLE_BENCHMARKS = ("cirr", "exclusion")
 HEADLINE = {"cirr": ("R@1", "R@5", "R@10"), "imagenet-r": ("average/R@10", "average/R@50"),
@@ -164,6 +167,14 @@ def evaluate_run(cfg: QuickstartConfig, backbone, export: Path, variant: str, se
             results["per_type"] = recall_by_type(captions, ranked)
             if "demind" in methods:
                 results["paired"] = _paired(captions, ranked)
+            targets = {str(e["pairid"]): {e["target_hard"]} for e in captions}
+            results["deo_paired"] = deo_paired(ranked, targets, (10,), ap=False)
+            results["deo_touched"] = deo_touched(captions, ranked)
+        if bench == "exclusion":
+            data = json.loads((root / "exclusion.json").read_text())
+            ranked = {m: json.loads(Path(f).read_text()) for m, f in results["files"]["rankings"].items()}
+            targets = {str(q["id"]): set(q["positives"]) for q in data["queries"]}
+            results["deo_paired"] = deo_paired(ranked, targets, (10,), ap=True)
         out[bench] = results
     return out
 
@@ -211,6 +222,70 @@ def _paired(captions: list[dict[str, Any]], ranked: dict[str, dict[str, list[str
             out[other][f"R@{k}"] = {"only_demind": only_demind, "only_other": only_other,
                                     "p": sign_test_p(only_demind, only_other)}
     return out
+
+
+def deo_paired(ranked: dict[str, dict[str, list[str]]], targets: dict[str, set[str]], ks: tuple[int, ...],
+                ap: bool) -> dict[str, dict[str, dict[str, float]]]:
+    """Every ``X+deo`` method against its base X on the same queries:
+    "X+deo" -> "AP@k" (per-query AP, mAP benchmarks) or "R@k" (hit) -> {"only_deo", "only_base", "p"}.
+    ``only_*``: queries where that side is strictly better (AP) or alone in hitting (recall)."""
+    from demind.eval.metrics import paired_ap, paired_hits, sign_test_p
+    from demind.eval.methods import split_deo_name
+
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for method in ranked:
+        base, mode = split_deo_name(method)
+        if mode is None or base not in ranked:
+            continue
+        out[method] = {}
+        for k in ks:
+            better, worse = (paired_ap if ap else paired_hits)(ranked[method], ranked[base], targets, k)
+            out[method][f"{'AP' if ap else 'R'}@{k}"] = {"only_deo": better, "only_base": worse,
+                                                       "p": sign_test_p(better, worse)}
+    return out
+
+
+def deo_touched(captions: list[dict[str, Any]], ranked: dict[str, dict[str, list[str]]]) -> dict[str, Any]:
+    """How many toy-CIRR captions the rule decomposer flags (DEO changes only those queries),
+    and, per ``+deo`` method, how many UNflagged queries got a ranking different from the
+    base method's (0 by construction: their embedding is the base query, bit for bit)."""
+    from demind.eval.methods import split_deo_name
+    from demind.negation.decompose import RuleDecomposer
+
+    decomposed = RuleDecomposer().decompose([e["caption"] for e in captions])
+    flagged = {str(e["pairid"]) for e, d in zip(captions, decomposed) if d.has_negation}
+    changed = {}
+    for method in ranked:
+        base, mode = split_deo_name(method)
+        if mode is not None and base in ranked:
+            changed[method] = sum(ranked[method][q] != ranked[base][q] for q in ranked[base] if q not in flagged)
+    kinds: dict[str, int] = {}
+    for e in captions:
+        if str(e["pairid"]) in flagged:
+            kinds[e.get("toy_type", "?")] = kinds.get(e.get("toy_type", "?"), 0) + 1
+    return {"queries": len(captions), "touched": len(flagged), "touched_by_type": kinds,
+            "untouched_ranking_changed": changed}
+
+
+def format_deo(runs: dict[str, dict[int, dict[str, dict[str, Any]]]]) -> str:
+    """Per seed, each ``+deo`` method against its base: exclusion AP@10 and toy-CIRR R@10 pairs."""
+    lines = []
+    for seed, benches in sorted(runs.get("demind", {}).items()):
+        for bench, key in (("exclusion", "AP@10"), ("cirr", "R@10")):
+            paired = benches.get(bench, {}).get("deo_paired")
+            if not paired:
+                continue
+            cells = [f"{m} {v[key]['only_deo']}:{v[key]['only_base']} (p {v[key]['p']:.2g})" for m, v in paired.items()]
+            lines.append(f"  seed {seed} {bench} {key}: " + ", ".join(cells))
+        touched = benches.get("cirr", {}).get("deo_touched")
+        if touched:
+            lines.append(f"  seed {seed} toy CIRR: DEO touches {touched['touched']} of {touched['queries']} queries "
+                         f"{touched['touched_by_type']}; untouched queries with a changed ranking: "
+                         f"{touched['untouched_ranking_changed']}")
+    if not lines:
+        return ""
+    return ("DEO vs its base method, same queries: queries where +deo is better : where the base is better "
+            "(exclusion: per-query AP@10; toy CIRR: hit@10; exact sign-test p)\n" + "\n".join(lines))
 
 
 def format_paired(runs: dict[str, dict[int, dict[str, dict[str, Any]]]], k: int = 10) -> str:
@@ -387,11 +462,15 @@ def run_quickstart(cfg: QuickstartConfig) -> dict[str, Any]:
     table = format_quickstart_table(rows)
     per_type = format_per_type(rows)
     paired = format_paired(runs)
+    deo = format_deo(runs)
     plot = plot_recall(rows, workdir / "recall_at_k.png")
-    summary = {"rows": rows, "table": table, "per_type_table": per_type, "paired_table": paired,
+    summary = {"rows": rows, "table": table, "per_type_table": per_type, "paired_table": paired, "deo_table": deo,
                "paired": {seed: b["cirr"].get("paired") for seed, b in runs.get("demind", {}).items() if "cirr" in b},
                "backbone_probes": backbone_report.get("pair_probes"),
                "metrics": metrics_table(runs), "gate": gates,
+               "deo": {seed: {bench: {k: b[bench][k] for k in ("deo_paired", "deo_touched") if k in b[bench]}
+                              for bench in ("exclusion", "cirr") if bench in b}
+                       for seed, b in runs.get("demind", {}).items()},
                "timings_s": timings,
                "backbone": backbone_report, "config": asdict(cfg), "plot": str(plot) if plot else None}
     write_json_atomic(workdir / "results.json", summary, indent=2, default=str)

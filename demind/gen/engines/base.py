@@ -13,8 +13,8 @@ from PIL import Image
 class GenRequest:
     """One prompt with its image; ``seed`` makes the sampled text a function of the request alone."""
 
-    prompt: str  # already rendered by the chat template, contains the image placeholder
-    image: Image.Image  # RGB, already shrunk to io.image_max_side
+    prompt: str  # already rendered by the chat template; holds the image placeholder when there is an image
+    image: Image.Image | None  # RGB, already shrunk to io.image_max_side; None: a text-only request
     seed: int
     max_new_tokens: int
     # Stage 1 of a conversation that a later request continues: an engine with a prefix

@@ -193,8 +193,12 @@ class TransformersEngine:
 
     @torch.inference_mode()
     def _generate_batch(self, batch: list[GenRequest]) -> list[GenResult]:
+        images = [r.image for r in batch]
+        if any(i is None for i in images) and any(i is not None for i in images):
+            raise ValueError("a batch mixes text-only requests (image None) with image requests; send them apart")
         inputs = self.processor(
-            images=[r.image for r in batch], text=[r.prompt for r in batch], return_tensors="pt", padding=True
+            images=images if images[0] is not None else None, text=[r.prompt for r in batch], return_tensors="pt",
+            padding=True,
         )
         mask = inputs["attention_mask"].bool()
         prompt_ids = [row[keep].tolist() for row, keep in zip(inputs["input_ids"], mask)]

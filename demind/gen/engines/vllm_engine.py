@@ -49,8 +49,10 @@ def build_vllm_requests(
 
     Each prompt is ``{"prompt": str, "multi_modal_data": {"image": PIL.Image}}``; the prompt
     string keeps the chat template's ``<image>`` placeholder, which vLLM expands itself.
+    A text-only request (image None) is ``{"prompt": str}``.
     """
-    prompts = [{"prompt": r.prompt, "multi_modal_data": {"image": r.image}} for r in requests]
+    prompts = [{"prompt": r.prompt, "multi_modal_data": {"image": r.image}} if r.image is not None
+               else {"prompt": r.prompt} for r in requests]
     params = [sampling_kwargs(r, sampling) for r in requests]
     return prompts, params
 
