@@ -234,7 +234,7 @@ def test_every_method_searches_the_real_index(gallery, tmp_path, loaded):
     (dict(text="red", method="nope"), "unknown method"),
     (dict(text="red", template="a photo of {text}"), "must contain one"),
     (dict(image=None, text="red"), "needs a reference image"),
-    (dict(text="red", negative="the dog"), "negation module"),
+    (dict(text="red", method="image-only", negative="the dog"), "reads no text"),
 ])
 def test_bad_queries_get_one_clear_message(query, message, tmp_path, loaded):
     backbone, _ = loaded
@@ -245,6 +245,18 @@ def test_bad_queries_get_one_clear_message(query, message, tmp_path, loaded):
         searcher.search(SearchQuery(**({"image": ref} | query)))
     with pytest.raises(SearchError, match="broken.png"):
         searcher.search(SearchQuery(image=tmp_path / "broken.png", text="red"))
+
+
+def test_a_negative_is_searched_as_deo_with_the_negation_in_the_text(tmp_path, loaded):
+    """--negative "the dog" on "make it red" == the +deo method on "make it red, without the dog"."""
+    backbone, _ = loaded
+    ref = write_image(tmp_path / "ref.png", 1)
+    searcher = oracle_searcher(torch.randn(3, backbone.embed_dim), ["a", "b", "c"], loaded)
+    with_negative = searcher.embed(SearchQuery(image=ref, text="make it red", negative=" the  dog "))
+    as_deo = searcher.embed(SearchQuery(image=ref, text="make it red, without the dog", method="demind+deo"))
+    plain = searcher.embed(SearchQuery(image=ref, text="make it red"))
+    assert torch.equal(with_negative, as_deo)
+    assert not torch.allclose(with_negative, plain, atol=1e-4)  # the negative moved the query
 
 
 def test_index_and_search_commands_end_to_end(gallery, tmp_path, tiny_checkpoint, capsys):

@@ -127,7 +127,7 @@ def test_quickstart_command_prints_probes_ceilings_and_gate(monkeypatch, capsys)
     import demind.toy.pipeline as pipeline
     from demind.cli.quickstart import main
 
-    summary = {"table": "TABLE", "per_type_table": "", "paired_table": "", "timings_s": {"train": 1.0}, "plot": None,
+    summary = {"table": "TABLE", "per_type_table": "", "paired_table": "", "deo_table": "", "timings_s": {"train": 1.0}, "plot": None,
                "gate": {"demind": {0: 0.0912}},
                "backbone": {"pair_probes": {"shape": 55.5, "colour": 94.7}, "pair_probe_scenes": 600,
                             "heldout_probe_ceiling_R@10": {"probe:background": 0.3},

@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--template", default=DEFAULT_TEMPLATE, help=f"prompt with one '*' and one field "
                                                                  f"(default {DEFAULT_TEMPLATE!r})")
     p.add_argument("-k", type=int, default=20, help="results per query (default 20)")
-    p.add_argument("--negative", help="what the results must not show (needs DEO's demind.negation)")
+    p.add_argument("--negative", help="what the results must not show: searched as 'TEXT, without NEGATIVE' with the method's +deo variant")
     p.add_argument("--ranker", default="exact", choices=RANKERS,
                    help="exact matrix product (default), or FAISS (pip install -e '.[search]')")
     p.add_argument("--keep-reference", action="store_true",

@@ -7,17 +7,17 @@ by default; FAISS (``pip install -e '.[search]'``) gives the same ranking with `
 and an approximate one with HNSW for large galleries.
 
 Methods are whatever the evaluation registry offers (validated by ``parse_method_names``), so
-DEO's ``<method>+deo`` variants (issue 15, ``demind.negation``: automatic decomposition of "...
-without the dog") appear here as soon as the registry has them. An explicit negative text
-(``SearchQuery.negative``, ``--negative``) is the hook for DEO with given negatives; until it is
-wired it is refused with a message, never ignored (see :func:`_apply_negation`).
+DEO's ``<method>+deo`` variants (``demind.negation``: automatic decomposition of "... without the
+dog") are offered too. An explicit negative text (``SearchQuery.negative``, ``--negative``) is
+handed to DEO: the text gains "without <negative>" and the method its ``+deo`` variant, so the
+rule decomposer reads the negative back (see :func:`with_negative_as_deo`).
 """
 
 from __future__ import annotations
 
 import io
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -120,14 +120,20 @@ def build_prompt(template: str, text: str) -> str:
     return fill_template(template, **{field_name: text})
 
 
-def _apply_negation(query: SearchQuery) -> None:
-    """The hook for DEO with explicitly given negatives: refused (not ignored) until it is wired."""
-    if query.negative:
-        if getattr(registry, "DEO_METHODS", ()):
-            raise SearchError(f"--negative is not wired to DEO yet; write the negation into the text "
-                              f"(e.g. '{query.text}, without {query.negative}') and use a '+deo' method")
-        raise SearchError("negative texts (--negative) need DEO's negation module (demind.negation, issue 15), "
-                          "which this build does not include yet; put the whole request in the modification text")
+def with_negative_as_deo(query: SearchQuery) -> SearchQuery:
+    """An explicit negative becomes DEO's: "make it red" + negative "the dog" is searched as
+    "make it red, without the dog" with the method's ``+deo`` variant (the rule decomposer
+    reads the negative back out). A query without a negative is returned unchanged."""
+    if not (query.negative or "").strip():
+        return query
+    base, mode = registry.split_deo_name(query.method)
+    if base not in registry.DEO_BASES:
+        raise SearchError(f"method {query.method!r} reads no text, so it cannot exclude {query.negative!r}; "
+                          f"use one of {', '.join(registry.DEO_BASES)}")
+    negative = " ".join(query.negative.split())
+    text = " ".join((query.text or "").split())
+    text = f"{text}, without {negative}" if text else f"without {negative}"
+    return replace(query, method=query.method if mode else f"{base}+deo", text=text, negative=None)
 
 
 class Ranker:
@@ -207,11 +213,11 @@ class Searcher:
             build_prompt(query.template, "x")
         if len(self.index) == 0:
             raise SearchError(f"the index {self.index.directory} holds no images")
-        _apply_negation(query)
 
     @torch.no_grad()
     def embed(self, query: SearchQuery) -> torch.Tensor:
         """(1, D) L2-normalised query embedding."""
+        query = with_negative_as_deo(query)
         self.validate(query)
         base = base_method(query.method)
         if query.image is not None and base in IMAGE_METHODS:
