@@ -10,7 +10,8 @@ Design (written before measuring):
   its std over seeds is 0), ExclMM (configs/exclmm/toy.yaml) and its variants: without L_t
   (lambda_c = 1), without L_c (lambda_c = 0), without the z_c mask (Top_t only), CLIP embeddings
   without stage 1 (F_theta on CLIP text embeddings), and stage 1 alone (no stage-2 steps: F_theta
-  is the identity). Text-only+DEO is not included (another branch builds it).
+  is the identity). Text-only+DEO (demind.negation: rule decomposer, exact DEO; training-free and
+  deterministic) is added as a row next to CLIP text-only.
 * Seeds 0, 1, 2 change initialisation and batch order of every phase; the data is fixed.
 * Metrics: the eight of the paper's Table 1 (demind/eval/metrics.py), mean ± std over seeds.
   Paired test vs CLIP on the same queries: sign test on per-query AP@5 (queries where the
@@ -91,8 +92,12 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict[str, list[dict]] = {"random ranking": [random_ranking(data, seed) for seed in args.seeds],
                                       "CLIP text-only": []}
-    clip = evaluate("exclcoco", test_root, methods=["text-only"], out_dir=work / "eval" / "clip", **common)
+    clip = evaluate("exclcoco", test_root, methods=["text-only", "text-only+deo"], out_dir=work / "eval" / "clip",
+                    **common)
     clip_ap = per_query_ap(clip, "text-only", truth)
+    deo_ap = per_query_ap(clip, "text-only+deo", truth)
+    better, worse = sum(deo_ap[q] > clip_ap[q] for q in deo_ap), sum(deo_ap[q] < clip_ap[q] for q in deo_ap)
+    clip["methods"]["text-only+deo"]["_sign"] = (better, worse, M.sign_test_p(better, worse))
     timings = {}
     for variant in args.variants:
         results[variant] = []
@@ -120,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             results[variant].append(res["methods"]["exclmm"])
             log.info("%s seed %d: %s", variant, seed, res["methods"]["exclmm"])
     results["CLIP text-only"] = [clip["methods"]["text-only"]] * len(args.seeds)
+    results["CLIP text-only + DEO"] = [clip["methods"]["text-only+deo"]] * len(args.seeds)
     backbone_note = json.loads(sorted(Path(args.backbone_dir).glob("toy-clip-*.json"))[-1].read_text())
     table = format_table(results, len(data["queries"]), len(data["images"]))
     table += f"\n\nbackbone: {backbone_note.get('weights')} (step {backbone_note.get('step', 'final')})"
