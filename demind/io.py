@@ -67,6 +67,26 @@ OUTPUT_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EROFS: "read-onl
                  errno.EDQUOT: "disk quota exceeded"}
 
 
+def read_jsonl(path: str | Path, what: str = "file") -> list[tuple[int, Any]]:
+    """The values of a JSON-lines file as (line number, value), blank lines skipped.
+
+    A missing file is a FileNotFoundError and a malformed line a ValueError, each naming the
+    file (and the line), so callers only check the values' own shape.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} {path} does not exist")
+    rows = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append((number, json.loads(line)))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{number}: not JSON ({e})") from None
+    return rows
+
+
 def free_bytes(path: str | Path) -> int:
     """Free bytes on the file system holding ``path`` (or its nearest existing parent)."""
     path = Path(path).absolute()

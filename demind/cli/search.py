@@ -17,7 +17,6 @@ and loading).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 from demind.checkpoint import load_backbone_and_model
 from demind.cli.common import run_command
 from demind.eval.methods import METHODS
-from demind.io import write_json_atomic
+from demind.io import read_jsonl, write_json_atomic
 from demind.search.index import load_index
 from demind.search.query import DEFAULT_METHOD, DEFAULT_TEMPLATE, RANKERS, SearchError, Searcher, SearchQuery
 
@@ -76,16 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
 def read_query_file(path: str | Path, defaults: SearchQuery) -> list[SearchQuery]:
     """Queries from a JSONL file; a malformed line is an error naming the file and line."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"query file {path} does not exist")
     queries = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{number} is not valid JSON ({e})") from None
+    for number, row in read_jsonl(path, what="query file"):
         unknown = set(row) - {"id", "image", "text", "method", "template", "k", "negative"} if isinstance(row, dict) else None
         if not isinstance(row, dict) or "text" not in row or unknown:
             raise ValueError(f"{path}:{number} must be an object with 'text' and optionally image, method, "

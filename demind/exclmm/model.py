@@ -28,6 +28,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from demind.backbone import same_backbone
+
 
 def capped_relu(x: torch.Tensor) -> torch.Tensor:
     """min(1, max(0, x)): SPINE's activation; codes in [0, 1]."""
@@ -251,7 +253,8 @@ def load_exclmm(path: str | Path, backbone_identity: dict[str, Any] | None = Non
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path}: expected format {FORMAT!r}, got {meta.get('format')!r} (a De-MINDS checkpoint?)")
     identity = json.loads(meta["backbone_identity"])
-    if backbone_identity is not None and identity != backbone_identity:
+    # the same comparison as De-MINDS checkpoints: by content, older file-name records accepted
+    if backbone_identity is not None and not same_backbone(identity, backbone_identity):
         raise ValueError(f"{path} was trained on backbone {identity}, but the loaded backbone is "
                          f"{backbone_identity}; load the backbone it was trained on")
     state = load_file(str(path))

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from demind.io import read_jsonl
 from demind.negation.decompose import CUE_PATTERN, CUES, Decomposer, Decomposition, strip_determiner
 
 PHRASINGS = Path(__file__).resolve().parent / "data" / "phrasings.jsonl"
@@ -35,13 +36,7 @@ def load_phrasings(path: str | Path = PHRASINGS) -> list[dict[str, Any]]:
     """The labelled phrasings; a malformed line is an error naming the file and line."""
     path = Path(path)
     items = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+    for n, item in read_jsonl(path, what="labelled phrasings"):
         missing = [k for k in LABEL_KEYS if k not in item]
         if missing:
             raise ValueError(f"{path}:{n}: missing key(s) {missing}; each line needs {list(LABEL_KEYS)}")
