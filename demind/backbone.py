@@ -254,7 +254,7 @@ class FrozenCLIP(nn.Module):
         self.text_counts: Counter = Counter()
         self._token_ids = functools.lru_cache(maxsize=1 << 16)(lambda text: tuple(self.tokenizer.encode(text)))
         self._templates: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        # The text layers' function and the length rounding: swapped by DeMinds.set_query_mode
+        # The text layers' function and the length rounding: swapped by compile_text_layers
         # for a compiled / CUDA-graph path (fixed lengths bound the number of captured graphs).
         self.text_layers: Callable = _text_layers
         self.length_multiple = 1
@@ -267,6 +267,12 @@ class FrozenCLIP(nn.Module):
         self.placeholder_id = self._single_token_id(PLACEHOLDER)
         self.sot_id = self.tokenizer.sot_token_id
         self.eot_id = self.tokenizer.eot_token_id
+
+    def compile_text_layers(self, options: dict | None, length_multiple: int = 1) -> None:
+        """Run the text layers through ``torch.compile(**options)`` (None: eager again), with
+        text lengths rounded up to ``length_multiple`` (exact under the causal mask)."""
+        self.text_layers = _text_layers if options is None else torch.compile(_text_layers, **options)
+        self.length_multiple = length_multiple
 
     def _infer_embed_dim(self) -> int:
         proj = self.model.text_projection

@@ -247,23 +247,19 @@ class DeMinds(nn.Module):
         inference (evaluation, serving), where the launch overhead of two text passes and
         six blocks at batch 1 dominates on a GPU.
         """
-        from demind.backbone import _text_layers
-
         if mode not in QUERY_MODES:
             raise ValueError(f"query mode must be one of {QUERY_MODES}, got {mode!r}")
         if mode == "eager":
-            self.backbone.text_layers, self.backbone.length_multiple = _text_layers, 1
+            self.backbone.compile_text_layers(None)
             for module in (self.mapping, self.intention):
                 module._compiled_call_impl = None  # undo nn.Module.compile
             return
         options: dict = {"backend": backend}
         if mode == "cudagraphs":
             options.update(mode="reduce-overhead", dynamic=False)
-            self.backbone.length_multiple = 8
         else:
             options.update(dynamic=True)
-            self.backbone.length_multiple = 1
-        self.backbone.text_layers = torch.compile(_text_layers, **options)
+        self.backbone.compile_text_layers(options, length_multiple=8 if mode == "cudagraphs" else 1)
         self.mapping.compile(**options)
         self.intention.compile(**options)
 
