@@ -162,7 +162,7 @@ def same_backbone(a: dict[str, str | None], b: dict[str, str | None]) -> bool:
 
 
 @contextlib.contextmanager
-def _quiet_random_init_notice() -> Iterator[None]:
+def quiet_random_init_notice() -> Iterator[None]:
     """open_clip warns "No pretrained weights loaded" through the root logger on every random
     initialisation; for ``pretrained: null`` that is what was asked for, so it goes to debug."""
 
@@ -233,7 +233,7 @@ class FrozenCLIP(nn.Module):
                 # A random draw from backbone.seed alone (the CPU generator is restored after),
                 # so every command rebuilds the same backbone from the same config.
                 stack.enter_context(torch.random.fork_rng(devices=[]))
-                stack.enter_context(_quiet_random_init_notice())
+                stack.enter_context(quiet_random_init_notice())
                 torch.manual_seed(cfg.seed)
             model, _, preprocess = open_clip.create_model_and_transforms(
                 model_name, pretrained=cfg.pretrained, precision=cfg.precision, device=device

@@ -32,7 +32,7 @@ from open_clip.loss import ClipLoss
 from tqdm import tqdm
 
 from demind.config import setting
-from demind.backbone import run_text_transformer
+from demind.backbone import quiet_random_init_notice, run_text_transformer
 from demind.io import atomic_path, write_json_atomic
 
 from .parallel import parallel_map
@@ -146,7 +146,8 @@ def _lr_at(step: int, cfg: ToyBackboneConfig) -> float:
 def build_toy_model(cfg: ToyBackboneConfig) -> tuple[torch.nn.Module, Any, int]:
     """(model, tokenizer, image size) for the config, randomly initialised."""
     name = _model_name(cfg.model_config)
-    model = open_clip.create_model(name, pretrained=None)
+    with quiet_random_init_notice():  # a random start is what is asked for: no warning
+        model = open_clip.create_model(name, pretrained=None)
     return model, open_clip.get_tokenizer(name), _image_side(model)
 
 
