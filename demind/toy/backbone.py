@@ -39,7 +39,7 @@ from .parallel import parallel_map
 from .probes import PairScorer, pair_probe_cases, probe_ceiling, run_pair_probes
 from .render import render_scene
 from .texts import alt_text, article, full_description, web_text
-from .world import WORLD_VERSION, Scene, derive_seed, scene_from_seed, stream_seed
+from .world import EDIT_KINDS, WORLD_VERSION, Scene, apply_edit, derive_seed, edit_is_possible, scene_from_seed, stream_seed
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,13 @@ class ToyBackboneConfig:
     weight_decay: float = setting(0.1, ge=0)
     warmup_steps: int = setting(100, ge=0)
     num_train_images: int = setting(8000, ge=1)   # rendered once; each step draws fresh texts for them
+    # Hard-negative groups (issue 20, demind/toy/README.md "The toy CLIP, second recipe"): this share of
+    # every batch is made of groups, each one scene photographed 1 + len(group_edits) times with the same
+    # nuisances, every other member edited in one attribute, each captioned with its full description
+    # (the only text that tells the members apart). 0 = random batches only.
+    group_share: float = setting(0.0, ge=0, le=1)
+    group_edits: tuple[str, ...] = setting(("shape", "size", "position"), choices=EDIT_KINDS)
+    num_group_scenes: int = setting(2000, ge=1)  # groups rendered once, like the random pool
     num_eval_scenes: int = setting(1000, ge=1)
     # pair probes (demind/toy/probes.py): evaluation only, so not part of the cache key
     num_pair_probe_scenes: int = setting(600, ge=1)
@@ -120,6 +127,41 @@ def render_pool(stream: str, count: int, image_size: int, progress: bool = True,
     return scenes, np.concatenate(list(parts))
 
 
+def group_scenes(index: int, edits: tuple[str, ...]) -> list[Scene]:
+    """Group ``index``: a training scene, then the scene with each edit of ``edits`` applied
+    (an impossible edit falls back to ``shape``, which every scene allows). Seeded by index."""
+    base = scene_from_seed(derive_seed("toy-backbone-groups", index))
+    rng = random.Random(derive_seed("toy-backbone-groups", "edits", index))
+    return [base] + [apply_edit(base, kind if edit_is_possible(base, kind) else "shape", rng) for kind in edits]
+
+
+def _render_group_chunk(job: tuple[int, int, tuple[str, ...], int]) -> np.ndarray:
+    """Images of groups ``start..stop-1``, (n, 1 + len(edits), H, W, 3) uint8; one nuisance seed
+    and per-part streams per group, so its members differ only where an edit shows."""
+    start, stop, edits, image_size = job
+    out = []
+    for g in range(start, stop):
+        seed = derive_seed("toy-backbone-groups", "nuisance", g)
+        out.append(np.stack([render_scene(s, seed, image_size, per_part=True).image for s in group_scenes(g, edits)]))
+    return np.stack(out)
+
+
+def render_group_pool(count: int, edits: tuple[str, ...], image_size: int, progress: bool = True,
+                      chunk: int = 100) -> tuple[list[list[Scene]], np.ndarray]:
+    """Groups ``0..count-1`` and their images, (count, 1 + len(edits), H, W, 3) uint8."""
+    groups = [group_scenes(g, edits) for g in range(count)]
+    jobs = [(start, min(start + chunk, count), tuple(edits), image_size) for start in range(0, count, chunk)]
+    parts = parallel_map(_render_group_chunk, jobs, None if len(jobs) > 1 else 1, desc="render groups",
+                         progress=progress, unit="chunk")
+    return groups, np.concatenate(list(parts))
+
+
+def groups_per_batch(cfg: "ToyBackboneConfig") -> int:
+    """How many whole groups fill ``group_share`` of a batch (at least one random pair stays)."""
+    size = 1 + len(cfg.group_edits)
+    return min(int(round(cfg.group_share * cfg.batch_size / size)), (cfg.batch_size - 1) // size)
+
+
 # ----------------------------------------------------------------------- training
 
 def encode_text_trimmed(model: torch.nn.Module, tokens: torch.Tensor, chunks: int = 2) -> torch.Tensor:
@@ -134,6 +176,20 @@ def encode_text_trimmed(model: torch.nn.Module, tokens: torch.Tensor, chunks: in
     eot = tokens.argmax(dim=-1)                      # open_clip pools at argmax: EOT has the top id
     x = run_text_transformer(model, model.token_embedding(tokens), eot, chunks, min_saving=0.0)
     return x[torch.arange(x.shape[0]), eot] @ model.text_projection
+
+
+def draw_batch(cfg: ToyBackboneConfig, scenes: list[Scene], images: np.ndarray, groups: list[list[Scene]],
+               group_images: np.ndarray | None, n_groups: int, rng: random.Random) -> tuple[np.ndarray, list[str]]:
+    """One training batch: ``n_groups`` whole hard-negative groups (full descriptions), the
+    rest random web images with web texts; a fresh caption per visit. (B, H, W, 3) uint8, B texts."""
+    idx = rng.sample(range(len(scenes)), cfg.batch_size - n_groups * (1 + len(cfg.group_edits)))
+    texts = [web_text(scenes[i], rng) for i in idx]
+    if not n_groups:
+        return images[idx], texts
+    chosen = rng.sample(range(len(groups)), n_groups)
+    texts += [full_description(scene, rng) for g in chosen for scene in groups[g]]
+    members = group_images[chosen].reshape(-1, *group_images.shape[2:])
+    return np.concatenate([images[idx], members]), texts
 
 
 def _lr_at(step: int, cfg: ToyBackboneConfig) -> float:
@@ -175,6 +231,9 @@ def train_toy_clip(cfg: ToyBackboneConfig, progress: bool = True, state_path: Pa
     torch.manual_seed(cfg.seed)
     model, tokenizer, image_size = build_toy_model(cfg)
     scenes, images = render_pool("web", cfg.num_train_images, image_size, progress)
+    n_groups = groups_per_batch(cfg)
+    groups, group_images = (render_group_pool(cfg.num_group_scenes, cfg.group_edits, image_size, progress)
+                            if n_groups else ([], None))
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embedding" not in n]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2 or "embedding" in n]
     optim = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
@@ -197,9 +256,8 @@ def train_toy_clip(cfg: ToyBackboneConfig, progress: bool = True, state_path: Pa
     for step in bar:
         for group in optim.param_groups:
             group["lr"] = _lr_at(step, cfg)
-        idx = rng.sample(range(len(scenes)), cfg.batch_size)
-        texts = [web_text(scenes[i], rng) for i in idx]  # a fresh caption per visit
-        image_f = model.encode_image(images_to_tensor(images[idx]), normalize=True)
+        batch_images, texts = draw_batch(cfg, scenes, images, groups, group_images, n_groups, rng)
+        image_f = model.encode_image(images_to_tensor(batch_images), normalize=True)
         text_f = torch.nn.functional.normalize(encode_text_trimmed(model, tokenizer(texts)), dim=-1)
         scale = model.logit_scale.exp()
         loss = loss_fn(image_f, text_f, scale)
