@@ -339,3 +339,28 @@ def test_per_type_recall_reports_implicit_by_hand():
     assert cell["R@2"]["mean"] == 75.0 and cell["R@2"]["std"] == pytest.approx(35.3553, abs=1e-3)
     assert cell["R@1"]["mean"] == 25.0
     assert out["m [no-gate]"]["implicit"]["R@1"] == {"per_seed": {0: 50.0}, "mean": 50.0, "std": 0.0}
+
+
+# ------------------------------------------------------------------ the quickstart on v2
+
+@pytest.mark.slow
+def test_quickstart_on_v2_writes_its_own_folders_and_reports_implicit(tmp_path):
+    """A tiny quickstart with world=v2 (every toy-CIRR set implicit): v2 folders, results-v2.json
+    with the world, ``per_type`` holding ``implicit``, and the printed per-type table naming it."""
+    from test_toy_quickstart import tiny_config
+
+    from demind.toy.pipeline import run_quickstart
+
+    cfg = tiny_config(tmp_path, world="v2", benchmarks=["cirr"])
+    cfg.toy_benchmarks.cirr_implicit_share = 1.0
+    summary = run_quickstart(cfg)
+    qs = tmp_path / "qs"
+    assert (qs / "shards-v2").is_dir() and (qs / "benchmarks-v2" / "cirr").is_dir()
+    assert not (qs / "shards").exists() and not (qs / "results.json").exists()
+    saved = json.loads((qs / "results-v2.json").read_text())
+    assert saved["world"] == "v2" and saved["config"]["world"] == "v2"
+    assert saved["per_type"]["demind"]["implicit"]["n"] >= 4
+    assert 0.0 <= saved["per_type"]["demind"]["implicit"]["R@10"]["mean"] <= 100.0
+    assert "implicit" in summary["per_type_table"]
+    report = json.loads(next((qs / "backbone").glob("*.json")).read_text())
+    assert report["world_version"] == "toy-world-2"

@@ -6,7 +6,7 @@ backbone's and the intent shards' scenes):
 * ``root/cirr/``: CIRR rc2 layout — ``captions/cap.rc2.val.json`` (entries ``pairid``,
   ``reference``, ``target_hard``, ``target_soft``, ``caption``, ``img_set`` {``id``,
   ``members``, ``reference_rank``, ``target_rank``}, plus ``toy_type``: the modification
-  type, for per-type recall), ``image_splits/split.rc2.val.json`` (name ->
+  type, for per-type recall; ``implicit`` for World v2's themes), ``image_splits/split.rc2.val.json`` (name ->
   ``./dev/NAME.png``), ``dev/*.png``.
 * ``root/imgnet/``: Pic2Word's ``imgnet_real_query.txt`` and ``imgnet_targets.txt``
   (``path label `` lines; paths ``imgnet/real/<class>/...`` and
@@ -44,7 +44,8 @@ backbone's and the intent shards' scenes):
   evaluation data root). Labels = object categories only (``caption_min_images=0``); train
   and test scenes come from disjoint seed streams.
 
-Each folder gets ``toy_benchmark.json`` last (config + world version): the done-marker.
+Every benchmark is drawn from the world ``cfg.world`` (v1 or v2, README "World v2"). Each folder
+gets ``toy_benchmark.json`` last (config + world version): the done-marker.
 """
 
 from __future__ import annotations
