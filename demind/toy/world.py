@@ -232,7 +232,9 @@ def strip_theme(scene: Scene, rng: random.Random) -> Scene:
         return scene
     bundle = THEMES[scene.theme]
     objects = tuple(dataclasses.replace(o, colour=rng.choice(COLOURS)) for o in scene.objects)
-    background = rng.choice([b for b in BACKGROUNDS if b != scene.background]) if bundle.background else scene.background
+    background = scene.background
+    if bundle.background is not None:
+        background = rng.choice([b for b in BACKGROUNDS if b != scene.background])
     return dataclasses.replace(scene, objects=objects, background=background, decor=(), theme=None)
 
 
