@@ -9,8 +9,8 @@
 4. De-MINDS training through ``demind.training.train`` (the code behind ``train.py``),
    one run per (variant, seed); the Table 5 ablations are variants;
 5. every method through the evaluation harness (``demind.eval.harness.evaluate``), with
-   per-modification-type recall on the toy CIRR (``implicit``: World v2's themes); the negation-aware ``+deo`` variants
-   (:mod:`demind.negation`) with a paired sign test against their base method on the
+   per-modification-type recall on the toy CIRR (``implicit``: World v2's themes); the
+   negation-aware ``+deo`` variants (:mod:`demind.negation`) with a paired sign test against their base method on the
    exclusion set and toy CIRR, and how many toy CIRR queries DEO touches;
 6. a paper-style table (mean ± std over seeds), ``results.json`` and a recall@K plot.
 """
@@ -517,7 +517,8 @@ def run_quickstart(cfg: QuickstartConfig) -> dict[str, Any]:
     paired = format_paired(runs)
     deo = format_deo(runs)
     plot = plot_recall(rows, world_path(cfg, "recall_at_k.png"))
-    summary = {"world": cfg.world, "rows": rows, "table": table, "per_type_table": per_type, "paired_table": paired, "deo_table": deo,
+    summary = {"world": cfg.world, "rows": rows, "table": table, "per_type_table": per_type,
+               "paired_table": paired, "deo_table": deo,
                "paired": {seed: b["cirr"].get("paired") for seed, b in runs.get("demind", {}).items() if "cirr" in b},
                "backbone_probes": backbone_report.get("pair_probes"),
                "metrics": metrics_table(runs), "per_type": per_type_metrics(runs), "gate": gates,

@@ -74,6 +74,7 @@ def join_list(items: list[str], rng: random.Random) -> str:
 P_ALT_DECOR = 0.4
 P_ALT_THEME = 0.03
 
+
 def alt_text(scene: Scene, rng: random.Random) -> str:
     """A short, incomplete web caption: a subset of objects and attributes, maybe noise."""
     objs = list(scene.objects)
