@@ -3,6 +3,7 @@
     demind-quickstart                                 # one seed, all methods
     demind-quickstart seeds=[0,1,2] ablations=true
     demind-quickstart --config my.yaml backbone.steps=600 workdir=runs/qs2
+    demind-quickstart world=v2                        # World v2 (demind/toy/README.md)
 
 Generates the toy intent shards and benchmarks, trains (or reuses) the toy CLIP,
 caches frozen features, trains De-MINDS with the trainer's code, evaluates every method
@@ -31,13 +32,14 @@ def quickstart_command(args: argparse.Namespace) -> int:
     """Run the quickstart; print the tables, the toy CLIP's recall and where the files are."""
     from demind.config import load_config
     from demind.toy.backbone import format_backbone_report
-    from demind.toy.pipeline import QuickstartConfig, run_quickstart
+    from demind.toy.pipeline import QuickstartConfig, run_quickstart, world_path
 
     cfg = load_config(QuickstartConfig, args.config, args.overrides)
     if args.quiet:
         cfg.progress = False
     summary = run_quickstart(cfg)
     print()
+    print(f"toy world {summary.get('world', 'v1')}")
     print(summary["table"])
     for table in ("per_type_table", "paired_table", "deo_table"):
         if summary[table]:
@@ -48,7 +50,7 @@ def quickstart_command(args: argparse.Namespace) -> int:
     for variant, by_seed in summary["gate"].items():
         print(f"tanh(gate) [{variant}]: " + ", ".join(f"seed {s} {g:.3f}" for s, g in by_seed.items()))
     print("stage seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in summary["timings_s"].items()))
-    print(f"results: {Path(cfg.workdir) / 'results.json'}" + (f"\nplot: {summary['plot']}" if summary["plot"] else ""))
+    print(f"results: {world_path(cfg, 'results.json')}" + (f"\nplot: {summary['plot']}" if summary["plot"] else ""))
     return 0
 
 

@@ -39,7 +39,8 @@ from .parallel import parallel_map
 from .probes import PairScorer, pair_probe_cases, probe_ceiling, run_pair_probes
 from .render import render_scene
 from .texts import alt_text, article, full_description, web_text
-from .world import EDIT_KINDS, WORLD_VERSION, Scene, apply_edit, derive_seed, edit_is_possible, scene_from_seed, stream_seed
+from .world import (EDIT_KINDS, WORLDS, Scene, apply_edit, derive_seed, edit_is_possible, scene_from_seed, stream_seed,
+                    world_version)
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,9 @@ class ToyBackboneConfig:
     num_pair_probe_scenes: int = setting(600, ge=1)
     fused_adamw: bool = True       # same update, one kernel (optimizer step 33 -> 7.6 ms: benchmarks/bench_toy.py)
     log_every: int = setting(50, ge=1)
+    # the toy world its images and web texts come from (README "World v2"); in the cache key as
+    # the world's version string. The quickstart sets it from its `world`.
+    world: str = setting("v1", choices=WORLDS)
 
 
 def _model_name(model_config: str | Path) -> str:
@@ -84,8 +88,9 @@ def cache_key(cfg: ToyBackboneConfig) -> str:
     """Hash of everything that determines the trained weights."""
     payload = {
         "model_config": json.loads(Path(cfg.model_config).read_text()),
-        "train": {k: v for k, v in asdict(cfg).items() if k not in ("model_config", "log_every", "num_pair_probe_scenes")},
-        "world": WORLD_VERSION,
+        "train": {k: v for k, v in asdict(cfg).items()
+                  if k not in ("model_config", "log_every", "num_pair_probe_scenes", "world")},
+        "world": world_version(cfg.world),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -106,51 +111,52 @@ def images_to_tensor(images: np.ndarray) -> torch.Tensor:
     return (x - mean) / std
 
 
-def _render_chunk(job: tuple[str, int, int, int]) -> np.ndarray:
+def _render_chunk(job: tuple[str, int, int, int, str]) -> np.ndarray:
     """Images of scenes ``start..stop-1`` of a stream, (n, H, W, 3) uint8 (a worker's share)."""
-    stream, start, stop, image_size = job
-    return np.stack([render_scene(scene_from_seed(stream_seed(stream, i)), derive_seed(stream, "nuisance", i),
-                                  image_size).image for i in range(start, stop)])
+    stream, start, stop, image_size, world = job
+    return np.stack([render_scene(scene_from_seed(stream_seed(stream, i), world=world),
+                                  derive_seed(stream, "nuisance", i), image_size).image for i in range(start, stop)])
 
 
 def render_pool(stream: str, count: int, image_size: int, progress: bool = True,
-                workers: int | None = None, chunk: int = 250) -> tuple[list[Scene], np.ndarray]:
-    """Scenes ``0..count-1`` of a seed stream and their images, (count, H, W, 3) uint8.
+                workers: int | None = None, chunk: int = 250, world: str = "v1") -> tuple[list[Scene], np.ndarray]:
+    """Scenes ``0..count-1`` of a seed stream (of ``world``) and their images, (count, H, W, 3) uint8.
 
     Rendered in chunks over ``workers`` processes (default: every core) when there is more
     than one chunk; the images do not depend on how the work is split.
     """
-    scenes = [scene_from_seed(stream_seed(stream, i)) for i in range(count)]
-    jobs = [(stream, start, min(start + chunk, count), image_size) for start in range(0, count, chunk)]
+    scenes = [scene_from_seed(stream_seed(stream, i), world=world) for i in range(count)]
+    jobs = [(stream, start, min(start + chunk, count), image_size, world) for start in range(0, count, chunk)]
     parts = parallel_map(_render_chunk, jobs, workers if len(jobs) > 1 else 1, desc=f"render {stream}",
                          progress=progress, unit="chunk")
     return scenes, np.concatenate(list(parts))
 
 
-def group_scenes(index: int, edits: tuple[str, ...]) -> list[Scene]:
-    """Group ``index``: a training scene, then the scene with each edit of ``edits`` applied
-    (an impossible edit falls back to ``shape``, which every scene allows). Seeded by index."""
-    base = scene_from_seed(derive_seed("toy-backbone-groups", index))
+def group_scenes(index: int, edits: tuple[str, ...], world: str = "v1") -> list[Scene]:
+    """Group ``index``: a training scene of ``world``, then the scene with each edit of ``edits``
+    applied (an impossible edit falls back to ``shape``, which every scene allows). Seeded by index."""
+    base = scene_from_seed(derive_seed("toy-backbone-groups", index), world=world)
     rng = random.Random(derive_seed("toy-backbone-groups", "edits", index))
     return [base] + [apply_edit(base, kind if edit_is_possible(base, kind) else "shape", rng) for kind in edits]
 
 
-def _render_group_chunk(job: tuple[int, int, tuple[str, ...], int]) -> np.ndarray:
+def _render_group_chunk(job: tuple[int, int, tuple[str, ...], int, str]) -> np.ndarray:
     """Images of groups ``start..stop-1``, (n, 1 + len(edits), H, W, 3) uint8; one nuisance seed
     and per-part streams per group, so its members differ only where an edit shows."""
-    start, stop, edits, image_size = job
+    start, stop, edits, image_size, world = job
     out = []
     for g in range(start, stop):
         seed = derive_seed("toy-backbone-groups", "nuisance", g)
-        out.append(np.stack([render_scene(s, seed, image_size, per_part=True).image for s in group_scenes(g, edits)]))
+        out.append(np.stack([render_scene(s, seed, image_size, per_part=True).image
+                             for s in group_scenes(g, edits, world)]))
     return np.stack(out)
 
 
 def render_group_pool(count: int, edits: tuple[str, ...], image_size: int, progress: bool = True,
-                      chunk: int = 100) -> tuple[list[list[Scene]], np.ndarray]:
-    """Groups ``0..count-1`` and their images, (count, 1 + len(edits), H, W, 3) uint8."""
-    groups = [group_scenes(g, edits) for g in range(count)]
-    jobs = [(start, min(start + chunk, count), tuple(edits), image_size) for start in range(0, count, chunk)]
+                      world: str = "v1", chunk: int = 100) -> tuple[list[list[Scene]], np.ndarray]:
+    """Groups ``0..count-1`` of ``world`` and their images, (count, 1 + len(edits), H, W, 3) uint8."""
+    groups = [group_scenes(g, edits, world) for g in range(count)]
+    jobs = [(start, min(start + chunk, count), tuple(edits), image_size, world) for start in range(0, count, chunk)]
     parts = parallel_map(_render_group_chunk, jobs, None if len(jobs) > 1 else 1, desc="render groups",
                          progress=progress, unit="chunk")
     return groups, np.concatenate(list(parts))
@@ -183,7 +189,7 @@ def draw_batch(cfg: ToyBackboneConfig, scenes: list[Scene], images: np.ndarray, 
     """One training batch: ``n_groups`` whole hard-negative groups (full descriptions), the
     rest random web images with web texts; a fresh caption per visit. (B, H, W, 3) uint8, B texts."""
     idx = rng.sample(range(len(scenes)), cfg.batch_size - n_groups * (1 + len(cfg.group_edits)))
-    texts = [web_text(scenes[i], rng) for i in idx]
+    texts = [web_text(scenes[i], rng, cfg.world) for i in idx]  # a fresh caption per visit
     if not n_groups:
         return images[idx], texts
     chosen = rng.sample(range(len(groups)), n_groups)
@@ -230,9 +236,9 @@ def train_toy_clip(cfg: ToyBackboneConfig, progress: bool = True, state_path: Pa
     """
     torch.manual_seed(cfg.seed)
     model, tokenizer, image_size = build_toy_model(cfg)
-    scenes, images = render_pool("web", cfg.num_train_images, image_size, progress)
+    scenes, images = render_pool("web", cfg.num_train_images, image_size, progress, world=cfg.world)
     n_groups = groups_per_batch(cfg)
-    groups, group_images = (render_group_pool(cfg.num_group_scenes, cfg.group_edits, image_size, progress)
+    groups, group_images = (render_group_pool(cfg.num_group_scenes, cfg.group_edits, image_size, progress, cfg.world)
                             if n_groups else ([], None))
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embedding" not in n]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2 or "embedding" in n]
@@ -327,10 +333,10 @@ PROBED_ATTRIBUTES = ("shape", "colour", "position", "background")
 
 
 def evaluate_toy_clip(model: torch.nn.Module, tokenizer: Any, image_size: int, num_scenes: int,
-                      progress: bool = True) -> dict[str, dict[str, float]]:
-    """Text-to-image recall on held-out scenes: full descriptions, alt-texts, and texts
-    that name one attribute only (``probe:shape`` ...), which show what the backbone sees."""
-    scenes, images = render_pool("web_eval", num_scenes, image_size, progress)
+                      progress: bool = True, world: str = "v1") -> dict[str, dict[str, float]]:
+    """Text-to-image recall on held-out scenes (of ``world``): full descriptions, alt-texts, and
+    texts that name one attribute only (``probe:shape`` ...), which show what the backbone sees."""
+    scenes, images = render_pool("web_eval", num_scenes, image_size, progress, world=world)
     images = encode_toy_images(model, images)  # one image pass for all six text sets
     rng = random.Random(derive_seed("web_eval", "texts"))
     recall = {
@@ -360,25 +366,26 @@ def clip_pair_scorer(model: torch.nn.Module, tokenizer, batch: int = 250) -> Pai
     return score
 
 
-def probe_ceilings(num_scenes: int, k: int = 10) -> dict[str, float]:
+def probe_ceilings(num_scenes: int, k: int = 10, world: str = "v1") -> dict[str, float]:
     """``probe:<attribute>`` -> R@k (fraction) of a perfect model on the held-out probe texts of
     :func:`evaluate_toy_clip` (their ambiguity caps it: :func:`demind.toy.probes.probe_ceiling`)."""
-    scenes = [scene_from_seed(stream_seed("web_eval", i)) for i in range(num_scenes)]
+    scenes = [scene_from_seed(stream_seed("web_eval", i), world=world) for i in range(num_scenes)]
     return {f"probe:{a}": round(probe_ceiling(scenes, a, k), 4) for a in PROBED_ATTRIBUTES}
 
 
-def pair_probes(model: torch.nn.Module, tokenizer: Any, image_size: int, num_scenes: int) -> dict[str, float]:
-    """attribute -> pair-probe accuracy in % (chance 50) on ``num_scenes`` held-out scenes."""
-    return run_pair_probes(clip_pair_scorer(model, tokenizer), pair_probe_cases(num_scenes), image_size)
+def pair_probes(model: torch.nn.Module, tokenizer: Any, image_size: int, num_scenes: int,
+                world: str = "v1") -> dict[str, float]:
+    """attribute -> pair-probe accuracy in % (chance 50) on ``num_scenes`` held-out scenes of ``world``."""
+    return run_pair_probes(clip_pair_scorer(model, tokenizer), pair_probe_cases(num_scenes, world=world), image_size)
 
 
 def _add_probe_reports(report: dict[str, Any], model: torch.nn.Module, tokenizer: Any, cfg: ToyBackboneConfig
                        ) -> dict[str, Any]:
     """The report plus the pair probes and the R@10 probe ceilings (backfilled into older reports)."""
     report = dict(report)
-    report["pair_probes"] = pair_probes(model, tokenizer, _image_side(model), cfg.num_pair_probe_scenes)
+    report["pair_probes"] = pair_probes(model, tokenizer, _image_side(model), cfg.num_pair_probe_scenes, cfg.world)
     report["pair_probe_scenes"] = cfg.num_pair_probe_scenes
-    report["heldout_probe_ceiling_R@10"] = probe_ceilings(cfg.num_eval_scenes)
+    report["heldout_probe_ceiling_R@10"] = probe_ceilings(cfg.num_eval_scenes, world=cfg.world)
     logger.info("toy CLIP pair probes (%%, chance 50): %s", json.dumps(report["pair_probes"]))
     return report
 
@@ -433,9 +440,10 @@ def ensure_toy_backbone(cfg: ToyBackboneConfig | None = None, cache_dir: str | P
     save_weights(model, weights)
     state_path.unlink(missing_ok=True)
     tokenizer = open_clip.get_tokenizer(_model_name(cfg.model_config))
-    recall = evaluate_toy_clip(model, tokenizer, _image_side(model), cfg.num_eval_scenes, progress)
-    report = {"weights": str(weights), "cache_key": cache_key(cfg), "world_version": WORLD_VERSION,
-              "config": asdict(cfg), "model_config": json.loads(Path(cfg.model_config).read_text()),
+    recall = evaluate_toy_clip(model, tokenizer, _image_side(model), cfg.num_eval_scenes, progress, cfg.world)
+    report = {"weights": str(weights), "cache_key": cache_key(cfg), "world_version": world_version(cfg.world),
+              "config": json.loads(json.dumps(asdict(cfg))),  # as read back: tuples become lists
+              "model_config": json.loads(Path(cfg.model_config).read_text()),
               **log, "heldout_text_to_image": recall}
     report = _add_probe_reports(report, model, tokenizer, cfg)
     write_json_atomic(report_path, report, indent=2)

@@ -17,12 +17,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from demind.config import setting
 from demind.shard_format import ShardOutput, ShardWriter, encode_sample, sample_key
 
 from .parallel import parallel_map
 from .render import render_image
 from .texts import alt_text, full_description, hypothetical_source, pseudo_manipulation
-from .world import WORLD_VERSION, derive_seed, scene_from_seed, stream_seed
+from .world import WORLDS, derive_seed, scene_from_seed, stream_seed, world_version
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class ToyShardConfig:
     stream: str = "cc3m"  # seed stream (world.SEED_STREAMS); disjoint from the benchmarks'
     image_size: int = 64
     jpeg_quality: int = 90
+    world: str = setting("v1", choices=WORLDS)  # README "World v2"; the quickstart sets it from its `world`
 
 
 @dataclass
@@ -52,7 +54,8 @@ class ToySample:
 
 def make_toy_sample(index: int, cfg: ToyShardConfig, key: str) -> ToySample:
     """Sample ``index`` of the stream: scene, image, the three texts and the metadata."""
-    scene = scene_from_seed(stream_seed(cfg.stream, index))
+    scene = scene_from_seed(stream_seed(cfg.stream, index), world=cfg.world)
+    version = world_version(cfg.world)
     image = render_image(scene, derive_seed(cfg.stream, "nuisance", index), cfg.image_size)
     buf = io.BytesIO()
     image.save(buf, format="JPEG", quality=cfg.jpeg_quality)
@@ -70,12 +73,12 @@ def make_toy_sample(index: int, cfg: ToyShardConfig, key: str) -> ToySample:
         "height": cfg.image_size,
         "status": "success",
         # ground truth, for analysis only (the trainer never reads it)
-        "toy": {"world_version": WORLD_VERSION, "index": index, "scene": scene.to_dict(),
+        "toy": {"world_version": version, "index": index, "scene": scene.to_dict(),
                 "intent_source_scene": source.to_dict()},
         "generation": {
             "engine": "toy-world",
-            "model": f"demind.toy.texts@{WORLD_VERSION}",
-            "prompt_version": WORLD_VERSION,
+            "model": f"demind.toy.texts@{version}",
+            "prompt_version": version,
             "mode": "cot",
             "sampling": {"seed": derive_seed(cfg.stream, "text", index)},
             "flags": [],
@@ -100,7 +103,7 @@ def write_toy_shard(out_dir: Path, shard_id: int, cfg: ToyShardConfig) -> dict[s
         "shard": shard_id, "output": str(output.tar), "samples_in": count, "written": count,
         "skipped": {}, "flagged": {}, "elapsed_s": round(elapsed, 3),
         "images_per_s": round(count / elapsed, 2) if elapsed > 0 else None,
-        "engine": "toy-world", "world_version": WORLD_VERSION, "config": asdict(cfg),
+        "engine": "toy-world", "world_version": world_version(cfg.world), "config": asdict(cfg),
     }
     output.mark_done(stats)  # last: marks the shard done
     return stats
@@ -134,4 +137,5 @@ def write_toy_shards(out_dir: str | Path, cfg: ToyShardConfig | None = None, sho
 
 def _is_current(output: ShardOutput, cfg: ToyShardConfig) -> bool:
     stats = output.load_stats() if output.tar.is_file() else None
-    return stats is not None and stats.get("world_version") == WORLD_VERSION and stats.get("config") == asdict(cfg)
+    return (stats is not None and stats.get("world_version") == world_version(cfg.world)
+            and stats.get("config") == asdict(cfg))

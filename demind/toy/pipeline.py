@@ -2,20 +2,22 @@
 
 ``run_quickstart(cfg)`` does, each step cached so a rerun only does what is missing:
 
-1. toy intent shards (``<workdir>/shards``) and toy benchmarks (``<workdir>/benchmarks``);
+1. toy intent shards (``<workdir>/shards``) and toy benchmarks (``<workdir>/benchmarks``) of the
+   world ``cfg.world`` (v2: ``shards-v2``, ``benchmarks-v2``, ``results-v2.json``: :func:`world_path`);
 2. the toy CLIP backbone (trained once, ``<workdir>/backbone``);
 3. the frozen-feature cache of the shards (``demind.features``);
 4. De-MINDS training through ``demind.training.train`` (the code behind ``train.py``),
    one run per (variant, seed); the Table 5 ablations are variants;
 5. every method through the evaluation harness (``demind.eval.harness.evaluate``), with
-   per-modification-type recall on the toy CIRR; the negation-aware ``+deo`` variants
-   (:mod:`demind.negation`) with a paired sign test against their base method on the
+   per-modification-type recall on the toy CIRR (``implicit``: World v2's themes); the
+   negation-aware ``+deo`` variants (:mod:`demind.negation`) with a paired sign test against their base method on the
    exclusion set and toy CIRR, and how many toy CIRR queries DEO touches;
 6. a paper-style table (mean ± std over seeds), ``results.json`` and a recall@K plot.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -31,6 +33,7 @@ from demind.io import atomic_path, write_json_atomic
 from .backbone import ToyBackboneConfig, ensure_toy_backbone
 from .benchmarks import ToyBenchmarkConfig, write_benchmarks
 from .intent_data import ToyShardConfig, write_toy_shards
+from .world import WORLDS
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +59,9 @@ BENCH_FOLDERS = {"cirr": "cirr", "imagenet-r": "imgnet", "coco": "coco", "exclus
 @dataclass
 class QuickstartConfig:
     workdir: str = "runs/quickstart"
+    # the toy world (demind/toy/README.md, "World v2"): one setting for every stage; the quickstart
+    # copies it into shards.world, toy_benchmarks.world and backbone.world
+    world: str = setting("v1", choices=WORLDS)
     train_config: str = "configs/train/toy.yaml"
     train_overrides: list[str] = field(default_factory=list)
     seeds: list[int] = setting(default_factory=lambda: [0], ge=0)
@@ -80,7 +86,28 @@ class QuickstartConfig:
                 problems.append((f"shards.{key}", f"= {getattr(self.shards, key)} must be >= 1"))
         if not 1 <= self.shards.jpeg_quality <= 100:
             problems.append(("shards.jpeg_quality", f"= {self.shards.jpeg_quality} must be in 1..100"))
+        for section in WORLD_SECTIONS:
+            value = getattr(self, section).world
+            if value not in (self.world, "v1"):  # "v1" is the sections' default: world= sets them
+                problems.append((f"{section}.world", f"= {value!r} differs from world = {self.world!r}; set the "
+                                 f"world once, with world={value} (the quickstart passes it to every stage)"))
         return problems
+
+
+WORLD_SECTIONS = ("shards", "toy_benchmarks", "backbone")  # the sections that carry a `world` field
+
+
+def with_world(cfg: QuickstartConfig) -> QuickstartConfig:
+    """``cfg`` with its ``world`` copied into every section that has one."""
+    return dataclasses.replace(cfg, **{s: dataclasses.replace(getattr(cfg, s), world=cfg.world)
+                                       for s in WORLD_SECTIONS})
+
+
+def world_path(cfg: QuickstartConfig, name: str) -> Path:
+    """Where a world-dependent output lives: ``<workdir>/<name>`` for v1 (as before worlds existed),
+    ``<workdir>/<stem>-v2<suffix>`` for v2 ("shards-v2", "results-v2.json"), so worlds never mix."""
+    path = Path(cfg.workdir) / name
+    return path if cfg.world == "v1" else path.with_name(f"{path.stem}-{cfg.world}{path.suffix}")
 
 
 # ------------------------------------------------------------------------ stages
@@ -118,7 +145,7 @@ def train_variant(cfg: QuickstartConfig, backbone, variant: str, seed: int, log_
         return export
     overrides = [
         f"backbone.name={backbone.cfg.name}", f"backbone.pretrained={backbone.cfg.pretrained}",
-        f"data.shards={Path(cfg.workdir) / 'shards'}", f"run.output_dir={run_dir}", f"run.seed={seed}",
+        f"data.shards={world_path(cfg, 'shards')}", f"run.output_dir={run_dir}", f"run.seed={seed}",
         f"model.init_logit_scale={log_scale}", f"run.progress={str(cfg.progress).lower()}",
         *VARIANTS[variant], *cfg.train_overrides,
     ]
@@ -128,7 +155,8 @@ def train_variant(cfg: QuickstartConfig, backbone, variant: str, seed: int, log_
 def quickstart_search_paths(workdir: str | Path = "runs/quickstart") -> dict[str, Path]:
     """What ``demind-serve --quickstart`` searches after a quickstart run: the De-MINDS export of
     the lowest seed (newest backbone when the toy CLIP was retrained), the toy CIRR dev images as
-    the gallery, and where their index goes. FileNotFoundError naming what to run otherwise."""
+    the gallery (of the default world, v1), and where their index goes. FileNotFoundError naming
+    what to run otherwise."""
     from demind.training import EXPORT_NAME
 
     workdir = Path(workdir)
@@ -152,7 +180,7 @@ def evaluate_run(cfg: QuickstartConfig, backbone, export: Path, variant: str, se
     from demind.eval.harness import ReaderOptions, evaluate
 
     backbone, model = load_backbone_and_model(export, backbone)
-    bench_root = Path(cfg.workdir) / "benchmarks"
+    bench_root = world_path(cfg, "benchmarks")
     out = {}
     for bench in cfg.benchmarks:
         root = bench_root / BENCH_FOLDERS[bench]
@@ -397,6 +425,29 @@ def metrics_table(runs: dict[str, dict[int, dict[str, dict[str, Any]]]]) -> dict
     return out
 
 
+def per_type_metrics(runs: dict[str, dict[int, dict[str, dict[str, Any]]]]
+                     ) -> dict[str, dict[str, dict[str, Any]]]:
+    """results.json ``per_type``: toy-CIRR recall by modification type (``colour`` ... ``style``,
+    ``implicit`` in World v2, ``multi``, ``all``): method -> type -> ``{"n": queries, "R@k":
+    {"mean", "std", "per_seed"}}`` (percent), methods labelled as in :func:`metrics_table`."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for variant, by_seed in runs.items():
+        for seed, benches in sorted(by_seed.items()):
+            for method, by_type in benches.get("cirr", {}).get("per_type", {}).items():
+                label = method if variant == "demind" else f"{method} [{variant}]"
+                for kind, values in by_type.items():
+                    cell = out.setdefault(label, {}).setdefault(kind, {"n": values["n"]})
+                    for key, value in values.items():
+                        if key != "n":
+                            cell.setdefault(key, {"per_seed": {}})["per_seed"][seed] = value
+    for by_type in out.values():
+        for cell in by_type.values():
+            for key, value in cell.items():
+                if key != "n":
+                    value["mean"], value["std"] = mean_std(list(value["per_seed"].values()))
+    return out
+
+
 def plot_recall(rows: dict[str, Any], path: Path) -> Path | None:
     """Toy CIRR recall@K (K = 1, 5, 10) per method, mean over seeds, as a PNG."""
     try:
@@ -431,6 +482,7 @@ def plot_recall(rows: dict[str, Any], path: Path) -> Path | None:
 
 def run_quickstart(cfg: QuickstartConfig) -> dict[str, Any]:
     """Run (or finish) the whole quickstart; returns the summary written to results.json."""
+    cfg = with_world(cfg)
     workdir = Path(cfg.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
@@ -442,8 +494,9 @@ def run_quickstart(cfg: QuickstartConfig) -> dict[str, Any]:
         logger.info("%s done in %.1f s", name, time.perf_counter() - start)
         return value
 
-    shards = timed("shards", write_toy_shards, workdir / "shards", cfg.shards, cfg.progress)
-    timed("benchmarks", write_benchmarks, workdir / "benchmarks", cfg.toy_benchmarks,
+    logger.info("toy world %s", cfg.world)
+    shards = timed("shards", write_toy_shards, world_path(cfg, "shards"), cfg.shards, cfg.progress)
+    timed("benchmarks", write_benchmarks, world_path(cfg, "benchmarks"), cfg.toy_benchmarks,
           ("cirr", "imgnet", "coco", "exclusion"), cfg.progress)
     backbone, backbone_report, log_scale = timed("backbone", prepare_backbone, cfg)
     timed("features", build_features, cfg, backbone, shards)
@@ -463,15 +516,16 @@ def run_quickstart(cfg: QuickstartConfig) -> dict[str, Any]:
     per_type = format_per_type(rows)
     paired = format_paired(runs)
     deo = format_deo(runs)
-    plot = plot_recall(rows, workdir / "recall_at_k.png")
-    summary = {"rows": rows, "table": table, "per_type_table": per_type, "paired_table": paired, "deo_table": deo,
+    plot = plot_recall(rows, world_path(cfg, "recall_at_k.png"))
+    summary = {"world": cfg.world, "rows": rows, "table": table, "per_type_table": per_type,
+               "paired_table": paired, "deo_table": deo,
                "paired": {seed: b["cirr"].get("paired") for seed, b in runs.get("demind", {}).items() if "cirr" in b},
                "backbone_probes": backbone_report.get("pair_probes"),
-               "metrics": metrics_table(runs), "gate": gates,
+               "metrics": metrics_table(runs), "per_type": per_type_metrics(runs), "gate": gates,
                "deo": {seed: {bench: {k: b[bench][k] for k in ("deo_paired", "deo_touched") if k in b[bench]}
                               for bench in ("exclusion", "cirr") if bench in b}
                        for seed, b in runs.get("demind", {}).items()},
                "timings_s": timings,
                "backbone": backbone_report, "config": asdict(cfg), "plot": str(plot) if plot else None}
-    write_json_atomic(workdir / "results.json", summary, indent=2, default=str)
+    write_json_atomic(world_path(cfg, "results.json"), summary, indent=2, default=str)
     return summary

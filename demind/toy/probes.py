@@ -46,15 +46,16 @@ class PairCase:
     edited: dict[str, Scene]
 
 
-def pair_probe_cases(num_scenes: int, attributes: tuple[str, ...] = PAIR_PROBE_ATTRIBUTES) -> list[PairCase]:
-    """Scenes ``0..num_scenes-1`` of the held-out stream with one edit per attribute.
+def pair_probe_cases(num_scenes: int, attributes: tuple[str, ...] = PAIR_PROBE_ATTRIBUTES,
+                     world: str = "v1") -> list[PairCase]:
+    """Scenes ``0..num_scenes-1`` of the held-out stream (of ``world``) with one edit per attribute.
 
     Every edit is seeded by (attribute, scene index), so the cases do not depend on which
     attributes are probed or in what order.
     """
     cases = []
     for i in range(num_scenes):
-        scene = scene_from_seed(stream_seed(PAIR_PROBE_STREAM, i))
+        scene = scene_from_seed(stream_seed(PAIR_PROBE_STREAM, i), world=world)
         description = full_description(scene, random.Random(derive_seed("pair-probe", "text", i)))
         edited = {a: apply_edit(scene, a, random.Random(derive_seed("pair-probe", a, i))) for a in attributes}
         cases.append(PairCase(i, scene, description, derive_seed("pair-probe", "nuisance", i), edited))

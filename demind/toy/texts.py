@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import random
 
-from .world import Change, Scene, ToyObject, scene_diff
+from .world import IMPLICIT, THEMES, Change, Scene, ToyObject, scene_diff, strip_theme, world_version
 
 POOLS = ("web", "llm", "annotator")
 _POOL_TAG = {"web": "w", "llm": "l", "annotator": "a"}
@@ -69,6 +69,12 @@ def join_list(items: list[str], rng: random.Random) -> str:
 
 # --------------------------------------------------------------- T_ori: web alt-text
 
+# World v2 (README "World v2"): an alt-text of a themed image names its decor at a usual
+# alt-text rate, and the theme word itself seldom.
+P_ALT_DECOR = 0.4
+P_ALT_THEME = 0.03
+
+
 def alt_text(scene: Scene, rng: random.Random) -> str:
     """A short, incomplete web caption: a subset of objects and attributes, maybe noise."""
     objs = list(scene.objects)
@@ -79,6 +85,11 @@ def alt_text(scene: Scene, rng: random.Random) -> str:
     text = join_list(phrases, rng)
     if len(keep) < len(objs) and rng.random() < 0.15:
         text = f"{len(objs)} shapes, {text}" if rng.random() < 0.5 else f"{text} and other shapes"
+    if scene.decor and rng.random() < P_ALT_DECOR:
+        text += " with " + join_list(list(scene.decor), rng)
+    if scene.theme is not None and rng.random() < P_ALT_THEME:  # web text seldom names a theme
+        bundle = THEMES[scene.theme]
+        text = rng.choice((f"{text}, {bundle.name}", f"{bundle.adjective} {text}", f"{bundle.name} scene: {text}"))
     if rng.random() < 0.3:
         text += f" on {scene.background}"
     if scene.style != "photo" and rng.random() < 0.7:
@@ -103,11 +114,24 @@ def full_description(scene: Scene, rng: random.Random) -> str:
     style = f"{article(scene.style)} {scene.style}"
     template = rng.randrange(3)
     if template == 0:
-        return f"{style.capitalize()} of {listed}, on a {scene.background} background."
-    if template == 1:
-        return (f"The image is {style} showing {count}: {listed}. "
+        text = f"{style.capitalize()} of {listed}, on a {scene.background} background."
+    elif template == 1:
+        text = (f"The image is {style} showing {count}: {listed}. "
                 f"The background is {scene.background}.")
-    return f"{style.capitalize()} with {count} on {scene.background}: {listed}."
+    else:
+        text = f"{style.capitalize()} with {count} on {scene.background}: {listed}."
+    return text + _decor_and_details(scene)
+
+
+def _decor_and_details(scene: Scene) -> str:
+    """World v2: ' The scene has falling leaves. Around them: a fence and a cloud.' ('' in v1).
+    Names what is visible; never the theme."""
+    text = ""
+    if scene.decor:
+        text += " The scene has " + " and ".join(scene.decor) + "."
+    if scene.details:
+        text += " Around them: " + " and ".join(with_article(d.kind) for d in scene.details) + "."
+    return text
 
 
 def partial_target_description(scene: Scene, focus: list[ToyObject], rng: random.Random,
@@ -191,6 +215,17 @@ TEMPLATES: dict[str, list[tuple[str, str]]] = {
         ("wl", "change the style to {st1}"),
     ],
 }
+# World v2 themes. The annotator names the theme only, as a user writes it; the LLM names it
+# with its realisation, as an MLLM explains an intent; the web pool has both (rarely drawn).
+TEMPLATES[IMPLICIT] = [
+    ("wa", "make it feel like {noun}"),
+    ("wa", "give it {a_adj} {adj} look"),
+    ("wa", "{a_adj} {adj} version"),
+    ("wa", "the same scene {when}"),
+    ("wl", "make this photo feel like {noun}: {realisation}"),
+    ("wl", "give it {a_adj} {adj} look with {realisation}"),
+    ("wl", "turn it into {a_adj} {adj} scene: {realisation}"),
+]
 TARGET_DESCRIPTION_TEMPLATES: list[tuple[str, str]] = [
     ("wa", "shows {desc}"),
     ("a", "the target shows {desc}"),
@@ -244,7 +279,22 @@ def describe_change(change: Change, rng: random.Random, pool: str) -> str:
         fields.update(bg0=change.old, bg1=change.new, a1=article(change.new))
     elif change.kind == "style":
         fields.update(st0=change.old, st1=change.new, a1=article(change.new))
+    elif change.kind == IMPLICIT:
+        bundle = THEMES[change.new]
+        fields.update(noun=rng.choice(bundle.nouns), adj=bundle.adjective, a_adj=article(bundle.adjective),
+                      when=bundle.when, realisation=theme_realisation(change, rng))
     return template.format(**fields)
+
+
+def theme_realisation(change: Change, rng: random.Random) -> str:
+    """What an implicit change means concretely: 'orange and yellow shapes, falling leaves,
+    on leaves' (the target's palette colours, the decor, the theme's background)."""
+    bundle = THEMES[change.new]
+    parts = [join_list(list(change.colours), rng) + (" shapes" if len(change.colours) > 1 else " objects")]
+    parts.append(" and ".join(bundle.decor))
+    if bundle.background is not None:
+        parts.append(f"on {bundle.background}")
+    return ", ".join(parts)
 
 
 def _changed_objects(target: Scene, changes: list[Change]) -> list[ToyObject]:
@@ -263,7 +313,9 @@ def modification_text(source: Scene, target: Scene, rng: random.Random, pool: st
     changes = scene_diff(source, target)
     if not changes:
         raise ValueError("source and target scenes are identical; nothing to describe")
-    if rng.random() < p_description:
+    implicit = any(c.kind == IMPLICIT for c in changes)
+    # a theme is said as an instruction: a target description would spell out its realisation
+    if rng.random() < p_description and not implicit:
         focus = _changed_objects(target, changes) or [rng.choice(target.objects)]
         bg = any(c.kind == "background" for c in changes) or rng.random() < 0.3
         restyled = any(c.kind == "style" for c in changes)
@@ -276,6 +328,8 @@ def modification_text(source: Scene, target: Scene, rng: random.Random, pool: st
         parts = [describe_change(c, rng, pool) for c in changes]
         text = join_list(parts, rng)
     touched = {c.after.oid for c in changes if c.after is not None} | {c.before.oid for c in changes if c.before}
+    if implicit:  # a theme recolours every object: none is "kept" as it was
+        touched |= {o.oid for o in target.objects}
     kept = [o for o in target.objects if o.oid not in touched]
     if kept and rng.random() < p_keep:
         text += ", " + rng.choice(_templates(KEEP_TEMPLATES, pool)).format(np=_np(rng.choice(kept), rng))
@@ -298,10 +352,18 @@ def web_edit_text(source: Scene, target: Scene, rng: random.Random) -> str:
     return modification_text(source, target, rng, "web", p_description=0.2, p_keep=0.2)
 
 
+# World v2: the share of themed images whose hypothetical source is the unthemed scene, so that
+# their edit text (T_int, or a rare web edit caption) is the theme itself.
+P_THEME_SOURCE = 0.5
+
+
 def hypothetical_source(scene: Scene, rng: random.Random) -> Scene:
-    """A scene 1–2 random edits away from ``scene`` (the "similar image" an edit starts from)."""
+    """A scene 1–2 random edits away from ``scene`` (the "similar image" an edit starts from);
+    for a themed scene (World v2), with probability P_THEME_SOURCE the scene without its theme."""
     from .world import random_edit
 
+    if scene.theme is not None and rng.random() < P_THEME_SOURCE:
+        return strip_theme(scene, rng)
     num_edits = 1 if rng.random() < 0.7 else 2
     source, kinds = scene, []
     for _ in range(num_edits):
@@ -312,13 +374,18 @@ def hypothetical_source(scene: Scene, rng: random.Random) -> Scene:
     return source
 
 
-# Mixture of the backbone's training text (README: "Backbone training text").
+# Mixture of the backbone's training text per world (README: "Backbone training text" and
+# "World v2" (a): edit-form text is rare in web text; v1's alt : full ratio kept).
 WEB_TEXT_MIX = {"alt": 0.45, "full": 0.20, "edit": 0.35}
+WEB_TEXT_MIX_BY_WORLD = {"v1": WEB_TEXT_MIX, "v2": {"alt": 0.675, "full": 0.30, "edit": 0.025}}
 
 
-def web_text(scene: Scene, rng: random.Random) -> str:
-    """One backbone ("web CLIP") training caption for ``scene``, true of it."""
-    kind = rng.choices(list(WEB_TEXT_MIX), list(WEB_TEXT_MIX.values()))[0]
+def web_text(scene: Scene, rng: random.Random, world: str = "v1") -> str:
+    """One backbone ("web CLIP") training caption for ``scene``, true of it, drawn from the
+    world's mixture (WEB_TEXT_MIX_BY_WORLD)."""
+    world_version(world)  # names the worlds on a typo
+    mix = WEB_TEXT_MIX_BY_WORLD[world]
+    kind = rng.choices(list(mix), list(mix.values()))[0]
     if kind == "alt":
         return alt_text(scene, rng)
     if kind == "full":

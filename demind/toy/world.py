@@ -28,8 +28,70 @@ STYLE_WEIGHTS = (0.6, 0.1, 0.1, 0.1, 0.1)
 OBJECT_COUNT_WEIGHTS = {1: 0.35, 2: 0.4, 3: 0.25}
 EDIT_KINDS = ("colour", "shape", "size", "position", "add", "remove", "background", "style")
 
-# Bump when the world's sampling or rendering changes, so caches keyed on it go stale.
-WORLD_VERSION = "toy-world-1"
+# The selectable worlds (README: "World v2"); every cache key holds the world's version string.
+# Bump a version when that world's sampling or rendering changes, so caches keyed on it go stale.
+WORLDS = ("v1", "v2")
+WORLD_VERSIONS = {"v1": "toy-world-1", "v2": "toy-world-2"}
+WORLD_VERSION = WORLD_VERSIONS["v1"]  # the default world's version
+
+
+def world_version(world: str) -> str:
+    """The version string of ``world`` ("v1" -> "toy-world-1"), for cache keys and markers."""
+    if world not in WORLD_VERSIONS:
+        raise ValueError(f"unknown toy world {world!r}; known: {', '.join(WORLDS)}")
+    return WORLD_VERSIONS[world]
+
+
+# ----------------------------------------------------------------- World v2 (README: "World v2")
+
+IMPLICIT = "implicit"  # the edit kind of a theme (an implicit intent); v2 only, not in EDIT_KINDS
+
+
+@dataclass(frozen=True)
+class Theme:
+    """An implicit intent: a bundle of concrete attributes, and how people name it.
+
+    palette: object colours; background: the theme's background (None: kept); decor: added
+    objects (names as texts say them); nouns: "make it feel like {noun}"; adjective: "a
+    {adjective} look"; when: "the same scene {when}".
+    """
+
+    name: str
+    palette: tuple[str, ...]
+    background: str | None
+    decor: tuple[str, ...]
+    nouns: tuple[str, ...]
+    adjective: str
+    when: str
+
+
+THEMES: dict[str, Theme] = {t.name: t for t in (
+    Theme("autumn", ("orange", "yellow", "red"), "leaves", ("falling leaves",),
+          ("autumn", "early fall", "fall"), "autumnal", "in autumn"),
+    Theme("winter", ("white", "blue"), "snow", ("snowflakes",), ("winter", "a winter day"), "wintry", "in winter"),
+    Theme("night", ("blue", "purple", "white"), "dark sky", ("a moon", "stars"), ("night", "nighttime"),
+          "nocturnal", "at night"),
+    Theme("underwater", ("blue", "green", "yellow"), "seabed", ("bubbles", "seaweed"),
+          ("the bottom of the sea", "being underwater"), "underwater", "under the sea"),
+    Theme("festive", ("red", "green", "yellow"), None, ("string lights", "confetti"),
+          ("a holiday", "a celebration"), "festive", "for the holidays"),
+)}
+THEME_BACKGROUNDS = ("leaves", "dark sky", "seabed")  # backgrounds only a theme brings
+P_THEME = 0.25  # share of v2 scenes sampled with a theme applied
+
+# Redundant detail: small items on the border band that every edit keeps and no edit names.
+DETAIL_KINDS = ("fence", "cloud", "flower", "rock", "tree", "lamp", "sign", "ball")
+DETAIL_SLOTS = 5  # positions along the top strip (clouds) or the bottom strip (the rest)
+DETAIL_COUNT_WEIGHTS = {2: 0.5, 3: 0.5}
+
+
+@dataclass(frozen=True)
+class Detail:
+    """One redundant item: kind, slot (0..DETAIL_SLOTS-1 along its strip) and tone (0..2)."""
+
+    kind: str
+    slot: int
+    tone: int
 
 # Disjoint seed streams: scene seed = stream base + index. No two uses share a scene.
 SEED_STREAMS = {
@@ -63,18 +125,31 @@ class Scene:
     objects: tuple[ToyObject, ...]
     background: str
     style: str
+    # World v2 only (empty in v1, and then absent from to_dict / canonical, which stay v1's):
+    theme: str | None = None            # the theme applied (THEMES), if any
+    decor: tuple[str, ...] = ()         # the theme's added objects
+    details: tuple[Detail, ...] = ()    # redundant detail no edit concerns
+
+    def has_v2_content(self) -> bool:
+        return self.theme is not None or bool(self.decor) or bool(self.details)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"objects": [dataclasses.asdict(o) for o in self.objects],
-                "background": self.background, "style": self.style}
+        data: dict[str, Any] = {"objects": [dataclasses.asdict(o) for o in self.objects],
+                                "background": self.background, "style": self.style}
+        if self.has_v2_content():
+            data.update(theme=self.theme, decor=list(self.decor), details=[dataclasses.asdict(d) for d in self.details])
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Scene":
-        return cls(tuple(ToyObject(**o) for o in data["objects"]), data["background"], data["style"])
+        return cls(tuple(ToyObject(**o) for o in data["objects"]), data["background"], data["style"],
+                   data.get("theme"), tuple(data.get("decor", ())), tuple(Detail(**d) for d in data.get("details", ())))
 
     def canonical(self) -> tuple:
         """Identity-free content: two scenes with equal canonical forms look the same."""
         objs = sorted((o.shape, o.colour, o.size, o.position) for o in self.objects)
+        if self.has_v2_content():
+            return (tuple(objs), self.background, self.style, self.theme, self.decor, self.details)
         return (tuple(objs), self.background, self.style)
 
     def object_with_shape(self, shape: str) -> ToyObject | None:
@@ -107,8 +182,64 @@ def _sample_object(rng: random.Random, oid: int, used_shapes: set[str], used_cel
 
 
 def sample_scene(rng: random.Random, num_objects: int | None = None, style: str | None = None,
-                 background: str | None = None) -> Scene:
-    """A random scene; distinct shapes and grid cells within the scene."""
+                 background: str | None = None, world: str = "v1") -> Scene:
+    """A random scene; distinct shapes and grid cells within the scene.
+
+    ``world="v2"``: the v1 scene (same draws), then its details, then with probability
+    P_THEME a random theme applied (which may replace ``background``)."""
+    scene = _sample_v1_scene(rng, num_objects, style, background)
+    if world == "v1":
+        return scene
+    world_version(world)  # names the worlds on a typo
+    scene = with_details(scene, rng)
+    if rng.random() < P_THEME:
+        scene = apply_theme(scene, rng.choice(list(THEMES)), rng)
+    return scene
+
+
+def sample_details(rng: random.Random) -> tuple[Detail, ...]:
+    """2-3 details in distinct slots of their strip (clouds on top, the rest at the bottom)."""
+    counts, weights = zip(*DETAIL_COUNT_WEIGHTS.items())
+    details: list[Detail] = []
+    for _ in range(rng.choices(counts, weights)[0]):
+        kind = rng.choice([k for k in DETAIL_KINDS if k not in {d.kind for d in details}])
+        top = kind == "cloud"
+        used = {d.slot for d in details if (d.kind == "cloud") == top}
+        details.append(Detail(kind, rng.choice([i for i in range(DETAIL_SLOTS) if i not in used]), rng.randrange(3)))
+    return tuple(details)
+
+
+def with_details(scene: Scene, rng: random.Random) -> Scene:
+    """``scene`` with freshly sampled details (World v2)."""
+    return dataclasses.replace(scene, details=sample_details(rng))
+
+
+def apply_theme(scene: Scene, theme: str, rng: random.Random) -> Scene:
+    """The theme's bundle applied to ``scene``: every object's colour redrawn from the
+    palette, the theme's background (when it has one), its decor, and ``theme`` set."""
+    if theme not in THEMES:
+        raise ValueError(f"unknown theme {theme!r}; known: {', '.join(THEMES)}")
+    bundle = THEMES[theme]
+    objects = tuple(dataclasses.replace(o, colour=rng.choice(bundle.palette)) for o in scene.objects)
+    return dataclasses.replace(scene, objects=objects, background=bundle.background or scene.background,
+                               decor=bundle.decor, theme=theme)
+
+
+def strip_theme(scene: Scene, rng: random.Random) -> Scene:
+    """A plausible unthemed scene that ``apply_theme`` turns into ``scene``: random object
+    colours, a random v1 background where the theme brought one, no decor, no theme."""
+    if scene.theme is None:
+        return scene
+    bundle = THEMES[scene.theme]
+    objects = tuple(dataclasses.replace(o, colour=rng.choice(COLOURS)) for o in scene.objects)
+    background = scene.background
+    if bundle.background is not None:
+        background = rng.choice([b for b in BACKGROUNDS if b != scene.background])
+    return dataclasses.replace(scene, objects=objects, background=background, decor=(), theme=None)
+
+
+def _sample_v1_scene(rng: random.Random, num_objects: int | None, style: str | None,
+                     background: str | None) -> Scene:
     if num_objects is None:
         counts, weights = zip(*OBJECT_COUNT_WEIGHTS.items())
         num_objects = rng.choices(counts, weights)[0]
@@ -123,6 +254,7 @@ def sample_scene(rng: random.Random, num_objects: int | None = None, style: str 
 
 
 def scene_from_seed(seed: int, **kwargs: Any) -> Scene:
+    """``sample_scene`` from ``random.Random(seed)``; ``world=`` and the other arguments pass on."""
     return sample_scene(random.Random(seed), **kwargs)
 
 
@@ -135,6 +267,8 @@ def edit_is_possible(scene: Scene, kind: str) -> bool:
         return len(scene.objects) < 3
     if kind == "remove":
         return len(scene.objects) >= 2
+    if kind == IMPLICIT:
+        return scene.theme is None
     return kind in EDIT_KINDS
 
 
@@ -145,7 +279,8 @@ def apply_edit(scene: Scene, kind: str, rng: random.Random, oid: int | None = No
     shape is not already in the scene, and so on.
     """
     if not edit_is_possible(scene, kind):
-        raise ValueError(f"edit {kind!r} is not possible on a scene with {len(scene.objects)} objects")
+        raise ValueError(f"edit {kind!r} is not possible on a scene with {len(scene.objects)} objects"
+                         + (f" and theme {scene.theme!r}" if kind == IMPLICIT else ""))
     by_id = {o.oid: o for o in scene.objects}
     target = by_id[oid] if oid is not None else rng.choice(scene.objects)
     shapes = {o.shape for o in scene.objects}
@@ -171,7 +306,9 @@ def apply_edit(scene: Scene, kind: str, rng: random.Random, oid: int | None = No
         return dataclasses.replace(scene, background=rng.choice([b for b in BACKGROUNDS if b != scene.background]))
     if kind == "style":
         return dataclasses.replace(scene, style=rng.choice([s for s in STYLES if s != scene.style]))
-    raise ValueError(f"unknown edit kind {kind!r}; known: {EDIT_KINDS}")
+    if kind == IMPLICIT:
+        return apply_theme(scene, rng.choice(list(THEMES)), rng)
+    raise ValueError(f"unknown edit kind {kind!r}; known: {EDIT_KINDS + (IMPLICIT,)}")
 
 
 def random_edit(scene: Scene, rng: random.Random, exclude: tuple[str, ...] = ()) -> tuple[str, Scene]:
@@ -185,8 +322,10 @@ def random_edit(scene: Scene, rng: random.Random, exclude: tuple[str, ...] = ())
 class Change:
     """One difference between a source and a target scene, for writing texts.
 
-    kind: one of EDIT_KINDS. ``before``/``after`` are the object before and after
-    (None for add / remove respectively); ``old``/``new`` hold the background or style.
+    kind: one of EDIT_KINDS, or IMPLICIT (a theme applied). ``before``/``after`` are the object
+    before and after (None for add / remove respectively); ``old``/``new`` hold the background
+    or style, or for IMPLICIT the themes; ``colours`` (IMPLICIT) the target's object colours,
+    the palette's realisation.
     """
 
     kind: str
@@ -194,6 +333,7 @@ class Change:
     after: ToyObject | None = None
     old: str | None = None
     new: str | None = None
+    colours: tuple[str, ...] = ()
 
 
 def scene_diff(source: Scene, target: Scene) -> list[Change]:
@@ -221,7 +361,25 @@ def scene_diff(source: Scene, target: Scene) -> list[Change]:
         changes.append(Change("background", old=source.background, new=target.background))
     if source.style != target.style:
         changes.append(Change("style", old=source.style, new=target.style))
+    if source.theme != target.theme:
+        changes = _fold_theme(source, target, changes)
     return changes
+
+
+def _fold_theme(source: Scene, target: Scene, changes: list[Change]) -> list[Change]:
+    """One IMPLICIT change first, absorbing the bundle's colour and background changes; every
+    other difference stays its own change."""
+    if target.theme is None:
+        raise ValueError(f"no modification text can remove a theme ({source.theme!r}): toy texts only apply themes")
+    bundle = THEMES[target.theme]
+
+    def in_bundle(c: Change) -> bool:
+        return ((c.kind == "colour" and c.after.colour in bundle.palette)
+                or (c.kind == "background" and c.new == bundle.background))
+
+    implicit = Change(IMPLICIT, old=source.theme, new=target.theme,
+                      colours=tuple(dict.fromkeys(o.colour for o in target.objects)))
+    return [implicit] + [c for c in changes if not in_bundle(c)]
 
 
 def modification_type(changes: list[Change]) -> str:
