@@ -196,3 +196,39 @@ def test_a_resnet_image_tower_config_builds_and_trains(tmp_path):
     assert image_size == 64
     trained, log = toy_backbone.train_toy_clip(cfg, progress=False)
     assert np.isfinite(log["final_loss"])
+
+
+def test_hard_negative_groups_fill_the_batch_with_one_edit_photographs():
+    """A group is one scene photographed with the same nuisances, each other member edited in
+    exactly one attribute of ``group_edits``, captioned by its full description; the rest of
+    the batch is random web pairs."""
+    import random
+
+    from demind.toy.backbone import draw_batch, groups_per_batch, render_group_pool
+    from demind.toy.texts import full_description
+    from demind.toy.world import scene_diff
+
+    cfg = ToyBackboneConfig(batch_size=10, group_share=0.8, group_edits=("shape", "size", "position"),
+                            num_group_scenes=3, num_train_images=6)
+    assert groups_per_batch(cfg) == 2  # 2 groups of 4 = 8 of 10; at least one random pair stays
+    groups, group_images = render_group_pool(3, cfg.group_edits, 64, progress=False)
+    assert group_images.shape == (3, 4, 64, 64, 3)
+    for members in groups:
+        for kind, edited in zip(cfg.group_edits, members[1:]):
+            assert [c.kind for c in scene_diff(members[0], edited)] == [kind]
+    # same nuisances: an edit changes only a small part of the photograph
+    changed = (np.abs(group_images[:, 1:].astype(int) - group_images[:, :1].astype(int)).sum(-1) > 0).mean()
+    assert 0.0 < changed < 0.25
+
+    web = [scene_from_seed(7000 + i) for i in range(6)]
+    web_images = np.zeros((6, 64, 64, 3), np.uint8)
+    images, texts = draw_batch(cfg, web, web_images, groups, group_images, 2, random.Random(0))
+    assert images.shape == (10, 64, 64, 3) and len(texts) == 10
+    group_texts = texts[2:]
+    # each member's caption is its own scene's full description (templates vary, the content not)
+    for start in (0, 4):
+        block = images[2 + start: 2 + start + 4]
+        g = next(i for i in range(3) if np.array_equal(group_images[i], block))
+        for scene, text in zip(groups[g], group_texts[start:start + 4]):
+            assert all(o.shape in text and o.colour in text for o in scene.objects)
+            assert text in {full_description(scene, random.Random(s)) for s in range(50)}
