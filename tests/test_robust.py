@@ -189,6 +189,8 @@ def test_conesep_needs_the_negative_prompt(repo_root, tmp_path, capsys):
     assert "model.negative_tokens" in capsys.readouterr().err
     assert train.main(args + ["noise.mode=cone"]) == 2
     assert "noise.mode" in capsys.readouterr().err
+    assert train.main(args + ["noise.mode=filter", "model.negative_tokens=2"]) == 2
+    assert "only used by noise.mode=conesep" in capsys.readouterr().err
 
 
 @pytestmark_train

@@ -85,6 +85,10 @@ class TrainConfig:
         if self.noise.mode == "conesep" and self.model.negative_tokens < 1:
             problems.append(("model.negative_tokens", "= 0, but noise.mode=conesep needs ConeSep's negative prompt; "
                                                       "set model.negative_tokens (e.g. 4)"))
+        if self.noise.mode != "conesep" and self.model.negative_tokens > 0:
+            # an unused parameter would also stop multi-process (DDP) training at its second step
+            problems.append(("model.negative_tokens", f"= {self.model.negative_tokens} is only used by "
+                                                      f"noise.mode=conesep (here {self.noise.mode!r}); set it to 0"))
         return problems
 
 
