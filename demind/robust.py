@@ -87,6 +87,16 @@ class NoiseConfig:
     sinkhorn_reg: float = setting(0.05, gt=0)  # entropic regularisation of the OT (costs lie in [0, 2])
     sinkhorn_iters: int = setting(1000, ge=1)
 
+    def config_problems(self) -> list[tuple[str, str]]:
+        """conesep's OT solver is POT (an optional dependency): missing, it is named at load time,
+        not after the warm-up."""
+        import importlib.util
+
+        if self.mode == "conesep" and importlib.util.find_spec("ot") is None:
+            return [("mode", "= 'conesep' needs POT for the Sinkhorn solver: pip install pot "
+                             "(or pip install -e '.[robust]')")]
+        return []
+
 
 # --------------------------------------------------------------------------- fidelity per term
 

@@ -261,7 +261,8 @@ def test_noise_modes_on_cached_features_equal_decoded_images(repo_root, tmp_path
     results = {}
     for mode in ("auto", "null"):
         cfg = smoke_config(repo_root, shards, f"data.features={mode}", "model.mapping_dropout=0",
-                           f"noise.mode={noise_mode}", "model.negative_tokens=2")
+                           f"noise.mode={noise_mode}",
+                           f"model.negative_tokens={2 if noise_mode == 'conesep' else 0}")
         backbone, model = build_modules(cfg, torch.device("cpu"))
         loader, _ = build_data(cfg, OneProcess(), backbone, TrainState())
         batch = next(iter(loader))

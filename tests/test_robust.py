@@ -219,3 +219,16 @@ def test_conesep_on_the_feature_cache_resumes_to_the_same_weights(repo_root, tmp
     mb = [json.loads(line) for line in (split / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in mb] == list(range(1, 7))
     assert [m["ul"] for m in mb] == pytest.approx([m["ul"] for m in ma], rel=1e-5)
+
+
+def test_conesep_without_pot_is_named_at_load_time(monkeypatch):
+    import importlib.util
+
+    from demind.config import ConfigError, load_config
+    from demind.training import TrainConfig
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ot" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"noise.mode.*pip install pot"):
+        load_config(TrainConfig, None, ["noise.mode=conesep", "model.negative_tokens=2"])
+    load_config(TrainConfig, None, ["noise.mode=filter"])  # the other modes need no POT
