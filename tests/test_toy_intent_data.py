@@ -138,3 +138,19 @@ def test_noise_settings_are_part_of_the_shard_identity_and_counted(tmp_path):
     assert stats["noise"]["noisy"] == sum(x is not None for x in noisy) > 0
     assert sum(stats["noise"]["by_edit"].values()) == stats["noise"]["noisy"]
     assert [s["rew.txt"] for s in samples] != clean_rew
+
+
+def test_shards_written_before_the_noise_option_count_as_clean_not_stale(tmp_path):
+    cfg = ToyShardConfig(num_samples=3, samples_per_shard=3)
+    path = write_toy_shards(tmp_path, cfg, show_progress=False, workers=1)[0]
+    stats_path = tmp_path / "00000_stats.json"
+    stats = json.loads(stats_path.read_text())
+    for key in ("noise_kind", "noise_rate"):
+        del stats["config"][key]  # as an older version wrote it
+    stats_path.write_text(json.dumps(stats))
+    mtime = path.stat().st_mtime_ns
+    write_toy_shards(tmp_path, cfg, show_progress=False, workers=1)
+    assert path.stat().st_mtime_ns == mtime  # reused
+    write_toy_shards(tmp_path, ToyShardConfig(num_samples=3, samples_per_shard=3, noise_kind="easy", noise_rate=0.5),
+                     show_progress=False, workers=1)
+    assert json.loads(stats_path.read_text())["config"]["noise_kind"] == "easy"  # a noisy config rewrites it

@@ -208,6 +208,13 @@ def write_toy_shards(out_dir: str | Path, cfg: ToyShardConfig | None = None, sho
     return [ShardOutput.for_id(out_dir, i).tar for i in range(num_shards)]
 
 
+# Settings added after shards were first written, with the value older shards had: a shard
+# written before the noise option existed is a clean shard, not a stale one.
+LATER_SETTINGS = {"noise_kind": "none", "noise_rate": 0.0}
+
+
 def _is_current(output: ShardOutput, cfg: ToyShardConfig) -> bool:
     stats = output.load_stats() if output.tar.is_file() else None
-    return stats is not None and stats.get("world_version") == WORLD_VERSION and stats.get("config") == asdict(cfg)
+    if stats is None or stats.get("world_version") != WORLD_VERSION or not isinstance(stats.get("config"), dict):
+        return False
+    return {**LATER_SETTINGS, **stats["config"]} == asdict(cfg)
