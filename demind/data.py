@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from demind.config import setting
 from demind.errors import DemindError
 from demind.shard_format import CAPTION_FIELD, IMAGE_FIELDS, INTENT_FIELD, REWRITTEN_FIELD
-from demind.targets import TargetSampling, sample_target_text
+from demind.targets import TargetSampling, sample_target_kind
 
 logger = logging.getLogger(__name__)
 
@@ -255,9 +255,11 @@ class StreamSpec:
 class IntentStream(IterableDataset):
     """Endless stream of batches for one process.
 
-    Yields dicts with ``keys``, ``targets`` (sampled target descriptions), ``intents``
-    (T_int), either ``images`` (B, 3, H, W) or ``image_emb``/``teacher_emb`` (B, D) from a
-    feature cache, plus ``worker``, ``position`` (group, offset) and ``counts``.
+    Yields dicts with ``keys``, ``targets`` (sampled target descriptions), ``target_kinds``
+    (which text each is: original / rewritten / intent), ``intents`` (T_int), ``rewritten``
+    (T_rew), either ``images`` (B, 3, H, W) or ``image_emb``/``teacher_emb``/``rew_emb`` (B, D)
+    from a feature cache, plus ``worker``,
+    ``position`` (group, offset) and ``counts``.
     """
 
     def __init__(self, spec: StreamSpec, transform: Callable | None = None,
@@ -284,8 +286,9 @@ class IntentStream(IterableDataset):
                     yield from read_tar_samples(shard, s.missing_text, stats)
 
         for offset, sample in enumerate(shuffled(chained(), s.shuffle_buffer, rng)):
-            sample["target"] = sample_target_text(sample["original"], sample["rewritten"],
-                                                  sample["intent"], rng, s.targets)
+            # which text was drawn matters to the noise modes (GFQ scores T_rew and T_int)
+            sample["target_kind"] = sample_target_kind(rng, s.targets)
+            sample["target"] = sample[sample["target_kind"]]
             sample["position"] = (group, offset + 1)
             yield sample
 
@@ -349,7 +352,9 @@ def collate(samples: list[dict[str, Any]], worker: int, counts: dict[str, int]) 
     batch: dict[str, Any] = dict(
         keys=[s["key"] for s in samples],
         targets=[s["target"] for s in samples],
+        target_kinds=[s["target_kind"] for s in samples],
         intents=[s["intent"] for s in samples],
+        rewritten=[s["rewritten"] for s in samples],
         worker=worker,
         position=samples[-1]["position"],
         counts=counts,
@@ -359,6 +364,7 @@ def collate(samples: list[dict[str, Any]], worker: int, counts: dict[str, int]) 
     else:
         batch["image_emb"] = torch.stack([s["image_emb"] for s in samples])
         batch["teacher_emb"] = torch.stack([s["teacher_emb"] for s in samples])
+        batch["rew_emb"] = torch.stack([s["rew_emb"] for s in samples])
     return batch
 
 

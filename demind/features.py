@@ -5,13 +5,19 @@ so ``demind-features --config configs/train/paper.yaml`` (:mod:`demind.cli.featu
 
 * ``image_emb`` (N, D): ``FrozenCLIP.encode_image`` of each image (raw, not normalised),
 * ``teacher_emb`` (N, D): ``FrozenCLIP.encode_text(T_int).pooled`` (raw, not normalised),
+* ``rew_emb`` (N, D): ``FrozenCLIP.encode_text(T_rew).pooled`` (raw, not normalised),
+* ``fidelity_int``, ``fidelity_rew`` (N,) float32: GFQ fidelity of T_int and T_rew against
+  the image (:mod:`demind.fidelity`; the pool is the shard), computed from the tensors above,
 
 and writes them with the sample keys and the three texts (the trainer still samples the
 target description per step).  One cache per shard, two files:
 
-* ``<shard>.safetensors`` -- the two tensors, written to a temp file then renamed;
-* ``<shard>.json`` -- keys, texts, counts and the backbone identity; written last, so it
-  is the done-marker: a rerun skips shards whose json exists and rebuilds the others.
+* ``<shard>.safetensors`` -- the tensors, written to a temp file then renamed;
+* ``<shard>.json`` -- keys, texts, counts, GFQ boundaries, the backbone identity and the
+  shard's fingerprint (tar size and stats file digest); written last, so it is the
+  done-marker: a rerun skips shards whose json exists and rebuilds the others. A cache of an
+  older format, or of a shard that was rewritten since (e.g. with other noise settings), is
+  rebuilt, logged.
 
 The trainer reads one shard at a time (memory stays flat as shards grow), refuses a
 cache made with another backbone, and then reads and decodes no image.
@@ -39,7 +45,7 @@ from demind.shard_format import shard_name
 
 logger = logging.getLogger(__name__)
 
-CACHE_FORMAT = "demind-feature-cache/1"
+CACHE_FORMAT = "demind-feature-cache/2"  # /2: rew_emb and GFQ fidelity
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -107,10 +113,31 @@ def read_index(directory: str | Path, shard: str) -> dict[str, Any] | None:
                                 f"and rerun python -m demind.features to rebuild that shard") from None
 
 
+def shard_fingerprint(shard: str | Path) -> dict[str, Any]:
+    """What identifies a shard's content cheaply: the tar's size and the digest of its stats
+    file (the done-marker every writer leaves, which records the writer's config), if any."""
+    import hashlib
+
+    from demind.shard_format import stats_path
+
+    tar, stats = Path(shard), stats_path(shard)
+    digest = hashlib.sha256(stats.read_bytes()).hexdigest()[:16] if stats.is_file() else None
+    return {"size": tar.stat().st_size if tar.is_file() else None, "stats_sha256": digest}
+
+
+def is_stale(index: dict[str, Any], shard: str) -> str | None:
+    """Why a shard's cache must be rebuilt (older format, rewritten shard), or None."""
+    if index.get("format") != CACHE_FORMAT:
+        return f"format {index.get('format')} is not {CACHE_FORMAT}"
+    if Path(shard).is_file() and index.get("shard_fingerprint") != shard_fingerprint(shard):
+        return "the shard was rewritten since it was cached"
+    return None
+
+
 def check_identity(index: dict[str, Any], identity: dict[str, Any], where: Path) -> None:
     """Refuse a cache written by another backbone, naming both."""
     cached = index.get("backbone")
-    if index.get("format") != CACHE_FORMAT or not _same_identity(cached or {}, identity):
+    if not _same_identity(cached or {}, identity):
         raise FeatureCacheError(
             f"feature cache {where} was made with backbone {cached} but this run uses {identity}; "
             f"point data.features at a cache of this backbone, rebuild it with "
@@ -147,7 +174,8 @@ class ShardFeatureCache:
         return None
 
     def samples(self, shard: str) -> Iterator[dict[str, Any]]:
-        """Samples of ``shard`` in tar order: key, texts, image_emb (D,), teacher_emb (D,) float32."""
+        """Samples of ``shard`` in tar order: key, texts, image_emb (D,), teacher_emb (D,), rew_emb (D,)
+        float32 and the GFQ fidelities fidelity_int, fidelity_rew (scalars)."""
         from safetensors.torch import load_file
 
         tensors_path, index_path = cache_files(self.directory, shard)
@@ -157,10 +185,25 @@ class ShardFeatureCache:
         tensors = load_file(str(tensors_path))
         image_emb = tensors["image_emb"].float()
         teacher_emb = tensors["teacher_emb"].float()
+        rew_emb = tensors["rew_emb"].float()
+        fid_int, fid_rew = tensors["fidelity_int"].float(), tensors["fidelity_rew"].float()
         for i, key in enumerate(index["keys"]):
             yield dict(key=key, shard=shard, original=index["original"][i],
                        rewritten=index["rewritten"][i], intent=index["intent"][i],
-                       image_emb=image_emb[i], teacher_emb=teacher_emb[i])
+                       image_emb=image_emb[i], teacher_emb=teacher_emb[i], rew_emb=rew_emb[i],
+                       fidelity_int=fid_int[i], fidelity_rew=fid_rew[i])
+
+
+    def fidelities(self, shards: list[str]) -> dict[str, torch.Tensor]:
+        """GFQ fidelity of every sample of ``shards``, in shard then tar order: {"int": (N,), "rew": (N,)}."""
+        from safetensors.torch import load_file
+
+        out: dict[str, list[torch.Tensor]] = {"int": [], "rew": []}
+        for shard in shards:
+            tensors = load_file(str(cache_files(self.directory, shard)[0]))
+            for kind in out:
+                out[kind].append(tensors[f"fidelity_{kind}"].float())
+        return {kind: torch.cat(parts) if parts else torch.zeros(0) for kind, parts in out.items()}
 
 
 # --------------------------------------------------------------------------- building
@@ -215,26 +258,54 @@ def write_shard_cache(directory: Path, shard: str, identity: dict[str, Any], par
     from safetensors.torch import save
 
     tensors_path, index_path = cache_files(directory, shard)
-    image_emb = torch.cat(parts["image_emb"]) if parts["image_emb"] else torch.zeros(0, 0)
-    teacher_emb = torch.cat(parts["teacher_emb"]) if parts["teacher_emb"] else torch.zeros(0, 0)
-    write_bytes_atomic(tensors_path, save({"image_emb": image_emb.to(dtype).contiguous(),
-                                            "teacher_emb": teacher_emb.to(dtype).contiguous()}))
+    emb = {name: torch.cat(parts[name]) if parts[name] else torch.zeros(0, 0)
+           for name in ("image_emb", "teacher_emb", "rew_emb")}
+    # fidelity from the stored (possibly bf16) values, so it equals what a reader recomputes
+    emb = {name: value.to(dtype) for name, value in emb.items()}
+    fidelity, gfq = shard_fidelity(shard, emb)
+    write_bytes_atomic(tensors_path, save({**{k: v.contiguous() for k, v in emb.items()}, **fidelity}))
     index = dict(format=CACHE_FORMAT, backbone=identity, shard=str(shard), dtype=str(dtype).removeprefix("torch."),
+                 shard_fingerprint=shard_fingerprint(shard), gfq=gfq,
                  num_samples=len(parts["keys"]), counts=counts, keys=parts["keys"],
                  original=parts["original"], rewritten=parts["rewritten"], intent=parts["intent"])
     write_bytes_atomic(index_path, json.dumps(index).encode())
     return index
 
 
+def shard_fidelity(shard: str, emb: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """GFQ fidelity of T_int and T_rew over the shard's pool: ({"fidelity_int": (N,), "fidelity_rew": (N,)}
+    float32, {kind: {"boundary", "tau", "k"}}). Seeded by the shard's name, so a rebuild writes the same values."""
+    import hashlib
+
+    from demind.fidelity import GFQ_PAIRINGS, gfq_fidelity
+
+    fidelity, gfq = {}, {}
+    for kind, name in (("int", "teacher_emb"), ("rew", "rew_emb")):
+        if emb[name].numel() == 0:
+            fidelity[f"fidelity_{kind}"] = torch.zeros(0)
+            continue
+        seed = int.from_bytes(hashlib.sha256(f"gfq/{shard_name(shard)}/{kind}".encode()).digest()[:8], "little") >> 1
+        generator = torch.Generator().manual_seed(seed)
+        values, boundary = gfq_fidelity(emb["image_emb"], emb[name], GFQ_PAIRINGS, generator)
+        fidelity[f"fidelity_{kind}"] = values.float().contiguous()
+        gfq[kind] = {"boundary": boundary.boundary, "tau": boundary.tau, "k": GFQ_PAIRINGS}
+    return fidelity, gfq
+
+
 def shards_to_build(directory: Path, shards: list[str], identity: dict[str, Any]) -> list[str]:
-    """Shards without a finished cache; a cache of another backbone here is an error."""
+    """Shards without a current cache (none, an older format, or a rewritten shard; logged);
+    a cache of another backbone here is an error."""
     todo = []
     for shard in shards:
         index = read_index(directory, shard)
         if index is None:
             todo.append(shard)
-        else:
-            check_identity(index, identity, cache_files(directory, shard)[1])
+            continue
+        check_identity(index, identity, cache_files(directory, shard)[1])
+        stale = is_stale(index, shard)
+        if stale:
+            logger.info("feature cache of %s is rebuilt: %s", shard_name(shard), stale)
+            todo.append(shard)
     return todo
 
 
@@ -242,7 +313,7 @@ def shards_to_build(directory: Path, shards: list[str], identity: dict[str, Any]
 def build_feature_cache(shards: list[str], directory: str | Path, backbone: Any, *, batch_size: int = 256,
                         num_workers: int = 4, missing_text: str = "error", dtype: str = "float32",
                         device: str | torch.device = "cpu", progress: bool = True) -> dict[str, Any]:
-    """Cache image and teacher embeddings of every shard not yet cached in ``directory``.
+    """Cache image, T_int (teacher) and T_rew embeddings and GFQ fidelity of every shard not yet cached in ``directory``.
 
     ``backbone`` is a ``FrozenCLIP``.  Returns a summary: shards built/skipped, samples,
     skip/fallback counts, seconds.
@@ -261,7 +332,8 @@ def build_feature_cache(shards: list[str], directory: str | Path, backbone: Any,
     bar = tqdm(total=len(todo), desc="feature cache", unit="shard", disable=not progress)
     for batch in loader:
         parts = parts_by_shard.setdefault(batch["shard"], dict(
-            keys=[], original=[], rewritten=[], intent=[], image_emb=[], teacher_emb=[], counts=Counter()))
+            keys=[], original=[], rewritten=[], intent=[], image_emb=[], teacher_emb=[], rew_emb=[],
+            counts=Counter()))
         parts["counts"].update(batch["counts"])
         if batch["keys"]:
             parts["image_emb"].append(backbone.encode_image(batch["pixels"].to(device)).cpu())
@@ -270,6 +342,11 @@ def build_feature_cache(shards: list[str], directory: str | Path, backbone: Any,
             # T_int longer than the context is cut (from its end); counted with the shard's skips
             if backbone.text_counts["truncated"] > truncated:
                 parts["counts"]["intent_text_truncated"] += backbone.text_counts["truncated"] - truncated
+            truncated = backbone.text_counts["truncated"]
+            # T_rew's embedding: GFQ scores it against the image (demind.fidelity)
+            parts["rew_emb"].append(backbone.encode_text(batch["rewritten"]).pooled.float().cpu())
+            if backbone.text_counts["truncated"] > truncated:
+                parts["counts"]["rewritten_text_truncated"] += backbone.text_counts["truncated"] - truncated
             for name in ("keys", "original", "rewritten", "intent"):
                 parts[name].extend(batch[name])
         if batch["last"]:

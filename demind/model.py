@@ -53,6 +53,9 @@ class ModelConfig:
     template: str = TEMPLATES["cirr"]
     learnable_temperature: bool = False
     init_logit_scale: float = math.log(100.0)  # CLIP's trained value; used unless learnable
+    # ConeSep's NBL (training.noise.mode=conesep): learnable negative prompt tokens; 0 = none.
+    # Used in training only; queries never read them.
+    negative_tokens: int = setting(0, ge=0)
 
     def __post_init__(self) -> None:
         if self.fusion not in FUSIONS:
@@ -175,6 +178,11 @@ class DeMinds(nn.Module):
         else:
             self.register_buffer("logit_scale", scale)
         self.intent_prompt = " ".join([PLACEHOLDER] * cfg.num_queries)
+        if cfg.negative_tokens:
+            # P_neg, at CLIP's token-embedding scale like the intention queries
+            self.negative_prompt = nn.Parameter(torch.randn(cfg.negative_tokens, backbone.width) * 0.02)
+            # the target-description prompt with P_neg in place of the description: "a photo of * , * *"
+            self.negative_template = cfg.template.replace("{text}", " ".join([PLACEHOLDER] * cfg.negative_tokens))
 
     def _apply(self, fn, recurse: bool = True):  # noqa: ANN001 - torch's signature
         # .to(device) / .half() also move the held backbone, so one call places everything.
@@ -210,6 +218,17 @@ class DeMinds(nn.Module):
         t_cls = F.normalize(target.pooled, dim=-1)
         t_star = self.intention_embedding(target.tokens, target.mask)
         return ComposeOutput(self.fuse(t_cls, t_star), t_cls, t_star)
+
+    def negative_composition(self, image_emb: torch.Tensor) -> torch.Tensor:
+        """NBL's diagonal negative composition F_neg: the query's own S* composed with the learnable
+        negative prompt P_neg instead of a description. (B, D) image embeddings -> (B, D) L2-normalised."""
+        if not self.cfg.negative_tokens:
+            raise ValueError("negative_composition needs model.negative_tokens >= 1 (ConeSep's negative prompt)")
+        s_star = self.pseudo_token(image_emb).unsqueeze(1)  # (B, 1, W)
+        tokens = torch.cat([s_star, self.negative_prompt.unsqueeze(0).expand(s_star.shape[0], -1, -1)
+                            .to(s_star.dtype)], dim=1)
+        out = self.backbone.encode_template_with_pseudo_tokens(self.negative_template, tokens)
+        return F.normalize(out.pooled, dim=-1)
 
     def fuse(self, t_cls: torch.Tensor, t_star: torch.Tensor) -> torch.Tensor:
         """Gate (or an ablation of it) on normalised embeddings -> (B, D) normalised t_hat."""

@@ -23,11 +23,19 @@ class TargetSampling:
             raise ValueError(f"target sampling probabilities must be >= 0 and sum to 1, got {probs}")
 
 
-def sample_target_text(original: str, rewritten: str, intent: str, rng: random.Random, probs: TargetSampling) -> str:
-    """Draw one of the three texts with the configured probabilities."""
+TARGET_KINDS = ("original", "rewritten", "intent")
+
+
+def sample_target_kind(rng: random.Random, probs: TargetSampling) -> str:
+    """Which text to read: one of TARGET_KINDS, drawn with the configured probabilities (one draw)."""
     u = rng.random()
     if u < probs.p_original:
-        return original
+        return "original"
     if u < probs.p_original + probs.p_rewritten:
-        return rewritten
-    return intent
+        return "rewritten"
+    return "intent"
+
+
+def sample_target_text(original: str, rewritten: str, intent: str, rng: random.Random, probs: TargetSampling) -> str:
+    """Draw one of the three texts with the configured probabilities."""
+    return {"original": original, "rewritten": rewritten, "intent": intent}[sample_target_kind(rng, probs)]

@@ -249,3 +249,25 @@ def test_half_precision_backbones_encode_float32_images_and_texts(tiny_backbone)
         assert torch.nn.functional.cosine_similarity(txt, ref_txt).min() > 0.999
     with pytest.raises(ValueError, match="backbone.precision"):
         BackboneConfig(precision="half")
+
+
+@pytest.mark.parametrize("noise_mode", ["downweight", "conesep"])
+def test_noise_modes_on_cached_features_equal_decoded_images(repo_root, tmp_path, noise_mode):
+    """GFQ per batch reads T_rew's embedding from the cache (no text pass) or encodes it: same losses."""
+    shards = tmp_path / "shards"
+    write_synthetic_shards(shards, num_shards=2, samples_per_shard=12)
+    build_cache(repo_root, shards, "data.cache_dtype=float32", "--plot", "none")
+
+    results = {}
+    for mode in ("auto", "null"):
+        cfg = smoke_config(repo_root, shards, f"data.features={mode}", "model.mapping_dropout=0",
+                           f"noise.mode={noise_mode}",
+                           f"model.negative_tokens={2 if noise_mode == 'conesep' else 0}")
+        backbone, model = build_modules(cfg, torch.device("cpu"))
+        loader, _ = build_data(cfg, OneProcess(), backbone, TrainState())
+        batch = next(iter(loader))
+        results[mode] = (batch, compute_losses(model, batch, backbone, noise=cfg.noise, step=1, seed=0))
+    (cached, cached_losses), (raw, raw_losses) = results["auto"], results["null"]
+    assert "rew_emb" in cached and "rew_emb" not in raw and cached["target_kinds"] == raw["target_kinds"]
+    for term in ("loss", "distil", "align", "ul", "intra", "noisy_align", "noisy_distil"):
+        torch.testing.assert_close(cached_losses[term], raw_losses[term], rtol=1e-4, atol=1e-5, msg=term)

@@ -77,3 +77,80 @@ def test_trainer_reader_accepts_toy_shards(tmp_path):
     first = samples[0]
     assert first["image"][:2] == b"\xff\xd8"  # JPEG
     assert first["original"] and first["rewritten"] and first["intent"]
+
+
+# ------------------------------------------------------------------ controlled noise (issue 17)
+
+def _noise_and_texts(cfg, n):
+    out = []
+    for i in range(n):
+        s = make_toy_sample(i, cfg, f"k{i}")
+        out.append((s.meta["noise"], s.caption, s.rewritten, s.intent, s.image_jpeg))
+    return out
+
+
+def test_noise_corrupts_the_chosen_share_keeps_image_and_alt_text_and_records_ground_truth():
+    import pytest
+
+    from demind.toy.world import Scene, scene_diff
+
+    n = 40
+    clean = _noise_and_texts(ToyShardConfig(num_samples=n), n)
+    hard = _noise_and_texts(ToyShardConfig(num_samples=n, noise_kind="hard", noise_rate=0.5), n)
+    easy = _noise_and_texts(ToyShardConfig(num_samples=n, noise_kind="easy", noise_rate=0.5), n)
+    low = _noise_and_texts(ToyShardConfig(num_samples=n, noise_kind="hard", noise_rate=0.2), n)
+    assert all(c[0] is None for c in clean)
+    noisy_hard = {i for i, h in enumerate(hard) if h[0] is not None}
+    noisy_easy = {i for i, e in enumerate(easy) if e[0] is not None}
+    noisy_low = {i for i, h in enumerate(low) if h[0] is not None}
+    assert noisy_hard == noisy_easy and noisy_low < noisy_hard  # same samples; 20 % inside 50 %
+    assert 12 <= len(noisy_hard) <= 28 and 2 <= len(noisy_low) <= 14
+    for i in range(n):
+        c, h, e = clean[i], hard[i], easy[i]
+        assert c[1] == h[1] == e[1] and c[4] == h[4] == e[4]  # T_ori and the image stay true
+        if i not in noisy_hard:
+            assert c[2:4] == h[2:4] == e[2:4]
+            continue
+        assert h[0]["kind"] == "hard" and e[0]["kind"] == "easy"
+        # hard: the look-alike differs from the true scene by exactly the recorded attribute
+        true_scene = Scene.from_dict(make_toy_sample(i, ToyShardConfig(num_samples=n), "k").meta["toy"]["scene"])
+        changes = scene_diff(true_scene, Scene.from_dict(h[0]["scene"]))
+        assert [ch.kind for ch in changes] == [h[0]["edit"]]
+        assert h[2] != c[2]
+        # easy: the donor's own texts
+        donor = e[0]["donor"]
+        assert donor != i and 0 <= donor < n and e[2:4] == clean[donor][2:4]
+    with pytest.raises(ValueError, match="noise_rate"):
+        ToyShardConfig(noise_rate=1.5)
+    with pytest.raises(ValueError, match="noise_kind"):
+        ToyShardConfig(noise_kind="medium")
+
+
+def test_noise_settings_are_part_of_the_shard_identity_and_counted(tmp_path):
+    clean_cfg = ToyShardConfig(num_samples=8, samples_per_shard=8)
+    noisy_cfg = ToyShardConfig(num_samples=8, samples_per_shard=8, noise_kind="hard", noise_rate=0.5)
+    path = write_toy_shards(tmp_path, clean_cfg, show_progress=False, workers=1)[0]
+    clean_rew = [s["rew.txt"] for s in _read([path])]
+    write_toy_shards(tmp_path, noisy_cfg, show_progress=False, workers=1)  # same folder: redone, not reused
+    samples = _read([path])
+    stats = json.loads((tmp_path / "00000_stats.json").read_text())
+    noisy = [json.loads(s["json"])["noise"] for s in samples]
+    assert stats["noise"]["noisy"] == sum(x is not None for x in noisy) > 0
+    assert sum(stats["noise"]["by_edit"].values()) == stats["noise"]["noisy"]
+    assert [s["rew.txt"] for s in samples] != clean_rew
+
+
+def test_shards_written_before_the_noise_option_count_as_clean_not_stale(tmp_path):
+    cfg = ToyShardConfig(num_samples=3, samples_per_shard=3)
+    path = write_toy_shards(tmp_path, cfg, show_progress=False, workers=1)[0]
+    stats_path = tmp_path / "00000_stats.json"
+    stats = json.loads(stats_path.read_text())
+    for key in ("noise_kind", "noise_rate"):
+        del stats["config"][key]  # as an older version wrote it
+    stats_path.write_text(json.dumps(stats))
+    mtime = path.stat().st_mtime_ns
+    write_toy_shards(tmp_path, cfg, show_progress=False, workers=1)
+    assert path.stat().st_mtime_ns == mtime  # reused
+    write_toy_shards(tmp_path, ToyShardConfig(num_samples=3, samples_per_shard=3, noise_kind="easy", noise_rate=0.5),
+                     show_progress=False, workers=1)
+    assert json.loads(stats_path.read_text())["config"]["noise_kind"] == "easy"  # a noisy config rewrites it

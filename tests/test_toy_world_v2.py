@@ -45,7 +45,9 @@ def _v1_fingerprint(seed: int) -> dict[str, str]:
     sample = make_toy_sample(seed, ToyShardConfig(), key=f"k{seed}")
     return {"scene": _h(scene.to_dict()), "canonical": _h(repr(scene.canonical())), "texts": _h(texts),
             "images": _h(images), "cirr_set": _h([m.to_dict() for m in cirr_set.members]),
-            "sample": _h([sample.caption, sample.rewritten, sample.intent, sample.meta])}
+            # the noise label (issue 17) is the one field a v1 sample gained: null when clean
+            "sample": _h([sample.caption, sample.rewritten, sample.intent,
+                          {k: v for k, v in sample.meta.items() if not (k == "noise" and v is None)}])}
 
 
 # Computed with the same function on main at 088d883, before worlds existed (the toy world of

@@ -154,3 +154,52 @@ def test_accelerate_launch_two_cpu_processes_end_to_end(repo_root, tmp_path):
     state = json.loads((run / "checkpoints/step_00000004/trainer_state.json").read_text())
     assert state["num_processes"] == 2 and len(state["positions"]) == 2
     assert (run / "demind.safetensors").is_file()
+
+
+CONESEP_WORKER = r'''
+import json, sys, torch
+torch.set_num_threads(1)
+from demind.config import load_config
+from demind.training import TrainConfig, build_modules, compute_losses, make_gather, setup
+
+overrides, per_process = json.loads(sys.argv[1]), int(sys.argv[2])
+sys.path.insert(0, sys.argv[3])
+from test_train_distributed import synthetic_batch
+
+cfg = load_config(TrainConfig, None, overrides)
+accelerator = setup(cfg)
+backbone, model = build_modules(cfg, accelerator.device)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+model, optimizer = accelerator.prepare(model, optimizer)
+rank = accelerator.process_index
+for step in range(2):  # a second step: DDP checks that every parameter got its gradient in the first
+    batch = synthetic_batch(backbone, 2 * per_process, rows=slice(rank * per_process, (rank + 1) * per_process))
+    batch["rew_emb"] = batch["teacher_emb"].flip(0)
+    batch["target_kinds"] = ["original", "rewritten", "intent", "rewritten"][:per_process]
+    losses = compute_losses(model, batch, backbone, gather=make_gather(accelerator), noise=cfg.noise, step=step)
+    accelerator.backward(losses["loss"])
+    optimizer.step()
+    optimizer.zero_grad()
+    assert float(losses["ot_masked_mass"]) == 0.0
+prompt = accelerator.unwrap_model(model).negative_prompt.detach()
+gathered = accelerator.gather(prompt.unsqueeze(0))
+assert torch.allclose(gathered[0], gathered[1]), "negative prompts diverged between processes"
+print("ok")
+'''
+
+
+@pytest.mark.slow
+def test_conesep_trains_in_two_processes_with_the_negative_prompt_in_sync(repo_root, tmp_path):
+    """NBL's negative prompt is used outside the model's forward: DDP must still reduce its gradient."""
+    overrides = config_overrides(repo_root, tmp_path / "run") + ["noise.mode=conesep", "model.negative_tokens=2"]
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
+                   LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1", PYTHONPATH=str(repo_root))
+        procs.append(subprocess.Popen(
+            [sys.executable, "-c", CONESEP_WORKER, json.dumps(overrides), str(PER_PROCESS), str(Path(__file__).parent)],
+            cwd=repo_root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    for proc in procs:
+        output = proc.communicate(timeout=180)[0].decode(errors="replace")
+        assert proc.returncode == 0 and "ok" in output, output[-4000:]

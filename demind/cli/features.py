@@ -2,7 +2,9 @@
 
 Uses the train config's ``backbone`` and ``data`` sections, so the cache lands where the
 trainer looks for it (``data.features=auto``) unless ``--out`` says otherwise.  The work
-happens in :func:`demind.features.build_feature_cache`.
+happens in :func:`demind.features.build_feature_cache`. Afterwards it prints the GFQ
+fidelity summary of T_int and T_rew (histogram counts, share below omega; see
+:mod:`demind.fidelity`) and writes it as a plot, ``<cache>/fidelity.png`` unless ``--plot`` says otherwise.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", help="cache folder (default: data.features, or <shard folder>/features/<backbone> "
                                       "when it is auto or off)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    parser.add_argument("--plot", help="fidelity histogram PNG (default: <cache folder>/fidelity.png; "
+                                       "'none' writes no plot)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides such as data.shards=shards/cc3m")
     return parser
 
@@ -43,11 +47,31 @@ def features_command(args: argparse.Namespace) -> int:
     summary = build_feature_cache(shards, out, backbone, batch_size=cfg.data.cache_batch_size,
                                   num_workers=cfg.data.num_workers, missing_text=cfg.data.missing_text,
                                   dtype=cfg.data.cache_dtype, device=device)
+    summary["fidelity"] = report_fidelity(out, shards, backbone, args.plot)
     width = max(len(k) for k in summary)
     for key, value in summary.items():
         print(f"{key:<{width}}  {value}")
     print(json.dumps(summary))
     return 0
+
+
+def report_fidelity(out, shards: list[str], backbone, plot: str | None) -> dict:
+    """GFQ fidelity summary of the whole cache (printed per text kind), and its plot."""
+    from pathlib import Path
+
+    from demind.features import ShardFeatureCache, cache_identity
+    from demind.fidelity import GFQ_THRESHOLD, fidelity_summary, plot_fidelity
+
+    fidelities = ShardFeatureCache(out, cache_identity(backbone)).fidelities(shards)
+    summary = fidelity_summary(fidelities, GFQ_THRESHOLD)
+    for kind in fidelities:
+        row = summary[kind]
+        print(f"GFQ fidelity T_{kind}: {row['below_omega']}/{row['samples']} ({row['share_below_omega']:.1%}) "
+              f"below omega {GFQ_THRESHOLD}; mean {row['mean']}; histogram over [0, 1] {row['histogram']}")
+    if (plot or "").lower() != "none":
+        written = plot_fidelity(fidelities, plot or Path(out) / "fidelity.png", GFQ_THRESHOLD)
+        summary["plot"] = str(written) if written else None
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:

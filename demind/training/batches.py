@@ -46,6 +46,13 @@ def build_data(cfg: TrainConfig, accelerator, backbone: FrozenCLIP, state: Train
     return loader, cache
 
 
+def batch_rewritten_embeddings(batch: dict[str, Any], backbone: FrozenCLIP) -> torch.Tensor:
+    """(B, D) raw frozen text embeddings of T_rew: from the feature cache, or the text tower."""
+    if "rew_emb" in batch:
+        return batch["rew_emb"].to(backbone.device)
+    return backbone.encode_text(batch["rewritten"]).pooled
+
+
 def batch_embeddings(batch: dict[str, Any], backbone: FrozenCLIP) -> tuple[torch.Tensor, torch.Tensor]:
     """(image_emb, teacher_emb), both (B, D) raw: from the feature cache, or the frozen encoders."""
     if "image_emb" in batch:

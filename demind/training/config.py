@@ -13,6 +13,7 @@ from demind.backbone import BackboneConfig, text_width
 from demind.config import load_config, setting
 from demind.data import DataConfig
 from demind.model import ModelConfig
+from demind.robust import NoiseConfig
 
 
 SCHEDULES = ("cosine", "constant")
@@ -69,17 +70,26 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    noise: NoiseConfig = field(default_factory=NoiseConfig)  # noisy MLLM descriptions (demind.robust)
     run: RunConfig = field(default_factory=RunConfig)
 
     def config_problems(self) -> list[tuple[str, str]]:
         """The model's attention heads must split the backbone's text width (read from its model config)."""
+        problems = []
         width = text_width(self.backbone)
         heads = self.model.num_heads
         if width is not None and heads >= 1 and width % heads:
             divisors = [d for d in (1, 2, 4, 8, 16, 32) if width % d == 0]
-            return [("model.num_heads", f"= {heads} must divide the backbone's text width {width} "
-                                        f"({self.backbone.name}); choose one of {divisors}")]
-        return []
+            problems.append(("model.num_heads", f"= {heads} must divide the backbone's text width {width} "
+                                                f"({self.backbone.name}); choose one of {divisors}"))
+        if self.noise.mode == "conesep" and self.model.negative_tokens < 1:
+            problems.append(("model.negative_tokens", "= 0, but noise.mode=conesep needs ConeSep's negative prompt; "
+                                                      "set model.negative_tokens (e.g. 4)"))
+        if self.noise.mode != "conesep" and self.model.negative_tokens > 0:
+            # an unused parameter would also stop multi-process (DDP) training at its second step
+            problems.append(("model.negative_tokens", f"= {self.model.negative_tokens} is only used by "
+                                                      f"noise.mode=conesep (here {self.noise.mode!r}); set it to 0"))
+        return problems
 
 
 def load_train_config(path: str | Path | None, overrides: list[str] | None = None) -> TrainConfig:

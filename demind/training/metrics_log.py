@@ -16,6 +16,9 @@ from demind.training.config import TrainConfig
 from demind.training.state import TrainState
 
 LOSS_TERMS = ("loss", "distil", "align")
+# logged when training.noise.mode is not none (demind.robust): ConeSep's terms, the batch's
+# share below omega per term, and the OT plans' mass on masked paths (0 by construction)
+NOISE_TERMS = ("ul", "intra", "noisy_align", "noisy_distil", "ot_masked_mass")
 
 
 @dataclass
@@ -31,8 +34,9 @@ class LogWindow:
     start: float = field(default_factory=time.perf_counter)
 
     def add(self, losses: dict[str, torch.Tensor]) -> None:
-        for t in LOSS_TERMS:
-            self.sums[t] = self.sums[t] + losses[t].detach().double()
+        for t in LOSS_TERMS + NOISE_TERMS:
+            if t in losses:
+                self.sums[t] = self.sums.get(t, 0.0) + losses[t].detach().double()
         self.micro_steps += 1
 
     def snapshot(self) -> dict[str, Any]:
@@ -49,9 +53,13 @@ class LogWindow:
             window.micro_steps = saved["micro_steps"]  # samples stay 0: samples/s counts from the resume
         return window
 
+    def terms(self) -> list[str]:
+        """The logged terms: LOSS_TERMS, then the noise terms this run has."""
+        return [t for t in LOSS_TERMS + NOISE_TERMS if t in self.sums]
+
     def means(self, device: torch.device) -> torch.Tensor:
-        """(terms,) float32 mean of each loss term over the window's micro-steps."""
-        sums = torch.stack([torch.as_tensor(self.sums[t], dtype=torch.float64, device=device) for t in LOSS_TERMS])
+        """(terms,) float32 mean of each term of :meth:`terms` over the window's micro-steps."""
+        sums = torch.stack([torch.as_tensor(self.sums[t], dtype=torch.float64, device=device) for t in self.terms()])
         return (sums / max(self.micro_steps, 1)).float()
 
 
@@ -62,7 +70,7 @@ def log_metrics(accelerator, cfg: TrainConfig, state: TrainState, window: LogWin
     means = accelerator.reduce(local, reduction="mean") if accelerator.num_processes > 1 else local
     core = accelerator.unwrap_model(model)
     elapsed = max(time.perf_counter() - window.start, 1e-9)
-    metrics = {t: round(float(v), 6) for t, v in zip(LOSS_TERMS, means.tolist())}
+    metrics = {t: round(float(v), 6) for t, v in zip(window.terms(), means.tolist())}
     metrics.update(lr=scheduler.get_last_lr()[0], gate=round(float(torch.tanh(core.gate.detach())), 6),
                    samples_per_s=round(window.samples / elapsed, 2))
     accelerator.log(metrics, step=state.step)
@@ -70,7 +78,9 @@ def log_metrics(accelerator, cfg: TrainConfig, state: TrainState, window: LogWin
         skipped = ", ".join(f"{k} {v}" for k, v in sorted(state.counts.items()))
         bar.write(f"step {state.step}/{cfg.optim.max_steps} | loss {metrics['loss']:.4f} | distil {metrics['distil']:.4f}"
                   f" | align {metrics['align']:.4f} | lr {metrics['lr']:.3g} | tanh(gate) {metrics['gate']:+.4f}"
-                  f" | {metrics['samples_per_s']:.1f} samples/s" + (f" | {skipped}" if skipped else ""))
+                  f" | {metrics['samples_per_s']:.1f} samples/s"
+                  + "".join(f" | {t} {metrics[t]:.4g}" for t in NOISE_TERMS if t in metrics)
+                  + (f" | {skipped}" if skipped else ""))
         with open(Path(cfg.run.output_dir) / "metrics.jsonl", "a") as f:
             f.write(json.dumps(dict(step=state.step, samples_seen=state.samples_seen, **metrics,
                                     counts=dict(state.counts))) + "\n")

@@ -118,7 +118,7 @@ def check_resumable(saved: dict[str, Any], cfg: TrainConfig, where: Path) -> Non
                 f"cannot resume from {where}: {', '.join(diff)} differ from the checkpoint's config; "
                 f"use a new run.output_dir or set run.resume=false with an empty run folder"
             )
-    other = [d for s in ("backbone", "data", "optim", "loss", "run") for d in _diff(saved.get(s, {}), current[s], s)
+    other = [d for s in ("backbone", "data", "optim", "loss", "noise", "run") for d in _diff(saved.get(s, {}), current[s], s)
              if s != "backbone" or d.split(" ")[0] in SPEED_ONLY_KEYS]
     if other:
         logger.warning("resuming from %s with changed settings: %s", where, ", ".join(other))

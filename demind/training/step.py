@@ -9,11 +9,13 @@ from tqdm import tqdm
 
 from demind.backbone import FrozenCLIP
 from demind.errors import NonFiniteError
+from demind.fidelity import gfq_fidelity
 from demind.losses import Gather, demind_losses
+from demind.robust import NoiseConfig, noise_aware_losses, target_fidelity
 from demind.training.accel import make_gather
-from demind.training.batches import batch_embeddings
+from demind.training.batches import batch_embeddings, batch_rewritten_embeddings
 from demind.training.config import TrainConfig
-from demind.training.metrics_log import LOSS_TERMS, LogWindow, log_metrics
+from demind.training.metrics_log import LOSS_TERMS, NOISE_TERMS, LogWindow, log_metrics
 from demind.training.state import TrainState, save_training_state
 
 
@@ -22,23 +24,45 @@ class NonFiniteLossError(NonFiniteError):
 
 
 def compute_losses(model: torch.nn.Module, batch: dict[str, Any], backbone: FrozenCLIP, *,
-                   distil: bool = True, gather: Gather | None = None) -> dict[str, torch.Tensor]:
-    """One forward pass on a batch from the data stream -> {"loss", "distil", "align"} scalars.
+                   distil: bool = True, gather: Gather | None = None, noise: NoiseConfig | None = None,
+                   step: int = 0, seed: int = 0) -> dict[str, torch.Tensor]:
+    """One forward pass on a batch from the data stream -> {"loss", "distil", "align"} scalars
+    (plus the noise terms of :func:`demind.robust.noise_aware_losses` when ``noise.mode`` is not none).
 
     ``model`` may be wrapped (DDP); the temperature is read from the unwrapped module.
+    ``step`` and ``seed`` seed GFQ's random pairings, so a resumed run draws the same ones.
     """
     image_emb, teacher_emb = batch_embeddings(batch, backbone)
     out = model(image_emb, batch["targets"])
     core = model.module if hasattr(model, "module") else model
-    return demind_losses(out, teacher_emb, image_emb, core.temperature_scale(), distil=distil, gather=gather)
+    if noise is None or noise.mode == "none":
+        return demind_losses(out, teacher_emb, image_emb, core.temperature_scale(), distil=distil, gather=gather)
+    fidelity_int, fidelity_rew = batch_fidelity(image_emb, teacher_emb, batch_rewritten_embeddings(batch, backbone),
+                                                noise.pairings, seed, step)
+    negative = core.negative_composition(image_emb) if noise.mode == "conesep" else None
+    return noise_aware_losses(out, teacher_emb, image_emb, core.temperature_scale(), noise,
+                              target_fidelity(batch["target_kinds"], fidelity_int, fidelity_rew), fidelity_int,
+                              negative=negative, after_warmup=step >= noise.warmup_steps, distil=distil,
+                              gather=gather)
+
+
+def batch_fidelity(image_emb: torch.Tensor, teacher_emb: torch.Tensor, rew_emb: torch.Tensor, pairings: int,
+                   seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GFQ fidelity (B,) of T_int and of T_rew, the pool being the batch (ConeSep's random texts from
+    the batch); from embeddings the batch already holds, so no encoder runs for it when cached."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    fidelity_int, _ = gfq_fidelity(image_emb, teacher_emb, pairings, generator)
+    fidelity_rew, _ = gfq_fidelity(image_emb, rew_emb, pairings, generator)
+    return fidelity_int, fidelity_rew
 
 
 def check_finite(losses: dict[str, torch.Tensor], step: int, accelerator) -> None:
     """Stop every process when any process sees a NaN/inf loss term, naming the term."""
-    flags = torch.stack([torch.isfinite(losses[t].detach()).float() for t in LOSS_TERMS])
+    terms = [t for t in losses if t in LOSS_TERMS or t in NOISE_TERMS]
+    flags = torch.stack([torch.isfinite(losses[t].detach()).float() for t in terms])
     if accelerator.num_processes > 1:
         flags = accelerator.reduce(flags.to(accelerator.device), reduction="sum") / accelerator.num_processes
-    bad = [t for t, ok in zip(LOSS_TERMS, flags.tolist()) if ok < 1.0]
+    bad = [t for t, ok in zip(terms, flags.tolist()) if ok < 1.0]
     if bad:
         values = {t: float(losses[t].detach()) for t in bad}
         raise NonFiniteLossError(
@@ -56,7 +80,8 @@ def train_one_step(cfg: TrainConfig, accelerator, model, optimizer, scheduler, b
         truncated = backbone.text_counts["truncated"]
         with accelerator.accumulate(model):
             with accelerator.autocast():
-                losses = compute_losses(model, batch, backbone, distil=cfg.loss.distil, gather=gather)
+                losses = compute_losses(model, batch, backbone, distil=cfg.loss.distil, gather=gather,
+                                        noise=cfg.noise, step=state.step, seed=cfg.run.seed)
             accelerator.backward(losses["loss"])
             # After queueing backward (the check waits for the device), still before any update.
             check_finite(losses, state.step, accelerator)

@@ -1,0 +1,240 @@
+"""Training on noisy MLLM descriptions: the modes of ``training.noise`` (issue 17).
+
+An MLLM hallucinates, so some T_rew / T_int do not match their image. GFQ
+(:mod:`demind.fidelity`) gives each sample a fidelity F in (0, 1); ``noise.mode`` says
+what the trainer does with it:
+
+* ``none``: today's loss, F unused.
+* ``filter``: a sample with F < omega leaves the loss (its row's weight is 0).
+* ``downweight``: each sample's loss is weighted by F.
+* ``conesep``: ConeSep's NBL + BTU (CVPR 2026), mapped onto De-MINDS below.
+
+Which fidelity a term uses. De-MINDS has two contrastive terms (:mod:`demind.losses`):
+
+* alignment, InfoNCE(t_hat_i, v_i): the composed query of the image's S* and the sampled
+  target description T_i, against the image. Its fidelity is that of T_i: F_rew when T_i is
+  T_rew, F_int when it is T_int, and 1 when it is T_ori (the web alt-text, which the MLLM did
+  not write and which GFQ does not score);
+* distillation, InfoNCE(t*_i, e(T_int_i)): the intention embedding against the frozen text
+  embedding of T_int. Its fidelity is F_int, whatever T_i was.
+
+ConeSep's roles, term by term (B = the process's micro batch):
+
+==============  =================================  =====================================
+role            alignment term                     distillation term
+==============  =================================  =====================================
+composition q   t_hat_i (gate of t_cls and t*)      t*_i (intention embedding)
+target k        v_i, the frozen image embedding     e(T_int_i), the frozen teacher
+negative        F_neg_i = text tower on             the same F_neg_i
+anchor n        "a photo of S*_i , P_neg" (NBL)
+noisy when      F(T_i) < omega                      F_int_i < omega
+==============  =================================  =====================================
+
+* **NBL** (L_intra): learnable negative prompt tokens P_neg (``model.negative_tokens``) take
+  the place of the description in the query's own prompt, giving one negative composition
+  F_neg_i per query. A reversed SigLIP-style sigmoid loss (SigLIP's initial scale 10 and
+  bias -10) pushes F_neg_i away from its own target v_i (label -1) and towards the other
+  targets v_j (label +1), each half weighted equally; a hinge keeps cos(F_neg_i, t_hat_i)
+  inside the batch's [mean non-matching, mean matching] cos(t_hat, v) interval (query
+  detached: the constraint shapes the anchor, not the query), weighted by nu:
+  L_intra = L_push + nu * L_orth.
+* **BTU** (L_ul), per term: cost C = 1 - [cos(q_i, k_j) | cos(q_i, n_j)], (B, 2B), detached.
+  Masked paths: a noisy sample may not flow to its own target (i, i); a clean one may not flow
+  to its own negative anchor (i, B + i). Entropic OT (Sinkhorn, POT's log-domain solver,
+  uniform marginals 1/B over rows and 1/(2B) over columns, masked costs +inf so the plan is
+  exactly 0 there) gives P*. Soft labels Y = gamma * B * P* + (1 - gamma) * L, where L is
+  one-hot on the own target for clean samples and on the own negative anchor for noisy ones
+  (rows of Y sum to 1). L_ul = mean_i KL(Y_i || softmax(scale * [cos(q_i, k) | cos(q_i, n)])),
+  the anchors detached (they move by NBL only).
+* **L_robust**: the De-MINDS loss on clean samples only (the filter mode's loss).
+* Objective: L_robust + zeta * L_intra during the first ``noise.warmup_steps`` steps (the
+  anchors learn where the boundary is before they serve as unlearning targets), then
+  L_robust + kappa * L_ul + zeta * L_intra. L_ul sums the two terms' BTU losses (the
+  distillation one only when distillation is on).
+
+With several processes L_robust uses the global batch like the plain loss; NBL and BTU
+work on each process's micro batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from demind.config import setting
+from demind.fidelity import GFQ_PAIRINGS, GFQ_THRESHOLD
+from demind.losses import Gather, demind_losses
+from demind.model import ComposeOutput
+
+NOISE_MODES = ("none", "filter", "downweight", "conesep")
+SIGLIP_SCALE, SIGLIP_BIAS = 10.0, -10.0
+
+
+@dataclass
+class NoiseConfig:
+    """``training.noise``: how the trainer treats descriptions GFQ scores as noisy (see the module docstring)."""
+
+    mode: str = setting("none", choices=NOISE_MODES)
+    omega: float = setting(GFQ_THRESHOLD, gt=0, lt=1)  # F below omega: noisy
+    pairings: int = setting(GFQ_PAIRINGS, ge=1)  # K random pairings of GFQ's noise boundary (per batch)
+    gamma: float = setting(0.7, ge=0, le=1)  # soft labels Y = gamma P* + (1 - gamma) L
+    kappa: float = setting(0.5, ge=0)  # weight of L_ul
+    zeta: float = setting(0.5, ge=0)  # weight of L_intra
+    nu: float = setting(0.5, ge=0)  # weight of the orthogonality hinge inside L_intra
+    warmup_steps: int = setting(0, ge=0)  # optimizer steps before L_ul joins
+    sinkhorn_reg: float = setting(0.05, gt=0)  # entropic regularisation of the OT (costs lie in [0, 2])
+    sinkhorn_iters: int = setting(1000, ge=1)
+
+    def config_problems(self) -> list[tuple[str, str]]:
+        """conesep's OT solver is POT (an optional dependency): missing, it is named at load time,
+        not after the warm-up."""
+        import importlib.util
+
+        if self.mode == "conesep" and importlib.util.find_spec("ot") is None:
+            return [("mode", "= 'conesep' needs POT for the Sinkhorn solver: pip install pot "
+                             "(or pip install -e '.[robust]')")]
+        return []
+
+
+# --------------------------------------------------------------------------- fidelity per term
+
+
+def target_fidelity(kinds: list[str], fidelity_int: torch.Tensor, fidelity_rew: torch.Tensor) -> torch.Tensor:
+    """(B,) fidelity of each sample's sampled target text: F_int, F_rew, or 1 for T_ori."""
+    ones = torch.ones_like(fidelity_int)
+    by_kind = {"original": ones, "rewritten": fidelity_rew, "intent": fidelity_int}
+    return torch.stack([by_kind[k][i] for i, k in enumerate(kinds)]) if kinds else ones
+
+
+def sample_weights(mode: str, fidelity: torch.Tensor, omega: float) -> torch.Tensor | None:
+    """(B,) per-sample loss weights: filter 1[F >= omega], downweight F, none None.
+    conesep's L_robust uses the filter weights."""
+    if mode == "none":
+        return None
+    if mode == "downweight":
+        return fidelity.float()
+    return (fidelity >= omega).float()
+
+
+# --------------------------------------------------------------------------- BTU
+
+
+def btu_allowed(noisy: torch.Tensor) -> torch.Tensor:
+    """(B, 2B) bool, False on masked paths: (i, i) for noisy i, (i, B + i) for clean i."""
+    b = noisy.shape[0]
+    allowed = torch.ones(b, 2 * b, dtype=torch.bool, device=noisy.device)
+    rows = torch.arange(b, device=noisy.device)
+    allowed[rows, torch.where(noisy, rows, rows + b)] = False
+    return allowed
+
+
+def btu_labels(noisy: torch.Tensor) -> torch.Tensor:
+    """(B, 2B) one-hot L: the own target (i) for clean i, the own negative anchor (B + i) for noisy i."""
+    b = noisy.shape[0]
+    labels = torch.zeros(b, 2 * b, device=noisy.device)
+    rows = torch.arange(b, device=noisy.device)
+    labels[rows, torch.where(noisy, rows + b, rows)] = 1.0
+    return labels
+
+
+def masked_sinkhorn(cost: torch.Tensor, allowed: torch.Tensor, reg: float, num_iters: int = 1000) -> torch.Tensor:
+    """Entropic OT plan (B, 2B) between uniform marginals 1/B (rows) and 1/(2B) (columns),
+    with exactly zero mass where ``allowed`` is False. POT's log-domain Sinkhorn, in float64.
+
+    Feasible whenever B >= 2: each row and each column loses at most one path.
+    """
+    import ot
+
+    b, n = cost.shape
+    masked = torch.where(allowed, cost.detach().double(), torch.full_like(cost, float("inf"), dtype=torch.float64))
+    rows = torch.full((b,), 1.0 / b, dtype=torch.float64, device=cost.device)
+    cols = torch.full((n,), 1.0 / n, dtype=torch.float64, device=cost.device)
+    plan = ot.sinkhorn(rows, cols, masked, reg, method="sinkhorn_log", numItermax=num_iters, stopThr=1e-7)
+    return plan.masked_fill(~allowed, 0.0)  # already 0 (exp(-inf)); made explicit against round-off
+
+
+def btu_loss(query: torch.Tensor, targets: torch.Tensor, anchors: torch.Tensor, noisy: torch.Tensor,
+             logit_scale: torch.Tensor | float, gamma: float, reg: float, num_iters: int = 1000
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """BTU's unlearning loss of one term and the plan's mass on masked paths (should be 0).
+
+    query, targets, anchors: (B, D) L2-normalised; noisy: (B,) bool. Returns (scalar loss, scalar mass).
+    """
+    b = query.shape[0]
+    sims = torch.cat([query @ targets.T, query @ anchors.detach().T], dim=1)  # (B, 2B)
+    allowed = btu_allowed(noisy)
+    plan = masked_sinkhorn(1.0 - sims.detach(), allowed, reg, num_iters)
+    masked_mass = plan[~allowed].sum().float()
+    soft = (gamma * b * plan + (1 - gamma) * btu_labels(noisy).double()).float()
+    log_q = F.log_softmax(logit_scale * sims, dim=1)
+    kl = (torch.xlogy(soft, soft) - soft * log_q).sum(1)
+    return kl.mean(), masked_mass
+
+
+# --------------------------------------------------------------------------- NBL
+
+
+def nbl_loss(negative: torch.Tensor, targets: torch.Tensor, query: torch.Tensor, nu: float) -> torch.Tensor:
+    """L_intra = L_push + nu * L_orth of the negative compositions (B, D) against the targets (B, D)
+    and the queries (B, D), all L2-normalised (see the module docstring)."""
+    b = negative.shape[0]
+    eye = torch.eye(b, dtype=torch.bool, device=negative.device)
+    logits = SIGLIP_SCALE * negative @ targets.T + SIGLIP_BIAS
+    own = F.softplus(logits[eye]).mean()  # -log sigmoid(-z): away from the own target
+    others = F.softplus(-logits[~eye]).mean() if b > 1 else logits.new_zeros(())  # towards the others
+    push = 0.5 * (own + others)
+    with torch.no_grad():
+        q_t = query @ targets.T
+        upper = q_t[eye].mean()
+        lower = q_t[~eye].mean() if b > 1 else upper
+    c = (negative * query.detach()).sum(-1)
+    orth = (F.relu(lower - c) + F.relu(c - upper)).mean()
+    return push + nu * orth
+
+
+# --------------------------------------------------------------------------- one step
+
+
+def noise_aware_losses(out: ComposeOutput, teacher_emb: torch.Tensor, image_emb: torch.Tensor,
+                       logit_scale: torch.Tensor, cfg: NoiseConfig, fidelity_align: torch.Tensor,
+                       fidelity_distil: torch.Tensor, *, negative: torch.Tensor | None = None,
+                       after_warmup: bool = True, distil: bool = True, gather: Gather | None = None
+                       ) -> dict[str, torch.Tensor]:
+    """The loss of one batch under ``cfg.mode``.
+
+    fidelity_align, fidelity_distil: (B,) F of each sample's target text and of its T_int.
+    negative: (B, D) F_neg (conesep only). Returns the terms of :func:`demind.losses.demind_losses`
+    ("loss", "distil", "align"; for conesep the latter two are L_robust's) plus "ul", "intra"
+    (0 outside conesep), "noisy_align", "noisy_distil" (share of the batch below omega) and
+    "ot_masked_mass" (the OT plans' mass on masked paths; 0).
+    """
+    noisy_align = fidelity_align < cfg.omega
+    noisy_distil = fidelity_distil < cfg.omega
+    terms = demind_losses(out, teacher_emb, image_emb, logit_scale, distil=distil, gather=gather,
+                          align_weights=sample_weights(cfg.mode, fidelity_align, cfg.omega),
+                          distil_weights=sample_weights(cfg.mode, fidelity_distil, cfg.omega))
+    zero = terms["loss"].new_zeros(())
+    terms.update(ul=zero, intra=zero, ot_masked_mass=zero,
+                 noisy_align=noisy_align.float().mean(), noisy_distil=noisy_distil.float().mean())
+    if cfg.mode != "conesep":
+        return terms
+    if negative is None:
+        raise ValueError("noise.mode=conesep needs the negative compositions (model.negative_tokens >= 1)")
+    image = F.normalize(image_emb.float(), dim=-1)
+    teacher = F.normalize(teacher_emb.float(), dim=-1)
+    negative = negative.float()
+    intra = nbl_loss(negative, image, out.t_hat, cfg.nu)
+    loss = terms["loss"] + cfg.zeta * intra
+    ul, mass = zero, zero
+    if after_warmup:
+        ul, mass = btu_loss(out.t_hat, image, negative, noisy_align, logit_scale, cfg.gamma,
+                            cfg.sinkhorn_reg, cfg.sinkhorn_iters)
+        if distil:
+            ul_d, mass_d = btu_loss(out.t_star, teacher, negative, noisy_distil, logit_scale, cfg.gamma,
+                                    cfg.sinkhorn_reg, cfg.sinkhorn_iters)
+            ul, mass = ul + ul_d, mass + mass_d
+        loss = loss + cfg.kappa * ul
+    terms.update(loss=loss, ul=ul, intra=intra, ot_masked_mass=mass)
+    return terms
