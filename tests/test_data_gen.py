@@ -696,3 +696,44 @@ def test_vllm_engine_turns_on_prefix_caching_and_counts_cached_tokens(tiny_llava
     first, second = vllm_engine.results_from_outputs([cached, uncached])
     assert (first.prompt_tokens, first.prefilled_tokens) == (100, 4)
     assert (second.prompt_tokens, second.prefilled_tokens) == (100, 100)
+
+
+def test_fidelity_stage_scores_and_flags_every_output(repo_root, tiny_llava, run_main, input_shards, tmp_path):
+    """quality.fidelity_clip: each sample's json gains GFQ fidelity of T_rew and T_int against its
+    image (recomputed here from the same CLIP and pool), a score below omega is a counted flag,
+    and nothing is dropped."""
+    import torch
+    import torch.nn.functional as F
+    from demind.backbone import BackboneConfig, FrozenCLIP
+    from demind.fidelity import fidelity_from_similarity, noise_boundary, pair_similarity
+
+    clip = str(repo_root / "configs/model/tiny-clip.json")
+    out = tmp_path / "out"
+    argv = base_argv(repo_root, tiny_llava, input_shards, out, f"quality.fidelity_clip={clip}",
+                     "quality.fidelity_omega=0.5", "engine.chunk_size=2")
+    assert run_main(argv) == 0
+    plain = tmp_path / "plain"
+    assert run_main(base_argv(repo_root, tiny_llava, input_shards, plain, "engine.chunk_size=2")) == 0
+    assert texts_by_key(out) == texts_by_key(plain)  # the stage only reads
+
+    backbone = FrozenCLIP(BackboneConfig(name=clip, pretrained=None))
+    samples = read_output(out / "00000.tar")
+    metas = [json.loads(s["json"])["generation"] for s in samples]
+    assert len(samples) == 4 and all(set(m["fidelity"]) == {"rewrite", "intent"} for m in metas)
+    # recompute the last chunk's scores: the pool is the whole 4-sample shard by then
+    with torch.no_grad():
+        images = []
+        for s in samples:  # as the reader decodes them (io.image_max_side of tiny-cpu.yaml)
+            images.append(backbone.preprocess(decode_and_shrink(s["jpg"], 64)))
+        img_emb = F.normalize(backbone.encode_image(torch.stack(images)).float(), dim=-1)
+        txt_emb = F.normalize(backbone.encode_text([s["int.txt"].decode() for s in samples]).pooled.float(), dim=-1)
+    boundary = noise_boundary(img_emb, txt_emb, 4, torch.Generator().manual_seed(0 * 1_000_003 + 4))
+    expected = fidelity_from_similarity(pair_similarity(img_emb[2:], txt_emb[2:]), boundary)
+    got = torch.tensor([m["fidelity"]["intent"] for m in metas[2:]])
+    assert torch.allclose(got, expected, atol=2e-3), (got, expected)
+
+    stats = json.loads((out / "00000_stats.json").read_text())
+    low = sum(m["fidelity"][st] < 0.5 for m in metas for st in ("rewrite", "intent"))
+    assert stats["flagged"].get("rewrite:low_fidelity", 0) + stats["flagged"].get("intent:low_fidelity", 0) == low
+    for m in metas:
+        assert ("intent:low_fidelity" in m["flags"]) == (m["fidelity"]["intent"] < 0.5)

@@ -67,6 +67,13 @@ class QualityConfig:
 
     repeat_ngram: int = setting(3, ge=1)  # n of the word n-grams counted for the repetition check
     max_ngram_repeats: int = setting(2, ge=0)  # an n-gram seen more often than this flags the output as repetitive
+    # Optional GFQ fidelity stage (issue 17, demind/gen/fidelity_stage.py): an open_clip model (name
+    # or model JSON) scores each sample's T_rew and T_int against its image; a score below
+    # fidelity_omega flags the sample ("intent:low_fidelity"), it is never dropped. null = off.
+    fidelity_clip: str | None = None
+    fidelity_pretrained: str | None = None  # open_clip tag or weights path (null: random init, tests only)
+    fidelity_omega: float = setting(0.5, gt=0, lt=1)
+    fidelity_pool: int = setting(256, ge=2)  # recent samples the noise boundary is estimated on
 
 
 @dataclass

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from demind.config import to_dict
 from demind.gen.config import GenConfig
 from demind.gen.engines.base import Engine
+from demind.gen.fidelity_stage import FidelityScorer
 from demind.gen.generate import ChunkItem, ChunkOutput, IntentGenerator
 from demind.gen.prompts import PromptSet
 from demind.gen.plan import JobPlan, ShardTask
@@ -54,9 +55,10 @@ class ShardStats:
         self.skipped[item.reason] += 1
         self.skipped_samples.append({"key": item.key, "reason": item.reason, "detail": item.detail})
 
-    def add_output(self, out: ChunkOutput) -> list[str]:
-        """Count one written sample's stages; returns its flags as 'stage:flag'."""
-        flags = []
+    def add_output(self, out: ChunkOutput, extra_flags: list[str] | None = None) -> list[str]:
+        """Count one written sample's stages; returns its flags as 'stage:flag' (``extra_flags``,
+        already in that form, from the fidelity stage, are counted with them)."""
+        flags = list(extra_flags or [])
         for stage, res in (("rewrite", out.rewrite), ("intent", out.intent)):
             if res is None:
                 continue
@@ -186,10 +188,11 @@ def prefetched(items: Iterable, depth: int) -> Iterator:
         thread.join(timeout=5)
 
 
-def generation_record(cfg: GenConfig, engine: Engine, prompts: PromptSet, item: ChunkItem, out: ChunkOutput, flags: list[str]) -> dict[str, Any]:
-    """The ``generation`` entry added to each sample's json."""
+def generation_record(cfg: GenConfig, engine: Engine, prompts: PromptSet, item: ChunkItem, out: ChunkOutput,
+                      flags: list[str], fidelity: dict[str, float] | None = None) -> dict[str, Any]:
+    """The ``generation`` entry added to each sample's json (``fidelity`` only with the fidelity stage)."""
     s = cfg.sampling
-    return {
+    record = {
         "engine": engine.name,
         "model": engine.model_id,
         "prompt_version": prompts.version,
@@ -207,14 +210,20 @@ def generation_record(cfg: GenConfig, engine: Engine, prompts: PromptSet, item: 
         "intent": out.intent.record(),
         "flags": flags,
     }
+    if fidelity is not None:
+        record["fidelity"] = fidelity
+    return record
 
 
 def process_shard(task: ShardTask, generator: IntentGenerator, cfg: GenConfig, show_progress: bool = True,
-                  overall: tqdm | None = None) -> dict[str, Any]:
+                  overall: tqdm | None = None, scorer: FidelityScorer | None = None) -> dict[str, Any]:
     """Turn one input shard into an intent shard and its stats file. Returns the stats dict.
 
-    ``overall`` is the job-wide progress bar (images), advanced along with the shard's own.
+    ``overall`` is the job-wide progress bar (images), advanced along with the shard's own;
+    ``scorer`` is the optional fidelity stage (:mod:`demind.gen.fidelity_stage`).
     """
+    if scorer is not None:
+        scorer.reset()
     removed = task.output.remove(include_done=True)  # the plan already decided this shard is (re)done
     for path in removed:
         logger.info("removed %s left by an earlier run", path)
@@ -227,8 +236,9 @@ def process_shard(task: ShardTask, generator: IntentGenerator, cfg: GenConfig, s
         samples = iter_shard(task.input_path, cfg.io.max_caption_chars)
         for chunk in prefetched(decoded_chunks(samples, cfg, stats), cfg.io.prefetch_chunks):
             outputs = generator.generate([item for _, item in chunk])
-            for (raw, item), out in zip(chunk, outputs):
-                write_one(writer, raw, item, out, stats, cfg, generator)
+            fidelity = score_chunk(scorer, chunk, outputs) if scorer is not None else [None] * len(chunk)
+            for (raw, item), out, scores in zip(chunk, outputs, fidelity):
+                write_one(writer, raw, item, out, stats, cfg, generator, scores, scorer)
             bar.update(len(chunk))
             if overall is not None:
                 overall.update(len(chunk))
@@ -260,11 +270,20 @@ def shard_record(task: ShardTask, stats: ShardStats, generator: IntentGenerator,
     }
 
 
+def score_chunk(scorer: FidelityScorer, chunk: list, outputs: list[ChunkOutput]) -> list[dict[str, float]]:
+    """GFQ fidelity of each sample's generated texts against its image: stage -> F."""
+    texts = {"intent": [out.intent.text for out in outputs]}
+    if all(out.rewrite is not None for out in outputs):  # not in single-prompt mode
+        texts["rewrite"] = [out.rewrite.text for out in outputs]
+    return scorer.score([item.image for _, item in chunk], texts)
+
+
 def write_one(writer: ShardWriter, raw: RawSample, item: ChunkItem, out: ChunkOutput, stats: ShardStats,
-              cfg: GenConfig, generator: IntentGenerator) -> None:
-    flags = stats.add_output(out)
+              cfg: GenConfig, generator: IntentGenerator, fidelity: dict[str, float] | None = None,
+              scorer: FidelityScorer | None = None) -> None:
+    flags = stats.add_output(out, scorer.flags(fidelity) if scorer is not None and fidelity is not None else None)
     meta = dict(raw.meta)
-    meta["generation"] = generation_record(cfg, generator.engine, generator.prompts, item, out, flags)
+    meta["generation"] = generation_record(cfg, generator.engine, generator.prompts, item, out, flags, fidelity)
     rewritten = out.rewrite.text if out.rewrite is not None else ""
     writer.write(encode_sample(raw.key, raw.image_ext, raw.image_bytes, raw.caption, rewritten, out.intent.text, meta))
     stats.written += 1
@@ -293,6 +312,7 @@ def run_plan(plan: JobPlan, cfg: GenConfig, engine: Engine, prompts: PromptSet, 
     """Process every shard of the plan that is not done. Unreadable input shards are recorded
     as failed (no stats file, so the next run retries them) and the others go on."""
     generator = IntentGenerator(engine, cfg, prompts)
+    scorer = (FidelityScorer.from_config(cfg.quality, cfg.sampling.seed) if cfg.quality.fidelity_clip else None)
     summary = JobSummary(skipped_done=[t.shard_id for t in plan.by_state("done")])
     todo = plan.todo
     expected = [expected_samples(t.input_path) for t in todo]
@@ -300,7 +320,7 @@ def run_plan(plan: JobPlan, cfg: GenConfig, engine: Engine, prompts: PromptSet, 
     overall = tqdm(total=total, desc=f"all {len(todo)} shard(s)", unit="img", disable=not show_progress)
     for task in todo:
         try:
-            stats = process_shard(task, generator, cfg, show_progress, overall)
+            stats = process_shard(task, generator, cfg, show_progress, overall, scorer)
         except InputShardError as e:
             logger.error("%s", e)
             summary.failed[task.shard_id] = str(e)
