@@ -298,10 +298,10 @@ def test_every_cache_key_holds_the_world(tmp_path):
     assert _is_current(ShardOutput.for_id(tmp_path, 0), v1)
     assert not _is_current(ShardOutput.for_id(tmp_path, 0), dataclasses.replace(v1, world="v2"))
     cfg = QuickstartConfig(workdir=str(tmp_path / "qs"))
-    assert world_path(cfg, "shards") == tmp_path / "qs" / "shards"        # v1: where it always was
-    v2 = dataclasses.replace(cfg, world="v2")
-    assert world_path(v2, "shards") == tmp_path / "qs" / "shards-v2"
-    assert world_path(v2, "results.json") == tmp_path / "qs" / "results-v2.json"
+    v1, v2 = dataclasses.replace(cfg, world="v1"), dataclasses.replace(cfg, world="v2")
+    assert world_path(v2, "shards") == tmp_path / "qs" / "shards"        # the default world
+    assert world_path(v1, "shards") == tmp_path / "qs" / "shards-v1"
+    assert world_path(v1, "results.json") == tmp_path / "qs" / "results-v1.json"
 
 
 def test_world_is_one_setting_of_the_quickstart(tmp_path):
@@ -313,7 +313,7 @@ def test_world_is_one_setting_of_the_quickstart(tmp_path):
     with pytest.raises(ConfigError, match="world"):
         load_config(QuickstartConfig, None, ["world=v3"])
     with pytest.raises(ConfigError, match="shards.world"):
-        load_config(QuickstartConfig, None, ["shards.world=v2"])
+        load_config(QuickstartConfig, None, ["world=v1", "shards.world=v2"])
 
 
 # -------------------------------------------------------------------- per-type recall
@@ -348,8 +348,8 @@ def test_per_type_recall_reports_implicit_by_hand():
 
 @pytest.mark.slow
 def test_quickstart_on_v2_writes_its_own_folders_and_reports_implicit(tmp_path):
-    """A tiny quickstart with world=v2 (every toy-CIRR set implicit): v2 folders, results-v2.json
-    with the world, ``per_type`` holding ``implicit``, and the printed per-type table naming it."""
+    """A tiny quickstart with world=v2 (the default; every toy-CIRR set implicit): the default
+    folders, results.json with the world, ``per_type`` holding ``implicit``, and the printed per-type table naming it."""
     from test_toy_quickstart import tiny_config
 
     from demind.toy.pipeline import run_quickstart
@@ -358,9 +358,9 @@ def test_quickstart_on_v2_writes_its_own_folders_and_reports_implicit(tmp_path):
     cfg.toy_benchmarks.cirr_implicit_share = 1.0
     summary = run_quickstart(cfg)
     qs = tmp_path / "qs"
-    assert (qs / "shards-v2").is_dir() and (qs / "benchmarks-v2" / "cirr").is_dir()
-    assert not (qs / "shards").exists() and not (qs / "results.json").exists()
-    saved = json.loads((qs / "results-v2.json").read_text())
+    assert (qs / "shards").is_dir() and (qs / "benchmarks" / "cirr").is_dir()
+    assert not (qs / "shards-v1").exists() and not (qs / "results-v1.json").exists()
+    saved = json.loads((qs / "results.json").read_text())
     assert saved["world"] == "v2" and saved["config"]["world"] == "v2"
     assert saved["per_type"]["demind"]["implicit"]["n"] >= 4
     assert 0.0 <= saved["per_type"]["demind"]["implicit"]["R@10"]["mean"] <= 100.0

@@ -3,7 +3,7 @@
 ``run_quickstart(cfg)`` does, each step cached so a rerun only does what is missing:
 
 1. toy intent shards (``<workdir>/shards``) and toy benchmarks (``<workdir>/benchmarks``) of the
-   world ``cfg.world`` (v2: ``shards-v2``, ``benchmarks-v2``, ``results-v2.json``: :func:`world_path`);
+   world ``cfg.world`` (v1: ``shards-v1``, ``benchmarks-v1``, ``results-v1.json``: :func:`world_path`);
 2. the toy CLIP backbone (trained once, ``<workdir>/backbone``);
 3. the frozen-feature cache of the shards (``demind.features``);
 4. De-MINDS training through ``demind.training.train`` (the code behind ``train.py``),
@@ -33,7 +33,7 @@ from demind.io import atomic_path, write_json_atomic
 from .backbone import ToyBackboneConfig, ensure_toy_backbone
 from .benchmarks import ToyBenchmarkConfig, write_benchmarks
 from .intent_data import ToyShardConfig, write_toy_shards
-from .world import WORLDS
+from .world import DEFAULT_WORLD, WORLDS
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class QuickstartConfig:
     workdir: str = "runs/quickstart"
     # the toy world (demind/toy/README.md, "World v2"): one setting for every stage; the quickstart
     # copies it into shards.world, toy_benchmarks.world and backbone.world
-    world: str = setting("v1", choices=WORLDS)
+    world: str = setting(DEFAULT_WORLD, choices=WORLDS)
     train_config: str = "configs/train/toy.yaml"
     train_overrides: list[str] = field(default_factory=list)
     seeds: list[int] = setting(default_factory=lambda: [0], ge=0)
@@ -104,10 +104,10 @@ def with_world(cfg: QuickstartConfig) -> QuickstartConfig:
 
 
 def world_path(cfg: QuickstartConfig, name: str) -> Path:
-    """Where a world-dependent output lives: ``<workdir>/<name>`` for v1 (as before worlds existed),
-    ``<workdir>/<stem>-v2<suffix>`` for v2 ("shards-v2", "results-v2.json"), so worlds never mix."""
+    """Where a world-dependent output lives: ``<workdir>/<name>`` for the default world (v2),
+    ``<workdir>/<stem>-<world><suffix>`` for another ("shards-v1", "results-v1.json"), so worlds never mix."""
     path = Path(cfg.workdir) / name
-    return path if cfg.world == "v1" else path.with_name(f"{path.stem}-{cfg.world}{path.suffix}")
+    return path if cfg.world == DEFAULT_WORLD else path.with_name(f"{path.stem}-{cfg.world}{path.suffix}")
 
 
 # ------------------------------------------------------------------------ stages
@@ -155,7 +155,7 @@ def train_variant(cfg: QuickstartConfig, backbone, variant: str, seed: int, log_
 def quickstart_search_paths(workdir: str | Path = "runs/quickstart") -> dict[str, Path]:
     """What ``demind-serve --quickstart`` searches after a quickstart run: the De-MINDS export of
     the lowest seed (newest backbone when the toy CLIP was retrained), the toy CIRR dev images as
-    the gallery (of the default world, v1), and where their index goes. FileNotFoundError naming
+    the gallery (of the default world, v2), and where their index goes. FileNotFoundError naming
     what to run otherwise."""
     from demind.training import EXPORT_NAME
 

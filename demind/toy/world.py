@@ -32,7 +32,9 @@ EDIT_KINDS = ("colour", "shape", "size", "position", "add", "remove", "backgroun
 # Bump a version when that world's sampling or rendering changes, so caches keyed on it go stale.
 WORLDS = ("v1", "v2")
 WORLD_VERSIONS = {"v1": "toy-world-1", "v2": "toy-world-2"}
-WORLD_VERSION = WORLD_VERSIONS["v1"]  # the default world's version
+WORLD_VERSION = WORLD_VERSIONS["v1"]  # v1's version (the sections' default world, byte-identical to before)
+# The quickstart's world (issue 20: v2 is the instrument; chosen by design, before any v2 number).
+DEFAULT_WORLD = "v2"
 
 
 def world_version(world: str) -> str:
