@@ -146,7 +146,7 @@ def main() -> None:
     p.add_argument("--latency", action="store_true")
     p.add_argument("--repeats", type=int, default=21)
     p.add_argument("--methods-latency", action="store_true")
-    p.add_argument("--model-config", default="configs/model/toy-clip.json")
+    p.add_argument("--model-config", default="configs/model/toy-clip-rn.json")
     p.add_argument("--workdir", help="a finished quickstart workdir")
     p.add_argument("--backbone-only", help="NAME:WEIGHTS of a trained toy CLIP (Text-only / Image+Text +- DEO)")
     p.add_argument("--benchmarks", default="/work/runs/qs3/benchmarks", help="the quickstart's benchmarks folder")

@@ -56,11 +56,12 @@ VARIANTS = {
 
 
 def load_toy_backbone(folder: Path) -> FrozenCLIP:
-    reports = sorted(folder.glob("toy-clip-*.json"))
+    reports = sorted(folder.glob("toy-clip-*.json"), key=lambda p: p.stat().st_mtime)  # newest last
     if not reports:
         raise SystemExit(f"no trained toy CLIP in {folder} (a toy-clip-*.json report marks a finished one)")
-    weights = Path(json.loads(reports[-1].read_text())["weights"])
-    return FrozenCLIP(BackboneConfig(name=str(ROOT / "configs/model/toy-clip.json"), pretrained=str(weights)))
+    report = json.loads(reports[-1].read_text())
+    model_config = report.get("config", {}).get("model_config", "configs/model/toy-clip.json")  # as it was trained
+    return FrozenCLIP(BackboneConfig(name=str(ROOT / model_config), pretrained=str(Path(report["weights"]))))
 
 
 def per_query_ap(results: dict, method: str, truth: dict[str, list[str]], k: int = 5) -> dict[str, float]:

@@ -21,7 +21,7 @@ from demind.toy.backbone import ToyBackboneConfig, build_toy_model, pair_probes,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--weights", required=True, help="toy CLIP state dict (.pt) written by the quickstart")
-    parser.add_argument("--model-config", default="configs/model/toy-clip.json")
+    parser.add_argument("--model-config", default="configs/model/toy-clip-rn.json")
     parser.add_argument("--scenes", type=int, default=600, help="held-out scenes per attribute")
     parser.add_argument("--ceiling-scenes", type=int, default=1000, help="held-out scenes of the R@10 probes")
     args = parser.parse_args()
