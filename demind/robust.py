@@ -151,8 +151,9 @@ def masked_sinkhorn(cost: torch.Tensor, allowed: torch.Tensor, reg: float, num_i
     masked = torch.where(allowed, cost.detach().double(), torch.full_like(cost, float("inf"), dtype=torch.float64))
     rows = torch.full((b,), 1.0 / b, dtype=torch.float64, device=cost.device)
     cols = torch.full((n,), 1.0 / n, dtype=torch.float64, device=cost.device)
-    plan = ot.sinkhorn(rows, cols, masked, reg, method="sinkhorn_log", numItermax=num_iters, stopThr=1e-7)
-    return plan.masked_fill(~allowed, 0.0)  # already 0 (exp(-inf)); made explicit against round-off
+    # an infinite cost is a kernel entry exp(-inf) = 0, so the solver itself puts no mass there; the
+    # plan is returned as solved (not masked afterwards), so the logged masked mass is a real check
+    return ot.sinkhorn(rows, cols, masked, reg, method="sinkhorn_log", numItermax=num_iters, stopThr=1e-7)
 
 
 def btu_loss(query: torch.Tensor, targets: torch.Tensor, anchors: torch.Tensor, noisy: torch.Tensor,
