@@ -1,14 +1,19 @@
-"""The quickstart's default run learns what the method should: De-MINDS beats Image-only
-and Text-only on the toy CIRR benchmark by a clear margin.
+"""The quickstart's default run (World v2, the toy CLIP of the second recipe) is an instrument:
+its backbone sees what the pair probes ask for, and De-MINDS beats Image-only and Text-only on
+the toy CIRR benchmark by a clear margin.
 
-Slow (11-14 minutes on a 2-core CPU; 682 s measured: it trains the toy CLIP and De-MINDS from nothing),
-so it is off by default: ``pytest -m slow tests/test_toy_end_to_end.py``.
+Slow (about 15 minutes on a 2-core CPU: it trains the toy CLIP and De-MINDS from nothing), so it
+is off by default: ``pytest -m slow tests/test_toy_end_to_end.py``.
 
-The margin: over seeds 0, 1, 2 the default run gave De-MINDS toy-CIRR R@5 35.2 +- 1.0
-(per seed 34.5 / 36.3 / 34.7) and R@10 51.4 +- 1.4 against Image-only 22.5 / 33.0 and
-Text-only 7.3 / 14.5 (BENCHMARKS.md): the smallest gap, R@5 over Image-only, was 12.0 to
-13.8 points per seed. A margin of 8 points is 4 seed standard deviations below the mean
-gap, and still 4 standard errors of a 600-query recall (sqrt(0.5 * 0.5 / 600) = 2 points).
+The probe bar is issue 20's: shape, colour, background, style >= 90, size >= 85 (chance 50).
+The adopted recipe meets it on colour, size, background and style (v2: 90.7 / 88.5 / 100.0 /
+98.2) and not on shape (63.8), which is marked as an expected failure (strict: it will say so
+when a recipe reaches 90).
+
+The margin: on World v2 over seeds 0, 1, 2 (BENCHMARKS.md) De-MINDS led Image-only by
+at least 17.0 recall points (R@5: 42.0 / 42.8 / 41.3 against 24.3; R@10: 52.8 ± 0.9 against
+31.5), and Text-only by far more (17.0 at R@10). A margin of 12 points is far below
+that, and still 6 standard errors of a 600-query recall (sqrt(0.5 * 0.5 / 600) = 2 points).
 """
 
 from __future__ import annotations
@@ -17,13 +22,34 @@ import pytest
 
 from demind.toy.pipeline import QuickstartConfig, run_quickstart
 
-MARGIN = 8.0  # recall points
+MARGIN = 12.0  # recall points
+PROBE_BAR = {"colour": 90.0, "background": 90.0, "style": 90.0, "size": 85.0}
+SHAPE_BAR = 90.0
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    return run_quickstart(QuickstartConfig(workdir=str(tmp_path_factory.mktemp("e2e") / "qs"), seeds=[0],
+                                           progress=False))
 
 
 @pytest.mark.slow
-def test_default_quickstart_beats_image_only_and_text_only(tmp_path):
-    summary = run_quickstart(QuickstartConfig(workdir=str(tmp_path / "qs"), seeds=[0], progress=False))
-    rows = summary["rows"]
+def test_default_toy_clip_passes_the_pair_probe_bar(default_run):
+    probes = default_run["backbone_probes"]
+    for attribute, bar in PROBE_BAR.items():
+        assert probes[attribute] >= bar, (attribute, probes)
+    assert 0.0 <= probes["position"] <= 100.0  # measured and reported, no bar
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="issue 20: the toy CLIP sees shape at ~64 of 100, short of the 90 bar")
+def test_default_toy_clip_sees_shape(default_run):
+    assert default_run["backbone_probes"]["shape"] >= SHAPE_BAR
+
+
+@pytest.mark.slow
+def test_default_quickstart_beats_image_only_and_text_only(default_run):
+    rows = default_run["rows"]
     for metric in ("cirr:R@5", "cirr:R@10"):
         demind = rows["demind"]["metrics"][metric][0]
         for baseline in ("image-only", "text-only"):
