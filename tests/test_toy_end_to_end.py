@@ -12,7 +12,7 @@ when a recipe reaches 90).
 
 The margin: on World v2 over seeds 0, 1, 2 (BENCHMARKS.md) De-MINDS led Image-only by
 at least 17.0 recall points (R@5: 42.0 / 42.8 / 41.3 against 24.3; R@10: 52.8 ± 0.9 against
-31.5), and Text-only by far more (17.0 at R@10). A margin of 12 points is far below
+31.5), and Text-only by more (Text-only R@10: 17.0). A margin of 12 points is far below
 that, and still 6 standard errors of a 600-query recall (sqrt(0.5 * 0.5 / 600) = 2 points).
 """
 
