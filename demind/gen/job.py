@@ -312,7 +312,11 @@ def run_plan(plan: JobPlan, cfg: GenConfig, engine: Engine, prompts: PromptSet, 
     """Process every shard of the plan that is not done. Unreadable input shards are recorded
     as failed (no stats file, so the next run retries them) and the others go on."""
     generator = IntentGenerator(engine, cfg, prompts)
-    scorer = (FidelityScorer.from_config(cfg.quality, cfg.sampling.seed) if cfg.quality.fidelity_clip else None)
+    scorer = None
+    if cfg.quality.fidelity_clip:
+        from demind.gen.engines.transformers_engine import resolve_device  # the one reading of engine.device
+
+        scorer = FidelityScorer.from_config(cfg.quality, cfg.sampling.seed, str(resolve_device(cfg.engine.device)))
     summary = JobSummary(skipped_done=[t.shard_id for t in plan.by_state("done")])
     todo = plan.todo
     expected = [expected_samples(t.input_path) for t in todo]
