@@ -7,7 +7,7 @@ is off by default: ``pytest -m slow tests/test_toy_end_to_end.py``.
 
 The probe bar is issue 20's: shape, colour, background, style >= 90, size >= 85 (chance 50).
 The adopted recipe meets it on colour, size, background and style (v2: 90.7 / 88.5 / 100.0 /
-98.2; a fresh-clone run with 4 threads: 90.2 / 90.7 / 99.7 / 97.7, training is not bit-identical
+98.2; a fresh-clone run with 2 threads: 90.2 / 90.7 / 99.7 / 97.7, training is not bit-identical
 across thread counts) and not on shape (63.8 / 66.3), which is marked as an expected failure
 (strict: it will say so when a recipe reaches 90). Colour sits at the bar's edge (90.2-92.2).
 
