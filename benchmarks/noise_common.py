@@ -9,6 +9,7 @@ The source workdir is only read: its benchmarks are copied once into the output 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import logging
@@ -162,3 +163,17 @@ def parse_choices(text: str, name: str, allowed: tuple[str, ...]) -> list[str]:
     if bad or not values:
         raise NoiseBenchError(f"--{name}: {bad or text!r} not in {allowed}")
     return values
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, tiny_help: str) -> None:
+    """The options both noise benchmarks take: the source quickstart, the output, the noise kinds,
+    the sample count, extra training overrides and the smoke-run switch."""
+    parser.add_argument("--quickstart", required=True,
+                        help="finished quickstart workdir (toy CLIP, benchmarks; read only)")
+    parser.add_argument("--out", required=True, help="output folder (resumable)")
+    parser.add_argument("--kinds", default="hard,easy", help="noise kinds: hard,easy")
+    parser.add_argument("--num-samples", type=int, default=None,
+                        help="intent samples per shard group (default: the quickstart's)")
+    parser.add_argument("--train-override", action="append", default=[],
+                        help="extra training override, e.g. run.cpu=false (repeatable)")
+    parser.add_argument("--tiny", action="store_true", help=tiny_help)

@@ -36,8 +36,8 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
-from benchmarks.noise_common import (TINY_TRAIN, NoiseBenchError, cell_config, group_name, load_backbone,  # noqa: E402
-                                     noisy_shards, parse_choices, parse_floats, source_config)
+from benchmarks.noise_common import (TINY_TRAIN, NoiseBenchError, add_common_arguments, cell_config, group_name,  # noqa: E402
+                                     load_backbone, noisy_shards, parse_choices, parse_floats, source_config)
 
 logger = logging.getLogger("noise_detection")
 TEXTS = ("int", "rew", "either")
@@ -167,16 +167,11 @@ def format_table(runs: dict[str, Any]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quickstart", required=True, help="finished quickstart workdir (toy CLIP; read only)")
-    parser.add_argument("--out", required=True, help="output folder (resumable)")
-    parser.add_argument("--kinds", default="hard,easy")
+    add_common_arguments(parser, "64 samples, 3 warm-up steps: a smoke run")
     parser.add_argument("--rate", default="0.5", help="noise rate (or percentage), > 0")
-    parser.add_argument("--num-samples", type=int, default=None, help="intent samples (default: the quickstart's)")
     parser.add_argument("--warmup-steps", type=int, default=100, help="steps of mode-none training before the "
                                                                       "small-loss detector scores the samples")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--train-override", action="append", default=[], help="extra training override (repeatable)")
-    parser.add_argument("--tiny", action="store_true", help="64 samples, 3 warm-up steps: a smoke run")
     return parser
 
 

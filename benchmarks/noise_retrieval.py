@@ -27,8 +27,8 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.noise_common import (MODES, TINY_TRAIN, NoiseBenchError, cell_config, copy_benchmarks,  # noqa: E402
-                                     group_name, load_backbone, noisy_shards, parse_choices, parse_floats,
+from benchmarks.noise_common import (MODES, TINY_TRAIN, NoiseBenchError, add_common_arguments,  # noqa: E402
+                                     cell_config, copy_benchmarks, group_name, load_backbone, noisy_shards, parse_choices, parse_floats,
                                      source_config)
 
 logger = logging.getLogger("noise_retrieval")
@@ -153,17 +153,10 @@ def plot(rows: dict[str, Any], kinds: list[str], rates: list[float], modes: list
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quickstart", required=True, help="finished quickstart workdir (toy CLIP, benchmarks; read only)")
-    parser.add_argument("--out", required=True, help="output folder (resumable)")
-    parser.add_argument("--kinds", default="hard,easy", help="noise kinds: hard,easy")
+    add_common_arguments(parser, "64 samples, 3 steps, rates 0,0.5, seed 0: a smoke run")
     parser.add_argument("--rates", default="0,0.2,0.5,0.8", help="noise rates (or percentages)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"training modes, of {MODES}")
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--num-samples", type=int, default=None, help="intent samples per shard group "
-                                                                      "(default: the quickstart's)")
-    parser.add_argument("--train-override", action="append", default=[],
-                        help="extra training override, e.g. run.cpu=false (repeatable)")
-    parser.add_argument("--tiny", action="store_true", help="64 samples, 3 steps, rates 0,0.5, seed 0: a smoke run")
     return parser
 
 
