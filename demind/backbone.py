@@ -24,6 +24,7 @@ import open_clip
 import torch
 import torch.nn as nn
 
+from demind import towers  # noqa: F401  (registers our timm towers before any model is built)
 from demind.config import ConfigError, setting
 
 log = logging.getLogger(__name__)
