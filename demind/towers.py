@@ -53,6 +53,11 @@ class ToyConvNet(nn.Module):
             self.global_pool = SelectAdaptivePool2d(pool_type=global_pool, flatten=True)
         self.head = nn.Linear(self.num_features, num_classes) if num_classes else nn.Identity()
 
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """timm's interface; open_clip calls it with False on every load. Four convs need none."""
+        if enable:
+            raise NotImplementedError(f"{TOY_CONVNET} has no gradient checkpointing")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.global_pool(self.features(x)))
 
