@@ -137,11 +137,14 @@ def test_trimmed_text_encoding_equals_open_clip(trained):
     assert model.token_embedding.weight.grad is not None and model.transformer.resblocks[0].mlp.c_fc.weight.grad is not None
 
 
-def test_killed_training_resumes_where_it_stopped(tmp_path, monkeypatch):
+@pytest.mark.parametrize("aux_attributes", [(), ("shape",)])
+def test_killed_training_resumes_where_it_stopped(tmp_path, monkeypatch, aux_attributes):
+    """Bit-equal weights after a kill and rerun, the auxiliary head's state included (without
+    it, the resumed image tower would receive different auxiliary gradients)."""
     model_json = tmp_path / "toy-clip-resume.json"
     model_json.write_text(json.dumps(TINY))
     cfg = ToyBackboneConfig(model_config=str(model_json), steps=4, batch_size=8, warmup_steps=1,
-                            num_train_images=16, num_eval_scenes=20)
+                            num_train_images=16, num_eval_scenes=20, aux_attributes=aux_attributes)
     reference, _ = toy_backbone.train_toy_clip(cfg, progress=False)
 
     real_lr, state, seen = toy_backbone._lr_at, tmp_path / "toy.state.pt", []
@@ -222,7 +225,7 @@ def test_hard_negative_groups_fill_the_batch_with_one_edit_photographs():
 
     web = [scene_from_seed(7000 + i) for i in range(6)]
     web_images = np.zeros((6, 64, 64, 3), np.uint8)
-    images, texts = draw_batch(cfg, web, web_images, groups, group_images, 2, random.Random(0))
+    images, texts, shown = draw_batch(cfg, web, web_images, groups, group_images, 2, random.Random(0))
     assert images.shape == (10, 64, 64, 3) and len(texts) == 10
     group_texts = texts[2:]
     # each member's caption is its own scene's full description (templates vary, the content not)
@@ -232,3 +235,31 @@ def test_hard_negative_groups_fill_the_batch_with_one_edit_photographs():
         for scene, text in zip(groups[g], group_texts[start:start + 4]):
             assert all(o.shape in text and o.colour in text for o in scene.objects)
             assert text in {full_description(scene, random.Random(s)) for s in range(50)}
+
+
+def test_attribute_targets_mark_every_value_the_objects_hold():
+    from demind.toy.backbone import attribute_targets
+    from demind.toy.world import COLOURS, SHAPES, ToyObject, Scene
+
+    scene = Scene(objects=(ToyObject(0, "heart", "red", "small", "top left"),
+                           ToyObject(1, "star", "red", "large", "center")), background="grass", style="photo")
+    target = attribute_targets([scene], ("shape", "colour"))
+    assert target.shape == (1, len(SHAPES) + len(COLOURS))
+    expected = torch.zeros(1, len(SHAPES) + len(COLOURS))
+    expected[0, SHAPES.index("heart")] = expected[0, SHAPES.index("star")] = 1
+    expected[0, len(SHAPES) + COLOURS.index("red")] = 1  # two red objects: one bit
+    torch.testing.assert_close(target, expected)
+
+
+def test_the_auxiliary_loss_reaches_the_image_tower_and_weight_zero_switches_it_off(tmp_path):
+    model_json = tmp_path / "toy-clip-aux.json"
+    model_json.write_text(json.dumps(TINY))
+    base = dict(model_config=str(model_json), steps=2, batch_size=8, warmup_steps=1, num_train_images=16)
+    plain, _ = toy_backbone.train_toy_clip(ToyBackboneConfig(**base), progress=False)
+    off, _ = toy_backbone.train_toy_clip(ToyBackboneConfig(**base, aux_attributes=("shape",), aux_weight=0.0),
+                                         progress=False)
+    on, _ = toy_backbone.train_toy_clip(ToyBackboneConfig(**base, aux_attributes=("shape",)), progress=False)
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(off.state_dict()[name], value)
+    visual = [n for n in plain.state_dict() if n.startswith("visual.") and plain.state_dict()[n].is_floating_point()]
+    assert any(not torch.equal(on.state_dict()[n], plain.state_dict()[n]) for n in visual)

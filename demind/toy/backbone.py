@@ -39,10 +39,13 @@ from .parallel import parallel_map
 from .probes import PairScorer, pair_probe_cases, probe_ceiling, run_pair_probes
 from .render import render_scene
 from .texts import alt_text, article, full_description, web_text
-from .world import (EDIT_KINDS, WORLDS, Scene, apply_edit, derive_seed, edit_is_possible, scene_from_seed, stream_seed,
-                    world_version)
+from .world import (COLOURS, EDIT_KINDS, POSITIONS, SHAPES, SIZES, WORLDS, Scene, apply_edit, derive_seed,
+                    edit_is_possible, scene_from_seed, stream_seed, world_version)
 
 logger = logging.getLogger(__name__)
+
+# object attributes the auxiliary loss can supervise -> their values (the head's classes)
+AUX_ATTRIBUTES = {"shape": SHAPES, "colour": COLOURS, "size": SIZES, "position": POSITIONS}
 
 
 @dataclass
@@ -66,6 +69,12 @@ class ToyBackboneConfig:
     group_share: float = setting(0.5, ge=0, le=1)
     group_edits: tuple[str, ...] = setting(("shape", "size", "position"), choices=EDIT_KINDS)
     num_group_scenes: int = setting(2000, ge=1)  # groups rendered once, like the random pool
+    # Auxiliary attribute loss (README, "fourth recipe"): a linear head on the image embedding
+    # predicts which values of these object attributes the scene holds (multi-label BCE from the
+    # scene's ground truth), weighted by aux_weight beside ClipLoss; the head is discarded after
+    # training. () = ClipLoss only.
+    aux_attributes: tuple[str, ...] = setting((), choices=tuple(AUX_ATTRIBUTES))
+    aux_weight: float = setting(1.0, ge=0)
     num_eval_scenes: int = setting(1000, ge=1)
     # pair probes (demind/toy/probes.py): evaluation only, so not part of the cache key
     num_pair_probe_scenes: int = setting(600, ge=1)
@@ -74,6 +83,20 @@ class ToyBackboneConfig:
     # the toy world its images and web texts come from (README "World v2"); in the cache key as
     # the world's version string. The quickstart sets it from its `world`.
     world: str = setting("v1", choices=WORLDS)
+
+
+def attribute_targets(scenes: list[Scene], attributes: tuple[str, ...]) -> torch.Tensor:
+    """(B, sum of the attributes' value counts) 0/1: which values of each attribute the scene's
+    objects hold (a scene with a red and a blue object has both colour bits set)."""
+    offsets, total = {}, 0
+    for attribute in attributes:
+        offsets[attribute], total = total, total + len(AUX_ATTRIBUTES[attribute])
+    target = torch.zeros(len(scenes), total)
+    for i, scene in enumerate(scenes):
+        for obj in scene.objects:
+            for attribute in attributes:
+                target[i, offsets[attribute] + AUX_ATTRIBUTES[attribute].index(getattr(obj, attribute))] = 1
+    return target
 
 
 def _model_name(model_config: str | Path) -> str:
@@ -186,17 +209,21 @@ def encode_text_trimmed(model: torch.nn.Module, tokens: torch.Tensor, chunks: in
 
 
 def draw_batch(cfg: ToyBackboneConfig, scenes: list[Scene], images: np.ndarray, groups: list[list[Scene]],
-               group_images: np.ndarray | None, n_groups: int, rng: random.Random) -> tuple[np.ndarray, list[str]]:
+               group_images: np.ndarray | None, n_groups: int, rng: random.Random
+               ) -> tuple[np.ndarray, list[str], list[Scene]]:
     """One training batch: ``n_groups`` whole hard-negative groups (full descriptions), the
-    rest random web images with web texts; a fresh caption per visit. (B, H, W, 3) uint8, B texts."""
+    rest random web images with web texts; a fresh caption per visit.
+    (B, H, W, 3) uint8, B texts, the B scenes they show."""
     idx = rng.sample(range(len(scenes)), cfg.batch_size - n_groups * (1 + len(cfg.group_edits)))
     texts = [web_text(scenes[i], rng, cfg.world) for i in idx]  # a fresh caption per visit
+    shown = [scenes[i] for i in idx]
     if not n_groups:
-        return images[idx], texts
+        return images[idx], texts, shown
     chosen = rng.sample(range(len(groups)), n_groups)
     texts += [full_description(scene, rng) for g in chosen for scene in groups[g]]
+    shown += [scene for g in chosen for scene in groups[g]]
     members = group_images[chosen].reshape(-1, *group_images.shape[2:])
-    return np.concatenate([images[idx], members]), texts
+    return np.concatenate([images[idx], members]), texts, shown
 
 
 def _lr_at(step: int, cfg: ToyBackboneConfig) -> float:
@@ -220,12 +247,15 @@ def _image_side(model: torch.nn.Module) -> int:
 
 
 def save_train_state(path: Path, model: torch.nn.Module, optim: torch.optim.Optimizer, step: int,
-                     rng: random.Random, losses: list[float], elapsed: float) -> None:
-    """Everything a killed run needs to continue exactly: weights, optimizer, the next step,
-    the sampling RNG (which batches and captions come next), recent losses. Atomic."""
+                     rng: random.Random, losses: list[float], elapsed: float,
+                     aux_head: torch.nn.Module | None = None) -> None:
+    """Everything a killed run needs to continue exactly: weights (and the auxiliary head's),
+    optimizer, the next step, the sampling RNG (which batches and captions come next), recent
+    losses. Atomic."""
     with atomic_path(path) as tmp:
         torch.save({"model": model.state_dict(), "optim": optim.state_dict(), "step": step,
-                    "rng": rng.getstate(), "losses": losses, "elapsed": elapsed}, tmp)
+                    "rng": rng.getstate(), "losses": losses, "elapsed": elapsed,
+                    "aux_head": aux_head.state_dict() if aux_head is not None else None}, tmp)
 
 
 def train_toy_clip(cfg: ToyBackboneConfig, progress: bool = True, state_path: Path | None = None,
@@ -241,18 +271,24 @@ def train_toy_clip(cfg: ToyBackboneConfig, progress: bool = True, state_path: Pa
     n_groups = groups_per_batch(cfg)
     groups, group_images = (render_group_pool(cfg.num_group_scenes, cfg.group_edits, image_size, progress, cfg.world)
                             if n_groups else ([], None))
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embedding" not in n]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2 or "embedding" in n]
+    # the auxiliary attribute head (discarded after training): image embedding -> attribute values
+    aux_head = (torch.nn.Linear(model.text_projection.shape[1], attribute_targets([], cfg.aux_attributes).shape[1])
+                if cfg.aux_attributes else None)
+    named = list(model.named_parameters()) + (list(aux_head.named_parameters(prefix="aux_head")) if aux_head else [])
+    decay = [p for n, p in named if p.ndim >= 2 and "embedding" not in n]
+    no_decay = [p for n, p in named if p.ndim < 2 or "embedding" in n]
     optim = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                                {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.98), eps=1e-6,
                               fused=cfg.fused_adamw)
     loss_fn = ClipLoss()
     rng = random.Random(derive_seed("toy-backbone", cfg.seed))
-    first_step, losses, earlier = 0, [], 0.0
+    first_step, losses, earlier, aux_losses = 0, [], 0.0, []
     if state_path is not None and state_path.is_file():
         state = torch.load(state_path, weights_only=False)  # our own file: holds the RNG tuple
         model.load_state_dict(state["model"])
         optim.load_state_dict(state["optim"])
+        if aux_head is not None:
+            aux_head.load_state_dict(state["aux_head"])
         rng.setstate(state["rng"])
         first_step, losses, earlier = state["step"], state["losses"], state["elapsed"]
         logger.info("toy CLIP: resuming from step %d (%s)", first_step, state_path)
@@ -263,11 +299,17 @@ def train_toy_clip(cfg: ToyBackboneConfig, progress: bool = True, state_path: Pa
     for step in bar:
         for group in optim.param_groups:
             group["lr"] = _lr_at(step, cfg)
-        batch_images, texts = draw_batch(cfg, scenes, images, groups, group_images, n_groups, rng)
-        image_f = model.encode_image(images_to_tensor(batch_images), normalize=True)
+        batch_images, texts, shown = draw_batch(cfg, scenes, images, groups, group_images, n_groups, rng)
+        image_raw = model.encode_image(images_to_tensor(batch_images))
+        image_f = torch.nn.functional.normalize(image_raw, dim=-1)
         text_f = torch.nn.functional.normalize(encode_text_trimmed(model, tokenizer(texts)), dim=-1)
         scale = model.logit_scale.exp()
-        loss = loss_fn(image_f, text_f, scale)
+        loss = clip_loss = loss_fn(image_f, text_f, scale)
+        if aux_head is not None:
+            aux = torch.nn.functional.binary_cross_entropy_with_logits(
+                aux_head(image_raw), attribute_targets(shown, cfg.aux_attributes))
+            aux_losses.append(aux.item())
+            loss = loss + cfg.aux_weight * aux
         if not torch.isfinite(loss):
             raise FloatingPointError(f"toy CLIP loss is {loss.item()} at step {step}")
         optim.zero_grad(set_to_none=True)
@@ -275,15 +317,16 @@ def train_toy_clip(cfg: ToyBackboneConfig, progress: bool = True, state_path: Pa
         optim.step()
         with torch.no_grad():  # as CLIP: cap the temperature at 100
             model.logit_scale.clamp_(0, math.log(100))
-        losses.append(loss.item())
+        losses.append(clip_loss.item())  # ClipLoss alone: comparable across recipes
         bar.set_postfix(loss=f"{loss.item():.3f}")
         if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
             elapsed = time.perf_counter() - start
-            logger.info("toy CLIP step %d/%d loss %.4f lr %.2e scale %.1f %.1f samples/s", step + 1, cfg.steps,
-                        float(np.mean(losses[-cfg.log_every:])), _lr_at(step, cfg), scale.item(),
+            aux_note = f" (aux {np.mean(aux_losses[-cfg.log_every:]):.4f})" if aux_losses else ""
+            logger.info("toy CLIP step %d/%d loss %.4f%s lr %.2e scale %.1f %.1f samples/s", step + 1, cfg.steps,
+                        float(np.mean(losses[-cfg.log_every:])), aux_note, _lr_at(step, cfg), scale.item(),
                         (step + 1) * cfg.batch_size / elapsed)
         if state_path is not None and (step + 1) % save_every == 0 and step + 1 < cfg.steps:
-            save_train_state(state_path, model, optim, step + 1, rng, losses, time.perf_counter() - start)
+            save_train_state(state_path, model, optim, step + 1, rng, losses, time.perf_counter() - start, aux_head)
     model.eval()
     return model, {"train_seconds": round(time.perf_counter() - start, 1), "final_loss": float(np.mean(losses[-20:]))}
 
