@@ -27,21 +27,12 @@ import torch
 from demind import towers  # noqa: F401  (registers demind_toy_convnet)
 from demind.backbone import quiet_random_init_notice
 from demind.io import write_json_atomic
-from demind.toy.backbone import images_to_tensor, render_pool
-from demind.toy.world import SHAPES, Scene
+from demind.toy.backbone import AUX_ATTRIBUTES, attribute_targets, images_to_tensor, render_pool
 
 
-def shape_sets(scenes: list[Scene]) -> torch.Tensor:
-    """(N, len(SHAPES)) 0/1: which shapes each scene holds."""
-    target = torch.zeros(len(scenes), len(SHAPES))
-    for i, scene in enumerate(scenes):
-        for obj in scene.objects:
-            target[i, SHAPES.index(obj.shape)] = 1
-    return target
-
-
-def build_tower(model_config: str, overrides: dict) -> torch.nn.Module:
-    """The image tower of ``model_config`` with ``vision_cfg`` overrides, randomly initialised."""
+def build_tower(model_config: str, overrides: dict) -> tuple[torch.nn.Module, int]:
+    """The image tower of ``model_config`` with ``vision_cfg`` overrides, randomly initialised,
+    and its output width (the config's ``embed_dim``)."""
     config = json.loads(Path(model_config).read_text())
     config["vision_cfg"].update(overrides)
     with tempfile.TemporaryDirectory() as tmp:  # open_clip registers configs from files
@@ -49,20 +40,18 @@ def build_tower(model_config: str, overrides: dict) -> torch.nn.Module:
         path.write_text(json.dumps(config))
         open_clip.add_model_config(path)
         with quiet_random_init_notice():
-            return open_clip.create_model(path.stem, pretrained=None).visual
+            return open_clip.create_model(path.stem, pretrained=None).visual, config["embed_dim"]
 
 
 def run(model_config: str, overrides: dict, steps: int, every: int, train_scenes: int, eval_scenes: int,
         world: str, seed: int, progress: bool) -> dict:
     """Train the proxy; returns {"curve": [{step, loss, exact}], ...}."""
     torch.manual_seed(seed)
-    tower = build_tower(model_config, overrides)
-    with torch.no_grad():
-        dim = tower(torch.zeros(1, 3, 64, 64)).shape[-1]
-    head = torch.nn.Linear(dim, len(SHAPES))
+    tower, dim = build_tower(model_config, overrides)
+    head = torch.nn.Linear(dim, len(AUX_ATTRIBUTES["shape"]))
     scenes, images = render_pool("web", train_scenes, 64, progress, world=world)
     held_scenes, held_images = render_pool("web_eval", eval_scenes, 64, progress, world=world)
-    target, held_target = shape_sets(scenes), shape_sets(held_scenes) > 0
+    target, held_target = attribute_targets(scenes, ("shape",)), attribute_targets(held_scenes, ("shape",)) > 0
     optim = torch.optim.AdamW([*tower.parameters(), *head.parameters()], lr=1e-3, weight_decay=0.1)
     generator = torch.Generator().manual_seed(seed)
     curve, start = [], time.perf_counter()

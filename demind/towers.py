@@ -43,7 +43,6 @@ class ToyConvNet(nn.Module):
         )
         self.num_features = 4 * w
         self.default_cfg = {"pool_size": None}  # open_clip's adapter reads it (attention pooling only)
-        self.pretrained_cfg = self.default_cfg
         self.global_pool = SelectAdaptivePool2d(pool_type=global_pool, flatten=True)
         self.head = nn.Linear(self.num_features, num_classes) if num_classes else nn.Identity()
 

@@ -273,8 +273,8 @@ def train_toy_clip(cfg: ToyBackboneConfig, progress: bool = True, state_path: Pa
     groups, group_images = (render_group_pool(cfg.num_group_scenes, cfg.group_edits, image_size, progress, cfg.world)
                             if n_groups else ([], None))
     # the auxiliary attribute head (discarded after training): image embedding -> attribute values
-    aux_head = (torch.nn.Linear(model.text_projection.shape[1], attribute_targets([], cfg.aux_attributes).shape[1])
-                if cfg.aux_attributes else None)
+    aux_classes = sum(len(AUX_ATTRIBUTES[a]) for a in cfg.aux_attributes)
+    aux_head = torch.nn.Linear(model.text_projection.shape[1], aux_classes) if aux_classes else None
     named = list(model.named_parameters()) + (list(aux_head.named_parameters(prefix="aux_head")) if aux_head else [])
     decay = [p for n, p in named if p.ndim >= 2 and "embedding" not in n]
     no_decay = [p for n, p in named if p.ndim < 2 or "embedding" in n]
