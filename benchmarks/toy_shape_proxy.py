@@ -27,7 +27,7 @@ import torch
 from demind import towers  # noqa: F401  (registers demind_toy_convnet)
 from demind.backbone import quiet_random_init_notice
 from demind.io import write_json_atomic
-from demind.toy.backbone import AUX_ATTRIBUTES, attribute_targets, images_to_tensor, render_pool
+from demind.toy.backbone import TAG_VALUES, attribute_targets, images_to_tensor, render_pool
 
 
 def build_tower(model_config: str, overrides: dict) -> tuple[torch.nn.Module, int]:
@@ -48,7 +48,7 @@ def run(model_config: str, overrides: dict, steps: int, every: int, train_scenes
     """Train the proxy; returns {"curve": [{step, loss, exact}], ...}."""
     torch.manual_seed(seed)
     tower, dim = build_tower(model_config, overrides)
-    head = torch.nn.Linear(dim, len(AUX_ATTRIBUTES["shape"]))
+    head = torch.nn.Linear(dim, len(TAG_VALUES["shape"]))
     scenes, images = render_pool("web", train_scenes, 64, progress, world=world)
     held_scenes, held_images = render_pool("web_eval", eval_scenes, 64, progress, world=world)
     target, held_target = attribute_targets(scenes, ("shape",)), attribute_targets(held_scenes, ("shape",)) > 0

@@ -34,7 +34,8 @@ def tiny_quickstart(tmp_path_factory):
     cfg = QuickstartConfig(workdir=str(root), progress=False, eval_batch_size=32,
                            toy_benchmarks=ToyBenchmarkConfig(cirr_sets=4, exclusion_queries=2),
                            backbone=ToyBackboneConfig(model_config=str(model_json), steps=2, batch_size=8,
-                                                      warmup_steps=1, num_train_images=16, num_eval_scenes=10))
+                                                      warmup_steps=1, num_train_images=16, num_eval_scenes=10,
+                                                      pretrain_steps=2, pretrain_first_steps=1))
     ensure_toy_backbone(cfg.backbone, root / "backbone", progress=False)
     write_benchmarks(root / "benchmarks", cfg.toy_benchmarks, ("cirr", "exclusion"), progress=False)
     (root / "results.json").write_text(json.dumps({"config": asdict(cfg)}))

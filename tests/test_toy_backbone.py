@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 import numpy as np
 import open_clip
@@ -11,10 +12,17 @@ import torch
 
 from demind.toy import backbone as toy_backbone
 from demind.toy.backbone import (
-    ToyBackboneConfig, cached_paths, ensure_toy_backbone, images_to_tensor, text_to_image_recall,
+    TAG_VALUES, ToyBackboneConfig, cached_paths, ensure_toy_backbone, images_to_tensor, text_to_image_recall,
 )
 from demind.toy.render import render_scene
 from demind.toy.world import scene_from_seed
+
+TINY_CNN = {  # the convnet tower (demind/towers.py), with BatchNorm
+    "embed_dim": 32,
+    "vision_cfg": {"image_size": 64, "timm_model_name": "demind_toy_convnet", "timm_model_pretrained": False,
+                   "timm_pool": "max", "timm_proj": "linear"},
+    "text_cfg": {"context_length": 56, "vocab_size": 49408, "width": 32, "heads": 4, "layers": 1},
+}
 
 TINY = {
     "embed_dim": 32,
@@ -29,7 +37,8 @@ def trained(tmp_path_factory):
     model_json = root / "toy-clip-test.json"
     model_json.write_text(json.dumps(TINY))
     cfg = ToyBackboneConfig(model_config=str(model_json), steps=2, batch_size=8, warmup_steps=1,
-                            num_train_images=16, num_eval_scenes=20, num_pair_probe_scenes=8)
+                            num_train_images=16, num_eval_scenes=20, num_pair_probe_scenes=8,
+                            pretrain_steps=2, pretrain_first_steps=1)  # the default recipe's two stages, tiny
     weights, report = ensure_toy_backbone(cfg, root / "cache", progress=False)
     return cfg, root, weights, report
 
@@ -137,14 +146,23 @@ def test_trimmed_text_encoding_equals_open_clip(trained):
     assert model.token_embedding.weight.grad is not None and model.transformer.resblocks[0].mlp.c_fc.weight.grad is not None
 
 
-@pytest.mark.parametrize("aux_attributes", [(), ("shape",)])
-def test_killed_training_resumes_where_it_stopped(tmp_path, monkeypatch, aux_attributes):
-    """Bit-equal weights after a kill and rerun, the auxiliary head's state included (without
-    it, the resumed image tower would receive different auxiliary gradients)."""
+RESUME_CASES = {
+    "unlocked, no pre-training": {"pretrain_steps": 0, "lock_image": False},
+    "aux head": {"pretrain_steps": 0, "lock_image": False, "aux_attributes": ("shape",)},
+    # state saved on the last pre-training step: the contrastive stage must start a fresh optimizer
+    "locked, saved at the stage boundary": {"pretrain_steps": 2, "pretrain_first_steps": 1, "lock_image": True},
+    "unlocked, saved inside pre-training": {"pretrain_steps": 3, "pretrain_first_steps": 1, "lock_image": False},
+}
+
+
+@pytest.mark.parametrize("extra", list(RESUME_CASES.values()), ids=list(RESUME_CASES))
+def test_killed_training_resumes_where_it_stopped(tmp_path, monkeypatch, extra):
+    """Bit-equal weights after a kill and rerun, the tag heads' and the stage's optimizer state
+    included (without them, the resumed image tower would receive different gradients)."""
     model_json = tmp_path / "toy-clip-resume.json"
     model_json.write_text(json.dumps(TINY))
     cfg = ToyBackboneConfig(model_config=str(model_json), steps=4, batch_size=8, warmup_steps=1,
-                            num_train_images=16, num_eval_scenes=20, aux_attributes=aux_attributes)
+                            num_train_images=16, num_eval_scenes=20, **extra)
     reference, _ = toy_backbone.train_toy_clip(cfg, progress=False)
 
     real_lr, state, seen = toy_backbone._lr_at, tmp_path / "toy.state.pt", []
@@ -164,9 +182,64 @@ def test_killed_training_resumes_where_it_stopped(tmp_path, monkeypatch, aux_att
     assert state.is_file()
     monkeypatch.setattr(toy_backbone, "_lr_at", recording)
     resumed, _ = toy_backbone.train_toy_clip(cfg, progress=False, state_path=state, save_every=2)
-    assert sorted(set(seen)) == [2, 3]  # only the steps after the saved state ran again
+    assert sorted(set(seen)) == list(range(2, cfg.pretrain_steps + cfg.steps))  # only the steps after the state
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(resumed.state_dict()[name], value)
+
+
+def test_a_locked_image_tower_keeps_its_pretrained_weights(tmp_path):
+    """lock_image: the contrastive stage trains the text tower only; the image tower (weights and
+    BatchNorm statistics) is the pre-trained one, however long the contrastive stage runs."""
+    model_json = tmp_path / "toy-clip-lit.json"
+    model_json.write_text(json.dumps(TINY_CNN))
+    base = dict(model_config=str(model_json), batch_size=8, warmup_steps=1, num_train_images=16,
+                pretrain_steps=2, pretrain_first_steps=1, lock_image=True)
+    short, _ = toy_backbone.train_toy_clip(ToyBackboneConfig(**base, steps=1), progress=False)
+    long, _ = toy_backbone.train_toy_clip(ToyBackboneConfig(**base, steps=3), progress=False)
+    torch.manual_seed(0)
+    init, _, _ = toy_backbone.build_toy_model(ToyBackboneConfig(**base))
+    init, short, long = init.state_dict(), short.state_dict(), long.state_dict()
+    visual = [n for n in init if n.startswith("visual.")]
+    assert any("running_mean" in n for n in visual)  # the convnet's BatchNorm statistics are compared too
+    for name in visual:
+        torch.testing.assert_close(long[name], short[name])
+    assert any(not torch.equal(short[n], init[n]) for n in visual if init[n].is_floating_point())  # pre-trained
+    text = [n for n in init if not n.startswith("visual.") and init[n].is_floating_point()]
+    assert any(not torch.equal(long[n], short[n]) for n in text)  # the text tower kept training
+
+
+def test_pretraining_asks_for_the_first_tags_only_during_its_first_steps():
+    """The tag loss of a first-phase step has no gradient on the other tags' head rows; after
+    ``pretrain_first_steps`` every tag's rows get one."""
+    from demind.toy.backbone import _pretrain_loss, build_toy_model, tag_columns
+    from demind.toy.world import scene_from_seed
+
+    cfg = ToyBackboneConfig(model_config="configs/model/toy-clip-rn-text2.json", batch_size=6,
+                            pretrain_steps=4, pretrain_first_steps=2)
+    model, _, size = build_toy_model(cfg)
+    scenes = [scene_from_seed(100 + i) for i in range(6)]
+    images = np.stack([render_scene(s, i, size).image for i, s in enumerate(scenes)])
+    head = torch.nn.Linear(model.text_projection.shape[1], sum(len(TAG_VALUES[t]) for t in cfg.pretrain_tags))
+    columns = tag_columns(cfg.pretrain_tags)
+    for step, asked in ((1, {"shape"}), (2, set(cfg.pretrain_tags))):
+        head.zero_grad()
+        _pretrain_loss(model, head, cfg, step, scenes, images, random.Random(0)).backward()
+        for tag, rows in columns.items():
+            assert bool(head.weight.grad[rows].abs().sum() > 0) == (tag in asked), (step, tag)
+
+
+@pytest.mark.parametrize("bad, key", [
+    ({"pretrain_first_tags": ("position",)}, "pretrain_first_tags"),
+    ({"pretrain_steps": 2, "pretrain_first_steps": 3}, "pretrain_first_steps"),
+    ({"pretrain_tags": ()}, "pretrain_first_tags"),
+    ({"lock_image": True, "aux_attributes": ("shape",)}, "aux_attributes"),
+])
+def test_inconsistent_pretraining_settings_are_refused_by_name(bad, key):
+    from demind.config import ConfigError
+
+    with pytest.raises(ConfigError) as error:
+        ToyBackboneConfig(**bad)
+    assert error.value.key == key
 
 
 def test_render_pool_gives_the_same_images_in_one_or_two_processes():
@@ -194,7 +267,8 @@ def test_a_resnet_image_tower_config_builds_and_trains(tmp_path):
     model_json = tmp_path / "toy-clip-rn-test.json"
     model_json.write_text(json.dumps({**TINY, "vision_cfg": {"image_size": 64, "layers": [1, 1, 1, 1], "width": 8,
                                                              "head_width": 32}}))
-    cfg = ToyBackboneConfig(model_config=str(model_json), steps=1, batch_size=4, warmup_steps=1, num_train_images=8)
+    cfg = ToyBackboneConfig(model_config=str(model_json), steps=1, batch_size=4, warmup_steps=1, num_train_images=8,
+                            pretrain_steps=1, pretrain_first_steps=1)
     model, _, image_size = toy_backbone.build_toy_model(cfg)
     assert image_size == 64
     trained, log = toy_backbone.train_toy_clip(cfg, progress=False)
@@ -207,7 +281,7 @@ def test_hard_negative_groups_fill_the_batch_with_one_edit_photographs():
     the batch is random web pairs."""
     import random
 
-    from demind.toy.backbone import draw_batch, groups_per_batch, render_group_pool
+    from demind.toy.backbone import draw_batch, groups_per_batch, render_group_pool, training_pool
     from demind.toy.texts import full_description
     from demind.toy.world import scene_diff
 
@@ -225,13 +299,15 @@ def test_hard_negative_groups_fill_the_batch_with_one_edit_photographs():
 
     web = [scene_from_seed(7000 + i) for i in range(6)]
     web_images = np.zeros((6, 64, 64, 3), np.uint8)
-    images, texts, shown = draw_batch(cfg, web, web_images, groups, group_images, 2, random.Random(0))
-    assert images.shape == (10, 64, 64, 3) and len(texts) == 10
+    rows, texts, shown = draw_batch(cfg, web, groups, 2, random.Random(0))
+    images = training_pool(web_images, group_images)[rows]
+    assert images.shape == (10, 64, 64, 3) and len(texts) == len(shown) == 10
     group_texts = texts[2:]
     # each member's caption is its own scene's full description (templates vary, the content not)
     for start in (0, 4):
         block = images[2 + start: 2 + start + 4]
         g = next(i for i in range(3) if np.array_equal(group_images[i], block))
+        assert shown[2 + start: 2 + start + 4] == groups[g]
         for scene, text in zip(groups[g], group_texts[start:start + 4]):
             assert all(o.shape in text and o.colour in text for o in scene.objects)
             assert text in {full_description(scene, random.Random(s)) for s in range(50)}
@@ -249,12 +325,19 @@ def test_attribute_targets_mark_every_value_the_objects_hold():
     expected[0, SHAPES.index("heart")] = expected[0, SHAPES.index("star")] = 1
     expected[0, len(SHAPES) + COLOURS.index("red")] = 1  # two red objects: one bit
     torch.testing.assert_close(target, expected)
+    # scene tags: one bit each, after the object tags in the order asked
+    from demind.toy.world import BACKGROUNDS, STYLES
+    target = attribute_targets([scene], ("size", "background", "style"))
+    assert target.shape == (1, 2 + len(BACKGROUNDS) + 3 + len(STYLES))
+    assert target[0].nonzero().flatten().tolist() == [0, 1, 2 + BACKGROUNDS.index("grass"),
+                                                      2 + len(BACKGROUNDS) + 3 + STYLES.index("photo")]
 
 
 def test_the_auxiliary_loss_reaches_the_image_tower_and_weight_zero_switches_it_off(tmp_path):
     model_json = tmp_path / "toy-clip-aux.json"
     model_json.write_text(json.dumps(TINY))
-    base = dict(model_config=str(model_json), steps=2, batch_size=8, warmup_steps=1, num_train_images=16)
+    base = dict(model_config=str(model_json), steps=2, batch_size=8, warmup_steps=1, num_train_images=16,
+                pretrain_steps=0, lock_image=False)  # the auxiliary loss trains the image tower in ClipLoss's stage
     plain, _ = toy_backbone.train_toy_clip(ToyBackboneConfig(**base), progress=False)
     off, _ = toy_backbone.train_toy_clip(ToyBackboneConfig(**base, aux_attributes=("shape",), aux_weight=0.0),
                                          progress=False)

@@ -34,7 +34,7 @@ def tiny_config(tmp_path, **kw) -> QuickstartConfig:
         toy_benchmarks=ToyBenchmarkConfig(cirr_sets=4, imgnet_queries_per_class=1, imgnet_targets_per_domain=1,
                                           imgnet_distractors_per_class=1, coco_images=4, exclusion_queries=2),
         backbone=ToyBackboneConfig(model_config=str(model_json), steps=2, batch_size=8, warmup_steps=1,
-                                   num_train_images=16, num_eval_scenes=10),
+                                   num_train_images=16, num_eval_scenes=10, pretrain_steps=2, pretrain_first_steps=1),
         **kw,
     )
 

@@ -31,7 +31,7 @@ from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 from open_clip.loss import ClipLoss
 from tqdm import tqdm
 
-from demind.config import setting
+from demind.config import ConfigError, setting
 from demind.backbone import quiet_random_init_notice, run_text_transformer
 from demind.io import atomic_path, write_json_atomic
 
@@ -39,22 +39,28 @@ from .parallel import parallel_map
 from .probes import PairScorer, pair_probe_cases, probe_ceiling, run_pair_probes
 from .render import render_scene
 from .texts import alt_text, article, full_description, web_text
-from .world import (COLOURS, EDIT_KINDS, POSITIONS, SHAPES, SIZES, WORLDS, Scene, apply_edit, derive_seed,
-                    edit_is_possible, scene_from_seed, stream_seed, world_version)
+from .world import (BACKGROUNDS, COLOURS, EDIT_KINDS, POSITIONS, SHAPES, SIZES, STYLES, THEME_BACKGROUNDS, WORLDS,
+                    Scene, apply_edit, derive_seed, edit_is_possible, scene_from_seed, stream_seed, world_version)
 
 logger = logging.getLogger(__name__)
 
-# object attributes the auxiliary loss can supervise -> their values (the head's classes)
-AUX_ATTRIBUTES = {"shape": SHAPES, "colour": COLOURS, "size": SIZES, "position": POSITIONS}
+# the scene's ground-truth tags a tag head can be trained on -> their values (the head's classes):
+# object attributes (a scene sets the bit of every value its objects hold) and scene attributes
+# (one bit). Used by the auxiliary loss and by the image tower's pre-training.
+OBJECT_TAGS = {"shape": SHAPES, "colour": COLOURS, "size": SIZES, "position": POSITIONS}
+SCENE_TAGS = {"background": BACKGROUNDS + THEME_BACKGROUNDS, "style": STYLES}
+TAG_VALUES = {**OBJECT_TAGS, **SCENE_TAGS}
 
 
 @dataclass
 class ToyBackboneConfig:
     """Training recipe of the toy CLIP (defaults sized for the CPU quickstart)."""
 
-    # CLIP's ResNet design (open_clip ModifiedResNet) with a 2-layer text tower: chosen on the pair
-    # probes and the budget (README, "second recipe" and "The quickstart's budget")
-    model_config: str = "configs/model/toy-clip-rn-text2.json"
+    # The full-resolution convnet (demind/towers.py) with a 2-layer text tower, pre-trained on the
+    # scene's tags and locked (pretrain_* and lock_image below): chosen on the pair probes (README,
+    # "fifth recipe" and "sixth candidate"); the ModifiedResNet recipe is configs/model/toy-clip-rn-text2.json
+    # with pretrain_steps=0, lock_image=false
+    model_config: str = "configs/model/toy-clip-cnn-text2.json"
     seed: int = 0
     # 1,000 steps: 400 left the toy CLIP at held-out R@1 5 % (full descriptions), 1,000 gave 42 %.
     steps: int = setting(1000, ge=1)
@@ -74,8 +80,21 @@ class ToyBackboneConfig:
     # predicts which values of these object attributes the scene holds (multi-label BCE from the
     # scene's ground truth), weighted by aux_weight beside ClipLoss; the head is discarded after
     # training. () = ClipLoss only.
-    aux_attributes: tuple[str, ...] = setting((), choices=tuple(AUX_ATTRIBUTES))
+    aux_attributes: tuple[str, ...] = setting((), choices=tuple(TAG_VALUES))
     aux_weight: float = setting(1.0, ge=0)
+    # Image-tower pre-training (README, "fifth recipe"): before the contrastive `steps`, `pretrain_steps`
+    # steps train the image tower alone, with a linear tag head (discarded), to predict the scene's
+    # ground-truth tags: `pretrain_first_tags` only for the first `pretrain_first_steps` steps (shape
+    # first: asked for every tag from the start, the easy ones starve it), then `pretrain_tags`. Batches
+    # of random web images, constant lr. 0 = none.
+    pretrain_steps: int = setting(1000, ge=0)
+    pretrain_tags: tuple[str, ...] = setting(("shape", "colour", "size", "background", "style"),
+                                             choices=tuple(TAG_VALUES))
+    pretrain_first_tags: tuple[str, ...] = setting(("shape",), choices=tuple(TAG_VALUES))
+    pretrain_first_steps: int = setting(500, ge=0)
+    # LiT (Zhai et al. 2022): the contrastive stage keeps the image tower as it is (embedding the
+    # training images once) and trains the text tower and the logit scale only.
+    lock_image: bool = True
     num_eval_scenes: int = setting(1000, ge=1)
     # pair probes (demind/toy/probes.py): evaluation only, so not part of the cache key
     num_pair_probe_scenes: int = setting(600, ge=1)
@@ -85,18 +104,43 @@ class ToyBackboneConfig:
     # the world's version string. The quickstart sets it from its `world`.
     world: str = setting("v1", choices=WORLDS)
 
+    def __post_init__(self) -> None:
+        # cross-field rules (the per-field ones are checked by demind.config.validate)
+        if not set(self.pretrain_first_tags) <= set(self.pretrain_tags):
+            raise ConfigError(f"toy CLIP: pretrain_first_tags {list(self.pretrain_first_tags)} must be among "
+                              f"pretrain_tags {list(self.pretrain_tags)} (they share one tag head)",
+                              key="pretrain_first_tags")
+        if self.pretrain_steps and self.pretrain_first_steps > self.pretrain_steps:
+            raise ConfigError(f"toy CLIP: pretrain_first_steps ({self.pretrain_first_steps}) is more than "
+                              f"pretrain_steps ({self.pretrain_steps})", key="pretrain_first_steps")
+        if self.pretrain_steps and not self.pretrain_tags:
+            raise ConfigError("toy CLIP: pretrain_steps > 0 needs at least one of pretrain_tags", key="pretrain_tags")
+        if self.lock_image and self.aux_attributes:
+            raise ConfigError("toy CLIP: aux_attributes trains the image tower, which lock_image freezes; "
+                              "set aux_attributes=[] (pretrain_tags is the locked tower's tag training)",
+                              key="aux_attributes")
+
+
+def tag_columns(tags: tuple[str, ...]) -> dict[str, slice]:
+    """tag -> its columns in :func:`attribute_targets` ``(scenes, tags)``."""
+    columns, start = {}, 0
+    for tag in tags:
+        columns[tag] = slice(start, start + len(TAG_VALUES[tag]))
+        start += len(TAG_VALUES[tag])
+    return columns
+
 
 def attribute_targets(scenes: list[Scene], attributes: tuple[str, ...]) -> torch.Tensor:
-    """(B, sum of the attributes' value counts) 0/1: which values of each attribute the scene's
-    objects hold (a scene with a red and a blue object has both colour bits set)."""
-    offsets, total = {}, 0
-    for attribute in attributes:
-        offsets[attribute], total = total, total + len(AUX_ATTRIBUTES[attribute])
-    target = torch.zeros(len(scenes), total)
+    """(B, sum of the attributes' value counts) 0/1: which values of each tag the scene holds. An
+    object tag sets the bit of every value its objects hold (a scene with a red and a blue object
+    has both colour bits set); a scene tag (background, style) sets one bit."""
+    columns = tag_columns(attributes)
+    target = torch.zeros(len(scenes), sum(len(TAG_VALUES[a]) for a in attributes))
     for i, scene in enumerate(scenes):
-        for obj in scene.objects:
-            for attribute in attributes:
-                target[i, offsets[attribute] + AUX_ATTRIBUTES[attribute].index(getattr(obj, attribute))] = 1
+        for attribute in attributes:
+            holders = scene.objects if attribute in OBJECT_TAGS else (scene,)
+            for holder in holders:
+                target[i, columns[attribute].start + TAG_VALUES[attribute].index(getattr(holder, attribute))] = 1
     return target
 
 
@@ -209,25 +253,40 @@ def encode_text_trimmed(model: torch.nn.Module, tokens: torch.Tensor, chunks: in
     return x[torch.arange(x.shape[0]), eot] @ model.text_projection
 
 
-def draw_batch(cfg: ToyBackboneConfig, scenes: list[Scene], images: np.ndarray, groups: list[list[Scene]],
-               group_images: np.ndarray | None, n_groups: int, rng: random.Random
-               ) -> tuple[np.ndarray, list[str], list[Scene]]:
+def draw_batch(cfg: ToyBackboneConfig, scenes: list[Scene], groups: list[list[Scene]], n_groups: int,
+               rng: random.Random) -> tuple[np.ndarray, list[str], list[Scene]]:
     """One training batch: ``n_groups`` whole hard-negative groups (full descriptions), the
     rest random web images with web texts; a fresh caption per visit.
-    (B, H, W, 3) uint8, B texts, the B scenes they show."""
+
+    Returns (B,) rows of the training pool (:func:`training_pool`: the ``len(scenes)`` web images,
+    then each group's members in order), the B texts and the B scenes they show."""
     idx = rng.sample(range(len(scenes)), cfg.batch_size - n_groups * (1 + len(cfg.group_edits)))
     texts = [web_text(scenes[i], rng, cfg.world) for i in idx]  # a fresh caption per visit
     shown = [scenes[i] for i in idx]
-    if not n_groups:
-        return images[idx], texts, shown
-    chosen = rng.sample(range(len(groups)), n_groups)
-    texts += [full_description(scene, rng) for g in chosen for scene in groups[g]]
-    shown += [scene for g in chosen for scene in groups[g]]
-    members = group_images[chosen].reshape(-1, *group_images.shape[2:])
-    return np.concatenate([images[idx], members]), texts, shown
+    rows = list(idx)
+    if n_groups:
+        size = 1 + len(cfg.group_edits)
+        chosen = rng.sample(range(len(groups)), n_groups)
+        texts += [full_description(scene, rng) for g in chosen for scene in groups[g]]
+        shown += [scene for g in chosen for scene in groups[g]]
+        rows += [len(scenes) + g * size + m for g in chosen for m in range(size)]
+    return np.array(rows), texts, shown
+
+
+def training_pool(images: np.ndarray, group_images: np.ndarray | None) -> np.ndarray:
+    """(N + G * members, H, W, 3) uint8: the web images, then every group's members in order (the
+    rows :func:`draw_batch` draws)."""
+    if group_images is None:
+        return images
+    return np.concatenate([images, group_images.reshape(-1, *group_images.shape[2:])])
 
 
 def _lr_at(step: int, cfg: ToyBackboneConfig) -> float:
+    """The learning rate of global step ``step``: constant during image pre-training, then the
+    contrastive stage's warm-up and cosine decay."""
+    if step < cfg.pretrain_steps:
+        return cfg.lr
+    step -= cfg.pretrain_steps
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
@@ -248,20 +307,73 @@ def _image_side(model: torch.nn.Module) -> int:
 
 
 def save_train_state(path: Path, model: torch.nn.Module, optim: torch.optim.Optimizer, step: int,
-                     rng: random.Random, losses: list[float], elapsed: float,
-                     aux_head: torch.nn.Module | None = None) -> None:
-    """Everything a killed run needs to continue exactly: weights (and the auxiliary head's),
-    optimizer, the next step, the sampling RNG (which batches and captions come next), recent
-    losses. Atomic."""
+                     rng: random.Random, losses: dict[str, list[float]], elapsed: float,
+                     heads: dict[str, torch.nn.Module | None], optim_pretraining: bool = False) -> None:
+    """Everything a killed run needs to continue exactly: weights (and the tag heads'), the
+    optimizer and which stage it belongs to (``optim_pretraining``), the next step, the sampling RNG (which batches and captions
+    come next), recent losses. Atomic."""
     with atomic_path(path) as tmp:
         torch.save({"model": model.state_dict(), "optim": optim.state_dict(), "step": step,
+                    "optim_pretraining": optim_pretraining,
                     "rng": rng.getstate(), "losses": losses, "elapsed": elapsed,
-                    "aux_head": aux_head.state_dict() if aux_head is not None else None}, tmp)
+                    "heads": {name: head.state_dict() for name, head in heads.items() if head is not None}}, tmp)
+
+
+def _adamw(named: list[tuple[str, torch.nn.Parameter]], cfg: ToyBackboneConfig) -> torch.optim.Optimizer:
+    """CLIP's AdamW: weight decay on matrices, none on gains, biases, embeddings and the scale."""
+    decay = [p for n, p in named if p.ndim >= 2 and "embedding" not in n]
+    no_decay = [p for n, p in named if p.ndim < 2 or "embedding" in n]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.98), eps=1e-6,
+                             fused=cfg.fused_adamw)
+
+
+def _stage_optimizer(model: torch.nn.Module, cfg: ToyBackboneConfig, pretraining: bool,
+                     heads: dict[str, torch.nn.Module | None]) -> torch.optim.Optimizer:
+    """Image pre-training: the image tower and the tag head. Contrastive stage: the whole model
+    and the auxiliary head, or, with ``lock_image``, everything but the image tower."""
+    if pretraining:
+        named = list(model.visual.named_parameters(prefix="visual"))
+        named += list(heads["tag_head"].named_parameters(prefix="tag_head"))
+    else:
+        named = [(n, p) for n, p in model.named_parameters() if not (cfg.lock_image and n.startswith("visual."))]
+        if heads["aux_head"] is not None:
+            named += list(heads["aux_head"].named_parameters(prefix="aux_head"))
+    return _adamw(named, cfg)
+
+
+def _pretrain_loss(model: torch.nn.Module, tag_head: torch.nn.Module, cfg: ToyBackboneConfig, step: int,
+                   scenes: list[Scene], images: np.ndarray, rng: random.Random) -> torch.Tensor:
+    """Binary cross-entropy of the tag head on a batch of random web images, over the tags of
+    this step (``pretrain_first_tags`` during the first ``pretrain_first_steps``)."""
+    idx = rng.sample(range(len(scenes)), min(cfg.batch_size, len(scenes)))
+    logits = tag_head(model.encode_image(images_to_tensor(images[idx])))  # unnormalised: (B, classes)
+    target = attribute_targets([scenes[i] for i in idx], cfg.pretrain_tags)
+    tags = cfg.pretrain_first_tags if step < cfg.pretrain_first_steps else cfg.pretrain_tags
+    columns = tag_columns(cfg.pretrain_tags)
+    keep = torch.cat([torch.arange(columns[t].start, columns[t].stop) for t in tags])
+    return torch.nn.functional.binary_cross_entropy_with_logits(logits[:, keep], target[:, keep])
+
+
+def _enter_contrastive_stage(model: torch.nn.Module, cfg: ToyBackboneConfig, pool: np.ndarray
+                             ) -> torch.Tensor | None:
+    """Put the model in training mode for the contrastive stage. With ``lock_image``: freeze the
+    image tower (eval mode: its BatchNorm statistics stay) and return the (N, D) normalised
+    embeddings of the whole training pool, computed once; otherwise None."""
+    if not cfg.lock_image:
+        model.train()
+        return None
+    model.visual.requires_grad_(False)
+    locked = encode_toy_images(model, pool)  # eval mode
+    model.train()
+    model.visual.eval()
+    return locked
 
 
 def train_toy_clip(cfg: ToyBackboneConfig, progress: bool = True, state_path: Path | None = None,
                    save_every: int = 100) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """Train the toy CLIP from scratch with open_clip's ClipLoss. Returns (model, log).
+    """Train the toy CLIP from scratch: the optional image pre-training (``pretrain_steps``), then
+    ``steps`` of open_clip's ClipLoss. Returns (model, log).
 
     With ``state_path``, the training state is saved every ``save_every`` steps, and a run
     that finds one continues from it (same batches, same captions) instead of restarting.
@@ -272,45 +384,60 @@ def train_toy_clip(cfg: ToyBackboneConfig, progress: bool = True, state_path: Pa
     n_groups = groups_per_batch(cfg)
     groups, group_images = (render_group_pool(cfg.num_group_scenes, cfg.group_edits, image_size, progress, cfg.world)
                             if n_groups else ([], None))
-    # the auxiliary attribute head (discarded after training): image embedding -> attribute values
-    aux_classes = sum(len(AUX_ATTRIBUTES[a]) for a in cfg.aux_attributes)
-    aux_head = torch.nn.Linear(model.text_projection.shape[1], aux_classes) if aux_classes else None
-    named = list(model.named_parameters()) + (list(aux_head.named_parameters(prefix="aux_head")) if aux_head else [])
-    decay = [p for n, p in named if p.ndim >= 2 and "embedding" not in n]
-    no_decay = [p for n, p in named if p.ndim < 2 or "embedding" in n]
-    optim = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                               {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.98), eps=1e-6,
-                              fused=cfg.fused_adamw)
-    loss_fn = ClipLoss()
+    pool = training_pool(images, group_images)
+    width = model.text_projection.shape[1]
+    # tag heads on the unnormalised image embedding (discarded after training): image embedding -> tag values
+    aux_classes = sum(len(TAG_VALUES[a]) for a in cfg.aux_attributes)
+    heads = {"aux_head": torch.nn.Linear(width, aux_classes) if aux_classes else None,
+             "tag_head": (torch.nn.Linear(width, sum(len(TAG_VALUES[t]) for t in cfg.pretrain_tags))
+                          if cfg.pretrain_steps else None)}
     rng = random.Random(derive_seed("toy-backbone", cfg.seed))
-    first_step, losses, earlier, aux_losses = 0, [], 0.0, []
-    if state_path is not None and state_path.is_file():
-        state = torch.load(state_path, weights_only=False)  # our own file: holds the RNG tuple
+    first_step, losses, earlier = 0, {"clip": [], "aux": [], "tags": []}, 0.0
+    state = torch.load(state_path, weights_only=False) if state_path is not None and state_path.is_file() else None
+    if state is not None:  # our own file: holds the RNG tuple
         model.load_state_dict(state["model"])
-        optim.load_state_dict(state["optim"])
-        if aux_head is not None:
-            aux_head.load_state_dict(state["aux_head"])
+        for name, head_state in state["heads"].items():
+            heads[name].load_state_dict(head_state)
         rng.setstate(state["rng"])
         first_step, losses, earlier = state["step"], state["losses"], state["elapsed"]
         logger.info("toy CLIP: resuming from step %d (%s)", first_step, state_path)
-    model.train()
+    total = cfg.pretrain_steps + cfg.steps
+    optim = _stage_optimizer(model, cfg, first_step < cfg.pretrain_steps, heads)
+    if state is not None and state["optim_pretraining"] == (first_step < cfg.pretrain_steps):
+        # (a state saved on the last pre-training step holds that stage's optimizer; the contrastive
+        # stage starts with a fresh one, as an uninterrupted run does)
+        optim.load_state_dict(state["optim"])
+    locked = _enter_contrastive_stage(model, cfg, pool) if first_step >= cfg.pretrain_steps else None
+    if first_step < cfg.pretrain_steps:
+        model.train()
+    loss_fn = ClipLoss()
     start = time.perf_counter() - earlier
-    bar = tqdm(range(first_step, cfg.steps), desc="toy CLIP", unit="step", disable=not progress,
-               initial=first_step, total=cfg.steps)
+    bar = tqdm(range(first_step, total), desc="toy CLIP", unit="step", disable=not progress,
+               initial=first_step, total=total)
     for step in bar:
+        if step == cfg.pretrain_steps and step > first_step:  # image pre-training just ended
+            optim = _stage_optimizer(model, cfg, False, heads)
+            locked = _enter_contrastive_stage(model, cfg, pool)
         for group in optim.param_groups:
             group["lr"] = _lr_at(step, cfg)
-        batch_images, texts, shown = draw_batch(cfg, scenes, images, groups, group_images, n_groups, rng)
-        image_raw = model.encode_image(images_to_tensor(batch_images))
-        image_f = torch.nn.functional.normalize(image_raw, dim=-1)
-        text_f = torch.nn.functional.normalize(encode_text_trimmed(model, tokenizer(texts)), dim=-1)
-        scale = model.logit_scale.exp()
-        loss = clip_loss = loss_fn(image_f, text_f, scale)
-        if aux_head is not None:
-            aux = torch.nn.functional.binary_cross_entropy_with_logits(
-                aux_head(image_raw), attribute_targets(shown, cfg.aux_attributes))
-            aux_losses.append(aux.item())
-            loss = loss + cfg.aux_weight * aux
+        if step < cfg.pretrain_steps:
+            loss = _pretrain_loss(model, heads["tag_head"], cfg, step, scenes, images, rng)
+            losses["tags"].append(loss.item())
+        else:
+            rows, texts, shown = draw_batch(cfg, scenes, groups, n_groups, rng)
+            text_f = torch.nn.functional.normalize(encode_text_trimmed(model, tokenizer(texts)), dim=-1)
+            if locked is not None:
+                image_raw, image_f = None, locked[torch.from_numpy(rows)]
+            else:
+                image_raw = model.encode_image(images_to_tensor(pool[rows]))
+                image_f = torch.nn.functional.normalize(image_raw, dim=-1)
+            loss = clip_loss = loss_fn(image_f, text_f, model.logit_scale.exp())
+            losses["clip"].append(clip_loss.item())  # ClipLoss alone: comparable across recipes
+            if heads["aux_head"] is not None:
+                aux = torch.nn.functional.binary_cross_entropy_with_logits(
+                    heads["aux_head"](image_raw), attribute_targets(shown, cfg.aux_attributes))
+                losses["aux"].append(aux.item())
+                loss = loss + cfg.aux_weight * aux
         if not torch.isfinite(loss):
             raise FloatingPointError(f"toy CLIP loss is {loss.item()} at step {step}")
         optim.zero_grad(set_to_none=True)
@@ -318,18 +445,33 @@ def train_toy_clip(cfg: ToyBackboneConfig, progress: bool = True, state_path: Pa
         optim.step()
         with torch.no_grad():  # as CLIP: cap the temperature at 100
             model.logit_scale.clamp_(0, math.log(100))
-        losses.append(clip_loss.item())  # ClipLoss alone: comparable across recipes
         bar.set_postfix(loss=f"{loss.item():.3f}")
-        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
-            elapsed = time.perf_counter() - start
-            aux_note = f" (aux {np.mean(aux_losses[-cfg.log_every:]):.4f})" if aux_losses else ""
-            logger.info("toy CLIP step %d/%d loss %.4f%s lr %.2e scale %.1f %.1f samples/s", step + 1, cfg.steps,
-                        float(np.mean(losses[-cfg.log_every:])), aux_note, _lr_at(step, cfg), scale.item(),
-                        (step + 1) * cfg.batch_size / elapsed)
-        if state_path is not None and (step + 1) % save_every == 0 and step + 1 < cfg.steps:
-            save_train_state(state_path, model, optim, step + 1, rng, losses, time.perf_counter() - start, aux_head)
+        if (step + 1) % cfg.log_every == 0 or step + 1 == total:
+            _log_step(cfg, step, losses, model.logit_scale.exp().item(), (step + 1) * cfg.batch_size
+                      / (time.perf_counter() - start))
+        if state_path is not None and (step + 1) % save_every == 0 and step + 1 < total:
+            save_train_state(state_path, model, optim, step + 1, rng, losses, time.perf_counter() - start, heads,
+                             optim_pretraining=step < cfg.pretrain_steps)
     model.eval()
-    return model, {"train_seconds": round(time.perf_counter() - start, 1), "final_loss": float(np.mean(losses[-20:]))}
+    log = {"train_seconds": round(time.perf_counter() - start, 1), "final_loss": float(np.mean(losses["clip"][-20:]))}
+    if losses["tags"]:
+        log["pretrain_final_loss"] = float(np.mean(losses["tags"][-20:]))
+    return model, log
+
+
+def _log_step(cfg: ToyBackboneConfig, step: int, losses: dict[str, list[float]], scale: float,
+              samples_per_second: float) -> None:
+    """One readable line every ``log_every`` steps (the mean loss of the last ``log_every``)."""
+    n = cfg.log_every
+    if step < cfg.pretrain_steps:
+        tags = cfg.pretrain_first_tags if step < cfg.pretrain_first_steps else cfg.pretrain_tags
+        logger.info("toy CLIP image pre-training step %d/%d tag loss %.4f (%s) %.1f samples/s", step + 1,
+                    cfg.pretrain_steps, float(np.mean(losses["tags"][-n:])), ", ".join(tags), samples_per_second)
+        return
+    aux_note = f" (aux {np.mean(losses['aux'][-n:]):.4f})" if losses["aux"] else ""
+    logger.info("toy CLIP step %d/%d loss %.4f%s lr %.2e scale %.1f %.1f samples/s", step + 1 - cfg.pretrain_steps,
+                cfg.steps, float(np.mean(losses["clip"][-n:])), aux_note, _lr_at(step, cfg), scale,
+                samples_per_second)
 
 
 # ---------------------------------------------------------------------- evaluation
