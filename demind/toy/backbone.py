@@ -619,8 +619,9 @@ def ensure_toy_backbone(cfg: ToyBackboneConfig | None = None, cache_dir: str | P
             report = _add_probe_reports(report, model.eval(), tokenizer, cfg)
             write_json_atomic(report_path, report, indent=2)
         return weights, report
-    logger.info("training toy CLIP (%s, %d steps of batch %d) -> %s", cfg.model_config, cfg.steps,
-                cfg.batch_size, weights)
+    logger.info("training toy CLIP (%s: %d image pre-training steps, then %d contrastive steps%s, batch %d) -> %s",
+                cfg.model_config, cfg.pretrain_steps, cfg.steps, " with the image tower locked" if cfg.lock_image
+                else "", cfg.batch_size, weights)
     state_path = weights.with_name(weights.stem + ".state.pt")  # mid-training state: a rerun resumes
     weights.parent.mkdir(parents=True, exist_ok=True)
     model, log = train_toy_clip(cfg, progress, state_path)
