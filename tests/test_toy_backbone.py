@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import numpy as np
@@ -226,6 +227,21 @@ def test_pretraining_asks_for_the_first_tags_only_during_its_first_steps():
         _pretrain_loss(model, head, cfg, step, scenes, images, random.Random(0)).backward()
         for tag, rows in columns.items():
             assert bool(head.weight.grad[rows].abs().sum() > 0) == (tag in asked), (step, tag)
+
+
+def test_the_annealed_all_tag_phase_decays_to_zero_and_leaves_the_rest_of_the_schedule_alone():
+    from demind.toy.backbone import _lr_at
+
+    plain = ToyBackboneConfig(lr=1.0, pretrain_steps=6, pretrain_first_steps=2, steps=10, warmup_steps=2)
+    annealed = ToyBackboneConfig(**{**plain.__dict__, "pretrain_anneal": True})
+    # the shape phase (steps 0, 1) stays constant; the all-tag phase (steps 2..5, 4 steps) follows
+    # 0.5 * (1 + cos(pi * k / 4)) for k = 0..3: 1, 0.854, 0.5, 0.146
+    assert [_lr_at(s, plain) for s in range(6)] == [1.0] * 6
+    expected = [1.0, 1.0, 1.0, 0.5 * (1 + math.cos(math.pi / 4)), 0.5, 0.5 * (1 + math.cos(3 * math.pi / 4))]
+    assert [_lr_at(s, annealed) for s in range(6)] == pytest.approx(expected)
+    # the contrastive stage's warm-up and decay are the same either way
+    assert [_lr_at(s, annealed) for s in range(6, 16)] == [_lr_at(s, plain) for s in range(6, 16)]
+    assert _lr_at(6, annealed) == pytest.approx(0.5)  # warm-up step 1 of 2
 
 
 @pytest.mark.parametrize("bad, key", [

@@ -92,6 +92,10 @@ class ToyBackboneConfig:
                                              choices=tuple(TAG_VALUES))
     pretrain_first_tags: tuple[str, ...] = setting(("shape",), choices=tuple(TAG_VALUES))
     pretrain_first_steps: int = setting(500, ge=0)
+    # The all-tag phase (the pre-training steps after pretrain_first_steps) ends with a cosine decay of
+    # the learning rate to 0 instead of staying constant (README, "ninth candidate"); the shape phase
+    # stays constant.
+    pretrain_anneal: bool = False
     # LiT (Zhai et al. 2022): the contrastive stage keeps the image tower as it is (embedding the
     # training images once) and trains the text tower and the logit scale only.
     lock_image: bool = True
@@ -282,10 +286,14 @@ def training_pool(images: np.ndarray, group_images: np.ndarray | None) -> np.nda
 
 
 def _lr_at(step: int, cfg: ToyBackboneConfig) -> float:
-    """The learning rate of global step ``step``: constant during image pre-training, then the
-    contrastive stage's warm-up and cosine decay."""
+    """The learning rate of global step ``step``: constant during image pre-training (with
+    ``pretrain_anneal``, its all-tag phase decays to 0 on a half cosine), then the contrastive
+    stage's warm-up and cosine decay."""
     if step < cfg.pretrain_steps:
-        return cfg.lr
+        if not cfg.pretrain_anneal or step < cfg.pretrain_first_steps:
+            return cfg.lr
+        phase = cfg.pretrain_steps - cfg.pretrain_first_steps  # the all-tag phase, annealed to 0 at its end
+        return cfg.lr * 0.5 * (1 + math.cos(math.pi * (step - cfg.pretrain_first_steps) / phase))
     step -= cfg.pretrain_steps
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
