@@ -107,6 +107,26 @@ def test_quickstart_runs_every_stage_and_reuses_them(tmp_path, monkeypatch):
     assert again["rows"]["demind"]["metrics"] == rows["demind"]["metrics"]
 
 
+def test_ablations_are_paired_against_the_full_model_of_their_seed(tmp_path):
+    """Each Table 5 variant's discordant counts against the full model differ exactly by their
+    recall difference on the same queries, and the table names every variant."""
+    summary = run_quickstart(tiny_config(tmp_path, ablations=True, benchmarks=["cirr"]))
+    paired = summary["ablation_paired"]
+    assert set(paired) == {"only-original", "no-distil", "no-gate", "no-global"}
+    rows = summary["rows"]
+    for variant, by_seed in paired.items():
+        assert set(by_seed) == {0}
+        label = f"demind [{variant}]"
+        for k in ("R@5", "R@10"):
+            diff = rows["demind"]["per_type"]["all"][k][0] - rows[label]["per_type"]["all"][k][0]
+            cell = by_seed[0][k]
+            assert cell["only_full"] - cell["only_variant"] == round(diff * 8 / 100)
+            assert 0.0 <= cell["p"] <= 1.0
+        assert variant in summary["ablation_table"]
+    saved = json.loads((tmp_path / "qs" / "results.json").read_text())
+    assert saved["ablation_paired"]["no-gate"]["0"]["R@10"] == paired["no-gate"][0]["R@10"]
+
+
 def test_per_type_recall_by_hand(tmp_path):
     root = tmp_path / "cirr"
     (root / "captions").mkdir(parents=True)

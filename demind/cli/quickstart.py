@@ -41,8 +41,8 @@ def quickstart_command(args: argparse.Namespace) -> int:
     print()
     print(f"toy world {summary.get('world', 'v1')}")
     print(summary["table"])
-    for table in ("per_type_table", "paired_table", "deo_table"):
-        if summary[table]:
+    for table in ("per_type_table", "paired_table", "deo_table", "ablation_table"):
+        if summary.get(table):
             print()
             print(summary[table])
     print()

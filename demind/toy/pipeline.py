@@ -316,6 +316,50 @@ def format_deo(runs: dict[str, dict[int, dict[str, dict[str, Any]]]]) -> str:
             "(exclusion: per-query AP@10; toy CIRR: hit@10; exact sign-test p)\n" + "\n".join(lines))
 
 
+def ablation_paired(cfg: QuickstartConfig, runs: dict[str, dict[int, dict[str, dict[str, Any]]]],
+                    ks: tuple[int, ...] = (5, 10)) -> dict[str, dict[int, dict[str, dict[str, float]]]]:
+    """Every Table 5 variant against the full model of the same seed on the same toy-CIRR queries:
+    variant -> seed -> "R@k" -> {"only_full", "only_variant", "p"} (exact sign test). Empty without
+    ablations."""
+    from demind.eval.metrics import paired_hits, sign_test_p
+
+    full = runs.get("demind", {})
+    pairs = [(variant, seed) for variant, by_seed in runs.items() if variant != "demind"
+             for seed in by_seed if seed in full and "cirr" in by_seed[seed] and "cirr" in full[seed]]
+    if not pairs:
+        return {}
+    captions = json.loads((world_path(cfg, "benchmarks") / BENCH_FOLDERS["cirr"] / "captions" / "cap.rc2.val.json")
+                          .read_text())
+    targets = {str(e["pairid"]): {e["target_hard"]} for e in captions}
+
+    def ranking(variant: str, seed: int) -> dict[str, list[str]]:
+        return json.loads(Path(runs[variant][seed]["cirr"]["files"]["rankings"]["demind"]).read_text())
+
+    out: dict[str, dict[int, dict[str, dict[str, float]]]] = {}
+    for variant, seed in pairs:
+        ranked_full, ranked_variant = ranking("demind", seed), ranking(variant, seed)
+        by_k = {}
+        for k in ks:
+            only_full, only_variant = paired_hits(ranked_full, ranked_variant, targets, k)
+            by_k[f"R@{k}"] = {"only_full": only_full, "only_variant": only_variant,
+                              "p": sign_test_p(only_full, only_variant)}
+        out.setdefault(variant, {})[seed] = by_k
+    return out
+
+
+def format_ablation_paired(paired: dict[str, dict[int, dict[str, dict[str, float]]]], k: int = 10) -> str:
+    """Per variant, the full model against it on toy CIRR at R@k, seed by seed."""
+    if not paired:
+        return ""
+    lines = [f"Table 5 variants vs the full De-MINDS of the same seed, toy CIRR R@{k}, same queries: queries only "
+             "the full model hits : only the variant hits (exact sign-test p)"]
+    for variant, by_seed in paired.items():
+        cells = [f"seed {seed} {v[f'R@{k}']['only_full']}:{v[f'R@{k}']['only_variant']} (p {v[f'R@{k}']['p']:.2g})"
+                 for seed, v in sorted(by_seed.items())]
+        lines.append(f"  {variant}: " + ", ".join(cells))
+    return "\n".join(lines)
+
+
 def format_paired(runs: dict[str, dict[int, dict[str, dict[str, Any]]]], k: int = 10) -> str:
     """Per seed, De-MINDS vs each method on toy CIRR at R@k: discordant queries and p."""
     by_seed = runs.get("demind", {})
@@ -516,9 +560,11 @@ def run_quickstart(cfg: QuickstartConfig) -> dict[str, Any]:
     per_type = format_per_type(rows)
     paired = format_paired(runs)
     deo = format_deo(runs)
+    ablations = ablation_paired(cfg, runs)
     plot = plot_recall(rows, world_path(cfg, "recall_at_k.png"))
     summary = {"world": cfg.world, "rows": rows, "table": table, "per_type_table": per_type,
-               "paired_table": paired, "deo_table": deo,
+               "paired_table": paired, "deo_table": deo, "ablation_table": format_ablation_paired(ablations),
+               "ablation_paired": ablations,
                "paired": {seed: b["cirr"].get("paired") for seed, b in runs.get("demind", {}).items() if "cirr" in b},
                "backbone_probes": backbone_report.get("pair_probes"),
                "metrics": metrics_table(runs), "per_type": per_type_metrics(runs), "gate": gates,
