@@ -4,7 +4,9 @@
 
 Reads the weights only (the quickstart writes the same numbers into the backbone's report,
 ``pair_probes``); prints attribute -> % of held-out scenes whose own image beats the
-one-attribute edit against its full description (chance 50), as JSON.
+one-attribute edit against its full description (chance 50), as JSON. ``--breakdown`` adds each
+probe broken down by the scene's style, number of objects and theme (where the toy CLIP fails,
+and where the world itself hides an edit), as JSON and as a table.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import time
 
 import torch
 
-from demind.toy.backbone import ToyBackboneConfig, build_toy_model, pair_probes, probe_ceilings
+from demind.toy.backbone import ToyBackboneConfig, build_toy_model, clip_pair_scorer, probe_ceilings
+from demind.toy.probes import pair_probe_breakdown, pair_probe_cases, score_pairs
 from demind.toy.world import DEFAULT_WORLD, WORLDS
 
 
@@ -26,13 +29,31 @@ def main() -> None:
     parser.add_argument("--scenes", type=int, default=600, help="held-out scenes per attribute")
     parser.add_argument("--world", default=DEFAULT_WORLD, choices=WORLDS, help="the toy world the CLIP was trained on")
     parser.add_argument("--ceiling-scenes", type=int, default=1000, help="held-out scenes of the R@10 probes")
+    parser.add_argument("--breakdown", action="store_true", help="each probe by style, number of objects and theme")
     args = parser.parse_args()
     model, tokenizer, image_size = build_toy_model(ToyBackboneConfig(model_config=args.model_config))
     model.load_state_dict(torch.load(args.weights, weights_only=True))
     start = time.perf_counter()
-    probes = pair_probes(model.eval(), tokenizer, image_size, args.scenes, args.world)
-    print(json.dumps({"pair_probes": probes, "scenes": args.scenes, "seconds": round(time.perf_counter() - start, 1),
-                      "heldout_probe_ceiling_R@10": probe_ceilings(args.ceiling_scenes, world=args.world)}, indent=1))
+    cases = pair_probe_cases(args.scenes, world=args.world)
+    wins = score_pairs(clip_pair_scorer(model.eval(), tokenizer), cases, image_size)
+    result = {"pair_probes": {a: round(100.0 * float(w.mean()), 2) for a, w in wins.items()}, "scenes": args.scenes,
+              "seconds": round(time.perf_counter() - start, 1),
+              "heldout_probe_ceiling_R@10": probe_ceilings(args.ceiling_scenes, world=args.world)}
+    if args.breakdown:
+        result["breakdown"] = pair_probe_breakdown(wins, cases)
+    print(json.dumps(result, indent=1))
+    if args.breakdown:
+        print(format_breakdown(result["breakdown"]))
+
+
+def format_breakdown(breakdown: dict) -> str:
+    """One line per attribute and property: value accuracy% (n)."""
+    lines = []
+    for attribute, by_property in breakdown.items():
+        for prop, groups in by_property.items():
+            cells = "  ".join(f"{value} {g['accuracy']:.1f} ({g['n']})" for value, g in groups.items())
+            lines.append(f"{attribute:<10} by {prop:<7} {cells}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -113,6 +113,35 @@ def test_oracle_scores_100_and_blind_scorer_50():
         assert blind == {attr: 50.0}
 
 
+def test_breakdown_finds_an_attribute_hidden_in_one_style():
+    """A scorer that sees everything except colour in sculpture scenes (as the renderer draws them
+    in stone grey): the colour probe is 50 on sculptures and 100 elsewhere, every other probe 100."""
+    from demind.toy.probes import pair_probe_breakdown, score_pairs
+
+    cases = pair_probe_cases(40)
+    full, blind = _lookup_scorer(cases, set(PAIR_PROBE_ATTRIBUTES)), _lookup_scorer(
+        cases, set(PAIR_PROBE_ATTRIBUTES) - {"colour"})
+    by_text = {c.description: c.scene for c in cases}
+
+    def score(images, texts):
+        seen = full(images, texts)
+        hidden = blind(images, texts)
+        sculpture = torch.tensor([by_text[t].style == "sculpture" for t in texts])
+        return torch.where(sculpture, hidden, seen)
+
+    wins = score_pairs(score, cases, SIZE)
+    breakdown = pair_probe_breakdown(wins, cases)
+    styles = {c.scene.style for c in cases}
+    assert "sculpture" in styles and len(styles) > 1
+    for style, group in breakdown["colour"]["style"].items():
+        assert group["accuracy"] == (50.0 if style == "sculpture" else 100.0)
+        assert group["n"] == sum(c.scene.style == style for c in cases)
+    assert all(g["accuracy"] == 100.0 for a in ("shape", "size", "background")
+               for g in breakdown[a]["style"].values())
+    assert sum(g["n"] for g in breakdown["colour"]["objects"].values()) == len(cases)
+    assert set(breakdown["colour"]["theme"]) == {"none"}  # v1 scenes carry no theme
+
+
 def test_probe_ceiling_hand_computed():
     def scene(bg, style="photo"):
         return Scene((ToyObject(0, "circle", "red", "small", "top"),), bg, style)

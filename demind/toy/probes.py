@@ -69,27 +69,64 @@ def render_pair(case: PairCase, attribute: str, image_size: int) -> tuple[np.nda
     return own, edited
 
 
-def pair_accuracy(own_scores: torch.Tensor, edited_scores: torch.Tensor) -> float:
-    """Share (in %) of cases whose own image scores higher; ties count half. (N,), (N,) -> float."""
+def pair_wins(own_scores: torch.Tensor, edited_scores: torch.Tensor) -> torch.Tensor:
+    """(N,), (N,) scores -> (N,) 1 where the own image scores higher, 0.5 on a tie, 0 otherwise."""
     if own_scores.shape != edited_scores.shape or own_scores.numel() == 0:
         raise ValueError(f"pair_accuracy needs two equal, non-empty score vectors, got "
                          f"{tuple(own_scores.shape)} and {tuple(edited_scores.shape)}")
-    wins = (own_scores > edited_scores).float() + 0.5 * (own_scores == edited_scores).float()
-    return 100.0 * float(wins.mean())
+    return (own_scores > edited_scores).float() + 0.5 * (own_scores == edited_scores).float()
+
+
+def pair_accuracy(own_scores: torch.Tensor, edited_scores: torch.Tensor) -> float:
+    """Share (in %) of cases whose own image scores higher; ties count half. (N,), (N,) -> float."""
+    return 100.0 * float(pair_wins(own_scores, edited_scores).mean())
+
+
+def score_pairs(score: PairScorer, cases: list[PairCase], image_size: int,
+                attributes: tuple[str, ...] = PAIR_PROBE_ATTRIBUTES) -> dict[str, torch.Tensor]:
+    """attribute -> (N,) wins of ``score`` on each case (:func:`pair_wins`): the own image and the
+    one-attribute edit, both against the case's description."""
+    texts = [c.description for c in cases]
+    own = np.stack([render_scene(c.scene, c.nuisance_seed, image_size, per_part=True).image for c in cases])
+    own_scores = score(own, texts)
+    wins = {}
+    for attribute in attributes:
+        edited = np.stack([render_scene(c.edited[attribute], c.nuisance_seed, image_size, per_part=True).image
+                           for c in cases])
+        wins[attribute] = pair_wins(own_scores, score(edited, texts))
+    return wins
 
 
 def run_pair_probes(score: PairScorer, cases: list[PairCase], image_size: int,
                     attributes: tuple[str, ...] = PAIR_PROBE_ATTRIBUTES) -> dict[str, float]:
     """attribute -> pair-probe accuracy in % (chance 50) of ``score`` over ``cases``."""
-    texts = [c.description for c in cases]
-    own = np.stack([render_scene(c.scene, c.nuisance_seed, image_size, per_part=True).image for c in cases])
-    own_scores = score(own, texts)
-    result = {}
-    for attribute in attributes:
-        edited = np.stack([render_scene(c.edited[attribute], c.nuisance_seed, image_size, per_part=True).image
-                           for c in cases])
-        result[attribute] = round(pair_accuracy(own_scores, score(edited, texts)), 2)
-    return result
+    wins = score_pairs(score, cases, image_size, attributes)
+    return {attribute: round(100.0 * float(w.mean()), 2) for attribute, w in wins.items()}
+
+
+# the scene properties a pair probe's wins are broken down by: where a toy CLIP fails, and where the
+# world itself hides an edit (a sculpture draws every object in stone grey, so its colours barely show)
+BREAKDOWN_PROPERTIES: dict[str, Callable[[Scene], str]] = {
+    "style": lambda scene: scene.style,
+    "objects": lambda scene: str(len(scene.objects)),
+    "theme": lambda scene: scene.theme or "none",
+}
+
+
+def pair_probe_breakdown(wins: dict[str, torch.Tensor], cases: list[PairCase],
+                         properties: tuple[str, ...] = tuple(BREAKDOWN_PROPERTIES)
+                         ) -> dict[str, dict[str, dict[str, dict[str, float]]]]:
+    """attribute -> property -> value -> {"n": cases, "accuracy": % (ties half)}, from the (N,) wins
+    of :func:`score_pairs` on ``cases`` and each case's unedited scene."""
+    out: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
+    for attribute, w in wins.items():
+        for prop in properties:
+            groups: dict[str, list[float]] = {}
+            for case, win in zip(cases, w.tolist()):
+                groups.setdefault(BREAKDOWN_PROPERTIES[prop](case.scene), []).append(win)
+            out.setdefault(attribute, {})[prop] = {
+                value: {"n": len(v), "accuracy": round(100.0 * sum(v) / len(v), 2)} for value, v in sorted(groups.items())}
+    return out
 
 
 def probe_key(scene: Scene, attribute: str) -> tuple:
