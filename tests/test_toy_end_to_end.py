@@ -8,9 +8,12 @@ is off by default: ``pytest -m slow tests/test_toy_end_to_end.py``.
 The probe bar is issue 20's: shape, colour, background, style >= 90, size >= 85 (chance 50).
 The default recipe (v2 seed 0) measured shape 91.3 / 90.2, colour 90.8 / 88.5, size 85.3 / 86.5,
 background 98.8 / 98.8, style 96.5 / 95.0 on one thread / in the fresh-clone quickstart with 2
-threads (training is not bit-identical across thread counts). Colour sits at its bar and missed it
-with 2 threads, so it is an expected failure, not strict (it passes on one thread); shape, size,
-background and style are asserted. Shape and size sit within 1.5 points of their bars.
+threads (training is deterministic for a thread count, not across thread counts; the 2-thread
+figures were reproduced to the digit in a second fresh clone). Colour misses its bar with 2 threads,
+all of it on the sculpture scenes the renderer draws in stone grey (43.4 there, 92.9 elsewhere:
+``benchmarks/toy_pair_probes.py --breakdown``), so it is an expected failure, not strict (it passes on
+one thread, and in the seed-1 toy CLIP); shape, size, background and style are asserted. Shape and
+size sit within 1.5 points of their bars.
 
 The margin over Image-only and Text-only (12 recall points) is justified in ``MARGIN``'s comment
 from the runs in BENCHMARKS.md.
@@ -22,7 +25,11 @@ import pytest
 
 from demind.toy.pipeline import QuickstartConfig, run_quickstart
 
-MARGIN = 12.0  # recall points
+# recall points. Over De-MINDS seeds 0, 1, 2 on the default toy CLIP (BENCHMARKS.md, "the default toy
+# CLIP: 3 seeds per world") the smallest lead over Image-only was 15.2 (R@5 45.0 against 29.8) and
+# 19.2 at R@10, over Text-only 26.7; 12 stays 3 points under the worst seed and is still 5 standard
+# errors of a 600-query recall difference (about 2.4 points).
+MARGIN = 12.0
 PROBE_BAR = {"shape": 90.0, "background": 90.0, "style": 90.0, "size": 85.0}
 COLOUR_BAR = 90.0
 
@@ -42,7 +49,7 @@ def test_default_toy_clip_passes_the_pair_probe_bar(default_run):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="issue 20: colour 88.5 with 2 threads, 90.8 with one: at the bar's edge")
+@pytest.mark.xfail(strict=False, reason="issue 20: colour 88.5 with 2 threads (43.4 on sculpture scenes), 90.8 with one: at the bar's edge")
 def test_default_toy_clip_sees_colour(default_run):
     assert default_run["backbone_probes"]["colour"] >= COLOUR_BAR
 
