@@ -18,7 +18,7 @@ import time
 import torch
 
 from demind.toy.backbone import ToyBackboneConfig, build_toy_model, clip_pair_scorer, probe_ceilings
-from demind.toy.probes import pair_probe_breakdown, pair_probe_cases, score_pairs
+from demind.toy.probes import pair_probe_breakdown, pair_probe_cases, probe_accuracies, score_pairs
 from demind.toy.world import DEFAULT_WORLD, WORLDS
 
 
@@ -36,7 +36,7 @@ def main() -> None:
     start = time.perf_counter()
     cases = pair_probe_cases(args.scenes, world=args.world)
     wins = score_pairs(clip_pair_scorer(model.eval(), tokenizer), cases, image_size)
-    result = {"pair_probes": {a: round(100.0 * float(w.mean()), 2) for a, w in wins.items()}, "scenes": args.scenes,
+    result = {"pair_probes": probe_accuracies(wins), "scenes": args.scenes,
               "seconds": round(time.perf_counter() - start, 1),
               "heldout_probe_ceiling_R@10": probe_ceilings(args.ceiling_scenes, world=args.world)}
     if args.breakdown:

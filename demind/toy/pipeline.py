@@ -195,8 +195,7 @@ def evaluate_run(cfg: QuickstartConfig, backbone, export: Path, variant: str, se
             results["per_type"] = recall_by_type(captions, ranked)
             if "demind" in methods:
                 results["paired"] = _paired(captions, ranked)
-            targets = {str(e["pairid"]): {e["target_hard"]} for e in captions}
-            results["deo_paired"] = deo_paired(ranked, targets, (10,), ap=False)
+            results["deo_paired"] = deo_paired(ranked, cirr_targets(captions), (10,), ap=False)
             results["deo_touched"] = deo_touched(captions, ranked)
         if bench == "exclusion":
             data = json.loads((root / "exclusion.json").read_text())
@@ -212,6 +211,24 @@ def load_cirr_truth_and_rankings(cirr_root: Path, rankings: dict[str, str]
     """(toy-CIRR caption entries, method -> query id -> top-50 names), each file read once."""
     captions = json.loads((cirr_root / "captions" / "cap.rc2.val.json").read_text())
     return captions, {method: json.loads(Path(path).read_text()) for method, path in rankings.items()}
+
+
+def cirr_targets(captions: list[dict[str, Any]]) -> dict[str, set[str]]:
+    """Query id -> {its target image name}, from the toy-CIRR caption entries."""
+    return {str(e["pairid"]): {e["target_hard"]} for e in captions}
+
+
+def paired_recall(ranked_a: dict[str, list[str]], ranked_b: dict[str, list[str]], targets: dict[str, set[str]],
+                  ks: tuple[int, ...], names: tuple[str, str]) -> dict[str, dict[str, float]]:
+    """Two rankings of the same queries at each K: "R@k" -> {"only_<a>", "only_<b>", "p"}, the queries
+    only one side hits and the exact sign-test p; ``names`` = (a, b)."""
+    from demind.eval.metrics import paired_hits, sign_test_p
+
+    out = {}
+    for k in ks:
+        only_a, only_b = paired_hits(ranked_a, ranked_b, targets, k)
+        out[f"R@{k}"] = {f"only_{names[0]}": only_a, f"only_{names[1]}": only_b, "p": sign_test_p(only_a, only_b)}
+    return out
 
 
 def recall_by_type(captions: list[dict[str, Any]], ranked_by_method: dict[str, dict[str, list[str]]],
@@ -237,19 +254,9 @@ def _paired(captions: list[dict[str, Any]], ranked: dict[str, dict[str, list[str
             ) -> dict[str, dict[str, dict[str, float]]]:
     """De-MINDS against every other method on the same toy-CIRR queries:
     other method -> "R@k" -> {"only_demind", "only_other", "p"} (exact sign test)."""
-    from demind.eval.metrics import paired_hits, sign_test_p
-
-    targets = {str(e["pairid"]): {e["target_hard"]} for e in captions}
-    out: dict[str, dict[str, dict[str, float]]] = {}
-    for other in ranked:
-        if other == "demind":
-            continue
-        out[other] = {}
-        for k in ks:
-            only_demind, only_other = paired_hits(ranked["demind"], ranked[other], targets, k)
-            out[other][f"R@{k}"] = {"only_demind": only_demind, "only_other": only_other,
-                                    "p": sign_test_p(only_demind, only_other)}
-    return out
+    targets = cirr_targets(captions)
+    return {other: paired_recall(ranked["demind"], ranked[other], targets, ks, ("demind", "other"))
+            for other in ranked if other != "demind"}
 
 
 def deo_paired(ranked: dict[str, dict[str, list[str]]], targets: dict[str, set[str]], ks: tuple[int, ...],
@@ -321,30 +328,20 @@ def ablation_paired(cfg: QuickstartConfig, runs: dict[str, dict[int, dict[str, d
     """Every Table 5 variant against the full model of the same seed on the same toy-CIRR queries:
     variant -> seed -> "R@k" -> {"only_full", "only_variant", "p"} (exact sign test). Empty without
     ablations."""
-    from demind.eval.metrics import paired_hits, sign_test_p
-
     full = runs.get("demind", {})
-    pairs = [(variant, seed) for variant, by_seed in runs.items() if variant != "demind"
-             for seed in by_seed if seed in full and "cirr" in by_seed[seed] and "cirr" in full[seed]]
-    if not pairs:
-        return {}
-    captions = json.loads((world_path(cfg, "benchmarks") / BENCH_FOLDERS["cirr"] / "captions" / "cap.rc2.val.json")
-                          .read_text())
-    targets = {str(e["pairid"]): {e["target_hard"]} for e in captions}
-
-    def ranking(variant: str, seed: int) -> dict[str, list[str]]:
-        return json.loads(Path(runs[variant][seed]["cirr"]["files"]["rankings"]["demind"]).read_text())
-
     out: dict[str, dict[int, dict[str, dict[str, float]]]] = {}
-    for variant, seed in pairs:
-        ranked_full, ranked_variant = ranking("demind", seed), ranking(variant, seed)
-        by_k = {}
-        for k in ks:
-            only_full, only_variant = paired_hits(ranked_full, ranked_variant, targets, k)
-            by_k[f"R@{k}"] = {"only_full": only_full, "only_variant": only_variant,
-                              "p": sign_test_p(only_full, only_variant)}
-        out.setdefault(variant, {})[seed] = by_k
-    return out
+    for seed in sorted(full):
+        files = {variant: by_seed[seed]["cirr"]["files"]["rankings"]["demind"] for variant, by_seed in runs.items()
+                 if seed in by_seed and "cirr" in by_seed[seed]}
+        if "demind" not in files or len(files) < 2:
+            continue
+        # each ranking read once: the full model's serves every variant of its seed
+        captions, ranked = load_cirr_truth_and_rankings(world_path(cfg, "benchmarks") / BENCH_FOLDERS["cirr"], files)
+        targets = cirr_targets(captions)
+        for variant in files.keys() - {"demind"}:
+            out.setdefault(variant, {})[seed] = paired_recall(ranked["demind"], ranked[variant], targets, ks,
+                                                              ("full", "variant"))
+    return {variant: out[variant] for variant in runs if variant in out}  # in the order of VARIANTS
 
 
 def format_ablation_paired(paired: dict[str, dict[int, dict[str, dict[str, float]]]], k: int = 10) -> str:

@@ -72,7 +72,7 @@ def render_pair(case: PairCase, attribute: str, image_size: int) -> tuple[np.nda
 def pair_wins(own_scores: torch.Tensor, edited_scores: torch.Tensor) -> torch.Tensor:
     """(N,), (N,) scores -> (N,) 1 where the own image scores higher, 0.5 on a tie, 0 otherwise."""
     if own_scores.shape != edited_scores.shape or own_scores.numel() == 0:
-        raise ValueError(f"pair_accuracy needs two equal, non-empty score vectors, got "
+        raise ValueError(f"a pair probe needs two equal, non-empty score vectors, got "
                          f"{tuple(own_scores.shape)} and {tuple(edited_scores.shape)}")
     return (own_scores > edited_scores).float() + 0.5 * (own_scores == edited_scores).float()
 
@@ -97,11 +97,15 @@ def score_pairs(score: PairScorer, cases: list[PairCase], image_size: int,
     return wins
 
 
+def probe_accuracies(wins: dict[str, torch.Tensor]) -> dict[str, float]:
+    """attribute -> pair-probe accuracy in % (chance 50), rounded to 0.01, from :func:`score_pairs`' wins."""
+    return {attribute: round(100.0 * float(w.mean()), 2) for attribute, w in wins.items()}
+
+
 def run_pair_probes(score: PairScorer, cases: list[PairCase], image_size: int,
                     attributes: tuple[str, ...] = PAIR_PROBE_ATTRIBUTES) -> dict[str, float]:
     """attribute -> pair-probe accuracy in % (chance 50) of ``score`` over ``cases``."""
-    wins = score_pairs(score, cases, image_size, attributes)
-    return {attribute: round(100.0 * float(w.mean()), 2) for attribute, w in wins.items()}
+    return probe_accuracies(score_pairs(score, cases, image_size, attributes))
 
 
 # the scene properties a pair probe's wins are broken down by: where a toy CLIP fails, and where the
