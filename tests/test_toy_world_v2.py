@@ -124,6 +124,31 @@ def test_details_show_in_pixels():
     assert (np.abs(a - b).sum(-1) > 30).sum() >= 20
 
 
+
+def _object_pixels(scene, colour: str) -> np.ndarray:
+    """(n, 3) pixels of ``scene``'s one object recoloured to ``colour`` (same nuisance seed)."""
+    recoloured = dataclasses.replace(scene, objects=(dataclasses.replace(scene.objects[0], colour=colour),))
+    rendered = render_scene(recoloured, 5, per_part=True)
+    return rendered.image[rendered.masks[0]].astype(float)
+
+
+def test_v2_sculptures_are_painted_and_v1_sculptures_stay_stone_grey():
+    """World v2.1 (README): a sculpture's object shows its colour (half paint, half stone); v1's
+    stays the grey whose shade alone depends on the colour. Measured on this scene: v2 chroma
+    (max - min channel) 80-86 for red / blue and 184 apart in mean RGB; v1 about 10 and 4.3."""
+    v1 = scene_from_seed(stream_seed("web", 3), world="v1", style="sculpture", num_objects=1)
+    v2 = dataclasses.replace(scene_from_seed(stream_seed("web", 3), world="v2", style="sculpture", num_objects=1),
+                             theme=None, decor=())  # no theme: its palette and cast would recolour the scene
+    for scene, painted in ((v1, False), (v2, True)):
+        red, blue = _object_pixels(scene, "red"), _object_pixels(scene, "blue")
+        chroma = min((px.max(-1) - px.min(-1)).mean() for px in (red, blue))
+        apart = np.abs(red.mean(0) - blue.mean(0)).sum()
+        if painted:
+            assert chroma > 40 and apart > 100, (chroma, apart)
+        else:
+            assert chroma < 15 and apart < 10, (chroma, apart)
+
+
 # ---------------------------------------------------------------- (b) implicit intents
 
 def _unthemed(i: int):
@@ -200,7 +225,7 @@ def test_intent_shards_of_themed_images_often_carry_the_theme_as_t_int():
     themed = implicit = 0
     for i in range(120):
         sample = make_toy_sample(i, cfg, key=f"k{i}")
-        assert sample.meta["toy"]["world_version"] == world_version("v2") == "toy-world-2"
+        assert sample.meta["toy"]["world_version"] == world_version("v2") == "toy-world-2.1"
         if sample.meta["toy"]["scene"]["theme"] is not None:
             themed += 1
             implicit += any(w in sample.intent for w in theme_words)
@@ -253,7 +278,7 @@ def test_v2_toy_cirr_has_implicit_queries(tmp_path):
     colour_words = re.compile(r"\b(" + "|".join(COLOURS) + r")\b")
     assert not any(colour_words.search(c["caption"]) for c in implicit)
     marker = json.loads((tmp_path / "cirr" / "toy_benchmark.json").read_text())
-    assert marker["world_version"] == "toy-world-2"
+    assert marker["world_version"] == "toy-world-2.1"
     # a v1 config never takes the v2 folder as done (and the quickstart keeps them apart anyway)
     assert is_done(tmp_path / "cirr", "cirr", cfg)
     assert not is_done(tmp_path / "cirr", "cirr", dataclasses.replace(cfg, world="v1"))
@@ -366,4 +391,4 @@ def test_quickstart_on_v2_writes_its_own_folders_and_reports_implicit(tmp_path):
     assert 0.0 <= saved["per_type"]["demind"]["implicit"]["R@10"]["mean"] <= 100.0
     assert "implicit" in summary["per_type_table"]
     report = json.loads(next((qs / "backbone").glob("*.json")).read_text())
-    assert report["world_version"] == "toy-world-2"
+    assert report["world_version"] == "toy-world-2.1"

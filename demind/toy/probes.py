@@ -109,7 +109,7 @@ def run_pair_probes(score: PairScorer, cases: list[PairCase], image_size: int,
 
 
 # the scene properties a pair probe's wins are broken down by: where a toy CLIP fails, and where the
-# world itself hides an edit (a sculpture draws every object in stone grey, so its colours barely show)
+# world itself hides an edit (a v1 sculpture draws every object in stone grey, so its colours barely show)
 BREAKDOWN_PROPERTIES: dict[str, Callable[[Scene], str]] = {
     "style": lambda scene: scene.style,
     "objects": lambda scene: str(len(scene.objects)),

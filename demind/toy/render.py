@@ -198,6 +198,18 @@ def stylise_background(tex: np.ndarray, style: str, rng: np.random.Generator) ->
 
 # --------------------------------------------------------------------------- objects
 
+# World v2's sculptures are painted stone: this share of the object's colour shows through the
+# stone (fixed at one half before any measurement, demind/toy/README.md "World v2.1"). v1's bare
+# stone grey showed a colour only as a shade of grey, while every text named it.
+SCULPTURE_PAINT = 0.5
+
+
+def paints_sculptures(scene: Scene) -> bool:
+    """Whether ``scene``'s sculpture objects are painted: World v2 scenes, i.e. those with v2
+    content (every v2 scene carries 2-3 details), so v1's pixels stay byte-identical."""
+    return scene.has_v2_content()
+
+
 def _shading_field(size: int, cx: float, cy: float, r: float, angle: float) -> np.ndarray:
     """-1 on the lit side of the object, +1 on the far side (roughly)."""
     yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)
@@ -205,8 +217,11 @@ def _shading_field(size: int, cx: float, cy: float, r: float, angle: float) -> n
 
 
 def _draw_object(canvas: np.ndarray, obj: ToyObject, style: str, geom: tuple[float, float, float, float],
-                 light: tuple[float, float], rng: random.Random) -> np.ndarray:
-    """Composite one object onto ``canvas`` (in place); returns its coverage mask (size, size)."""
+                 light: tuple[float, float], rng: random.Random, painted: bool = False) -> np.ndarray:
+    """Composite one object onto ``canvas`` (in place); returns its coverage mask (size, size).
+
+    ``painted``: a sculpture's object is painted stone (World v2: ``SCULPTURE_PAINT`` of the
+    object's colour shows through the stone) rather than bare stone grey (v1)."""
     size = canvas.shape[0]
     cx, cy, r, rot = geom
     light_angle, light_strength = light
@@ -248,6 +263,8 @@ def _draw_object(canvas: np.ndarray, obj: ToyObject, style: str, geom: tuple[flo
     elif style == "sculpture":
         grey = 120 + 0.3 * _luma(base)
         stone = grey * np.array([1.0, 0.97, 0.92], dtype=np.float32)
+        if painted:
+            stone = (1 - SCULPTURE_PAINT) * stone + SCULPTURE_PAINT * base
         relief = 1 - 0.6 * light_strength * field
         colour = stone[None, None, :] * relief[..., None]
     else:
@@ -468,7 +485,7 @@ def render_scene(scene: Scene, nuisance_seed: int, size: int = IMAGE_SIZE, per_p
             RADIUS[obj.size] * rng.uniform(0.88, 1.12) * big,
             0.0 if obj.shape == "circle" else math.radians(rng.uniform(-25, 25)),
         )
-        mask = _draw_object(canvas, obj, scene.style, geom, light, rng)
+        mask = _draw_object(canvas, obj, scene.style, geom, light, rng, painted=paints_sculptures(scene))
         for oid in masks:  # later objects occlude earlier ones
             masks[oid] = masks[oid] * (1 - mask)
         masks[obj.oid] = mask

@@ -31,7 +31,7 @@ EDIT_KINDS = ("colour", "shape", "size", "position", "add", "remove", "backgroun
 # The selectable worlds (README: "World v2"); every cache key holds the world's version string.
 # Bump a version when that world's sampling or rendering changes, so caches keyed on it go stale.
 WORLDS = ("v1", "v2")
-WORLD_VERSIONS = {"v1": "toy-world-1", "v2": "toy-world-2"}
+WORLD_VERSIONS = {"v1": "toy-world-1", "v2": "toy-world-2.1"}  # 2.1: painted sculptures (README "World v2.1")
 WORLD_VERSION = WORLD_VERSIONS["v1"]  # v1's version (the sections' default world, byte-identical to before)
 # The quickstart's world (issue 20: v2 is the instrument; chosen by design, before any v2 number).
 DEFAULT_WORLD = "v2"
