@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import open_clip
+import timm
 import pytest
 import torch
 
@@ -81,3 +82,29 @@ def test_the_shape_proxy_runs_and_reports_an_exact_match_share(monkeypatch):
     assert [point["step"] for point in result["curve"]] == [1, 2]
     assert all(0 <= point["exact"] <= 100 for point in result["curve"])
     assert result["vision_overrides"] == {"timm_pool": "avg"}
+
+
+def _dot(x0: int, y0: int) -> torch.Tensor:
+    """(1, 3, 64, 64): a bright 6-px square at (x0, y0) on black."""
+    image = torch.zeros(1, 3, 64, 64)
+    image[:, :, y0:y0 + 6, x0:x0 + 6] = 1.0
+    return image
+
+
+def test_coordinate_channels_let_the_max_pooled_convnet_see_where_a_thing_is():
+    """The plain tower is blind to a shift by 16 px (a multiple of its 8x downsampling, away from
+    the borders): both images give the same features. The coordinate-channel variant (the
+    open_clip config names it ``demind_toy_convnet_coord``) tells them apart."""
+    torch.manual_seed(0)
+    left, right = _dot(16, 24), _dot(32, 24)
+    plain = ToyConvNet(width=8).eval()
+    coord = timm.create_model("demind_toy_convnet_coord", width=8).eval()
+    assert isinstance(coord, ToyConvNet) and coord.coord_channels
+    with torch.no_grad():
+        assert torch.allclose(plain(left), plain(right), atol=1e-5)
+        # relative to the features' size (a random init's activations are small, about 0.01); measured 0.18
+        apart = ((coord(left) - coord(right)).norm() / coord(left).norm()).item()
+        assert apart > 0.02, apart
+        # the coordinates are the extra input channels, x then y from -1 to 1
+        grid = coord.features[0].conv.weight.shape[1]
+    assert grid == 5
