@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 import open_clip
-import timm
 import pytest
+import timm
 import torch
 
 from demind.backbone import BackboneConfig, FrozenCLIP, quiet_random_init_notice
@@ -105,6 +105,6 @@ def test_coordinate_channels_let_the_max_pooled_convnet_see_where_a_thing_is():
         # relative to the features' size (a random init's activations are small, about 0.01); measured 0.18
         apart = ((coord(left) - coord(right)).norm() / coord(left).norm()).item()
         assert apart > 0.02, apart
-        # the coordinates are the extra input channels, x then y from -1 to 1
+        # the first convolution reads the 3 colour channels and the 2 coordinate channels
         grid = coord.features[0].conv.weight.shape[1]
     assert grid == 5

@@ -114,7 +114,7 @@ def test_oracle_scores_100_and_blind_scorer_50():
 
 
 def test_breakdown_finds_an_attribute_hidden_in_one_style():
-    """A scorer that sees everything except colour in sculpture scenes (as the renderer draws them
+    """A scorer that sees everything except colour in sculpture scenes (as v1's renderer draws them
     in stone grey): the colour probe is 50 on sculptures and 100 elsewhere, every other probe 100."""
     from demind.toy.probes import pair_probe_breakdown, score_pairs
 

@@ -124,7 +124,6 @@ def test_details_show_in_pixels():
     assert (np.abs(a - b).sum(-1) > 30).sum() >= 20
 
 
-
 def _object_pixels(scene, colour: str) -> np.ndarray:
     """(n, 3) pixels of ``scene``'s one object recoloured to ``colour`` (same nuisance seed)."""
     recoloured = dataclasses.replace(scene, objects=(dataclasses.replace(scene.objects[0], colour=colour),))

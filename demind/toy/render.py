@@ -475,6 +475,7 @@ def render_scene(scene: Scene, nuisance_seed: int, size: int = IMAGE_SIZE, per_p
 
     # Large objects first, so small ones stay visible on top.
     order = sorted(scene.objects, key=lambda o: (o.size != "large", o.oid))
+    painted = paints_sculptures(scene)
     masks: dict[int, np.ndarray] = {}
     for obj in order:
         rng = streams.py(f"object{obj.oid}")
@@ -485,7 +486,7 @@ def render_scene(scene: Scene, nuisance_seed: int, size: int = IMAGE_SIZE, per_p
             RADIUS[obj.size] * rng.uniform(0.88, 1.12) * big,
             0.0 if obj.shape == "circle" else math.radians(rng.uniform(-25, 25)),
         )
-        mask = _draw_object(canvas, obj, scene.style, geom, light, rng, painted=paints_sculptures(scene))
+        mask = _draw_object(canvas, obj, scene.style, geom, light, rng, painted=painted)
         for oid in masks:  # later objects occlude earlier ones
             masks[oid] = masks[oid] * (1 - mask)
         masks[obj.oid] = mask
