@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny random open_clip backbone built from configs/model/tiny-clip.json."""
+"""Shared fixtures: a tiny random open_clip backbone built from ``helpers.TINY_CLIP``
+(configs/model/tiny-clip.json); constants and plain builders live in ``tests/helpers.py``."""
 
 from __future__ import annotations
 
@@ -7,8 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-TINY_CLIP = REPO_ROOT / "configs" / "model" / "tiny-clip.json"
+from helpers import REPO_ROOT, TINY_CLIP
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,6 @@ import torch
 import pytest
 from PIL import Image
 
-from demind.cli.evaluate import main as evaluate_main
 from demind.config import ConfigError
 from demind.eval import evaluate, format_table, load_backbone_and_model
 from demind.eval.coco import build_coco_queries, coco_texts, read_coco
@@ -20,16 +19,9 @@ from demind.eval.fashioniq import read_fashioniq
 from demind.eval.harness import ReaderOptions, read_benchmark
 from demind.eval.structures import DataLayoutError, ImageReadError
 from demind.model import DeMinds, ModelConfig
+from helpers import TINY_CLIP, run_eval_command
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-TINY_CLIP = REPO_ROOT / "configs" / "model" / "tiny-clip.json"
 RNG = np.random.default_rng(0)
-
-
-def run_eval_command(argv: list[str]) -> dict:
-    """The real ``demind-eval`` command; returns the results.json it wrote to --out."""
-    assert evaluate_main(argv) == 0
-    return json.loads((Path(argv[argv.index("--out") + 1]) / "results.json").read_text())
 
 
 def write_image(path: Path, size: tuple[int, int] = (12, 12)) -> None:

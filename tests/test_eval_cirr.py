@@ -1,5 +1,6 @@
-"""CIRR through the real command: the real val/test1 annotation files, generated images,
-the tiny backbone and a tiny De-MINDS checkpoint."""
+"""CIRR through the real command: the real val/test1 annotation files (vendored under
+tests/fixtures/cirr with their MIT licence), generated images, the tiny backbone and a tiny
+De-MINDS checkpoint."""
 
 from __future__ import annotations
 
@@ -17,22 +18,15 @@ from demind.backbone import BackboneConfig, FrozenCLIP
 from demind.checkpoint import save_checkpoint
 from demind.cli.evaluate import main as evaluate_main
 from demind.model import DeMinds, ModelConfig
+from helpers import FIXTURES, TINY_CLIP, run_eval_command
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-CIRR_FIXTURES = REPO_ROOT.parent / "shared" / "fixtures" / "cirr"
-TINY_CLIP = REPO_ROOT / "configs" / "model" / "tiny-clip.json"
-
-
-def run_eval_command(argv: list[str]) -> dict:
-    """The real ``demind-eval`` command; returns the results.json it wrote to --out."""
-    assert evaluate_main(argv) == 0
-    return json.loads((Path(argv[argv.index("--out") + 1]) / "results.json").read_text())
+CIRR_FIXTURES = FIXTURES / "cirr"
 
 
 def load_fixture(name: str):
     path = CIRR_FIXTURES / name
     if not path.is_file():
-        pytest.fail(f"the real CIRR annotation file {path} is missing (the checkout needs ../shared/fixtures/cirr)")
+        pytest.fail(f"the real CIRR annotation file {path} is missing from the checkout (see tests/fixtures/cirr)")
     return json.loads(path.read_text())
 
 

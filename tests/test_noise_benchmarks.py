@@ -10,15 +10,10 @@ import pytest
 import torch
 
 from benchmarks import noise_detection, noise_retrieval
+from helpers import TINY_TOY_CLIP
 
 pytestmark = pytest.mark.usefixtures("one_thread_and_fresh_accelerator")
 slow = pytest.mark.slow
-
-TINY_CLIP = {
-    "embed_dim": 32,
-    "vision_cfg": {"image_size": 64, "layers": 1, "width": 32, "head_width": 8, "patch_size": 16},
-    "text_cfg": {"context_length": 56, "vocab_size": 49408, "width": 32, "heads": 4, "layers": 1},
-}
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +25,7 @@ def tiny_quickstart(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("qs")
     model_json = root / "toy-clip-tiny.json"
-    model_json.write_text(json.dumps(TINY_CLIP))
+    model_json.write_text(json.dumps(TINY_TOY_CLIP))
     cfg = QuickstartConfig(workdir=str(root), progress=False, eval_batch_size=32,
                            toy_benchmarks=ToyBenchmarkConfig(cirr_sets=4, exclusion_queries=2),
                            backbone=ToyBackboneConfig(model_config=str(model_json), steps=2, batch_size=8,

@@ -28,8 +28,8 @@ import pytest
 import torch
 from PIL import Image
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-TINY_CLIP = REPO_ROOT / "configs" / "model" / "tiny-clip.json"
+from helpers import REPO_ROOT, TINY_CLIP
+
 SMOKE = REPO_ROOT / "configs" / "train" / "smoke.yaml"
 
 

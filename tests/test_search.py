@@ -18,8 +18,7 @@ from demind.checkpoint import save_checkpoint
 from demind.model import DeMinds, ModelConfig
 from demind.search.index import GalleryIndexError, build_index, load_index
 from demind.search.query import Ranker, SearchError, Searcher, SearchQuery
-
-TINY_CLIP = Path(__file__).resolve().parents[1] / "configs" / "model" / "tiny-clip.json"
+from helpers import TINY_CLIP
 
 
 @pytest.fixture(autouse=True, scope="module")

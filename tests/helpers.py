@@ -1,0 +1,33 @@
+"""Test-only constants and builders, shared by the test files (``from helpers import ...``;
+``tests/`` is on the import path through ``pythonpath`` in pyproject's pytest section).
+
+Nothing here ships: builders that shipped code also uses (synthetic shards, the tiny LLaVA-NeXT,
+COCO-format data) live in the package (:mod:`demind.synthetic`, :mod:`demind.gen.tiny_llava`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = REPO_ROOT / "tests" / "fixtures"  # vendored third-party files (each folder has its licence)
+
+# The tiny random open_clip model of the library's tests (32-d, one layer per tower, 32x32 images).
+TINY_CLIP = REPO_ROOT / "configs" / "model" / "tiny-clip.json"
+
+# A tiny ViT toy CLIP at the toy world's resolution (64x64 images, 56-token context) for the toy
+# tests and the noisy-description benchmarks, which train and evaluate on rendered scenes.
+TINY_TOY_CLIP = {
+    "embed_dim": 32,
+    "vision_cfg": {"image_size": 64, "layers": 1, "width": 32, "head_width": 8, "patch_size": 16},
+    "text_cfg": {"context_length": 56, "vocab_size": 49408, "width": 32, "heads": 4, "layers": 1},
+}
+
+
+def run_eval_command(argv: list[str]) -> dict:
+    """The real ``demind-eval`` command on ``argv``; returns the results.json it wrote to --out."""
+    from demind.cli.evaluate import main as evaluate_main
+
+    assert evaluate_main(argv) == 0
+    return json.loads((Path(argv[argv.index("--out") + 1]) / "results.json").read_text())
