@@ -38,7 +38,7 @@ from demind.gen.plan import make_plan
 from demind.gen.prompts import intent_conversation, load_prompts, render, rewrite_conversation
 from demind.gen.reader import RawSample, decode_and_shrink, iter_shard
 from demind.shard_format import ShardWriter, encode_sample, sample_key
-from demind.testing import build_tiny_llava_next
+from demind.gen.tiny_llava import build_tiny_llava_next
 
 
 def make_input_shard(path: Path, samples: int, width: int, height: int) -> None:

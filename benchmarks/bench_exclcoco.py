@@ -2,7 +2,7 @@
 
     python benchmarks/bench_exclcoco.py [--images 5000] [--workdir /tmp/exclcoco_bench]
 
-The fixture (:func:`demind.testing.write_synthetic_coco`) has val2017's shape: 5,000 images,
+The fixture (:func:`demind.synthetic.write_synthetic_coco`) has val2017's shape: 5,000 images,
 5 captions each (25,000), COCO's 80 category names, ~7.3 instances per image (~36,000), captions
 naming 1-3 categories (some through synonyms) and a scene word. Prints the fixture's counts and
 the wall time of ``build_exclcoco`` (default recipe: caption words in >= 50 images, 3 combinations
@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from demind.exclcoco import ExclCocoConfig, build_exclcoco
-from demind.testing import write_synthetic_coco  # noqa: E402
+from demind.synthetic import write_synthetic_coco  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

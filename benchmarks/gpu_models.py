@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from demind.backbone import BackboneConfig, FrozenCLIP
-from demind.testing import TINY_CHAT_TEMPLATE, build_tiny_llava_next, word_level_tokenizer
+from demind.gen.tiny_llava import TINY_CHAT_TEMPLATE, build_tiny_llava_next, word_level_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_CLIP = REPO / "configs/model/tiny-clip.json"

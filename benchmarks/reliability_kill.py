@@ -68,7 +68,7 @@ def data_gen_check(work: Path, kills: int, rng: random.Random, env: dict[str, st
     import webdataset as wds
 
     try:
-        from demind.testing import build_tiny_llava_next
+        from demind.gen.tiny_llava import build_tiny_llava_next
     except ImportError:  # before issue 11's layout
         from demind.gen.tiny_model import build_tiny_llava_next
 
@@ -120,7 +120,7 @@ def train_check(work: Path, kills: int, rng: random.Random, env: dict[str, str])
     from safetensors.torch import load_file
 
     try:
-        from demind.testing import write_synthetic_shards
+        from demind.synthetic import write_synthetic_shards
     except ImportError:
         from demind.data import write_synthetic_shards
 

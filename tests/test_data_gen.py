@@ -30,7 +30,7 @@ from demind.gen.prompts import intent_conversation, load_prompts, render, rewrit
 from demind.gen.quality import clean_output, max_ngram_count, quality_flags
 from demind.gen.plan import ShardSpecError, parse_shard_range
 from demind.gen.reader import RawSample, SkippedSample, decode_and_shrink, iter_shard
-from demind.testing import build_tiny_llava_next
+from demind.gen.tiny_llava import build_tiny_llava_next
 
 CORRUPT_KEY = "000010002"
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from demind.cli import train_exclmm as cli
 from demind.exclcoco import ExclCocoConfig, build_exclcoco
-from demind.testing import write_synthetic_coco
+from demind.synthetic import write_synthetic_coco
 from demind.exclmm import losses as L
 from demind.exclmm.model import ExclusionQueryEncoder, SparseSpace, sentence_code, top_t_mask
 

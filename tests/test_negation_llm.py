@@ -18,7 +18,7 @@ QUERIES = ["a kitchen without people", "a red car on a bridge", "a kitchen witho
 @pytest.fixture(scope="module")
 def tiny_engine(tmp_path_factory):
     from demind.gen.engines.transformers_engine import TransformersEngine
-    from demind.testing import build_tiny_llava_next
+    from demind.gen.tiny_llava import build_tiny_llava_next
 
     path = build_tiny_llava_next(tmp_path_factory.mktemp("tiny_llava"))
     return TransformersEngine(EngineConfig(name="transformers", model=str(path), device="cpu", batch_size=4,

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from demind.cli import train
-from demind.testing import write_synthetic_shards
+from demind.synthetic import write_synthetic_shards
 
 TOTAL_STEPS = 40
 

@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def make_tiny_model_command(args: argparse.Namespace) -> int:
     """Build and save the tiny model; print where."""
-    from demind.testing import build_tiny_llava_next
+    from demind.gen.tiny_llava import build_tiny_llava_next
 
     path = build_tiny_llava_next(args.output, seed=args.seed)
     print(f"saved tiny LLaVA-NeXT to {path}")

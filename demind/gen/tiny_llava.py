@@ -1,0 +1,94 @@
+"""A tiny random LLaVA-NeXT (model + processor) for CPU smoke runs, tests and benchmarks.
+
+It has the real architecture and processing path (CLIP vision tower, any-resolution image grid,
+Llama text model, chat template) at a size that runs in milliseconds; its text is random words.
+About 40k parameters, ~14 image tokens per image. ``demind/cli/make_tiny_model.py`` saves it for
+the smoke config ``configs/data_gen/tiny-cpu.yaml``; ``benchmarks/gpu_models.py`` reuses its
+tokenizer and chat template at real vocabulary sizes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+TINY_WORDS = (
+    "a an the photo painting sketch cartoon rendering image of with and in on at by near under behind "
+    "dog cat bird horse car bus boat tree flower house street beach mountain sky water grass road city "
+    "man woman child people red blue green yellow black white brown small large old young bright dark "
+    "make turn change add remove put it into night day sunny snowy foreground background style colour"
+).split()
+SPECIAL_TOKENS = ["<unk>", "<pad>", "<s>", "</s>", "<image>"]
+ROLE_TOKENS = ["USER", "ASSISTANT", ":", ".", ",", '"', "?", "!"]
+
+# Formats HF chat content lists ({"type": "image"} / {"type": "text"}) like the LLaVA-1.6 templates.
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] | upper }}: "
+    "{% if message['content'] is string %}{{ message['content'] }} "
+    "{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}<image> {% elif item['type'] == 'text' %}{{ item['text'] }} {% endif %}"
+    "{% endfor %}{% endif %}"
+    "{% if message['role'] == 'assistant' %}</s> {% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+
+
+def word_level_tokenizer(vocab_size: int | None = None):
+    """A word-level tokenizer over SPECIAL_TOKENS + ROLE_TOKENS + TINY_WORDS, padded with
+    filler words ``w<i>`` up to ``vocab_size`` (a real model's vocabulary size)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = SPECIAL_TOKENS + ROLE_TOKENS + list(dict.fromkeys(TINY_WORDS))
+    if vocab_size is not None:
+        words += [f"w{i}" for i in range(vocab_size - len(words))]
+    vocab = {tok: i for i, tok in enumerate(words)}
+    word_level = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    word_level.pre_tokenizer = pre_tokenizers.Whitespace()
+    word_level.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(
+        tokenizer_object=word_level, unk_token="<unk>", pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+        additional_special_tokens=["<image>"],
+    )
+
+
+def build_tiny_llava_next(output_dir: str | Path, seed: int = 0) -> Path:
+    """Build and save a random tiny LLaVA-NeXT and its processor; returns ``output_dir``.
+
+    Vision: CLIP, hidden 32, 2 layers, 16 px tiles of 8 px patches; grid pinpoints
+    16x16, 16x32, 32x16. Text: Llama, hidden 32, 1 layer, word-level vocabulary.
+    """
+    import torch
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaNextConfig,
+        LlavaNextForConditionalGeneration,
+        LlavaNextImageProcessor,
+        LlavaNextProcessor,
+    )
+
+    output_dir = Path(output_dir)
+    tokenizer = word_level_tokenizer()
+    vocab = tokenizer.get_vocab()
+    pinpoints = [[16, 16], [16, 32], [32, 16]]
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                              image_size=16, patch_size=8, projection_dim=32)
+    text = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                       num_key_value_heads=2, vocab_size=len(vocab), max_position_embeddings=1024,
+                       bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"], pad_token_id=vocab["<pad>"])
+    config = LlavaNextConfig(vision_config=vision, text_config=text, image_token_index=vocab["<image>"],
+                             image_grid_pinpoints=pinpoints, vision_feature_layer=-1, image_seq_length=4)
+    torch.manual_seed(seed)
+    model = LlavaNextForConditionalGeneration(config).eval()
+    model.generation_config.eos_token_id = vocab["</s>"]
+    model.generation_config.pad_token_id = vocab["<pad>"]
+    image_processor = LlavaNextImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16},
+                                              image_grid_pinpoints=pinpoints)
+    processor = LlavaNextProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=8,
+                                   vision_feature_select_strategy="default", chat_template=TINY_CHAT_TEMPLATE,
+                                   num_additional_image_tokens=1)
+    model.save_pretrained(output_dir)
+    processor.save_pretrained(output_dir)
+    return output_dir
+
+
