@@ -166,9 +166,7 @@ class ExclMMQuery(RetrievalMethod):
         self._word_vectors: dict[str, torch.Tensor] = {}
 
     def _words(self, texts: list[str]) -> list[torch.Tensor]:
-        from demind.exclmm import words_of
-
-        words = [words_of(t) for t in texts]
+        words = [self.exclmm.words_of(t) for t in texts]
         new = sorted({w for ws in words for w in ws} - set(self._word_vectors))
         if new:  # each word once per evaluation
             pooled = F.normalize(self.backbone.encode_text(new).pooled.float(), dim=-1)

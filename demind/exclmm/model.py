@@ -189,6 +189,10 @@ class ExclMM(nn.Module):
     def phase_module(self, phase: str) -> nn.Module:
         return {"sae": self.sae, "space": self.space, "query": self.query_encoder}[phase]
 
+    # the query's words as the model splits them, reached through the model so that the
+    # evaluation (which ExclMM's trainer builds on) needs no import of demind.exclmm
+    words_of = staticmethod(words_of)
+
     @staticmethod
     def sentence_codes(word_codes: torch.Tensor, word_index: list[list[int]]) -> torch.Tensor:
         return sentence_code(word_codes, word_index)

@@ -359,11 +359,3 @@ def build_feature_cache(shards: list[str], directory: str | Path, backbone: Any,
     bar.close()
     return dict(directory=str(directory), shards_built=len(todo), shards_skipped=len(shards) - len(todo),
                 samples=samples, counts=dict(totals), seconds=round(time.time() - start, 2))
-
-
-if __name__ == "__main__":  # ``python -m demind.features``: the command lives in demind.cli.features
-    import sys
-
-    from demind.cli.features import main
-
-    sys.exit(main())
