@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
-import json
 import logging
-import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +23,11 @@ import torch.nn as nn
 
 from demind import towers  # noqa: F401  (registers our timm towers before any model is built)
 from demind.config import ConfigError, setting
+# identity and text-tower helpers live in their own modules; also importable from here, where callers found them
+from demind.identity import (  # noqa: F401
+    backbone_identity, canonical_identity, file_sha256, identity_slug, same_backbone)
+from demind.text_tower import (  # noqa: F401
+    length_buckets, run_text_transformer, text_layers, truncate_keeping_placeholders)
 
 log = logging.getLogger(__name__)
 
@@ -86,23 +88,6 @@ class TextOutput(NamedTuple):
     eot: torch.Tensor
 
 
-_FILE_HASHES: dict[tuple[str, int, float], str] = {}
-
-
-def file_sha256(path: str | Path) -> str:
-    """sha256 of a file, memoised per (path, size, mtime) since checkpoints can be GBs."""
-    path = Path(path)
-    stat = path.stat()
-    key = (str(path.resolve()), stat.st_size, stat.st_mtime)
-    if key not in _FILE_HASHES:
-        digest = hashlib.sha256()
-        with path.open("rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                digest.update(chunk)
-        _FILE_HASHES[key] = digest.hexdigest()
-    return _FILE_HASHES[key]
-
-
 def _resolve_model_name(name: str) -> str:
     """Register a model-config JSON with open_clip and return its registry name."""
     if not name.endswith(".json"):
@@ -115,51 +100,6 @@ def _resolve_model_name(name: str) -> str:
         )
     open_clip.add_model_config(path)
     return path.stem
-
-
-def weights_fingerprint(model: nn.Module) -> str:
-    """sha256 over a model's parameters and buffers, in state-dict order."""
-    digest = hashlib.sha256()
-    for name, tensor in model.state_dict().items():
-        digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
-def backbone_identity(cfg: BackboneConfig, model: nn.Module | None = None) -> dict[str, str | None]:
-    """What makes two backbones the same: architecture and weights, by content, never by file name.
-
-    A model-config JSON is identified by its content hash, a local checkpoint by the sha256
-    of its bytes (the same weights under another name are the same backbone), a tag by
-    itself, and random initialisation by a fingerprint of the weights (``model``).
-    """
-    name = cfg.name
-    if name.endswith(".json"):
-        name = f"{Path(name).stem}@{hashlib.sha256(Path(name).read_bytes()).hexdigest()[:12]}"
-    pretrained = cfg.pretrained
-    if pretrained and Path(pretrained).is_file():
-        pretrained = f"sha256:{file_sha256(pretrained)[:16]}"
-    elif not pretrained and model is not None:
-        pretrained = f"random:{weights_fingerprint(model)[:16]}"
-    return {"name": name, "pretrained": pretrained}
-
-
-_OLD_FILE_IDENTITY = re.compile(r"^file:.*@(sha256:[0-9a-f]+)$")
-
-
-def canonical_identity(identity: dict[str, str | None]) -> dict[str, str | None]:
-    """An identity as :func:`backbone_identity` writes it today; older records named the
-    file (``file:NAME@sha256:HEX``), which now reads ``sha256:HEX`` so they still match."""
-    out = dict(identity)
-    match = _OLD_FILE_IDENTITY.match(str(out.get("pretrained") or ""))
-    if match:
-        out["pretrained"] = match.group(1)
-    return out
-
-
-def same_backbone(a: dict[str, str | None], b: dict[str, str | None]) -> bool:
-    """Whether two recorded identities name the same backbone (architecture + weights)."""
-    return canonical_identity(a) == canonical_identity(b)
 
 
 @contextlib.contextmanager
@@ -188,29 +128,6 @@ def text_width(cfg: BackboneConfig) -> int | None:
         return int(config["text_cfg"]["width"])
     except (FileNotFoundError, KeyError, TypeError, ValueError):
         return None
-
-
-def identity_slug(identity: dict[str, str | None]) -> str:
-    """A short, file-name-safe string for an identity (cache folders, logs)."""
-    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:10]
-    readable = "".join(c if c.isalnum() or c in "-_" else "-" for c in str(identity["name"]).split("@")[0])
-    return f"{readable}-{digest}"
-
-
-def truncate_keeping_placeholders(ids: list[int], budget: int, placeholder_id: int) -> list[int]:
-    """Drop free-text tokens from the end until ``ids`` fits ``budget``; placeholders stay."""
-    if len(ids) <= budget:
-        return ids
-    n_placeholders = sum(1 for i in ids if i == placeholder_id)
-    if n_placeholders > budget:
-        raise ValueError(f"{n_placeholders} placeholders do not fit a context of {budget} word tokens")
-    keep = list(ids)
-    for pos in range(len(keep) - 1, -1, -1):
-        if len(keep) <= budget:
-            break
-        if keep[pos] != placeholder_id:
-            del keep[pos]
-    return keep
 
 
 class FrozenCLIP(nn.Module):
@@ -257,7 +174,7 @@ class FrozenCLIP(nn.Module):
         self._templates: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         # The text layers' function and the length rounding: swapped by compile_text_layers
         # for a compiled / CUDA-graph path (fixed lengths bound the number of captured graphs).
-        self.text_layers: Callable = _text_layers
+        self.text_layers: Callable = text_layers
         self.length_multiple = 1
         self.identity = backbone_identity(cfg, self.model)
         self.identity_str = identity_slug(self.identity)
@@ -272,7 +189,7 @@ class FrozenCLIP(nn.Module):
     def compile_text_layers(self, options: dict | None, length_multiple: int = 1) -> None:
         """Run the text layers through ``torch.compile(**options)`` (None: eager again), with
         text lengths rounded up to ``length_multiple`` (exact under the causal mask)."""
-        self.text_layers = _text_layers if options is None else torch.compile(_text_layers, **options)
+        self.text_layers = text_layers if options is None else torch.compile(text_layers, **options)
         self.length_multiple = length_multiple
 
     def _infer_embed_dim(self) -> int:
@@ -437,64 +354,6 @@ class FrozenCLIP(nn.Module):
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         mask = (positions[None, :] > 0) & (positions[None, :] < eot[:, None])
         return TextOutput(pooled.float(), x.float(), mask, eot)
-
-
-def length_buckets(eot: torch.Tensor, max_buckets: int, min_saving: float = 0.3) -> list[torch.Tensor] | None:
-    """Row indices sorted by EOT position in at most ``max_buckets`` equal groups, or None
-    (run the batch whole) when splitting would not save at least ``min_saving`` of the
-    padded positions: several small matmuls cost more than one big one (measured:
-    splitting a batch of equal-length prompts in 4 made it 1.9x slower)."""
-    if max_buckets <= 1 or eot.numel() < 2:
-        return None
-    order = torch.argsort(eot, stable=True)
-    groups = [idx for idx in torch.tensor_split(order, max_buckets) if idx.numel()]
-    padded_whole = eot.numel() * (int(eot.max()) + 1)
-    padded_split = sum(idx.numel() * (int(eot[idx].max()) + 1) for idx in groups)
-    return groups if padded_split <= (1.0 - min_saving) * padded_whole else None
-
-
-def run_text_transformer(model: nn.Module, embedded: torch.Tensor, eot: torch.Tensor, max_buckets: int = 1,
-                         min_saving: float = 0.3, layers: Callable | None = None,
-                         length_multiple: int = 1) -> torch.Tensor:
-    """An open_clip text tower on (B, L, W) token embeddings -> (B, L', W) features after ln_final.
-
-    Under CLIP's causal mask no token sees the positions after it, so the positions after
-    a text's EOT (padding) cannot change any output read at or before it: L' = max EOT + 1,
-    and with ``max_buckets`` > 1 the texts run in length groups (:func:`length_buckets`),
-    each cut after its own longest text; a row's positions after its group's length are
-    zeros. A non-causal tower runs whole. ``eot`` (B,) may live on the CPU (then no device
-    sync is needed to cut); ``length_multiple`` rounds L' up (fewer distinct shapes for a
-    compiled path), ``layers`` replaces :func:`_text_layers` (a compiled copy). Gradients
-    flow to ``embedded`` and to any trainable weights of ``model``.
-    """
-    layers = layers or _text_layers
-    if model.attn_mask is None:
-        return layers(model, embedded, None)
-    eot = eot.cpu()  # free when the caller passes CPU positions
-
-    def cut(n: int) -> int:
-        return min(-(-n // length_multiple) * length_multiple, embedded.shape[1])
-
-    length = cut(int(eot.max()) + 1)
-    buckets = length_buckets(eot, max_buckets, min_saving)
-    if buckets is None:
-        return layers(model, embedded[:, :length], model.attn_mask)
-    chunks = []
-    for idx in buckets:
-        own = cut(int(eot[idx].max()) + 1)
-        out = layers(model, embedded[idx.to(embedded.device), :own], model.attn_mask)
-        chunks.append(nn.functional.pad(out, (0, 0, 0, length - own)))
-    order = torch.argsort(torch.cat(buckets)).to(embedded.device)
-    return torch.cat(chunks)[order]  # back to the input order
-
-
-def _text_layers(model: nn.Module, embedded: torch.Tensor, causal_mask: torch.Tensor | None) -> torch.Tensor:
-    """(b, l, W) token embeddings -> (b, l, W): positions, transformer, ln_final."""
-    length = embedded.shape[1]
-    cast_dtype = model.transformer.get_cast_dtype()
-    x = embedded.to(cast_dtype) + model.positional_embedding[:length].to(cast_dtype)
-    mask = causal_mask[:length, :length] if causal_mask is not None else None
-    return model.ln_final(model.transformer(x, attn_mask=mask))
 
 
 def build_backbone(cfg: BackboneConfig, device: str | torch.device = "cpu") -> FrozenCLIP:
