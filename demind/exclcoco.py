@@ -56,7 +56,6 @@ are image ids (strings, keys of ``images``), sorted.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import random
@@ -67,13 +66,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+# the LLM writer lives with the data_gen engines; also importable from here, where callers found it
+from demind.gen.exclusion import llm_query_writer  # noqa: F401
 from demind.io import write_json_atomic
 
 log = logging.getLogger(__name__)
 
 FORMAT = "demind-exclcoco/1"
 QUERY_SOURCES = ("template", "llm")
-PROMPT_ROOT = Path(__file__).resolve().parent / "gen" / "exclusion_prompts"
 
 # {inc}: "a dog and a frisbee"; {exc}: "a person" (with article); {exc_bare}: "person"
 TEMPLATES = (
@@ -298,19 +298,6 @@ def template_text(include: list[str], exclude: str, rng: random.Random) -> str:
     return rng.choice(TEMPLATES).format(inc=inc, exc=with_article(exclude), exc_bare=exclude)
 
 
-def load_exclusion_prompt(version: str) -> tuple[str, str]:
-    """(prompt text with {caption} {include} {exclude}, sha) of ``exclusion_prompts/<version>.txt``."""
-    path = Path(version) if Path(version).is_file() else PROMPT_ROOT / f"{version}.txt"
-    if not path.is_file():
-        known = sorted(p.stem for p in PROMPT_ROOT.glob("*.txt"))
-        raise FileNotFoundError(f"exclusion prompt {version!r} not found ({path}); available: {known}")
-    text = path.read_text(encoding="utf-8").strip()
-    for slot in ("{caption}", "{include}", "{exclude}"):
-        if text.count(slot) != 1:
-            raise ValueError(f"exclusion prompt {path} must contain {slot} exactly once")
-    return text, hashlib.sha256(text.encode()).hexdigest()[:12]
-
-
 def form_pairs(captions: list[dict[str, Any]], labels: dict[int, frozenset[str]], index: LabelIndex,
                cfg: ExclCocoConfig, counts: BuildCounts) -> list[dict[str, Any]]:
     """Step 3: (caption, include, exclude) combinations, before ground truth."""
@@ -357,13 +344,13 @@ def build_exclcoco(instances_path: str | Path, captions_path: str | Path, out_di
     image_root: folder of the split's images (``file_name`` of each image is relative to it).
     llm: for ``query_source="llm"``, a function from query dicts (``positive_query``, ``include``,
         ``exclude``, ``image_path``) to texts (None = rejected, template used); see
-        :func:`llm_query_writer` for the data_gen-engine one.
+        :func:`demind.gen.exclusion.llm_query_writer` for the data_gen-engine one.
     """
     cfg = cfg or ExclCocoConfig()
     if cfg.query_source not in QUERY_SOURCES:
         raise ValueError(f"query_source must be one of {QUERY_SOURCES}, got {cfg.query_source!r}")
     if cfg.query_source == "llm" and llm is None:
-        raise ValueError("query_source='llm' needs an llm function (see demind.exclcoco.llm_query_writer)")
+        raise ValueError("query_source='llm' needs an llm function (see demind.gen.exclusion.llm_query_writer)")
     started = time.perf_counter()
     instances_path, captions_path, out_dir = Path(instances_path), Path(captions_path), Path(out_dir)
     instances = _load(instances_path, ("images", "annotations", "categories"))
@@ -442,43 +429,3 @@ def apply_llm_texts(queries: list[dict[str, Any]], llm: Callable, image_root: Pa
         else:
             q["text_source"] = "template (llm output rejected)"
     return getattr(llm, "record", None)
-
-
-def llm_query_writer(engine: Any, prompt_version: str = "v1", seed: int = 0, max_new_tokens: int = 40,
-                     image_max_side: int = 672, repeat_ngram: int = 3, max_ngram_repeats: int = 2) -> Callable:
-    """An ``llm`` for :func:`build_exclcoco` on a data_gen engine (vLLM or transformers).
-
-    Each request: the positive image and the few-shot prompt with the caption, include and
-    exclude labels; per-request seed from (seed, query id). Outputs are cleaned and checked
-    with data_gen's quality rules; a flagged output is None (the builder keeps the template).
-    """
-    from PIL import Image
-
-    from demind.gen.engines import GenRequest, request_seed
-    from demind.gen.prompts import render, user_turn
-    from demind.gen.quality import clean_output, quality_flags
-
-    prompt, sha = load_exclusion_prompt(prompt_version)
-
-    def write(queries: list[dict[str, Any]]) -> list[str | None]:
-        requests = []
-        for q in queries:
-            path = Path(q["image_path"])
-            if not path.is_file():
-                raise FileNotFoundError(f"image {path} of query {q['id']} does not exist (check --image-root)")
-            image = Image.open(path).convert("RGB")
-            image.thumbnail((image_max_side, image_max_side))
-            text = (prompt.replace("{caption}", q["positive_query"]).replace("{include}", ", ".join(q["include"]))
-                    .replace("{exclude}", q["exclude"]))
-            rendered = render(engine.renderer, [user_turn(text, with_image=True)])
-            requests.append(GenRequest(rendered, image, request_seed(seed, q["id"], "exclusion", 0), max_new_tokens))
-        out = []
-        for result in engine.generate(requests):
-            text = clean_output(result.text)
-            flags = quality_flags(text, result.finish_reason, repeat_ngram, max_ngram_repeats)
-            out.append(None if flags else text)
-        return out
-
-    write.record = {"version": prompt_version, "sha": sha, "engine": getattr(engine, "name", "?"),
-                    "model": getattr(engine, "model_id", "?")}
-    return write

@@ -61,7 +61,7 @@ def from_module(node: ast.ImportFrom, this: str, is_package: bool) -> str:
 
 
 def imported_modules(tree: ast.Module, this: str, is_package: bool) -> set[str]:
-    """Absolute names of the modules ``tree`` imports anywhere (``from a import b`` counts a.b when that is a module)."""
+    """Absolute names of the modules ``tree`` imports anywhere (``from a import b`` counts a.b if a module)."""
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
