@@ -7,7 +7,8 @@ under ``if __name__ == "__main__":``.
 * Only the command-line package ``demind/cli/`` and ``toyworld/cli.py`` import ``argparse``
   and read ``sys.argv`` or the environment.
 * Nothing imports ``demind.cli`` except the command line itself and ``__main__.py`` modules:
-  those are ``python -m`` entry points, which nothing imports, so they cannot close a circle.
+  those are ``python -m`` entry points that only call a command's ``main`` and that nothing
+  imports, so they cannot close a circle.
   A library module does not import it even under a ``__main__`` guard (``demind.features``
   once did, and ``demind.cli.features`` imported it back).
 * ``demind`` never imports ``toyworld``: the toy world depends on the library, not the reverse
@@ -189,6 +190,17 @@ def test_only_entry_points_import_the_command_line_package():
     offences = [f"{name} -> {target}" for name, targets in graph.items()
                 if not in_cli(name) and not is_entry_point(name) for target in targets if in_cli(target)]
     assert offences == []
+
+
+def test_entry_points_only_call_a_command_main():
+    # what lets the import rules leave __main__ modules out: they hold no library code
+    for name, (path, tree) in MODULES.items():
+        if is_entry_point(name):
+            imports = {(getattr(n, "module", None), tuple(a.name for a in n.names))
+                       for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))}
+            assert {module for module, _ in imports} - {None} and all(
+                (module, names) == (None, ("sys",)) or (in_cli(module or "") and names == ("main",))
+                for module, names in imports), f"{path} should only import sys and a command's main"
 
 
 def test_the_library_never_imports_the_toy_world():
