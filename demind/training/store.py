@@ -67,13 +67,14 @@ def _encode(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
     raise TypeError(f"cannot store {type(value).__name__} at {path or '/'} in a state file")
 
 
-def _decode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
+def _decode(value: Any, tensors: dict[str, torch.Tensor] | None) -> Any:
+    """Inverse of :func:`_encode`; with ``tensors=None`` a tensor stays ``{"__tensor__": name}``."""
     if isinstance(value, list):
         return [_decode(v, tensors) for v in value]
     if not isinstance(value, dict):
         return value
     if "__tensor__" in value:
-        return tensors[value["__tensor__"]]
+        return value if tensors is None else tensors[value["__tensor__"]]
     if "__ndarray__" in value:
         return np.asarray(value["__ndarray__"], dtype=value["dtype"])
     if "__tuple__" in value:
@@ -110,9 +111,10 @@ def _read_metadata(path: Path, kind: str, fix: str) -> dict[str, str]:
 
 
 def read_tree_json(path: str | Path, kind: str = TREE_FORMAT, fix: str = "delete it and rerun") -> dict[str, Any]:
-    """The JSON part of a state file (tensors left as ``{"__tensor__": name}``), without reading its tensors."""
+    """The tree of a state file with its tensors left as ``{"__tensor__": name}``: read from the JSON
+    alone, without loading the tensors."""
     path = Path(path)
-    return json.loads(_read_metadata(path, kind, fix)["state"])
+    return _decode(json.loads(_read_metadata(path, kind, fix)["state"]), None)
 
 
 def load_tree(path: str | Path, kind: str = TREE_FORMAT, fix: str = "delete it and rerun") -> dict[str, Any]:
