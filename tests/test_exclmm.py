@@ -3,6 +3,7 @@ evaluation in the harness, bad input, and kill-and-resume to the same weights.""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -135,3 +136,7 @@ def test_killed_run_resumes_to_the_same_weights(repo_root, train_split, tmp_path
                    cwd=repo_root, capture_output=True)
     a, b = load_file(reference / "exclmm.safetensors"), load_file(killed / "exclmm.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the log too: lines logged after the last saved state are dropped and logged again, same means
+    logged = [[{k: v for k, v in json.loads(line).items() if k != "rows_per_s"}
+               for line in (run / "metrics.jsonl").read_text().splitlines()] for run in (reference, killed)]
+    assert logged[0] == logged[1] and len(logged[0]) == 3 * 60 // 4

@@ -214,4 +214,8 @@ def test_exclmm_refuses_a_run_folder_with_old_pickles(tmp_path):
     with pytest.raises(LegacyStateError, match=r"state\.pt: pickle file\(s\) of an earlier demind version, no longer "
                                                r"read; delete state\.pt and rerun the same command"):
         train_exclmm(cfg)
+    (run / "state.pt").unlink()
+    (run / "features.pt").write_bytes(b"old pickle")  # the feature cache alone: refused the same way
+    with pytest.raises(LegacyStateError, match=r"delete features\.pt and rerun .* recomputed into features\.safetensors"):
+        train_exclmm(cfg)
     assert issubclass(LegacyStateError, DemindError)

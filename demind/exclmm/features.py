@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,9 +22,6 @@ from demind.eval.image_cache import ImageFeatureCache, backbone_cache_slug, enco
 from demind.eval.structures import ImageRef, read_json
 from demind.exclmm.model import words_of
 from demind.training.store import load_tree, save_tree
-
-if TYPE_CHECKING:
-    from demind.exclmm.train import ExclMMConfig
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +68,11 @@ def word_index(sentences: list[str], vocab: dict[str, int]) -> list[list[int]]:
     return [[vocab[w] for w in words_of(s) if w in vocab] for s in sentences]
 
 
-def prepare_features(cfg: "ExclMMConfig", backbone: FrozenCLIP, run_dir: Path) -> dict[str, Any]:
+def prepare_features(data_cfg: Any, backbone: FrozenCLIP, run_dir: Path, progress: bool = True) -> dict[str, Any]:
     """Frozen CLIP features of everything training reads, computed once (``features.safetensors``).
+
+    data_cfg: the ``data`` section of the ExclMM config (``ExclDataConfig``: train, captions,
+    cache_dir, encode_batch_size).
 
     Returns a dict: ``images`` (I, D) normalised, ``image_ids``; ``captions`` (C, D) and
     ``caption_image`` (C,) row of each caption's image, ``caption_words``; ``vocab`` (word list)
@@ -82,23 +82,23 @@ def prepare_features(cfg: "ExclMMConfig", backbone: FrozenCLIP, run_dir: Path) -
     path = run_dir / FEATURES_NAME
     if path.is_file():
         feats = load_features(path)
-        if feats.get("backbone") == backbone.identity and feats.get("train") == cfg.data.train:
+        if feats.get("backbone") == backbone.identity and feats.get("train") == data_cfg.train:
             return feats
         log.warning("%s was computed for another backbone or data set; recomputing", path)
-    if not cfg.data.train:
+    if not data_cfg.train:
         raise ValueError("data.train is empty: give the ExclCOCO folder of the training split "
                          "(python -m demind.cli.build_exclcoco ...)")
-    data, files = load_exclcoco(cfg.data.train)
+    data, files = load_exclcoco(data_cfg.train)
     image_ids = list(files)
     row = {i: k for k, i in enumerate(image_ids)}
-    cache_root = Path(cfg.data.cache_dir or run_dir / "feature_cache")
+    cache_root = Path(data_cfg.cache_dir or run_dir / "feature_cache")
     cache = ImageFeatureCache(cache_root, backbone_cache_slug(backbone), "exclcoco", data.get("split", "train"))
     refs = [ImageRef(i, p) for i, p in files.items()]
-    raw, _ = encode_image_refs(backbone, refs, cache, "gallery", cfg.data.encode_batch_size, progress=cfg.run.progress,
+    raw, _ = encode_image_refs(backbone, refs, cache, "gallery", data_cfg.encode_batch_size, progress=progress,
                                desc="exclmm train images")
     images = F.normalize(torch.stack([raw[i] for i in image_ids]).float(), dim=-1)
 
-    captions_path = Path(cfg.data.captions or data["source"]["captions"])
+    captions_path = Path(data_cfg.captions or data["source"]["captions"])
     if not captions_path.is_file():
         raise FileNotFoundError(f"captions file {captions_path} not found; set data.captions to the COCO "
                                 f"captions_{{split}}.json of the training split")
@@ -106,12 +106,12 @@ def prepare_features(cfg: "ExclMMConfig", backbone: FrozenCLIP, run_dir: Path) -
     caption_texts = [c["caption"].strip() for c in caps]
     queries = data["queries"]
     vocab = sorted({w for s in caption_texts + [q["query"] for q in queries] for w in words_of(s)})
-    bs = cfg.data.encode_batch_size
+    bs = data_cfg.encode_batch_size
     log.info("exclmm features: %d images, %d captions, %d queries, %d words", len(image_ids), len(caps),
              len(queries), len(vocab))
     vindex = {w: k for k, w in enumerate(vocab)}
     feats = {
-        "backbone": backbone.identity, "train": cfg.data.train, "image_ids": image_ids, "images": images,
+        "backbone": backbone.identity, "train": data_cfg.train, "image_ids": image_ids, "images": images,
         "captions": encode_texts(backbone, caption_texts, bs),
         "caption_image": torch.tensor([row[str(c["image_id"])] for c in caps], dtype=torch.int64),
         "caption_words": word_index(caption_texts, vindex),

@@ -289,7 +289,7 @@ def train_exclmm(cfg: ExclMMConfig, backbone: FrozenCLIP | None = None) -> Path:
     torch.manual_seed(cfg.run.seed)
     backbone = backbone or build_backbone(cfg.backbone, device=cfg.run.device)
     state_path = run_dir / STATE_NAME
-    feats = prepare_features(cfg, backbone, run_dir)
+    feats = prepare_features(cfg.data, backbone, run_dir, cfg.run.progress)
     # seeded here, not only at the start: whether the features came from disk or were computed
     # (DataLoaders draw from the global generator) must not change the initial weights
     torch.manual_seed(derive_seed("exclmm-init", cfg.run.seed) % 2**63)
