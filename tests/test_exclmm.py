@@ -3,6 +3,7 @@ evaluation in the harness, bad input, and kill-and-resume to the same weights.""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -16,7 +17,10 @@ from safetensors.torch import load_file
 from demind.cli import train_exclmm as cli
 from demind.exclcoco import ExclCocoConfig, build_exclcoco
 from demind.synthetic import write_synthetic_coco
+from demind.training.store import read_train_state_extra
 from demind.exclmm import losses as L
+from demind.exclmm.features import FEATURES_NAME, load_features
+from demind.exclmm.train import STATE_NAME
 from demind.exclmm.model import ExclusionQueryEncoder, SparseSpace, sentence_code, top_t_mask
 
 
@@ -82,7 +86,7 @@ def test_train_end_to_end_and_evaluate(repo_root, train_split, tmp_path, capsys)
     backbone = build_backbone(BackboneConfig(name=str(repo_root / "configs/model/tiny-clip.json"), pretrained=None))
     model = load_exclmm(export, backbone.identity)
     assert not torch.equal(model.query_encoder.net[-1].weight, torch.zeros_like(model.query_encoder.net[-1].weight))
-    feats = torch.load(run / "features.pt", weights_only=False)
+    feats = load_features(run / FEATURES_NAME)
     codes = model.sae.encode(feats["word_vectors"])
     assert 0 < (codes > 0).float().mean() < 1  # the word codes are alive and sparse, not all 0 or all 1
     results = evaluate("exclcoco", train_split, backbone=backbone, methods=["text-only", "exclmm"], exclmm=model,
@@ -119,9 +123,9 @@ def test_killed_run_resumes_to_the_same_weights(repo_root, train_split, tmp_path
     proc = subprocess.Popen([*command, *smoke_args(repo_root, train_split, killed, *steps)], env=env, cwd=repo_root,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     deadline = time.time() + 120
-    state = killed / "state.pt"
+    state = killed / STATE_NAME
     while proc.poll() is None and time.time() < deadline:
-        if state.exists() and torch.load(state, weights_only=False)["phase"] == "space":
+        if state.exists() and read_train_state_extra(state)["phase"] == "space":
             break
         time.sleep(0.05)
     assert proc.poll() is None, "the run ended before it could be killed in phase 'space'"
@@ -132,3 +136,7 @@ def test_killed_run_resumes_to_the_same_weights(repo_root, train_split, tmp_path
                    cwd=repo_root, capture_output=True)
     a, b = load_file(reference / "exclmm.safetensors"), load_file(killed / "exclmm.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the log too: lines logged after the last saved state are dropped and logged again, same means
+    logged = [[{k: v for k, v in json.loads(line).items() if k != "rows_per_s"}
+               for line in (run / "metrics.jsonl").read_text().splitlines()] for run in (reference, killed)]
+    assert logged[0] == logged[1] and len(logged[0]) == 3 * 60 // 4

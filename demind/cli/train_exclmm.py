@@ -1,6 +1,6 @@
 """``python -m demind.cli.train_exclmm --config configs/exclmm/toy.yaml [a.b=c ...]``: train ExclMM.
 
-Rerunning the same command resumes from ``<run.output_dir>/state.pt``; a finished run
+Rerunning the same command resumes from ``<run.output_dir>/state.safetensors``; a finished run
 (``exclmm.safetensors`` present) is left as is. The work happens in :mod:`demind.exclmm.train`.
 """
 

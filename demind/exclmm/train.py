@@ -6,13 +6,17 @@
 
 Phases, each resumable: ``sae`` (stage 1 step 1), ``space`` (step 3; step 2 is a fixed mean),
 ``query`` (stage 2). ``query.space=clip`` (the "without stage 1" ablation) skips the first two.
-Every ``run.save_every`` steps and at the end of each phase, ``<output_dir>/state.pt`` is written
-atomically (all modules, the current optimizer, phase, step, config); rerunning the same command
-resumes from it. Batches are drawn from a generator seeded by (seed, phase, step), so a resumed
-run draws the same batches as an uninterrupted one. CLIP features are computed once into
-``<output_dir>/features.pt`` (images through the evaluation image cache,
-:mod:`demind.eval.image_cache`, so the harness reuses them). The export ``<output_dir>/exclmm.safetensors``
-(weights + config + backbone identity) is written last: its presence means done.
+The training engine's pieces do the work (:mod:`demind.training`: optimizer and schedule,
+non-finite check, log line, state file). Every ``run.save_every`` steps and at the end of each
+phase, ``<output_dir>/state.safetensors`` is written atomically (all modules, the current
+optimizer and scheduler, RNG, phase, step, config: safetensors + JSON, no pickle); rerunning the
+same command resumes from it. Batches are drawn from a generator seeded by (seed, phase, step),
+so a resumed run draws the same batches and ends with the same weights, bit for bit, as an
+uninterrupted one. CLIP features are computed once into ``<output_dir>/features.safetensors``
+(:mod:`demind.exclmm.features`). One log line per ``run.log_every`` steps goes to the console
+and ``<output_dir>/metrics.jsonl``. The export ``<output_dir>/exclmm.safetensors`` (weights +
+config + backbone identity) is written last: its presence means done. A run folder holding the
+pickle ``state.pt`` / ``features.pt`` of earlier versions is refused with a message saying what to do.
 """
 
 from __future__ import annotations
@@ -21,27 +25,36 @@ import logging
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
 from demind.backbone import BackboneConfig, FrozenCLIP, build_backbone
 from demind.config import save_config
-from demind.eval.exclcoco import load_exclcoco
-from demind.eval.image_cache import ImageFeatureCache, backbone_cache_slug, encode_image_refs
-from demind.eval.structures import ImageRef, read_json
+from demind.errors import DemindError
 from demind.exclmm import losses as L
-from demind.exclmm.model import ExclMM, words_of
-from demind.io import atomic_path
+from demind.exclmm.features import FEATURES_NAME, prepare_features
+from demind.exclmm.model import ExclMM
 from demind.toy.world import derive_seed
+from demind.training.finite import check_finite_terms
+from demind.training.metrics_log import LogWindow, append_metrics, step_line, term_parts, trim_metrics
+from demind.training.optim import build_adamw, build_lr_scheduler
+from demind.training.store import load_train_state, restore_train_state, save_train_state
 
 log = logging.getLogger(__name__)
 
+__all__ = ["ExclMMConfig", "train_exclmm", "FEATURES_NAME", "STATE_NAME", "EXPORT_NAME", "PHASES"]
+
 PHASES = ("sae", "space", "query")
-STATE_NAME = "state.pt"
-FEATURES_NAME = "features.pt"
+PHASE_TERMS = {"sae": ("loss", "rec", "asl", "psl"), "space": ("loss", "con", "rec_v", "rec_t"),
+               "query": ("loss", "con", "tri")}
+STATE_NAME = "state.safetensors"
 EXPORT_NAME = "exclmm.safetensors"
+LEGACY_NAMES = ("state.pt", "features.pt")  # pickles written by earlier versions: refused
+
+
+class LegacyStateError(DemindError, ValueError):
+    """A run folder with the pickle state or features of an earlier version."""
 
 
 @dataclass
@@ -115,83 +128,24 @@ class ExclMMConfig:
     run: ExclRunConfig = field(default_factory=ExclRunConfig)
 
 
-# ------------------------------------------------------------------------ features
-
-@torch.no_grad()
-def encode_texts(backbone: FrozenCLIP, texts: list[str], batch_size: int) -> torch.Tensor:
-    """(len(texts), D) L2-normalised pooled CLIP text embeddings, float32 on CPU."""
-    out = [F.normalize(backbone.encode_text(texts[i:i + batch_size]).pooled.float(), dim=-1).cpu()
-           for i in range(0, len(texts), batch_size)]
-    return torch.cat(out) if out else torch.zeros(0, backbone.embed_dim)
-
-
-def word_index(sentences: list[str], vocab: dict[str, int]) -> list[list[int]]:
-    """Per sentence, the vocabulary indices of its words (Eq. 5's average runs over them)."""
-    return [[vocab[w] for w in words_of(s) if w in vocab] for s in sentences]
-
-
-def prepare_features(cfg: ExclMMConfig, backbone: FrozenCLIP, run_dir: Path) -> dict[str, Any]:
-    """Frozen CLIP features of everything training reads, computed once (``features.pt``).
-
-    Returns a dict: ``images`` (I, D) normalised, ``image_ids``; ``captions`` (C, D) and
-    ``caption_image`` (C,) row of each caption's image, ``caption_words``; ``vocab`` (word list)
-    and ``word_vectors`` (V, D) -- each word's pooled CLIP text embedding, alone, normalised;
-    ``queries`` (Q, D), ``query_words``, ``query_truth`` (lists of image rows), ``query_positive`` (Q,).
-    """
-    path = run_dir / FEATURES_NAME
-    if path.is_file():
-        feats = torch.load(path, weights_only=False)
-        if feats.get("backbone") == backbone.identity and feats.get("train") == cfg.data.train:
-            return feats
-        log.warning("%s was computed for another backbone or data set; recomputing", path)
-    if not cfg.data.train:
-        raise ValueError("data.train is empty: give the ExclCOCO folder of the training split "
-                         "(python -m demind.cli.build_exclcoco ...)")
-    data, files = load_exclcoco(cfg.data.train)
-    image_ids = list(files)
-    row = {i: k for k, i in enumerate(image_ids)}
-    cache_root = Path(cfg.data.cache_dir or run_dir / "feature_cache")
-    cache = ImageFeatureCache(cache_root, backbone_cache_slug(backbone), "exclcoco", data.get("split", "train"))
-    refs = [ImageRef(i, p) for i, p in files.items()]
-    raw, _ = encode_image_refs(backbone, refs, cache, "gallery", cfg.data.encode_batch_size, progress=cfg.run.progress,
-                           desc="exclmm train images")
-    images = F.normalize(torch.stack([raw[i] for i in image_ids]).float(), dim=-1)
-
-    captions_path = Path(cfg.data.captions or data["source"]["captions"])
-    if not captions_path.is_file():
-        raise FileNotFoundError(f"captions file {captions_path} not found; set data.captions to the COCO "
-                                f"captions_{{split}}.json of the training split")
-    caps = [c for c in read_json(captions_path)["annotations"] if str(c["image_id"]) in row]
-    caption_texts = [c["caption"].strip() for c in caps]
-    queries = data["queries"]
-    vocab = sorted({w for s in caption_texts + [q["query"] for q in queries] for w in words_of(s)})
-    bs = cfg.data.encode_batch_size
-    log.info("exclmm features: %d images, %d captions, %d queries, %d words", len(image_ids), len(caps),
-             len(queries), len(vocab))
-    vindex = {w: k for k, w in enumerate(vocab)}
-    feats = {
-        "backbone": backbone.identity, "train": cfg.data.train, "image_ids": image_ids, "images": images,
-        "captions": encode_texts(backbone, caption_texts, bs),
-        "caption_image": torch.tensor([row[str(c["image_id"])] for c in caps]),
-        "caption_words": word_index(caption_texts, vindex),
-        "vocab": vocab, "word_vectors": encode_texts(backbone, vocab, bs),
-        "queries": encode_texts(backbone, [q["query"] for q in queries], bs),
-        "query_words": word_index([q["query"] for q in queries], vindex),
-        "query_truth": [[row[i] for i in q["ground_truth"]] for q in queries],
-        "query_positive": torch.tensor([row[q["image_id"]] for q in queries]),
-    }
-    with atomic_path(path) as tmp:
-        torch.save(feats, tmp)
-    return feats
-
-
 # ------------------------------------------------------------------------ state
 
-def save_state(path: Path, model: ExclMM, optim: torch.optim.Optimizer | None, phase: str, step: int,
-               cfg: ExclMMConfig) -> None:
-    with atomic_path(path) as tmp:
-        torch.save({"model": model.state_dict(), "optim": optim.state_dict() if optim else None,
-                    "phase": phase, "step": step, "config": asdict(cfg)}, tmp)
+def refuse_pickled_files(run_dir: Path) -> None:
+    """A run folder written before states and features moved to safetensors + JSON: refuse it,
+    saying what to do (reading those pickles could run code; converting them would need to)."""
+    old = [run_dir / name for name in LEGACY_NAMES if (run_dir / name).is_file()]
+    if old:
+        raise LegacyStateError(
+            f"{', '.join(map(str, old))}: pickle file(s) of an earlier demind version, no longer read; delete "
+            f"{' and '.join(p.name for p in old)} and rerun the same command (the training restarts from its first "
+            f"step and the features are recomputed into {FEATURES_NAME}), or use another run.output_dir")
+
+
+def save_state(path: Path, model: ExclMM, optimizer: torch.optim.Optimizer, scheduler, phase: str, step: int,
+               window: LogWindow, cfg: ExclMMConfig) -> None:
+    """The resumable state after ``step`` steps of ``phase`` (:func:`demind.training.store.save_train_state`)."""
+    save_train_state(path, step=step, modules={"model": model}, optimizer=optimizer, scheduler=scheduler,
+                     extra={"phase": phase, "config": asdict(cfg), "log_window": window.snapshot()})
 
 
 def batch_rows(n: int, size: int, seed: int, phase: str, step: int) -> torch.Tensor:
@@ -247,32 +201,60 @@ def query_loss(model: ExclMM, feats: dict[str, Any], rows: torch.Tensor, step: i
     return terms
 
 
-def run_phase(name: str, model: ExclMM, params: list[torch.nn.Parameter], steps: int, lr: float, n_rows: int,
-              batch: int, loss_fn, cfg: ExclMMConfig, state: dict | None, state_path: Path) -> None:
-    """Adam on ``params`` for ``steps`` steps, resuming from ``state`` when it is this phase."""
-    optim = torch.optim.Adam(params, lr=lr)
-    start = 0
-    if state is not None and state["phase"] == name:
-        optim.load_state_dict(state["optim"])
-        start = state["step"]
-        log.info("exclmm %s: resuming at step %d/%d", name, start, steps)
-    t0 = time.perf_counter()
-    for step in range(start, steps):
-        rows = batch_rows(n_rows, batch, cfg.run.seed, name, step)
-        terms = loss_fn(rows, step)
-        if not torch.isfinite(terms["loss"]):
-            bad = [k for k, v in terms.items() if not torch.isfinite(v)]
-            raise FloatingPointError(f"exclmm {name} step {step}: non-finite loss term(s) {bad}")
-        optim.zero_grad(set_to_none=True)
-        terms["loss"].backward()
-        optim.step()
+@dataclass
+class Phase:
+    """One resumable phase: ``steps`` optimizer steps of Adam at ``lr`` on ``module``, batches of
+    ``batch`` rows out of ``rows``; ``offset`` = steps of the run's earlier phases (metrics.jsonl's step)."""
+
+    name: str
+    module: torch.nn.Module
+    steps: int
+    lr: float
+    rows: int
+    batch: int
+    loss_fn: Callable[[torch.Tensor, int], dict[str, torch.Tensor]]
+    offset: int = 0
+
+
+def run_phase(phase: Phase, model: ExclMM, cfg: ExclMMConfig, state: dict | None, state_path: Path) -> None:
+    """Train ``phase``, resuming from ``state`` (a loaded state file of this phase) when given."""
+    # Adam as in the paper (AdamW with no weight decay is Adam), constant lr: the engine's pieces
+    optimizer = build_adamw(phase.module.named_parameters(), phase.lr)
+    scheduler = build_lr_scheduler(optimizer, 0, phase.steps, "constant")
+    terms = PHASE_TERMS[phase.name]
+    window, start = LogWindow(sums={}, names=terms), 0
+    if state is not None:
+        start = restore_train_state(state, modules={}, optimizer=optimizer, scheduler=scheduler)
+        window = LogWindow.restore(state["extra"]["log_window"], sums={}, names=terms)
+        log.info("exclmm %s: resuming at step %d/%d", phase.name, start, phase.steps)
+    for step in range(start, phase.steps):
+        rows = batch_rows(phase.rows, phase.batch, cfg.run.seed, phase.name, step)
+        losses = phase.loss_fn(rows, step)
+        check_finite_terms(losses, step, where=f"exclmm {phase.name}",
+                           hint=f"lower {phase.name}.lr or check the data; rerunning resumes from {state_path}")
+        optimizer.zero_grad(set_to_none=True)
+        losses["loss"].backward()
+        optimizer.step()
+        scheduler.step()
+        window.add(losses)
+        window.samples += phase.batch
         done = step + 1
-        if done % cfg.run.log_every == 0 or done == steps:
-            rate = (done - start) * batch / max(time.perf_counter() - t0, 1e-9)
-            log.info("exclmm %s step %d/%d %s %.0f rows/s", name, done, steps,
-                     " ".join(f"{k} {v.item():.4f}" for k, v in terms.items()), rate)
-        if done % cfg.run.save_every == 0 or done == steps:
-            save_state(state_path, model, optim, name, done, cfg)
+        if done % cfg.run.log_every == 0 or done == phase.steps:
+            log_phase(phase, done, window, Path(cfg.run.output_dir))
+            window = LogWindow(sums={}, names=terms)
+        if done % cfg.run.save_every == 0 or done == phase.steps:
+            save_state(state_path, model, optimizer, scheduler, phase.name, done, window, cfg)
+
+
+def log_phase(phase: Phase, done: int, window: LogWindow, run_dir: Path) -> None:
+    """One console line and one metrics.jsonl line: the window's mean of each loss term, rows/s."""
+    means = dict(zip(window.terms(), window.means(torch.device("cpu")).tolist()))
+    rate = window.samples / max(time.perf_counter() - window.start, 1e-9)
+    log.info(step_line(done, phase.steps, term_parts(means, window.terms()) + [f"{rate:.0f} rows/s"],
+                       prefix=f"exclmm {phase.name} "))
+    append_metrics(run_dir / "metrics.jsonl", {"phase": phase.name, "step": phase.offset + done, "phase_step": done,
+                                               **{k: round(v, 6) for k, v in means.items()},
+                                               "rows_per_s": round(rate, 1)})
 
 
 def result_defining(cfg: ExclMMConfig | dict) -> dict[str, Any]:
@@ -302,56 +284,52 @@ def train_exclmm(cfg: ExclMMConfig, backbone: FrozenCLIP | None = None) -> Path:
         check_same_run(read_export_config(export), cfg, export)
         log.info("exclmm: %s exists; nothing to do", export)
         return export
+    refuse_pickled_files(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.run.seed)
     backbone = backbone or build_backbone(cfg.backbone, device=cfg.run.device)
     state_path = run_dir / STATE_NAME
-    feats = prepare_features(cfg, backbone, run_dir)
+    feats = prepare_features(cfg.data, backbone, run_dir, cfg.run.progress)
     # seeded here, not only at the start: whether the features came from disk or were computed
     # (DataLoaders draw from the global generator) must not change the initial weights
     torch.manual_seed(derive_seed("exclmm-init", cfg.run.seed) % 2**63)
     model = ExclMM.from_config(cfg, backbone.embed_dim, backbone.identity)
     model.sae.set_statistics(feats["word_vectors"])
-    state = torch.load(state_path, weights_only=False) if state_path.is_file() else None
+    state = load_train_state(state_path) if state_path.is_file() else None
     if state is not None:
-        check_same_run(state["config"], cfg, state_path)
-        model.load_state_dict(state["model"])
+        check_same_run(state["extra"]["config"], cfg, state_path)
+        model.load_state_dict(state["modules"]["model"])
     save_config(cfg, run_dir / "config.yaml")
     phases = ("query",) if cfg.query.space == "clip" else PHASES
     log.info("exclmm: %d images, %d captions, %d words, %d queries; phases %s; d=%d, top_t=%d",
              len(feats["image_ids"]), len(feats["captions"]), len(feats["vocab"]), len(feats["queries"]),
              ",".join(phases), cfg.sae.code_dim, cfg.space.top_t)
-    done_before = PHASES.index(state["phase"]) if state is not None else -1
-    for phase in phases:
-        index = PHASES.index(phase)
-        finished = index < done_before or (index == done_before and state["step"] >= phase_steps(cfg, phase))
-        if phase == "space" or phase == "query":
-            prepare_phase_inputs(model, feats, phase, cfg)
+    done_before = PHASES.index(state["extra"]["phase"]) if state is not None else -1
+    offset = 0
+    for name in phases:
+        index = PHASES.index(name)
+        phase = build_phase(name, model, feats, cfg, offset)
+        offset += phase.steps
+        finished = index < done_before or (index == done_before and state["step"] >= phase.steps)
+        if name == "space" or name == "query":
+            prepare_phase_inputs(model, feats, name, cfg)
         if finished:
             continue
         resume = state if index == done_before else None
-        run_phase(phase, model, list(model.phase_module(phase).parameters()), phase_steps(cfg, phase),
-                  phase_lr(cfg, phase), phase_rows(feats, phase), phase_batch(cfg, phase),
-                  phase_loss(phase, model, feats, cfg), cfg, resume, state_path)
+        # lines a killed run logged after its last saved state are logged again
+        trim_metrics(run_dir, phase.offset + (resume["step"] if resume is not None else 0))
+        run_phase(phase, model, cfg, resume, state_path)
     model.save(export)
     log.info("exclmm: exported %s", export)
     return export
 
 
-def phase_steps(cfg: ExclMMConfig, phase: str) -> int:
-    return {"sae": cfg.sae.steps, "space": cfg.space.steps, "query": cfg.query.steps}[phase]
-
-
-def phase_lr(cfg: ExclMMConfig, phase: str) -> float:
-    return {"sae": cfg.sae.lr, "space": cfg.space.lr, "query": cfg.query.lr}[phase]
-
-
-def phase_batch(cfg: ExclMMConfig, phase: str) -> int:
-    return {"sae": cfg.sae.batch_size, "space": cfg.space.batch_size, "query": cfg.query.batch_size}[phase]
-
-
-def phase_rows(feats: dict[str, Any], phase: str) -> int:
-    return {"sae": len(feats["vocab"]), "space": len(feats["captions"]), "query": len(feats["queries"])}[phase]
+def build_phase(name: str, model: ExclMM, feats: dict[str, Any], cfg: ExclMMConfig, offset: int) -> Phase:
+    """The :class:`Phase` of ``name`` from the config's section of that name."""
+    section = {"sae": cfg.sae, "space": cfg.space, "query": cfg.query}[name]
+    rows = {"sae": len(feats["vocab"]), "space": len(feats["captions"]), "query": len(feats["queries"])}[name]
+    return Phase(name, model.phase_module(name), section.steps, section.lr, rows, section.batch_size,
+                 phase_loss(name, model, feats, cfg), offset)
 
 
 def phase_loss(phase: str, model: ExclMM, feats: dict[str, Any], cfg: ExclMMConfig):

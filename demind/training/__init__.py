@@ -17,6 +17,12 @@ micro batch x processes samples; accumulation steps do not share negatives.
 Modules: ``config`` (the recipe's schema), ``accel`` (Accelerate set-up), ``optim``
 (optimizer and schedule), ``batches`` (data glue), ``step`` (losses and one step),
 ``state`` (checkpoints and resume), ``metrics_log`` (log lines), ``loop`` (``train``).
+
+The engine pieces every trainer shares (De-MINDS, ExclMM, the toy CLIP): ``optim``
+(``build_adamw``, ``build_lr_scheduler``), ``finite`` (``check_finite_terms``),
+``metrics_log`` (``LogWindow``, ``step_line``, ``append_metrics``) and ``store``
+(``save_train_state`` / ``load_train_state`` / ``restore_train_state``: safetensors + JSON,
+no pickle; De-MINDS resumes through Accelerate's ``save_state`` instead, see ``state``).
 """
 
 from demind.data import DataConfig
@@ -25,12 +31,16 @@ from demind.training.batches import batch_embeddings, build_data, find_feature_c
 from demind.training.config import LossConfig, OptimConfig, RunConfig, TrainConfig, load_train_config
 from demind.training.loop import EXPORT_NAME, build_modules, train
 from demind.training.metrics_log import LOSS_TERMS
-from demind.training.optim import build_optimizer, build_scheduler, lr_factor
+from demind.training.finite import check_finite_terms
+from demind.training.optim import (build_adamw, build_lr_scheduler, build_optimizer, build_scheduler, lr_factor,
+                                   warmup_cosine)
 from demind.training.state import ResumeError, TrainState, latest_checkpoint
 from demind.training.step import NonFiniteLossError, check_finite, compute_losses
+from demind.training.store import StateFileError, load_train_state, restore_train_state, save_train_state
 
 __all__ = ["TrainConfig", "OptimConfig", "LossConfig", "RunConfig", "DataConfig", "TrainState", "train",
            "load_train_config", "build_modules", "build_data", "find_feature_cache", "batch_embeddings",
            "build_optimizer", "build_scheduler", "lr_factor", "setup", "micro_batch_size", "make_gather",
            "compute_losses", "check_finite", "latest_checkpoint", "EXPORT_NAME", "LOSS_TERMS",
-           "NonFiniteLossError", "ResumeError"]
+           "NonFiniteLossError", "ResumeError", "build_adamw", "build_lr_scheduler", "warmup_cosine",
+           "check_finite_terms", "save_train_state", "load_train_state", "restore_train_state", "StateFileError"]

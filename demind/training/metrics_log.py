@@ -1,4 +1,6 @@
-"""Progress logging: loss sums since the last log line, one console/metrics.jsonl/tracker line per log step."""
+"""Progress logging shared by the trainers: loss sums since the last log line (:class:`LogWindow`),
+one readable console line (:func:`step_line`) and one ``metrics.jsonl`` line (:func:`append_metrics`)
+per log step; De-MINDS adds its tracker values (:func:`log_metrics`)."""
 
 from __future__ import annotations
 
@@ -21,9 +23,28 @@ LOSS_TERMS = ("loss", "distil", "align")
 NOISE_TERMS = ("ul", "intra", "noisy_align", "noisy_distil", "ot_masked_mass")
 
 
+def step_line(step: int, total: int, parts: list[str], prefix: str = "") -> str:
+    """``"<prefix>step 40/100 | loss 0.1234 | ..."``: the one console line of a log step."""
+    return " | ".join([f"{prefix}step {step}/{total}", *parts])
+
+
+def term_parts(values: dict[str, float], names: tuple[str, ...] | list[str], fmt: str = ".4f") -> list[str]:
+    """``["loss 0.1234", ...]`` for the ``names`` present in ``values``, in that order."""
+    return [f"{name} {values[name]:{fmt}}" for name in names if name in values]
+
+
+def append_metrics(path: Path, record: dict[str, Any]) -> None:
+    """Append one JSON line to ``path`` (``metrics.jsonl``; see :func:`trim_metrics` for resumes)."""
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
 @dataclass
 class LogWindow:
-    """Loss sums and sample counts since the last log line."""
+    """Loss sums and sample counts since the last log line.
+
+    names: the terms it sums, in log order (De-MINDS's by default; another trainer passes its own
+    and ``sums={}``)."""
 
     # float64 tensors on the loss's device: adding needs no host sync (a float() per term and
     # step made the CPU wait for every step to finish before queueing the next one), and
@@ -32,9 +53,10 @@ class LogWindow:
     micro_steps: int = 0
     samples: int = 0
     start: float = field(default_factory=time.perf_counter)
+    names: tuple[str, ...] = LOSS_TERMS + NOISE_TERMS
 
     def add(self, losses: dict[str, torch.Tensor]) -> None:
-        for t in LOSS_TERMS + NOISE_TERMS:
+        for t in self.names:
             if t in losses:
                 self.sums[t] = self.sums.get(t, 0.0) + losses[t].detach().double()
         self.micro_steps += 1
@@ -46,16 +68,17 @@ class LogWindow:
         return {"sums": {t: float(v) for t, v in self.sums.items()}, "micro_steps": self.micro_steps}
 
     @classmethod
-    def restore(cls, saved: dict[str, Any]) -> "LogWindow":
-        window = cls()
+    def restore(cls, saved: dict[str, Any], **fields: Any) -> "LogWindow":
+        """A window from :meth:`snapshot`'s output (``fields``: the constructor's, e.g. ``names``)."""
+        window = cls(**fields)
         if saved:
             window.sums.update(saved["sums"])
             window.micro_steps = saved["micro_steps"]  # samples stay 0: samples/s counts from the resume
         return window
 
     def terms(self) -> list[str]:
-        """The logged terms: LOSS_TERMS, then the noise terms this run has."""
-        return [t for t in LOSS_TERMS + NOISE_TERMS if t in self.sums]
+        """The logged terms: ``names`` this run has (De-MINDS: LOSS_TERMS, then its noise terms)."""
+        return [t for t in self.names if t in self.sums]
 
     def means(self, device: torch.device) -> torch.Tensor:
         """(terms,) float32 mean of each term of :meth:`terms` over the window's micro-steps."""
@@ -76,14 +99,11 @@ def log_metrics(accelerator, cfg: TrainConfig, state: TrainState, window: LogWin
     accelerator.log(metrics, step=state.step)
     if accelerator.is_main_process:
         skipped = ", ".join(f"{k} {v}" for k, v in sorted(state.counts.items()))
-        bar.write(f"step {state.step}/{cfg.optim.max_steps} | loss {metrics['loss']:.4f} | distil {metrics['distil']:.4f}"
-                  f" | align {metrics['align']:.4f} | lr {metrics['lr']:.3g} | tanh(gate) {metrics['gate']:+.4f}"
-                  f" | {metrics['samples_per_s']:.1f} samples/s"
-                  + "".join(f" | {t} {metrics[t]:.4g}" for t in NOISE_TERMS if t in metrics)
-                  + (f" | {skipped}" if skipped else ""))
-        with open(Path(cfg.run.output_dir) / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(dict(step=state.step, samples_seen=state.samples_seen, **metrics,
-                                    counts=dict(state.counts))) + "\n")
+        parts = [*term_parts(metrics, LOSS_TERMS), f"lr {metrics['lr']:.3g}", f"tanh(gate) {metrics['gate']:+.4f}",
+                 f"{metrics['samples_per_s']:.1f} samples/s", *term_parts(metrics, NOISE_TERMS, ".4g")]
+        bar.write(step_line(state.step, cfg.optim.max_steps, parts + ([skipped] if skipped else [])))
+        append_metrics(Path(cfg.run.output_dir) / "metrics.jsonl",
+                       dict(step=state.step, samples_seen=state.samples_seen, **metrics, counts=dict(state.counts)))
 
 
 def trim_metrics(run_dir: Path, step: int) -> None:

@@ -8,19 +8,17 @@ import torch
 from tqdm import tqdm
 
 from demind.backbone import FrozenCLIP
-from demind.errors import NonFiniteError
 from demind.fidelity import gfq_fidelity
 from demind.losses import Gather, demind_losses
 from demind.robust import NoiseConfig, noise_aware_losses, target_fidelity
 from demind.training.accel import make_gather
 from demind.training.batches import batch_embeddings, batch_rewritten_embeddings
 from demind.training.config import TrainConfig
+from demind.training.finite import NonFiniteLossError, finite_flags, raise_non_finite
 from demind.training.metrics_log import LOSS_TERMS, NOISE_TERMS, LogWindow, log_metrics
 from demind.training.state import TrainState, save_training_state
 
-
-class NonFiniteLossError(NonFiniteError):
-    """A loss term became NaN or infinite; the run stops instead of training on garbage."""
+__all__ = ["NonFiniteLossError", "check_finite", "compute_losses", "train_one_step", "train_steps"]
 
 
 def compute_losses(model: torch.nn.Module, batch: dict[str, Any], backbone: FrozenCLIP, *,
@@ -58,18 +56,12 @@ def batch_fidelity(image_emb: torch.Tensor, teacher_emb: torch.Tensor, rew_emb: 
 
 def check_finite(losses: dict[str, torch.Tensor], step: int, accelerator) -> None:
     """Stop every process when any process sees a NaN/inf loss term, naming the term."""
-    terms = [t for t in losses if t in LOSS_TERMS or t in NOISE_TERMS]
-    flags = torch.stack([torch.isfinite(losses[t].detach()).float() for t in terms])
+    terms = {t: losses[t] for t in losses if t in LOSS_TERMS or t in NOISE_TERMS}
+    flags = finite_flags(terms)
     if accelerator.num_processes > 1:
         flags = accelerator.reduce(flags.to(accelerator.device), reduction="sum") / accelerator.num_processes
-    bad = [t for t, ok in zip(terms, flags.tolist()) if ok < 1.0]
-    if bad:
-        values = {t: float(losses[t].detach()) for t in bad}
-        raise NonFiniteLossError(
-            f"non-finite loss at step {step}: {', '.join(f'{t}={v}' for t, v in values.items())} "
-            f"(term{'s' if len(bad) > 1 else ''} {', '.join(bad)}); lower optim.lr, set optim.grad_clip, or check "
-            f"the data; rerunning resumes from the last checkpoint"
-        )
+    raise_non_finite(terms, flags, step, hint="lower optim.lr, set optim.grad_clip, or check the data; rerunning "
+                                              "resumes from the last checkpoint")
 
 
 def train_one_step(cfg: TrainConfig, accelerator, model, optimizer, scheduler, batches, backbone: FrozenCLIP,

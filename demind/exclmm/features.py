@@ -1,0 +1,125 @@
+"""Frozen CLIP features of everything ExclMM training reads, computed once per run folder.
+
+``<output_dir>/features.safetensors`` holds the tensors (embeddings; the ragged word and
+ground-truth lists as flat values + offsets) and, as JSON in the same file, the vocabulary,
+image ids, backbone identity and training split (:func:`demind.training.store.save_tree`:
+no pickle, written atomically). Images go through the evaluation image cache
+(:mod:`demind.eval.image_cache`), so the harness reuses them.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from demind.backbone import FrozenCLIP
+from demind.eval.exclcoco import load_exclcoco
+from demind.eval.image_cache import ImageFeatureCache, backbone_cache_slug, encode_image_refs
+from demind.eval.structures import ImageRef, read_json
+from demind.exclmm.model import words_of
+from demind.training.store import load_tree, save_tree
+
+log = logging.getLogger(__name__)
+
+FEATURES_NAME = "features.safetensors"
+FEATURES_FORMAT = "demind-exclmm-features/1"
+FEATURES_FIX = "delete it and rerun: the features are recomputed"
+RAGGED = ("caption_words", "query_words", "query_truth")  # lists of int lists
+
+
+def pack_ragged(lists: list[list[int]]) -> dict[str, torch.Tensor]:
+    """Int lists -> ``values`` (sum of lengths,) and ``offsets`` (len(lists) + 1,) int64 tensors
+    (tensors, not JSON: COCO's captions would make a JSON header of tens of MB)."""
+    lengths = torch.tensor([0] + [len(x) for x in lists], dtype=torch.int64)
+    return {"values": torch.tensor([v for x in lists for v in x], dtype=torch.int64),
+            "offsets": torch.cumsum(lengths, 0)}
+
+
+def unpack_ragged(packed: dict[str, torch.Tensor]) -> list[list[int]]:
+    """Inverse of :func:`pack_ragged`."""
+    values, offsets = packed["values"].tolist(), packed["offsets"].tolist()
+    return [values[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+
+
+def save_features(path: Path, feats: dict[str, Any]) -> Path:
+    return save_tree(path, {k: pack_ragged(v) if k in RAGGED else v for k, v in feats.items()}, FEATURES_FORMAT)
+
+
+def load_features(path: str | Path) -> dict[str, Any]:
+    """The dict :func:`prepare_features` returns, read from ``path`` (tensors on the CPU)."""
+    tree = load_tree(path, FEATURES_FORMAT, FEATURES_FIX)
+    return {k: unpack_ragged(v) if k in RAGGED else v for k, v in tree.items()}
+
+
+@torch.no_grad()
+def encode_texts(backbone: FrozenCLIP, texts: list[str], batch_size: int) -> torch.Tensor:
+    """(len(texts), D) L2-normalised pooled CLIP text embeddings, float32 on CPU."""
+    out = [F.normalize(backbone.encode_text(texts[i:i + batch_size]).pooled.float(), dim=-1).cpu()
+           for i in range(0, len(texts), batch_size)]
+    return torch.cat(out) if out else torch.zeros(0, backbone.embed_dim)
+
+
+def word_index(sentences: list[str], vocab: dict[str, int]) -> list[list[int]]:
+    """Per sentence, the vocabulary indices of its words (Eq. 5's average runs over them)."""
+    return [[vocab[w] for w in words_of(s) if w in vocab] for s in sentences]
+
+
+def prepare_features(data_cfg: Any, backbone: FrozenCLIP, run_dir: Path, progress: bool = True) -> dict[str, Any]:
+    """Frozen CLIP features of everything training reads, computed once (``features.safetensors``).
+
+    data_cfg: the ``data`` section of the ExclMM config (``ExclDataConfig``: train, captions,
+    cache_dir, encode_batch_size).
+
+    Returns a dict: ``images`` (I, D) normalised, ``image_ids``; ``captions`` (C, D) and
+    ``caption_image`` (C,) row of each caption's image, ``caption_words``; ``vocab`` (word list)
+    and ``word_vectors`` (V, D) -- each word's pooled CLIP text embedding, alone, normalised;
+    ``queries`` (Q, D), ``query_words``, ``query_truth`` (lists of image rows), ``query_positive`` (Q,).
+    """
+    path = run_dir / FEATURES_NAME
+    if path.is_file():
+        feats = load_features(path)
+        if feats.get("backbone") == backbone.identity and feats.get("train") == data_cfg.train:
+            return feats
+        log.warning("%s was computed for another backbone or data set; recomputing", path)
+    if not data_cfg.train:
+        raise ValueError("data.train is empty: give the ExclCOCO folder of the training split "
+                         "(python -m demind.cli.build_exclcoco ...)")
+    data, files = load_exclcoco(data_cfg.train)
+    image_ids = list(files)
+    row = {i: k for k, i in enumerate(image_ids)}
+    cache_root = Path(data_cfg.cache_dir or run_dir / "feature_cache")
+    cache = ImageFeatureCache(cache_root, backbone_cache_slug(backbone), "exclcoco", data.get("split", "train"))
+    refs = [ImageRef(i, p) for i, p in files.items()]
+    raw, _ = encode_image_refs(backbone, refs, cache, "gallery", data_cfg.encode_batch_size, progress=progress,
+                               desc="exclmm train images")
+    images = F.normalize(torch.stack([raw[i] for i in image_ids]).float(), dim=-1)
+
+    captions_path = Path(data_cfg.captions or data["source"]["captions"])
+    if not captions_path.is_file():
+        raise FileNotFoundError(f"captions file {captions_path} not found; set data.captions to the COCO "
+                                f"captions_{{split}}.json of the training split")
+    caps = [c for c in read_json(captions_path)["annotations"] if str(c["image_id"]) in row]
+    caption_texts = [c["caption"].strip() for c in caps]
+    queries = data["queries"]
+    vocab = sorted({w for s in caption_texts + [q["query"] for q in queries] for w in words_of(s)})
+    bs = data_cfg.encode_batch_size
+    log.info("exclmm features: %d images, %d captions, %d queries, %d words", len(image_ids), len(caps),
+             len(queries), len(vocab))
+    vindex = {w: k for k, w in enumerate(vocab)}
+    feats = {
+        "backbone": backbone.identity, "train": data_cfg.train, "image_ids": image_ids, "images": images,
+        "captions": encode_texts(backbone, caption_texts, bs),
+        "caption_image": torch.tensor([row[str(c["image_id"])] for c in caps], dtype=torch.int64),
+        "caption_words": word_index(caption_texts, vindex),
+        "vocab": vocab, "word_vectors": encode_texts(backbone, vocab, bs),
+        "queries": encode_texts(backbone, [q["query"] for q in queries], bs),
+        "query_words": word_index([q["query"] for q in queries], vindex),
+        "query_truth": [[row[i] for i in q["ground_truth"]] for q in queries],
+        "query_positive": torch.tensor([row[q["image_id"]] for q in queries], dtype=torch.int64),
+    }
+    save_features(path, feats)
+    return feats
