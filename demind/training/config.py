@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from demind.backbone import BackboneConfig, text_width
-from demind.config import load_config, setting
+from demind.config import device_setting, load_config, setting
 from demind.data import DataConfig
 from demind.model import ModelConfig
 from demind.robust import NoiseConfig
@@ -52,13 +52,16 @@ class RunConfig:
     output_dir: str = "runs/demind"
     seed: int = setting(0, ge=0)
     mixed_precision: str = setting("no", choices=("no", "bf16", "fp16"))
-    cpu: bool = False  # force CPU even when a GPU is visible
+    # cpu forces the CPU; auto and cuda let Accelerate give each process its GPU. Training on one
+    # chosen GPU goes through CUDA_VISIBLE_DEVICES or `accelerate launch --gpu_ids` (Accelerate
+    # picks the device per process); cuda:N serves demind-features, which reads this section too.
+    device: str = device_setting()
     log_every: int = setting(50, ge=1)
     save_every: int = setting(1000, ge=1)
     keep_checkpoints: int = setting(2, ge=0)  # 0 keeps every checkpoint
     resume: bool = True
     trackers: list[str] = field(default_factory=lambda: ["tensorboard"])  # used when installed
-    progress: bool = True  # tqdm bar (the log line every log_every steps is printed either way)
+    progress: bool = setting(True, help="tqdm bar (the log line every run.log_every steps is printed either way)")
 
 
 @dataclass
