@@ -208,12 +208,12 @@ def bench_gen(args: argparse.Namespace, work: Path) -> dict:
         caption = f"a photo of a red dog number {i} playing on the beach near the water"
         items.append(ChunkItem(f"{i:09d}", caption, decode_and_shrink(buf.getvalue(), 672)))
     cfg = GenConfig()
-    cfg.engine.name, cfg.engine.model, cfg.engine.device = "transformers", str(model_dir), args.device
+    cfg.engine.name, cfg.engine.model, cfg.run.device = "transformers", str(model_dir), args.device
     cfg.engine.dtype = "float32" if args.device == "cpu" else "bfloat16"
     cfg.sampling.rewrite_max_tokens, cfg.sampling.intent_max_tokens = args.gen_tokens
     cfg.sampling.retries = 0  # equal work in every run
     out: dict[str, Any] = {"model_build_s": round(build_s, 1), "images": len(items)}
-    engine = TransformersEngine(cfg.engine, cfg.sampling)  # loaded once; batch and prefix store set per run
+    engine = TransformersEngine(cfg.engine, cfg.sampling, device=cfg.run.device)  # loaded once; batch and prefix store set per run
     for batch in args.gen_batches:
         for prefix_cache in (True, False):
             engine.batch_size = batch

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from demind.backbone import BackboneConfig, FrozenCLIP, build_backbone
-from demind.config import save_config
+from demind.config import device_setting, save_config
 from demind.eval.exclcoco import load_exclcoco
 from demind.eval.image_cache import ImageFeatureCache, backbone_cache_slug, encode_image_refs
 from demind.eval.structures import ImageRef, read_json
@@ -99,7 +99,7 @@ class QueryConfig:
 class ExclRunConfig:
     output_dir: str = "runs/exclmm"
     seed: int = 0
-    device: str = "cpu"
+    device: str = device_setting("cpu")  # auto, cpu, cuda or cuda:N
     log_every: int = 200
     save_every: int = 500
     progress: bool = True
