@@ -108,7 +108,11 @@ def _leaf_type(cls: type, key: str) -> Any:
 
 
 def _format_default(value: Any) -> str:
-    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return '""' if value == "" else str(value)
 
 
 def config_keys_help(cls: type) -> str:
@@ -146,6 +150,7 @@ def config_parser(cls: type, prog: str, description: str, flags: dict[str, Flag]
         p.add_argument(name, **kwargs)
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="dotted config overrides, e.g. run.device=cpu (keys below)")
+    p.set_defaults(config_class=cls)  # what the command loads (tests read it through build_parser())
     return p
 
 
