@@ -12,7 +12,7 @@ from pathlib import Path
 from demind.backbone import BackboneConfig, text_width
 from demind.config import device_setting, load_config, setting
 from demind.data import DataConfig
-from demind.model import ModelConfig
+from demind.model import ModelConfig, heads_problem
 from demind.robust import NoiseConfig
 
 
@@ -80,11 +80,9 @@ class TrainConfig:
         """The model's attention heads must split the backbone's text width (read from its model config)."""
         problems = []
         width = text_width(self.backbone)
-        heads = self.model.num_heads
-        if width is not None and heads >= 1 and width % heads:
-            divisors = [d for d in (1, 2, 4, 8, 16, 32) if width % d == 0]
-            problems.append(("model.num_heads", f"= {heads} must divide the backbone's text width {width} "
-                                                f"({self.backbone.name}); choose one of {divisors}"))
+        heads_wrong = heads_problem(self.model.num_heads, width) if width is not None else None
+        if heads_wrong and self.model.num_heads >= 1:  # below 1 the declared rule already says so
+            problems.append(("model.num_heads", f"{heads_wrong} ({self.backbone.name})"))
         if self.noise.mode == "conesep" and self.model.negative_tokens < 1:
             problems.append(("model.negative_tokens", "= 0, but noise.mode=conesep needs ConeSep's negative prompt; "
                                                       "set model.negative_tokens (e.g. 4)"))
