@@ -180,3 +180,11 @@ def test_run_device_spelling(device, ok):
     else:
         with pytest.raises(ConfigError, match="run.device.*auto, cpu, cuda or cuda:N"):
             load_config(SearchConfig, None, overrides)
+
+
+def test_a_flag_with_an_optional_value_leaves_an_override_alone():
+    from demind.cli import serve
+
+    args = serve.build_parser().parse_intermixed_args(["--quickstart", "run.device=cpu"])
+    cfg = common.load_command_config(serve.ServeConfig, args)
+    assert (cfg.quickstart, cfg.run.device) == ("runs/quickstart", "cpu")

@@ -134,6 +134,7 @@ def config_parser(cls: type, prog: str, description: str, flags: dict[str, Flag]
     p = argparse.ArgumentParser(prog=prog, description=description, epilog=config_keys_help(cls),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", metavar="FILE", help=config_help)
+    optional_consts: dict[str, Any] = {}
     for name, flag in (flags or {}).items():
         tp = _leaf_type(cls, flag.key)
         kwargs: dict[str, Any] = {"dest": f"flag:{flag.key}", "default": argparse.SUPPRESS,
@@ -143,6 +144,7 @@ def config_parser(cls: type, prog: str, description: str, flags: dict[str, Flag]
             const = True if flag.const is NO_CONST else flag.const
             if flag.optional_value:
                 kwargs.update(nargs="?", const=const, metavar=metavar)
+                optional_consts[kwargs["dest"]] = const
             else:
                 kwargs.update(action="store_const", const=const)
         else:
@@ -150,7 +152,8 @@ def config_parser(cls: type, prog: str, description: str, flags: dict[str, Flag]
         p.add_argument(name, **kwargs)
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="dotted config overrides, e.g. run.device=cpu (keys below)")
-    p.set_defaults(config_class=cls)  # what the command loads (tests read it through build_parser())
+    # what the command loads (tests read it through build_parser()); flags whose value is optional
+    p.set_defaults(config_class=cls, optional_consts=optional_consts)
     return p
 
 
@@ -165,8 +168,17 @@ def refuse_renamed_flags(argv: list[str]) -> None:
 
 def load_command_config(cls: type[T], args: argparse.Namespace) -> T:
     """The config the parsed ``args`` ask for: defaults < --config file < flags < KEY=VALUE overrides."""
-    from_flags = [(dest.split(":", 1)[1], value) for dest, value in vars(args).items() if dest.startswith("flag:")]
-    return load_config(cls, args.config, [*from_flags, *args.overrides])
+    overrides = list(args.overrides)
+    from_flags = []
+    for dest, value in vars(args).items():
+        if not dest.startswith("flag:"):
+            continue
+        if dest in getattr(args, "optional_consts", {}) and isinstance(value, str) and "=" in value:
+            # `--quickstart run.device=cpu`: argparse gave the override to the flag as its value
+            overrides.insert(0, value)
+            value = args.optional_consts[dest]
+        from_flags.append((dest.split(":", 1)[1], value))
+    return load_config(cls, args.config, [*from_flags, *overrides])
 
 
 def run_config_command(cls: type[T], parser: argparse.ArgumentParser, body: Callable[[T], int],

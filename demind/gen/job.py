@@ -201,7 +201,7 @@ def generation_record(cfg: GenConfig, engine: Engine, prompts: PromptSet, item: 
         "sampling": {
             "temperature": s.temperature,
             "top_p": s.top_p,
-            "seed": s.seed,
+            "seed": cfg.run.seed,  # the job seed every request seed derives from
             "rewrite_max_tokens": s.rewrite_max_tokens,
             "intent_max_tokens": s.intent_max_tokens,
         },
