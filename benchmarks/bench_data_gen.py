@@ -65,7 +65,7 @@ def time_engines(items: list[ChunkItem], batch_size: int, cfg: GenConfig, repeat
     generators = {}
     for name, (rows, prefix_cache) in variants.items():
         cfg.engine.batch_size, cfg.engine.prefix_cache = rows, prefix_cache
-        generators[name] = IntentGenerator(TransformersEngine(cfg.engine, cfg.sampling), cfg, load_prompts("v1"))
+        generators[name] = IntentGenerator(TransformersEngine(cfg.engine, cfg.sampling, device=cfg.run.device), cfg, load_prompts("v1"))
         generators[name].generate(items[: min(4, len(items))])  # warm-up
     rates: dict[str, list[float]] = {name: [] for name in variants}
     prefilled: dict[str, float] = {}
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
         (tmp / "in").mkdir()
         make_input_shard(tmp / "in" / "00000.tar", args.samples, width, height)
         cfg = GenConfig()
-        cfg.engine.name, cfg.engine.model, cfg.engine.device, cfg.engine.dtype = "transformers", str(model_dir), "cpu", "float32"
+        cfg.engine.name, cfg.engine.model, cfg.run.device, cfg.engine.dtype = "transformers", str(model_dir), "cpu", "float32"
         cfg.engine.chunk_size = args.samples
         cfg.sampling.rewrite_max_tokens, cfg.sampling.intent_max_tokens = 24, 12
         cfg.sampling.retries = 0  # equal work in both engine timings
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         cfg.engine.batch_size = args.batch_size
         cfg.engine.chunk_size = args.chunk_size
-        engine = TransformersEngine(cfg.engine, cfg.sampling)
+        engine = TransformersEngine(cfg.engine, cfg.sampling, device=cfg.run.device)
         job = {}
         for prefetch in (0, 1):  # decode in the main thread vs one chunk ahead in a background thread
             cfg.io.prefetch_chunks = prefetch

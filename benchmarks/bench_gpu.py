@@ -166,11 +166,11 @@ def bench_train(args: argparse.Namespace, work: Path) -> dict:
                 f"backbone.precision={args.train_precision}", f"data.cache_batch_size={args.cache_batch}",
                 "data.shards_per_group=1", "data.resample=true", f"optim.global_batch_size={batch}",
                 f"optim.max_steps={steps}", "optim.warmup_steps=1", "run.log_every=1", f"run.save_every={steps}",
-                "run.trackers=[]", f"run.cpu={str(args.device == 'cpu').lower()}"]  # paper.yaml: bf16
+                "run.trackers=[]", f"run.device={'cpu' if args.device == 'cpu' else 'auto'}"]  # paper.yaml: bf16
         if args.tiny:
             base.append(f"backbone.name={gpu_models.TINY_CLIP}")
         torch.manual_seed(0)  # the random backbone the trainer builds with run.seed 0
-        features.main(["--config", str(config), "--device", args.device, *base])
+        features.main(["--config", str(config), *base, f"run.device={args.device}"])
         for checkpointing in (False, True) if text_lengths == "cc3m" else (False,):
             run = work / f"run_{text_lengths}_{int(checkpointing)}"
             cfg = load_train_config(str(config), base + [f"run.output_dir={run}",
@@ -208,12 +208,12 @@ def bench_gen(args: argparse.Namespace, work: Path) -> dict:
         caption = f"a photo of a red dog number {i} playing on the beach near the water"
         items.append(ChunkItem(f"{i:09d}", caption, decode_and_shrink(buf.getvalue(), 672)))
     cfg = GenConfig()
-    cfg.engine.name, cfg.engine.model, cfg.engine.device = "transformers", str(model_dir), args.device
+    cfg.engine.name, cfg.engine.model, cfg.run.device = "transformers", str(model_dir), args.device
     cfg.engine.dtype = "float32" if args.device == "cpu" else "bfloat16"
     cfg.sampling.rewrite_max_tokens, cfg.sampling.intent_max_tokens = args.gen_tokens
     cfg.sampling.retries = 0  # equal work in every run
     out: dict[str, Any] = {"model_build_s": round(build_s, 1), "images": len(items)}
-    engine = TransformersEngine(cfg.engine, cfg.sampling)  # loaded once; batch and prefix store set per run
+    engine = TransformersEngine(cfg.engine, cfg.sampling, device=cfg.run.device)  # loaded once; batch and prefix store set per run
     for batch in args.gen_batches:
         for prefix_cache in (True, False):
             engine.batch_size = batch

@@ -33,7 +33,7 @@ def train_overrides(shards: Path, run: Path, backbone: str, batch: int, steps: i
                     small_model: bool) -> list[str]:
     out = [f"data.shards={shards}", f"run.output_dir={run}", f"backbone.name={backbone}", "backbone.pretrained=null",
            f"optim.global_batch_size={batch}", f"optim.max_steps={steps}", "optim.warmup_steps=1", "optim.lr=1e-5",
-           "run.log_every=1", f"run.save_every={steps}", "run.trackers=[]", "run.cpu=true", "data.num_workers=1",
+           "run.log_every=1", f"run.save_every={steps}", "run.trackers=[]", "run.device=cpu", "data.num_workers=1",
            f"data.features={features}", "data.shuffle_buffer=64", "data.resample=true"]
     if small_model:
         out += ["model.num_queries=2", "model.num_blocks=2", "model.num_heads=4", "model.mapping_hidden=64"]

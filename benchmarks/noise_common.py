@@ -175,5 +175,5 @@ def add_common_arguments(parser: argparse.ArgumentParser, tiny_help: str) -> Non
     parser.add_argument("--num-samples", type=int, default=None,
                         help="intent samples per shard group (default: the quickstart's)")
     parser.add_argument("--train-override", action="append", default=[],
-                        help="extra training override, e.g. run.cpu=false (repeatable)")
+                        help="extra training override, e.g. run.device=auto (repeatable)")
     parser.add_argument("--tiny", action="store_true", help=tiny_help)

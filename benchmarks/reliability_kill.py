@@ -87,7 +87,7 @@ def data_gen_check(work: Path, kills: int, rng: random.Random, env: dict[str, st
 
     def cmd(out: Path) -> list[str]:
         return [sys.executable, "data_gen/run.py", "--input", str(inp), "--output", str(out), "--config",
-                "configs/data_gen/tiny-cpu.yaml", "--no-progress", f"engine.model={tiny}",
+                "configs/data_gen/tiny-cpu.yaml", "run.progress=false", f"engine.model={tiny}",
                 "sampling.rewrite_max_tokens=12", "sampling.intent_max_tokens=8", "engine.chunk_size=4"]
 
     reference = work / "dg-reference"

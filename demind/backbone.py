@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from demind import towers  # noqa: F401  (registers our timm towers before any model is built)
-from demind.config import ConfigError, setting
+from demind.config import ConfigError, setting, validate
 # identity and text-tower helpers live in their own modules; also importable from here, where callers found them
 from demind.identity import (  # noqa: F401
     backbone_identity, canonical_identity, file_sha256, identity_slug, same_backbone)
@@ -66,10 +66,6 @@ class BackboneConfig:
     grad_checkpointing: bool = False
     text_buckets: int = setting(4, ge=1)
     seed: int = setting(0, ge=0)
-
-    def __post_init__(self) -> None:
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"backbone.precision must be one of {', '.join(PRECISIONS)}; got {self.precision!r}")
 
 
 class TextOutput(NamedTuple):
@@ -139,6 +135,7 @@ class FrozenCLIP(nn.Module):
 
     def __init__(self, cfg: BackboneConfig, device: str | torch.device = "cpu") -> None:
         super().__init__()
+        validate(cfg)  # a config built in code meets the rules a loaded one does
         self.cfg = cfg
         model_name = _resolve_model_name(cfg.name)
         if cfg.pretrained and not Path(cfg.pretrained).exists() and ("/" in cfg.pretrained or cfg.pretrained.endswith((".pt", ".bin", ".safetensors"))):

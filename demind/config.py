@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -60,10 +61,14 @@ class Rule:
     le: float | None = None
     lt: float | None = None
     choices: tuple[Any, ...] | None = None
+    pattern: str | None = None  # a string must match it whole (e.g. DEVICE_PATTERN)
+    spelled: str | None = None  # how ``pattern`` reads in a message ("auto, cpu, cuda or cuda:N")
 
     def describe(self) -> str:
         if self.choices is not None:
             return "one of " + ", ".join(repr(c) for c in self.choices)
+        if self.pattern is not None:
+            return self.spelled or f"a string matching {self.pattern!r}"
         parts = [f"{op} {bound:g}" for op, bound in ((">=", self.ge), (">", self.gt), ("<=", self.le), ("<", self.lt))
                  if bound is not None]
         return " and ".join(parts)
@@ -74,6 +79,8 @@ class Rule:
         if isinstance(value, (list, tuple)):
             return all(self.allows(v) for v in value)
         if self.choices is not None and value not in self.choices:
+            return False
+        if self.pattern is not None and not (isinstance(value, str) and re.fullmatch(self.pattern, value)):
             return False
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             # written as "not (ok)" so that NaN fails every bound
@@ -89,11 +96,70 @@ class Rule:
 
 
 def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING,
-            **rule: Any) -> Any:
-    """A dataclass field with a declared :class:`Rule`: ``lr: float = setting(1e-6, gt=0)``."""
+            help: str | None = None, **rule: Any) -> Any:  # noqa: A002 -- argparse's word for it
+    """A dataclass field with a declared :class:`Rule` and the text ``--help`` shows for it:
+    ``lr: float = setting(1e-6, gt=0, help="peak learning rate")``."""
     if "choices" in rule:
         rule["choices"] = tuple(rule["choices"])
-    return dataclasses.field(default=default, default_factory=default_factory, metadata={"rule": Rule(**rule)})
+    metadata: dict[str, Any] = {"rule": Rule(**rule)}
+    if help:
+        metadata["help"] = help
+    return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
+
+
+DEVICE_PATTERN = r"auto|cpu|cuda(:\d+)?"
+
+
+def device_setting(default: str = "auto") -> Any:
+    """``run.device``: ``auto`` (cuda when available, else cpu), ``cpu``, ``cuda`` or ``cuda:N``."""
+    return setting(default, pattern=DEVICE_PATTERN, spelled="auto, cpu, cuda or cuda:N",
+                   help="auto = cuda when a GPU is visible, else cpu")
+
+
+def resolve_device(name: str) -> str:
+    """``run.device`` -> a torch device string: ``auto`` becomes ``cuda`` when a GPU is visible, else ``cpu``."""
+    if name != "auto":
+        return name
+    import torch  # only here: reading a config must not need torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclasses.dataclass
+class RunOptions:
+    """The ``run`` section of the commands that only load and apply a model (eval, index, search, serve)."""
+
+    device: str = device_setting()
+    progress: bool = setting(True, help="progress bars")
+
+
+# --------------------------------------------------------------------------- old spellings
+
+RENAMED_KEYS: dict[str, str] = {
+    # old dotted key -> what to write instead
+    "run.cpu": "run.device (run.device=cpu)",
+    "engine.device": "run.device",
+    "sampling.seed": "run.seed",
+    "progress": "run.progress",
+    "device": "run.device",
+    "precision": "backbone.precision",
+}
+"""Keys that were renamed: in a file or an override they are refused with one message naming the new key."""
+
+RENAMED_FLAGS: dict[str, str] = {
+    "--device": "run.device=cpu|cuda|cuda:N",
+    "--quiet": "run.progress=false",
+    "--no-progress": "run.progress=false",
+}
+"""Command-line flags that became config keys (checked by the commands, :mod:`demind.cli.common`)."""
+
+
+def renamed_key_error(key: str) -> ConfigError | None:
+    """The error for an old spelling ``key`` (dotted), or None when it is not one."""
+    new = RENAMED_KEYS.get(key)
+    if new is None:
+        return None
+    return ConfigError(f"config key {key!r} was renamed: use {new}", key=key)
 
 
 # --------------------------------------------------------------------------- types
@@ -109,6 +175,9 @@ def _field_types(cls: type) -> dict[str, Any]:
 
 
 def _unknown_key_error(key: str, valid: list[str], where: str) -> ConfigError:
+    renamed = renamed_key_error(where + key)
+    if renamed is not None:
+        return renamed
     near = difflib.get_close_matches(key, valid, n=3, cutoff=0.4)
     hint = f"; did you mean {', '.join(repr(n) for n in near)}?" if near else ""
     return ConfigError(
@@ -271,6 +340,26 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return convert(cfg)
 
 
+def config_keys(cls: type, prefix: str = "") -> list[tuple[str, Any, str]]:
+    """(dotted key, default, help text) of every leaf field of ``cls``, nested sections flattened,
+    for ``--help``. The help text is the field's ``setting(help=...)``, else its declared rule."""
+    rows: list[tuple[str, Any, str]] = []
+    defaults = cls()
+    types_ = _field_types(cls)
+    for f in dataclasses.fields(cls):
+        key, default = prefix + f.name, getattr(defaults, f.name)
+        tp, _ = _strip_optional(types_[f.name])
+        if dataclasses.is_dataclass(tp):
+            rows += config_keys(tp, key + ".")
+            continue
+        rule: Rule | None = f.metadata.get("rule")
+        text = f.metadata.get("help") or ""
+        if rule is not None and rule != Rule() and rule.describe() not in text:
+            text = (text + "; " if text else "") + rule.describe()
+        rows.append((key, to_dict(default) if isinstance(default, (list, tuple, dict)) else default, text))
+    return rows
+
+
 # --------------------------------------------------------------------------- loading
 
 
@@ -319,9 +408,13 @@ def _has_key(data: Any, key: str) -> bool:
     return True
 
 
-def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
+def load_config(cls: type[T], path: str | Path | None = None,
+                overrides: list[str | tuple[str, Any]] | None = None) -> T:
     """Defaults of ``cls``, updated by the YAML file at ``path``, then by dotted ``overrides``;
-    then every value is checked (types, declared rules, cross-field checks)."""
+    then every value is checked (types, declared rules, cross-field checks).
+
+    An override is ``"optim.lr=3e-5"`` (the value read as YAML) or a ``("optim.lr", value)`` pair
+    whose value is taken as given (a command's flag such as ``--text "red # blue"``)."""
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -347,9 +440,14 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
         return "default value"
 
     for text in overrides or []:
-        keys, value = parse_override(text)
+        if isinstance(text, tuple):
+            keys, value = text[0].split("."), text[1]
+            raw, text = str(value), f"{text[0]}={value}"
+        else:
+            keys, value = parse_override(text)
+            raw = text.split("=", 1)[1]
         try:
-            _set_dotted(data, cls, keys, value, text.split("=", 1)[1])
+            _set_dotted(data, cls, keys, value, raw)
         except ConfigError as e:
             raise ConfigError(f"{e} ({COMMAND_LINE}: {text!r})", key=e.key) from None
         from_command_line.add(".".join(keys))

@@ -71,18 +71,12 @@ class DataConfig:
     """Draw shard groups with replacement (endless, the usual multi-epoch setting);
     false walks the shards epoch by epoch, each epoch a fresh permutation."""
     num_workers: int = setting(4, ge=0)
-    missing_text: str = "error"
+    missing_text: str = setting("error", choices=MISSING_TEXT_CHOICES)
     """What a sample without ``rew.txt``/``int.txt`` does: ``error`` stops with the
     shard's name; ``original`` uses the original caption instead and counts it."""
     targets: TargetSampling = field(default_factory=TargetSampling)
     cache_batch_size: int = setting(256, ge=1)
-    cache_dtype: str = "float32"  # "float32" | "float16" | "bfloat16"
-
-    def __post_init__(self) -> None:
-        if self.missing_text not in MISSING_TEXT_CHOICES:
-            raise ValueError(f"data.missing_text must be one of {MISSING_TEXT_CHOICES}, got {self.missing_text!r}")
-        if self.cache_dtype not in ("float32", "float16", "bfloat16"):
-            raise ValueError(f"data.cache_dtype must be float32, float16 or bfloat16, got {self.cache_dtype!r}")
+    cache_dtype: str = setting("float32", choices=("float32", "float16", "bfloat16"))
 
 
 # --------------------------------------------------------------------------- shard groups
@@ -246,7 +240,7 @@ class StreamSpec:
     shuffle_buffer: int = 1000
     shards_per_group: int = 4
     resample: bool = True
-    missing_text: str = "error"
+    missing_text: str = setting("error", choices=MISSING_TEXT_CHOICES)
     targets: TargetSampling = field(default_factory=TargetSampling)
     start: dict[int, tuple[int, int]] = field(default_factory=dict)
     """Per worker id: (group, samples already consumed in that group)."""

@@ -66,6 +66,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from demind.config import setting
 # the LLM writer lives with the data_gen engines; also importable from here, where callers found it
 from demind.gen.exclusion import llm_query_writer  # noqa: F401
 from demind.io import write_json_atomic
@@ -153,15 +154,16 @@ def _contains(seq: list[str], phrase: tuple[str, ...]) -> bool:
 class ExclCocoConfig:
     """Choices of the builder (defaults = the documented ExclCOCO recipe)."""
 
-    caption_min_images: int = 50     # caption word -> label if in the captions of >= this many images (0: off)
-    max_per_caption: int = 3         # exclusion combinations kept per caption
-    max_ground_truth: int = 0        # drop queries with more ground-truth images (0: no cap)
-    max_queries: int = 0             # keep a seeded random subset of this many queries (0: all)
-    seed: int = 0
-    query_source: str = "template"   # "template" or "llm"
-    prompt_version: str = "v1"       # demind/gen/exclusion_prompts/<version>.txt (llm only)
-    llm_max_tokens: int = 40
-    image_max_side: int = 672        # positive image shrunk before the LLM sees it
+    caption_min_images: int = setting(50, ge=0, help="a caption word becomes a label if it is in the captions of "
+                                                     "at least this many images (0: off)")
+    max_per_caption: int = setting(3, ge=0, help="exclusion combinations kept per caption")
+    max_ground_truth: int = setting(0, ge=0, help="drop queries with more ground-truth images (0: no cap)")
+    max_queries: int = setting(0, ge=0, help="keep a seeded random subset of this many queries (0: all)")
+    seed: int = setting(0, ge=0, help="seed of the query subset and the LLM's sampling")
+    query_source: str = setting("template", choices=("template", "llm"))
+    prompt_version: str = setting("v1", help="demind/gen/exclusion_prompts/<version>.txt (llm only)")
+    llm_max_tokens: int = setting(40, ge=1)
+    image_max_side: int = setting(672, ge=1, help="positive image shrunk before the LLM sees it")
 
 
 @dataclass

@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from demind.backbone import PLACEHOLDER, FrozenCLIP
-from demind.config import ConfigError, setting
+from demind.config import ConfigError, setting, validate
 
 TEMPLATES = {
     "cirr": "a photo of * , {text}",
@@ -49,19 +49,18 @@ class ModelConfig:
     mapping_hidden: int = setting(512, ge=1)
     mapping_dropout: float = setting(0.1, ge=0, lt=1)
     gate_init: float = 0.0
-    fusion: str = "gate"
-    template: str = TEMPLATES["cirr"]
+    fusion: str = setting("gate", choices=FUSIONS)
+    template: str = setting(TEMPLATES["cirr"], help="training prompt: one '*' and '{text}'")
     learnable_temperature: bool = False
     init_logit_scale: float = math.log(100.0)  # CLIP's trained value; used unless learnable
     # ConeSep's NBL (training.noise.mode=conesep): learnable negative prompt tokens; 0 = none.
     # Used in training only; queries never read them.
     negative_tokens: int = setting(0, ge=0)
 
-    def __post_init__(self) -> None:
-        if self.fusion not in FUSIONS:
-            raise ValueError(f"model.fusion must be one of {FUSIONS}, got {self.fusion!r}")
+    def config_problems(self) -> list[tuple[str, str]]:
         if self.template.count(PLACEHOLDER) != 1 or "{text}" not in self.template:
-            raise ValueError(f"model.template must hold one {PLACEHOLDER!r} and '{{text}}', got {self.template!r}")
+            return [("template", f"= {self.template!r} must hold one {PLACEHOLDER!r} and '{{text}}'")]
+        return []
 
 
 class ComposeOutput(NamedTuple):
@@ -153,12 +152,20 @@ class IntentionModule(nn.Module):
         return queries
 
 
+def heads_problem(num_heads: int, width: int) -> str | None:
+    """Why ``num_heads`` cannot split the text width W into equal heads (None when it can): the one
+    wording of the rule, read by TrainConfig at load and by DeMinds for a config built in code."""
+    if num_heads >= 1 and width % num_heads == 0:
+        return None
+    divisors = [d for d in (1, 2, 4, 8, 16, 32) if width % d == 0]
+    return f"= {num_heads} must divide the backbone's text width {width}; choose one of {divisors}"
+
+
 def check_heads_divide_width(num_heads: int, width: int) -> None:
     """Multi-head attention splits the text width W into ``num_heads`` equal heads."""
-    if num_heads < 1 or width % num_heads:
-        divisors = [d for d in (1, 2, 4, 8, 16, 32) if width % d == 0]
-        raise ConfigError(f"config key 'model.num_heads' = {num_heads} must divide the backbone's text width "
-                          f"{width}; choose one of {divisors}", key="model.num_heads")
+    problem = heads_problem(num_heads, width)
+    if problem:
+        raise ConfigError(f"config key 'model.num_heads' {problem}", key="model.num_heads")
 
 
 class DeMinds(nn.Module):
@@ -168,6 +175,7 @@ class DeMinds(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.__dict__["backbone"] = backbone  # not a submodule: checkpoints hold our weights only
+        validate(cfg)  # a config built in code meets the rules a loaded one does
         check_heads_divide_width(cfg.num_heads, backbone.width)
         self.mapping = MappingNetwork(backbone.embed_dim, backbone.width, cfg.mapping_hidden, cfg.mapping_dropout)
         self.intention = IntentionModule(backbone.width, cfg.num_queries, cfg.num_blocks, cfg.num_heads, cfg.ff_mult)

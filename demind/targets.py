@@ -10,17 +10,20 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from demind.config import setting
+
 
 @dataclass
 class TargetSampling:
-    p_original: float = 0.5
-    p_rewritten: float = 0.3
-    p_intent: float = 0.2
+    p_original: float = setting(0.5, ge=0, le=1)
+    p_rewritten: float = setting(0.3, ge=0, le=1)
+    p_intent: float = setting(0.2, ge=0, le=1)
 
-    def __post_init__(self) -> None:
+    def config_problems(self) -> list[tuple[str, str]]:
         probs = (self.p_original, self.p_rewritten, self.p_intent)
-        if min(probs) < 0 or abs(sum(probs) - 1.0) > 1e-6:
-            raise ValueError(f"target sampling probabilities must be >= 0 and sum to 1, got {probs}")
+        if abs(sum(probs) - 1.0) > 1e-6:
+            return [("p_original", f"p_original + p_rewritten + p_intent must be 1, got {probs}")]
+        return []
 
 
 TARGET_KINDS = ("original", "rewritten", "intent")

@@ -88,3 +88,103 @@ def test_console_scripts_point_at_the_command_mains():
                             "demind-make-shards", "demind-quickstart", "demind-index", "demind-search",
                             "demind-serve", "demind-build-exclcoco",
                             "demind-train-exclmm", "demind-negation-report"}
+
+
+# --------------------------------------------------------------------------- the config front end
+
+
+def console_scripts() -> dict[str, str]:
+    return tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+
+
+@pytest.mark.parametrize("name", sorted(console_scripts()))
+def test_every_console_script_help_exits_0_and_lists_its_config_keys(name, capsys):
+    """Whatever pyproject.toml lists: --help exits 0 and shows --config and every key of the command's config."""
+    from demind.config import config_keys
+
+    module_name, _, func = console_scripts()[name].partition(":")
+    module = importlib.import_module(module_name)
+    with pytest.raises(SystemExit) as info:
+        getattr(module, func)(["--help"])
+    out = capsys.readouterr().out
+    assert info.value.code == 0 and "--config" in out
+    config_class = module.build_parser().get_default("config_class")
+    keys = [key for key, _, _ in config_keys(config_class)]
+    assert keys and [key for key in keys if f"\n  {key} = " not in out] == []
+
+
+@pytest.mark.parametrize("command, argv, new_key", [
+    ("train", ["run.cpu=true"], "run.device"),
+    ("generate", ["--input", "x", "--output", "y", "engine.device=cpu"], "run.device"),
+    ("generate", ["--input", "x", "--output", "y", "sampling.seed=1"], "run.seed"),
+    ("generate", ["--input", "x", "--output", "y", "--no-progress"], "run.progress"),
+    ("evaluate", ["--benchmark", "cirr", "--data-root", "x", "--out", "y", "--quiet"], "run.progress"),
+    ("evaluate", ["--benchmark", "cirr", "--data-root", "x", "--out", "y", "--device", "cpu"], "run.device"),
+    ("features", ["--device=cpu"], "run.device"),
+    ("search", ["--index", "x", "device=cpu"], "run.device"),
+    ("index", ["--images", "x", "--index", "y", "precision=fp16"], "backbone.precision"),
+])
+def test_an_old_spelling_is_one_error_line_naming_the_new_key(command, argv, new_key, capsys):
+    module = importlib.import_module(f"demind.cli.{command}")
+    assert module.main(argv) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and new_key in lines[0]
+
+
+def test_an_old_key_in_a_config_file_names_the_new_key(tmp_path, capsys):
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text("run:\n  cpu: true\n")
+    assert train_cli.main(["--config", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert "run.cpu" in err and "run.device" in err and str(recipe) in err
+
+
+def test_flags_are_overrides_and_later_overrides_win():
+    from demind.cli import evaluate
+
+    args = evaluate.build_parser().parse_intermixed_args(
+        ["--benchmark", "coco", "--data-root", "d", "--out", "o", "--fashioniq-text", "captions",
+         "coco.prompt=prose", "--batch-size", "8", "batch_size=16", "run.device=cpu"])
+    cfg = common.load_command_config(evaluate.EvalConfig, args)
+    assert (cfg.benchmark, cfg.data_root, cfg.out) == ("coco", "d", "o")
+    assert (cfg.fashioniq.text, cfg.coco.prompt, cfg.batch_size, cfg.run.device) == ("captions", "prose", 16, "cpu")
+
+
+def test_a_flag_value_is_taken_as_written():
+    """A flag's text is not read as YAML: '# blue' is not a comment, 'no' is not false."""
+    from demind.cli import search
+
+    args = search.build_parser().parse_intermixed_args(["--index", "i", "--text", "red # blue", "--method", "no",
+                                                         "-k", "5", "--keep-reference"])
+    cfg = common.load_command_config(search.SearchConfig, args)
+    assert (cfg.text, cfg.method, cfg.k, cfg.keep_reference) == ("red # blue", "no", 5, True)
+
+
+def test_a_missing_required_setting_names_its_flag_and_key(capsys):
+    from demind.cli import evaluate
+
+    assert evaluate.main(["--benchmark", "cirr", "--out", "o"]) == 2
+    err = capsys.readouterr().err
+    assert "data_root" in err and "--data-root" in err
+
+
+@pytest.mark.parametrize("device, ok", [("auto", True), ("cpu", True), ("cuda", True), ("cuda:1", True),
+                                        ("gpu", False), ("cuda:", False), ("cpu:0", False)])
+def test_run_device_spelling(device, ok):
+    from demind.cli.search import SearchConfig
+    from demind.config import ConfigError, load_config
+
+    overrides = ["index=i", f"run.device={device}"]
+    if ok:
+        assert load_config(SearchConfig, None, overrides).run.device == device
+    else:
+        with pytest.raises(ConfigError, match="run.device.*auto, cpu, cuda or cuda:N"):
+            load_config(SearchConfig, None, overrides)
+
+
+def test_a_flag_with_an_optional_value_leaves_an_override_alone():
+    from demind.cli import serve
+
+    args = serve.build_parser().parse_intermixed_args(["--quickstart", "run.device=cpu"])
+    cfg = common.load_command_config(serve.ServeConfig, args)
+    assert (cfg.quickstart, cfg.run.device) == ("runs/quickstart", "cpu")

@@ -89,7 +89,7 @@ def input_shards(tmp_path) -> Path:
 
 def base_argv(repo_root: Path, tiny: Path, inp: Path, out: Path, *extra: str) -> list[str]:
     return ["--input", str(inp), "--output", str(out), "--config", str(repo_root / "configs/data_gen/tiny-cpu.yaml"),
-            "--no-progress", f"engine.model={tiny}", "sampling.rewrite_max_tokens=12", "sampling.intent_max_tokens=8",
+            "run.progress=false", f"engine.model={tiny}", "sampling.rewrite_max_tokens=12", "sampling.intent_max_tokens=8",
             *extra]
 
 
@@ -173,7 +173,7 @@ def test_rerun_skips_done_shards_and_text_is_seeded_per_key(repo_root, tiny_llav
 
     # another base seed gives other text
     other = tmp_path / "other"
-    assert run_main(base_argv(repo_root, tiny_llava, input_shards, other, "sampling.seed=1")) == 0
+    assert run_main(base_argv(repo_root, tiny_llava, input_shards, other, "run.seed=1")) == 0
     assert texts_by_key(other) != first
 
 
@@ -565,7 +565,7 @@ def test_plan_states_from_files_on_disk(tmp_path):
 
 def test_finding3_duplicate_key_is_skipped_and_the_job_goes_on(repo_root, tiny_llava, run_main, tmp_path, capsys):
     """Members a1.jpg a1.txt a1.jpg a1.txt a2.jpg a2.txt: the second a1 is skipped and counted,
-    the shard finishes, the good shard after it too; and --no-progress hides the weight-loading bar."""
+    the shard finishes, the good shard after it too; and run.progress=false hides the weight-loading bar."""
     inp = tmp_path / "in"
     inp.mkdir()
     with tarfile.open(inp / "00000.tar", "w") as tar:
@@ -582,7 +582,7 @@ def test_finding3_duplicate_key_is_skipped_and_the_job_goes_on(repo_root, tiny_l
     assert stats["samples_in"] == 3 and stats["written"] == 2 and stats["skipped"] == {"duplicate key": 1}
     assert [s["__key__"] for s in read_output(out / "00000.tar")] == ["a1", "a2"]
     assert json.loads((out / "00001_stats.json").read_text())["written"] == 1
-    assert "Loading weights" not in capsys.readouterr().err  # finding 8: --no-progress hides it
+    assert "Loading weights" not in capsys.readouterr().err  # finding 8: run.progress=false hides it
 
 
 def test_finding6_unwritable_output_fails_before_the_model_loads(repo_root, tiny_llava, run_main, input_shards,
@@ -641,12 +641,12 @@ def test_stage_two_reuses_stage_one_prefix_with_the_same_text(tiny_llava, temper
     outs = {}
     for prefix_cache, budget in ((False, None), (True, None), ("full", 60)):
         cfg = GenConfig()
-        cfg.engine.model, cfg.engine.device, cfg.engine.dtype, cfg.engine.batch_size = str(tiny_llava), "cpu", "float32", 3
+        cfg.engine.model, cfg.engine.dtype, cfg.engine.batch_size = str(tiny_llava), "float32", 3
         cfg.engine.prefix_cache, cfg.engine.cpu_threads = bool(prefix_cache), 1
         cfg.engine.prefix_cache_tokens = budget or cfg.engine.prefix_cache_tokens
         cfg.sampling.temperature = temperature
         cfg.sampling.rewrite_max_tokens, cfg.sampling.intent_max_tokens = 12, 8
-        engine = TransformersEngine(cfg.engine, cfg.sampling)
+        engine = TransformersEngine(cfg.engine, cfg.sampling, device="cpu")
         outs[prefix_cache] = IntentGenerator(engine, cfg, load_prompts("v1")).generate(items)
         if prefix_cache:
             assert len(engine.prefixes) == 0 and engine.prefixes.tokens == 0  # released at the end of the chunk

@@ -97,7 +97,7 @@ def test_fashioniq_text_only_and_image_plus_text_encode_the_whole_prompt_by_defa
 def test_fashioniq_missing_images_are_counted_and_reported(tmp_path, capsys):
     root = make_fashioniq(tmp_path / "fiq")
     results = run_eval_command(["--benchmark", "fashioniq", "--data-root", str(root), "--backbone", f"{TINY_CLIP}:none",
-                    "--out", str(tmp_path / "out"), "--num-workers", "0", "--quiet"])
+                    "--out", str(tmp_path / "out"), "--num-workers", "0", "run.progress=false"])
     dress = results["counts"]["dress"]
     assert (dress["queries"], dress["evaluated"], dress["skipped"]) == (5, 2, 3)
     assert dress["skip_reasons"] == {"missing_reference": 1, "missing_target": 1, "target_not_in_gallery": 1}

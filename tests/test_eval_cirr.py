@@ -61,7 +61,7 @@ def tiny_checkpoint(tmp_path_factory, tiny_backbone) -> Path:
 
 def cirr_args(root: Path, ckpt: Path, out: Path, *extra: str) -> list[str]:
     return ["--benchmark", "cirr", "--data-root", str(root), "--checkpoint", str(ckpt), "--out", str(out),
-            "--num-workers", "0", "--batch-size", "512", "--quiet", *extra]
+            "--num-workers", "0", "--batch-size", "512", "run.progress=false", *extra]
 
 
 def run(root: Path, ckpt: Path, out: Path, *extra: str) -> dict:

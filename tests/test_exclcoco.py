@@ -152,8 +152,8 @@ def test_llm_query_source_end_to_end_with_the_tiny_llava(fixture_coco, tmp_path,
     folder, *_ = fixture_coco
     model = build_tiny_llava_next(tmp_path / "tiny-llava")
     config = tmp_path / "llm.yaml"
-    config.write_text(f"engine: {{name: transformers, model: {model}, dtype: float32, device: cpu, batch_size: 16}}\n"
-                      "sampling: {temperature: 0.7, top_p: 0.9, seed: 0}\nio: {image_max_side: 64}\n")
+    config.write_text(f"engine: {{name: transformers, model: {model}, dtype: float32, batch_size: 16}}\n"
+                      "sampling: {temperature: 0.7, top_p: 0.9}\nio: {image_max_side: 64}\nrun: {device: cpu, seed: 0}\n")
     args = ["--annotations", str(folder / "annotations"), "--split", "val2017", "--images", str(folder / "val2017"),
             "--out", str(tmp_path / "out"), "--caption-min-images", "0", "--max-per-caption", "1",
             "--query-source", "llm", "--llm-config", str(config)]

@@ -247,8 +247,8 @@ def test_half_precision_backbones_encode_float32_images_and_texts(tiny_backbone)
         assert img.dtype == torch.float32 and txt.dtype == torch.float32
         assert torch.nn.functional.cosine_similarity(img, ref_img).min() > 0.999
         assert torch.nn.functional.cosine_similarity(txt, ref_txt).min() > 0.999
-    with pytest.raises(ValueError, match="backbone.precision"):
-        BackboneConfig(precision="half")
+    with pytest.raises(ValueError, match="precision"):
+        FrozenCLIP(BackboneConfig(name=tiny_backbone.cfg.name, pretrained=None, precision="half"))
 
 
 @pytest.mark.parametrize("noise_mode", ["downweight", "conesep"])

@@ -75,11 +75,18 @@ def test_fusion_ablations(tiny_backbone, fusion):
     assert torch.allclose(out.t_hat, expected, atol=1e-6)
 
 
-def test_bad_model_config_is_rejected():
+def test_bad_model_config_is_rejected(tiny_backbone):
+    """The rules are declared on the fields: checked at load, and by DeMinds for a config built in code."""
+    from demind.config import load_config
+
     with pytest.raises(ValueError, match="fusion"):
-        ModelConfig(fusion="concat")
+        load_config(ModelConfig, None, ["fusion=concat"])
     with pytest.raises(ValueError, match="template"):
-        ModelConfig(template="a photo of {text}")
+        load_config(ModelConfig, None, ["template=a photo of {text}"])
+    with pytest.raises(ValueError, match="fusion"):
+        DeMinds(ModelConfig(fusion="concat"), tiny_backbone)
+    with pytest.raises(ValueError, match="template"):
+        DeMinds(ModelConfig(template="a photo of {text}"), tiny_backbone)
 
 
 def test_query_api_fills_each_paper_template(model, tiny_backbone):

@@ -21,8 +21,8 @@ def tiny_engine(tmp_path_factory):
     from demind.gen.tiny_llava import build_tiny_llava_next
 
     path = build_tiny_llava_next(tmp_path_factory.mktemp("tiny_llava"))
-    return TransformersEngine(EngineConfig(name="transformers", model=str(path), device="cpu", batch_size=4,
-                                           cpu_threads=1), SamplingConfig(temperature=0.1, top_p=1.0))
+    return TransformersEngine(EngineConfig(name="transformers", model=str(path), batch_size=4,
+                                           cpu_threads=1), SamplingConfig(temperature=0.1, top_p=1.0), device="cpu")
 
 
 def test_tiny_model_end_to_end_falls_back_to_rules_and_caches(tiny_engine, tmp_path, monkeypatch):

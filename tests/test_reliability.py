@@ -479,8 +479,8 @@ def test_finding8_eval_command_smoke_checkpoint_runs_and_a_corrupted_one_is_one_
         from demind.eval.cli import main
 
     write_tiny_cirr(tmp_path / "cirr", "make it blue")
-    argv = ["--benchmark", "cirr", "--data-root", str(tmp_path / "cirr"), "--device", "cpu", "--num-workers", "0",
-            "--quiet", "--methods", "demind,image-only"]
+    argv = ["--benchmark", "cirr", "--data-root", str(tmp_path / "cirr"), "run.device=cpu", "--num-workers", "0",
+            "run.progress=false", "--methods", "demind,image-only"]
     assert main(argv + ["--checkpoint", str(tiny_checkpoint), "--out", str(tmp_path / "ok")]) in (0, None)
     capsys.readouterr()
 

@@ -264,7 +264,7 @@ def test_index_and_search_commands_end_to_end(gallery, tmp_path, tiny_checkpoint
 
     (gallery / "broken.png").write_bytes(b"broken")
     assert index_main(["--images", str(gallery), "--index", str(tmp_path / "idx"), "--checkpoint",
-                       str(tiny_checkpoint), "--quiet", "--num-workers", "0"]) == 0
+                       str(tiny_checkpoint), "run.progress=false", "--num-workers", "0"]) == 0
     out = capsys.readouterr().out
     assert "7 images (7 encoded" in out and "1 unreadable" in out and "broken.png" in out
 

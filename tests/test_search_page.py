@@ -222,7 +222,7 @@ def test_serve_command_builds_the_index_and_serves_a_mismatch_as_a_page_message(
     monkeypatch.setattr(server_module, "start_server", fake_start_server)
     for i in range(3):
         write_image(tmp_path / "gallery" / f"g{i}.png", i)
-    common = ["--checkpoint", str(tiny_checkpoint), "--quiet"]
+    common = ["--checkpoint", str(tiny_checkpoint), "run.progress=false"]
     assert serve_main(["--index", str(tmp_path / "idx"), "--images", str(tmp_path / "gallery"), *common]) == 0
     assert "3 images (3 encoded" in capsys.readouterr().out
     info = apps[-1].test_client().get("/api/info").get_json()

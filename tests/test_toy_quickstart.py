@@ -153,7 +153,7 @@ def test_quickstart_command_prints_probes_ceilings_and_gate(monkeypatch, capsys)
                             "heldout_probe_ceiling_R@10": {"probe:background": 0.3},
                             "heldout_text_to_image": {"probe:background": {"R@1": 0.02, "R@5": 0.1, "R@10": 0.2}}}}
     monkeypatch.setattr(pipeline, "run_quickstart", lambda cfg: summary)
-    assert main(["--quiet"]) == 0
+    assert main(["progress=false"]) == 0
     out = capsys.readouterr().out
     assert "shape 55.5  colour 94.7" in out and "600 held-out scenes" in out
     assert "2.0 / 10.0 / 20.0   (ceiling 30.0)" in out

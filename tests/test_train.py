@@ -24,7 +24,9 @@ pytestmark = pytest.mark.usefixtures("one_thread_and_fresh_accelerator")
 
 def run_training(args: list[str]) -> int:
     """The train command's body without the error wrapper: bad input raises its own exception type."""
-    return train.train_command(train.build_parser().parse_args(args))
+    from demind.cli.common import load_command_config
+
+    return train.train_command(load_command_config(train.TrainConfig, train.build_parser().parse_intermixed_args(args)))
 
 
 def smoke_args(repo_root: Path, shards: Path, run: Path, *extra: str) -> list[str]:
@@ -172,7 +174,8 @@ def test_config_errors_name_the_key(repo_root, tmp_path, capsys):
     assert train.main(smoke_args(repo_root, shards, tmp_path / "run", "optim.lrr=1")) == 2
     assert "optim.lrr" in capsys.readouterr().err
     assert train.main(smoke_args(repo_root, shards, tmp_path / "run", "data.missing_text=caption")) == 2
-    assert "error: data.missing_text must be one of ('error', 'original')" in capsys.readouterr().err
+    assert ("config key 'data.missing_text' = 'caption' must be one of 'error', 'original' (command line)"
+            in capsys.readouterr().err)
     # found at load time now (one validation pass), not when the trainer starts
     assert train.main(smoke_args(repo_root, shards, tmp_path / "run", "optim.global_batch_size=10",
                                  "optim.grad_accum_steps=4")) == 2

@@ -70,7 +70,7 @@ def config_overrides(repo_root: Path, run: Path) -> list[str]:
     return [f"backbone.name={repo_root / 'configs/model/tiny-clip.json'}", "backbone.pretrained=null",
             "model.num_queries=2", "model.num_blocks=2", "model.num_heads=4", "model.mapping_hidden=64",
             # dropout off: the two runs must draw the same (no) masks
-            "model.mapping_dropout=0", "model.gate_init=0.3", "run.cpu=true", "run.trackers=[]",
+            "model.mapping_dropout=0", "model.gate_init=0.3", "run.device=cpu", "run.trackers=[]",
             f"run.output_dir={run}"]
 
 
@@ -133,10 +133,10 @@ def test_epoch_mode_splits_shards_between_processes_and_workers():
 
 @pytest.mark.slow
 def test_accelerate_launch_two_cpu_processes_end_to_end(repo_root, tmp_path):
-    """The real command, on CPU: accelerate launch --multi_gpu --num_processes 2 train.py ... run.cpu=true.
+    """The real command, on CPU: accelerate launch --multi_gpu --num_processes 2 train.py ... run.device=cpu.
 
     (``accelerate launch --cpu`` starts several CPU processes only through mpirun; with
-    ``--multi_gpu`` it uses torchrun, and run.cpu=true makes Accelerate pick gloo on CPU.)
+    ``--multi_gpu`` it uses torchrun, and run.device=cpu makes Accelerate pick gloo on CPU.)
     """
     shards = tmp_path / "shards"
     write_synthetic_shards(shards, num_shards=4, samples_per_shard=16)
@@ -147,7 +147,7 @@ def test_accelerate_launch_two_cpu_processes_end_to_end(repo_root, tmp_path):
            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
            str(repo_root / "train.py"), "--config", str(repo_root / "configs/train/smoke.yaml"),
            f"data.shards={shards}", f"run.output_dir={run}", "optim.max_steps=4", "run.save_every=2",
-           f"backbone.name={repo_root / 'configs/model/tiny-clip.json'}", "run.cpu=true"]
+           f"backbone.name={repo_root / 'configs/model/tiny-clip.json'}", "run.device=cpu"]
     result = subprocess.run(cmd, cwd=repo_root, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "micro batch 8 x 2 processes" in result.stdout and "contrastive batch 16" in result.stdout

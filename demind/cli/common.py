@@ -1,4 +1,12 @@
-"""What every command shares: the ``--debug`` flag, logging set-up, and one line per known error.
+"""What every command shares: the config front end, the ``--debug`` flag, logging set-up, and one
+line per known error.
+
+Every command reads one config dataclass through :func:`demind.config.load_config`:
+``--config FILE`` plus dotted ``KEY=VALUE`` overrides. :func:`config_parser` builds its parser
+from the dataclass, so ``--help`` lists every key with its default and help text, and the short
+flags users know (``--checkpoint CKPT``) are declared as :class:`Flag` aliases of keys: a flag
+becomes an override, never a second copy of the setting. Old spellings (``--device``,
+``--quiet``, ``run.cpu=true``) are refused naming the key that replaced them.
 
 A known error is bad input that the library has already described (the file, key or shard,
 and the fix): printing a traceback under it only hides the message.  Anything else is a bug
@@ -8,14 +16,20 @@ and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
 import traceback
+import typing
 from collections.abc import Callable
+from typing import Any, TypeVar
 
+from demind.config import RENAMED_FLAGS, ConfigError, config_keys, load_config
 from demind.errors import DemindError
 from demind.logs import setup_logging
+
+T = TypeVar("T")
 
 DEBUG_ENV = "DEMIND_DEBUG"
 
@@ -55,6 +69,135 @@ def run_command(parser: argparse.ArgumentParser, body: Callable[[argparse.Namesp
     setup_logging(log_level)
     try:
         return body(args)
+    except KNOWN_ERRORS as e:
+        if debug_requested(args):
+            traceback.print_exc()
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+# --------------------------------------------------------------------------- config front end
+
+
+NO_CONST = object()  # Flag.const when the flag takes a value
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """A command-line alias of one config key: ``Flag("checkpoint")`` as ``--checkpoint CKPT``.
+
+    ``const``: the value the flag sets when given without one (``--overwrite`` -> true; with
+    ``optional_value`` a value may follow, as in ``--quickstart [WORKDIR]``). ``many``: the flag
+    takes several values, as a list (``--cirr A.json B.json``)."""
+
+    key: str
+    const: Any = NO_CONST
+    optional_value: bool = False
+    many: bool = False
+
+
+def _leaf_type(cls: type, key: str) -> Any:
+    """The annotated type of dotted ``key`` in ``cls`` (Optional stripped)."""
+    tp: Any = cls
+    for part in key.split("."):
+        tp = typing.get_type_hints(tp)[part]
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if args and typing.get_origin(tp) is not list and len(args) == 1:
+            tp = args[0]
+    return tp
+
+
+def _format_default(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return '""' if value == "" else str(value)
+
+
+def config_keys_help(cls: type) -> str:
+    """Every config key of ``cls`` with its default and help text, one per line, for ``--help``."""
+    rows = config_keys(cls)
+    width = max(len(f"{k} = {_format_default(d)}") for k, d, _ in rows)
+    lines = ["config keys (KEY=VALUE overrides, or the same nesting in the --config YAML), with defaults:"]
+    for key, default, text in rows:
+        entry = f"{key} = {_format_default(default)}"
+        lines.append(f"  {entry:<{width}}  {text}".rstrip())
+    return "\n".join(lines)
+
+
+def config_parser(cls: type, prog: str, description: str, flags: dict[str, Flag] | None = None,
+                  *, config_help: str = "YAML file of config keys (defaults: the values listed below)"
+                  ) -> argparse.ArgumentParser:
+    """The parser of a command whose settings are the dataclass ``cls``: ``--config FILE``,
+    ``flags`` (flag name -> :class:`Flag`), dotted overrides; ``--help`` lists every key."""
+    p = argparse.ArgumentParser(prog=prog, description=description, epilog=config_keys_help(cls),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", metavar="FILE", help=config_help)
+    optional_consts: dict[str, Any] = {}
+    for name, flag in (flags or {}).items():
+        tp = _leaf_type(cls, flag.key)
+        kwargs: dict[str, Any] = {"dest": f"flag:{flag.key}", "default": argparse.SUPPRESS,
+                                  "help": f"= {flag.key}"}
+        metavar = flag.key.rsplit(".", 1)[-1].upper()
+        if flag.const is not NO_CONST or tp is bool:
+            const = True if flag.const is NO_CONST else flag.const
+            if flag.optional_value:
+                kwargs.update(nargs="?", const=const, metavar=metavar)
+                optional_consts[kwargs["dest"]] = const
+            else:
+                kwargs.update(action="store_const", const=const)
+        else:
+            kwargs.update(metavar=metavar, nargs="*" if flag.many else None)
+        p.add_argument(name, **kwargs)
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="dotted config overrides, e.g. run.device=cpu (keys below)")
+    # what the command loads (tests read it through build_parser()); flags whose value is optional
+    p.set_defaults(config_class=cls, optional_consts=optional_consts)
+    return p
+
+
+def refuse_renamed_flags(argv: list[str]) -> None:
+    """A flag that became a config key (``--quiet``) is an error naming the key."""
+    for token in argv:
+        name = token.split("=", 1)[0]
+        if name in RENAMED_FLAGS:
+            raise ConfigError(f"{name} was replaced by the config key {RENAMED_FLAGS[name]} "
+                              f"(a KEY=VALUE override)", key=RENAMED_FLAGS[name].split("=", 1)[0])
+
+
+def load_command_config(cls: type[T], args: argparse.Namespace) -> T:
+    """The config the parsed ``args`` ask for: defaults < --config file < flags < KEY=VALUE overrides."""
+    overrides = list(args.overrides)
+    from_flags = []
+    for dest, value in vars(args).items():
+        if not dest.startswith("flag:"):
+            continue
+        if dest in getattr(args, "optional_consts", {}) and isinstance(value, str) and "=" in value:
+            # `--quickstart run.device=cpu`: argparse gave the override to the flag as its value
+            overrides.insert(0, value)
+            value = args.optional_consts[dest]
+        from_flags.append((dest.split(":", 1)[1], value))
+    return load_config(cls, args.config, [*from_flags, *overrides])
+
+
+def run_config_command(cls: type[T], parser: argparse.ArgumentParser, body: Callable[[T], int],
+                       argv: list[str] | None = None, *, log_level: int = logging.INFO) -> int:
+    """Parse ``argv`` with a :func:`config_parser`, load ``cls``, set up logging, run ``body(cfg)``.
+
+    Errors as :func:`run_command`: a known one is one ``error:`` line and exit status 2."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    add_debug_option(parser)
+    try:
+        refuse_renamed_flags(argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    # intermixed: overrides may come before or after the flags
+    args = parser.parse_intermixed_args(argv)
+    setup_logging(log_level)
+    try:
+        return body(load_command_config(cls, args))
     except KNOWN_ERRORS as e:
         if debug_requested(args):
             traceback.print_exc()

@@ -2,97 +2,126 @@
 
     demind-eval --benchmark cirr --data-root data/CIRR --checkpoint runs/demind/demind.safetensors \
         --split val --out runs/eval/cirr
+    demind-eval --config my-eval.yaml fashioniq.caption_order=file run.device=cpu
 
 Loads the backbone and model (:func:`demind.checkpoint.load_backbone_and_model`), then runs
-:func:`demind.eval.evaluate`.
+:func:`demind.eval.evaluate`. Every setting is a key of :class:`EvalConfig` (``--help`` lists
+them); the benchmark-specific ones live in their benchmark's section.
 """
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass, field
 
-from demind.cli.common import run_command
-from demind.config import ConfigError
+from demind.cli.common import Flag, config_parser, run_config_command
+from demind.cli.search import BackboneChoice
+from demind.config import RunOptions, resolve_device, setting
 from demind.eval.coco import PROMPT_FORMS, QUERY_RESIZES
 from demind.eval.fashioniq import CAPTION_ORDERS, TEXT_FORMS
+from demind.eval.harness import BENCHMARKS
+from demind.eval.methods import METHODS
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from demind.eval.harness import BENCHMARKS
-    from demind.eval.methods import METHODS
-
-    p = argparse.ArgumentParser(prog="demind-eval", description=__doc__.split("\n\n")[0])
-    p.add_argument("--benchmark", required=True, choices=BENCHMARKS)
-    p.add_argument("--data-root", required=True, help="the benchmark's folder in its official layout")
-    p.add_argument("--checkpoint", help="De-MINDS checkpoint (.safetensors); its backbone is rebuilt from it")
-    p.add_argument("--exclmm", help="trained ExclMM export (exclmm.safetensors) for the exclmm method")
-    p.add_argument("--backbone", help="NAME:TAG_OR_PATH, e.g. ViT-L-14:openai (backbone-only methods, or to "
-                                      "check the checkpoint's backbone); NAME:none = random weights")
-    p.add_argument("--split", default="val", help="val (default) or test (CIRR test1, CIRCO test)")
-    p.add_argument("--methods", help=f"comma-separated subset of {','.join(METHODS)}, or a negation-aware "
-                                     "variant BASE+deo / BASE+deo-adam of text-only, image+text, mapping-only, "
-                                     "demind (default: all base methods the given checkpoint/backbone allow, except "
-                                     "oracle, which needs the toy benchmarks' target descriptions)")
-    p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--cache-dir", help="image-feature cache (default OUT/feature_cache); share it across runs")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--num-workers", type=int, default=4, help="image-decoding workers")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
-    p.add_argument("--precision", default="fp32", help="backbone precision (fp32, fp16, bf16, amp)")
-    p.add_argument("--limit", type=int, help="evaluate only the first N queries (smoke runs; flagged in outputs)")
-    p.add_argument("--fashioniq-caption-order", default="released", choices=CAPTION_ORDERS,
-                   help="released: Pic2Word's '{caption2} and {caption1}' (default); file: file order")
-    p.add_argument("--fashioniq-text", default="released", choices=TEXT_FORMS,
-                   help="Text-only/Image+Text text. released: the whole prompt 'a photo of * , {captions}', "
-                        "'*' included, as Pic2Word (default); captions: the two captions only")
-    p.add_argument("--coco-csv", help="read queries from a Pic2Word coco_eval.csv instead of building them")
-    p.add_argument("--coco-prompt", default="released", choices=PROMPT_FORMS,
-                   help="released: 'a photo of * and {query class} and {others}', with Pic2Word's dangling "
-                        "'and' when there are no others (default); trimmed: without it; "
-                        "prose: 'a photo of * , {obj1} and {obj2}'")
-    p.add_argument("--coco-query-resize", default="released", choices=tuple(QUERY_RESIZES),
-                   help="released: query region resized straight to the backbone's input square, no crop, "
-                        "as Pic2Word (default); center-crop: the backbone's resize + centre-crop")
-    p.add_argument("--coco-seed", type=int, default=0, help="seed of the COCO query draw")
-    p.add_argument("--coco-area", default="0.05,0.5", help="MIN,MAX box area as a fraction of the image")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-    return p
+@dataclass
+class FashionIQOptions:
+    caption_order: str = setting("released", choices=CAPTION_ORDERS,
+                                 help="released: Pic2Word's '{caption2} and {caption1}'; file: file order")
+    text: str = setting("released", choices=TEXT_FORMS,
+                        help="Text-only/Image+Text text. released: the whole prompt 'a photo of * , {captions}', "
+                             "as Pic2Word; captions: the two captions only")
 
 
-def reader_options(args: argparse.Namespace):
-    """The ReaderOptions the flags ask for."""
+@dataclass
+class CocoOptions:
+    csv: str | None = setting(None, help="read queries from a Pic2Word coco_eval.csv instead of building them")
+    prompt: str = setting("released", choices=PROMPT_FORMS,
+                          help="released: 'a photo of * and {query class} and {others}', with Pic2Word's dangling "
+                               "'and' when there are no others; trimmed: without it; prose: 'a photo of * , {obj1} "
+                               "and {obj2}'")
+    query_resize: str = setting("released", choices=tuple(QUERY_RESIZES),
+                                help="released: query region resized straight to the input square, no crop, as "
+                                     "Pic2Word; center-crop: the backbone's resize + centre-crop")
+    seed: int = setting(0, ge=0, help="seed of the COCO query draw")
+    min_area: float = setting(0.05, ge=0, le=1, help="smallest query box area, as a fraction of the image")
+    max_area: float = setting(0.5, ge=0, le=1, help="largest query box area, as a fraction of the image")
+
+    def config_problems(self) -> list[tuple[str, str]]:
+        if self.min_area >= self.max_area:
+            return [("min_area", f"= {self.min_area} must be below coco.max_area = {self.max_area}")]
+        return []
+
+
+@dataclass
+class EvalConfig:
+    """One evaluation run: benchmark, data, model, methods, and where the files go."""
+
+    benchmark: str | None = setting(None, choices=BENCHMARKS, help="which benchmark (required)")
+    data_root: str | None = setting(None, help="the benchmark's folder in its official layout (required)")
+    out: str | None = setting(None, help="output folder (required)")
+    checkpoint: str | None = setting(None, help="De-MINDS checkpoint (.safetensors); its backbone is rebuilt from it")
+    exclmm: str | None = setting(None, help="trained ExclMM export (exclmm.safetensors) for the exclmm method")
+    split: str = setting("val", help="val, or test (CIRR test1, CIRCO test)")
+    methods: str | None = setting(None, help=f"comma-separated subset of {','.join(METHODS)}, or a negation-aware "
+                                             "variant BASE+deo / BASE+deo-adam (default: all base methods the "
+                                             "checkpoint/backbone allow, except oracle)")
+    cache_dir: str | None = setting(None, help="image-feature cache (default OUT/feature_cache); share it across runs")
+    batch_size: int = setting(64, ge=1)
+    num_workers: int = setting(4, ge=0, help="image-decoding workers")
+    limit: int | None = setting(None, ge=1, help="evaluate only the first N queries (smoke runs; flagged in outputs)")
+    backbone: BackboneChoice = field(default_factory=BackboneChoice)
+    fashioniq: FashionIQOptions = field(default_factory=FashionIQOptions)
+    coco: CocoOptions = field(default_factory=CocoOptions)
+    run: RunOptions = field(default_factory=RunOptions)
+
+    def config_problems(self) -> list[tuple[str, str]]:
+        flags = {"benchmark": "--benchmark", "data_root": "--data-root", "out": "--out"}
+        return [(key, f"is required: give {flag} or {key}=...") for key, flag in flags.items()
+                if getattr(self, key) is None]
+
+
+FLAGS = {
+    "--benchmark": Flag("benchmark"), "--data-root": Flag("data_root"), "--out": Flag("out"),
+    "--checkpoint": Flag("checkpoint"), "--exclmm": Flag("exclmm"), "--backbone": Flag("backbone.spec"),
+    "--precision": Flag("backbone.precision"), "--split": Flag("split"), "--methods": Flag("methods"),
+    "--cache-dir": Flag("cache_dir"), "--batch-size": Flag("batch_size"), "--num-workers": Flag("num_workers"),
+    "--limit": Flag("limit"),
+    "--fashioniq-caption-order": Flag("fashioniq.caption_order"), "--fashioniq-text": Flag("fashioniq.text"),
+    "--coco-csv": Flag("coco.csv"), "--coco-prompt": Flag("coco.prompt"),
+    "--coco-query-resize": Flag("coco.query_resize"), "--coco-seed": Flag("coco.seed"),
+}
+
+
+def build_parser():
+    return config_parser(EvalConfig, "demind-eval", __doc__.split("\n\n")[0], FLAGS)
+
+
+def reader_options(cfg: EvalConfig):
+    """The ReaderOptions the benchmark sections ask for."""
     from demind.eval.harness import ReaderOptions
 
-    try:
-        low, high = (float(v) for v in args.coco_area.split(","))
-    except ValueError:
-        raise ConfigError(f"--coco-area must be MIN,MAX fractions such as 0.05,0.5, got {args.coco_area!r}") from None
-    return ReaderOptions(fashioniq_caption_order=args.fashioniq_caption_order, fashioniq_text=args.fashioniq_text,
-                         coco_csv=args.coco_csv, coco_prompt=args.coco_prompt,
-                         coco_query_resize=args.coco_query_resize, coco_seed=args.coco_seed,
-                         coco_min_area=low, coco_max_area=high)
+    fiq, coco = cfg.fashioniq, cfg.coco
+    return ReaderOptions(fashioniq_caption_order=fiq.caption_order, fashioniq_text=fiq.text, coco_csv=coco.csv,
+                         coco_prompt=coco.prompt, coco_query_resize=coco.query_resize, coco_seed=coco.seed,
+                         coco_min_area=coco.min_area, coco_max_area=coco.max_area)
 
 
-def evaluate_command(args: argparse.Namespace) -> int:
+def evaluate_command(cfg: EvalConfig) -> int:
     """Load, evaluate, print the table and the files written."""
-    import torch
-
     from demind.checkpoint import load_backbone_and_model
     from demind.eval.harness import evaluate
     from demind.eval.reports import format_table
 
-    options = reader_options(args)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    backbone, model = load_backbone_and_model(args.checkpoint, args.backbone, precision=args.precision, device=device)
+    backbone, model = load_backbone_and_model(cfg.checkpoint, cfg.backbone.spec, precision=cfg.backbone.precision,
+                                              device=resolve_device(cfg.run.device))
     exclmm = None
-    if args.exclmm:
+    if cfg.exclmm:
         from demind.exclmm import load_exclmm
 
-        exclmm = load_exclmm(args.exclmm, backbone.identity, backbone.device)
+        exclmm = load_exclmm(cfg.exclmm, backbone.identity, backbone.device)
     results = evaluate(
-        args.benchmark, args.data_root, backbone=backbone, model=model, methods=args.methods, split=args.split,
-        out_dir=args.out, cache_dir=args.cache_dir, options=options, batch_size=args.batch_size,
-        num_workers=args.num_workers, limit=args.limit, progress=not args.quiet, exclmm=exclmm,
+        cfg.benchmark, cfg.data_root, backbone=backbone, model=model, methods=cfg.methods, split=cfg.split,
+        out_dir=cfg.out, cache_dir=cfg.cache_dir, options=reader_options(cfg), batch_size=cfg.batch_size,
+        num_workers=cfg.num_workers, limit=cfg.limit, progress=cfg.run.progress, exclmm=exclmm,
     )
     print(format_table(results))
     print(f"results: {results['files']['results']}\ntable: {results['files']['table']}")
@@ -103,4 +132,4 @@ def evaluate_command(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command on ``argv`` (default: sys.argv[1:]); returns the exit status (2: bad input)."""
-    return run_command(build_parser(), evaluate_command, argv)
+    return run_config_command(EvalConfig, build_parser(), evaluate_command, argv)

@@ -1,53 +1,66 @@
 """``demind-features`` / ``python -m demind.features --config configs/train/paper.yaml [dotted overrides]``.
 
 Uses the train config's ``backbone`` and ``data`` sections, so the cache lands where the
-trainer looks for it (``data.features=auto``) unless ``--out`` says otherwise.  The work
+trainer looks for it (``data.features=auto``) unless ``cache.out`` (``--out``) says otherwise.  The work
 happens in :func:`demind.features.build_feature_cache`. Afterwards it prints the GFQ
 fidelity summary of T_int and T_rew (histogram counts, share below omega; see
-:mod:`demind.fidelity`) and writes it as a plot, ``<cache>/fidelity.png`` unless ``--plot`` says otherwise.
+:mod:`demind.fidelity`) and writes it as a plot, ``<cache>/fidelity.png`` unless ``cache.plot`` (``--plot``) says otherwise.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
+from dataclasses import dataclass, field
 
-from demind.cli.common import run_command
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="demind-features", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", help="train config YAML (backbone and data sections are used)")
-    parser.add_argument("--out", help="cache folder (default: data.features, or <shard folder>/features/<backbone> "
-                                      "when it is auto or off)")
-    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
-    parser.add_argument("--plot", help="fidelity histogram PNG (default: <cache folder>/fidelity.png; "
-                                       "'none' writes no plot)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides such as data.shards=shards/cc3m")
-    return parser
+from demind.cli.common import Flag, config_parser, run_config_command
+from demind.config import resolve_device, setting
+from demind.training.config import TrainConfig
 
 
-def features_command(args: argparse.Namespace) -> int:
+@dataclass
+class CacheOutput:
+    """Where the cache and its fidelity plot go."""
+
+    out: str | None = setting(None, help="cache folder (default: data.features, or <shard folder>/features/<backbone> "
+                                         "when it is auto or off)")
+    plot: str | None = setting(None, help="fidelity histogram PNG (default: <cache folder>/fidelity.png; "
+                                          "none: no plot)")
+
+
+@dataclass
+class FeaturesConfig(TrainConfig):
+    """A train recipe (its backbone, data and run sections are used) plus where the cache goes."""
+
+    cache: CacheOutput = field(default_factory=CacheOutput)
+
+
+FLAGS = {"--out": Flag("cache.out"), "--plot": Flag("cache.plot")}
+
+
+def build_parser():
+    return config_parser(FeaturesConfig, "demind-features", __doc__.split("\n\n")[0], FLAGS,
+                         config_help="train config YAML (its backbone, data and run sections are used)")
+
+
+def features_command(cfg: FeaturesConfig) -> int:
     """Build the cache of every shard not yet cached; print the summary (aligned, then as JSON)."""
     import torch
 
     from demind.backbone import build_backbone
     from demind.shard_format import resolve_shards
     from demind.features import build_feature_cache, cache_dir_for, cache_slug
-    from demind.training.config import load_train_config
 
-    cfg = load_train_config(args.config, args.overrides)
     shards = resolve_shards(cfg.data.shards)
     # Seeded like the trainer, so a randomly initialised backbone (pretrained: null,
     # smoke runs) gets the same weights here and there.
     torch.manual_seed(cfg.run.seed)
     backbone = build_backbone(cfg.backbone)
-    out = args.out or cache_dir_for(cfg.data.features, shards, cache_slug(backbone))
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    out = cfg.cache.out or cache_dir_for(cfg.data.features, shards, cache_slug(backbone))
     summary = build_feature_cache(shards, out, backbone, batch_size=cfg.data.cache_batch_size,
                                   num_workers=cfg.data.num_workers, missing_text=cfg.data.missing_text,
-                                  dtype=cfg.data.cache_dtype, device=device)
-    summary["fidelity"] = report_fidelity(out, shards, backbone, args.plot)
+                                  dtype=cfg.data.cache_dtype, device=resolve_device(cfg.run.device),
+                                  progress=cfg.run.progress)
+    summary["fidelity"] = report_fidelity(out, shards, backbone, cfg.cache.plot)
     width = max(len(k) for k in summary)
     for key, value in summary.items():
         print(f"{key:<{width}}  {value}")
@@ -76,4 +89,4 @@ def report_fidelity(out, shards: list[str], backbone, plot: str | None) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command on ``argv`` (default: sys.argv[1:]); returns the exit status (2: bad input)."""
-    return run_command(build_parser(), features_command, argv)
+    return run_config_command(FeaturesConfig, build_parser(), features_command, argv)

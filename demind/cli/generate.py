@@ -10,83 +10,76 @@ Schema of the input and output shards: shards/README.md.
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass, fields
 
-from demind.cli.common import run_command
-from demind.config import to_dict
+from demind.cli.common import Flag, config_parser, run_config_command
+from demind.config import setting
 from demind.gen.config import GenConfig
 
 
-def config_keys_help() -> str:
-    """Every config key with its default, for --help (meanings: demind/gen/config.py)."""
-    lines = ["config keys (KEY=VALUE overrides or YAML; meanings in demind/gen/config.py), with defaults:"]
-    for section, values in to_dict(GenConfig()).items():
-        lines += [f"  {section}.{key} = {value}" for key, value in values.items()]
-    return "\n".join(lines)
+@dataclass
+class GenerateConfig(GenConfig):
+    """The generation recipe (engine, sampling, prompts, quality, io, run) plus this job's shards."""
+
+    input: str | None = setting(None, help="folder of input .tar shards (img2dataset layout: KEY.jpg, KEY.txt, "
+                                           "KEY.json) or a brace pattern such as '/data/cc3m/{00000..00331}.tar' "
+                                           "(required)")
+    output: str | None = setting(None, help="folder for the intent shards: one NNNNN.tar and NNNNN_stats.json per "
+                                            "input shard (required)")
+    shard: str | None = setting(None, help="input shard ids, inclusive ranges and lists: '0-99', '0-9,20-29', '7' "
+                                           "(default: every shard of input); give each process a disjoint range")
+    overwrite: bool = setting(False, help="redo selected shards even if their stats file says they are done")
+    dry_run: bool = setting(False, help="print the plan and exit without loading a model")
+
+    def config_problems(self) -> list[tuple[str, str]]:
+        return [(key, f"is required: give --{key} DIR") for key in ("input", "output") if getattr(self, key) is None]
+
+    def recipe(self) -> GenConfig:
+        """The generation recipe alone: what each shard's stats record (not where this job read and wrote)."""
+        return GenConfig(**{f.name: getattr(self, f.name) for f in fields(GenConfig)})
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="demind-generate",
-        description=__doc__,
-        epilog=config_keys_help(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--input", required=True,
-                        help="folder of input .tar shards (img2dataset layout: KEY.jpg, KEY.txt, KEY.json) "
-                             "or a brace pattern such as '/data/cc3m/{00000..00331}.tar'")
-    parser.add_argument("--output", required=True,
-                        help="folder for the intent shards: one NNNNN.tar and NNNNN_stats.json per input shard")
-    parser.add_argument("--shard", default=None,
-                        help="input shard ids to process, inclusive ranges and lists: '0-99', '0-9,20-29', '7' "
-                             "(default: every shard in --input). Give each process or node a disjoint range.")
-    parser.add_argument("--config", default=None,
-                        help="YAML config, e.g. configs/data_gen/llava-1.6-7b.yaml (default: built-in defaults)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="redo selected shards even if their stats file says they are done")
-    parser.add_argument("--dry-run", action="store_true", help="print the plan and exit without loading a model")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars (log lines only)")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                        help="dotted config overrides, e.g. engine.name=transformers engine.model=/path "
-                             "sampling.temperature=0.2 prompts.mode=single")
-    return parser
+FLAGS = {"--input": Flag("input"), "--output": Flag("output"), "--shard": Flag("shard"),
+         "--overwrite": Flag("overwrite"), "--dry-run": Flag("dry_run")}
 
 
-def generate_command(args: argparse.Namespace) -> int:
+def build_parser():
+    return config_parser(GenerateConfig, "demind-generate", __doc__, FLAGS,
+                         config_help="YAML config, e.g. configs/data_gen/llava-1.6-7b.yaml "
+                                     "(default: the values listed below)")
+
+
+def generate_command(job: GenerateConfig) -> int:
     """0 when every selected shard is done, 1 if an input shard failed."""
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    from demind.config import load_config
-    from demind.gen.config import validate_config
     from demind.gen.engines import build_engine
     from demind.gen.job import format_job_summary, run_plan
     from demind.gen.prompts import load_prompts
     from demind.gen.plan import format_plan, make_plan
     from demind.io import check_output_dir
 
-    cfg = load_config(GenConfig, args.config, args.overrides)
-    validate_config(cfg)
-    plan = make_plan(args.input, args.output, args.shard, args.overwrite)
+    cfg = job.recipe()
+    plan = make_plan(job.input, job.output, job.shard, job.overwrite)
     print(format_plan(plan), flush=True)
-    if args.dry_run or not plan.todo:
+    if job.dry_run or not plan.todo:
         print("nothing to do" if not plan.todo else "dry run: stopping before loading the model")
         return 0
-    if args.no_progress:  # also the weight-loading bars of transformers / huggingface_hub
+    if not cfg.run.progress:  # also the weight-loading bars of transformers / huggingface_hub
         from demind.gen.engines import disable_loading_progress
 
         disable_loading_progress()
-    check_output_dir(args.output)  # before the model loads: a read-only or full disk fails in seconds
+    check_output_dir(job.output)  # before the model loads: a read-only or full disk fails in seconds
     prompts = load_prompts(cfg.prompts.version)
-    engine = build_engine(cfg.engine, cfg.sampling)
+    engine = build_engine(cfg.engine, cfg.sampling, device=cfg.run.device, seed=cfg.run.seed)
     print(f"engine {engine.name}: {engine.model_id}; prompts {prompts.version} ({prompts.sha}), mode {cfg.prompts.mode}",
           flush=True)
     with logging_redirect_tqdm():  # log lines print above the progress bars instead of through them
-        summary = run_plan(plan, cfg, engine, prompts, show_progress=not args.no_progress)
+        summary = run_plan(plan, cfg, engine, prompts, show_progress=cfg.run.progress)
     print(format_job_summary(summary))
     return 1 if summary.failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """Returns 0 when every selected shard is done, 1 if an input shard failed, 2 on bad usage or input."""
-    # intermixed: overrides may come before or after the flags
-    return run_command(build_parser(), generate_command, argv, intermixed=True)
+    return run_config_command(GenerateConfig, build_parser(), generate_command, argv)

@@ -9,47 +9,57 @@ skipped, counted and listed in ``index.json``.
 
 from __future__ import annotations
 
-import argparse
 import sys
+from dataclasses import dataclass
 
-from demind.cli.common import run_command
-from demind.cli.search import add_model_arguments, load_model
+from demind.cli.common import Flag, config_parser, run_config_command
+from demind.cli.search import MODEL_FLAGS, ModelOptions, load_model
+from demind.config import setting
 from demind.search.index import build_index
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="demind-index", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--images", required=True, help="folder of images (searched recursively)")
-    p.add_argument("--index", required=True, help="index folder to create or update")
-    add_model_arguments(p)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--num-workers", type=int, default=2, help="image-decoding workers")
-    p.add_argument("--part-size", type=int, default=1024, help="images per saved part (what a kill can lose)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    return p
+@dataclass
+class IndexConfig(ModelOptions):
+    images: str | None = setting(None, help="folder of images, searched recursively (required)")
+    index: str | None = setting(None, help="index folder to create or update (required)")
+    batch_size: int = setting(64, ge=1)
+    num_workers: int = setting(2, ge=0, help="image-decoding workers")
+    part_size: int = setting(1024, ge=1, help="images per saved part (what a kill can lose)")
+
+    def config_problems(self) -> list[tuple[str, str]]:
+        problems = [(key, f"is required: give --{key} DIR") for key in ("images", "index") if getattr(self, key) is None]
+        if not self.checkpoint and not self.backbone.spec:
+            problems.append(("checkpoint", "is required: give --checkpoint CKPT (the index is encoded by its frozen "
+                                           "backbone), or --backbone NAME:TAG"))
+        return problems
 
 
-def run(args: argparse.Namespace) -> int:
-    if not args.checkpoint and not args.backbone:
-        raise ValueError("give --checkpoint CKPT (the index is encoded by its frozen backbone), or --backbone NAME:TAG")
-    backbone, _ = load_model(args)
-    stats = build_index(args.images, args.index, backbone, args.batch_size, args.num_workers, args.part_size,
-                        progress=not args.quiet)
+FLAGS = {**MODEL_FLAGS, "--images": Flag("images"), "--index": Flag("index"), "--batch-size": Flag("batch_size"),
+         "--num-workers": Flag("num_workers"), "--part-size": Flag("part_size")}
+
+
+def build_parser():
+    return config_parser(IndexConfig, "demind-index", __doc__.split("\n\n")[0], FLAGS)
+
+
+def run(cfg: IndexConfig) -> int:
+    backbone, _ = load_model(cfg)
+    stats = build_index(cfg.images, cfg.index, backbone, cfg.batch_size, cfg.num_workers, cfg.part_size,
+                        progress=cfg.run.progress)
     s = stats.as_dict()
     rate = f" at {s['encoded_per_s']} images/s" if s["encoded"] else ""
-    print(f"index {args.index}: {s['indexed']} images ({s['encoded']} encoded{rate}, {s['cached']} reused, "
+    print(f"index {cfg.index}: {s['indexed']} images ({s['encoded']} encoded{rate}, {s['cached']} reused, "
           f"{s['removed']} removed, {s['unreadable']} unreadable) in {s['seconds']} s")
     for name, reason in list(stats.unreadable.items())[:5]:
         print(f"  unreadable: {name}: {reason}")
     if len(stats.unreadable) > 5:
-        print(f"  ... and {len(stats.unreadable) - 5} more (listed in {args.index}/index.json)")
+        print(f"  ... and {len(stats.unreadable) - 5} more (listed in {cfg.index}/index.json)")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """``demind-index``: build or update the index; prints its counts."""
-    return run_command(build_parser(), run, argv)
+    return run_config_command(IndexConfig, build_parser(), run, argv)
 
 
 if __name__ == "__main__":

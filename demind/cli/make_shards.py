@@ -14,27 +14,38 @@ An --output that already holds shards is refused unless --overwrite (which remov
 
 from __future__ import annotations
 
-import argparse
 import json
+from dataclasses import dataclass
 
-from demind.cli.common import run_command
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="demind-make-shards", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--images", required=True, help="folder the image paths in --captions are relative to")
-    parser.add_argument("--captions", required=True, help=".csv (with header) or .jsonl caption file")
-    parser.add_argument("--output", required=True, help="folder for 00000.tar, 00001.tar, ... and their _stats.json")
-    parser.add_argument("--samples-per-shard", type=int, default=10000, help="samples per tar (img2dataset: 10000)")
-    parser.add_argument("--image-column", default="image", help="column/field holding the image path")
-    parser.add_argument("--caption-column", default="caption", help="column/field holding the caption")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace the shards of an earlier build in --output (its stale shards are removed)")
-    return parser
+from demind.cli.common import Flag, config_parser, run_config_command
+from demind.config import setting
 
 
-def make_shards_command(args: argparse.Namespace) -> int:
+@dataclass
+class MakeShardsConfig:
+    images: str | None = setting(None, help="folder the image paths of the caption file are relative to (required)")
+    captions: str | None = setting(None, help=".csv (with header) or .jsonl caption file (required)")
+    output: str | None = setting(None, help="folder for 00000.tar, 00001.tar, ... and their _stats.json (required)")
+    samples_per_shard: int = setting(10000, ge=1, help="samples per tar (img2dataset: 10000)")
+    image_column: str = setting("image", help="column/field holding the image path")
+    caption_column: str = setting("caption", help="column/field holding the caption")
+    overwrite: bool = setting(False, help="replace the shards of an earlier build in output (its stale shards are "
+                                          "removed)")
+
+    def config_problems(self) -> list[tuple[str, str]]:
+        return [(key, f"is required: give --{key}") for key in ("images", "captions", "output")
+                if getattr(self, key) is None]
+
+
+FLAGS = {f"--{key.replace('_', '-')}": Flag(key) for key in (
+    "images", "captions", "output", "samples_per_shard", "image_column", "caption_column", "overwrite")}
+
+
+def build_parser():
+    return config_parser(MakeShardsConfig, "demind-make-shards", __doc__, FLAGS)
+
+
+def make_shards_command(args: MakeShardsConfig) -> int:
     """Build the shards; print what was written and the first 20 skipped rows with their reasons."""
     from demind.gen.ingest import build_shards
 
@@ -55,4 +66,4 @@ def make_shards_command(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command on ``argv`` (default: sys.argv[1:]); returns the exit status (2: bad input)."""
-    return run_command(build_parser(), make_shards_command, argv)
+    return run_config_command(MakeShardsConfig, build_parser(), make_shards_command, argv)

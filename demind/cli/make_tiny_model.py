@@ -10,28 +10,39 @@ Its text is random words: it exercises the whole pipeline, not the quality of th
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass, field
 
-from demind.cli.common import run_command
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="data_gen/make_tiny_model.py", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output", default="shards/tiny-llava-next", help="folder to save the model and processor")
-    parser.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
-    return parser
+from demind.cli.common import Flag, config_parser, run_config_command
+from demind.config import setting
 
 
-def make_tiny_model_command(args: argparse.Namespace) -> int:
+@dataclass
+class TinyModelRun:
+    seed: int = setting(0, ge=0, help="weight initialisation seed")
+
+
+@dataclass
+class TinyModelConfig:
+    output: str = setting("shards/tiny-llava-next", help="folder to save the model and processor")
+    run: TinyModelRun = field(default_factory=TinyModelRun)
+
+
+FLAGS = {"--output": Flag("output")}
+
+
+def build_parser():
+    return config_parser(TinyModelConfig, "data_gen/make_tiny_model.py", __doc__, FLAGS)
+
+
+def make_tiny_model_command(cfg: TinyModelConfig) -> int:
     """Build and save the tiny model; print where."""
     from demind.gen.tiny_llava import build_tiny_llava_next
 
-    path = build_tiny_llava_next(args.output, seed=args.seed)
+    path = build_tiny_llava_next(cfg.output, seed=cfg.run.seed)
     print(f"saved tiny LLaVA-NeXT to {path}")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command on ``argv`` (default: sys.argv[1:]); returns the exit status (2: bad input)."""
-    return run_command(build_parser(), make_tiny_model_command, argv)
+    return run_config_command(TinyModelConfig, build_parser(), make_tiny_model_command, argv)

@@ -2,31 +2,38 @@
 accuracy on the labelled phrasings and what it flags in CIRR caption files.
 
     python -m demind.cli.negation_report \\
-        --cirr /work/shared/fixtures/cirr/captions/cap.rc2.val.json /work/shared/fixtures/cirr/captions/cap.rc2.test1.json
+        --cirr data/CIRR/captions/cap.rc2.val.json data/CIRR/captions/cap.rc2.test1.json
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 
-from demind.cli.common import run_command
+from demind.cli.common import Flag, config_parser, run_config_command
+from demind.config import setting
 from demind.io import write_json_atomic
 from demind.negation.decompose import RuleDecomposer
 from demind.negation.report import PHRASINGS, cirr_flags, format_report, load_phrasings, rule_accuracy
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="demind-negation-report", description=__doc__.split("\n\n")[0])
-    p.add_argument("--phrasings", default=str(PHRASINGS), help="labelled JSONL (default: the shipped set)")
-    p.add_argument("--cirr", nargs="*", default=[], help="CIRR caption files cap.rc2.<split>.json")
-    p.add_argument("--examples", type=int, default=3, help="example captions per cue")
-    p.add_argument("--json", help="also write the numbers here")
-    return p
+@dataclass
+class NegationReportConfig:
+    phrasings: str = setting(str(PHRASINGS), help="labelled JSONL (default: the shipped set)")
+    cirr: list[str] = setting(default_factory=list, help="CIRR caption files cap.rc2.<split>.json")
+    examples: int = setting(3, ge=0, help="example captions per cue")
+    json: str | None = setting(None, help="also write the numbers here")
 
 
-def report_command(args: argparse.Namespace) -> int:
+FLAGS = {"--phrasings": Flag("phrasings"), "--cirr": Flag("cirr", many=True), "--examples": Flag("examples"),
+         "--json": Flag("json")}
+
+
+def build_parser():
+    return config_parser(NegationReportConfig, "demind-negation-report", __doc__.split("\n\n")[0], FLAGS)
+
+
+def report_command(args: NegationReportConfig) -> int:
     """Score the rules on the labelled set, count CIRR flags, print (and write) both."""
     rules = RuleDecomposer()
     acc = rule_accuracy(rules, load_phrasings(args.phrasings))
@@ -38,7 +45,7 @@ def report_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_command(build_parser(), report_command, argv)
+    return run_config_command(NegationReportConfig, build_parser(), report_command, argv)
 
 
 if __name__ == "__main__":

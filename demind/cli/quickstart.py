@@ -14,29 +14,21 @@ The work happens in :func:`demind.toy.pipeline.run_quickstart`.
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
 
-from demind.cli.common import run_command
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="demind-quickstart", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", help="YAML with QuickstartConfig keys (optional)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. seeds=[0,1,2] backbone.steps=600")
-    return parser
+from demind.cli.common import config_parser, run_config_command
+from demind.toy.pipeline import QuickstartConfig
 
 
-def quickstart_command(args: argparse.Namespace) -> int:
+def build_parser():
+    return config_parser(QuickstartConfig, "demind-quickstart", __doc__.split("\n\n")[0],
+                         config_help="YAML with QuickstartConfig keys (optional)")
+
+
+def quickstart_command(cfg: QuickstartConfig) -> int:
     """Run the quickstart; print the tables, the toy CLIP's recall and where the files are."""
-    from demind.config import load_config
     from demind.toy.backbone import format_backbone_report
-    from demind.toy.pipeline import QuickstartConfig, run_quickstart, world_path
+    from demind.toy.pipeline import run_quickstart, world_path
 
-    cfg = load_config(QuickstartConfig, args.config, args.overrides)
-    if args.quiet:
-        cfg.progress = False
     summary = run_quickstart(cfg)
     print()
     print(f"toy world {summary.get('world', 'v1')}")
@@ -56,4 +48,4 @@ def quickstart_command(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command on ``argv`` (default: sys.argv[1:]); returns the exit status (2: bad input)."""
-    return run_command(build_parser(), quickstart_command, argv)
+    return run_config_command(QuickstartConfig, build_parser(), quickstart_command, argv)

@@ -10,19 +10,21 @@ with ``text`` and optionally ``image`` (paths relative to the current folder), `
 image, an empty text) is reported, counted and kept in the JSON with its error; the others run.
 Exit status: 0, 1 when some queries could not be answered, 2 on an error (one line).
 
-This module also holds the two helpers demind-index and demind-serve share (model arguments
-and loading).
+This module also holds what demind-index and demind-serve share: the model settings
+(:class:`ModelOptions`, their flags) and their loading.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from demind.backbone import PRECISIONS
 from demind.checkpoint import load_backbone_and_model
-from demind.cli.common import run_command
+from demind.cli.common import Flag, config_parser, run_config_command
+from demind.config import RunOptions, resolve_device, setting
 from demind.eval.methods import METHODS
 from demind.io import read_jsonl, write_json_atomic
 from demind.search.index import load_index
@@ -31,45 +33,66 @@ from demind.search.query import DEFAULT_METHOD, DEFAULT_TEMPLATE, RANKERS, Searc
 log = logging.getLogger(__name__)
 
 
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """--checkpoint / --backbone / --device / --precision, shared by the search commands.
+@dataclass
+class BackboneChoice:
+    """The frozen backbone of the commands that load a trained model (eval, index, search, serve)."""
 
-    Every search error (GalleryIndexError, SearchError) is a ValueError with the fix in its
-    message, so ``run_command`` prints it as one line."""
-    p.add_argument("--checkpoint", help="De-MINDS checkpoint (.safetensors); its backbone is rebuilt from it")
-    p.add_argument("--backbone", help="NAME:TAG_OR_PATH for the backbone-only methods without a checkpoint "
-                                      "(e.g. ViT-L-14:openai)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--precision", default="fp32", help="backbone precision (fp32, fp16, bf16); the index records it")
+    spec: str | None = setting(None, help="NAME:TAG_OR_PATH, e.g. ViT-L-14:openai (backbone-only methods without a "
+                                          "checkpoint, or to check the checkpoint's); NAME:none = random weights")
+    precision: str = setting("fp32", choices=tuple(PRECISIONS), help="open_clip precision; an index records it")
 
 
-def load_model(args: argparse.Namespace):
-    """(backbone, model or None) as the arguments ask."""
-    import torch
+@dataclass
+class ModelOptions:
+    """What the search commands load: a checkpoint (its backbone rebuilt) or a backbone alone."""
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return load_backbone_and_model(args.checkpoint, args.backbone, precision=args.precision, device=device)
+    checkpoint: str | None = setting(None, help="De-MINDS checkpoint (.safetensors); its backbone is rebuilt from it")
+    backbone: BackboneChoice = field(default_factory=BackboneChoice)
+    run: RunOptions = field(default_factory=RunOptions)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="demind-search", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--index", required=True, help="index folder written by demind-index")
-    add_model_arguments(p)
-    p.add_argument("--image", help="reference image")
-    p.add_argument("--text", help="modification text, e.g. 'make it red'")
-    p.add_argument("--queries", help="JSONL file of queries instead of --image/--text")
-    p.add_argument("--method", default=DEFAULT_METHOD, help=f"one of {', '.join(METHODS)} (default {DEFAULT_METHOD})")
-    p.add_argument("--template", default=DEFAULT_TEMPLATE, help=f"prompt with one '*' and one field "
-                                                                 f"(default {DEFAULT_TEMPLATE!r})")
-    p.add_argument("-k", type=int, default=20, help="results per query (default 20)")
-    p.add_argument("--negative", help="what the results must not show: searched as 'TEXT, without NEGATIVE' with the method's +deo variant")
-    p.add_argument("--ranker", default="exact", choices=RANKERS,
-                   help="exact matrix product (default), or FAISS (pip install -e '.[search]')")
-    p.add_argument("--keep-reference", action="store_true",
-                   help="allow the reference image itself among the results when it is in the gallery")
-    p.add_argument("--out", help="write the results as JSON here")
-    return p
+MODEL_FLAGS = {"--checkpoint": Flag("checkpoint"), "--backbone": Flag("backbone.spec"),
+               "--precision": Flag("backbone.precision")}
+"""The flags demind-index, demind-search and demind-serve share.
+
+Every search error (GalleryIndexError, SearchError) is a ValueError with the fix in its
+message, so the command prints it as one line."""
+
+
+def load_model(cfg: ModelOptions):
+    """(backbone, model or None) as the config asks."""
+    return load_backbone_and_model(cfg.checkpoint, cfg.backbone.spec, precision=cfg.backbone.precision,
+                                   device=resolve_device(cfg.run.device))
+
+
+@dataclass
+class SearchConfig(ModelOptions):
+    index: str | None = setting(None, help="index folder written by demind-index (required)")
+    image: str | None = setting(None, help="reference image")
+    text: str | None = setting(None, help="modification text, e.g. 'make it red'")
+    queries: str | None = setting(None, help="JSONL file of queries instead of image/text")
+    method: str = setting(DEFAULT_METHOD, help=f"one of {', '.join(METHODS)}")
+    template: str = setting(DEFAULT_TEMPLATE, help="prompt with one '*' and one field")
+    k: int = setting(20, ge=1, help="results per query")
+    negative: str | None = setting(None, help="what the results must not show: searched as 'TEXT, without "
+                                              "NEGATIVE' with the method's +deo variant")
+    ranker: str = setting("exact", choices=RANKERS,
+                          help="exact matrix product, or FAISS (pip install -e '.[search]')")
+    keep_reference: bool = setting(False, help="allow the reference image itself among the results when it is "
+                                               "in the gallery")
+    out: str | None = setting(None, help="write the results as JSON here")
+
+    def config_problems(self) -> list[tuple[str, str]]:
+        return [("index", "is required: give --index DIR (built by demind-index)")] if self.index is None else []
+
+
+FLAGS = {**MODEL_FLAGS, **{f"--{name}": Flag(name) for name in ("index", "image", "text", "queries", "method",
+                                                                  "template", "negative", "ranker", "out")},
+         "-k": Flag("k"), "--keep-reference": Flag("keep_reference")}
+
+
+def build_parser():
+    return config_parser(SearchConfig, "demind-search", __doc__.split("\n\n")[0], FLAGS)
 
 
 def read_query_file(path: str | Path, defaults: SearchQuery) -> list[SearchQuery]:
@@ -113,36 +136,36 @@ def print_record(record: dict) -> None:
         print(f"  {hit['rank']:>3}  {hit['score']:.4f}  {hit['name']}")
 
 
-def run(args: argparse.Namespace) -> int:
-    defaults = SearchQuery(image=args.image, text=args.text or "", method=args.method, template=args.template,
-                           k=args.k, negative=args.negative)
-    if args.queries:
-        if args.image or args.text:
+def run(cfg: SearchConfig) -> int:
+    defaults = SearchQuery(image=cfg.image, text=cfg.text or "", method=cfg.method, template=cfg.template,
+                           k=cfg.k, negative=cfg.negative)
+    if cfg.queries:
+        if cfg.image or cfg.text:
             raise ValueError("give --queries FILE or --image/--text, not both")
-        queries = read_query_file(args.queries, defaults)
-    elif args.text is None and args.image is None:
+        queries = read_query_file(cfg.queries, defaults)
+    elif cfg.text is None and cfg.image is None:
         raise ValueError("give --image REF --text 'make it red' (or --queries FILE.jsonl)")
     else:
         queries = [defaults]
-    backbone, model = load_model(args)
-    searcher = Searcher(backbone, model, load_index(args.index), args.ranker)
-    records = [answer(searcher, q, args.keep_reference) for q in queries]
+    backbone, model = load_model(cfg)
+    searcher = Searcher(backbone, model, load_index(cfg.index), cfg.ranker)
+    records = [answer(searcher, q, cfg.keep_reference) for q in queries]
     for record in records:
         print_record(record)
     failed = sum("error" in r for r in records)
     if failed:
         log.warning("%d of %d queries could not be answered (their errors are above and in the JSON)",
                     failed, len(records))
-    if args.out:
-        write_json_atomic(args.out, {"index": str(args.index), "checkpoint": args.checkpoint,
-                                     "ranker": args.ranker, "queries": records}, indent=2)
-        print(f"results: {args.out}")
+    if cfg.out:
+        write_json_atomic(cfg.out, {"index": str(cfg.index), "checkpoint": cfg.checkpoint,
+                                     "ranker": cfg.ranker, "queries": records}, indent=2)
+        print(f"results: {cfg.out}")
     return 1 if failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """``demind-search``: answer the queries, print and write them; exit status as above."""
-    return run_command(build_parser(), run, argv)
+    return run_config_command(SearchConfig, build_parser(), run, argv)
 
 
 if __name__ == "__main__":

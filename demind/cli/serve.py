@@ -11,34 +11,39 @@ what to do instead.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
+from dataclasses import dataclass
 
-from demind.cli.common import run_command
-from demind.cli.search import add_model_arguments, load_model
+from demind.cli.common import Flag, config_parser, run_config_command
+from demind.cli.search import MODEL_FLAGS, ModelOptions, load_model
+from demind.config import setting
 from demind.search.index import GalleryIndexError, build_index, load_index
 from demind.search.query import RANKERS, Searcher
 
 log = logging.getLogger(__name__)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="demind-serve", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quickstart", nargs="?", const="runs/quickstart", metavar="WORKDIR",
-                   help="serve the quickstart's model over its toy CIRR gallery (default runs/quickstart)")
-    p.add_argument("--index", help="index folder (built by demind-index, or here with --images)")
-    p.add_argument("--images", help="build or update the index from this folder first")
-    add_model_arguments(p)
-    p.add_argument("--ranker", default="exact", choices=RANKERS)
-    p.add_argument("--host", default="127.0.0.1", help="127.0.0.1 (default) serves this machine only")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--quiet", action="store_true", help="no progress bar while indexing")
-    return p
+@dataclass
+class ServeConfig(ModelOptions):
+    quickstart: str | None = setting(None, help="serve the quickstart's model over its toy CIRR gallery from this "
+                                                "work folder (--quickstart alone: runs/quickstart)")
+    index: str | None = setting(None, help="index folder (built by demind-index, or here from images)")
+    images: str | None = setting(None, help="build or update the index from this folder first")
+    ranker: str = setting("exact", choices=RANKERS)
+    host: str = setting("127.0.0.1", help="127.0.0.1 serves this machine only")
+    port: int = setting(8000, ge=0, le=65535, help="0: any free port")
 
 
-def resolve_paths(args: argparse.Namespace) -> None:
+FLAGS = {**MODEL_FLAGS, "--quickstart": Flag("quickstart", const="runs/quickstart", optional_value=True),
+         **{f"--{name}": Flag(name) for name in ("index", "images", "ranker", "host", "port")}}
+
+
+def build_parser():
+    return config_parser(ServeConfig, "demind-serve", __doc__.split("\n\n")[0], FLAGS)
+
+
+def resolve_paths(args: ServeConfig) -> None:
     """Fill --checkpoint/--images/--index from the quickstart's layout when --quickstart is given."""
     if args.quickstart:
         from demind.toy.pipeline import quickstart_search_paths
@@ -47,17 +52,17 @@ def resolve_paths(args: argparse.Namespace) -> None:
         args.checkpoint = args.checkpoint or str(paths["checkpoint"])
         args.images = args.images or str(paths["images"])
         args.index = args.index or str(paths["index"])
-    if not args.index or not (args.checkpoint or args.backbone):
+    if not args.index or not (args.checkpoint or args.backbone.spec):
         raise ValueError("give --quickstart [WORKDIR], or --index DIR with --checkpoint CKPT")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: ServeConfig) -> int:
     from demind.search.server import create_app, start_server
 
     resolve_paths(args)
     backbone, model = load_model(args)
     if args.images:
-        stats = build_index(args.images, args.index, backbone, progress=not args.quiet)
+        stats = build_index(args.images, args.index, backbone, progress=args.run.progress)
         print(f"index {args.index}: {stats.indexed} images ({stats.encoded} encoded, {stats.cached} reused, "
               f"{len(stats.unreadable)} unreadable)")
     try:
@@ -77,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``demind-serve``: (build and) load the index and model once, then serve the page."""
-    return run_command(build_parser(), run, argv)
+    return run_config_command(ServeConfig, build_parser(), run, argv)
 
 
 if __name__ == "__main__":

@@ -6,25 +6,23 @@ from the newest checkpoint in ``run.output_dir``.  The work happens in :mod:`dem
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 
-from demind.cli.common import run_command
+from demind.cli.common import config_parser, run_config_command
+from demind.training.config import TrainConfig
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="demind-train", description="Train De-MINDS on intent shards.")
-    parser.add_argument("--config", help="YAML recipe, e.g. configs/train/smoke.yaml (defaults: the paper's)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=1e-5 run.output_dir=runs/x")
-    return parser
+def build_parser():
+    return config_parser(TrainConfig, "demind-train", "Train De-MINDS on intent shards.",
+                         config_help="YAML recipe, e.g. configs/train/smoke.yaml (defaults: the paper's)")
 
 
-def train_command(args: argparse.Namespace) -> int:
-    """Load the recipe, train, print the exported checkpoint path."""
-    from demind.training import load_train_config, train
+def train_command(cfg: TrainConfig) -> int:
+    """Train, print the exported checkpoint path."""
+    from demind.training import train
 
-    path = train(load_train_config(args.config, args.overrides))
+    path = train(cfg)
     print(f"checkpoint: {path}")
     return 0
 
@@ -33,4 +31,4 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command on ``argv`` (default: sys.argv[1:]); returns the exit status (2: bad input)."""
     # Info logs from the main process only (RANK is set by accelerate launch / torchrun).
     level = logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING
-    return run_command(build_parser(), train_command, argv, log_level=level)
+    return run_config_command(TrainConfig, build_parser(), train_command, argv, log_level=level)

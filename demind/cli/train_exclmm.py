@@ -6,33 +6,32 @@ Rerunning the same command resumes from ``<run.output_dir>/state.safetensors``; 
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from demind.cli.common import run_command
+from demind.cli.common import config_parser, run_config_command
+from demind.exclmm.train import ExclMMConfig
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m demind.cli.train_exclmm",
-                                     description="Train ExclMM on an ExclCOCO training split (frozen CLIP).")
-    parser.add_argument("--config", help="YAML recipe, e.g. configs/exclmm/toy.yaml (defaults: ViT-L-14, d=1000)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.train=data/exclcoco/train run.seed=1")
-    return parser
+def build_parser():
+    return config_parser(ExclMMConfig, "demind-train-exclmm",
+                         "Train ExclMM on an ExclCOCO training split (frozen CLIP).",
+                         config_help="YAML recipe, e.g. configs/exclmm/toy.yaml (defaults: ViT-L-14, d=1000)")
 
 
-def train_exclmm_command(args: argparse.Namespace) -> int:
-    """Load the recipe, train (or resume), print the export path."""
-    from demind.config import load_config
-    from demind.exclmm.train import ExclMMConfig, train_exclmm
+def train_exclmm_command(cfg: ExclMMConfig) -> int:
+    """Train (or resume), print the export path."""
+    from demind.config import resolve_device
+    from demind.exclmm.train import train_exclmm
 
-    path = train_exclmm(load_config(ExclMMConfig, args.config, args.overrides))
+    cfg.run.device = resolve_device(cfg.run.device)
+    path = train_exclmm(cfg)
     print(f"exclmm: {path}")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command on ``argv`` (default: sys.argv[1:]); returns the exit status (2: bad input)."""
-    return run_command(build_parser(), train_exclmm_command, argv, intermixed=True)
+    return run_config_command(ExclMMConfig, build_parser(), train_exclmm_command, argv)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 
 from demind.backbone import BackboneConfig, FrozenCLIP, build_backbone
-from demind.config import save_config
+from demind.config import device_setting, save_config
 from demind.errors import DemindError
 from demind.exclmm import losses as L
 from demind.exclmm.features import FEATURES_NAME, prepare_features
@@ -112,7 +112,7 @@ class QueryConfig:
 class ExclRunConfig:
     output_dir: str = "runs/exclmm"
     seed: int = 0
-    device: str = "cpu"
+    device: str = device_setting("cpu")  # auto, cpu, cuda or cuda:N
     log_every: int = 200
     save_every: int = 500
     progress: bool = True

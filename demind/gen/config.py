@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from demind.config import setting
-
-
+from demind.config import device_setting, setting
 
 @dataclass
 class EngineConfig:
@@ -31,7 +29,6 @@ class EngineConfig:
     # LLaVA-1.6 7B in bf16 keeps 128 KiB per token: 131,072 tokens = 16 GiB, about 48 images of 2.7k tokens, so
     # keep engine.chunk_size x prompt tokens below it.
     prefix_cache_tokens: int = 131072
-    device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:1", ...
     batch_size: int = setting(8, ge=1)  # rows per generate() call
     cpu_threads: int = setting(0, ge=0)  # torch CPU threads for this process (0 = torch's default); 1 suits tiny models
     # vLLM only
@@ -43,11 +40,10 @@ class EngineConfig:
 
 @dataclass
 class SamplingConfig:
-    """Decoding parameters; every request's seed is derived from (seed, key, stage, attempt)."""
+    """Decoding parameters; every request's seed is derived from (run.seed, key, stage, attempt)."""
 
     temperature: float = setting(0.7, ge=0)  # 0 = greedy (then a retry cannot change the text and is skipped)
     top_p: float = setting(0.9, gt=0, le=1)
-    seed: int = 0
     rewrite_max_tokens: int = setting(160, ge=1)  # T_rew: the paper reports about 65 tokens on average
     intent_max_tokens: int = setting(64, ge=1)  # T_int: about 27 tokens
     retries: int = setting(1, ge=0)  # extra attempts (new seed) for an output that fails a quality check
@@ -89,12 +85,22 @@ class IOConfig:
 
 
 @dataclass
+class GenRunConfig:
+    """Where the transformers engine runs, the seed of every request, and progress bars."""
+
+    device: str = device_setting()  # transformers engine and the fidelity stage; vLLM places itself
+    seed: int = setting(0, ge=0, help="every request's sampling seed derives from (seed, key, stage, attempt)")
+    progress: bool = setting(True, help="progress bars (also the weight-loading bars of transformers)")
+
+
+@dataclass
 class GenConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     prompts: PromptConfig = field(default_factory=PromptConfig)
     quality: QualityConfig = field(default_factory=QualityConfig)
     io: IOConfig = field(default_factory=IOConfig)
+    run: GenRunConfig = field(default_factory=GenRunConfig)
 
 
 def validate_config(cfg: GenConfig) -> None:

@@ -141,7 +141,7 @@ class IntentGenerator:
             GenRequest(
                 prompt=prompts[i],
                 image=items[i].image,
-                seed=request_seed(self.cfg.sampling.seed, items[i].key, stage, attempt),
+                seed=request_seed(self.cfg.run.seed, items[i].key, stage, attempt),
                 max_new_tokens=max_new_tokens,
                 keep_prefix=keep_prefix,
             )

@@ -20,7 +20,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from demind.config import to_dict
+from demind.config import resolve_device, to_dict
 from demind.gen.config import GenConfig
 from demind.gen.engines.base import Engine
 from demind.gen.fidelity_stage import FidelityScorer
@@ -201,7 +201,7 @@ def generation_record(cfg: GenConfig, engine: Engine, prompts: PromptSet, item: 
         "sampling": {
             "temperature": s.temperature,
             "top_p": s.top_p,
-            "seed": s.seed,
+            "seed": cfg.run.seed,  # the job seed every request seed derives from
             "rewrite_max_tokens": s.rewrite_max_tokens,
             "intent_max_tokens": s.intent_max_tokens,
         },
@@ -314,9 +314,7 @@ def run_plan(plan: JobPlan, cfg: GenConfig, engine: Engine, prompts: PromptSet, 
     generator = IntentGenerator(engine, cfg, prompts)
     scorer = None
     if cfg.quality.fidelity_clip:
-        from demind.gen.engines.transformers_engine import resolve_device  # the one reading of engine.device
-
-        scorer = FidelityScorer.from_config(cfg.quality, cfg.sampling.seed, str(resolve_device(cfg.engine.device)))
+        scorer = FidelityScorer.from_config(cfg.quality, cfg.run.seed, resolve_device(cfg.run.device))
     summary = JobSummary(skipped_done=[t.shard_id for t in plan.by_state("done")])
     todo = plan.todo
     expected = [expected_samples(t.input_path) for t in todo]

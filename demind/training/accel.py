@@ -20,11 +20,16 @@ def setup(cfg: TrainConfig):
     from accelerate import Accelerator, DistributedDataParallelKwargs
     from accelerate.utils import ProjectConfiguration, set_seed
 
+    if cfg.run.device.startswith("cuda:"):
+        raise ConfigError(f"config key 'run.device' = {cfg.run.device!r}: training places each process on its GPU "
+                          "itself; use run.device=cuda and choose the GPU with CUDA_VISIBLE_DEVICES=N or "
+                          "`accelerate launch --gpu_ids N`", key="run.device")
     run_dir = Path(cfg.run.output_dir)
     accelerator = Accelerator(
         mixed_precision=cfg.run.mixed_precision,
         gradient_accumulation_steps=cfg.optim.grad_accum_steps,
-        cpu=cfg.run.cpu,
+        # auto / cuda: Accelerate places each process on its GPU (or the CPU when none is visible)
+        cpu=cfg.run.device == "cpu",
         log_with=available_trackers(cfg.run.trackers) or None,
         project_config=ProjectConfiguration(project_dir=str(run_dir), logging_dir=str(run_dir / "logs")),
         # The ablations that bypass the gate leave it without a gradient.

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from demind.backbone import BackboneConfig, text_width
-from demind.config import load_config, setting
+from demind.config import device_setting, load_config, setting
 from demind.data import DataConfig
-from demind.model import ModelConfig
+from demind.model import ModelConfig, heads_problem
 from demind.robust import NoiseConfig
 
 
@@ -52,13 +52,16 @@ class RunConfig:
     output_dir: str = "runs/demind"
     seed: int = setting(0, ge=0)
     mixed_precision: str = setting("no", choices=("no", "bf16", "fp16"))
-    cpu: bool = False  # force CPU even when a GPU is visible
+    # cpu forces the CPU; auto and cuda let Accelerate give each process its GPU. Training on one
+    # chosen GPU goes through CUDA_VISIBLE_DEVICES or `accelerate launch --gpu_ids` (Accelerate
+    # picks the device per process); cuda:N serves demind-features, which reads this section too.
+    device: str = device_setting()
     log_every: int = setting(50, ge=1)
     save_every: int = setting(1000, ge=1)
     keep_checkpoints: int = setting(2, ge=0)  # 0 keeps every checkpoint
     resume: bool = True
     trackers: list[str] = field(default_factory=lambda: ["tensorboard"])  # used when installed
-    progress: bool = True  # tqdm bar (the log line every log_every steps is printed either way)
+    progress: bool = setting(True, help="tqdm bar (the log line every run.log_every steps is printed either way)")
 
 
 @dataclass
@@ -77,11 +80,9 @@ class TrainConfig:
         """The model's attention heads must split the backbone's text width (read from its model config)."""
         problems = []
         width = text_width(self.backbone)
-        heads = self.model.num_heads
-        if width is not None and heads >= 1 and width % heads:
-            divisors = [d for d in (1, 2, 4, 8, 16, 32) if width % d == 0]
-            problems.append(("model.num_heads", f"= {heads} must divide the backbone's text width {width} "
-                                                f"({self.backbone.name}); choose one of {divisors}"))
+        heads_wrong = heads_problem(self.model.num_heads, width) if width is not None else None
+        if heads_wrong and self.model.num_heads >= 1:  # below 1 the declared rule already says so
+            problems.append(("model.num_heads", f"{heads_wrong} ({self.backbone.name})"))
         if self.noise.mode == "conesep" and self.model.negative_tokens < 1:
             problems.append(("model.negative_tokens", "= 0, but noise.mode=conesep needs ConeSep's negative prompt; "
                                                       "set model.negative_tokens (e.g. 4)"))

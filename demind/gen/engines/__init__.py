@@ -8,22 +8,25 @@ from demind.gen.engines.base import Engine, GenRequest, GenResult, request_seed
 __all__ = ["Engine", "GenRequest", "GenResult", "build_engine", "disable_loading_progress", "request_seed"]
 
 
-def build_engine(engine_cfg: EngineConfig, sampling_cfg: SamplingConfig) -> Engine:
-    """Load the model named by ``engine_cfg`` on the chosen engine (vLLM is imported only here)."""
+def build_engine(engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, *, device: str = "auto",
+                 seed: int = 0) -> Engine:
+    """Load the model named by ``engine_cfg`` on the chosen engine (vLLM is imported only here).
+
+    ``device`` (``run.device``) places the transformers engine; ``seed`` (``run.seed``) seeds vLLM."""
     if engine_cfg.name == "transformers":
         from demind.gen.engines.transformers_engine import TransformersEngine
 
-        return TransformersEngine(engine_cfg, sampling_cfg)
+        return TransformersEngine(engine_cfg, sampling_cfg, device=device)
     if engine_cfg.name == "vllm":
         from demind.gen.engines.vllm_engine import VLLMEngine
 
-        return VLLMEngine(engine_cfg, sampling_cfg)
+        return VLLMEngine(engine_cfg, sampling_cfg, seed=seed)
     raise ValueError(f"engine.name must be 'vllm' or 'transformers', got {engine_cfg.name!r}")
 
 
 def disable_loading_progress() -> None:
     """Hide the model-loading progress bars of transformers ("Loading weights") and huggingface_hub
-    (downloads), for ``--no-progress`` runs whose output goes to a log file."""
+    (downloads), for ``run.progress=false`` runs whose output goes to a log file."""
     import transformers
     from huggingface_hub.utils import disable_progress_bars
 

@@ -140,14 +140,14 @@ class TransformersEngine:
 
     name = "transformers"
 
-    def __init__(self, engine_cfg: EngineConfig, sampling_cfg: SamplingConfig):
+    def __init__(self, engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, device: str = "auto"):
         self.model_id = engine_cfg.model
         self.batch_size = engine_cfg.batch_size
         self.sampling = sampling_cfg
         if engine_cfg.cpu_threads > 0:
             # Small models on a shared CPU run far faster on one thread than with contended thread pools.
             torch.set_num_threads(engine_cfg.cpu_threads)
-        self.device = resolve_device(engine_cfg.device)
+        self.device = resolve_device(device)
         self.dtype = resolve_dtype(engine_cfg.dtype, self.device)
         self.processor = AutoProcessor.from_pretrained(engine_cfg.model)
         self.tokenizer = self.processor.tokenizer

@@ -80,7 +80,7 @@ class VLLMEngine:
 
     name = "vllm"
 
-    def __init__(self, engine_cfg: EngineConfig, sampling_cfg: SamplingConfig):
+    def __init__(self, engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, seed: int = 0):
         vllm = import_vllm()
         from transformers import AutoProcessor
 
@@ -99,7 +99,7 @@ class VLLMEngine:
             # stage 2 repeats stage 1's prompt (image + turn 1): its KV blocks are reused, not recomputed
             enable_prefix_caching=engine_cfg.prefix_cache,
             limit_mm_per_prompt={"image": 1},
-            seed=sampling_cfg.seed,
+            seed=seed,
         )
         logger.info("vllm engine: %s, tensor_parallel_size %d", self.model_id, engine_cfg.tensor_parallel_size)
 
