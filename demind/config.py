@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-import re
 import types
 import typing
 from pathlib import Path
@@ -32,6 +31,9 @@ import yaml
 
 from demind.errors import DemindError
 from demind.io import write_text_atomic
+# the declaration side (rules, setting(), run settings) lives in demind.settings; re-exported here
+from demind.settings import (  # noqa: F401
+    DEVICE_PATTERN, Rule, RunOptions, device_setting, resolve_device, setting)
 
 T = TypeVar("T")
 
@@ -46,91 +48,6 @@ class ConfigError(DemindError, ValueError):
     def __init__(self, message: str, key: str | None = None):
         super().__init__(message)
         self.key = key
-
-
-# --------------------------------------------------------------------------- declared rules
-
-
-@dataclasses.dataclass(frozen=True)
-class Rule:
-    """Allowed values of one config field: bounds (inclusive ``ge``/``le``, exclusive ``gt``/``lt``)
-    and/or a set of ``choices``. Bounds apply to numbers and to every number of a list."""
-
-    ge: float | None = None
-    gt: float | None = None
-    le: float | None = None
-    lt: float | None = None
-    choices: tuple[Any, ...] | None = None
-    pattern: str | None = None  # a string must match it whole (e.g. DEVICE_PATTERN)
-    spelled: str | None = None  # how ``pattern`` reads in a message ("auto, cpu, cuda or cuda:N")
-
-    def describe(self) -> str:
-        if self.choices is not None:
-            return "one of " + ", ".join(repr(c) for c in self.choices)
-        if self.pattern is not None:
-            return self.spelled or f"a string matching {self.pattern!r}"
-        parts = [f"{op} {bound:g}" for op, bound in ((">=", self.ge), (">", self.gt), ("<=", self.le), ("<", self.lt))
-                 if bound is not None]
-        return " and ".join(parts)
-
-    def allows(self, value: Any) -> bool:
-        if value is None:
-            return True  # Optional fields: None is checked by the type, not the rule
-        if isinstance(value, (list, tuple)):
-            return all(self.allows(v) for v in value)
-        if self.choices is not None and value not in self.choices:
-            return False
-        if self.pattern is not None and not (isinstance(value, str) and re.fullmatch(self.pattern, value)):
-            return False
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            # written as "not (ok)" so that NaN fails every bound
-            if self.ge is not None and not value >= self.ge:
-                return False
-            if self.gt is not None and not value > self.gt:
-                return False
-            if self.le is not None and not value <= self.le:
-                return False
-            if self.lt is not None and not value < self.lt:
-                return False
-        return True
-
-
-def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING,
-            help: str | None = None, **rule: Any) -> Any:  # noqa: A002 -- argparse's word for it
-    """A dataclass field with a declared :class:`Rule` and the text ``--help`` shows for it:
-    ``lr: float = setting(1e-6, gt=0, help="peak learning rate")``."""
-    if "choices" in rule:
-        rule["choices"] = tuple(rule["choices"])
-    metadata: dict[str, Any] = {"rule": Rule(**rule)}
-    if help:
-        metadata["help"] = help
-    return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
-
-
-DEVICE_PATTERN = r"auto|cpu|cuda(:\d+)?"
-
-
-def device_setting(default: str = "auto") -> Any:
-    """``run.device``: ``auto`` (cuda when available, else cpu), ``cpu``, ``cuda`` or ``cuda:N``."""
-    return setting(default, pattern=DEVICE_PATTERN, spelled="auto, cpu, cuda or cuda:N",
-                   help="auto = cuda when a GPU is visible, else cpu")
-
-
-def resolve_device(name: str) -> str:
-    """``run.device`` -> a torch device string: ``auto`` becomes ``cuda`` when a GPU is visible, else ``cpu``."""
-    if name != "auto":
-        return name
-    import torch  # only here: reading a config must not need torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@dataclasses.dataclass
-class RunOptions:
-    """The ``run`` section of the commands that only load and apply a model (eval, index, search, serve)."""
-
-    device: str = device_setting()
-    progress: bool = setting(True, help="progress bars")
 
 
 # --------------------------------------------------------------------------- old spellings
