@@ -1,6 +1,6 @@
 """Run time of the ExclCOCO builder on a generated COCO-format split of val2017's size.
 
-    python benchmarks/bench_exclcoco.py [--images 5000] [--workdir /tmp/exclcoco_bench]
+    python benchmarks/bench_exclcoco.py [--images 5000] [--workdir runs/bench-exclcoco]
 
 The fixture (:func:`demind.synthetic.write_synthetic_coco`) has val2017's shape: 5,000 images,
 5 captions each (25,000), COCO's 80 category names, ~7.3 instances per image (~36,000), captions
@@ -26,7 +26,7 @@ from demind.synthetic import write_synthetic_coco  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--images", type=int, default=5000)
-    p.add_argument("--workdir", default="/tmp/exclcoco_bench")
+    p.add_argument("--workdir", default="runs/bench-exclcoco")
     args = p.parse_args(argv)
     work = Path(args.workdir)
     instances, captions, images = write_synthetic_coco(work / "coco", args.images, split="val2017")

@@ -1,4 +1,4 @@
-"""Every speed figure of issue 14 on one GPU, in one command, with random weights at the real shapes.
+"""Every speed figure of the GPU table (BENCHMARKS.md) on one GPU, in one command, with random weights at the real shapes.
 
     PYTHONPATH=. python benchmarks/bench_gpu.py --json bench_gpu.json          # one GPU, < 10 min
     PYTHONPATH=. python benchmarks/bench_gpu.py --tiny --json bench_tiny.json  # CPU, tiny shapes (a test runs it)
@@ -51,7 +51,7 @@ from benchmarks import gpu_models  # noqa: E402
 from benchmarks.bench_eval import gallery_throughput, query_latency  # noqa: E402
 
 SECTIONS = ("tower", "cache", "gallery", "query", "train", "gen")
-# Issue 14's goals on one H100, for the printed table.
+# The speed goals on one H100, for the printed table.
 GOALS = {"cache": ">= 2,500 img/s", "query": "<= 1.2x at batch 1", "gen": ">= 6 img/s", "train": ">= 6,000 samples/s"}
 
 
@@ -250,7 +250,7 @@ def query_cells(r: dict) -> str:
 
 
 def table(results: dict) -> list[tuple[str, str, str]]:
-    """(what, measured, goal) rows in the order of issue 14's table."""
+    """(what, measured, goal) rows in the order of BENCHMARKS.md's GPU table."""
     rows = []
     s = results["sections"]
 
@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> dict:
             if args.json:  # after every section, so a run stopped by a time limit keeps what it measured
                 Path(args.json).write_text(json.dumps(results, indent=1))
     print(f"\ndevice: {results['device']}{' (tiny shapes)' if args.tiny else ''}")
-    print("| what | measured | goal (issue 14) |\n| --- | --- | --- |")
+    print("| what | measured | goal |\n| --- | --- | --- |")
     for what, measured, goal in table(results):
         print(f"| {what} | {measured} | {goal} |")
     return results

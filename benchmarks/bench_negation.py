@@ -3,9 +3,9 @@
 
     PYTHONPATH=. python benchmarks/bench_negation.py --latency              # DEO solve time per query
     PYTHONPATH=. python benchmarks/bench_negation.py --methods-latency      # whole +deo query vs base, toy CLIP
-    PYTHONPATH=. python benchmarks/bench_negation.py --workdir /work/runs/qs3  # toy tables per seed
+    PYTHONPATH=. python benchmarks/bench_negation.py --workdir runs/quickstart  # toy tables per seed
     PYTHONPATH=. python benchmarks/bench_negation.py --backbone-only configs/model/toy-clip.json:WEIGHTS.pt \
-        --benchmarks /work/runs/qs3/benchmarks --out /tmp/deo-bb                # Text-only / Image+Text +- DEO
+        --benchmarks runs/quickstart/benchmarks --out runs/deo-bb               # Text-only / Image+Text +- DEO
 
 Latency: the time to turn (e_o, sub-query embeddings) into e_u, exact (closed form) vs the
 paper's 20 Adam steps, for one query at a time (the paper's 0.016 s for 20 steps on a CPU)
@@ -149,8 +149,8 @@ def main() -> None:
     p.add_argument("--model-config", default="configs/model/toy-clip-rn.json")
     p.add_argument("--workdir", help="a finished quickstart workdir")
     p.add_argument("--backbone-only", help="NAME:WEIGHTS of a trained toy CLIP (Text-only / Image+Text +- DEO)")
-    p.add_argument("--benchmarks", default="/work/runs/qs3/benchmarks", help="the quickstart's benchmarks folder")
-    p.add_argument("--out", default="/tmp/deo-backbone-only", help="evaluation outputs (and feature cache)")
+    p.add_argument("--benchmarks", default="runs/quickstart/benchmarks", help="the quickstart's benchmarks folder")
+    p.add_argument("--out", default="runs/deo-backbone-only", help="evaluation outputs (and feature cache)")
     p.add_argument("--json", help="write the latency rows here")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (1: on a shared machine a spinning second thread costs more than it gives)")

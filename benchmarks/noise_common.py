@@ -1,4 +1,4 @@
-"""Shared set-up of the two noisy-description measurements (issue 17): the toy backbone and
+"""Shared set-up of the two noisy-description measurements: the toy backbone and
 benchmarks of a finished quickstart workdir, noisy toy intent shards with their feature cache,
 and one quickstart-style work folder per (noise group, training mode).
 

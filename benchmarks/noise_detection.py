@@ -1,4 +1,4 @@
-"""Noise detection on toy intent shards: GFQ fidelity vs a small-loss GMM detector (issue 17, measurement a).
+"""Noise detection on toy intent shards: GFQ fidelity vs a small-loss GMM detector (measurement a).
 
     PYTHONPATH=. python benchmarks/noise_detection.py --quickstart runs/quickstart --out runs/noise_detection
     PYTHONPATH=. python benchmarks/noise_detection.py --quickstart Q --out O --tiny     # a minute on a CPU

@@ -1,4 +1,4 @@
-"""Retrieval of De-MINDS trained on noisy descriptions, per training mode (issue 17, measurement b).
+"""Retrieval of De-MINDS trained on noisy descriptions, per training mode (measurement b).
 
     PYTHONPATH=. python benchmarks/noise_retrieval.py --quickstart runs/quickstart --out runs/noise_retrieval
     PYTHONPATH=. python benchmarks/noise_retrieval.py --quickstart Q --out O --tiny     # minutes on a CPU

@@ -1,4 +1,4 @@
-"""Kill-and-rerun check of the two long jobs (issue 12's reliability table).
+"""Kill-and-rerun check of the two long jobs (BENCHMARKS.md, "Reliability").
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/reliability_kill.py --data-gen-kills 6 --train-kills 6
 
@@ -69,7 +69,7 @@ def data_gen_check(work: Path, kills: int, rng: random.Random, env: dict[str, st
 
     try:
         from demind.gen.tiny_llava import build_tiny_llava_next
-    except ImportError:  # before issue 11's layout
+    except ImportError:  # before the library/command split
         from demind.gen.tiny_model import build_tiny_llava_next
 
     sys.path.insert(0, str(REPO / "tests"))

@@ -1,4 +1,4 @@
-"""Training on noisy MLLM descriptions: the modes of ``training.noise`` (issue 17).
+"""Training on noisy MLLM descriptions: the modes of ``training.noise``.
 
 An MLLM hallucinates, so some T_rew / T_int do not match their image. GFQ
 (:mod:`demind.fidelity`) gives each sample a fidelity F in (0, 1); ``noise.mode`` says

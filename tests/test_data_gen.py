@@ -1,4 +1,4 @@
-"""Intent-data generation job (issue 4), end to end on CPU with a tiny random LLaVA-NeXT.
+"""Intent-data generation job, end to end on CPU with a tiny random LLaVA-NeXT.
 
 The real generation command (``demind.cli.generate.main``, behind ``data_gen/run.py``) runs over input shards written here; nothing is downloaded.
 """
@@ -560,7 +560,7 @@ def test_plan_states_from_files_on_disk(tmp_path):
         make_plan(str(inp), out, None, overwrite=False)
 
 
-# ---------------------------------------------------------------- issue 12 (reliability)
+# ---------------------------------------------------------------- reliability
 
 
 def test_finding3_duplicate_key_is_skipped_and_the_job_goes_on(repo_root, tiny_llava, run_main, tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""Issue 12: one test per reliability finding, each reproducing the finding's command on tiny
+"""Reliability: one test per finding, each reproducing the finding's command on tiny
 models and generated data. Every test here fails on commit ccbd3bf (checked by running this
 file against a checkout of it) and passes now.
 
@@ -297,7 +297,7 @@ def test_finding7_smoke_checkpoint_on_a_random_backbone_evaluates(tmp_path):
     from demind.checkpoint import save_checkpoint
     try:
         from demind.checkpoint import load_backbone_and_model
-    except ImportError:  # before issue 11's layout
+    except ImportError:  # before the library/command split
         from demind.eval.methods import load_backbone_and_model
     from demind.model import DeMinds, ModelConfig
 
@@ -390,7 +390,7 @@ def test_finding8_text_longer_than_the_context_is_counted_in_eval_results(tmp_pa
 def synthetic_shards(directory: Path, **kwargs) -> None:
     try:
         from demind.synthetic import write_synthetic_shards
-    except ImportError:  # before issue 11's layout
+    except ImportError:  # before the library/command split
         from demind.data import write_synthetic_shards
     write_synthetic_shards(directory, **kwargs)
 
@@ -475,7 +475,7 @@ def test_finding8_eval_command_smoke_checkpoint_runs_and_a_corrupted_one_is_one_
     the same command on a corrupted copy exits 2 with one line, no traceback (findings 4 and 8)."""
     try:
         from demind.cli.evaluate import main
-    except ImportError:  # before issue 11's layout
+    except ImportError:  # before the library/command split
         from demind.eval.cli import main
 
     write_tiny_cirr(tmp_path / "cirr", "make it blue")

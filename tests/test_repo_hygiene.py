@@ -9,7 +9,7 @@ Every tracked text file is read (``git ls-files``; images, other binaries and th
   ``data/CIRR``), or a path relative to the repository. A bare root in prose ("under /tmp")
   and example data folders a user would pick (``/data/cc3m``) are allowed: only a root
   followed by a concrete name is refused.
-- a reference to an internal issue tracker (``issue 20``, ``issues 14``, ``#17``): the numbers
+- a reference to an internal issue tracker (the word issue followed by a number, or ``#`` and a number): the numbers
   mean nothing to a reader of the repository. Say what the change is instead.
 
 And the README stays short enough to read: at most 200 lines (details live in ``docs/``).
@@ -41,7 +41,7 @@ MACHINE_PATH = re.compile(
     r"(?<![\w.~$/-])/(?:work|tmp)/[\w.-]+"
     r"|(?<![\w.~$/-])/(?:home|Users)/[\w.-]+/"
 )
-# An internal issue number: "issue 20", "issues 14 and 17", "issue #3", or "#17" standing
+# An internal issue number: the word issue(s) before a number (with or without "#"), or "#N" standing
 # alone (not a hex colour such as #1f77b4 or #000000, not an anchor such as page#section).
 ISSUE_WORD = re.compile(r"\bissues?\s*#?\d+\b", re.IGNORECASE)
 ISSUE_HASH = re.compile(r"(?:^|(?<=[\s(\[,;:]))#\d{1,4}\b(?![\w-])")

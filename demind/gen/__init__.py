@@ -1,4 +1,4 @@
-"""Intent-data generation (issue 4): image-caption shards -> intent shards with an MLLM.
+"""Intent-data generation: image-caption shards -> intent shards with an MLLM.
 
 Entry point: ``data_gen/run.py``. Library pieces: :mod:`.shards` (ranges, plan),
 :mod:`.reader` (input shards, images), :mod:`.prompts`, :mod:`.engines`, :mod:`.generate`

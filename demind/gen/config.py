@@ -63,7 +63,7 @@ class QualityConfig:
 
     repeat_ngram: int = setting(3, ge=1)  # n of the word n-grams counted for the repetition check
     max_ngram_repeats: int = setting(2, ge=0)  # an n-gram seen more often than this flags the output as repetitive
-    # Optional GFQ fidelity stage (issue 17, demind/gen/fidelity_stage.py): an open_clip model (name
+    # Optional GFQ fidelity stage (demind/gen/fidelity_stage.py): an open_clip model (name
     # or model JSON) scores each sample's T_rew and T_int against its image; a score below
     # fidelity_omega flags the sample ("intent:low_fidelity"), it is never dropped. null = off.
     fidelity_clip: str | None = None

@@ -1,4 +1,4 @@
-"""The optional quality stage of data generation: GFQ fidelity of each output (issue 17).
+"""The optional quality stage of data generation: GFQ fidelity of each output.
 
 With ``quality.fidelity_clip`` set, every generated T_rew and T_int is scored against its
 image with :mod:`demind.fidelity`'s GFQ (a frozen open_clip CLIP; F = sigmoid((s - B) / tau)).
