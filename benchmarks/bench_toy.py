@@ -18,9 +18,9 @@ import numpy as np
 import torch
 from open_clip.loss import ClipLoss
 
-from demind.toy.backbone import ToyBackboneConfig, build_toy_model, encode_text_trimmed, images_to_tensor, render_pool
-from demind.toy.parallel import default_workers
-from demind.toy.texts import web_text
+from toyworld.backbone import ToyBackboneConfig, build_toy_model, encode_text_trimmed, images_to_tensor, render_pool
+from toyworld.parallel import default_workers
+from toyworld.texts import web_text
 
 
 def time_steps(fused: bool, steps: int, pool: int = 512) -> dict[str, float]:

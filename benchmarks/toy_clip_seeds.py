@@ -22,9 +22,9 @@ from pathlib import Path
 
 from demind.config import load_config
 from demind.io import write_json_atomic
-from demind.toy.backbone import ToyBackboneConfig, ensure_toy_backbone
-from demind.toy.probes import PAIR_PROBE_ATTRIBUTES
-from demind.toy.world import DEFAULT_WORLD, WORLDS
+from toyworld.backbone import ToyBackboneConfig, ensure_toy_backbone
+from toyworld.probes import PAIR_PROBE_ATTRIBUTES
+from toyworld.world import DEFAULT_WORLD, WORLDS
 
 
 def probes_by_seed(base: ToyBackboneConfig, seeds: list[int], cache_dir: Path, progress: bool

@@ -17,9 +17,9 @@ import time
 
 import torch
 
-from demind.toy.backbone import ToyBackboneConfig, build_toy_model, clip_pair_scorer, probe_ceilings
-from demind.toy.probes import pair_probe_breakdown, pair_probe_cases, probe_accuracies, score_pairs
-from demind.toy.world import DEFAULT_WORLD, WORLDS
+from toyworld.backbone import ToyBackboneConfig, build_toy_model, clip_pair_scorer, probe_ceilings
+from toyworld.probes import pair_probe_breakdown, pair_probe_cases, probe_accuracies, score_pairs
+from toyworld.world import DEFAULT_WORLD, WORLDS
 
 
 def main() -> None:

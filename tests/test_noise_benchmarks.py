@@ -24,9 +24,9 @@ TINY_CLIP = {
 @pytest.fixture(scope="module")
 def tiny_quickstart(tmp_path_factory):
     """A workdir as the quickstart leaves it: results.json (config), toy CLIP, toy CIRR + exclusion."""
-    from demind.toy.backbone import ToyBackboneConfig, ensure_toy_backbone
-    from demind.toy.benchmarks import ToyBenchmarkConfig, write_benchmarks
-    from demind.toy.pipeline import QuickstartConfig
+    from toyworld.backbone import ToyBackboneConfig, ensure_toy_backbone
+    from toyworld.benchmarks import ToyBenchmarkConfig, write_benchmarks
+    from toyworld.pipeline import QuickstartConfig
 
     root = tmp_path_factory.mktemp("qs")
     model_json = root / "toy-clip-tiny.json"
@@ -63,7 +63,7 @@ def test_noise_retrieval_tiny_runs_every_mode_and_resumes(tiny_quickstart, tmp_p
     assert stats["noise"]["noisy"] > 0
     assert json.loads((out / "shards" / "clean" / "00000_stats.json").read_text())["noise"]["noisy"] == 0
     # a rerun skips every finished cell (no training, no evaluation)
-    import demind.toy.pipeline as pipeline
+    import toyworld.pipeline as pipeline
 
     def fail(*a, **k):
         raise AssertionError("a finished cell was redone")

@@ -310,7 +310,7 @@ def test_commands_turn_bad_input_into_one_line(gallery, tmp_path, tiny_checkpoin
 
 
 def test_quickstart_paths_pick_the_lowest_seed_of_the_newest_backbone(tmp_path):
-    from demind.toy.pipeline import quickstart_search_paths
+    from toyworld.pipeline import quickstart_search_paths
 
     with pytest.raises(FileNotFoundError, match="run the quickstart first"):
         quickstart_search_paths(tmp_path)

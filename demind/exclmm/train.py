@@ -34,7 +34,7 @@ from demind.eval.structures import ImageRef, read_json
 from demind.exclmm import losses as L
 from demind.exclmm.model import ExclMM, words_of
 from demind.io import atomic_path
-from demind.toy.world import derive_seed
+from demind.seeding import derive_seed
 
 log = logging.getLogger(__name__)
 

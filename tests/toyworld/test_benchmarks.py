@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from demind.testing import load_exclusion_json
-from demind.toy.benchmarks import ToyBenchmarkConfig, build_cirr_set, write_benchmarks
-from demind.toy.world import DOMAINS, EDIT_KINDS, SHAPES, scene_diff
+from toy_helpers import load_exclusion_json
+from toyworld.benchmarks import ToyBenchmarkConfig, build_cirr_set, write_benchmarks
+from toyworld.world import DOMAINS, EDIT_KINDS, SHAPES, scene_diff
 
 SMALL = ToyBenchmarkConfig(cirr_sets=6, imgnet_queries_per_class=2, imgnet_targets_per_domain=2,
                            imgnet_distractors_per_class=1, coco_images=6, exclusion_queries=4,
@@ -214,8 +214,8 @@ def test_toy_queries_carry_the_target_description(bench_root):
     from demind.eval.harness import read_benchmark
     import random
 
-    from demind.toy.texts import full_description
-    from demind.toy.world import derive_seed, stream_seed
+    from toyworld.texts import full_description
+    from toyworld.world import derive_seed, stream_seed
 
     cirr = read_benchmark("cirr", bench_root / "cirr").groups[0].queries
     captions = json.loads((bench_root / "cirr/captions/cap.rc2.val.json").read_text())

@@ -8,9 +8,9 @@ import json
 import webdataset as wds
 from PIL import Image
 
-from demind.testing import read_scene
-from demind.toy.intent_data import ToyShardConfig, make_toy_sample, write_toy_shards
-from demind.toy.world import SHAPES
+from toy_helpers import read_scene
+from toyworld.intent_data import ToyShardConfig, make_toy_sample, write_toy_shards
+from toyworld.world import SHAPES
 
 FIELDS = {"__key__", "__url__", "jpg", "txt", "rew.txt", "int.txt", "json"}
 
@@ -92,7 +92,7 @@ def _noise_and_texts(cfg, n):
 def test_noise_corrupts_the_chosen_share_keeps_image_and_alt_text_and_records_ground_truth():
     import pytest
 
-    from demind.toy.world import Scene, scene_diff
+    from toyworld.world import Scene, scene_diff
 
     n = 40
     clean = _noise_and_texts(ToyShardConfig(num_samples=n), n)

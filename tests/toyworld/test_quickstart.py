@@ -9,11 +9,11 @@ import pytest
 
 from demind.checkpoint import read_checked_tensors
 
-from demind.toy.backbone import ToyBackboneConfig
-from demind.toy.benchmarks import ToyBenchmarkConfig
-from demind.testing import per_type_recall
-from demind.toy.intent_data import ToyShardConfig
-from demind.toy.pipeline import QuickstartConfig, run_quickstart
+from toyworld.backbone import ToyBackboneConfig
+from toyworld.benchmarks import ToyBenchmarkConfig
+from toy_helpers import per_type_recall
+from toyworld.intent_data import ToyShardConfig
+from toyworld.pipeline import QuickstartConfig, run_quickstart
 
 TINY_CLIP = {
     "embed_dim": 32,
@@ -95,7 +95,7 @@ def test_quickstart_runs_every_stage_and_reuses_them(tmp_path, monkeypatch):
     assert "DEO vs its base" in summary["deo_table"]
 
     # Second run: nothing is retrained.
-    import demind.toy.backbone as toy_backbone
+    import toyworld.backbone as toy_backbone
     import demind.training as training
 
     def fail(*a, **k):
@@ -144,8 +144,8 @@ def test_per_type_recall_by_hand(tmp_path):
 
 
 def test_quickstart_command_prints_probes_ceilings_and_gate(monkeypatch, capsys):
-    import demind.toy.pipeline as pipeline
-    from demind.cli.quickstart import main
+    import toyworld.pipeline as pipeline
+    from toyworld.cli import main
 
     summary = {"table": "TABLE", "per_type_table": "", "paired_table": "", "deo_table": "", "timings_s": {"train": 1.0}, "plot": None,
                "gate": {"demind": {0: 0.0912}},

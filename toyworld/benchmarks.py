@@ -6,7 +6,7 @@ backbone's and the intent shards' scenes):
 * ``root/cirr/``: CIRR rc2 layout — ``captions/cap.rc2.val.json`` (entries ``pairid``,
   ``reference``, ``target_hard``, ``target_soft``, ``caption``, ``img_set`` {``id``,
   ``members``, ``reference_rank``, ``target_rank``}, plus ``toy_type``: the modification
-  type, for per-type recall; ``implicit`` for World v2's themes), ``image_splits/split.rc2.val.json`` (name ->
+  type, for per-type recall; ``implicit`` for the themes), ``image_splits/split.rc2.val.json`` (name ->
   ``./dev/NAME.png``), ``dev/*.png``.
 * ``root/imgnet/``: Pic2Word's ``imgnet_real_query.txt`` and ``imgnet_targets.txt``
   (``path label `` lines; paths ``imgnet/real/<class>/...`` and
@@ -44,8 +44,7 @@ backbone's and the intent shards' scenes):
   evaluation data root). Labels = object categories only (``caption_min_images=0``); train
   and test scenes come from disjoint seed streams.
 
-Every benchmark is drawn from the world ``cfg.world`` (v1 or v2, README "World v2"). Each folder
-gets ``toy_benchmark.json`` last (config + world version): the done-marker.
+Each folder gets ``toy_benchmark.json`` last (config + world version): the done-marker.
 """
 
 from __future__ import annotations
@@ -71,9 +70,9 @@ from .parallel import parallel_map
 from .render import render_scene
 from .texts import alt_text, annotator_text, article, full_description, noun_phrase, with_article
 from .world import (
-    BACKGROUNDS, COLOURS, DOMAINS, EDIT_KINDS, IMPLICIT, POSITIONS, SHAPES, SIZES, THEMES, WORLDS, Scene, ToyObject,
-    apply_edit, apply_theme, derive_seed, edit_is_possible, modification_type, random_edit, sample_scene, scene_diff,
-    stream_seed, with_details, world_version,
+    BACKGROUNDS, COLOURS, DOMAINS, EDIT_KINDS, IMPLICIT, POSITIONS, SHAPES, SIZES, THEMES, WORLD_VERSION, Scene,
+    ToyObject, apply_edit, apply_theme, derive_seed, edit_is_possible, modification_type, random_edit, sample_scene,
+    scene_diff, stream_seed, with_details,
 )
 
 logger = logging.getLogger(__name__)
@@ -103,8 +102,7 @@ class ToyBenchmarkConfig:
     # labels every method sits at the base rate; coloured shapes give it something to see.
     exclcoco_labels: str = setting("colour shape", choices=("colour shape", "shape"))
     image_size: int = setting(64, ge=8)
-    world: str = setting("v1", choices=WORLDS)  # README "World v2"; the quickstart sets it from its `world`
-    # World v2: share of toy CIRR sets whose edit is a theme (README "World v2" (b)); unused in v1
+    # share of toy CIRR sets whose edit is a theme (an implicit intent)
     cirr_implicit_share: float = setting(0.2, ge=0, le=1)
 
 
@@ -118,15 +116,21 @@ def _write_json(path: Path, data: Any) -> None:
 
 
 def _marker(folder: Path, name: str, cfg: ToyBenchmarkConfig) -> dict[str, Any]:
-    return {"benchmark": name, "world_version": world_version(cfg.world), "format": TOY_BENCHMARK_FORMAT,
+    return {"benchmark": name, "world_version": WORLD_VERSION, "format": TOY_BENCHMARK_FORMAT,
             "config": asdict(cfg)}
+
+
+# Settings since removed: the world version in the marker says all they said.
+RETIRED_SETTINGS = ("world",)
 
 
 def is_done(folder: Path, name: str, cfg: ToyBenchmarkConfig) -> bool:
     path = folder / "toy_benchmark.json"
     try:
-        return json.loads(path.read_text()) == _marker(folder, name, cfg)
-    except (OSError, ValueError):
+        marker = json.loads(path.read_text())
+        marker["config"] = {k: v for k, v in marker["config"].items() if k not in RETIRED_SETTINGS}
+        return marker == _marker(folder, name, cfg)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
 
 
@@ -161,15 +165,15 @@ def _same_kind_other_value(base: Scene, kind: str, oid: int, target: Scene, rng:
     return random_edit(base, rng, exclude=(kind,))[1]
 
 
-def build_cirr_set(rng: random.Random, world: str = "v1", implicit_share: float = 0.0) -> CirrSet:
+def build_cirr_set(rng: random.Random, implicit_share: float = 0.0) -> CirrSet:
     """B, T = B + e1, N1 (same edit kind, other value), N2 = T + e2 (unmentioned change),
     N3 = B + e3, N4 = B + e4; queries B -> T and N3 -> T. All six scenes are distinct.
 
-    World v2: with probability ``implicit_share`` e1 is a theme (IMPLICIT) on an unthemed B,
-    and N1 is B with another theme."""
-    implicit = world != "v1" and rng.random() < implicit_share
+    With probability ``implicit_share`` e1 is a theme (IMPLICIT) on an unthemed B, and N1 is B
+    with another theme."""
+    implicit = rng.random() < implicit_share
     while True:
-        base = sample_scene(rng, world=world)
+        base = sample_scene(rng)
         if implicit and base.theme is not None:
             continue  # a theme is applied to an unthemed reference
         kind = IMPLICIT if implicit else rng.choice([k for k in EDIT_KINDS if edit_is_possible(base, k)])
@@ -189,7 +193,7 @@ def write_cirr(folder: Path, cfg: ToyBenchmarkConfig, progress: bool = True) -> 
     pairid = 0
     for set_id in tqdm(range(cfg.cirr_sets), desc="toy CIRR", unit="set", disable=not progress):
         rng = random.Random(stream_seed("cirr", set_id))
-        cset = build_cirr_set(rng, cfg.world, cfg.cirr_implicit_share)
+        cset = build_cirr_set(rng, cfg.cirr_implicit_share)
         order = list(range(len(cset.members)))
         rng.shuffle(order)  # members listed in a random order, as CIRR's sets
         names = [f"dev-{set_id}-{m}-img0" for m in range(len(cset.members))]
@@ -222,12 +226,12 @@ def write_cirr(folder: Path, cfg: ToyBenchmarkConfig, progress: bool = True) -> 
 
 # ------------------------------------------------------------------------ ImageNet-R
 
-def single_object_scene(rng: random.Random, shape: str, style: str, world: str = "v1") -> Scene:
-    """One object of ``shape`` in ``style``; in World v2 with its redundant details (no theme:
-    the class is the shape and the domain the style, and a theme would be neither)."""
+def single_object_scene(rng: random.Random, shape: str, style: str) -> Scene:
+    """One object of ``shape`` in ``style`` with its redundant details (no theme: the class is the
+    shape and the domain the style, and a theme would be neither)."""
     obj = ToyObject(0, shape, rng.choice(COLOURS), rng.choice(SIZES), rng.choice(POSITIONS))
     scene = Scene((obj,), rng.choice(BACKGROUNDS), style)
-    return scene if world == "v1" else with_details(scene, rng)
+    return with_details(scene, rng)
 
 
 def write_imgnet(folder: Path, cfg: ToyBenchmarkConfig, progress: bool = True) -> None:
@@ -240,16 +244,16 @@ def write_imgnet(folder: Path, cfg: ToyBenchmarkConfig, progress: bool = True) -
         rng = random.Random(stream_seed("imgnet", c))
         for i in range(cfg.imgnet_queries_per_class):
             path = f"imgnet/real/{shape}/real_{i}.png"
-            jobs.append((path, single_object_scene(rng, shape, "photo", cfg.world), derive_seed("imgnet", path)))
+            jobs.append((path, single_object_scene(rng, shape, "photo"), derive_seed("imgnet", path)))
             query_lines.append(f"{path} {c} ")
         for d, domain in enumerate(DOMAINS):
             for i in range(cfg.imgnet_targets_per_domain):
                 path = f"imgnet/imagenet-r/{shape}/{domain}_{i}.png"
-                jobs.append((path, single_object_scene(rng, shape, domain, cfg.world), derive_seed("imgnet", path)))
+                jobs.append((path, single_object_scene(rng, shape, domain), derive_seed("imgnet", path)))
                 target_lines.append(f"{path} {c + 1000 * d} ")
         for i in range(cfg.imgnet_distractors_per_class):
             path = f"imgnet/real/{shape}/distractor_{i}.png"
-            jobs.append((path, single_object_scene(rng, shape, "photo", cfg.world), derive_seed("imgnet", path)))
+            jobs.append((path, single_object_scene(rng, shape, "photo"), derive_seed("imgnet", path)))
             target_lines.append(f"{path} {c + REAL_DISTRACTOR_OFFSET} ")
     for path, scene, seed in tqdm(jobs, desc="toy ImageNet-R", unit="img", disable=not progress):
         _save_png(render_scene(scene, seed, cfg.image_size).image, root / path)
@@ -267,7 +271,7 @@ def write_coco(folder: Path, cfg: ToyBenchmarkConfig, progress: bool = True,
         rng = random.Random(stream_seed("coco", i))
         name = f"{i + 1:012d}.jpg"
         while True:
-            scene = sample_scene(rng, num_objects=rng.choice((2, 3)), style="photo", world=cfg.world)
+            scene = sample_scene(rng, num_objects=rng.choice((2, 3)), style="photo")
             rendered = render_scene(scene, derive_seed("coco", name, rng.random()), cfg.image_size)
             candidates = []
             for obj in scene.objects:
@@ -310,7 +314,7 @@ def write_exclusion(folder: Path, cfg: ToyBenchmarkConfig, progress: bool = True
     specs = []
     for q in tqdm(range(cfg.exclusion_queries), desc="toy exclusion", unit="query", disable=not progress):
         rng = random.Random(stream_seed("exclusion", q))
-        reference = sample_scene(rng, num_objects=rng.choice((2, 3)), world=cfg.world)
+        reference = sample_scene(rng, num_objects=rng.choice((2, 3)))
         excluded = rng.choice(reference.objects)
         kept = [o for o in reference.objects if o.oid != excluded.oid]
         target = dataclasses.replace(reference, objects=tuple(kept))
@@ -355,11 +359,11 @@ def write_exclusion(folder: Path, cfg: ToyBenchmarkConfig, progress: bool = True
 
 # -------------------------------------------------------------------------- ExclCOCO
 
-def _render_exclcoco_image(job: tuple[str, int, int, str, str]) -> dict[str, Any]:
+def _render_exclcoco_image(job: tuple[str, int, int, str]) -> dict[str, Any]:
     """Render scene ``index`` of ``stream`` into ``path``; returns its objects, boxes and captions."""
-    stream, index, size, path, world = job
+    stream, index, size, path = job
     rng = random.Random(stream_seed(stream, index))
-    scene = sample_scene(rng, world=world)
+    scene = sample_scene(rng)
     rendered = render_scene(scene, derive_seed(stream, index), size)
     _save_png(rendered.image, Path(path))
     captions = [full_description(scene, rng), full_description(scene, rng), alt_text(scene, rng)]
@@ -377,11 +381,11 @@ def toy_categories(labels: str) -> list[str]:
 
 
 def write_toy_coco_split(folder: Path, split: str, stream: str, count: int, image_size: int,
-                         progress: bool = True, labels: str = "colour shape", world: str = "v1"
+                         progress: bool = True, labels: str = "colour shape"
                          ) -> tuple[Path, Path, Path]:
     """A COCO-format split of toy scenes: instances (categories: :func:`toy_categories`) and captions."""
     image_dir = folder / split
-    jobs = [(stream, i, image_size, str(image_dir / f"{i + 1:012d}.png"), world) for i in range(count)]
+    jobs = [(stream, i, image_size, str(image_dir / f"{i + 1:012d}.png")) for i in range(count)]
     images, annotations, captions = [], [], []
     names = toy_categories(labels)
     categories = [{"id": k + 1, "name": n, "supercategory": "shape"} for k, n in enumerate(names)]
@@ -411,8 +415,7 @@ def write_exclcoco(folder: Path, cfg: ToyBenchmarkConfig, progress: bool = True)
     sizes = {"train": cfg.exclcoco_train_images, "test": cfg.exclcoco_test_images}
     for split, count in sizes.items():
         instances, captions, images = write_toy_coco_split(folder / "coco", split, f"exclcoco_{split}", count,
-                                                           cfg.image_size, progress, cfg.exclcoco_labels,
-                                                           cfg.world)
+                                                           cfg.image_size, progress, cfg.exclcoco_labels)
         build_exclcoco(instances, captions, folder / split, images, ExclCocoConfig(caption_min_images=0),
                        split=split)
 

@@ -8,12 +8,12 @@ import re
 import numpy as np
 import pytest
 
-from demind.testing import intent_texts
-from demind.toy.render import render_scene
-from demind.toy.texts import (
+from toy_helpers import intent_texts
+from toyworld.render import render_scene
+from toyworld.texts import (
     alt_text, annotator_text, full_description, hypothetical_source, modification_text, web_text,
 )
-from demind.toy.world import (
+from toyworld.world import (
     COLOURS, EDIT_KINDS, SHAPES, Scene, ToyObject, apply_edit, derive_seed, edit_is_possible,
     modification_type, scene_diff, scene_from_seed, stream_seed,
 )

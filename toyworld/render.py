@@ -28,10 +28,10 @@ COLOUR_RGB = {
 BACKGROUND_RGB = {
     "grass": (70, 140, 50), "sand": (220, 195, 140), "water": (50, 110, 170),
     "snow": (228, 234, 245), "brick": (155, 70, 50), "wood": (140, 95, 55),
-    # World v2: backgrounds only a theme brings
+    # backgrounds only a theme brings
     "leaves": (160, 90, 35), "dark sky": (22, 28, 62), "seabed": (25, 95, 115),
 }
-# World v2: each theme's colour cast on the whole photograph (per-channel gain; night also darkens)
+# each theme's colour cast on the whole photograph (per-channel gain; night also darkens)
 THEME_CAST = {"autumn": (1.08, 1.0, 0.86), "winter": (0.96, 1.02, 1.12), "night": (0.62, 0.66, 0.86),
               "underwater": (0.78, 1.0, 1.06), "festive": (1.06, 1.0, 0.94)}
 CELL_CENTRES = {
@@ -198,16 +198,16 @@ def stylise_background(tex: np.ndarray, style: str, rng: np.random.Generator) ->
 
 # --------------------------------------------------------------------------- objects
 
-# World v2's sculptures are painted stone: this share of the object's colour shows through the
-# stone (fixed at one half before any measurement, demind/toy/README.md "World v2.1"). v1's bare
-# stone grey showed a colour only as a shade of grey, while every text named it.
+# Sculptures are painted stone: this share of the object's colour shows through the stone (fixed at
+# one half before any measurement). Bare stone grey showed a colour only as a shade of grey, while
+# every text named it.
 SCULPTURE_PAINT = 0.5
 
 
 def paints_sculptures(scene: Scene) -> bool:
-    """Whether ``scene``'s sculpture objects are painted: World v2 scenes, i.e. those with v2
-    content (every v2 scene carries 2-3 details), so v1's pixels stay byte-identical."""
-    return scene.has_v2_content()
+    """Whether ``scene``'s sculpture objects are painted: scenes with details or a theme (every
+    sampled scene carries 2-3 details); a hand-built bare scene keeps bare stone grey."""
+    return scene.has_scene_extras()
 
 
 def _shading_field(size: int, cx: float, cy: float, r: float, angle: float) -> np.ndarray:
@@ -220,8 +220,8 @@ def _draw_object(canvas: np.ndarray, obj: ToyObject, style: str, geom: tuple[flo
                  light: tuple[float, float], rng: random.Random, painted: bool = False) -> np.ndarray:
     """Composite one object onto ``canvas`` (in place); returns its coverage mask (size, size).
 
-    ``painted``: a sculpture's object is painted stone (World v2: ``SCULPTURE_PAINT`` of the
-    object's colour shows through the stone) rather than bare stone grey (v1)."""
+    ``painted``: a sculpture's object is painted stone (``SCULPTURE_PAINT`` of the object's colour
+    shows through the stone) rather than bare stone grey."""
     size = canvas.shape[0]
     cx, cy, r, rot = geom
     light_angle, light_strength = light
@@ -309,7 +309,7 @@ def _draw_clutter(canvas: np.ndarray, rng: random.Random, count: int) -> None:
     canvas[:] = np.asarray(img, dtype=np.float32)
 
 
-# ------------------------------------------------------------- World v2: decor, details
+# ---------------------------------------------------------------------- decor, details
 
 DECOR_COLOURS = {"leaf": ((225, 115, 30), (200, 60, 30), (235, 185, 40)),
                  "bulb": ((230, 40, 40), (40, 200, 70), (245, 210, 40), (60, 110, 240)),
@@ -379,7 +379,7 @@ DETAIL_TONES = {"fence": ((120, 80, 45), (235, 232, 225), (90, 90, 95)),
 
 
 def _draw_details(canvas: np.ndarray, details: tuple[Detail, ...], rng: random.Random) -> None:
-    """Redundant detail (World v2): small items in the border strips, behind the objects (in
+    """Redundant detail: small items in the border strips, behind the objects (in
     place). Kind, slot and tone are the scene's; a small jitter is nuisance (``rng``)."""
     img = Image.fromarray(np.clip(canvas, 0, 255).astype(np.uint8))
     draw = ImageDraw.Draw(img)
@@ -468,7 +468,7 @@ def render_scene(scene: Scene, nuisance_seed: int, size: int = IMAGE_SIZE, per_p
     canvas = stylise_background(texture, scene.style, streams.np("style")).astype(np.float32)
     rng = streams.py("clutter")
     _draw_clutter(canvas, rng, rng.randint(0, 4))
-    if scene.details:  # World v2 only: a v1 scene draws nothing more from its streams
+    if scene.details:  # a scene without details draws nothing more from its streams
         _draw_details(canvas, scene.details, streams.py("details"))
     if scene.decor:
         _draw_decor(canvas, scene.decor, streams.py("decor"))
@@ -497,7 +497,7 @@ def render_scene(scene: Scene, nuisance_seed: int, size: int = IMAGE_SIZE, per_p
     gains = np.array([rng.uniform(0.94, 1.06) for _ in range(3)], dtype=np.float32)
     canvas = (canvas - 128) * contrast + 128
     canvas = canvas * brightness * gains[None, None, :]
-    if scene.theme is not None:  # World v2: the theme's colour cast (no random draws)
+    if scene.theme is not None:  # the theme's colour cast (no random draws)
         canvas = canvas * np.array(THEME_CAST[scene.theme], dtype=np.float32)[None, None, :]
     lo, hi = NOISE_SIGMA[scene.style]
     canvas += streams.np("noise").normal(scale=rng.uniform(lo, hi), size=canvas.shape)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import random
 
-from .world import IMPLICIT, THEMES, Change, Scene, ToyObject, scene_diff, strip_theme, world_version
+from .world import IMPLICIT, THEMES, Change, Scene, ToyObject, scene_diff, strip_theme
 
 POOLS = ("web", "llm", "annotator")
 _POOL_TAG = {"web": "w", "llm": "l", "annotator": "a"}
@@ -69,7 +69,7 @@ def join_list(items: list[str], rng: random.Random) -> str:
 
 # --------------------------------------------------------------- T_ori: web alt-text
 
-# World v2 (README "World v2"): an alt-text of a themed image names its decor at a usual
+# An alt-text of a themed image names its decor at a usual
 # alt-text rate, and the theme word itself seldom.
 P_ALT_DECOR = 0.4
 P_ALT_THEME = 0.03
@@ -124,7 +124,7 @@ def full_description(scene: Scene, rng: random.Random) -> str:
 
 
 def _decor_and_details(scene: Scene) -> str:
-    """World v2: ' The scene has falling leaves. Around them: a fence and a cloud.' ('' in v1).
+    """' The scene has falling leaves. Around them: a fence and a cloud.' ('' for a bare scene).
     Names what is visible; never the theme."""
     text = ""
     if scene.decor:
@@ -215,7 +215,7 @@ TEMPLATES: dict[str, list[tuple[str, str]]] = {
         ("wl", "change the style to {st1}"),
     ],
 }
-# World v2 themes. The annotator names the theme only, as a user writes it; the LLM names it
+# Themes. The annotator names the theme only, as a user writes it; the LLM names it
 # with its realisation, as an MLLM explains an intent; the web pool has both (rarely drawn).
 TEMPLATES[IMPLICIT] = [
     ("wa", "make it feel like {noun}"),
@@ -352,14 +352,14 @@ def web_edit_text(source: Scene, target: Scene, rng: random.Random) -> str:
     return modification_text(source, target, rng, "web", p_description=0.2, p_keep=0.2)
 
 
-# World v2: the share of themed images whose hypothetical source is the unthemed scene, so that
+# The share of themed images whose hypothetical source is the unthemed scene, so that
 # their edit text (T_int, or a rare web edit caption) is the theme itself.
 P_THEME_SOURCE = 0.5
 
 
 def hypothetical_source(scene: Scene, rng: random.Random) -> Scene:
     """A scene 1–2 random edits away from ``scene`` (the "similar image" an edit starts from);
-    for a themed scene (World v2), with probability P_THEME_SOURCE the scene without its theme."""
+    for a themed scene, with probability P_THEME_SOURCE the scene without its theme."""
     from .world import random_edit
 
     if scene.theme is not None and rng.random() < P_THEME_SOURCE:
@@ -374,17 +374,14 @@ def hypothetical_source(scene: Scene, rng: random.Random) -> Scene:
     return source
 
 
-# Mixture of the backbone's training text per world (README: "Backbone training text" and
-# "World v2" (a): edit-form text is rare in web text; v1's alt : full ratio kept).
-WEB_TEXT_MIX = {"alt": 0.45, "full": 0.20, "edit": 0.35}
-WEB_TEXT_MIX_BY_WORLD = {"v1": WEB_TEXT_MIX, "v2": {"alt": 0.675, "full": 0.30, "edit": 0.025}}
+# Mixture of the backbone's training text: edit-form text is rare in web text, so it gets a small
+# share; alt-texts and full descriptions keep the 9 : 4 ratio of the first world.
+WEB_TEXT_MIX = {"alt": 0.675, "full": 0.30, "edit": 0.025}
 
 
-def web_text(scene: Scene, rng: random.Random, world: str = "v1") -> str:
-    """One backbone ("web CLIP") training caption for ``scene``, true of it, drawn from the
-    world's mixture (WEB_TEXT_MIX_BY_WORLD)."""
-    world_version(world)  # names the worlds on a typo
-    mix = WEB_TEXT_MIX_BY_WORLD[world]
+def web_text(scene: Scene, rng: random.Random) -> str:
+    """One backbone ("web CLIP") training caption for ``scene``, true of it, drawn from WEB_TEXT_MIX."""
+    mix = WEB_TEXT_MIX
     kind = rng.choices(list(mix), list(mix.values()))[0]
     if kind == "alt":
         return alt_text(scene, rng)

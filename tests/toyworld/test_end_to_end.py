@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pytest
 
-from demind.toy.pipeline import QuickstartConfig, run_quickstart
+from toyworld.pipeline import QuickstartConfig, run_quickstart
 
 # recall points. Over De-MINDS seeds 0, 1, 2 on World v2.1 (BENCHMARKS.md, "World v2.1: the default
 # toy CLIP's seeds, 3 De-MINDS seeds and Table 5") the smallest lead over Image-only was 20.7 (R@5 53.5

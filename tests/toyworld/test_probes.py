@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from demind.toy.probes import (PAIR_PROBE_ATTRIBUTES, pair_accuracy, pair_probe_cases, probe_ceiling,
+from toyworld.probes import (PAIR_PROBE_ATTRIBUTES, pair_accuracy, pair_probe_cases, probe_ceiling,
                                run_pair_probes)
-from demind.toy.render import render_scene
-from demind.toy.world import SEED_STREAMS, Scene, ToyObject, apply_edit, scene_from_seed
+from toyworld.render import render_scene
+from toyworld.world import SEED_STREAMS, Scene, ToyObject, apply_edit, scene_from_seed
 import random
 
 SIZE = 32
@@ -116,7 +116,7 @@ def test_oracle_scores_100_and_blind_scorer_50():
 def test_breakdown_finds_an_attribute_hidden_in_one_style():
     """A scorer that sees everything except colour in sculpture scenes (as v1's renderer draws them
     in stone grey): the colour probe is 50 on sculptures and 100 elsewhere, every other probe 100."""
-    from demind.toy.probes import pair_probe_breakdown, score_pairs
+    from toyworld.probes import pair_probe_breakdown, score_pairs
 
     cases = pair_probe_cases(40)
     full, blind = _lookup_scorer(cases, set(PAIR_PROBE_ATTRIBUTES)), _lookup_scorer(
@@ -159,8 +159,8 @@ def test_probe_ceiling_hand_computed():
 def test_clip_scorer_is_the_cosine_of_image_and_text(tmp_path):
     import json
 
-    from demind.toy.backbone import ToyBackboneConfig, build_toy_model, encode_toy_images
-    from demind.toy.backbone import clip_pair_scorer
+    from toyworld.backbone import ToyBackboneConfig, build_toy_model, encode_toy_images
+    from toyworld.backbone import clip_pair_scorer
 
     model_json = tmp_path / "toy-clip-probe.json"
     model_json.write_text(json.dumps({

@@ -11,7 +11,7 @@ or easy, a ``noise_rate`` share of the samples get a wrong T_rew and T_int while
 T_ori (the web alt-text) stay true.
 
 * **hard**: T_rew and T_int are written for a look-alike scene, the sample's scene with ONE
-  attribute edited (:func:`demind.toy.world.apply_edit`: colour, shape, size, position,
+  attribute edited (:func:`toyworld.world.apply_edit`: colour, shape, size, position,
   background or style), so the description is wrong while everything else looks right;
 * **easy**: T_rew and T_int are those of a random other sample of the stream.
 
@@ -40,8 +40,7 @@ from demind.shard_format import ShardOutput, ShardWriter, encode_sample, sample_
 from .parallel import parallel_map
 from .render import render_image
 from .texts import alt_text, full_description, hypothetical_source, pseudo_manipulation
-from .world import (WORLDS, Scene, apply_edit, derive_seed, edit_is_possible, scene_from_seed, stream_seed,
-                    world_version)
+from .world import WORLD_VERSION, Scene, apply_edit, derive_seed, edit_is_possible, scene_from_seed, stream_seed
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +58,6 @@ class ToyShardConfig:
     stream: str = "cc3m"  # seed stream (world.SEED_STREAMS); disjoint from the benchmarks'
     image_size: int = 64
     jpeg_quality: int = 90
-    world: str = setting("v1", choices=WORLDS)  # README "World v2"; the quickstart sets it from its `world`
     noise_kind: str = setting("none", choices=NOISE_KINDS)  # see the module docstring
     noise_rate: float = setting(0.0, ge=0, le=1)  # share of samples whose T_rew and T_int are wrong
 
@@ -113,15 +111,15 @@ def noisy_texts(index: int, scene: Scene, cfg: ToyShardConfig) -> tuple[str, str
         return rewritten, intent, {"kind": "hard", "edit": edit, "scene": lookalike.to_dict()}
     donor = rng.randrange(cfg.num_samples - 1) if cfg.num_samples > 1 else 0
     donor += donor >= index  # any sample but this one
-    donor_scene = scene_from_seed(stream_seed(cfg.stream, donor), world=cfg.world)
+    donor_scene = scene_from_seed(stream_seed(cfg.stream, donor))
     _, rewritten, _, intent = _true_texts(donor_scene, random.Random(derive_seed(cfg.stream, "text", donor)))
     return rewritten, intent, {"kind": "easy", "donor": donor}
 
 
 def make_toy_sample(index: int, cfg: ToyShardConfig, key: str) -> ToySample:
     """Sample ``index`` of the stream: scene, image, the three texts and the metadata."""
-    scene = scene_from_seed(stream_seed(cfg.stream, index), world=cfg.world)
-    version = world_version(cfg.world)
+    scene = scene_from_seed(stream_seed(cfg.stream, index))
+    version = WORLD_VERSION
     image = render_image(scene, derive_seed(cfg.stream, "nuisance", index), cfg.image_size)
     buf = io.BytesIO()
     image.save(buf, format="JPEG", quality=cfg.jpeg_quality)
@@ -146,7 +144,7 @@ def make_toy_sample(index: int, cfg: ToyShardConfig, key: str) -> ToySample:
         "noise": noise_record,
         "generation": {
             "engine": "toy-world",
-            "model": f"demind.toy.texts@{version}",
+            "model": f"toyworld.texts@{version}",
             "prompt_version": version,
             "mode": "cot",
             "sampling": {"seed": derive_seed(cfg.stream, "text", index)},
@@ -176,7 +174,7 @@ def write_toy_shard(out_dir: Path, shard_id: int, cfg: ToyShardConfig) -> dict[s
         "shard": shard_id, "output": str(output.tar), "samples_in": count, "written": count,
         "skipped": {}, "flagged": {}, "elapsed_s": round(elapsed, 3),
         "images_per_s": round(count / elapsed, 2) if elapsed > 0 else None,
-        "engine": "toy-world", "world_version": world_version(cfg.world), "config": asdict(cfg),
+        "engine": "toy-world", "world_version": WORLD_VERSION, "config": asdict(cfg),
         # noisy samples in all and per hard-noise edit (or "easy")
         "noise": {"kind": cfg.noise_kind, "rate": cfg.noise_rate, "noisy": noise_counts.pop("noisy", 0),
                   "by_edit": dict(sorted(noise_counts.items()))},
@@ -212,12 +210,15 @@ def write_toy_shards(out_dir: str | Path, cfg: ToyShardConfig | None = None, sho
 
 
 # Settings added after shards were first written, with the value older shards had: a shard
-# written before the noise option (or the world setting) existed is a clean v1 shard, not a stale one.
-LATER_SETTINGS = {"noise_kind": "none", "noise_rate": 0.0, "world": "v1"}
+# written before the noise option existed is a clean shard, not a stale one.
+LATER_SETTINGS = {"noise_kind": "none", "noise_rate": 0.0}
+# Settings since removed: the world version in the stats says all they said.
+RETIRED_SETTINGS = ("world",)
 
 
 def _is_current(output: ShardOutput, cfg: ToyShardConfig) -> bool:
     stats = output.load_stats() if output.tar.is_file() else None
-    if stats is None or stats.get("world_version") != world_version(cfg.world) or not isinstance(stats.get("config"), dict):
+    if stats is None or stats.get("world_version") != WORLD_VERSION or not isinstance(stats.get("config"), dict):
         return False
-    return {**LATER_SETTINGS, **stats["config"]} == asdict(cfg)
+    written = {k: v for k, v in {**LATER_SETTINGS, **stats["config"]}.items() if k not in RETIRED_SETTINGS}
+    return written == asdict(cfg)

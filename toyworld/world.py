@@ -1,7 +1,7 @@
 """Procedural toy scenes: the semantic spec, seeded sampling and single edits.
 
 A :class:`Scene` is the ground truth that every text and every benchmark label is
-computed from; pixels come from :mod:`demind.toy.render`. Everything is a pure function
+computed from; pixels come from :mod:`toyworld.render`. Everything is a pure function
 of integer seeds, so the same seed gives the same scene, texts and image bytes on any
 machine. Design choices are argued in ``demind/toy/README.md``.
 """
@@ -9,10 +9,11 @@ machine. Design choices are argued in ``demind/toy/README.md``.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import random
 from dataclasses import dataclass
 from typing import Any
+
+from demind.seeding import derive_seed  # noqa: F401  (the toy world's seeds; re-exported)
 
 SHAPES = ("circle", "square", "triangle", "star", "cross", "diamond", "hexagon", "heart")
 COLOURS = ("red", "green", "blue", "yellow", "purple", "orange", "pink", "white")
@@ -28,25 +29,13 @@ STYLE_WEIGHTS = (0.6, 0.1, 0.1, 0.1, 0.1)
 OBJECT_COUNT_WEIGHTS = {1: 0.35, 2: 0.4, 3: 0.25}
 EDIT_KINDS = ("colour", "shape", "size", "position", "add", "remove", "background", "style")
 
-# The selectable worlds (README: "World v2"); every cache key holds the world's version string.
-# Bump a version when that world's sampling or rendering changes, so caches keyed on it go stale.
-WORLDS = ("v1", "v2")
-WORLD_VERSIONS = {"v1": "toy-world-1", "v2": "toy-world-2.1"}  # 2.1: painted sculptures (README "World v2.1")
-WORLD_VERSION = WORLD_VERSIONS["v1"]  # v1's version (the sections' default world, byte-identical to before)
-# The quickstart's world (issue 20: v2 is the instrument; chosen by design, before any v2 number).
-DEFAULT_WORLD = "v2"
+# The world's version string, in every cache key and done-marker: bump it when sampling or
+# rendering changes, so that caches keyed on it go stale. 2.1: painted sculptures.
+WORLD_VERSION = "toy-world-2.1"
 
+# ------------------------------------------------- themes and details (implicit intents, redundancy)
 
-def world_version(world: str) -> str:
-    """The version string of ``world`` ("v1" -> "toy-world-1"), for cache keys and markers."""
-    if world not in WORLD_VERSIONS:
-        raise ValueError(f"unknown toy world {world!r}; known: {', '.join(WORLDS)}")
-    return WORLD_VERSIONS[world]
-
-
-# ----------------------------------------------------------------- World v2 (README: "World v2")
-
-IMPLICIT = "implicit"  # the edit kind of a theme (an implicit intent); v2 only, not in EDIT_KINDS
+IMPLICIT = "implicit"  # the edit kind of a theme (an implicit intent); not in EDIT_KINDS
 
 
 @dataclass(frozen=True)
@@ -79,7 +68,7 @@ THEMES: dict[str, Theme] = {t.name: t for t in (
           ("a holiday", "a celebration"), "festive", "for the holidays"),
 )}
 THEME_BACKGROUNDS = ("leaves", "dark sky", "seabed")  # backgrounds only a theme brings
-P_THEME = 0.25  # share of v2 scenes sampled with a theme applied
+P_THEME = 0.25  # share of scenes sampled with a theme applied
 
 # Redundant detail: small items on the border band that every edit keeps and no edit names.
 DETAIL_KINDS = ("fence", "cloud", "flower", "rock", "tree", "lamp", "sign", "ball")
@@ -127,18 +116,19 @@ class Scene:
     objects: tuple[ToyObject, ...]
     background: str
     style: str
-    # World v2 only (empty in v1, and then absent from to_dict / canonical, which stay v1's):
+    # Sampled scenes have details (and a share a theme); a scene built without them (a benchmark's
+    # single object, a test's) leaves them out of to_dict / canonical:
     theme: str | None = None            # the theme applied (THEMES), if any
     decor: tuple[str, ...] = ()         # the theme's added objects
     details: tuple[Detail, ...] = ()    # redundant detail no edit concerns
 
-    def has_v2_content(self) -> bool:
+    def has_scene_extras(self) -> bool:
         return self.theme is not None or bool(self.decor) or bool(self.details)
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {"objects": [dataclasses.asdict(o) for o in self.objects],
                                 "background": self.background, "style": self.style}
-        if self.has_v2_content():
+        if self.has_scene_extras():
             data.update(theme=self.theme, decor=list(self.decor), details=[dataclasses.asdict(d) for d in self.details])
         return data
 
@@ -150,18 +140,12 @@ class Scene:
     def canonical(self) -> tuple:
         """Identity-free content: two scenes with equal canonical forms look the same."""
         objs = sorted((o.shape, o.colour, o.size, o.position) for o in self.objects)
-        if self.has_v2_content():
+        if self.has_scene_extras():
             return (tuple(objs), self.background, self.style, self.theme, self.decor, self.details)
         return (tuple(objs), self.background, self.style)
 
     def object_with_shape(self, shape: str) -> ToyObject | None:
         return next((o for o in self.objects if o.shape == shape), None)
-
-
-def derive_seed(*parts: Any) -> int:
-    """A stable 63-bit seed from any parts (Python's hash() is salted per process)."""
-    digest = hashlib.sha256("/".join(str(p) for p in parts).encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
 
 
 def stream_seed(stream: str, index: int) -> int:
@@ -184,15 +168,12 @@ def _sample_object(rng: random.Random, oid: int, used_shapes: set[str], used_cel
 
 
 def sample_scene(rng: random.Random, num_objects: int | None = None, style: str | None = None,
-                 background: str | None = None, world: str = "v1") -> Scene:
+                 background: str | None = None) -> Scene:
     """A random scene; distinct shapes and grid cells within the scene.
 
-    ``world="v2"``: the v1 scene (same draws), then its details, then with probability
-    P_THEME a random theme applied (which may replace ``background``)."""
-    scene = _sample_v1_scene(rng, num_objects, style, background)
-    if world == "v1":
-        return scene
-    world_version(world)  # names the worlds on a typo
+    The objects, background and style first, then the details, then with probability P_THEME a
+    random theme applied (which may replace ``background``)."""
+    scene = _sample_base_scene(rng, num_objects, style, background)
     scene = with_details(scene, rng)
     if rng.random() < P_THEME:
         scene = apply_theme(scene, rng.choice(list(THEMES)), rng)
@@ -212,7 +193,7 @@ def sample_details(rng: random.Random) -> tuple[Detail, ...]:
 
 
 def with_details(scene: Scene, rng: random.Random) -> Scene:
-    """``scene`` with freshly sampled details (World v2)."""
+    """``scene`` with freshly sampled details."""
     return dataclasses.replace(scene, details=sample_details(rng))
 
 
@@ -229,7 +210,7 @@ def apply_theme(scene: Scene, theme: str, rng: random.Random) -> Scene:
 
 def strip_theme(scene: Scene, rng: random.Random) -> Scene:
     """A plausible unthemed scene that ``apply_theme`` turns into ``scene``: random object
-    colours, a random v1 background where the theme brought one, no decor, no theme."""
+    colours, a random plain background where the theme brought one, no decor, no theme."""
     if scene.theme is None:
         return scene
     bundle = THEMES[scene.theme]
@@ -240,7 +221,7 @@ def strip_theme(scene: Scene, rng: random.Random) -> Scene:
     return dataclasses.replace(scene, objects=objects, background=background, decor=(), theme=None)
 
 
-def _sample_v1_scene(rng: random.Random, num_objects: int | None, style: str | None,
+def _sample_base_scene(rng: random.Random, num_objects: int | None, style: str | None,
                      background: str | None) -> Scene:
     if num_objects is None:
         counts, weights = zip(*OBJECT_COUNT_WEIGHTS.items())
@@ -256,7 +237,7 @@ def _sample_v1_scene(rng: random.Random, num_objects: int | None, style: str | N
 
 
 def scene_from_seed(seed: int, **kwargs: Any) -> Scene:
-    """``sample_scene`` from ``random.Random(seed)``; ``world=`` and the other arguments pass on."""
+    """``sample_scene`` from ``random.Random(seed)``; the other arguments pass on."""
     return sample_scene(random.Random(seed), **kwargs)
 
 

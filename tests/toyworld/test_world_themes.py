@@ -1,6 +1,7 @@
-"""World v2 (demind/toy/README.md, "World v2") and the world setting: v1 stays byte-identical,
-v2 has redundant detail, visible themes, rare edit phrasing in the backbone's text, T_int that
-spells out a theme, implicit toy-CIRR queries and per-type recall that reports them."""
+"""The toy world (World v2.1, the one world): byte-identical to what it was, redundant detail,
+visible themes, rare edit phrasing in the backbone's text, T_int that spells out a theme, implicit
+toy-CIRR queries and per-type recall that reports them; caches written before its settings were
+removed still count."""
 
 from __future__ import annotations
 
@@ -14,13 +15,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from demind.toy.render import render_scene
-from demind.toy.texts import (
+from toyworld.render import render_scene
+from toyworld.texts import (
     alt_text, annotator_text, full_description, hypothetical_source, pseudo_manipulation, web_text,
 )
-from demind.toy.world import (
+from toyworld.world import (
     BACKGROUNDS, COLOURS, DETAIL_KINDS, EDIT_KINDS, IMPLICIT, THEMES, apply_edit, apply_theme, edit_is_possible,
-    modification_type, scene_diff, scene_from_seed, stream_seed, strip_theme, world_version,
+    WORLD_VERSION, modification_type, scene_diff, scene_from_seed, stream_seed, strip_theme,
 )
 
 
@@ -29,10 +30,10 @@ def _h(x) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
-def _v1_fingerprint(seed: int) -> dict[str, str]:
-    """Hashes of what the default (v1) code paths make from one seed."""
-    from demind.toy.benchmarks import build_cirr_set
-    from demind.toy.intent_data import ToyShardConfig, make_toy_sample
+def _fingerprint(seed: int) -> dict[str, str]:
+    """Hashes of what the toy world makes from one seed: scene, texts, pixels, a CIRR set, a sample."""
+    from toyworld.benchmarks import build_cirr_set
+    from toyworld.intent_data import ToyShardConfig, make_toy_sample
 
     scene = scene_from_seed(stream_seed("web", seed))
     rng = random.Random(seed)
@@ -41,56 +42,37 @@ def _v1_fingerprint(seed: int) -> dict[str, str]:
     texts += [alt_text(scene, rng), full_description(scene, rng), pseudo_manipulation(source, scene, rng),
               annotator_text(source, scene, rng)]
     images = render_scene(scene, seed).image.tobytes() + render_scene(scene, seed, per_part=True).image.tobytes()
-    cirr_set = build_cirr_set(random.Random(stream_seed("cirr", seed)))
+    cirr_set = build_cirr_set(random.Random(stream_seed("cirr", seed)), 0.2)
     sample = make_toy_sample(seed, ToyShardConfig(), key=f"k{seed}")
     return {"scene": _h(scene.to_dict()), "canonical": _h(repr(scene.canonical())), "texts": _h(texts),
             "images": _h(images), "cirr_set": _h([m.to_dict() for m in cirr_set.members]),
-            # the noise label (issue 17) is the one field a v1 sample gained: null when clean
+            # generation.model names the module that wrote the texts, which moved into its own package
             "sample": _h([sample.caption, sample.rewritten, sample.intent,
-                          {k: v for k, v in sample.meta.items() if not (k == "noise" and v is None)}])}
+                          {**sample.meta, "generation": {k: v for k, v in sample.meta["generation"].items()
+                                                         if k != "model"}}])}
 
 
-# Computed with the same function on main at 088d883, before worlds existed (the toy world of
-# that commit is v1): any change to v1's scenes, texts or pixels changes one of these.
-V1_FINGERPRINTS = {
-    0: {"scene": "885996b0355ab727", "canonical": "24640a6ad047b963", "texts": "e8062d2624699446",
-        "images": "e14d98a7f97baa3b", "cirr_set": "d291894f8ba5fc04", "sample": "67214dc406ccdf5d"},
-    7: {"scene": "8f6d4b4dafdd4c6a", "canonical": "ced4cba6a3669889", "texts": "669d7236545b478a",
-        "images": "1ee57b872cf3dc26", "cirr_set": "7ee3b4cca0ec4da0", "sample": "7af53e821c85fb6e"},
-    12345: {"scene": "ba80fb425320ea88", "canonical": "690ddca1e3035b36", "texts": "786b1ca11a961410",
-            "images": "a58651ed311df42e", "cirr_set": "83b4c7bca2431cc0", "sample": "80a570603e14032c"},
+# Computed with the same function (passing world v2, then a setting) before the world setting and
+# world v1 were removed: the one world left makes the same scenes, texts and pixels.
+WORLD_FINGERPRINTS = {
+    0: {"scene": "b73934ba1f3755f0", "canonical": "47c6cd0600298a60", "texts": "0332e6ebbbda1b93",
+        "images": "713c6e098be1ae1e", "cirr_set": "a89310310139b1a5", "sample": "6fb1e9a5040bc437"},
+    7: {"scene": "863c9677dd5c1bb6", "canonical": "096b9cbf5bbf3a22", "texts": "cbad7388f77900ef",
+        "images": "dc594d0ab7bdde34", "cirr_set": "65688b37a419bfeb", "sample": "716619544947ecd1"},
+    12345: {"scene": "4a871a6e84a1acc9", "canonical": "e6091281ef472e5a", "texts": "04bdf31b1cbe8c64",
+            "images": "8e0938b5c805895c", "cirr_set": "cc91c924e880da3d", "sample": "b3a209964331af8c"},
 }
-# toy CIRR with 2 sets written by write_cirr on main at 088d883: the captions file and the PNG pixels
-V1_CIRR_FILES = {"captions": "6914d6c719bc123e", "pixels": "a6da5dfd854ecfe3"}
 
 
-@pytest.mark.parametrize("seed", sorted(V1_FINGERPRINTS))
-def test_v1_is_byte_identical_to_before_worlds(seed):
-    assert _v1_fingerprint(seed) == V1_FINGERPRINTS[seed]
-    # the explicit setting is the default
-    assert scene_from_seed(stream_seed("web", seed), world="v1") == scene_from_seed(stream_seed("web", seed))
-
-
-def test_v1_toy_cirr_files_are_byte_identical_to_before_worlds(tmp_path):
-    from demind.toy.benchmarks import ToyBenchmarkConfig, write_cirr
-
-    write_cirr(tmp_path, ToyBenchmarkConfig(cirr_sets=2, world="v1"), progress=False)
-    pixels = b"".join(np.asarray(Image.open(p)).tobytes() for p in sorted((tmp_path / "dev").glob("*.png")))
-    assert _h((tmp_path / "captions" / "cap.rc2.val.json").read_text()) == V1_CIRR_FILES["captions"]
-    assert _h(pixels) == V1_CIRR_FILES["pixels"]
-
-
-def test_unknown_world_is_named():
-    with pytest.raises(ValueError, match="unknown toy world 'v3'.*v1, v2"):
-        scene_from_seed(0, world="v3")
-    with pytest.raises(ValueError, match="unknown toy world"):
-        web_text(scene_from_seed(0), random.Random(0), "v3")
+@pytest.mark.parametrize("seed", sorted(WORLD_FINGERPRINTS))
+def test_the_world_is_byte_identical_to_world_v2_1(seed):
+    assert _fingerprint(seed) == WORLD_FINGERPRINTS[seed]
 
 
 # ------------------------------------------------------------------ (c) redundant detail
 
-def test_v2_scenes_carry_redundant_detail_that_every_edit_keeps():
-    scenes = [scene_from_seed(stream_seed("web", i), world="v2") for i in range(300)]
+def test_scenes_carry_redundant_detail_that_every_edit_keeps():
+    scenes = [scene_from_seed(stream_seed("web", i)) for i in range(300)]
     assert all(2 <= len(s.details) <= 3 for s in scenes)
     assert all(len({d.kind for d in s.details}) == len(s.details) for s in scenes)
     themed = sum(s.theme is not None for s in scenes)
@@ -101,7 +83,7 @@ def test_v2_scenes_carry_redundant_detail_that_every_edit_keeps():
             if edit_is_possible(scene, kind):
                 assert apply_edit(scene, kind, rng).details == scene.details, kind
     # round trip through the shards' json
-    from demind.toy.world import Scene
+    from toyworld.world import Scene
     assert all(Scene.from_dict(json.loads(json.dumps(s.to_dict()))) == s for s in scenes[:50])
 
 
@@ -109,7 +91,7 @@ def test_details_are_named_in_full_descriptions_only_never_in_modification_texts
     rng = random.Random(1)
     detail_words = re.compile(r"\b(" + "|".join(DETAIL_KINDS) + r")\b")
     for i in range(200):
-        target = scene_from_seed(stream_seed("cirr", i), world="v2")
+        target = scene_from_seed(stream_seed("cirr", i))
         assert all(d.kind in full_description(target, rng) for d in target.details)
         source = hypothetical_source(target, rng)
         for text in (pseudo_manipulation(source, target, rng), annotator_text(source, target, rng)):
@@ -117,7 +99,7 @@ def test_details_are_named_in_full_descriptions_only_never_in_modification_texts
 
 
 def test_details_show_in_pixels():
-    scene = scene_from_seed(stream_seed("web", 3), world="v2")
+    scene = scene_from_seed(stream_seed("web", 3))
     bare = dataclasses.replace(scene, details=())
     a = render_scene(scene, 5, per_part=True).image.astype(int)
     b = render_scene(bare, 5, per_part=True).image.astype(int)
@@ -131,14 +113,15 @@ def _object_pixels(scene, colour: str) -> np.ndarray:
     return rendered.image[rendered.masks[0]].astype(float)
 
 
-def test_v2_sculptures_are_painted_and_v1_sculptures_stay_stone_grey():
-    """World v2.1 (README): a sculpture's object shows its colour (half paint, half stone); v1's
-    stays the grey whose shade alone depends on the colour. Measured on this scene: v2 chroma
-    (max - min channel) 80-86 for red / blue and 184 apart in mean RGB; v1 about 10 and 4.3."""
-    v1 = scene_from_seed(stream_seed("web", 3), world="v1", style="sculpture", num_objects=1)
-    v2 = dataclasses.replace(scene_from_seed(stream_seed("web", 3), world="v2", style="sculpture", num_objects=1),
-                             theme=None, decor=())  # no theme: its palette and cast would recolour the scene
-    for scene, painted in ((v1, False), (v2, True)):
+def test_sculptures_are_painted_and_a_bare_scene_keeps_stone_grey():
+    """World v2.1: a sculpture's object shows its colour (half paint, half stone); a hand-built scene
+    without details or theme keeps the grey whose shade alone depends on the colour. Measured on this
+    scene: painted chroma (max - min channel) 80-86 for red / blue and 184 apart in mean RGB; bare
+    about 10 and 4.3."""
+    scene = dataclasses.replace(scene_from_seed(stream_seed("web", 3), style="sculpture", num_objects=1),
+                                theme=None, decor=())  # no theme: its palette and cast would recolour the scene
+    bare = dataclasses.replace(scene, details=())
+    for scene, painted in ((bare, False), (scene, True)):
         red, blue = _object_pixels(scene, "red"), _object_pixels(scene, "blue")
         chroma = min((px.max(-1) - px.min(-1)).mean() for px in (red, blue))
         apart = np.abs(red.mean(0) - blue.mean(0)).sum()
@@ -151,7 +134,7 @@ def test_v2_sculptures_are_painted_and_v1_sculptures_stay_stone_grey():
 # ---------------------------------------------------------------- (b) implicit intents
 
 def _unthemed(i: int):
-    return strip_theme(scene_from_seed(stream_seed("cirr", i), world="v2"), random.Random(i))
+    return strip_theme(scene_from_seed(stream_seed("cirr", i)), random.Random(i))
 
 
 @pytest.mark.parametrize("theme", sorted(THEMES))
@@ -217,14 +200,14 @@ def test_t_int_names_the_theme_and_its_realisation_and_annotators_only_the_theme
 
 
 def test_intent_shards_of_themed_images_often_carry_the_theme_as_t_int():
-    from demind.toy.intent_data import ToyShardConfig, make_toy_sample
+    from toyworld.intent_data import ToyShardConfig, make_toy_sample
 
-    cfg = ToyShardConfig(world="v2")
+    cfg = ToyShardConfig()
     theme_words = [w for t in THEMES.values() for w in (t.adjective, *t.nouns)]
     themed = implicit = 0
     for i in range(120):
         sample = make_toy_sample(i, cfg, key=f"k{i}")
-        assert sample.meta["toy"]["world_version"] == world_version("v2") == "toy-world-2.1"
+        assert sample.meta["toy"]["world_version"] == WORLD_VERSION == "toy-world-2.1"
         if sample.meta["toy"]["scene"]["theme"] is not None:
             themed += 1
             implicit += any(w in sample.intent for w in theme_words)
@@ -238,27 +221,26 @@ EDIT_PHRASING = re.compile(
     r"also show|extra|color the|should be|enlarge|shrink|keep|leave|version|feel like|give it|the same scene)\b")
 
 
-def _edit_share(world: str, n: int = 2000) -> float:
+def _edit_share(n: int = 2000) -> float:
     rng = random.Random(0)
-    texts = [web_text(scene_from_seed(stream_seed("web", i), world=world), rng, world) for i in range(n)]
+    texts = [web_text(scene_from_seed(stream_seed("web", i)), rng) for i in range(n)]
     return 100.0 * sum(bool(EDIT_PHRASING.search(t)) for t in texts) / n
 
 
-def test_v2_web_text_edit_share():
-    """Designed: 2.5 % edit-form captions in v2 (35 % in v1). About a fifth of edit-form
-    captions are target descriptions ("shows ...") that the detector does not flag, so the
-    expected detected share is ~2 % (binomial sd over 2,000: 0.3 points)."""
-    from demind.toy.texts import WEB_TEXT_MIX_BY_WORLD
+def test_web_text_edit_share():
+    """Designed: 2.5 % edit-form captions. About a fifth of edit-form captions are target
+    descriptions ("shows ...") that the detector does not flag, so the expected detected share
+    is ~2 % (binomial sd over 2,000: 0.3 points)."""
+    from toyworld.texts import WEB_TEXT_MIX
 
-    assert WEB_TEXT_MIX_BY_WORLD["v2"]["edit"] == 0.025 and sum(WEB_TEXT_MIX_BY_WORLD["v2"].values()) == 1.0
-    assert 1.0 <= _edit_share("v2") <= 4.0
-    assert 22.0 <= _edit_share("v1") <= 35.0  # the detector finds v1's designed 35 % (less descriptions)
+    assert WEB_TEXT_MIX["edit"] == 0.025 and sum(WEB_TEXT_MIX.values()) == 1.0
+    assert 1.0 <= _edit_share() <= 4.0
 
 
-def test_v2_web_text_seldom_names_a_theme_but_names_its_parts():
+def test_web_text_seldom_names_a_theme_but_names_its_parts():
     rng = random.Random(3)
     theme_words = re.compile(r"\b(" + "|".join(w for t in THEMES.values() for w in (t.name, t.adjective)) + r")\b")
-    texts = [web_text(scene_from_seed(stream_seed("web", i), world="v2"), rng, "v2") for i in range(2000)]
+    texts = [web_text(scene_from_seed(stream_seed("web", i)), rng) for i in range(2000)]
     assert sum(bool(theme_words.search(t)) for t in texts) / 20 < 2.0  # designed: about 1 %
     decor = sum(any(d in t for th in THEMES.values() for d in th.decor) for t in texts) / 20
     assert decor > 5.0
@@ -266,10 +248,10 @@ def test_v2_web_text_seldom_names_a_theme_but_names_its_parts():
 
 # ------------------------------------------------------------------------- benchmarks
 
-def test_v2_toy_cirr_has_implicit_queries(tmp_path):
-    from demind.toy.benchmarks import ToyBenchmarkConfig, is_done, write_benchmarks
+def test_toy_cirr_has_implicit_queries(tmp_path):
+    from toyworld.benchmarks import ToyBenchmarkConfig, is_done, write_benchmarks
 
-    cfg = ToyBenchmarkConfig(cirr_sets=20, world="v2", cirr_implicit_share=0.5)
+    cfg = ToyBenchmarkConfig(cirr_sets=20, cirr_implicit_share=0.5)
     write_benchmarks(tmp_path, cfg, which=("cirr",), progress=False)
     captions = json.loads((tmp_path / "cirr" / "captions" / "cap.rc2.val.json").read_text())
     implicit = [c for c in captions if c["toy_type"] == IMPLICIT]
@@ -278,72 +260,81 @@ def test_v2_toy_cirr_has_implicit_queries(tmp_path):
     assert not any(colour_words.search(c["caption"]) for c in implicit)
     marker = json.loads((tmp_path / "cirr" / "toy_benchmark.json").read_text())
     assert marker["world_version"] == "toy-world-2.1"
-    # a v1 config never takes the v2 folder as done (and the quickstart keeps them apart anyway)
     assert is_done(tmp_path / "cirr", "cirr", cfg)
-    assert not is_done(tmp_path / "cirr", "cirr", dataclasses.replace(cfg, world="v1"))
+    assert not is_done(tmp_path / "cirr", "cirr", dataclasses.replace(cfg, cirr_sets=21))
+    # a folder written while the world was a setting is still done (its world version says it all)
+    marker["config"]["world"] = "v2"
+    (tmp_path / "cirr" / "toy_benchmark.json").write_text(json.dumps(marker))
+    assert is_done(tmp_path / "cirr", "cirr", cfg)
+    marker["world_version"] = "toy-world-1"
+    (tmp_path / "cirr" / "toy_benchmark.json").write_text(json.dumps(marker))
+    assert not is_done(tmp_path / "cirr", "cirr", cfg)
 
 
-def test_v2_cirr_sets_apply_a_theme_to_an_unthemed_reference_and_n1_is_another_theme():
-    from demind.toy.benchmarks import build_cirr_set
+def test_cirr_sets_apply_a_theme_to_an_unthemed_reference_and_n1_is_another_theme():
+    from toyworld.benchmarks import build_cirr_set
 
     for seed in range(20):
-        cset = build_cirr_set(random.Random(seed), "v2", implicit_share=1.0)
+        cset = build_cirr_set(random.Random(seed), implicit_share=1.0)
         base, target, n1 = cset.members[:3]
         assert base.theme is None and target.theme is not None and n1.theme not in (None, target.theme)
         assert modification_type(scene_diff(base, target)) == IMPLICIT
         assert len({m.canonical() for m in cset.members}) == 6
     # share 0: no set applies a theme (a target is themed only when its reference already was)
     for seed in range(20):
-        base, target = build_cirr_set(random.Random(seed), "v2", 0.0).members[:2]
+        base, target = build_cirr_set(random.Random(seed), 0.0).members[:2]
         assert target.theme == base.theme
         assert modification_type(scene_diff(base, target)) != IMPLICIT
 
 
-def test_other_v2_benchmarks_have_details(tmp_path):
-    from demind.toy.benchmarks import single_object_scene
+def test_other_benchmarks_have_details(tmp_path):
+    from toyworld.benchmarks import single_object_scene
 
-    assert single_object_scene(random.Random(0), "star", "toy", "v2").details
-    assert not single_object_scene(random.Random(0), "star", "toy", "v1").details
-    assert all(s in BACKGROUNDS for s in (single_object_scene(random.Random(i), "star", "photo", "v2").background
+    assert single_object_scene(random.Random(0), "star", "toy").details
+    assert all(s in BACKGROUNDS for s in (single_object_scene(random.Random(i), "star", "photo").background
                                           for i in range(20)))
 
 
-# ----------------------------------------------------------------- cache keys, setting
+# ------------------------------------------------- caches written while the world was a setting
 
-def test_every_cache_key_holds_the_world(tmp_path):
-    from demind.toy.backbone import ToyBackboneConfig, cache_key
-    from demind.toy.intent_data import ToyShardConfig, _is_current, write_toy_shards
+def test_caches_written_before_the_settings_were_removed_still_count(tmp_path):
     from demind.shard_format import ShardOutput
-    from demind.toy.pipeline import QuickstartConfig, world_path
+    from toyworld.clip import ToyBackboneConfig
+    from toyworld.clip_cache import cache_key
+    from toyworld.intent_data import ToyShardConfig, _is_current, write_toy_shards
 
-    assert cache_key(ToyBackboneConfig(world="v1")) != cache_key(ToyBackboneConfig(world="v2"))
-    v1 = ToyShardConfig(num_samples=4, samples_per_shard=4, world="v1")
-    write_toy_shards(tmp_path, v1, show_progress=False, workers=1)
-    assert _is_current(ShardOutput.for_id(tmp_path, 0), v1)
-    assert not _is_current(ShardOutput.for_id(tmp_path, 0), dataclasses.replace(v1, world="v2"))
-    cfg = QuickstartConfig(workdir=str(tmp_path / "qs"))
-    v1, v2 = dataclasses.replace(cfg, world="v1"), dataclasses.replace(cfg, world="v2")
-    assert world_path(v2, "shards") == tmp_path / "qs" / "shards"        # the default world
-    assert world_path(v1, "shards") == tmp_path / "qs" / "shards-v1"
-    assert world_path(v1, "results.json") == tmp_path / "qs" / "results-v1.json"
+    # the default toy CLIP's key, computed before world, aux_*, pretrain_anneal and lock_image went:
+    # its cached weights (minutes of training) are found again
+    assert cache_key(ToyBackboneConfig()) == "3995a2d1fc64430a"
+    cfg = ToyShardConfig(num_samples=4, samples_per_shard=4)
+    write_toy_shards(tmp_path, cfg, show_progress=False, workers=1)
+    output = ShardOutput.for_id(tmp_path, 0)
+    assert _is_current(output, cfg)
+    stats = output.load_stats()
+    output.mark_done({**stats, "config": {**stats["config"], "world": "v2"}})  # as the setting wrote it
+    assert _is_current(output, cfg)
+    output.mark_done({**stats, "world_version": "toy-world-1"})
+    assert not _is_current(output, cfg)
 
 
-def test_world_is_one_setting_of_the_quickstart(tmp_path):
+def test_the_world_is_no_longer_a_setting(capsys):
     from demind.config import ConfigError, load_config
-    from demind.toy.pipeline import QuickstartConfig, with_world
+    from toyworld.cli import main
+    from toyworld.pipeline import QuickstartConfig
 
-    cfg = with_world(load_config(QuickstartConfig, None, ["world=v2"]))
-    assert cfg.shards.world == cfg.toy_benchmarks.world == cfg.backbone.world == "v2"
     with pytest.raises(ConfigError, match="world"):
-        load_config(QuickstartConfig, None, ["world=v3"])
-    with pytest.raises(ConfigError, match="shards.world"):
-        load_config(QuickstartConfig, None, ["world=v1", "shards.world=v2"])
+        load_config(QuickstartConfig, None, ["world=v2"])
+    for old, new in (("world=v1", "one version"), ("backbone.world=v2", "one version"),
+                     ("progress=false", "run.progress"), ("--quiet", "run.progress=false")):
+        assert main([old]) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and old.split("=")[0] in err[0] and new in err[0]
 
 
 # -------------------------------------------------------------------- per-type recall
 
 def test_per_type_recall_reports_implicit_by_hand():
-    from demind.toy.pipeline import per_type_metrics, recall_by_type
+    from toyworld.results import per_type_metrics, recall_by_type
 
     captions = [{"pairid": 0, "target_hard": "a", "toy_type": "implicit"},
                 {"pairid": 1, "target_hard": "b", "toy_type": "implicit"},
@@ -368,24 +359,23 @@ def test_per_type_recall_reports_implicit_by_hand():
     assert out["m [no-gate]"]["implicit"]["R@1"] == {"per_seed": {0: 50.0}, "mean": 50.0, "std": 0.0}
 
 
-# ------------------------------------------------------------------ the quickstart on v2
+# --------------------------------------------------------------- the quickstart, implicit
 
 @pytest.mark.slow
-def test_quickstart_on_v2_writes_its_own_folders_and_reports_implicit(tmp_path):
-    """A tiny quickstart with world=v2 (the default; every toy-CIRR set implicit): the default
-    folders, results.json with the world, ``per_type`` holding ``implicit``, and the printed per-type table naming it."""
-    from test_toy_quickstart import tiny_config
+def test_quickstart_reports_implicit(tmp_path):
+    """A tiny quickstart with every toy-CIRR set implicit: results.json with the world's version,
+    ``per_type`` holding ``implicit``, and the printed per-type table naming it."""
+    from test_quickstart import tiny_config
 
-    from demind.toy.pipeline import run_quickstart
+    from toyworld.pipeline import run_quickstart
 
-    cfg = tiny_config(tmp_path, world="v2", benchmarks=["cirr"])
+    cfg = tiny_config(tmp_path, benchmarks=["cirr"])
     cfg.toy_benchmarks.cirr_implicit_share = 1.0
     summary = run_quickstart(cfg)
     qs = tmp_path / "qs"
     assert (qs / "shards").is_dir() and (qs / "benchmarks" / "cirr").is_dir()
-    assert not (qs / "shards-v1").exists() and not (qs / "results-v1.json").exists()
     saved = json.loads((qs / "results.json").read_text())
-    assert saved["world"] == "v2" and saved["config"]["world"] == "v2"
+    assert saved["world_version"] == "toy-world-2.1"
     assert saved["per_type"]["demind"]["implicit"]["n"] >= 4
     assert 0.0 <= saved["per_type"]["demind"]["implicit"]["R@10"]["mean"] <= 100.0
     assert "implicit" in summary["per_type_table"]

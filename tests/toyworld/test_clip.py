@@ -11,14 +11,14 @@ import open_clip
 import pytest
 import torch
 
-from demind.toy import backbone as toy_backbone
-from demind.toy.backbone import (
-    TAG_VALUES, ToyBackboneConfig, cached_paths, ensure_toy_backbone, images_to_tensor, text_to_image_recall,
-)
-from demind.toy.render import render_scene
-from demind.toy.world import scene_from_seed
+from toyworld import clip_cache, clip_data, clip_eval, clip_train
+from toyworld.clip import TAG_VALUES, ToyBackboneConfig, build_toy_model, images_to_tensor, model_name
+from toyworld.clip_cache import cached_paths, ensure_toy_backbone
+from toyworld.clip_eval import text_to_image_recall
+from toyworld.render import render_scene
+from toyworld.world import derive_seed, scene_from_seed
 
-TINY_CNN = {  # the convnet tower (demind/towers.py), with BatchNorm
+TINY_CNN = {  # the convnet tower (toyworld/towers.py), with BatchNorm
     "embed_dim": 32,
     "vision_cfg": {"image_size": 64, "timm_model_name": "demind_toy_convnet", "timm_model_pretrained": False,
                    "timm_pool": "max", "timm_proj": "linear"},
@@ -57,11 +57,11 @@ def test_training_writes_weights_and_report(trained):
     assert all(0.0 <= v <= 100.0 for v in report["pair_probes"].values()) and report["pair_probe_scenes"] == 8
     assert set(report["heldout_probe_ceiling_R@10"]) == {"probe:shape", "probe:colour", "probe:position",
                                                          "probe:background"}
-    text = toy_backbone.format_backbone_report(report)
+    text = clip_eval.format_backbone_report(report)
     assert "pair probes" in text and "ceiling" in text
     # training moved the weights away from the seeded random init
     torch.manual_seed(cfg.seed)
-    init, _, _ = toy_backbone.build_toy_model(cfg)
+    init, _, _ = build_toy_model(cfg)
     saved = torch.load(weights, weights_only=True)
     assert not torch.equal(saved["visual.conv1.weight"], init.state_dict()["visual.conv1.weight"])
 
@@ -72,7 +72,7 @@ def test_cache_is_reused_and_keyed_by_config(trained, monkeypatch):
     def no_training(*args, **kwargs):
         raise AssertionError("cached backbone should have been reused")
 
-    monkeypatch.setattr(toy_backbone, "train_toy_clip", no_training)
+    monkeypatch.setattr(clip_cache, "train_toy_clip", no_training)
     again, report2 = ensure_toy_backbone(cfg, root / "cache", progress=False)
     assert report2["pair_probes"] == report["pair_probes"]
     assert again == weights and report2 == report
@@ -84,7 +84,7 @@ def test_open_clip_and_frozen_clip_load_the_saved_file(trained):
     from demind.backbone import BackboneConfig, FrozenCLIP
 
     cfg, root, weights, _ = trained
-    name = toy_backbone._model_name(cfg.model_config)
+    name = model_name(cfg.model_config)
     direct = open_clip.create_model(name, pretrained=str(weights)).eval()
     saved = torch.load(weights, weights_only=True)
     for key, value in direct.state_dict().items():
@@ -131,7 +131,7 @@ def test_recall_against_hand_made_embeddings():
 
 
 def test_trimmed_text_encoding_equals_open_clip(trained):
-    from demind.toy.backbone import build_toy_model, encode_text_trimmed
+    from toyworld.clip import encode_text_trimmed
 
     cfg, *_ = trained
     torch.manual_seed(0)
@@ -148,11 +148,10 @@ def test_trimmed_text_encoding_equals_open_clip(trained):
 
 
 RESUME_CASES = {
-    "unlocked, no pre-training": {"pretrain_steps": 0, "lock_image": False},
-    "aux head": {"pretrain_steps": 0, "lock_image": False, "aux_attributes": ("shape",)},
+    "no pre-training": {"pretrain_steps": 0},
     # state saved on the last pre-training step: the contrastive stage must start a fresh optimizer
-    "locked, saved at the stage boundary": {"pretrain_steps": 2, "pretrain_first_steps": 1, "lock_image": True},
-    "unlocked, saved inside pre-training": {"pretrain_steps": 3, "pretrain_first_steps": 1, "lock_image": False},
+    "saved at the stage boundary": {"pretrain_steps": 2, "pretrain_first_steps": 1},
+    "saved inside pre-training": {"pretrain_steps": 3, "pretrain_first_steps": 1},
 }
 
 
@@ -164,9 +163,9 @@ def test_killed_training_resumes_where_it_stopped(tmp_path, monkeypatch, extra):
     model_json.write_text(json.dumps(TINY))
     cfg = ToyBackboneConfig(model_config=str(model_json), steps=4, batch_size=8, warmup_steps=1,
                             num_train_images=16, num_eval_scenes=20, **extra)
-    reference, _ = toy_backbone.train_toy_clip(cfg, progress=False)
+    reference, _ = clip_train.train_toy_clip(cfg, progress=False)
 
-    real_lr, state, seen = toy_backbone._lr_at, tmp_path / "toy.state.pt", []
+    real_lr, state, seen = clip_train._lr_at, tmp_path / "toy.state.pt", []
 
     def killed_at_step_3(step, c):
         if step == 3:
@@ -177,28 +176,28 @@ def test_killed_training_resumes_where_it_stopped(tmp_path, monkeypatch, extra):
         seen.append(step)
         return real_lr(step, c)
 
-    monkeypatch.setattr(toy_backbone, "_lr_at", killed_at_step_3)
+    monkeypatch.setattr(clip_train, "_lr_at", killed_at_step_3)
     with pytest.raises(KeyboardInterrupt):
-        toy_backbone.train_toy_clip(cfg, progress=False, state_path=state, save_every=2)
+        clip_train.train_toy_clip(cfg, progress=False, state_path=state, save_every=2)
     assert state.is_file()
-    monkeypatch.setattr(toy_backbone, "_lr_at", recording)
-    resumed, _ = toy_backbone.train_toy_clip(cfg, progress=False, state_path=state, save_every=2)
+    monkeypatch.setattr(clip_train, "_lr_at", recording)
+    resumed, _ = clip_train.train_toy_clip(cfg, progress=False, state_path=state, save_every=2)
     assert sorted(set(seen)) == list(range(2, cfg.pretrain_steps + cfg.steps))  # only the steps after the state
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(resumed.state_dict()[name], value)
 
 
 def test_a_locked_image_tower_keeps_its_pretrained_weights(tmp_path):
-    """lock_image: the contrastive stage trains the text tower only; the image tower (weights and
+    """LiT: the contrastive stage trains the text tower only; the image tower (weights and
     BatchNorm statistics) is the pre-trained one, however long the contrastive stage runs."""
     model_json = tmp_path / "toy-clip-lit.json"
     model_json.write_text(json.dumps(TINY_CNN))
     base = dict(model_config=str(model_json), batch_size=8, warmup_steps=1, num_train_images=16,
-                pretrain_steps=2, pretrain_first_steps=1, lock_image=True)
-    short, _ = toy_backbone.train_toy_clip(ToyBackboneConfig(**base, steps=1), progress=False)
-    long, _ = toy_backbone.train_toy_clip(ToyBackboneConfig(**base, steps=3), progress=False)
+                pretrain_steps=2, pretrain_first_steps=1)
+    short, _ = clip_train.train_toy_clip(ToyBackboneConfig(**base, steps=1), progress=False)
+    long, _ = clip_train.train_toy_clip(ToyBackboneConfig(**base, steps=3), progress=False)
     torch.manual_seed(0)
-    init, _, _ = toy_backbone.build_toy_model(ToyBackboneConfig(**base))
+    init, _, _ = build_toy_model(ToyBackboneConfig(**base))
     init, short, long = init.state_dict(), short.state_dict(), long.state_dict()
     visual = [n for n in init if n.startswith("visual.")]
     assert any("running_mean" in n for n in visual)  # the convnet's BatchNorm statistics are compared too
@@ -209,14 +208,15 @@ def test_a_locked_image_tower_keeps_its_pretrained_weights(tmp_path):
     assert any(not torch.equal(long[n], short[n]) for n in text)  # the text tower kept training
 
 
-def test_pretraining_asks_for_the_first_tags_only_during_its_first_steps():
+def test_pretraining_asks_for_the_first_tags_only_during_its_first_steps(tmp_path):
     """The tag loss of a first-phase step has no gradient on the other tags' head rows; after
     ``pretrain_first_steps`` every tag's rows get one."""
-    from demind.toy.backbone import _pretrain_loss, build_toy_model, tag_columns
-    from demind.toy.world import scene_from_seed
+    from toyworld.clip import tag_columns
+    from toyworld.clip_train import _pretrain_loss
 
-    cfg = ToyBackboneConfig(model_config="configs/model/toy-clip-rn-text2.json", batch_size=6,
-                            pretrain_steps=4, pretrain_first_steps=2)
+    model_json = tmp_path / "toy-clip-tags.json"
+    model_json.write_text(json.dumps(TINY_CNN))
+    cfg = ToyBackboneConfig(model_config=str(model_json), batch_size=6, pretrain_steps=4, pretrain_first_steps=2)
     model, _, size = build_toy_model(cfg)
     scenes = [scene_from_seed(100 + i) for i in range(6)]
     images = np.stack([render_scene(s, i, size).image for i, s in enumerate(scenes)])
@@ -229,26 +229,21 @@ def test_pretraining_asks_for_the_first_tags_only_during_its_first_steps():
             assert bool(head.weight.grad[rows].abs().sum() > 0) == (tag in asked), (step, tag)
 
 
-def test_the_annealed_all_tag_phase_decays_to_zero_and_leaves_the_rest_of_the_schedule_alone():
-    from demind.toy.backbone import _lr_at
+def test_the_schedule_is_constant_in_pretraining_then_warms_up_and_decays():
+    from toyworld.clip_train import _lr_at
 
-    plain = ToyBackboneConfig(lr=1.0, pretrain_steps=6, pretrain_first_steps=2, steps=10, warmup_steps=2)
-    annealed = ToyBackboneConfig(**{**plain.__dict__, "pretrain_anneal": True})
-    # the shape phase (steps 0, 1) stays constant; the all-tag phase (steps 2..5, 4 steps) follows
-    # 0.5 * (1 + cos(pi * k / 4)) for k = 0..3: 1, 0.854, 0.5, 0.146
-    assert [_lr_at(s, plain) for s in range(6)] == [1.0] * 6
-    expected = [1.0, 1.0, 1.0, 0.5 * (1 + math.cos(math.pi / 4)), 0.5, 0.5 * (1 + math.cos(3 * math.pi / 4))]
-    assert [_lr_at(s, annealed) for s in range(6)] == pytest.approx(expected)
-    # the contrastive stage's warm-up and decay are the same either way
-    assert [_lr_at(s, annealed) for s in range(6, 16)] == [_lr_at(s, plain) for s in range(6, 16)]
-    assert _lr_at(6, annealed) == pytest.approx(0.5)  # warm-up step 1 of 2
+    cfg = ToyBackboneConfig(lr=1.0, pretrain_steps=6, pretrain_first_steps=2, steps=10, warmup_steps=2)
+    assert [_lr_at(s, cfg) for s in range(6)] == [1.0] * 6  # both pre-training phases: constant
+    assert _lr_at(6, cfg) == pytest.approx(0.5) and _lr_at(7, cfg) == pytest.approx(1.0)  # warm-up of 2 steps
+    # then a half cosine over the remaining 8 steps
+    assert [_lr_at(s, cfg) for s in range(8, 16)] == pytest.approx(
+        [0.5 * (1 + math.cos(math.pi * k / 8)) for k in range(8)])
 
 
 @pytest.mark.parametrize("bad, key", [
     ({"pretrain_first_tags": ("position",)}, "pretrain_first_tags"),
     ({"pretrain_steps": 2, "pretrain_first_steps": 3}, "pretrain_first_steps"),
     ({"pretrain_tags": ()}, "pretrain_first_tags"),
-    ({"lock_image": True, "aux_attributes": ("shape",)}, "aux_attributes"),
 ])
 def test_inconsistent_pretraining_settings_are_refused_by_name(bad, key):
     from demind.config import ConfigError
@@ -259,23 +254,23 @@ def test_inconsistent_pretraining_settings_are_refused_by_name(bad, key):
 
 
 def test_render_pool_gives_the_same_images_in_one_or_two_processes():
-    scenes_one, one = toy_backbone.render_pool("web", 7, 32, progress=False, workers=1, chunk=3)
-    scenes_two, two = toy_backbone.render_pool("web", 7, 32, progress=False, workers=2, chunk=3)
+    scenes_one, one = clip_data.render_pool("web", 7, 32, progress=False, workers=1, chunk=3)
+    scenes_two, two = clip_data.render_pool("web", 7, 32, progress=False, workers=2, chunk=3)
     assert one.shape == (7, 32, 32, 3) and one.dtype == np.uint8
     assert np.array_equal(one, two) and scenes_one == scenes_two
     # scene i's image is render_scene of that scene with its own nuisance seed
-    assert np.array_equal(one[4], render_scene(scenes_one[4], toy_backbone.derive_seed("web", "nuisance", 4), 32).image)
+    assert np.array_equal(one[4], render_scene(scenes_one[4], derive_seed("web", "nuisance", 4), 32).image)
 
 
 def test_probe_texts_name_one_attribute_only():
-    from demind.toy.world import Scene, ToyObject
+    from toyworld.world import Scene, ToyObject
 
     scene = Scene(objects=(ToyObject(0, "heart", "red", "small", "top left"),
                            ToyObject(1, "star", "blue", "large", "center")), background="grass", style="origami")
-    assert toy_backbone.probe_text(scene, "shape") == "an origami of a heart and a star"
-    assert toy_backbone.probe_text(scene, "colour") == "an origami of a red object and a blue object"
-    assert toy_backbone.probe_text(scene, "background") == "an origami on grass"
-    assert "heart" not in toy_backbone.probe_text(scene, "position")
+    assert clip_eval.probe_text(scene, "shape") == "an origami of a heart and a star"
+    assert clip_eval.probe_text(scene, "colour") == "an origami of a red object and a blue object"
+    assert clip_eval.probe_text(scene, "background") == "an origami on grass"
+    assert "heart" not in clip_eval.probe_text(scene, "position")
 
 
 def test_a_resnet_image_tower_config_builds_and_trains(tmp_path):
@@ -285,9 +280,9 @@ def test_a_resnet_image_tower_config_builds_and_trains(tmp_path):
                                                              "head_width": 32}}))
     cfg = ToyBackboneConfig(model_config=str(model_json), steps=1, batch_size=4, warmup_steps=1, num_train_images=8,
                             pretrain_steps=1, pretrain_first_steps=1)
-    model, _, image_size = toy_backbone.build_toy_model(cfg)
+    model, _, image_size = build_toy_model(cfg)
     assert image_size == 64
-    trained, log = toy_backbone.train_toy_clip(cfg, progress=False)
+    trained, log = clip_train.train_toy_clip(cfg, progress=False)
     assert np.isfinite(log["final_loss"])
 
 
@@ -297,9 +292,9 @@ def test_hard_negative_groups_fill_the_batch_with_one_edit_photographs():
     the batch is random web pairs."""
     import random
 
-    from demind.toy.backbone import draw_batch, groups_per_batch, render_group_pool, training_pool
-    from demind.toy.texts import full_description
-    from demind.toy.world import scene_diff
+    from toyworld.clip_data import draw_batch, groups_per_batch, render_group_pool, training_pool
+    from toyworld.texts import full_description
+    from toyworld.world import scene_diff
 
     cfg = ToyBackboneConfig(batch_size=10, group_share=0.8, group_edits=("shape", "size", "position"),
                             num_group_scenes=3, num_train_images=6)
@@ -330,8 +325,8 @@ def test_hard_negative_groups_fill_the_batch_with_one_edit_photographs():
 
 
 def test_attribute_targets_mark_every_value_the_objects_hold():
-    from demind.toy.backbone import attribute_targets
-    from demind.toy.world import COLOURS, SHAPES, ToyObject, Scene
+    from toyworld.clip import attribute_targets
+    from toyworld.world import COLOURS, SHAPES, ToyObject, Scene
 
     scene = Scene(objects=(ToyObject(0, "heart", "red", "small", "top left"),
                            ToyObject(1, "star", "red", "large", "center")), background="grass", style="photo")
@@ -342,23 +337,8 @@ def test_attribute_targets_mark_every_value_the_objects_hold():
     expected[0, len(SHAPES) + COLOURS.index("red")] = 1  # two red objects: one bit
     torch.testing.assert_close(target, expected)
     # scene tags: one bit each, after the object tags in the order asked
-    from demind.toy.world import BACKGROUNDS, STYLES
+    from toyworld.world import BACKGROUNDS, STYLES
     target = attribute_targets([scene], ("size", "background", "style"))
     assert target.shape == (1, 2 + len(BACKGROUNDS) + 3 + len(STYLES))
     assert target[0].nonzero().flatten().tolist() == [0, 1, 2 + BACKGROUNDS.index("grass"),
                                                       2 + len(BACKGROUNDS) + 3 + STYLES.index("photo")]
-
-
-def test_the_auxiliary_loss_reaches_the_image_tower_and_weight_zero_switches_it_off(tmp_path):
-    model_json = tmp_path / "toy-clip-aux.json"
-    model_json.write_text(json.dumps(TINY))
-    base = dict(model_config=str(model_json), steps=2, batch_size=8, warmup_steps=1, num_train_images=16,
-                pretrain_steps=0, lock_image=False)  # the auxiliary loss trains the image tower in ClipLoss's stage
-    plain, _ = toy_backbone.train_toy_clip(ToyBackboneConfig(**base), progress=False)
-    off, _ = toy_backbone.train_toy_clip(ToyBackboneConfig(**base, aux_attributes=("shape",), aux_weight=0.0),
-                                         progress=False)
-    on, _ = toy_backbone.train_toy_clip(ToyBackboneConfig(**base, aux_attributes=("shape",)), progress=False)
-    for name, value in plain.state_dict().items():
-        torch.testing.assert_close(off.state_dict()[name], value)
-    visual = [n for n in plain.state_dict() if n.startswith("visual.") and plain.state_dict()[n].is_floating_point()]
-    assert any(not torch.equal(on.state_dict()[n], plain.state_dict()[n]) for n in visual)

@@ -1,14 +1,14 @@
 """What the toy CLIP sees: the pair probe, and the ceilings of the R@10 attribute probes.
 
 The pair probe (issue 20): for each held-out scene and each attribute, render the scene
-and the same scene with that one attribute edited (:func:`demind.toy.world.apply_edit`)
+and the same scene with that one attribute edited (:func:`toyworld.world.apply_edit`)
 with the same nuisance seed and per-part nuisance streams (``render_scene(...,
 per_part=True)``), so the two photographs differ only where the edit shows. Both are
 scored against the scene's full description; the probe is the share of scenes whose own
 image scores higher (ties count half). Chance is 50 %, a model that sees the attribute
 scores near 100 %, and no text ambiguity caps it.
 
-The R@10 probes of :func:`demind.toy.backbone.evaluate_toy_clip` (texts naming one
+The R@10 probes of :func:`toyworld.clip_eval.evaluate_toy_clip` (texts naming one
 attribute only) are capped by ambiguity: "a photo on grass" is true of many scenes. A
 perfect model ranks every scene the text is true of first, in no particular order, so its
 expected R@10 for a query is min(1, 10 / #scenes the text is true of): :func:`probe_ceiling`.
@@ -46,16 +46,15 @@ class PairCase:
     edited: dict[str, Scene]
 
 
-def pair_probe_cases(num_scenes: int, attributes: tuple[str, ...] = PAIR_PROBE_ATTRIBUTES,
-                     world: str = "v1") -> list[PairCase]:
-    """Scenes ``0..num_scenes-1`` of the held-out stream (of ``world``) with one edit per attribute.
+def pair_probe_cases(num_scenes: int, attributes: tuple[str, ...] = PAIR_PROBE_ATTRIBUTES) -> list[PairCase]:
+    """Scenes ``0..num_scenes-1`` of the held-out stream with one edit per attribute.
 
     Every edit is seeded by (attribute, scene index), so the cases do not depend on which
     attributes are probed or in what order.
     """
     cases = []
     for i in range(num_scenes):
-        scene = scene_from_seed(stream_seed(PAIR_PROBE_STREAM, i), world=world)
+        scene = scene_from_seed(stream_seed(PAIR_PROBE_STREAM, i))
         description = full_description(scene, random.Random(derive_seed("pair-probe", "text", i)))
         edited = {a: apply_edit(scene, a, random.Random(derive_seed("pair-probe", a, i))) for a in attributes}
         cases.append(PairCase(i, scene, description, derive_seed("pair-probe", "nuisance", i), edited))
@@ -109,7 +108,7 @@ def run_pair_probes(score: PairScorer, cases: list[PairCase], image_size: int,
 
 
 # the scene properties a pair probe's wins are broken down by: where a toy CLIP fails, and where the
-# world itself hides an edit (a v1 sculpture draws every object in stone grey, so its colours barely show)
+# world itself hides an edit (a sculpture shows only half of its paint, so its colours show less)
 BREAKDOWN_PROPERTIES: dict[str, Callable[[Scene], str]] = {
     "style": lambda scene: scene.style,
     "objects": lambda scene: str(len(scene.objects)),

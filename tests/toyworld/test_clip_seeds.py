@@ -6,8 +6,8 @@ import dataclasses
 import json
 
 from benchmarks import toy_clip_seeds
-from demind.toy.backbone import ToyBackboneConfig, ensure_toy_backbone
-from demind.toy.probes import PAIR_PROBE_ATTRIBUTES
+from toyworld.backbone import ToyBackboneConfig, ensure_toy_backbone
+from toyworld.probes import PAIR_PROBE_ATTRIBUTES
 
 TINY = {
     "embed_dim": 32,

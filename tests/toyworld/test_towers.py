@@ -1,4 +1,4 @@
-"""Our own image towers (demind/towers.py), built by open_clip's timm adapter."""
+"""Our own image towers (toyworld/towers.py), built by open_clip's timm adapter."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import timm
 import torch
 
 from demind.backbone import BackboneConfig, FrozenCLIP, quiet_random_init_notice
-from demind.towers import ToyConvNet
+from toyworld.towers import ToyConvNet
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = {"context_length": 32, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1}

@@ -3,7 +3,7 @@
 An open_clip model config names one with ``"timm_model_name": "demind_toy_convnet"``;
 importing this module (``demind.backbone`` does) registers it, after which
 ``open_clip.create_model`` and every loader of this project build it like any timm model.
-A user loading such weights with plain open_clip imports ``demind.towers`` first.
+A user loading such weights with plain open_clip imports ``toyworld.towers`` first.
 
 ``demind_toy_convnet`` is the toy CLIP's third image tower (``demind/toy/README.md``, "The toy
 CLIP, third recipe"): a plain full-resolution convnet whose global pooling is chosen by
