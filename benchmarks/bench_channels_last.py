@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from toyworld.backbone import ToyBackboneConfig, build_toy_model
+from toyworld.clip import ToyBackboneConfig, build_toy_model
 
 
 def seconds_per_step(tower: torch.nn.Module, images: torch.Tensor, repeats: int) -> float:

@@ -115,7 +115,7 @@ def backbone_only(spec: str, benchmarks: Path, out: Path) -> str:
     """Text-only and Image+Text with and without DEO on the toy exclusion set and toy CIRR."""
     from demind.checkpoint import load_backbone_and_model
     from demind.eval.harness import evaluate
-    from toyworld.pipeline import deo_paired, deo_touched
+    from toyworld.results import deo_paired, deo_touched
 
     backbone, _ = load_backbone_and_model(None, spec)
     methods = ["text-only", "text-only+deo", "image+text", "image+text+deo"]

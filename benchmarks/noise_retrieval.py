@@ -79,7 +79,7 @@ def paired_vs_none(cells: dict[str, Any], kind: str, rate: float, mode: str, see
 def summarise(cells: dict[str, Any], kinds: list[str], rates: list[float], modes: list[str], seeds: list[int]
               ) -> dict[str, Any]:
     """(kind, mode, rate) -> metric -> (mean, std, n seeds), plus the paired test against none."""
-    from toyworld.pipeline import mean_std
+    from toyworld.results import mean_std
 
     rows: dict[str, Any] = {}
     for kind in kinds:

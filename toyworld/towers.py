@@ -1,15 +1,16 @@
 """Image towers of our own, registered with timm so that open_clip's timm adapter builds them.
 
 An open_clip model config names one with ``"timm_model_name": "demind_toy_convnet"``;
-importing this module (``demind.backbone`` does) registers it, after which
-``open_clip.create_model`` and every loader of this project build it like any timm model.
-A user loading such weights with plain open_clip imports ``toyworld.towers`` first.
+importing this module registers it, after which ``open_clip.create_model`` builds it like any
+timm model. demind's loaders import it on demand: this package declares it in the
+``demind.plugins`` entry-point group (``pyproject.toml``; :mod:`demind.plugins`). A user loading
+such weights with plain open_clip imports ``toyworld.towers`` first.
 
-``demind_toy_convnet`` is the toy CLIP's third image tower (``demind/toy/README.md``, "The toy
-CLIP, third recipe"): a plain full-resolution convnet whose global pooling is chosen by
-open_clip's ``timm_pool`` (``max`` for the toy CLIP). It exists because, in the supervised
-shape proxy recorded there, CLIP's ModifiedResNet, a patch-8 ViT and strided timm ByobNets
-did not start to learn which shapes an image holds within 500 steps, while this design did.
+``demind_toy_convnet`` is the toy CLIP's image tower: a plain full-resolution convnet whose
+global pooling is chosen by open_clip's ``timm_pool`` (``max`` for the toy CLIP). It exists
+because, in a supervised shape proxy (lab notes), CLIP's ModifiedResNet, a patch-8 ViT and
+strided timm ByobNets did not start to learn which shapes an image holds within 500 steps,
+while this design did.
 """
 
 from __future__ import annotations
@@ -32,15 +33,11 @@ class ToyConvNet(nn.Module):
     """
 
     def __init__(self, width: int = 16, num_classes: int = 0, global_pool: str = "max", in_chans: int = 3,
-                 coord_channels: bool = False, **_: object) -> None:
+                 **_: object) -> None:
         super().__init__()
         w = width
-        # ``coord_channels``: two input channels holding x and y in [-1, 1] (CoordConv), so that a
-        # feature can say where a thing is and survive the global max pool, which otherwise keeps
-        # only what is present (the position probe sits at chance without them)
-        self.coord_channels = coord_channels
         self.features = nn.Sequential(
-            ConvNormAct(in_chans + 2 * coord_channels, w, 3), ConvNormAct(w, w, 3), nn.MaxPool2d(2),
+            ConvNormAct(in_chans, w, 3), ConvNormAct(w, w, 3), nn.MaxPool2d(2),
             ConvNormAct(w, 2 * w, 3), nn.MaxPool2d(2),
             ConvNormAct(2 * w, 2 * w, 3), nn.MaxPool2d(2),
             ConvNormAct(2 * w, 4 * w, 3),
@@ -67,18 +64,7 @@ class ToyConvNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, 3, H, W) -> (B, num_features), or (B, num_classes) with a head."""
-        if self.coord_channels:
-            x = torch.cat([x, _coordinates(x)], dim=1).contiguous(memory_format=torch.channels_last)
         return self.head(self.global_pool(self.features(x)))
-
-
-def _coordinates(x: torch.Tensor) -> torch.Tensor:
-    """(B, 2, H, W): x then y, each from -1 (left / top) to 1, in ``x``'s dtype and device."""
-    b, _, h, w = x.shape
-    ys = torch.linspace(-1.0, 1.0, h, dtype=x.dtype, device=x.device)
-    xs = torch.linspace(-1.0, 1.0, w, dtype=x.dtype, device=x.device)
-    grid_y, grid_x = torch.meshgrid(ys, xs, indexing="ij")
-    return torch.stack([grid_x, grid_y]).expand(b, 2, h, w)
 
 
 @register_model
@@ -89,9 +75,3 @@ def demind_toy_convnet(pretrained: bool = False, **kwargs: object) -> ToyConvNet
     for key in ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir"):  # timm's factory extras
         kwargs.pop(key, None)
     return ToyConvNet(**kwargs)
-
-
-@register_model
-def demind_toy_convnet_coord(pretrained: bool = False, **kwargs: object) -> ToyConvNet:
-    """The toy CLIP's convnet with coordinate channels (``demind/toy/README.md``, "tenth candidate")."""
-    return demind_toy_convnet(pretrained, coord_channels=True, **kwargs)

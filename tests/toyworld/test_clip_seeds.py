@@ -6,7 +6,8 @@ import dataclasses
 import json
 
 from benchmarks import toy_clip_seeds
-from toyworld.backbone import ToyBackboneConfig, ensure_toy_backbone
+from toyworld.clip import ToyBackboneConfig
+from toyworld.clip_cache import ensure_toy_backbone
 from toyworld.probes import PAIR_PROBE_ATTRIBUTES
 
 TINY = {

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pytest
 
-from toyworld.pipeline import QuickstartConfig, run_quickstart
+from toyworld.pipeline import QuickstartConfig, QuickstartRunConfig, run_quickstart
 
 # recall points. Over De-MINDS seeds 0, 1, 2 on World v2.1 (BENCHMARKS.md, "World v2.1: the default
 # toy CLIP's seeds, 3 De-MINDS seeds and Table 5") the smallest lead over Image-only was 20.7 (R@5 53.5
@@ -34,7 +34,7 @@ PROBE_BAR = {"shape": 90.0, "colour": 90.0, "background": 90.0, "style": 90.0, "
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory):
     return run_quickstart(QuickstartConfig(workdir=str(tmp_path_factory.mktemp("e2e") / "qs"), seeds=[0],
-                                           progress=False))
+                                           run=QuickstartRunConfig(progress=False)))
 
 
 @pytest.mark.slow

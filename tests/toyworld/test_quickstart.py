@@ -9,11 +9,11 @@ import pytest
 
 from demind.checkpoint import read_checked_tensors
 
-from toyworld.backbone import ToyBackboneConfig
+from toyworld.clip import ToyBackboneConfig
 from toyworld.benchmarks import ToyBenchmarkConfig
 from toy_helpers import per_type_recall
 from toyworld.intent_data import ToyShardConfig
-from toyworld.pipeline import QuickstartConfig, run_quickstart
+from toyworld.pipeline import QuickstartConfig, QuickstartRunConfig, run_quickstart
 
 TINY_CLIP = {
     "embed_dim": 32,
@@ -29,7 +29,7 @@ def tiny_config(tmp_path, **kw) -> QuickstartConfig:
     model_json = tmp_path / "toy-clip-tiny.json"
     model_json.write_text(json.dumps(TINY_CLIP))
     return QuickstartConfig(
-        workdir=str(tmp_path / "qs"), train_overrides=TINY_TRAIN, progress=False, eval_batch_size=32,
+        workdir=str(tmp_path / "qs"), train_overrides=TINY_TRAIN, run=QuickstartRunConfig(progress=False), eval_batch_size=32,
         shards=ToyShardConfig(num_samples=24, samples_per_shard=12),
         toy_benchmarks=ToyBenchmarkConfig(cirr_sets=4, imgnet_queries_per_class=1, imgnet_targets_per_domain=1,
                                           imgnet_distractors_per_class=1, coco_images=4, exclusion_queries=2),
@@ -44,7 +44,13 @@ def test_quickstart_runs_every_stage_and_reuses_them(tmp_path, monkeypatch):
     summary = run_quickstart(cfg)
     qs = tmp_path / "qs"
     assert (qs / "results.json").is_file() and (qs / "recall_at_k.png").is_file()
-    assert len(list((qs / "train").glob("*/demind-seed0/demind.safetensors"))) == 1
+    exports = list((qs / "train").glob("*/demind-seed0/demind.safetensors"))
+    assert len(exports) == 1
+    # what demind-serve --quickstart serves, read without the toy package
+    from demind.search.manifest import read_search_manifest
+
+    assert read_search_manifest(qs) == {"checkpoint": exports[0], "images": qs / "benchmarks" / "cirr" / "dev",
+                                        "index": qs / "search-index"}
     rows = summary["rows"]
     assert set(rows) == {"demind", "mapping-only", "image+text", "image-only", "text-only",
                          "demind+deo", "mapping-only+deo", "image+text+deo", "text-only+deo", "oracle"}
@@ -95,13 +101,13 @@ def test_quickstart_runs_every_stage_and_reuses_them(tmp_path, monkeypatch):
     assert "DEO vs its base" in summary["deo_table"]
 
     # Second run: nothing is retrained.
-    import toyworld.backbone as toy_backbone
+    import toyworld.clip_cache as clip_cache
     import demind.training as training
 
     def fail(*a, **k):
         raise AssertionError("should have been reused")
 
-    monkeypatch.setattr(toy_backbone, "train_toy_clip", fail)
+    monkeypatch.setattr(clip_cache, "train_toy_clip", fail)
     monkeypatch.setattr(training, "train", fail)
     again = run_quickstart(cfg)
     assert again["rows"]["demind"]["metrics"] == rows["demind"]["metrics"]
@@ -147,13 +153,13 @@ def test_quickstart_command_prints_probes_ceilings_and_gate(monkeypatch, capsys)
     import toyworld.pipeline as pipeline
     from toyworld.cli import main
 
-    summary = {"table": "TABLE", "per_type_table": "", "paired_table": "", "deo_table": "", "timings_s": {"train": 1.0}, "plot": None,
+    summary = {"world_version": "toy-world-2.1", "table": "TABLE", "per_type_table": "", "paired_table": "", "deo_table": "", "timings_s": {"train": 1.0}, "plot": None,
                "gate": {"demind": {0: 0.0912}},
                "backbone": {"pair_probes": {"shape": 55.5, "colour": 94.7}, "pair_probe_scenes": 600,
                             "heldout_probe_ceiling_R@10": {"probe:background": 0.3},
                             "heldout_text_to_image": {"probe:background": {"R@1": 0.02, "R@5": 0.1, "R@10": 0.2}}}}
     monkeypatch.setattr(pipeline, "run_quickstart", lambda cfg: summary)
-    assert main(["--quiet"]) == 0
+    assert main(["run.progress=false"]) == 0
     out = capsys.readouterr().out
     assert "shape 55.5  colour 94.7" in out and "600 held-out scenes" in out
     assert "2.0 / 10.0 / 20.0   (ceiling 30.0)" in out

@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import open_clip
 import pytest
-import timm
 import torch
 
 from demind.backbone import BackboneConfig, FrozenCLIP, quiet_random_init_notice
 from toyworld.towers import ToyConvNet
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TEXT = {"context_length": 32, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1}
 
 
@@ -48,7 +46,7 @@ def test_the_convnet_pools_by_the_configured_global_pool(tmp_path):
 def test_the_shipped_config_builds_and_its_weights_reload_through_frozen_clip(tmp_path):
     """The toy CLIP's config builds with open_clip, and a saved state dict loads through the
     project's loader with the same image embeddings (the registration rides on the import)."""
-    config = REPO / "configs/model/toy-clip-cnn.json"
+    config = REPO / "toyworld/model_configs/toy-clip-cnn-text2.json"
     model = _create(config)
     assert model.encode_image(torch.zeros(2, 3, 64, 64)).shape == (2, 128)
     # BatchNorm running statistics are part of the weights: move them off their init
@@ -71,40 +69,3 @@ def test_asking_for_pretrained_weights_is_a_clear_error():
 
     with pytest.raises(ValueError, match="no pretrained weights"):
         timm.create_model("demind_toy_convnet", pretrained=True)
-
-
-def test_the_shape_proxy_runs_and_reports_an_exact_match_share(monkeypatch):
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import toy_shape_proxy
-
-    result = toy_shape_proxy.run(str(REPO / "configs/model/toy-clip-cnn.json"), {"timm_pool": "avg"}, steps=2,
-                                 every=1, train_scenes=6, eval_scenes=5, world="v2", seed=0, progress=False)
-    assert [point["step"] for point in result["curve"]] == [1, 2]
-    assert all(0 <= point["exact"] <= 100 for point in result["curve"])
-    assert result["vision_overrides"] == {"timm_pool": "avg"}
-
-
-def _dot(x0: int, y0: int) -> torch.Tensor:
-    """(1, 3, 64, 64): a bright 6-px square at (x0, y0) on black."""
-    image = torch.zeros(1, 3, 64, 64)
-    image[:, :, y0:y0 + 6, x0:x0 + 6] = 1.0
-    return image
-
-
-def test_coordinate_channels_let_the_max_pooled_convnet_see_where_a_thing_is():
-    """The plain tower is blind to a shift by 16 px (a multiple of its 8x downsampling, away from
-    the borders): both images give the same features. The coordinate-channel variant (the
-    open_clip config names it ``demind_toy_convnet_coord``) tells them apart."""
-    torch.manual_seed(0)
-    left, right = _dot(16, 24), _dot(32, 24)
-    plain = ToyConvNet(width=8).eval()
-    coord = timm.create_model("demind_toy_convnet_coord", width=8).eval()
-    assert isinstance(coord, ToyConvNet) and coord.coord_channels
-    with torch.no_grad():
-        assert torch.allclose(plain(left), plain(right), atol=1e-5)
-        # relative to the features' size (a random init's activations are small, about 0.01); measured 0.18
-        apart = ((coord(left) - coord(right)).norm() / coord(left).norm()).item()
-        assert apart > 0.02, apart
-        # the first convolution reads the 3 colour channels and the 2 coordinate channels
-        grid = coord.features[0].conv.weight.shape[1]
-    assert grid == 5

@@ -13,7 +13,6 @@ import re
 
 import numpy as np
 import pytest
-from PIL import Image
 
 from toyworld.render import render_scene
 from toyworld.texts import (
