@@ -12,7 +12,7 @@ from PIL import Image
 
 from toy_helpers import load_exclusion_json
 from toyworld.benchmarks import ToyBenchmarkConfig, build_cirr_set, write_benchmarks
-from toyworld.world import DOMAINS, EDIT_KINDS, SHAPES, scene_diff
+from toyworld.world import DOMAINS, EDIT_KINDS, IMPLICIT, SHAPES, scene_diff
 
 SMALL = ToyBenchmarkConfig(cirr_sets=6, imgnet_queries_per_class=2, imgnet_targets_per_domain=2,
                            imgnet_distractors_per_class=1, coco_images=6, exclusion_queries=4,
@@ -38,7 +38,7 @@ def test_cirr_files_have_the_official_structure(bench_root):
         assert len(members) == 6 and e["reference"] in members and e["target_hard"] in members
         assert members[e["img_set"]["reference_rank"]] == e["reference"]
         assert members[e["img_set"]["target_rank"]] == e["target_hard"]
-        assert e["toy_type"] in EDIT_KINDS + ("multi",)
+        assert e["toy_type"] in EDIT_KINDS + ("multi", IMPLICIT)  # implicit: a theme
         assert isinstance(e["caption"], str) and e["caption"]
     assert len({e["pairid"] for e in captions}) == len(captions)
 
