@@ -20,8 +20,8 @@ from tqdm import tqdm
 
 from demind.io import atomic_path
 
-from .clip import (ToyBackboneConfig, attribute_targets, build_toy_model, encode_text_trimmed, encode_toy_images,
-                   images_to_tensor, tag_columns, TAG_VALUES)
+from .clip import (TAG_VALUES, ToyBackboneConfig, attribute_targets, build_toy_model, encode_text_trimmed,
+                   encode_toy_images, images_to_tensor, tag_columns)
 from .clip_data import draw_batch, groups_per_batch, render_group_pool, render_pool, training_pool
 from .world import Scene, derive_seed
 
