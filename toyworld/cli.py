@@ -19,9 +19,9 @@ import argparse
 from demind.cli.common import run_command
 from demind.config import ConfigError
 
-# spellings that are gone -> the one that replaces them (one error line names it)
-OLD_SPELLINGS = {"--quiet": "run.progress=false", "progress": "run.progress",
-                 "world": "nothing: the toy world has one version (World v2.1)"}
+# spellings that are gone -> what to write instead (one error line says it)
+OLD_SPELLINGS = {"--quiet": "use run.progress=false", "progress": "use run.progress",
+                 "world": "remove it: the toy world has one version (World v2.1)"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,7 +40,7 @@ def check_old_spellings(args: argparse.Namespace) -> None:
         leaf = old.rsplit(".", 1)[-1]
         if old in OLD_SPELLINGS or (leaf == "world" and old != "run.world"):
             key = old if old in OLD_SPELLINGS else "world"
-            raise ConfigError(f"{old} is no longer a quickstart setting; use {OLD_SPELLINGS[key]}", key=old)
+            raise ConfigError(f"{old} is no longer a quickstart setting; {OLD_SPELLINGS[key]}", key=old)
 
 
 def quickstart_command(args: argparse.Namespace) -> int:
