@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         cfg = source_config(args.quickstart)
-        cfg.progress = False
+        cfg.run.progress = False
         backbone, log_scale = load_backbone(args.quickstart, cfg)
     except NoiseBenchError as exn:
         print(f"error: {exn}", file=sys.stderr)

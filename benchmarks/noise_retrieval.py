@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         cfg = source_config(args.quickstart)
-        cfg.progress = False
+        cfg.run.progress = False
         backbone, log_scale = load_backbone(args.quickstart, cfg)
         copy_benchmarks(args.quickstart, out)
     except NoiseBenchError as exn:
