@@ -1,7 +1,6 @@
 """Forward + backward time of a toy image tower in the contiguous and the channels-last layout.
 
-    PYTHONPATH=. python benchmarks/bench_channels_last.py --model-config configs/model/toy-clip-cnn-text2.json
-    PYTHONPATH=. python benchmarks/bench_channels_last.py --model-config configs/model/toy-clip-rn-text2.json
+    PYTHONPATH=. python benchmarks/bench_channels_last.py --model-config toyworld/model_configs/toy-clip-cnn-text2.json
 
 One script run times both weight layouts on the same (contiguous) random batch, as the toy
 pipeline feeds it (a ratio on this noisy machine): PyTorch runs a convolution channels-last when
@@ -15,7 +14,7 @@ import time
 
 import torch
 
-from demind.toy.backbone import ToyBackboneConfig, build_toy_model
+from toyworld.clip import ToyBackboneConfig, build_toy_model
 
 
 def seconds_per_step(tower: torch.nn.Module, images: torch.Tensor, repeats: int) -> float:

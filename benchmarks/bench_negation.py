@@ -4,7 +4,7 @@
     PYTHONPATH=. python benchmarks/bench_negation.py --latency              # DEO solve time per query
     PYTHONPATH=. python benchmarks/bench_negation.py --methods-latency      # whole +deo query vs base, toy CLIP
     PYTHONPATH=. python benchmarks/bench_negation.py --workdir runs/quickstart  # toy tables per seed
-    PYTHONPATH=. python benchmarks/bench_negation.py --backbone-only configs/model/toy-clip.json:WEIGHTS.pt \
+    PYTHONPATH=. python benchmarks/bench_negation.py --backbone-only toyworld/model_configs/toy-clip-cnn-text2.json:WEIGHTS.pt \
         --benchmarks runs/quickstart/benchmarks --out runs/deo-bb               # Text-only / Image+Text +- DEO
 
 Latency: the time to turn (e_o, sub-query embeddings) into e_u, exact (closed form) vs the
@@ -115,7 +115,7 @@ def backbone_only(spec: str, benchmarks: Path, out: Path) -> str:
     """Text-only and Image+Text with and without DEO on the toy exclusion set and toy CIRR."""
     from demind.checkpoint import load_backbone_and_model
     from demind.eval.harness import evaluate
-    from demind.toy.pipeline import deo_paired, deo_touched
+    from toyworld.results import deo_paired, deo_touched
 
     backbone, _ = load_backbone_and_model(None, spec)
     methods = ["text-only", "text-only+deo", "image+text", "image+text+deo"]
@@ -146,7 +146,7 @@ def main() -> None:
     p.add_argument("--latency", action="store_true")
     p.add_argument("--repeats", type=int, default=21)
     p.add_argument("--methods-latency", action="store_true")
-    p.add_argument("--model-config", default="configs/model/toy-clip-rn.json")
+    p.add_argument("--model-config", default="toyworld/model_configs/toy-clip-cnn-text2.json")
     p.add_argument("--workdir", help="a finished quickstart workdir")
     p.add_argument("--backbone-only", help="NAME:WEIGHTS of a trained toy CLIP (Text-only / Image+Text +- DEO)")
     p.add_argument("--benchmarks", default="runs/quickstart/benchmarks", help="the quickstart's benchmarks folder")

@@ -5,7 +5,7 @@
         --gallery 100000 --queries 200 --json runs/bench_search.json
 
 * Build rate: ``demind.search.index.build_index`` on the images of ``--images`` with the toy
-  CLIP architecture (configs/model/toy-clip.json, random weights: the same compute as the
+  CLIP architecture (toyworld/model_configs/toy-clip-cnn-text2.json, random weights: the same compute as the
   trained toy CLIP), once from nothing and once as a rerun with nothing changed.
 * Query embedding: one De-MINDS query (toy recipe: 4 queries, 6 blocks) and one mapping-only
   query, reference image encoding included, through ``Searcher.embed``.
@@ -37,7 +37,7 @@ from demind.model import DeMinds, ModelConfig
 from demind.search.index import GalleryIndex, build_index
 from demind.search.query import Ranker, Searcher, SearchQuery
 
-TOY_CLIP = Path(__file__).resolve().parents[1] / "configs" / "model" / "toy-clip.json"
+TOY_CLIP = Path(__file__).resolve().parents[1] / "toyworld" / "model_configs" / "toy-clip-cnn-text2.json"
 TEXT = "make the square red and the background green"
 
 

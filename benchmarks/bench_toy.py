@@ -4,7 +4,7 @@ rendering in one process vs every core. Ratios are taken within one run.
     PYTHONPATH=. python benchmarks/bench_toy.py --steps 10 --render 2000
 
 Both changes compute the same thing: fused AdamW is the same update in one kernel
-(float rounding aside); rendering gives byte-identical images (tests/test_toy_backbone.py).
+(float rounding aside); rendering gives byte-identical images (tests/toyworld/test_clip.py).
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ import numpy as np
 import torch
 from open_clip.loss import ClipLoss
 
-from demind.toy.backbone import ToyBackboneConfig, build_toy_model, encode_text_trimmed, images_to_tensor, render_pool
-from demind.toy.parallel import default_workers
-from demind.toy.texts import web_text
+from toyworld.clip import ToyBackboneConfig, build_toy_model, encode_text_trimmed, images_to_tensor
+from toyworld.clip_data import render_pool
+from toyworld.parallel import default_workers
+from toyworld.texts import web_text
 
 
 def time_steps(fused: bool, steps: int, pool: int = 512) -> dict[str, float]:

@@ -41,7 +41,8 @@ from demind.eval.harness import evaluate  # noqa: E402
 from demind.exclmm import load_exclmm  # noqa: E402
 from demind.exclmm.train import FEATURES_NAME, ExclMMConfig, train_exclmm  # noqa: E402
 from demind.logs import setup_logging  # noqa: E402
-from demind.toy.benchmarks import ToyBenchmarkConfig, write_benchmarks  # noqa: E402
+from toyworld.benchmarks import ToyBenchmarkConfig, write_benchmarks  # noqa: E402
+from toyworld.clip import TOY_CLIP_CONFIG  # noqa: E402
 
 log = logging.getLogger("exclmm_toy")
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,7 +61,7 @@ def load_toy_backbone(folder: Path) -> FrozenCLIP:
     if not reports:
         raise SystemExit(f"no trained toy CLIP in {folder} (a toy-clip-*.json report marks a finished one)")
     report = json.loads(reports[-1].read_text())
-    model_config = report.get("config", {}).get("model_config", "configs/model/toy-clip.json")  # as it was trained
+    model_config = report.get("config", {}).get("model_config", TOY_CLIP_CONFIG)  # as it was trained
     return FrozenCLIP(BackboneConfig(name=str(ROOT / model_config), pretrained=str(Path(report["weights"]))))
 
 

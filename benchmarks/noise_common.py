@@ -3,7 +3,7 @@ benchmarks of a finished quickstart workdir, noisy toy intent shards with their 
 and one quickstart-style work folder per (noise group, training mode).
 
 Used by ``benchmarks/noise_detection.py`` and ``benchmarks/noise_retrieval.py``; everything is
-built from the quickstart's own pieces (:mod:`demind.toy.pipeline`, :mod:`demind.toy.intent_data`).
+built from the quickstart's own pieces (:mod:`toyworld.pipeline`, :mod:`toyworld.intent_data`).
 The source workdir is only read: its benchmarks are copied once into the output folder.
 """
 
@@ -53,10 +53,10 @@ def _known_fields(cls: type, data: dict[str, Any]) -> dict[str, Any]:
 def source_config(quickstart: str | Path):
     """The QuickstartConfig a finished quickstart workdir ran with (from its results.json)."""
     from demind.config import from_dict
-    from demind.toy.backbone import ToyBackboneConfig
-    from demind.toy.benchmarks import ToyBenchmarkConfig
-    from demind.toy.intent_data import ToyShardConfig
-    from demind.toy.pipeline import QuickstartConfig
+    from toyworld.clip import ToyBackboneConfig
+    from toyworld.benchmarks import ToyBenchmarkConfig
+    from toyworld.intent_data import ToyShardConfig
+    from toyworld.pipeline import QuickstartConfig
 
     results = Path(quickstart) / "results.json"
     if not results.is_file():
@@ -73,9 +73,9 @@ def source_config(quickstart: str | Path):
 
 def load_backbone(quickstart: str | Path, cfg) -> tuple[Any, float]:
     """The quickstart's trained toy CLIP (FrozenCLIP) and its logit scale, as the quickstart loads it
-    (:func:`demind.toy.pipeline.prepare_backbone`), but never training one: the weights must be there."""
+    (:func:`toyworld.pipeline.prepare_backbone`), but never training one: the weights must be there."""
     from demind.backbone import BackboneConfig, FrozenCLIP
-    from demind.toy.backbone import cached_paths
+    from toyworld.clip_cache import cached_paths
 
     folder = Path(quickstart) / "backbone"
     weights, report = cached_paths(cfg.backbone, folder)
@@ -113,7 +113,7 @@ def group_name(kind: str, rate: float) -> str:
 
 def noisy_shards(out: Path, cfg, kind: str, rate: float, num_samples: int | None = None) -> list[Path]:
     """Toy intent shards with ``kind`` noise at ``rate`` (written once, resumable) in ``out/shards/<group>``."""
-    from demind.toy.intent_data import write_toy_shards
+    from toyworld.intent_data import write_toy_shards
 
     shard_cfg = dataclasses.replace(cfg.shards, noise_kind="none" if rate == 0 else kind,
                                     noise_rate=0.0 if kind == "none" else rate,

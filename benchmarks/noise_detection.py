@@ -4,7 +4,7 @@
     PYTHONPATH=. python benchmarks/noise_detection.py --quickstart Q --out O --tiny     # a minute on a CPU
 
 For hard and easy noise at ``--rate``: toy intent shards with ground-truth labels
-(:mod:`demind.toy.intent_data`), their feature cache with GFQ fidelity (pool = shard, K = 4,
+(:mod:`toyworld.intent_data`), their feature cache with GFQ fidelity (pool = shard, K = 4,
 :mod:`demind.fidelity`), and two detectors of "this sample's T_int / T_rew is wrong":
 
 * **GFQ**: noisy when F < omega (0.5); ranking score 1 - F. Computed from frozen features only.
@@ -132,7 +132,7 @@ def run_kind(out: Path, cfg, backbone, log_scale: float, kind: str, rate: float,
     from demind.checkpoint import load_backbone_and_model
     from demind.features import default_cache_dir
     from demind.fidelity import GFQ_THRESHOLD
-    from demind.toy.pipeline import build_features, train_variant
+    from toyworld.pipeline import build_features, train_variant
     from demind.training import load_train_config
 
     shards = noisy_shards(out, cfg, kind, rate, args.num_samples)
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         cfg = source_config(args.quickstart)
-        cfg.progress = False
+        cfg.run.progress = False
         backbone, log_scale = load_backbone(args.quickstart, cfg)
     except NoiseBenchError as exn:
         print(f"error: {exn}", file=sys.stderr)

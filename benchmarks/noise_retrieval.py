@@ -4,7 +4,7 @@
     PYTHONPATH=. python benchmarks/noise_retrieval.py --quickstart Q --out O --tiny     # minutes on a CPU
 
 For every noise kind x rate x training mode x seed ("cell"): toy intent shards with that noise
-(:mod:`demind.toy.intent_data`; rate 0 is the clean shards, shared by every kind), their feature
+(:mod:`toyworld.intent_data`; rate 0 is the clean shards, shared by every kind), their feature
 cache, De-MINDS trained with ``training.noise.mode`` = the mode, and toy CIRR R@10 plus the
 exclusion set's mAP@10 -- all with the quickstart's own pieces (``write_toy_shards``,
 ``build_features``, ``train_variant``, ``evaluate_run``) and the quickstart workdir's toy CLIP
@@ -43,7 +43,7 @@ def cell_key(kind: str, rate: float, mode: str, seed: int) -> str:
 def run_cell(out: Path, cfg, backbone, log_scale: float, kind: str, rate: float, mode: str, seed: int,
              overrides: list[str], num_samples: int | None) -> dict[str, Any]:
     """Shards + cache (shared by the group), training and evaluation of one cell; its metrics."""
-    from demind.toy.pipeline import build_features, evaluate_run, train_variant
+    from toyworld.pipeline import build_features, evaluate_run, train_variant
 
     shards = noisy_shards(out, cfg, kind, rate, num_samples)
     cell_cfg = cell_config(out, cfg, group_name(kind, rate), mode, overrides)
@@ -79,7 +79,7 @@ def paired_vs_none(cells: dict[str, Any], kind: str, rate: float, mode: str, see
 def summarise(cells: dict[str, Any], kinds: list[str], rates: list[float], modes: list[str], seeds: list[int]
               ) -> dict[str, Any]:
     """(kind, mode, rate) -> metric -> (mean, std, n seeds), plus the paired test against none."""
-    from demind.toy.pipeline import mean_std
+    from toyworld.results import mean_std
 
     rows: dict[str, Any] = {}
     for kind in kinds:
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         cfg = source_config(args.quickstart)
-        cfg.progress = False
+        cfg.run.progress = False
         backbone, log_scale = load_backbone(args.quickstart, cfg)
         copy_benchmarks(args.quickstart, out)
     except NoiseBenchError as exn:

@@ -1,7 +1,7 @@
 """The default toy CLIP trained with several seeds: its pair probes, mean ± std (issue 20).
 
     PYTHONPATH=. python benchmarks/toy_clip_seeds.py --seeds 0 1 2 --out runs/toy_clip_seeds
-    PYTHONPATH=. python benchmarks/toy_clip_seeds.py --seeds 1 2 --world v2 group_edits=[shape,size,position]
+    PYTHONPATH=. python benchmarks/toy_clip_seeds.py --seeds 1 2 group_edits=[shape,size,position]
 
 Trains (or reuses, keyed as the quickstart keys them) the toy CLIP of ``ToyBackboneConfig`` with each
 seed, ``key=value`` overrides applied to every seed, and reads each one's pair probes from its
@@ -22,9 +22,10 @@ from pathlib import Path
 
 from demind.config import load_config
 from demind.io import write_json_atomic
-from demind.toy.backbone import ToyBackboneConfig, ensure_toy_backbone
-from demind.toy.probes import PAIR_PROBE_ATTRIBUTES
-from demind.toy.world import DEFAULT_WORLD, WORLDS
+from toyworld.clip import ToyBackboneConfig
+from toyworld.clip_cache import ensure_toy_backbone
+from toyworld.probes import PAIR_PROBE_ATTRIBUTES
+from toyworld.world import WORLD_VERSION
 
 
 def probes_by_seed(base: ToyBackboneConfig, seeds: list[int], cache_dir: Path, progress: bool
@@ -56,18 +57,17 @@ def format_table(by_seed: dict[int, dict[str, float]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--world", default=DEFAULT_WORLD, choices=WORLDS)
     parser.add_argument("--out", default="runs/toy_clip_seeds", help="cache of the toy CLIPs and the JSON result")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.add_argument("overrides", nargs="*", help="ToyBackboneConfig key=value, e.g. steps=600")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    base = load_config(ToyBackboneConfig, None, [*args.overrides, f"world={args.world}"])
+    base = load_config(ToyBackboneConfig, None, args.overrides)
     out = Path(args.out)
     by_seed = probes_by_seed(base, args.seeds, out / "backbone", not args.quiet)
     table = format_table(by_seed)
     print(table)
-    write_json_atomic(out / "toy_clip_seeds.json", {"world": args.world, "overrides": args.overrides,
+    write_json_atomic(out / "toy_clip_seeds.json", {"world_version": WORLD_VERSION, "overrides": args.overrides,
                                                     "config": dataclasses.asdict(base), "pair_probes": by_seed,
                                                     "table": table}, indent=2, default=str)
 

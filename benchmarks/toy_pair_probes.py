@@ -17,9 +17,9 @@ import time
 
 import torch
 
-from demind.toy.backbone import ToyBackboneConfig, build_toy_model, clip_pair_scorer, probe_ceilings
-from demind.toy.probes import pair_probe_breakdown, pair_probe_cases, probe_accuracies, score_pairs
-from demind.toy.world import DEFAULT_WORLD, WORLDS
+from toyworld.clip import ToyBackboneConfig, build_toy_model
+from toyworld.clip_eval import clip_pair_scorer, probe_ceilings
+from toyworld.probes import pair_probe_breakdown, pair_probe_cases, probe_accuracies, score_pairs
 
 
 def main() -> None:
@@ -27,18 +27,17 @@ def main() -> None:
     parser.add_argument("--weights", required=True, help="toy CLIP state dict (.pt) written by the quickstart")
     parser.add_argument("--model-config", default=ToyBackboneConfig().model_config)
     parser.add_argument("--scenes", type=int, default=600, help="held-out scenes per attribute")
-    parser.add_argument("--world", default=DEFAULT_WORLD, choices=WORLDS, help="the toy world the CLIP was trained on")
     parser.add_argument("--ceiling-scenes", type=int, default=1000, help="held-out scenes of the R@10 probes")
     parser.add_argument("--breakdown", action="store_true", help="each probe by style, number of objects and theme")
     args = parser.parse_args()
     model, tokenizer, image_size = build_toy_model(ToyBackboneConfig(model_config=args.model_config))
     model.load_state_dict(torch.load(args.weights, weights_only=True))
     start = time.perf_counter()
-    cases = pair_probe_cases(args.scenes, world=args.world)
+    cases = pair_probe_cases(args.scenes)
     wins = score_pairs(clip_pair_scorer(model.eval(), tokenizer), cases, image_size)
     result = {"pair_probes": probe_accuracies(wins), "scenes": args.scenes,
               "seconds": round(time.perf_counter() - start, 1),
-              "heldout_probe_ceiling_R@10": probe_ceilings(args.ceiling_scenes, world=args.world)}
+              "heldout_probe_ceiling_R@10": probe_ceilings(args.ceiling_scenes)}
     if args.breakdown:
         result["breakdown"] = pair_probe_breakdown(wins, cases)
     print(json.dumps(result, indent=1))

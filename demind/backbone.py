@@ -21,8 +21,8 @@ import open_clip
 import torch
 import torch.nn as nn
 
-from demind import towers  # noqa: F401  (registers our timm towers before any model is built)
 from demind.config import ConfigError, setting, validate
+from demind.plugins import require_timm_model
 # identity and text-tower helpers live in their own modules; also importable from here, where callers found them
 from demind.identity import (  # noqa: F401
     backbone_identity, canonical_identity, file_sha256, identity_slug, same_backbone)
@@ -95,6 +95,7 @@ def _resolve_model_name(name: str) -> str:
             f"(see open_clip.list_models()) or the path of a model-config JSON"
         )
     open_clip.add_model_config(path)
+    require_timm_model(open_clip.get_model_config(path.stem), path)  # a plugin's tower: load its package
     return path.stem
 
 

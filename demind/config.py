@@ -71,12 +71,22 @@ RENAMED_FLAGS: dict[str, str] = {
 """Command-line flags that became config keys (checked by the commands, :mod:`demind.cli.common`)."""
 
 
+REMOVED_KEYS: dict[str, str] = {
+    # dotted key of a deleted setting -> what to do instead
+    "world": "the toy world has one version now (World v2.1): remove the key",
+    "backbone.world": "the toy world has one version now (World v2.1): remove the key",
+}
+"""Keys of settings that were deleted: refused with one message saying what to do instead."""
+
+
 def renamed_key_error(key: str) -> ConfigError | None:
-    """The error for an old spelling ``key`` (dotted), or None when it is not one."""
+    """The error for an old spelling or a deleted setting ``key`` (dotted), or None when it is neither."""
     new = RENAMED_KEYS.get(key)
-    if new is None:
-        return None
-    return ConfigError(f"config key {key!r} was renamed: use {new}", key=key)
+    if new is not None:
+        return ConfigError(f"config key {key!r} was renamed: use {new}", key=key)
+    if key in REMOVED_KEYS:
+        return ConfigError(f"config key {key!r} was removed: {REMOVED_KEYS[key]}", key=key)
+    return None
 
 
 # --------------------------------------------------------------------------- types

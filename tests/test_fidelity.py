@@ -110,7 +110,7 @@ def test_cache_stores_fidelity_computed_from_its_own_embeddings(repo_root, tmp_p
 def test_a_rewritten_shard_or_an_old_format_is_rebuilt(repo_root, tmp_path):
     from demind.cli import features as features_cli
     from demind.features import cache_files
-    from demind.toy.intent_data import ToyShardConfig, write_toy_shards
+    from toyworld.intent_data import ToyShardConfig, write_toy_shards
 
     shards = tmp_path / "shards"
     write_toy_shards(shards, ToyShardConfig(num_samples=6, samples_per_shard=6), show_progress=False, workers=1)

@@ -19,14 +19,15 @@ slow = pytest.mark.slow
 @pytest.fixture(scope="module")
 def tiny_quickstart(tmp_path_factory):
     """A workdir as the quickstart leaves it: results.json (config), toy CLIP, toy CIRR + exclusion."""
-    from demind.toy.backbone import ToyBackboneConfig, ensure_toy_backbone
-    from demind.toy.benchmarks import ToyBenchmarkConfig, write_benchmarks
-    from demind.toy.pipeline import QuickstartConfig
+    from toyworld.clip import ToyBackboneConfig
+    from toyworld.clip_cache import ensure_toy_backbone
+    from toyworld.benchmarks import ToyBenchmarkConfig, write_benchmarks
+    from toyworld.pipeline import QuickstartConfig, QuickstartRunConfig
 
     root = tmp_path_factory.mktemp("qs")
     model_json = root / "toy-clip-tiny.json"
     model_json.write_text(json.dumps(TINY_TOY_CLIP))
-    cfg = QuickstartConfig(workdir=str(root), progress=False, eval_batch_size=32,
+    cfg = QuickstartConfig(workdir=str(root), run=QuickstartRunConfig(progress=False), eval_batch_size=32,
                            toy_benchmarks=ToyBenchmarkConfig(cirr_sets=4, exclusion_queries=2),
                            backbone=ToyBackboneConfig(model_config=str(model_json), steps=2, batch_size=8,
                                                       warmup_steps=1, num_train_images=16, num_eval_scenes=10,
@@ -58,7 +59,7 @@ def test_noise_retrieval_tiny_runs_every_mode_and_resumes(tiny_quickstart, tmp_p
     assert stats["noise"]["noisy"] > 0
     assert json.loads((out / "shards" / "clean" / "00000_stats.json").read_text())["noise"]["noisy"] == 0
     # a rerun skips every finished cell (no training, no evaluation)
-    import demind.toy.pipeline as pipeline
+    import toyworld.pipeline as pipeline
 
     def fail(*a, **k):
         raise AssertionError("a finished cell was redone")

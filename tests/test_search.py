@@ -308,19 +308,23 @@ def test_commands_turn_bad_input_into_one_line(gallery, tmp_path, tiny_checkpoin
     assert "bad.jsonl:2" in capsys.readouterr().err
 
 
-def test_quickstart_paths_pick_the_lowest_seed_of_the_newest_backbone(tmp_path):
-    from demind.toy.pipeline import quickstart_search_paths
+def test_the_search_manifest_round_trips_relative_paths_and_names_what_to_run(tmp_path):
+    from demind.search.manifest import SearchManifestError, read_search_manifest, write_search_manifest
 
     with pytest.raises(FileNotFoundError, match="run the quickstart first"):
-        quickstart_search_paths(tmp_path)
-    for run in ("old/demind-seed0", "new/demind-seed1", "new/demind-seed0", "new/add-seed0"):
-        (tmp_path / "train" / run).mkdir(parents=True)
-        (tmp_path / "train" / run / "demind.safetensors").write_bytes(b"x")
-    os.utime(tmp_path / "train" / "old" / "demind-seed0" / "demind.safetensors", ns=(1, 1))
-    (tmp_path / "benchmarks" / "cirr" / "dev").mkdir(parents=True)
-    paths = quickstart_search_paths(tmp_path)
-    assert paths["checkpoint"] == tmp_path / "train" / "new" / "demind-seed0" / "demind.safetensors"
-    assert paths["images"] == tmp_path / "benchmarks" / "cirr" / "dev"
+        read_search_manifest(tmp_path)
+    checkpoint = tmp_path / "train" / "b" / "demind-seed0" / "demind.safetensors"
+    path = write_search_manifest(tmp_path, checkpoint, tmp_path / "benchmarks" / "cirr" / "dev",
+                                 tmp_path / "search-index")
+    assert json.loads(path.read_text())["checkpoint"] == "train/b/demind-seed0/demind.safetensors"  # relative
+    moved = tmp_path.parent / (tmp_path.name + "-moved")
+    tmp_path.rename(moved)  # a moved run folder still serves
+    paths = read_search_manifest(moved)
+    assert paths == {"checkpoint": moved / "train" / "b" / "demind-seed0" / "demind.safetensors",
+                     "images": moved / "benchmarks" / "cirr" / "dev", "index": moved / "search-index"}
+    (moved / "search.json").write_text("{not json")
+    with pytest.raises(SearchManifestError, match="search.json.*rerun the quickstart"):
+        read_search_manifest(moved)
 
 
 def write_shard(path: Path, members: dict[str, bytes]) -> Path:

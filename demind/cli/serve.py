@@ -46,9 +46,9 @@ def build_parser():
 def resolve_paths(args: ServeConfig) -> None:
     """Fill --checkpoint/--images/--index from the quickstart's layout when --quickstart is given."""
     if args.quickstart:
-        from demind.toy.pipeline import quickstart_search_paths
+        from demind.search.manifest import read_search_manifest
 
-        paths = quickstart_search_paths(args.quickstart)
+        paths = read_search_manifest(args.quickstart)  # written by the quickstart when it finishes
         args.checkpoint = args.checkpoint or str(paths["checkpoint"])
         args.images = args.images or str(paths["images"])
         args.index = args.index or str(paths["index"])

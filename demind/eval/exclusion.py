@@ -1,7 +1,7 @@
 """Exclusion ("... without the red square") retrieval -> :class:`BenchmarkData`.
 
 A negation-aware benchmark in this project's own format ``demind-toy-exclusion/1``,
-written by the toy world (:func:`demind.toy.benchmarks.write_exclusion`)::
+written by the toy world (:func:`toyworld.benchmarks.write_exclusion`)::
 
     DATA_ROOT/exclusion.json
     {"format": "demind-toy-exclusion/1",

@@ -123,7 +123,7 @@ class Oracle(RetrievalMethod):
         if missing:
             raise ConfigError(f"method oracle needs each query's target description, which this benchmark does not "
                               f"have ({len(missing)} of {len(queries)} queries lack it, e.g. {missing[0]}); only the "
-                              f"toy benchmarks carry one (regenerate them with the current demind.toy.benchmarks)")
+                              f"toy benchmarks carry one (regenerate them with the current toyworld.benchmarks)")
         return [q.target_description for q in queries]
 
     def embed(self, ref_features, prompts, texts):

@@ -35,7 +35,7 @@ from demind.errors import DemindError
 from demind.exclmm import losses as L
 from demind.exclmm.features import FEATURES_NAME, prepare_features
 from demind.exclmm.model import ExclMM
-from demind.toy.world import derive_seed
+from demind.seeding import derive_seed
 from demind.training.finite import check_finite_terms
 from demind.training.metrics_log import LogWindow, append_metrics, step_line, term_parts, trim_metrics
 from demind.training.optim import build_adamw, build_lr_scheduler

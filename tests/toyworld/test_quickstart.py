@@ -1,0 +1,166 @@
+"""The quickstart end to end on a tiny setting: every stage runs, outputs are written, reruns reuse."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from demind.checkpoint import read_checked_tensors
+
+from toyworld.clip import ToyBackboneConfig
+from toyworld.benchmarks import ToyBenchmarkConfig
+from toy_helpers import per_type_recall
+from toyworld.intent_data import ToyShardConfig
+from toyworld.pipeline import QuickstartConfig, QuickstartRunConfig, run_quickstart
+
+TINY_CLIP = {
+    "embed_dim": 32,
+    "vision_cfg": {"image_size": 64, "layers": 1, "width": 32, "head_width": 8, "patch_size": 16},
+    "text_cfg": {"context_length": 56, "vocab_size": 49408, "width": 32, "heads": 4, "layers": 1},
+}
+TINY_TRAIN = ["optim.max_steps=2", "optim.warmup_steps=1", "optim.global_batch_size=8", "data.shuffle_buffer=8",
+              "data.shards_per_group=1", "model.num_blocks=1", "model.num_heads=4", "model.mapping_hidden=32",
+              "run.save_every=100"]
+
+
+def tiny_config(tmp_path, **kw) -> QuickstartConfig:
+    model_json = tmp_path / "toy-clip-tiny.json"
+    model_json.write_text(json.dumps(TINY_CLIP))
+    return QuickstartConfig(
+        workdir=str(tmp_path / "qs"), train_overrides=TINY_TRAIN, run=QuickstartRunConfig(progress=False), eval_batch_size=32,
+        shards=ToyShardConfig(num_samples=24, samples_per_shard=12),
+        toy_benchmarks=ToyBenchmarkConfig(cirr_sets=4, imgnet_queries_per_class=1, imgnet_targets_per_domain=1,
+                                          imgnet_distractors_per_class=1, coco_images=4, exclusion_queries=2),
+        backbone=ToyBackboneConfig(model_config=str(model_json), steps=2, batch_size=8, warmup_steps=1,
+                                   num_train_images=16, num_eval_scenes=10, pretrain_steps=2, pretrain_first_steps=1),
+        **kw,
+    )
+
+
+def test_quickstart_runs_every_stage_and_reuses_them(tmp_path, monkeypatch):
+    cfg = tiny_config(tmp_path)
+    summary = run_quickstart(cfg)
+    qs = tmp_path / "qs"
+    assert (qs / "results.json").is_file() and (qs / "recall_at_k.png").is_file()
+    exports = list((qs / "train").glob("*/demind-seed0/demind.safetensors"))
+    assert len(exports) == 1
+    # what demind-serve --quickstart serves, read without the toy package
+    from demind.search.manifest import read_search_manifest
+
+    assert read_search_manifest(qs) == {"checkpoint": exports[0], "images": qs / "benchmarks" / "cirr" / "dev",
+                                        "index": qs / "search-index"}
+    rows = summary["rows"]
+    assert set(rows) == {"demind", "mapping-only", "image+text", "image-only", "text-only",
+                         "demind+deo", "mapping-only+deo", "image+text+deo", "text-only+deo", "oracle"}
+    for label, row in rows.items():
+        keys = ("cirr:R@1", "cirr:R@10", "exclusion:mAP@10") + (
+            () if label == "oracle" else ("imagenet-r:average/R@10", "coco:R@1"))  # descriptions: CIRR, exclusion
+        for key in keys:
+            mean, std = row["metrics"][key]
+            assert 0.0 <= mean <= 100.0 and std == 0.0
+        assert row["per_type"]["all"]["n"] == 2 * 4
+    assert "coco:R@1" not in rows["oracle"]["metrics"]
+    # results.json: the fields a script reads (README "results.json")
+    saved = json.loads((qs / "results.json").read_text())
+    assert set(saved["backbone_probes"]) == {"shape", "colour", "size", "position", "background", "style"}
+    assert saved["backbone_probes"] == summary["backbone"]["pair_probes"]
+    for bench, key in (("cirr", "R@10"), ("exclusion", "mAP@10"), ("coco", "R@1")):
+        for method in rows:
+            if method == "oracle" and bench == "coco":
+                assert "oracle" not in saved["metrics"][bench]
+                continue
+            cell = saved["metrics"][bench][method][key]
+            assert cell["mean"] == pytest.approx(rows[method]["metrics"][f"{bench}:{key}"][0])
+            assert cell["per_seed"] == {"0": cell["mean"]} and cell["std"] == 0.0
+    export = next((qs / "train").glob("*/demind-seed0/demind.safetensors"))
+    assert saved["gate"] == {"demind": {"0": pytest.approx(math.tanh(float(read_checked_tensors(export)["gate"])))}}
+    assert saved["paired"]["0"]["mapping-only"]["R@10"]["p"] == summary["paired"][0]["mapping-only"]["R@10"]["p"]
+    assert "demind" in summary["table"] and "text-only" in summary["table"]
+    # paired comparison: discordant counts differ exactly by the recall difference
+    paired = summary["paired"][0]
+    assert set(paired) == set(rows) - {"demind"}
+    for other, by_k in paired.items():
+        for k in ("R@5", "R@10"):
+            diff = rows["demind"]["per_type"]["all"][k][0] - rows[other]["per_type"]["all"][k][0]
+            assert by_k[k]["only_demind"] - by_k[k]["only_other"] == round(diff * 8 / 100)
+            assert 0.0 <= by_k[k]["p"] <= 1.0
+    assert "sign-test" in summary["paired_table"]
+
+    # DEO against its base: the exclusion set's queries all hold a cue, so the per-query AP
+    # comparison covers them; on toy CIRR, queries without a cue keep the base ranking exactly.
+    deo = summary["deo"][0]
+    bases = {"demind", "mapping-only", "image+text", "text-only"}
+    assert set(deo["exclusion"]["deo_paired"]) == {b + "+deo" for b in bases}
+    for v in deo["exclusion"]["deo_paired"].values():
+        assert v["AP@10"]["only_deo"] + v["AP@10"]["only_base"] <= 2 and 0.0 <= v["AP@10"]["p"] <= 1.0
+    touched = deo["cirr"]["deo_touched"]
+    assert touched["queries"] == 8 and 0 <= touched["touched"] <= 8
+    assert touched["untouched_ranking_changed"] == {b + "+deo": 0 for b in bases}
+    assert "DEO vs its base" in summary["deo_table"]
+
+    # Second run: nothing is retrained.
+    import toyworld.clip_cache as clip_cache
+    import demind.training as training
+
+    def fail(*a, **k):
+        raise AssertionError("should have been reused")
+
+    monkeypatch.setattr(clip_cache, "train_toy_clip", fail)
+    monkeypatch.setattr(training, "train", fail)
+    again = run_quickstart(cfg)
+    assert again["rows"]["demind"]["metrics"] == rows["demind"]["metrics"]
+
+
+def test_ablations_are_paired_against_the_full_model_of_their_seed(tmp_path):
+    """Each Table 5 variant's discordant counts against the full model differ exactly by their
+    recall difference on the same queries, and the table names every variant."""
+    summary = run_quickstart(tiny_config(tmp_path, ablations=True, benchmarks=["cirr"]))
+    paired = summary["ablation_paired"]
+    assert set(paired) == {"only-original", "no-distil", "no-gate", "no-global"}
+    rows = summary["rows"]
+    for variant, by_seed in paired.items():
+        assert set(by_seed) == {0}
+        label = f"demind [{variant}]"
+        for k in ("R@5", "R@10"):
+            diff = rows["demind"]["per_type"]["all"][k][0] - rows[label]["per_type"]["all"][k][0]
+            cell = by_seed[0][k]
+            assert cell["only_full"] - cell["only_variant"] == round(diff * 8 / 100)
+            assert 0.0 <= cell["p"] <= 1.0
+        assert variant in summary["ablation_table"]
+    saved = json.loads((tmp_path / "qs" / "results.json").read_text())
+    assert saved["ablation_paired"]["no-gate"]["0"]["R@10"] == paired["no-gate"][0]["R@10"]
+
+
+def test_per_type_recall_by_hand(tmp_path):
+    root = tmp_path / "cirr"
+    (root / "captions").mkdir(parents=True)
+    caps = [{"pairid": 0, "target_hard": "a", "toy_type": "colour"},
+            {"pairid": 1, "target_hard": "b", "toy_type": "colour"},
+            {"pairid": 2, "target_hard": "c", "toy_type": "remove"}]
+    (root / "captions" / "cap.rc2.val.json").write_text(json.dumps(caps))
+    ranking = {"0": ["a", "x"], "1": ["x", "y", "b"], "2": ["x"]}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(ranking))
+    out = per_type_recall(root, {"m": str(path)}, ks=(1, 3))["m"]
+    assert out["colour"] == {"R@1": 50.0, "R@3": 100.0, "n": 2}
+    assert out["remove"] == {"R@1": 0.0, "R@3": 0.0, "n": 1}
+    assert out["all"]["R@3"] == pytest.approx(200 / 3)
+
+
+def test_quickstart_command_prints_probes_ceilings_and_gate(monkeypatch, capsys):
+    import toyworld.pipeline as pipeline
+    from toyworld.cli import main
+
+    summary = {"world_version": "toy-world-2.1", "table": "TABLE", "per_type_table": "", "paired_table": "", "deo_table": "", "timings_s": {"train": 1.0}, "plot": None,
+               "gate": {"demind": {0: 0.0912}},
+               "backbone": {"pair_probes": {"shape": 55.5, "colour": 94.7}, "pair_probe_scenes": 600,
+                            "heldout_probe_ceiling_R@10": {"probe:background": 0.3},
+                            "heldout_text_to_image": {"probe:background": {"R@1": 0.02, "R@5": 0.1, "R@10": 0.2}}}}
+    monkeypatch.setattr(pipeline, "run_quickstart", lambda cfg: summary)
+    assert main(["run.progress=false"]) == 0
+    out = capsys.readouterr().out
+    assert "shape 55.5  colour 94.7" in out and "600 held-out scenes" in out
+    assert "2.0 / 10.0 / 20.0   (ceiling 30.0)" in out
+    assert "tanh(gate) [demind]: seed 0 0.091" in out

@@ -1,0 +1,273 @@
+"""The quickstart: the whole method on the toy world, on a CPU, in minutes.
+
+``run_quickstart(cfg)`` does, each step cached so a rerun only does what is missing:
+
+1. toy intent shards (``<workdir>/shards``) and toy benchmarks (``<workdir>/benchmarks``);
+2. the toy CLIP backbone (trained once, ``<workdir>/backbone``);
+3. the frozen-feature cache of the shards (``demind.features``);
+4. De-MINDS training through ``demind.training.train`` (the code behind ``train.py``),
+   one run per (variant, seed); the Table 5 ablations are variants;
+5. every method through the evaluation harness (``demind.eval.harness.evaluate``), with
+   per-modification-type recall on the toy CIRR (``implicit``: the themes); the
+   negation-aware ``+deo`` variants (:mod:`demind.negation`) with a paired sign test against their base method on the
+   exclusion set and toy CIRR, and how many toy CIRR queries DEO touches;
+6. a paper-style table (mean ± std over seeds), ``results.json``, a recall@K plot
+   (:mod:`toyworld.results`) and ``search.json``, what ``demind-serve --quickstart`` serves.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from demind.config import setting
+from demind.io import write_json_atomic
+
+from .benchmarks import ToyBenchmarkConfig, write_benchmarks
+from .clip import ToyBackboneConfig
+from .clip_cache import ensure_toy_backbone
+from .intent_data import ToyShardConfig, write_toy_shards
+from .results import (cirr_targets, deo_paired, deo_touched, format_ablation_paired, format_deo, format_paired,
+                      format_per_type, format_quickstart_table, load_cirr_truth_and_rankings, metrics_table,
+                      paired_recall, paired_vs_demind, per_type_metrics, plot_recall, recall_by_type, summarise)
+from .world import WORLD_VERSION
+
+logger = logging.getLogger(__name__)
+
+
+# Table 5 of the paper, as overrides of the training config.
+VARIANTS: dict[str, list[str]] = {
+    "demind": [],
+    # w/o intent data: only original captions, hence no T_int to distil from either
+    "only-original": ["data.targets.p_original=1.0", "data.targets.p_rewritten=0.0",
+                      "data.targets.p_intent=0.0", "loss.distil=false"],
+    "no-distil": ["loss.distil=false"],
+    "no-gate": ["model.fusion=add"],
+    "no-global": ["model.fusion=intent_only"],
+}
+
+
+ALL_METHODS = ("demind", "mapping-only", "image+text", "image-only", "text-only",
+               "demind+deo", "mapping-only+deo", "image+text+deo", "text-only+deo", "oracle")
+
+
+# the toy benchmarks whose queries carry the target's description, which the oracle reads
+ORACLE_BENCHMARKS = ("cirr", "exclusion")
+
+
+BENCH_FOLDERS = {"cirr": "cirr", "imagenet-r": "imgnet", "coco": "coco", "exclusion": "exclusion"}
+
+
+@dataclass
+class QuickstartRunConfig:
+    """The settings every command spells the same way."""
+
+    progress: bool = True  # tqdm bars and per-step lines
+
+
+@dataclass
+class QuickstartConfig:
+    workdir: str = "runs/quickstart"
+    train_config: str = "configs/train/toy.yaml"
+    train_overrides: list[str] = field(default_factory=list)
+    seeds: list[int] = setting(default_factory=lambda: [0], ge=0)
+    ablations: bool = False          # also train and evaluate the Table 5 variants
+    benchmarks: list[str] = setting(default_factory=lambda: ["cirr", "imagenet-r", "coco", "exclusion"],
+                                    choices=tuple(BENCH_FOLDERS))
+    eval_batch_size: int = setting(256, ge=1)
+    run: QuickstartRunConfig = field(default_factory=QuickstartRunConfig)
+    shards: ToyShardConfig = field(default_factory=ToyShardConfig)
+    toy_benchmarks: ToyBenchmarkConfig = field(default_factory=ToyBenchmarkConfig)
+    backbone: ToyBackboneConfig = field(default_factory=ToyBackboneConfig)
+
+    def config_problems(self) -> list[tuple[str, str]]:
+        """Checks that need several fields, or a section that lives in a module without rules."""
+        problems = []
+        if not self.seeds:
+            problems.append(("seeds", "needs at least one seed"))
+        if not self.benchmarks:
+            problems.append(("benchmarks", f"needs at least one of {', '.join(BENCH_FOLDERS)}"))
+        for key in ("num_samples", "samples_per_shard", "image_size"):
+            if getattr(self.shards, key) < 1:
+                problems.append((f"shards.{key}", f"= {getattr(self.shards, key)} must be >= 1"))
+        if not 1 <= self.shards.jpeg_quality <= 100:
+            problems.append(("shards.jpeg_quality", f"= {self.shards.jpeg_quality} must be in 1..100"))
+        return problems
+
+    @property
+    def progress(self) -> bool:
+        return self.run.progress
+
+
+def prepare_backbone(cfg: QuickstartConfig):
+    """Train or reuse the toy CLIP; returns (FrozenCLIP, its report, log of its logit scale)."""
+    from demind.backbone import BackboneConfig, FrozenCLIP
+
+    weights, report = ensure_toy_backbone(cfg.backbone, Path(cfg.workdir) / "backbone", cfg.progress)
+    backbone = FrozenCLIP(BackboneConfig(name=cfg.backbone.model_config, pretrained=str(weights)))
+    # De-MINDS uses the backbone's own (fixed) temperature, as with CLIP's trained 100.
+    log_scale = float(backbone.model.logit_scale.detach().clamp(max=math.log(100)))
+    return backbone, report, log_scale
+
+
+def build_features(cfg: QuickstartConfig, backbone, shards: list[Path]) -> Path:
+    """Frozen image and T_int features of every shard, where ``data.features=auto`` finds them."""
+    from demind.features import build_feature_cache, default_cache_dir
+
+    names = [str(p) for p in shards]
+    directory = default_cache_dir(names, backbone.identity_str)
+    build_feature_cache(names, directory, backbone, batch_size=256, num_workers=0, progress=cfg.progress)
+    return directory
+
+
+def train_variant(cfg: QuickstartConfig, backbone, variant: str, seed: int, log_scale: float) -> Path:
+    """Train one (variant, seed) run with the trainer's own code; reuse a finished export."""
+    from demind.training import EXPORT_NAME, load_train_config, train
+
+    # keyed by the backbone, so a retrained backbone never reuses a model trained on another
+    run_dir = Path(cfg.workdir) / "train" / backbone.identity_str / f"{variant}-seed{seed}"
+    export = run_dir / EXPORT_NAME
+    if export.is_file():
+        logger.info("reusing %s", export)
+        return export
+    overrides = [
+        f"backbone.name={backbone.cfg.name}", f"backbone.pretrained={backbone.cfg.pretrained}",
+        f"data.shards={Path(cfg.workdir) / 'shards'}", f"run.output_dir={run_dir}", f"run.seed={seed}",
+        f"model.init_logit_scale={log_scale}", f"run.progress={str(cfg.progress).lower()}",
+        *VARIANTS[variant], *cfg.train_overrides,
+    ]
+    return train(load_train_config(cfg.train_config, overrides))
+
+
+def write_search_files(cfg: QuickstartConfig, exports: dict[int, Path]) -> Path:
+    """``<workdir>/search.json`` (:mod:`demind.search.manifest`): what ``demind-serve --quickstart``
+    serves: the De-MINDS export of the lowest seed, the toy CIRR dev images as the gallery, and
+    where their index goes."""
+    from demind.search.manifest import write_search_manifest
+
+    workdir = Path(cfg.workdir)
+    return write_search_manifest(workdir, exports[min(exports)], workdir / "benchmarks" / "cirr" / "dev",
+                                 workdir / "search-index")
+
+
+def evaluate_run(cfg: QuickstartConfig, backbone, export: Path, variant: str, seed: int,
+                 methods: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """Every benchmark for one trained model; returns benchmark -> results dict."""
+    from demind.checkpoint import load_backbone_and_model
+    from demind.eval.harness import ReaderOptions, evaluate
+
+    backbone, model = load_backbone_and_model(export, backbone)
+    bench_root = Path(cfg.workdir) / "benchmarks"
+    out = {}
+    for bench in cfg.benchmarks:
+        root = bench_root / BENCH_FOLDERS[bench]
+        options = ReaderOptions(coco_csv=str(root / "coco_eval.csv")) if bench == "coco" else None
+        bench_methods = [m for m in methods if m != "oracle" or bench in ORACLE_BENCHMARKS]
+        results = evaluate(bench, root, backbone=backbone, model=model, methods=bench_methods,
+                           out_dir=Path(cfg.workdir) / "eval" / backbone.identity_str / f"{variant}-seed{seed}" / bench,
+                           cache_dir=Path(cfg.workdir) / "eval" / "feature_cache", options=options,
+                           batch_size=cfg.eval_batch_size, progress=cfg.progress)
+        if bench == "cirr":
+            captions, ranked = load_cirr_truth_and_rankings(root, results["files"]["rankings"])
+            results["per_type"] = recall_by_type(captions, ranked)
+            if "demind" in methods:
+                results["paired"] = paired_vs_demind(captions, ranked)
+            results["deo_paired"] = deo_paired(ranked, cirr_targets(captions), (10,), ap=False)
+            results["deo_touched"] = deo_touched(captions, ranked)
+        if bench == "exclusion":
+            data = json.loads((root / "exclusion.json").read_text())
+            ranked = {m: json.loads(Path(f).read_text()) for m, f in results["files"]["rankings"].items()}
+            targets = {str(q["id"]): set(q["positives"]) for q in data["queries"]}
+            results["deo_paired"] = deo_paired(ranked, targets, (10,), ap=True)
+        out[bench] = results
+    return out
+
+
+def ablation_paired(cfg: QuickstartConfig, runs: dict[str, dict[int, dict[str, dict[str, Any]]]],
+                    ks: tuple[int, ...] = (5, 10)) -> dict[str, dict[int, dict[str, dict[str, float]]]]:
+    """Every Table 5 variant against the full model of the same seed on the same toy-CIRR queries:
+    variant -> seed -> "R@k" -> {"only_full", "only_variant", "p"} (exact sign test). Empty without
+    ablations."""
+    full = runs.get("demind", {})
+    out: dict[str, dict[int, dict[str, dict[str, float]]]] = {}
+    for seed in sorted(full):
+        files = {variant: by_seed[seed]["cirr"]["files"]["rankings"]["demind"] for variant, by_seed in runs.items()
+                 if seed in by_seed and "cirr" in by_seed[seed]}
+        if "demind" not in files or len(files) < 2:
+            continue
+        # each ranking read once: the full model's serves every variant of its seed
+        captions, ranked = load_cirr_truth_and_rankings(Path(cfg.workdir) / "benchmarks" / BENCH_FOLDERS["cirr"], files)
+        targets = cirr_targets(captions)
+        for variant in files.keys() - {"demind"}:
+            out.setdefault(variant, {})[seed] = paired_recall(ranked["demind"], ranked[variant], targets, ks,
+                                                              ("full", "variant"))
+    return {variant: out[variant] for variant in runs if variant in out}  # in the order of VARIANTS
+
+
+def trained_gate(export: Path) -> float:
+    """tanh(alpha) of a trained De-MINDS export: the weight of t* in t_hat = t_cls + tanh(alpha) t*
+    (near 0: the intention branch barely reaches the query)."""
+    from demind.checkpoint import read_checked_tensors
+
+    return math.tanh(float(read_checked_tensors(export)["gate"]))
+
+
+def run_quickstart(cfg: QuickstartConfig) -> dict[str, Any]:
+    """Run (or finish) the whole quickstart; returns the summary written to results.json."""
+    workdir = Path(cfg.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+
+    def timed(name: str, fn, *args):
+        start = time.perf_counter()
+        value = fn(*args)
+        timings[name] = round(time.perf_counter() - start, 1) + timings.get(name, 0.0)
+        logger.info("%s done in %.1f s", name, time.perf_counter() - start)
+        return value
+
+    logger.info("toy world %s", WORLD_VERSION)
+    shards = timed("shards", write_toy_shards, workdir / "shards", cfg.shards, cfg.progress)
+    timed("benchmarks", write_benchmarks, workdir / "benchmarks", cfg.toy_benchmarks,
+          ("cirr", "imgnet", "coco", "exclusion"), cfg.progress)
+    backbone, backbone_report, log_scale = timed("backbone", prepare_backbone, cfg)
+    timed("features", build_features, cfg, backbone, shards)
+
+    variants = list(VARIANTS) if cfg.ablations else ["demind"]
+    runs: dict[str, dict[int, dict[str, dict[str, Any]]]] = {}
+    gates: dict[str, dict[int, float]] = {}
+    exports: dict[int, Path] = {}  # the full model's, per seed: what search serves
+    for variant in variants:
+        methods = ALL_METHODS if variant == "demind" else ("demind",)
+        for seed in cfg.seeds:
+            export = timed("train", train_variant, cfg, backbone, variant, seed, log_scale)
+            gates.setdefault(variant, {})[seed] = trained_gate(export)
+            if variant == "demind":
+                exports[seed] = export
+            runs.setdefault(variant, {})[seed] = timed("evaluate", evaluate_run, cfg, backbone, export,
+                                                       variant, seed, methods)
+    rows = summarise(runs)
+    table = format_quickstart_table(rows)
+    per_type = format_per_type(rows)
+    paired = format_paired(runs)
+    deo = format_deo(runs)
+    ablations = ablation_paired(cfg, runs)
+    plot = plot_recall(rows, workdir / "recall_at_k.png")
+    summary = {"world_version": WORLD_VERSION, "rows": rows, "table": table, "per_type_table": per_type,
+               "paired_table": paired, "deo_table": deo, "ablation_table": format_ablation_paired(ablations),
+               "ablation_paired": ablations,
+               "paired": {seed: b["cirr"].get("paired") for seed, b in runs.get("demind", {}).items() if "cirr" in b},
+               "backbone_probes": backbone_report.get("pair_probes"),
+               "metrics": metrics_table(runs), "per_type": per_type_metrics(runs), "gate": gates,
+               "deo": {seed: {bench: {k: b[bench][k] for k in ("deo_paired", "deo_touched") if k in b[bench]}
+                              for bench in ("exclusion", "cirr") if bench in b}
+                       for seed, b in runs.get("demind", {}).items()},
+               "timings_s": timings,
+               "backbone": backbone_report, "config": asdict(cfg), "plot": str(plot) if plot else None}
+    write_json_atomic(workdir / "results.json", summary, indent=2, default=str)
+    write_search_files(cfg, exports)
+    return summary
