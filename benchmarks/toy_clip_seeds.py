@@ -1,4 +1,4 @@
-"""The default toy CLIP trained with several seeds: its pair probes, mean ± std (issue 20).
+"""The default toy CLIP trained with several seeds: its pair probes, mean ± std.
 
     PYTHONPATH=. python benchmarks/toy_clip_seeds.py --seeds 0 1 2 --out runs/toy_clip_seeds
     PYTHONPATH=. python benchmarks/toy_clip_seeds.py --seeds 1 2 group_edits=[shape,size,position]

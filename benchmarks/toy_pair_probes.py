@@ -1,4 +1,4 @@
-"""Pair probes of a trained toy CLIP (issue 20), and the ceilings of its R@10 probes.
+"""Pair probes of a trained toy CLIP, and the ceilings of its R@10 probes.
 
     PYTHONPATH=. python benchmarks/toy_pair_probes.py --weights runs/quickstart/backbone/toy-clip-<key>.pt
 

@@ -6,7 +6,7 @@ written with the project's one shard writer (``demind.shard_format``), as data_g
 so the trainer cannot tell toy shards from generated ones. Like data_gen, ``NNNNN_stats.json``
 is written last and marks a shard done; a rerun skips finished shards and redoes unfinished ones.
 
-Controlled noise (issue 17) stands in for an MLLM that hallucinates: with ``noise_kind`` hard
+Controlled noise stands in for an MLLM that hallucinates: with ``noise_kind`` hard
 or easy, a ``noise_rate`` share of the samples get a wrong T_rew and T_int while the image and
 T_ori (the web alt-text) stay true.
 

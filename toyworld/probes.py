@@ -1,6 +1,6 @@
 """What the toy CLIP sees: the pair probe, and the ceilings of the R@10 attribute probes.
 
-The pair probe (issue 20): for each held-out scene and each attribute, render the scene
+The pair probe: for each held-out scene and each attribute, render the scene
 and the same scene with that one attribute edited (:func:`toyworld.world.apply_edit`)
 with the same nuisance seed and per-part nuisance streams (``render_scene(...,
 per_part=True)``), so the two photographs differ only where the edit shows. Both are

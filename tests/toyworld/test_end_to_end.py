@@ -5,7 +5,7 @@ beats Image-only and Text-only on the toy CIRR benchmark by a clear margin.
 Slow (about 15 minutes on a 2-core CPU: it trains the toy CLIP and De-MINDS from nothing), so it
 is off by default: ``pytest -m slow tests/test_toy_end_to_end.py``.
 
-The probe bar is issue 20's: shape, colour, background, style >= 90, size >= 85 (chance 50).
+The probe bar the toy CLIP must clear: shape, colour, background, style >= 90, size >= 85 (chance 50).
 On World v2.1 (painted sculptures) the default recipe, seed 0, measured shape 92.8, colour 96.3,
 size 86.2, background 97.5, style 96.7 in the fresh-clone quickstart with 2 threads (training is
 deterministic for a thread count, not across thread counts). Size sits 1.2 points over its bar;

@@ -79,7 +79,7 @@ def test_trainer_reader_accepts_toy_shards(tmp_path):
     assert first["original"] and first["rewritten"] and first["intent"]
 
 
-# ------------------------------------------------------------------ controlled noise (issue 17)
+# ------------------------------------------------------------------ controlled noise
 
 def _noise_and_texts(cfg, n):
     out = []

@@ -1,4 +1,4 @@
-"""Pair probes, per-part nuisance streams and the R@10 probe ceilings (issue 20)."""
+"""Pair probes, per-part nuisance streams and the R@10 probe ceilings."""
 
 import dataclasses
 
