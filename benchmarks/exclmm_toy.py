@@ -3,7 +3,7 @@
     python benchmarks/exclmm_toy.py --backbone-dir runs/quickstart/backbone --workdir runs/exclmm --seeds 0 1 2
 
 Design (written before measuring):
-* Data: the toy ExclCOCO (demind/toy/benchmarks.py, defaults: 3,000 train / 1,000 test images,
+* Data: the toy ExclCOCO (toyworld/benchmarks.py, defaults: 3,000 train / 1,000 test images,
   labels = the 8 shapes); ExclMM trains on the train split only, everything is scored on test.
 * Backbone: the quickstart's toy CLIP (read only), frozen.
 * Methods: CLIP text-only (the exclusion query text through the text tower; deterministic, so

@@ -3,7 +3,7 @@
 A :class:`Scene` is the ground truth that every text and every benchmark label is
 computed from; pixels come from :mod:`toyworld.render`. Everything is a pure function
 of integer seeds, so the same seed gives the same scene, texts and image bytes on any
-machine. Design choices are argued in ``demind/toy/README.md``.
+machine. Design choices are argued in ``docs/lab-notes/toy-world.md``.
 """
 
 from __future__ import annotations
