@@ -9,13 +9,12 @@ never believable wrong results.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from demind.backbone import BackboneConfig, FrozenCLIP, build_backbone, parse_backbone_spec, same_backbone
@@ -23,6 +22,7 @@ from demind.config import ConfigError, from_dict, to_dict
 from demind.errors import DemindError
 from demind.model import DeMinds, ModelConfig
 from demind.io import atomic_path
+from demind.tensor_files import read_format_metadata, tensors_sha256  # noqa: F401 (tensors_sha256 re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -32,16 +32,6 @@ CHECKSUM_KEY = "tensors_sha256"
 
 class CheckpointError(DemindError, ValueError):
     """A checkpoint that cannot be used as asked."""
-
-
-def tensors_sha256(state: dict[str, torch.Tensor]) -> str:
-    """sha256 over every tensor's name, dtype, shape and bytes, in name order."""
-    digest = hashlib.sha256()
-    for name in sorted(state):
-        tensor = state[name].detach().cpu().contiguous()
-        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
 
 
 def check_finite_tensors(state: dict[str, torch.Tensor], where: str) -> None:
@@ -77,13 +67,8 @@ def read_checkpoint_metadata(path: str | Path) -> dict:
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
 
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            raw = f.metadata() or {}
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"checkpoint {path} is not a readable safetensors file: {e}") from None
-    if raw.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {path} is not a De-MINDS checkpoint (format {raw.get('format')!r}, expected {FORMAT!r})")
+    raw = read_format_metadata(path, FORMAT, CheckpointError, "checkpoint",
+                               "a De-MINDS checkpoint is the demind.safetensors a training run exports")
     return {k: (v if k in ("format", CHECKSUM_KEY) else json.loads(v)) for k, v in raw.items()}
 
 

@@ -29,6 +29,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from demind.backbone import same_backbone
+from demind.errors import DemindError
+from demind.tensor_files import read_format_metadata
 
 
 def capped_relu(x: torch.Tensor) -> torch.Tensor:
@@ -242,20 +244,18 @@ def read_export_config(path: str | Path) -> dict[str, Any]:
         return json.loads((f.metadata() or {})["config"])
 
 
+class ExclMMExportError(DemindError, ValueError):
+    """A file given as an ExclMM export that is not one (unreadable, or another format)."""
+
+
 def load_exclmm(path: str | Path, backbone_identity: dict[str, Any] | None = None,
                 device: str | torch.device = "cpu") -> ExclMM:
     """Load an export; with ``backbone_identity`` it must match the one it was trained on."""
-    from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
 
     path = Path(path)
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-    except (SafetensorError, OSError) as e:
-        raise ValueError(f"{path} is not a readable ExclMM export ({e})") from None
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path}: expected format {FORMAT!r}, got {meta.get('format')!r} (a De-MINDS checkpoint?)")
+    meta = read_format_metadata(path, FORMAT, ExclMMExportError, "ExclMM export",
+                                "an ExclMM export is the exclmm.safetensors that demind-train-exclmm writes")
     identity = json.loads(meta["backbone_identity"])
     # the same comparison as De-MINDS checkpoints: by content, older file-name records accepted
     if backbone_identity is not None and not same_backbone(identity, backbone_identity):

@@ -28,12 +28,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from demind.checkpoint import tensors_sha256
 from demind.errors import DemindError
 from demind.io import atomic_path
+from demind.tensor_files import read_format_metadata, tensors_sha256
 
 FORMAT = "demind-train-state/1"
 TREE_FORMAT = "demind-tree/1"
@@ -100,14 +100,7 @@ def save_tree(path: str | Path, tree: dict[str, Any], kind: str = TREE_FORMAT) -
 
 
 def _read_metadata(path: Path, kind: str, fix: str) -> dict[str, str]:
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-    except (SafetensorError, OSError) as e:
-        raise StateFileError(f"{path} is truncated or corrupted ({e}); {fix}") from None
-    if meta.get("format") != kind:
-        raise StateFileError(f"{path} is not a {kind} file (format {meta.get('format')!r}); {fix}")
-    return meta
+    return read_format_metadata(path, kind, StateFileError, "state file", fix)
 
 
 def read_tree_json(path: str | Path, kind: str = TREE_FORMAT, fix: str = "delete it and rerun") -> dict[str, Any]:

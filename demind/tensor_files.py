@@ -1,0 +1,42 @@
+"""safetensors files of a declared format: the tensors' digest and the metadata read with one error.
+
+De-MINDS checkpoints, ExclMM exports and the training engine's state files are safetensors files
+whose metadata names their ``format``; each reader refuses a file that is not readable
+safetensors, or is of another format, with one message naming the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+
+def tensors_sha256(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over every tensor's name, dtype, shape and bytes, in name order."""
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        tensor = state[name].detach().cpu().contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def read_format_metadata(path: str | Path, expected: str, error: type[Exception], what: str,
+                         fix: str = "") -> dict[str, str]:
+    """The metadata of the safetensors file ``path``, whose ``format`` entry must be ``expected``.
+
+    A file that safetensors cannot read (truncated, not safetensors) or of another format raises
+    ``error`` with one message: ``what`` names the kind of file ("checkpoint"), ``fix`` (may be
+    empty) says what to do."""
+    tail = f"; {fix}" if fix else ""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    except (SafetensorError, OSError) as e:
+        raise error(f"{what} {path} is truncated or corrupted ({e}){tail}") from None
+    if meta.get("format") != expected:
+        raise error(f"{what} {path} is not a {expected} file (format {meta.get('format')!r}){tail}")
+    return meta
