@@ -47,6 +47,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from demind.config import setting, validate
+
 log = logging.getLogger(__name__)
 
 MODES = ("exact", "adam")
@@ -58,21 +60,16 @@ PAPER_LAMBDAS = {"multimodal": (1.0, 1.0, 1.0), "text": (1.0, 1.0, 0.2)}
 class DEOConfig:
     """How e_u is found. Defaults: the paper's multimodal λs, 20 Adam steps, closed form."""
 
-    mode: str = "exact"
-    steps: int = 20
-    lr: float = 0.01
-    lambda_p: float = 1.0
-    lambda_n: float = 1.0
-    lambda_o: float = 1.0
+    mode: str = setting("exact", choices=MODES)
+    steps: int = setting(20, ge=0)
+    lr: float = setting(0.01, gt=0)
+    lambda_p: float = setting(1.0, ge=0)
+    lambda_n: float = setting(1.0, ge=0)
+    lambda_o: float = setting(1.0, ge=0)
     normalise: bool = True
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"DEO mode must be one of {MODES}, got {self.mode!r}")
-        if self.steps < 0 or self.lr <= 0:
-            raise ValueError(f"DEO needs steps >= 0 and lr > 0, got steps={self.steps}, lr={self.lr}")
-        if min(self.lambda_p, self.lambda_n, self.lambda_o) < 0:
-            raise ValueError(f"DEO weights must be >= 0, got λp={self.lambda_p}, λn={self.lambda_n}, λo={self.lambda_o}")
+        validate(self)  # built in code by the methods: the same declared rules a loaded config meets
 
     @property
     def curvature(self) -> float:
