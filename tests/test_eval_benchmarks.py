@@ -16,7 +16,7 @@ from demind.config import ConfigError
 from demind.eval import evaluate, format_table, load_backbone_and_model
 from demind.eval.coco import build_coco_queries, coco_texts, read_coco
 from demind.eval.fashioniq import read_fashioniq
-from demind.eval.harness import ReaderOptions, read_benchmark
+from demind.eval.harness import CocoOptions, FashionIQOptions, ReaderOptions, read_benchmark
 from demind.eval.structures import DataLayoutError, ImageReadError
 from demind.model import DeMinds, ModelConfig
 from helpers import TINY_CLIP, run_eval_command
@@ -88,7 +88,7 @@ def test_fashioniq_text_only_and_image_plus_text_encode_the_whole_prompt_by_defa
     assert file_order.text == "a photo of * , is red and has long sleeves"
     file_captions = read_fashioniq(root, caption_order="file", text_form="captions").groups[0].queries[0]
     assert file_captions.text == "is red and has long sleeves"
-    via_options = read_benchmark("fashioniq", root, options=ReaderOptions(fashioniq_text="captions"))
+    via_options = read_benchmark("fashioniq", root, options=ReaderOptions(fashioniq=FashionIQOptions(text="captions")))
     assert via_options.groups[0].queries[0].text == "has long sleeves and is red"
     with pytest.raises(ValueError, match="text form"):
         read_fashioniq(root, text_form="prompt")
@@ -279,7 +279,7 @@ def test_the_query_resize_mode_is_part_of_the_cache_key(tmp_path, tiny_backbone)
 
     def run(mode: str) -> dict:
         return evaluate("coco", root, backbone=tiny_backbone, methods="image-only", cache_dir=tmp_path / "cache",
-                        options=ReaderOptions(coco_query_resize=mode), progress=False)
+                        options=ReaderOptions(coco=CocoOptions(query_resize=mode)), progress=False)
 
     first, other, again = run("released"), run("center-crop"), run("released")
     assert first["encoding"]["queries"] == {"images": 3, "cached": 0, "encoded": 3}
@@ -398,7 +398,7 @@ def test_unknown_method_and_model_methods_without_checkpoint_are_errors(tmp_path
 
 def test_reader_options_reach_the_readers(tmp_path):
     root = make_coco(tmp_path)
-    prose = read_benchmark("coco", root, options=ReaderOptions(coco_prompt="prose", coco_seed=3))
+    prose = read_benchmark("coco", root, options=ReaderOptions(coco=CocoOptions(prompt="prose", seed=3)))
     assert prose.options["seed"] == 3 and " , " in prose.groups[0].queries[0].prompt
 
 

@@ -240,14 +240,14 @@ def test_finding5_bad_generation_values_fail_at_load(override, key, allowed):
 
 def test_finding5_bad_evaluation_options_fail_before_any_work(tmp_path, tiny_backbone):
     from demind.config import ConfigError
-    from demind.eval.harness import ReaderOptions, evaluate
+    from demind.eval.harness import CocoOptions, ReaderOptions, evaluate
 
     with pytest.raises(ConfigError) as info:  # before the (missing) data is even looked at
         evaluate("cirr", tmp_path / "nowhere", backbone=tiny_backbone, batch_size=0,
-                 options=ReaderOptions(coco_min_area=0.7, coco_prompt="poem"))
+                 options=ReaderOptions(coco=CocoOptions(min_area=0.7, prompt="poem")))
     message = str(info.value)
-    assert "batch_size = 0 must be >= 1" in message and "'coco_prompt' = 'poem' must be one of" in message
-    assert "coco_min_area" in message and "below coco_max_area" in message
+    assert "batch_size = 0 must be >= 1" in message and "'coco.prompt' = 'poem' must be one of" in message
+    assert "coco.min_area" in message and "below coco.max_area" in message
 
 
 def test_finding5_a_bad_value_in_the_file_names_the_file(tmp_path):

@@ -159,14 +159,14 @@ def evaluate_run(cfg: QuickstartConfig, backbone, export: Path, variant: str, se
                  methods: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     """Every benchmark for one trained model; returns benchmark -> results dict."""
     from demind.checkpoint import load_backbone_and_model
-    from demind.eval.harness import ReaderOptions, evaluate
+    from demind.eval.harness import CocoOptions, ReaderOptions, evaluate
 
     backbone, model = load_backbone_and_model(export, backbone)
     bench_root = Path(cfg.workdir) / "benchmarks"
     out = {}
     for bench in cfg.benchmarks:
         root = bench_root / BENCH_FOLDERS[bench]
-        options = ReaderOptions(coco_csv=str(root / "coco_eval.csv")) if bench == "coco" else None
+        options = ReaderOptions(coco=CocoOptions(csv=str(root / "coco_eval.csv"))) if bench == "coco" else None
         bench_methods = [m for m in methods if m != "oracle" or bench in ORACLE_BENCHMARKS]
         results = evaluate(bench, root, backbone=backbone, model=model, methods=bench_methods,
                            out_dir=Path(cfg.workdir) / "eval" / backbone.identity_str / f"{variant}-seed{seed}" / bench,

@@ -16,39 +16,8 @@ from dataclasses import dataclass, field
 from demind.cli.common import Flag, config_parser, run_config_command
 from demind.cli.search import BackboneChoice
 from demind.config import RunOptions, resolve_device, setting
-from demind.eval.coco import PROMPT_FORMS, QUERY_RESIZES
-from demind.eval.fashioniq import CAPTION_ORDERS, TEXT_FORMS
-from demind.eval.harness import BENCHMARKS
+from demind.eval.harness import BENCHMARKS, CocoOptions, FashionIQOptions
 from demind.eval.methods import METHODS
-
-
-@dataclass
-class FashionIQOptions:
-    caption_order: str = setting("released", choices=CAPTION_ORDERS,
-                                 help="released: Pic2Word's '{caption2} and {caption1}'; file: file order")
-    text: str = setting("released", choices=TEXT_FORMS,
-                        help="Text-only/Image+Text text. released: the whole prompt 'a photo of * , {captions}', "
-                             "as Pic2Word; captions: the two captions only")
-
-
-@dataclass
-class CocoOptions:
-    csv: str | None = setting(None, help="read queries from a Pic2Word coco_eval.csv instead of building them")
-    prompt: str = setting("released", choices=PROMPT_FORMS,
-                          help="released: 'a photo of * and {query class} and {others}', with Pic2Word's dangling "
-                               "'and' when there are no others; trimmed: without it; prose: 'a photo of * , {obj1} "
-                               "and {obj2}'")
-    query_resize: str = setting("released", choices=tuple(QUERY_RESIZES),
-                                help="released: query region resized straight to the input square, no crop, as "
-                                     "Pic2Word; center-crop: the backbone's resize + centre-crop")
-    seed: int = setting(0, ge=0, help="seed of the COCO query draw")
-    min_area: float = setting(0.05, ge=0, le=1, help="smallest query box area, as a fraction of the image")
-    max_area: float = setting(0.5, ge=0, le=1, help="largest query box area, as a fraction of the image")
-
-    def config_problems(self) -> list[tuple[str, str]]:
-        if self.min_area >= self.max_area:
-            return [("min_area", f"= {self.min_area} must be below coco.max_area = {self.max_area}")]
-        return []
 
 
 @dataclass
@@ -99,10 +68,7 @@ def reader_options(cfg: EvalConfig):
     """The ReaderOptions the benchmark sections ask for."""
     from demind.eval.harness import ReaderOptions
 
-    fiq, coco = cfg.fashioniq, cfg.coco
-    return ReaderOptions(fashioniq_caption_order=fiq.caption_order, fashioniq_text=fiq.text, coco_csv=coco.csv,
-                         coco_prompt=coco.prompt, coco_query_resize=coco.query_resize, coco_seed=coco.seed,
-                         coco_min_area=coco.min_area, coco_max_area=coco.max_area)
+    return ReaderOptions(fashioniq=cfg.fashioniq, coco=cfg.coco)
 
 
 def evaluate_command(cfg: EvalConfig) -> int:

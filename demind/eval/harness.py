@@ -43,22 +43,41 @@ RANKING_DEPTH = 50
 
 
 @dataclass
-class ReaderOptions:
-    """Benchmark-specific choices (defaults follow Pic2Word's released protocol; see each reader)."""
+class FashionIQOptions:
+    caption_order: str = setting("released", choices=CAPTION_ORDERS,
+                                 help="released: Pic2Word's '{caption2} and {caption1}'; file: file order")
+    text: str = setting("released", choices=TEXT_FORMS,
+                        help="Text-only/Image+Text text. released: the whole prompt 'a photo of * , {captions}', "
+                             "as Pic2Word; captions: the two captions only")
 
-    fashioniq_caption_order: str = setting("released", choices=CAPTION_ORDERS)
-    fashioniq_text: str = setting("released", choices=TEXT_FORMS)
-    coco_csv: str | None = None
-    coco_prompt: str = setting("released", choices=PROMPT_FORMS)
-    coco_query_resize: str = setting("released", choices=tuple(QUERY_RESIZES))
-    coco_seed: int = setting(0, ge=0)
-    coco_min_area: float = setting(0.05, ge=0, le=1)
-    coco_max_area: float = setting(0.5, ge=0, le=1)
+
+@dataclass
+class CocoOptions:
+    csv: str | None = setting(None, help="read queries from a Pic2Word coco_eval.csv instead of building them")
+    prompt: str = setting("released", choices=PROMPT_FORMS,
+                          help="released: 'a photo of * and {query class} and {others}', with Pic2Word's dangling "
+                               "'and' when there are no others; trimmed: without it; prose: 'a photo of * , {obj1} "
+                               "and {obj2}'")
+    query_resize: str = setting("released", choices=tuple(QUERY_RESIZES),
+                                help="released: query region resized straight to the input square, no crop, as "
+                                     "Pic2Word; center-crop: the backbone's resize + centre-crop")
+    seed: int = setting(0, ge=0, help="seed of the COCO query draw")
+    min_area: float = setting(0.05, ge=0, le=1, help="smallest query box area, as a fraction of the image")
+    max_area: float = setting(0.5, ge=0, le=1, help="largest query box area, as a fraction of the image")
 
     def config_problems(self) -> list[tuple[str, str]]:
-        if self.coco_min_area >= self.coco_max_area:
-            return [("coco_min_area", f"= {self.coco_min_area} must be below coco_max_area = {self.coco_max_area}")]
+        if self.min_area >= self.max_area:
+            return [("min_area", f"= {self.min_area} must be below coco.max_area = {self.max_area}")]
         return []
+
+
+@dataclass
+class ReaderOptions:
+    """Benchmark-specific choices (defaults follow Pic2Word's released protocol; see each reader):
+    the ``fashioniq`` and ``coco`` sections of ``demind-eval``'s config."""
+
+    fashioniq: FashionIQOptions = field(default_factory=FashionIQOptions)
+    coco: CocoOptions = field(default_factory=CocoOptions)
 
 
 # The numeric arguments of evaluate(), checked with the same declared rules as the configs.
@@ -83,12 +102,12 @@ def read_benchmark(benchmark: str, data_root: str | Path, split: str = "val", li
     if benchmark == "cirr":
         return read_cirr(data_root, split, limit)
     if benchmark == "fashioniq":
-        return read_fashioniq(data_root, split, limit, caption_order=opt.fashioniq_caption_order,
-                              text_form=opt.fashioniq_text)
+        return read_fashioniq(data_root, split, limit, caption_order=opt.fashioniq.caption_order,
+                              text_form=opt.fashioniq.text)
     if benchmark == "coco":
-        return read_coco(data_root, split, limit, csv_path=opt.coco_csv, prompt_form=opt.coco_prompt,
-                         query_resize=opt.coco_query_resize, seed=opt.coco_seed,
-                         min_area=opt.coco_min_area, max_area=opt.coco_max_area)
+        c = opt.coco
+        return read_coco(data_root, split, limit, csv_path=c.csv, prompt_form=c.prompt,
+                         query_resize=c.query_resize, seed=c.seed, min_area=c.min_area, max_area=c.max_area)
     if benchmark == "imagenet-r":
         return read_imagenet_r(data_root, split, limit)
     if benchmark == "circo":
