@@ -4,7 +4,8 @@ On the shared training engine (:mod:`demind.training`): the optimizer and schedu
 (``build_adamw``, ``build_lr_scheduler``), the non-finite check (``check_finite_terms``), the log
 line (``step_line``) and the resumable state (``save_train_state``: one ``.safetensors`` file,
 tensors + JSON, no pickle). A stage has its own optimizer and schedule: the image pre-training a
-constant lr, the contrastive stage a linear warm-up then a cosine to 0 at its last step.
+constant lr, the contrastive stage a linear warm-up then a cosine towards 0 (reached just after its
+last step).
 """
 
 from __future__ import annotations
