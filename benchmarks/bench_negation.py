@@ -4,7 +4,7 @@
     PYTHONPATH=. python benchmarks/bench_negation.py --latency              # DEO solve time per query
     PYTHONPATH=. python benchmarks/bench_negation.py --methods-latency      # whole +deo query vs base, toy CLIP
     PYTHONPATH=. python benchmarks/bench_negation.py --workdir runs/quickstart  # toy tables per seed
-    PYTHONPATH=. python benchmarks/bench_negation.py --backbone-only toyworld/model_configs/toy-clip-cnn-text2.json:WEIGHTS.pt \
+    PYTHONPATH=. python benchmarks/bench_negation.py --backbone-only toyworld/model_configs/toy-clip-cnn-text2.json:WEIGHTS.safetensors \
         --benchmarks runs/quickstart/benchmarks --out runs/deo-bb               # Text-only / Image+Text +- DEO
 
 Latency: the time to turn (e_o, sub-query embeddings) into e_u, exact (closed form) vs the

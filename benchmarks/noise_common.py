@@ -81,7 +81,8 @@ def load_backbone(quickstart: str | Path, cfg) -> tuple[Any, float]:
     weights, report = cached_paths(cfg.backbone, folder)
     if not (weights.is_file() and report.is_file()):
         # another version's cache key: take the one finished toy CLIP of the workdir
-        done = [p for p in folder.glob("*.pt") if not p.name.endswith(".state.pt") and p.with_suffix(".json").is_file()]
+        done = [p for p in folder.glob("*.safetensors")
+                if not p.name.endswith(".state.safetensors") and p.with_suffix(".json").is_file()]
         if len(done) != 1:
             raise NoiseBenchError(f"{folder} holds {len(done)} finished toy CLIPs; expected the quickstart's one")
         weights = done[0]

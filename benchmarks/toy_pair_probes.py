@@ -1,6 +1,6 @@
 """Pair probes of a trained toy CLIP, and the ceilings of its R@10 probes.
 
-    PYTHONPATH=. python benchmarks/toy_pair_probes.py --weights runs/quickstart/backbone/toy-clip-<key>.pt
+    PYTHONPATH=. python benchmarks/toy_pair_probes.py --weights runs/quickstart/backbone/toy-clip-<key>.safetensors
 
 Reads the weights only (the quickstart writes the same numbers into the backbone's report,
 ``pair_probes``); prints attribute -> % of held-out scenes whose own image beats the
@@ -14,24 +14,24 @@ from __future__ import annotations
 import argparse
 import json
 import time
-
-import torch
+from pathlib import Path
 
 from toyworld.clip import ToyBackboneConfig, build_toy_model
+from toyworld.clip_cache import load_weights
 from toyworld.clip_eval import clip_pair_scorer, probe_ceilings
 from toyworld.probes import pair_probe_breakdown, pair_probe_cases, probe_accuracies, score_pairs
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--weights", required=True, help="toy CLIP state dict (.pt) written by the quickstart")
+    parser.add_argument("--weights", required=True, help="toy CLIP weights (.safetensors) written by the quickstart")
     parser.add_argument("--model-config", default=ToyBackboneConfig().model_config)
     parser.add_argument("--scenes", type=int, default=600, help="held-out scenes per attribute")
     parser.add_argument("--ceiling-scenes", type=int, default=1000, help="held-out scenes of the R@10 probes")
     parser.add_argument("--breakdown", action="store_true", help="each probe by style, number of objects and theme")
     args = parser.parse_args()
     model, tokenizer, image_size = build_toy_model(ToyBackboneConfig(model_config=args.model_config))
-    model.load_state_dict(torch.load(args.weights, weights_only=True))
+    load_weights(model, Path(args.weights))
     start = time.perf_counter()
     cases = pair_probe_cases(args.scenes)
     wins = score_pairs(clip_pair_scorer(model.eval(), tokenizer), cases, image_size)

@@ -5,6 +5,17 @@ the model config and the training config; later calls reuse it. The training tex
 mixture of :func:`toyworld.texts.web_text` (alt-texts, full descriptions and edit-form
 phrasings, each true of its image) over scenes of the "web" seed stream; its own text-to-image
 recall is measured on held-out "web_eval" scenes.
+
+Files, no pickle: the weights are a plain open_clip state dict in ``<stem>.safetensors`` (open_clip
+and :class:`demind.backbone.FrozenCLIP` load it by that extension), the report ``<stem>.json``; a
+run killed while training leaves ``<stem>.state.safetensors`` (:mod:`demind.training.store`) and a
+rerun resumes from it. A damaged state file (truncated, corrupted) is deleted with a warning and
+the toy CLIP trained again from its first step: it is this cache's own file, and training again is
+what the user would be told to do. Weights cached as ``.pt`` (pickle) by versions before the
+shared training engine are not read: the toy CLIP is trained again, with one log line saying why.
+The key is the one those versions used: the engine trains the same weights, bit for bit. (Its
+warm-up lr ``lr * ((k + 1) / warmup)`` is one float64 ulp from the old ``(lr * (k + 1)) / warmup``
+on 29 of the default recipe's 100 warm-up steps; AdamW's float32 update came out the same for each.)
 """
 
 from __future__ import annotations
@@ -18,8 +29,10 @@ from typing import Any
 
 import open_clip
 import torch
+from safetensors.torch import load_file, save_file
 
 from demind.io import atomic_path, write_json_atomic
+from demind.training.store import StateFileError
 
 from .clip import ToyBackboneConfig, image_side, model_name, build_toy_model
 from .clip_eval import _add_probe_reports, evaluate_toy_clip
@@ -46,15 +59,36 @@ def cache_key(cfg: ToyBackboneConfig) -> str:
 
 
 def cached_paths(cfg: ToyBackboneConfig, cache_dir: str | Path) -> tuple[Path, Path]:
-    """(weights .pt, report .json) for this config in ``cache_dir``."""
+    """(weights .safetensors, report .json) for this config in ``cache_dir``."""
     stem = f"{Path(cfg.model_config).stem}-{cache_key(cfg)}"
-    return Path(cache_dir) / f"{stem}.pt", Path(cache_dir) / f"{stem}.json"
+    return Path(cache_dir) / f"{stem}.safetensors", Path(cache_dir) / f"{stem}.json"
+
+
+def state_path_of(weights: Path) -> Path:
+    """The mid-training state next to ``weights``: a rerun resumes from it."""
+    return weights.with_name(weights.stem + ".state.safetensors")
 
 
 def save_weights(model: torch.nn.Module, path: Path) -> None:
-    """Plain open_clip state dict, written atomically."""
+    """Plain open_clip state dict as safetensors, written atomically."""
     with atomic_path(path) as tmp:
-        torch.save(model.state_dict(), tmp)
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp))
+
+
+def load_weights(model: torch.nn.Module, path: Path) -> torch.nn.Module:
+    """``model`` with the weights :func:`save_weights` wrote."""
+    model.load_state_dict(load_file(str(path)))
+    return model
+
+
+def _train(cfg: ToyBackboneConfig, progress: bool, state_path: Path) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """Train (resuming from ``state_path`` when there); a damaged state is deleted and training restarts."""
+    try:
+        return train_toy_clip(cfg, progress, state_path)
+    except StateFileError as e:  # raised while reading the state, before any training
+        logger.warning("toy CLIP: %s -- deleting it and training from the first step", e)
+        state_path.unlink(missing_ok=True)
+        return train_toy_clip(cfg, progress, state_path)
 
 
 def ensure_toy_backbone(cfg: ToyBackboneConfig | None = None, cache_dir: str | Path = "cache/toy",
@@ -71,16 +105,19 @@ def ensure_toy_backbone(cfg: ToyBackboneConfig | None = None, cache_dir: str | P
         report = json.loads(report_path.read_text())
         if report.get("pair_probe_scenes") != cfg.num_pair_probe_scenes:  # an older report, or another count
             model, tokenizer, _ = build_toy_model(cfg)
-            model.load_state_dict(torch.load(weights, weights_only=True))
-            report = _add_probe_reports(report, model.eval(), tokenizer, cfg)
+            report = _add_probe_reports(report, load_weights(model, weights).eval(), tokenizer, cfg)
             write_json_atomic(report_path, report, indent=2)
         return weights, report
     logger.info("training toy CLIP (%s: %d image pre-training steps, then %d contrastive steps with the image "
                 "tower locked, batch %d) -> %s", cfg.model_config, cfg.pretrain_steps, cfg.steps, cfg.batch_size,
                 weights)
-    state_path = weights.with_name(weights.stem + ".state.pt")  # mid-training state: a rerun resumes
+    legacy = sorted(p.name for p in weights.parent.glob(f"{Path(cfg.model_config).stem}-*.pt"))
+    if legacy:
+        logger.info("toy CLIP: %s in %s: pickle weights or state of an earlier version, not read (the weights are "
+                    "safetensors now); training again", ", ".join(legacy), weights.parent)
+    state_path = state_path_of(weights)
     weights.parent.mkdir(parents=True, exist_ok=True)
-    model, log = train_toy_clip(cfg, progress, state_path)
+    model, log = _train(cfg, progress, state_path)
     save_weights(model, weights)
     state_path.unlink(missing_ok=True)
     tokenizer = open_clip.get_tokenizer(model_name(cfg.model_config))

@@ -1,7 +1,11 @@
 """Training the toy CLIP from scratch: image-tower pre-training on tags, then ClipLoss with the tower locked.
 
-Its own AdamW, schedule and resume state live here, in one module, so that moving it onto the
-shared training engine (``demind.training``) is a local change.
+On the shared training engine (:mod:`demind.training`): the optimizer and schedule
+(``build_adamw``, ``build_lr_scheduler``), the non-finite check (``check_finite_terms``), the log
+line (``step_line``) and the resumable state (``save_train_state``: one ``.safetensors`` file,
+tensors + JSON, no pickle). A stage has its own optimizer and schedule: the image pre-training a
+constant lr, the contrastive stage a linear warm-up then a cosine towards 0 (reached just after its
+last step).
 """
 
 from __future__ import annotations
@@ -18,7 +22,10 @@ import torch
 from open_clip.loss import ClipLoss
 from tqdm import tqdm
 
-from demind.io import atomic_path
+from demind.training.finite import check_finite_terms
+from demind.training.metrics_log import step_line, term_parts
+from demind.training.optim import build_adamw, build_lr_scheduler
+from demind.training.store import load_train_state, restore_train_state, save_train_state
 
 from .clip import (TAG_VALUES, ToyBackboneConfig, attribute_targets, build_toy_model, encode_text_trimmed,
                    encode_toy_images, images_to_tensor, tag_columns)
@@ -27,51 +34,25 @@ from .world import Scene, derive_seed
 
 logger = logging.getLogger(__name__)
 
-
-def _lr_at(step: int, cfg: ToyBackboneConfig) -> float:
-    """The learning rate of global step ``step``: constant during image pre-training, then the
-    contrastive stage's warm-up and cosine decay."""
-    if step < cfg.pretrain_steps:
-        return cfg.lr
-    step -= cfg.pretrain_steps
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    return cfg.lr * 0.5 * (1 + math.cos(math.pi * progress))
+Stage = tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]
 
 
-def save_train_state(path: Path, model: torch.nn.Module, optim: torch.optim.Optimizer, step: int,
-                     rng: random.Random, losses: dict[str, list[float]], elapsed: float,
-                     heads: dict[str, torch.nn.Module | None], optim_pretraining: bool = False) -> None:
-    """Everything a killed run needs to continue exactly: weights (and the tag heads'), the
-    optimizer and which stage it belongs to (``optim_pretraining``), the next step, the sampling RNG (which batches and captions
-    come next), recent losses. Atomic."""
-    with atomic_path(path) as tmp:
-        torch.save({"model": model.state_dict(), "optim": optim.state_dict(), "step": step,
-                    "optim_pretraining": optim_pretraining,
-                    "rng": rng.getstate(), "losses": losses, "elapsed": elapsed,
-                    "heads": {name: head.state_dict() for name, head in heads.items() if head is not None}}, tmp)
-
-
-def _adamw(named: list[tuple[str, torch.nn.Parameter]], cfg: ToyBackboneConfig) -> torch.optim.Optimizer:
-    """CLIP's AdamW: weight decay on matrices, none on gains, biases, embeddings and the scale."""
-    decay = [p for n, p in named if p.ndim >= 2 and "embedding" not in n]
-    no_decay = [p for n, p in named if p.ndim < 2 or "embedding" in n]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.98), eps=1e-6,
-                             fused=cfg.fused_adamw)
-
-
-def _stage_optimizer(model: torch.nn.Module, cfg: ToyBackboneConfig, pretraining: bool,
-                     heads: dict[str, torch.nn.Module | None]) -> torch.optim.Optimizer:
-    """Image pre-training: the image tower and the tag head. Contrastive stage: everything but the
-    (locked) image tower."""
+def stage_optimizer(model: torch.nn.Module, cfg: ToyBackboneConfig, pretraining: bool,
+                    heads: dict[str, torch.nn.Module | None]) -> Stage:
+    """The optimizer and schedule of a stage. Image pre-training: the image tower and the tag head,
+    constant lr. Contrastive stage: everything but the (locked) image tower, ``warmup_steps`` of
+    linear warm-up, then a cosine over the rest of ``steps``. CLIP's AdamW either way (decay on
+    matrices; none on gains, biases, embeddings and the logit scale: the engine's one rule)."""
     if pretraining:
         named = list(model.visual.named_parameters(prefix="visual"))
         named += list(heads["tag_head"].named_parameters(prefix="tag_head"))
     else:
         named = [(n, p) for n, p in model.named_parameters() if not n.startswith("visual.")]
-    return _adamw(named, cfg)
+    optim = build_adamw(named, cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98), eps=1e-6,
+                        fused=cfg.fused_adamw)
+    if pretraining:
+        return optim, build_lr_scheduler(optim, 0, cfg.pretrain_steps, "constant")
+    return optim, build_lr_scheduler(optim, cfg.warmup_steps, cfg.steps, "cosine")
 
 
 def _pretrain_loss(model: torch.nn.Module, tag_head: torch.nn.Module, cfg: ToyBackboneConfig, step: int,
@@ -98,14 +79,23 @@ def _enter_contrastive_stage(model: torch.nn.Module, pool: np.ndarray) -> torch.
     return locked
 
 
+def _trained_modules(model: torch.nn.Module, heads: dict[str, torch.nn.Module | None]) -> dict[str, torch.nn.Module]:
+    return {"model": model, **{name: head for name, head in heads.items() if head is not None}}
+
+
 def train_toy_clip(cfg: ToyBackboneConfig, progress: bool = True, state_path: Path | None = None,
                    save_every: int = 100) -> tuple[torch.nn.Module, dict[str, Any]]:
     """Train the toy CLIP from scratch: the image pre-training (``pretrain_steps``), then ``steps`` of
     open_clip's ClipLoss with the image tower locked. Returns (model, log).
 
-    With ``state_path``, the training state is saved every ``save_every`` steps, and a run
-    that finds one continues from it (same batches, same captions) instead of restarting.
+    With ``state_path`` (a ``.safetensors`` file), the training state is saved every ``save_every``
+    steps, and a run that finds one continues from it (same batches, same captions, same weights
+    bit for bit) instead of restarting. A damaged state file is a
+    :class:`~demind.training.store.StateFileError` (a ``DemindError``) naming it, raised before any
+    work; :func:`toyworld.clip_cache.ensure_toy_backbone` deletes it and trains again.
     """
+    # read first: a damaged file fails in milliseconds, before the pools are rendered
+    state = load_train_state(state_path) if state_path is not None and state_path.is_file() else None
     torch.manual_seed(cfg.seed)
     model, tokenizer, image_size = build_toy_model(cfg)
     scenes, images = render_pool("web", cfg.num_train_images, image_size, progress)
@@ -119,20 +109,20 @@ def train_toy_clip(cfg: ToyBackboneConfig, progress: bool = True, state_path: Pa
                           if cfg.pretrain_steps else None)}
     rng = random.Random(derive_seed("toy-backbone", cfg.seed))
     first_step, losses, earlier = 0, {"clip": [], "tags": []}, 0.0
-    state = torch.load(state_path, weights_only=False) if state_path is not None and state_path.is_file() else None
-    if state is not None:  # our own file: holds the RNG tuple
-        model.load_state_dict(state["model"])
-        for name, head_state in state["heads"].items():
-            heads[name].load_state_dict(head_state)
-        rng.setstate(state["rng"])
-        first_step, losses, earlier = state["step"], state["losses"], state["elapsed"]
+    if state is not None:
+        first_step = state["step"]
+    optim, sched = stage_optimizer(model, cfg, first_step < cfg.pretrain_steps, heads)
+    if state is not None:
+        extra = state["extra"]
+        # a state saved on the last pre-training step holds that stage's optimizer; the contrastive
+        # stage starts with a fresh one, as an uninterrupted run does
+        same_stage = extra["pretraining"] == (first_step < cfg.pretrain_steps)
+        restore_train_state(state, modules=_trained_modules(model, heads), optimizer=optim if same_stage else None,
+                            scheduler=sched if same_stage else None)
+        rng.setstate(extra["sampler"])
+        losses, earlier = extra["losses"], extra["elapsed"]
         logger.info("toy CLIP: resuming from step %d (%s)", first_step, state_path)
     total = cfg.pretrain_steps + cfg.steps
-    optim = _stage_optimizer(model, cfg, first_step < cfg.pretrain_steps, heads)
-    if state is not None and state["optim_pretraining"] == (first_step < cfg.pretrain_steps):
-        # (a state saved on the last pre-training step holds that stage's optimizer; the contrastive
-        # stage starts with a fresh one, as an uninterrupted run does)
-        optim.load_state_dict(state["optim"])
     locked = _enter_contrastive_stage(model, pool) if first_step >= cfg.pretrain_steps else None
     if first_step < cfg.pretrain_steps:
         model.train()
@@ -142,32 +132,32 @@ def train_toy_clip(cfg: ToyBackboneConfig, progress: bool = True, state_path: Pa
                initial=first_step, total=total)
     for step in bar:
         if step == cfg.pretrain_steps and step > first_step:  # image pre-training just ended
-            optim = _stage_optimizer(model, cfg, False, heads)
+            optim, sched = stage_optimizer(model, cfg, False, heads)
             locked = _enter_contrastive_stage(model, pool)
-        for group in optim.param_groups:
-            group["lr"] = _lr_at(step, cfg)
-        if step < cfg.pretrain_steps:
-            loss = _pretrain_loss(model, heads["tag_head"], cfg, step, scenes, images, rng)
-            losses["tags"].append(loss.item())
+        pretraining = step < cfg.pretrain_steps
+        if pretraining:
+            term, loss = "tags", _pretrain_loss(model, heads["tag_head"], cfg, step, scenes, images, rng)
         else:
             rows, texts, _ = draw_batch(cfg, scenes, groups, n_groups, rng)
             text_f = torch.nn.functional.normalize(encode_text_trimmed(model, tokenizer(texts)), dim=-1)
-            loss = loss_fn(locked[torch.from_numpy(rows)], text_f, model.logit_scale.exp())
-            losses["clip"].append(loss.item())
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"toy CLIP loss is {loss.item()} at step {step}")
+            term, loss = "clip", loss_fn(locked[torch.from_numpy(rows)], text_f, model.logit_scale.exp())
+        check_finite_terms({term: loss}, step, where="toy CLIP")
+        losses[term].append(loss.item())
+        lr = sched.get_last_lr()[0]  # this step's
         optim.zero_grad(set_to_none=True)
         loss.backward()
         optim.step()
+        sched.step()
         with torch.no_grad():  # as CLIP: cap the temperature at 100
             model.logit_scale.clamp_(0, math.log(100))
         bar.set_postfix(loss=f"{loss.item():.3f}")
         if (step + 1) % cfg.log_every == 0 or step + 1 == total:
-            _log_step(cfg, step, losses, model.logit_scale.exp().item(), (step + 1) * cfg.batch_size
-                      / (time.perf_counter() - start))
+            _log_step(cfg, step, losses, lr, model.logit_scale.exp().item(),
+                      (step + 1) * cfg.batch_size / (time.perf_counter() - start))
         if state_path is not None and (step + 1) % save_every == 0 and step + 1 < total:
-            save_train_state(state_path, model, optim, step + 1, rng, losses, time.perf_counter() - start, heads,
-                             optim_pretraining=step < cfg.pretrain_steps)
+            save_train_state(state_path, step=step + 1, modules=_trained_modules(model, heads), optimizer=optim,
+                             scheduler=sched, extra={"pretraining": pretraining, "sampler": rng.getstate(),
+                                                     "losses": losses, "elapsed": time.perf_counter() - start})
     model.eval()
     log = {"train_seconds": round(time.perf_counter() - start, 1), "final_loss": float(np.mean(losses["clip"][-20:]))}
     if losses["tags"]:
@@ -175,15 +165,18 @@ def train_toy_clip(cfg: ToyBackboneConfig, progress: bool = True, state_path: Pa
     return model, log
 
 
-def _log_step(cfg: ToyBackboneConfig, step: int, losses: dict[str, list[float]], scale: float,
+def _log_step(cfg: ToyBackboneConfig, step: int, losses: dict[str, list[float]], lr: float, scale: float,
               samples_per_second: float) -> None:
-    """One readable line every ``log_every`` steps (the mean loss of the last ``log_every``)."""
+    """One readable line every ``log_every`` steps (the mean loss of the last ``log_every``), its
+    step counted within the stage."""
     n = cfg.log_every
+    speed = f"{samples_per_second:.1f} samples/s"
     if step < cfg.pretrain_steps:
         tags = cfg.pretrain_first_tags if step < cfg.pretrain_first_steps else cfg.pretrain_tags
-        logger.info("toy CLIP image pre-training step %d/%d tag loss %.4f (%s) %.1f samples/s", step + 1,
-                    cfg.pretrain_steps, float(np.mean(losses["tags"][-n:])), ", ".join(tags), samples_per_second)
+        parts = [*term_parts({"tags": float(np.mean(losses["tags"][-n:]))}, ["tags"]), f"asked {', '.join(tags)}",
+                 f"lr {lr:.2e}", speed]
+        logger.info("%s", step_line(step + 1, cfg.pretrain_steps, parts, prefix="toy CLIP image pre-training "))
         return
-    logger.info("toy CLIP step %d/%d loss %.4f lr %.2e scale %.1f %.1f samples/s", step + 1 - cfg.pretrain_steps,
-                cfg.steps, float(np.mean(losses["clip"][-n:])), _lr_at(step, cfg), scale,
-                samples_per_second)
+    parts = [*term_parts({"clip": float(np.mean(losses["clip"][-n:]))}, ["clip"]), f"lr {lr:.2e}",
+             f"scale {scale:.1f}", speed]
+    logger.info("%s", step_line(step + 1 - cfg.pretrain_steps, cfg.steps, parts, prefix="toy CLIP "))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import random
 
@@ -10,10 +11,11 @@ import numpy as np
 import open_clip
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from toyworld import clip_cache, clip_data, clip_eval, clip_train
 from toyworld.clip import TAG_VALUES, ToyBackboneConfig, build_toy_model, images_to_tensor, model_name
-from toyworld.clip_cache import cached_paths, ensure_toy_backbone
+from toyworld.clip_cache import cached_paths, ensure_toy_backbone, state_path_of
 from toyworld.clip_eval import text_to_image_recall
 from toyworld.render import render_scene
 from toyworld.world import derive_seed, scene_from_seed
@@ -62,7 +64,7 @@ def test_training_writes_weights_and_report(trained):
     # training moved the weights away from the seeded random init
     torch.manual_seed(cfg.seed)
     init, _, _ = build_toy_model(cfg)
-    saved = torch.load(weights, weights_only=True)
+    saved = load_file(str(weights))
     assert not torch.equal(saved["visual.conv1.weight"], init.state_dict()["visual.conv1.weight"])
 
 
@@ -86,7 +88,7 @@ def test_open_clip_and_frozen_clip_load_the_saved_file(trained):
     cfg, root, weights, _ = trained
     name = model_name(cfg.model_config)
     direct = open_clip.create_model(name, pretrained=str(weights)).eval()
-    saved = torch.load(weights, weights_only=True)
+    saved = load_file(str(weights))
     for key, value in direct.state_dict().items():
         assert torch.equal(value, saved[key]), key
 
@@ -165,24 +167,24 @@ def test_killed_training_resumes_where_it_stopped(tmp_path, monkeypatch, extra):
                             num_train_images=16, num_eval_scenes=20, **extra)
     reference, _ = clip_train.train_toy_clip(cfg, progress=False)
 
-    real_lr, state, seen = clip_train._lr_at, tmp_path / "toy.state.pt", []
+    real_check, state, seen = clip_train.check_finite_terms, tmp_path / "toy.state.safetensors", []
 
-    def killed_at_step_3(step, c):
+    def killed_at_step_3(terms, step, **kwargs):  # the trainer checks every step's loss: kill it there
         if step == 3:
             raise KeyboardInterrupt("killed")
-        return real_lr(step, c)
+        real_check(terms, step, **kwargs)
 
-    def recording(step, c):
+    def recording(terms, step, **kwargs):
         seen.append(step)
-        return real_lr(step, c)
+        real_check(terms, step, **kwargs)
 
-    monkeypatch.setattr(clip_train, "_lr_at", killed_at_step_3)
+    monkeypatch.setattr(clip_train, "check_finite_terms", killed_at_step_3)
     with pytest.raises(KeyboardInterrupt):
         clip_train.train_toy_clip(cfg, progress=False, state_path=state, save_every=2)
     assert state.is_file()
-    monkeypatch.setattr(clip_train, "_lr_at", recording)
+    monkeypatch.setattr(clip_train, "check_finite_terms", recording)
     resumed, _ = clip_train.train_toy_clip(cfg, progress=False, state_path=state, save_every=2)
-    assert sorted(set(seen)) == list(range(2, cfg.pretrain_steps + cfg.steps))  # only the steps after the state
+    assert seen == list(range(2, cfg.pretrain_steps + cfg.steps))  # only the steps after the state
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(resumed.state_dict()[name], value)
 
@@ -229,15 +231,63 @@ def test_pretraining_asks_for_the_first_tags_only_during_its_first_steps(tmp_pat
             assert bool(head.weight.grad[rows].abs().sum() > 0) == (tag in asked), (step, tag)
 
 
-def test_the_schedule_is_constant_in_pretraining_then_warms_up_and_decays():
-    from toyworld.clip_train import _lr_at
+def test_the_schedule_is_constant_in_pretraining_then_warms_up_and_decays(tmp_path):
+    """Each stage's optimizer and schedule (the engine's build_adamw and build_lr_scheduler): the
+    tag head and image tower, then everything but the image tower; decay on matrices only."""
+    model_json = tmp_path / "toy-clip-schedule.json"
+    model_json.write_text(json.dumps(TINY))
+    cfg = ToyBackboneConfig(model_config=str(model_json), lr=1.0, pretrain_steps=6, pretrain_first_steps=2, steps=10,
+                            warmup_steps=2)
+    model, _, _ = build_toy_model(cfg)
+    heads = {"tag_head": torch.nn.Linear(32, 5)}
+    names = {id(p): n for n, p in [*model.named_parameters(), *heads["tag_head"].named_parameters(prefix="tag_head")]}
+    lrs = []
+    for pretraining, steps in ((True, cfg.pretrain_steps), (False, cfg.steps)):
+        optim, sched = clip_train.stage_optimizer(model, cfg, pretraining, heads)
+        trained = {names[id(p)] for g in optim.param_groups for p in g["params"]}
+        assert all(n.startswith(("visual.", "tag_head.")) == pretraining for n in trained)
+        assert "tag_head.weight" in trained if pretraining else "logit_scale" in trained
+        for group in optim.param_groups:  # CLIP's rule: no decay on gains, biases, embeddings, the scale
+            assert all((p.ndim >= 2 and "embedding" not in names[id(p)]) == (group["weight_decay"] == 0.1)
+                       for p in group["params"])
+        for _ in range(steps):
+            assert len({g["lr"] for g in optim.param_groups}) == 1
+            lrs.append(optim.param_groups[0]["lr"])
+            optim.step()
+            sched.step()
+    assert lrs[:6] == [1.0] * 6  # both pre-training phases: constant
+    assert lrs[6] == 0.5 and lrs[7] == 1.0  # warm-up of 2 steps
+    # then a half cosine over the remaining 8 steps, ending above 0
+    assert lrs[8:] == pytest.approx([0.5 * (1 + math.cos(math.pi * k / 8)) for k in range(8)])
 
-    cfg = ToyBackboneConfig(lr=1.0, pretrain_steps=6, pretrain_first_steps=2, steps=10, warmup_steps=2)
-    assert [_lr_at(s, cfg) for s in range(6)] == [1.0] * 6  # both pre-training phases: constant
-    assert _lr_at(6, cfg) == pytest.approx(0.5) and _lr_at(7, cfg) == pytest.approx(1.0)  # warm-up of 2 steps
-    # then a half cosine over the remaining 8 steps
-    assert [_lr_at(s, cfg) for s in range(8, 16)] == pytest.approx(
-        [0.5 * (1 + math.cos(math.pi * k / 8)) for k in range(8)])
+
+def test_a_damaged_state_file_is_one_error_naming_it_and_the_cache_trains_again(trained, tmp_path, caplog):
+    """The trainer raises one DemindError naming the file before any work; the cache deletes its
+    own damaged state, says so, and trains again (the same weights as an undisturbed run). Weights
+    an earlier version pickled (``.pt``) are not read, with one line saying so."""
+    from demind.errors import DemindError
+    from demind.training.store import save_train_state
+
+    cfg, root, weights, _ = trained
+    cache = tmp_path / "cache"
+    state = state_path_of(cached_paths(cfg, cache)[0])
+    save_train_state(state, step=1, modules={"model": torch.nn.Linear(4, 4)})
+    state.write_bytes(state.read_bytes()[:-40])  # truncated, as a full disk leaves it
+    with pytest.raises(DemindError) as error:
+        clip_train.train_toy_clip(cfg, progress=False, state_path=state)
+    assert str(state) in str(error.value) and "truncated or corrupted" in str(error.value)
+
+    legacy = cache / f"{weights.stem.rsplit('-', 1)[0]}-0123456789abcdef.pt"
+    legacy.write_bytes(b"not a pickle: never read")
+    caplog.set_level(logging.INFO, logger="toyworld")
+    again, _ = ensure_toy_backbone(cfg, cache, progress=False)
+    ours = [r for r in caplog.records if r.name.startswith("toyworld")]
+    warnings = [r.getMessage() for r in ours if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and str(state) in warnings[0] and "training from the first step" in warnings[0]
+    assert sum(legacy.name in r.getMessage() and "not read" in r.getMessage() for r in ours) == 1
+    assert not state.exists() and again.suffix == ".safetensors"
+    fresh, reference = load_file(str(again)), load_file(str(weights))
+    assert fresh.keys() == reference.keys() and all(torch.equal(fresh[k], reference[k]) for k in fresh)
 
 
 @pytest.mark.parametrize("bad, key", [

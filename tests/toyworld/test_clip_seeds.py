@@ -26,7 +26,7 @@ def test_each_seed_is_trained_once_and_its_probes_are_read_from_its_report(tmp_p
     for seed in (0, 1):  # the same numbers as the cached report of that seed's toy CLIP
         _, report = ensure_toy_backbone(dataclasses.replace(base, seed=seed), tmp_path / "backbone", progress=False)
         assert {a: by_seed[seed][a] for a in PAIR_PROBE_ATTRIBUTES} == report["pair_probes"]
-    assert len(list((tmp_path / "backbone").glob("*.pt"))) == 2  # two seeds, two toy CLIPs
+    assert len(list((tmp_path / "backbone").glob("*.safetensors"))) == 2  # two seeds, two toy CLIPs
 
 
 def test_the_table_gives_each_seed_and_the_mean_and_sample_std():
