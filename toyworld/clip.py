@@ -25,7 +25,7 @@ import torch
 from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 
 from demind.backbone import quiet_random_init_notice, run_text_transformer
-from demind.config import ConfigError, setting
+from demind.config import setting, validate
 
 from . import towers  # noqa: F401  (registers the convnet with timm before open_clip builds it)
 from .world import BACKGROUNDS, COLOURS, EDIT_KINDS, POSITIONS, SHAPES, SIZES, STYLES, THEME_BACKGROUNDS, Scene
@@ -83,17 +83,21 @@ class ToyBackboneConfig:
     fused_adamw: bool = True       # same update, one kernel (optimizer step 33 -> 7.6 ms: benchmarks/bench_toy.py)
     log_every: int = setting(50, ge=1)
 
-    def __post_init__(self) -> None:
-        # cross-field rules (the per-field ones are checked by demind.config.validate)
+    def config_problems(self) -> list[tuple[str, str]]:
+        """The rules that involve several fields (each field's own rule is declared with setting())."""
+        problems = []
         if not set(self.pretrain_first_tags) <= set(self.pretrain_tags):
-            raise ConfigError(f"toy CLIP: pretrain_first_tags {list(self.pretrain_first_tags)} must be among "
-                              f"pretrain_tags {list(self.pretrain_tags)} (they share one tag head)",
-                              key="pretrain_first_tags")
+            problems.append(("pretrain_first_tags", f"{list(self.pretrain_first_tags)} must be among pretrain_tags "
+                                                    f"{list(self.pretrain_tags)} (they share one tag head)"))
         if self.pretrain_steps and self.pretrain_first_steps > self.pretrain_steps:
-            raise ConfigError(f"toy CLIP: pretrain_first_steps ({self.pretrain_first_steps}) is more than "
-                              f"pretrain_steps ({self.pretrain_steps})", key="pretrain_first_steps")
+            problems.append(("pretrain_first_steps", f"({self.pretrain_first_steps}) is more than pretrain_steps "
+                                                     f"({self.pretrain_steps})"))
         if self.pretrain_steps and not self.pretrain_tags:
-            raise ConfigError("toy CLIP: pretrain_steps > 0 needs at least one of pretrain_tags", key="pretrain_tags")
+            problems.append(("pretrain_tags", "is empty, but pretrain_steps > 0 needs at least one tag"))
+        return problems
+
+    def __post_init__(self) -> None:
+        validate(self)  # built in code by the quickstart and the benchmarks: the rules a loaded config meets
 
 
 def tag_columns(tags: tuple[str, ...]) -> dict[str, slice]:
