@@ -87,11 +87,11 @@ class ToyBackboneConfig:
         """The rules that involve several fields (each field's own rule is declared with setting())."""
         problems = []
         if not set(self.pretrain_first_tags) <= set(self.pretrain_tags):
-            problems.append(("pretrain_first_tags", f"{list(self.pretrain_first_tags)} must be among pretrain_tags "
-                                                    f"{list(self.pretrain_tags)} (they share one tag head)"))
+            problems.append(("pretrain_first_tags", f"= {list(self.pretrain_first_tags)} must be among pretrain_tags "
+                                                    f"= {list(self.pretrain_tags)} (they share one tag head)"))
         if self.pretrain_steps and self.pretrain_first_steps > self.pretrain_steps:
-            problems.append(("pretrain_first_steps", f"({self.pretrain_first_steps}) is more than pretrain_steps "
-                                                     f"({self.pretrain_steps})"))
+            problems.append(("pretrain_first_steps", f"= {self.pretrain_first_steps} is more than pretrain_steps "
+                                                     f"= {self.pretrain_steps}"))
         if self.pretrain_steps and not self.pretrain_tags:
             problems.append(("pretrain_tags", "is empty, but pretrain_steps > 0 needs at least one tag"))
         return problems
