@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -51,3 +53,25 @@ def test_not_a_checkpoint(tmp_path):
         read_checkpoint_metadata(bad)
     with pytest.raises(CheckpointError, match="does not exist"):
         read_checkpoint_metadata(tmp_path / "missing.safetensors")
+
+
+def test_a_checkpoint_written_before_the_refactors_loads_and_gives_the_same_queries(monkeypatch):
+    """tests/fixtures/checkpoints/smoke-v0.1.safetensors was exported by the smoke recipe at the last
+    commit before the toy world, the training engine and the config front end moved (16653a6), and
+    the query embeddings beside it were computed there: today's loader must give the same ones."""
+    import json
+
+    from demind.checkpoint import load_backbone_and_model
+
+    fixtures = Path(__file__).resolve().parent / "fixtures" / "checkpoints"
+    monkeypatch.chdir(fixtures.parents[2])  # its backbone is recorded as the repository's configs/model/tiny-clip.json
+    expected = json.loads((fixtures / "smoke-v0.1.queries.json").read_text())
+    backbone, model = load_backbone_and_model(fixtures / "smoke-v0.1.safetensors")
+    side = expected["image_side"]
+    images = torch.linspace(0, 1, 2 * 3 * side * side).reshape(2, 3, side, side)
+    with torch.no_grad():
+        v = backbone.encode_image(images)
+        demind = model.query(v, expected["texts"])
+        mapping_only = model.query(v, expected["texts"], mapping_only=True)
+    assert torch.allclose(demind, torch.tensor(expected["demind"]), atol=1e-6)
+    assert torch.allclose(mapping_only, torch.tensor(expected["mapping_only"]), atol=1e-6)
