@@ -19,7 +19,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = ("train", "features", "evaluate", "generate", "make_shards", "make_tiny_model", "index", "search",
             "serve")
 # the command modules outside demind/cli (the toy world's quickstart lives in its own package)
-COMMAND_MODULES = {**{c: f"demind.cli.{c}" for c in COMMANDS}, "quickstart": "toyworld.cli"}
+COMMAND_MODULES = {**{c: f"demind.cli.{c}" for c in COMMANDS}, "quickstart": "toyworld.cli.quickstart", "toy_clip": "toyworld.cli.toy_clip"}
 SHIMS = {"train.py": "train", "data_gen/run.py": "generate", "data_gen/make_shards.py": "make_shards",
          "data_gen/make_tiny_model.py": "make_tiny_model", "pipelines/quickstart.py": "quickstart",
          "demind/eval/__main__.py": "evaluate"}
@@ -87,7 +87,7 @@ def test_console_scripts_point_at_the_command_mains():
         assert name.startswith("demind-") and func == "main"
         assert callable(getattr(importlib.import_module(module), func))
     assert set(scripts) == {"demind-train", "demind-features", "demind-eval", "demind-generate",
-                            "demind-make-shards", "demind-quickstart", "demind-index", "demind-search",
+                            "demind-make-shards", "demind-quickstart", "demind-toy-clip", "demind-index", "demind-search",
                             "demind-serve", "demind-build-exclcoco",
                             "demind-train-exclmm", "demind-negation-report"}
 

@@ -4,7 +4,7 @@ Packages checked: ``demind/`` (the library) and ``toyworld/`` (the toy world bes
 that folder exists.  Imports count wherever they are written: at the top, inside functions and
 under ``if __name__ == "__main__":``.
 
-* Only the command-line package ``demind/cli/`` and ``toyworld/cli.py`` import ``argparse``
+* Only the command-line package ``demind/cli/`` and ``toyworld/cli/`` import ``argparse``
   and read ``sys.argv`` or the environment.
 * Nothing imports ``demind.cli`` except the command line itself and ``__main__.py`` modules:
   those are ``python -m`` entry points that only call a command's ``main`` and that nothing
@@ -160,7 +160,7 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
 
 
 def in_cli(name: str) -> bool:
-    return name == "demind.cli" or name.startswith("demind.cli.") or name == "toyworld.cli"
+    return name == "demind.cli" or name.startswith("demind.cli.") or name == "toyworld.cli" or name.startswith("toyworld.cli.")
 
 
 def test_only_the_command_line_parses_arguments_or_reads_the_environment():

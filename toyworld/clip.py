@@ -82,6 +82,9 @@ class ToyBackboneConfig:
     num_pair_probe_scenes: int = setting(600, ge=1)
     fused_adamw: bool = True       # same update, one kernel (optimizer step 33 -> 7.6 ms: benchmarks/bench_toy.py)
     log_every: int = setting(50, ge=1)
+    # use the weights shipped in toyworld/weights/ when this recipe has them (toyworld/shipped.py: the
+    # default recipe's trained weights, checked bit for bit); false trains from scratch. Not in the key.
+    shipped: bool = True
 
     def config_problems(self) -> list[tuple[str, str]]:
         """The rules that involve several fields (each field's own rule is declared with setting())."""

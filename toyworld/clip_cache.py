@@ -1,6 +1,7 @@
 """The trained toy CLIP, cached: trained once per recipe and reused by every later run.
 
-``ensure_toy_backbone(cfg, cache_dir)`` trains once and caches the weights in a file keyed by
+``ensure_toy_backbone(cfg, cache_dir)`` takes the default recipe's shipped weights
+(:mod:`toyworld.shipped`, checked bit for bit) or trains once, and caches the weights in a file keyed by
 the model config and the training config; later calls reuse it. The training text is the web
 mixture of :func:`toyworld.texts.web_text` (alt-texts, full descriptions and edit-form
 phrasings, each true of its image) over scenes of the "web" seed stream; its own text-to-image
@@ -37,6 +38,7 @@ from demind.training.store import StateFileError
 from .clip import ToyBackboneConfig, image_side, model_name, build_toy_model
 from .clip_eval import _add_probe_reports, evaluate_toy_clip
 from .clip_train import train_toy_clip
+from .shipped import ShippedWeightsError, expand_shipped, shipped_path
 from .world import WORLD_VERSION
 
 logger = logging.getLogger(__name__)
@@ -52,7 +54,7 @@ def cache_key(cfg: ToyBackboneConfig) -> str:
     payload = {
         "model_config": json.loads(Path(cfg.model_config).read_text()),
         "train": {k: v for k, v in asdict(cfg).items()
-                  if k not in ("model_config", "log_every", "num_pair_probe_scenes")} | RETIRED_SETTINGS,
+                  if k not in ("model_config", "log_every", "num_pair_probe_scenes", "shipped")} | RETIRED_SETTINGS,
         "world": WORLD_VERSION,
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
@@ -79,6 +81,23 @@ def load_weights(model: torch.nn.Module, path: Path) -> torch.nn.Module:
     """``model`` with the weights :func:`save_weights` wrote."""
     model.load_state_dict(load_file(str(path)))
     return model
+
+
+def _from_shipped(cfg: ToyBackboneConfig, weights: Path) -> tuple[torch.nn.Module, dict[str, Any]] | None:
+    """(model, training log) from the weights shipped for this recipe, or None (none shipped, turned
+    off, or not expanding to the recorded weights: then it is trained, and a log line says why)."""
+    shipped = shipped_path(weights.stem)
+    if not cfg.shipped or not shipped.is_file():
+        return None
+    try:
+        state, log = expand_shipped(shipped, cfg)
+    except ShippedWeightsError as e:
+        logger.warning("toy CLIP: %s; training it instead", e)
+        return None
+    logger.info("toy CLIP: the shipped weights of this recipe (%s, checked bit for bit)", shipped.name)
+    model, _, _ = build_toy_model(cfg)
+    model.load_state_dict(state)
+    return model.eval(), log
 
 
 def _train(cfg: ToyBackboneConfig, progress: bool, state_path: Path) -> tuple[torch.nn.Module, dict[str, Any]]:
@@ -108,16 +127,20 @@ def ensure_toy_backbone(cfg: ToyBackboneConfig | None = None, cache_dir: str | P
             report = _add_probe_reports(report, load_weights(model, weights).eval(), tokenizer, cfg)
             write_json_atomic(report_path, report, indent=2)
         return weights, report
-    logger.info("training toy CLIP (%s: %d image pre-training steps, then %d contrastive steps with the image "
-                "tower locked, batch %d) -> %s", cfg.model_config, cfg.pretrain_steps, cfg.steps, cfg.batch_size,
-                weights)
-    legacy = sorted(p.name for p in weights.parent.glob(f"{Path(cfg.model_config).stem}-*.pt"))
-    if legacy:
-        logger.info("toy CLIP: %s in %s: pickle weights or state of an earlier version, not read (the weights are "
-                    "safetensors now); training again", ", ".join(legacy), weights.parent)
-    state_path = state_path_of(weights)
     weights.parent.mkdir(parents=True, exist_ok=True)
-    model, log = _train(cfg, progress, state_path)
+    state_path = state_path_of(weights)
+    shipped = _from_shipped(cfg, weights)
+    if shipped is not None:
+        model, log = shipped
+    else:
+        logger.info("training toy CLIP (%s: %d image pre-training steps, then %d contrastive steps with the "
+                    "image tower locked, batch %d) -> %s", cfg.model_config, cfg.pretrain_steps, cfg.steps,
+                    cfg.batch_size, weights)
+        legacy = sorted(p.name for p in weights.parent.glob(f"{Path(cfg.model_config).stem}-*.pt"))
+        if legacy:
+            logger.info("toy CLIP: %s in %s: pickle weights or state of an earlier version, not read (the weights "
+                        "are safetensors now); training again", ", ".join(legacy), weights.parent)
+        model, log = _train(cfg, progress, state_path)
     save_weights(model, weights)
     state_path.unlink(missing_ok=True)
     tokenizer = open_clip.get_tokenizer(model_name(cfg.model_config))

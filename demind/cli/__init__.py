@@ -12,7 +12,7 @@ Commands (console script; the script or ``python -m`` form that calls the same `
 * :mod:`demind.cli.generate` -- ``demind-generate``; ``python data_gen/run.py``
 * :mod:`demind.cli.make_shards` -- ``demind-make-shards``; ``python data_gen/make_shards.py``
 * :mod:`demind.cli.make_tiny_model` -- ``python data_gen/make_tiny_model.py``
-* :mod:`toyworld.cli` -- ``demind-quickstart``; ``python pipelines/quickstart.py``
+* :mod:`toyworld.cli.quickstart` -- ``demind-quickstart``; ``python pipelines/quickstart.py``; :mod:`toyworld.cli.toy_clip` -- ``demind-toy-clip``
 * :mod:`demind.cli.index` -- ``demind-index`` (a gallery index for search)
 * :mod:`demind.cli.search` -- ``demind-search`` (composed queries against an index)
 * :mod:`demind.cli.serve` -- ``demind-serve`` (the search web page)

@@ -151,7 +151,7 @@ def test_per_type_recall_by_hand(tmp_path):
 
 def test_quickstart_command_prints_probes_ceilings_and_gate(monkeypatch, capsys):
     import toyworld.pipeline as pipeline
-    from toyworld.cli import main
+    from toyworld.cli.quickstart import main
 
     summary = {"world_version": "toy-world-2.1", "table": "TABLE", "per_type_table": "", "paired_table": "", "deo_table": "", "timings_s": {"train": 1.0}, "plot": None,
                "gate": {"demind": {0: 0.0912}},

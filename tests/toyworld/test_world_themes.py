@@ -318,7 +318,7 @@ def test_caches_written_before_the_settings_were_removed_still_count(tmp_path):
 
 def test_the_world_is_no_longer_a_setting(capsys):
     from demind.config import ConfigError, load_config
-    from toyworld.cli import main
+    from toyworld.cli.quickstart import main
     from toyworld.pipeline import QuickstartConfig
 
     with pytest.raises(ConfigError, match="world"):
