@@ -14,7 +14,10 @@ FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LOGGER_NAME = "demind"
 
 
-def setup_logging(level: int = logging.INFO) -> None:
-    """Configure logging once, for an entry point (never called by the library itself)."""
+def setup_logging(level: int = logging.INFO, packages: tuple[str, ...] = ()) -> None:
+    """Configure logging once, for an entry point (never called by the library itself).
+
+    ``packages``: more logger names shown at ``level`` (a package built on demind, such as the toy world)."""
     logging.basicConfig(level=logging.WARNING, format=FORMAT)
-    logging.getLogger(LOGGER_NAME).setLevel(level)
+    for name in (LOGGER_NAME, *packages):
+        logging.getLogger(name).setLevel(level)

@@ -182,8 +182,10 @@ def load_command_config(cls: type[T], args: argparse.Namespace) -> T:
 
 
 def run_config_command(cls: type[T], parser: argparse.ArgumentParser, body: Callable[[T], int],
-                       argv: list[str] | None = None, *, log_level: int = logging.INFO) -> int:
+                       argv: list[str] | None = None, *, log_level: int = logging.INFO,
+                       log_packages: tuple[str, ...] = ()) -> int:
     """Parse ``argv`` with a :func:`config_parser`, load ``cls``, set up logging, run ``body(cfg)``.
+    ``log_packages``: loggers besides demind's shown at ``log_level`` (a command of another package).
 
     Errors as :func:`run_command`: a known one is one ``error:`` line and exit status 2."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -195,7 +197,7 @@ def run_config_command(cls: type[T], parser: argparse.ArgumentParser, body: Call
         return 2
     # intermixed: overrides may come before or after the flags
     args = parser.parse_intermixed_args(argv)
-    setup_logging(log_level)
+    setup_logging(log_level, log_packages)
     try:
         return body(load_command_config(cls, args))
     except KNOWN_ERRORS as e:

@@ -49,4 +49,5 @@ def quickstart_command(cfg: QuickstartConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command on ``argv`` (default: sys.argv[1:]); returns the exit status (2: bad input)."""
-    return run_config_command(QuickstartConfig, build_parser(), quickstart_command, argv)
+    return run_config_command(QuickstartConfig, build_parser(), quickstart_command, argv,
+                              log_packages=("toyworld",))

@@ -56,4 +56,5 @@ def build_parser():
 
 def main(argv: list[str] | None = None) -> int:
     """``demind-toy-clip`` on ``argv``; returns the exit status (2: bad input)."""
-    return run_config_command(ToyClipConfig, build_parser(), toy_clip_command, argv)
+    return run_config_command(ToyClipConfig, build_parser(), toy_clip_command, argv,
+                              log_packages=("toyworld",))
