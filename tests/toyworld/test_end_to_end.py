@@ -2,8 +2,8 @@
 2-layer text tower) is an instrument: its backbone sees what the pair probes ask for, and De-MINDS
 beats Image-only and Text-only on the toy CIRR benchmark by a clear margin.
 
-Slow (about 15 minutes on a 2-core CPU: it trains the toy CLIP and De-MINDS from nothing), so it
-is off by default: ``pytest -m slow tests/test_toy_end_to_end.py``.
+Slow (about 15 minutes on a 2-core CPU: it trains the toy CLIP, not taking its shipped weights, and
+De-MINDS from nothing), so it is off by default: ``pytest -m slow tests/toyworld/test_end_to_end.py``.
 
 The probe bar the toy CLIP must clear: shape, colour, background, style >= 90, size >= 85 (chance 50).
 On World v2.1 (painted sculptures) the default recipe, seed 0, measured shape 92.8, colour 96.3,
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import pytest
 
+from toyworld.clip import ToyBackboneConfig
 from toyworld.pipeline import QuickstartConfig, QuickstartRunConfig, run_quickstart
 
 # recall points. Over De-MINDS seeds 0, 1, 2 on World v2.1 (BENCHMARKS.md, "World v2.1: the default
@@ -33,7 +34,9 @@ PROBE_BAR = {"shape": 90.0, "colour": 90.0, "background": 90.0, "style": 90.0, "
 
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory):
+    # the recipe is what is tested: trained here, not taken from the shipped weights
     return run_quickstart(QuickstartConfig(workdir=str(tmp_path_factory.mktemp("e2e") / "qs"), seeds=[0],
+                                           backbone=ToyBackboneConfig(shipped=False),
                                            run=QuickstartRunConfig(progress=False)))
 
 
