@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers import TINY_TOY_CLIP
 from toyworld import clip_cache, clip_data, clip_eval, clip_train
 from toyworld.clip import TAG_VALUES, ToyBackboneConfig, build_toy_model, images_to_tensor, model_name
 from toyworld.clip_cache import cached_paths, ensure_toy_backbone, state_path_of
@@ -27,18 +28,12 @@ TINY_CNN = {  # the convnet tower (toyworld/towers.py), with BatchNorm
     "text_cfg": {"context_length": 56, "vocab_size": 49408, "width": 32, "heads": 4, "layers": 1},
 }
 
-TINY = {
-    "embed_dim": 32,
-    "vision_cfg": {"image_size": 64, "layers": 1, "width": 32, "head_width": 8, "patch_size": 16},
-    "text_cfg": {"context_length": 56, "vocab_size": 49408, "width": 32, "heads": 4, "layers": 1},
-}
-
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("toyclip")
     model_json = root / "toy-clip-test.json"
-    model_json.write_text(json.dumps(TINY))
+    model_json.write_text(json.dumps(TINY_TOY_CLIP))
     cfg = ToyBackboneConfig(model_config=str(model_json), steps=2, batch_size=8, warmup_steps=1,
                             num_train_images=16, num_eval_scenes=20, num_pair_probe_scenes=8,
                             pretrain_steps=2, pretrain_first_steps=1)  # the default recipe's two stages, tiny
@@ -162,7 +157,7 @@ def test_killed_training_resumes_where_it_stopped(tmp_path, monkeypatch, extra):
     """Bit-equal weights after a kill and rerun, the tag heads' and the stage's optimizer state
     included (without them, the resumed image tower would receive different gradients)."""
     model_json = tmp_path / "toy-clip-resume.json"
-    model_json.write_text(json.dumps(TINY))
+    model_json.write_text(json.dumps(TINY_TOY_CLIP))
     cfg = ToyBackboneConfig(model_config=str(model_json), steps=4, batch_size=8, warmup_steps=1,
                             num_train_images=16, num_eval_scenes=20, **extra)
     reference, _ = clip_train.train_toy_clip(cfg, progress=False)
@@ -235,7 +230,7 @@ def test_the_schedule_is_constant_in_pretraining_then_warms_up_and_decays(tmp_pa
     """Each stage's optimizer and schedule (the engine's build_adamw and build_lr_scheduler): the
     tag head and image tower, then everything but the image tower; decay on matrices only."""
     model_json = tmp_path / "toy-clip-schedule.json"
-    model_json.write_text(json.dumps(TINY))
+    model_json.write_text(json.dumps(TINY_TOY_CLIP))
     cfg = ToyBackboneConfig(model_config=str(model_json), lr=1.0, pretrain_steps=6, pretrain_first_steps=2, steps=10,
                             warmup_steps=2)
     model, _, _ = build_toy_model(cfg)
@@ -326,7 +321,7 @@ def test_probe_texts_name_one_attribute_only():
 def test_a_resnet_image_tower_config_builds_and_trains(tmp_path):
     """open_clip's ModifiedResNet (CLIP RN50's tower) reports its image size as an int."""
     model_json = tmp_path / "toy-clip-rn-test.json"
-    model_json.write_text(json.dumps({**TINY, "vision_cfg": {"image_size": 64, "layers": [1, 1, 1, 1], "width": 8,
+    model_json.write_text(json.dumps({**TINY_TOY_CLIP, "vision_cfg": {"image_size": 64, "layers": [1, 1, 1, 1], "width": 8,
                                                              "head_width": 32}}))
     cfg = ToyBackboneConfig(model_config=str(model_json), steps=1, batch_size=4, warmup_steps=1, num_train_images=8,
                             pretrain_steps=1, pretrain_first_steps=1)

@@ -10,23 +10,18 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from helpers import TINY_TOY_CLIP
 from toyworld import clip_cache, shipped
 from toyworld.clip import ToyBackboneConfig
 from toyworld.clip_cache import cached_paths, ensure_toy_backbone
 from toyworld.shipped import SHIPPED_DIR, ShippedWeightsError, expand_shipped, initial_state, pack
-
-TINY = {
-    "embed_dim": 32,
-    "vision_cfg": {"image_size": 64, "layers": 1, "width": 32, "head_width": 8, "patch_size": 16},
-    "text_cfg": {"context_length": 56, "vocab_size": 49408, "width": 32, "heads": 4, "layers": 1},
-}
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A tiny toy CLIP trained the quickstart's way (both stages), packed as the package ships it."""
     root = tmp_path_factory.mktemp("shipped")
-    (root / "toy-clip-ship.json").write_text(json.dumps(TINY))
+    (root / "toy-clip-ship.json").write_text(json.dumps(TINY_TOY_CLIP))
     cfg = ToyBackboneConfig(model_config=str(root / "toy-clip-ship.json"), steps=2, batch_size=8, warmup_steps=1,
                             num_train_images=16, num_eval_scenes=10, num_pair_probe_scenes=4,
                             pretrain_steps=2, pretrain_first_steps=1, shipped=False)
