@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from demind.backbone import BackboneConfig, FrozenCLIP
-from demind.gen.tiny_llava import TINY_CHAT_TEMPLATE, build_tiny_llava_next, word_level_tokenizer
+from demind.gen.tiny_llava import build_tiny_llava_next, save_llava_next, word_level_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_CLIP = REPO / "configs/model/tiny-clip.json"
@@ -53,7 +53,7 @@ def build_llava_next_mistral_7b(output_dir: str | Path, device: str = "cuda", se
     """Build LLaVA-1.6 Mistral-7B with random bf16 weights directly on ``device`` and save it
     with its processor (about 15 GB, tens of seconds); returns ``output_dir``. Reuses a
     folder that already holds the model."""
-    from transformers import LlavaNextForConditionalGeneration, LlavaNextImageProcessor, LlavaNextProcessor
+    from transformers import LlavaNextForConditionalGeneration
 
     output_dir = Path(output_dir)
     if (output_dir / "config.json").is_file() and (output_dir / "preprocessor_config.json").is_file():
@@ -69,17 +69,8 @@ def build_llava_next_mistral_7b(output_dir: str | Path, device: str = "cuda", se
             model = LlavaNextForConditionalGeneration(config).eval()
     finally:
         torch.set_default_dtype(previous)
-    model.generation_config.eos_token_id = vocab["</s>"]
-    model.generation_config.pad_token_id = vocab["<pad>"]
-    image_processor = LlavaNextImageProcessor(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336},
-                                              image_grid_pinpoints=LLAVA_16_PINPOINTS,
-                                              image_mean=[0.48145466, 0.4578275, 0.40821073],
-                                              image_std=[0.26862954, 0.26130258, 0.27577711])
-    processor = LlavaNextProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=14,
-                                   vision_feature_select_strategy="default", chat_template=TINY_CHAT_TEMPLATE,
-                                   num_additional_image_tokens=1)
-    model.save_pretrained(output_dir)
-    processor.save_pretrained(output_dir)
+    save_llava_next(model, tokenizer, output_dir, tile=336, patch_size=14, pinpoints=LLAVA_16_PINPOINTS,
+                    image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711])
     del model
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -10,6 +10,7 @@ tokenizer and chat template at real vocabulary sizes.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 TINY_WORDS = (
     "a an the photo painting sketch cartoon rendering image of with and in on at by near under behind "
@@ -58,14 +59,7 @@ def build_tiny_llava_next(output_dir: str | Path, seed: int = 0) -> Path:
     16x16, 16x32, 32x16. Text: Llama, hidden 32, 1 layer, word-level vocabulary.
     """
     import torch
-    from transformers import (
-        CLIPVisionConfig,
-        LlamaConfig,
-        LlavaNextConfig,
-        LlavaNextForConditionalGeneration,
-        LlavaNextImageProcessor,
-        LlavaNextProcessor,
-    )
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaNextConfig, LlavaNextForConditionalGeneration
 
     output_dir = Path(output_dir)
     tokenizer = word_level_tokenizer()
@@ -80,15 +74,26 @@ def build_tiny_llava_next(output_dir: str | Path, seed: int = 0) -> Path:
                              image_grid_pinpoints=pinpoints, vision_feature_layer=-1, image_seq_length=4)
     torch.manual_seed(seed)
     model = LlavaNextForConditionalGeneration(config).eval()
+    return save_llava_next(model, tokenizer, output_dir, tile=16, patch_size=8, pinpoints=pinpoints)
+
+
+def save_llava_next(model: Any, tokenizer: Any, output_dir: str | Path, *, tile: int, patch_size: int,
+                    pinpoints: list[list[int]], **image_processor_options: Any) -> Path:
+    """Save a LLaVA-NeXT ``model`` with the processor a llava-hf folder holds (image processor for
+    ``tile``-px tiles on ``pinpoints``, ``tokenizer``, :data:`TINY_CHAT_TEMPLATE`); the model's
+    generation config stops at and pads with the tokenizer's ``</s>`` / ``<pad>``. Returns ``output_dir``."""
+    from transformers import LlavaNextImageProcessor, LlavaNextProcessor
+
+    vocab = tokenizer.get_vocab()
     model.generation_config.eos_token_id = vocab["</s>"]
     model.generation_config.pad_token_id = vocab["<pad>"]
-    image_processor = LlavaNextImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16},
-                                              image_grid_pinpoints=pinpoints)
-    processor = LlavaNextProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=8,
+    image_processor = LlavaNextImageProcessor(size={"shortest_edge": tile}, crop_size={"height": tile, "width": tile},
+                                              image_grid_pinpoints=pinpoints, **image_processor_options)
+    processor = LlavaNextProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=patch_size,
                                    vision_feature_select_strategy="default", chat_template=TINY_CHAT_TEMPLATE,
                                    num_additional_image_tokens=1)
     model.save_pretrained(output_dir)
     processor.save_pretrained(output_dir)
-    return output_dir
+    return Path(output_dir)
 
 

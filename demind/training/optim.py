@@ -71,11 +71,13 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int, schedule: str 
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
-                       schedule: str = "cosine", min_lr_ratio: float = 0.0) -> torch.optim.lr_scheduler.LambdaLR:
+                       schedule: str = "cosine", min_lr_ratio: float = 0.0, *,
+                       key: str = "the schedule") -> torch.optim.lr_scheduler.LambdaLR:
     """LambdaLR of :func:`warmup_cosine`; call ``scheduler.step()`` once per optimizer step.
-    Its ``state_dict`` is plain numbers (no function), so it goes into a state file."""
+    Its ``state_dict`` is plain numbers (no function), so it goes into a state file. ``key`` names
+    the setting in the error for an unknown ``schedule`` (a config built in code skips load_config's check)."""
     if schedule not in SCHEDULES:  # fail now, not after the warm-up
-        raise ConfigError(f"the schedule must be one of {SCHEDULES}, got {schedule!r}")
+        raise ConfigError(f"{key} must be one of {SCHEDULES}, got {schedule!r}")
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: warmup_cosine(step, warmup_steps, total_steps, schedule, min_lr_ratio))
 
@@ -90,14 +92,10 @@ def build_optimizer(optim: OptimConfig, model: torch.nn.Module) -> torch.optim.O
 
 def lr_factor(step: int, optim: OptimConfig) -> float:
     """Multiplier of optim.lr at optimizer step ``step``: :func:`warmup_cosine` with ``optim``'s numbers."""
-    try:
-        return warmup_cosine(step, optim.warmup_steps, optim.max_steps, optim.schedule, optim.min_lr_ratio)
-    except ConfigError:
-        raise ConfigError(f"optim.schedule must be 'cosine' or 'constant', got {optim.schedule!r}") from None
+    return warmup_cosine(step, optim.warmup_steps, optim.max_steps, optim.schedule, optim.min_lr_ratio)
 
 
 def build_scheduler(optim: OptimConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
-    """De-MINDS's schedule from ``optim`` (a config built in code skips load_config's check: checked here)."""
-    if optim.schedule not in SCHEDULES:
-        raise ConfigError(f"optim.schedule must be one of {SCHEDULES}, got {optim.schedule!r}")
-    return build_lr_scheduler(optimizer, optim.warmup_steps, optim.max_steps, optim.schedule, optim.min_lr_ratio)
+    """De-MINDS's schedule from ``optim``."""
+    return build_lr_scheduler(optimizer, optim.warmup_steps, optim.max_steps, optim.schedule, optim.min_lr_ratio,
+                              key="optim.schedule")
