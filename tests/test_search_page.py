@@ -49,9 +49,13 @@ def test_api_answers_like_the_searcher(client, searcher):
     assert [(r["name"], r["score"]) for r in shown] == [(h.name, h.score) for h in expected]
     upload = (searcher.index.path_of("img3.png")).read_bytes()
     uploaded = client.post("/api/search", data={"image": (io.BytesIO(upload), "ref.png"), "text": "",
-                                                "method": "image-only", "k": "4"}).get_json()["results"]
-    assert uploaded[0]["name"] == "img3.png"  # an upload is not excluded: the same pixels come first
-    assert uploaded[0]["score"] == pytest.approx(1.0, abs=1e-5)
+                                                "method": "image-only", "k": "4"}).get_json()
+    # an uploaded copy of a gallery image does not come back as its own first result, and the answer says so
+    assert uploaded["duplicates"] == ["img3.png"]
+    assert "img3.png" not in [r["name"] for r in uploaded["results"]] and len(uploaded["results"]) == 4
+    expected = searcher.search(SearchQuery(image=searcher.index.path_of("img3.png"), text="", method="image-only",
+                                           k=4, exclude="img3.png"))
+    assert [(r["name"], r["score"]) for r in uploaded["results"]] == [(h.name, h.score) for h in expected]
     thumb = client.get("/thumb?name=img0.png")
     assert thumb.status_code == 200 and thumb.data[:8] == b"\x89PNG\r\n\x1a\n"
     assert "<form" in client.get("/").get_data(as_text=True)
@@ -59,6 +63,13 @@ def test_api_answers_like_the_searcher(client, searcher):
 
 @pytest.mark.parametrize("data, status, message", [
     ({"image": (io.BytesIO(b"not an image"), "x.png"), "text": "red"}, 400, "uploaded reference image cannot be read"),
+    ({"gallery_name": "img1.png", "text": "red", "method": "oracle"}, 400, "does not answer a query"),
+    ({"gallery_name": "img1.png", "text": "red", "template": "a photo of * , {text:>100000000}"}, 400,
+     "has a format spec"),
+    ({"gallery_name": "img1.png", "text": "r" * 3000}, 400, "modification text is 3,000 characters"),
+    ({"gallery_name": "img1.png", "text": "r" * 600_000}, 413, "a text field is larger than 64 KB"),
+    ({"gallery_name": "img1.png", "text": "red", "method": "image-only", "negative": "the dog"}, 400,
+     "reads no text, so it cannot exclude"),
     ({"gallery_name": "img1.png", "text": "  "}, 400, "modification text is empty"),
     ({"gallery_name": "../../etc/passwd", "text": "red"}, 400, "not an image of this index"),
     ({"gallery_name": "img1.png", "text": "red", "method": "nope"}, 400, "unknown method"),
@@ -67,17 +78,19 @@ def test_api_answers_like_the_searcher(client, searcher):
 def test_bad_requests_get_a_message_and_the_server_keeps_serving(client, data, status, message):
     response = client.post("/api/search", data=data, content_type="multipart/form-data")
     assert response.status_code == status
-    assert message in response.get_json()["error"]
+    error = response.get_json()["error"]
+    assert message in error and "larger than 20 MB" not in error and "Error" not in error
     assert client.post("/api/search", data={"gallery_name": "img1.png", "text": "red"}).status_code == 200
 
 
 def test_unexpected_failure_is_one_line_and_the_next_query_works(searcher, monkeypatch):
     client = create_app(searcher).test_client()
-    real = searcher.search
-    monkeypatch.setattr(searcher, "search", lambda q: (_ for _ in ()).throw(RuntimeError("boom")))
+    real = searcher.search_with_details
+    monkeypatch.setattr(searcher, "search_with_details", lambda q: (_ for _ in ()).throw(RuntimeError("boom")))
     response = client.post("/api/search", data={"gallery_name": "img1.png", "text": "red"})
-    assert response.status_code == 500 and "internal error (RuntimeError: boom)" in response.get_json()["error"]
-    monkeypatch.setattr(searcher, "search", real)
+    assert response.status_code == 500
+    assert response.get_json()["error"] == "internal error; the server log has the details"  # no exception name
+    monkeypatch.setattr(searcher, "search_with_details", real)
     assert client.post("/api/search", data={"gallery_name": "img1.png", "text": "red"}).status_code == 200
     assert client.get("/thumb?name=../secret").status_code == 404
 

@@ -2,22 +2,29 @@
 
     demind-serve --quickstart                      # after pipelines/quickstart.py: toy CIRR gallery
     demind-serve --index runs/photos-index --checkpoint CKPT [--images photos/] [--port 8000]
+    demind-serve ... --host 0.0.0.0 --allowed-host photos.lan [--token TOKEN]   # other machines
 
 ``--images`` (or ``--quickstart``) builds or updates the index first (only new or changed
 files are encoded). The index and the model load once; open the printed address in a browser.
 An index of another backbone than the checkpoint's does not stop the server: the page shows
-what to do instead.
+what to do instead. Served by waitress (see demind/search/server.py). By default only this
+machine can connect; ``--host`` other than loopback prints a warning and requires an access
+token (``--token``, or the environment variable DEMIND_SERVE_TOKEN, or one generated and
+printed), which the printed address carries to the page.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 import sys
 from dataclasses import dataclass
 
 from demind.cli.common import Flag, config_parser, run_config_command
 from demind.cli.search import MODEL_FLAGS, ModelOptions, load_model
 from demind.config import setting
+from demind.errors import DemindError
 from demind.search.index import GalleryIndexError, build_index, load_index
 from demind.search.query import RANKERS, Searcher
 
@@ -31,12 +38,23 @@ class ServeConfig(ModelOptions):
     index: str | None = setting(None, help="index folder (built by demind-index, or here from images)")
     images: str | None = setting(None, help="build or update the index from this folder first")
     ranker: str = setting("exact", choices=RANKERS)
-    host: str = setting("127.0.0.1", help="127.0.0.1 serves this machine only")
+    host: str = setting("127.0.0.1", help="127.0.0.1 serves this machine only; another address (0.0.0.0: every "
+                                          "interface) needs a token")
     port: int = setting(8000, ge=0, le=65535, help="0: any free port")
+    token: str | None = setting(None, help="access token every request must carry (default: DEMIND_SERVE_TOKEN, or "
+                                           "off loopback a generated one, printed)")
+    allowed_hosts: list[str] = setting(default_factory=list, help="host names clients use besides localhost and "
+                                                                  "--host (DNS-rebinding check); '*' allows any")
+    timeout: float = setting(30.0, gt=0, help="seconds before an idle connection is closed and a query that "
+                                              "cannot get the model is refused")
+    threads: int = setting(4, ge=1, help="worker threads")
 
 
 FLAGS = {**MODEL_FLAGS, "--quickstart": Flag("quickstart", const="runs/quickstart", optional_value=True),
-         **{f"--{name}": Flag(name) for name in ("index", "images", "ranker", "host", "port")}}
+         **{f"--{name}": Flag(name) for name in ("index", "images", "ranker", "host", "port", "token", "timeout",
+                                                  "threads")},
+         "--allowed-host": Flag("allowed_hosts", many=True)}
+TOKEN_ENV = "DEMIND_SERVE_TOKEN"
 
 
 def build_parser():
@@ -53,26 +71,48 @@ def resolve_paths(args: ServeConfig) -> None:
         args.images = args.images or str(paths["images"])
         args.index = args.index or str(paths["index"])
     if not args.index or not (args.checkpoint or args.backbone.spec):
-        raise ValueError("give --quickstart [WORKDIR], or --index DIR with --checkpoint CKPT")
+        raise DemindError("give --quickstart [WORKDIR], or --index DIR with --checkpoint CKPT")
+
+
+def access_settings(args: ServeConfig):
+    """The server's settings: off loopback a warning and a token (given, from the environment, or new)."""
+    from demind.search.guard import is_loopback
+    from demind.search.server import ServerSettings
+
+    token = args.token or os.environ.get(TOKEN_ENV) or None
+    if not is_loopback(args.host):
+        print(f"warning: --host {args.host} lets other machines connect; every request needs the access token, "
+              f"and the page is answered only under localhost, {args.host} and --allowed-host names "
+              f"({', '.join(args.allowed_hosts) or 'none given'}). Plain HTTP: use it on a network you trust, "
+              f"or behind an HTTPS proxy.", file=sys.stderr, flush=True)
+        if token is None:
+            token = secrets.token_urlsafe(24)
+            print(f"generated access token (give --token or {TOKEN_ENV} to choose one): {token}", flush=True)
+    return ServerSettings(token=token, allowed_hosts=tuple(args.allowed_hosts), channel_timeout_s=args.timeout,
+                          query_timeout_s=args.timeout, threads=args.threads)
 
 
 def run(args: ServeConfig) -> int:
     from demind.search.server import create_app, start_server
 
     resolve_paths(args)
+    settings = access_settings(args)
     backbone, model = load_model(args)
     if args.images:
         stats = build_index(args.images, args.index, backbone, progress=args.run.progress)
         print(f"index {args.index}: {stats.indexed} images ({stats.encoded} encoded, {stats.cached} reused, "
               f"{len(stats.unreadable)} unreadable)")
     try:
-        app = create_app(Searcher(backbone, model, load_index(args.index), args.ranker))
+        app = create_app(Searcher(backbone, model, load_index(args.index), args.ranker), settings=settings)
     except GalleryIndexError as e:
         log.error("%s", e)  # the page shows it too; the server still starts
-        app = create_app(None, problem=str(e))
+        app = create_app(None, problem=str(e), settings=settings)
     server, thread = start_server(app, args.host, args.port)
-    print(f"demind search: http://{args.host}:{server.port}/  (checkpoint {args.checkpoint}, index {args.index}); "
-          f"Ctrl-C stops it", flush=True)
+    shown_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    shown_host = f"[{shown_host}]" if ":" in shown_host else shown_host  # an IPv6 address in a URL
+    address = f"http://{shown_host}:{server.port}/" + (f"?token={settings.token}" if settings.token else "")
+    print(f"demind search: {address}  (waitress, {args.threads} threads; checkpoint {args.checkpoint}, "
+          f"index {args.index}); Ctrl-C stops it", flush=True)
     try:
         thread.join()
     except KeyboardInterrupt:

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import io
 import logging
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Collection
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -29,7 +31,8 @@ from demind.eval import methods as registry
 from demind.eval.methods import (CHECKPOINT_METHODS, EXCLMM_METHODS, METHOD_LABELS, METHODS, ON_REQUEST_METHODS,
                                  build_methods, parse_method_names)
 from demind.eval.structures import ImageReadError, ImageRef, load_image
-from demind.model import TEMPLATES, DeMinds, fill_template, template_field
+from demind.errors import DemindError
+from demind.model import TEMPLATES, DeMinds, TemplateError, fill_template, template_field
 from demind.search.index import GalleryIndex, check_index_backbone
 
 log = logging.getLogger(__name__)
@@ -53,7 +56,11 @@ def method_label(name: str) -> str:
     return METHOD_LABELS.get(base, base) + (f" + DEO ({name[len(base) + 5:] or 'exact'})" if name != base else "")
 
 
-class SearchError(ValueError):
+MAX_QUERY_PIXELS = 40_000_000  # an uploaded reference larger than this is refused before it is decoded
+MAX_TEXT_CHARS = 2000  # CLIP reads 77 tokens; a longer text only costs tokenisation time
+
+
+class SearchError(DemindError, ValueError):
     """A query that cannot be answered as given; the message says what to change."""
 
 
@@ -65,8 +72,10 @@ class SearchQuery:
         file), or None for text-only.
     text: the modification text ("make it red").
     template: the prompt with one ``*`` (the pseudo-word) and one ``{text}`` field.
-    exclude: a gallery name never returned (the reference itself when it was picked from the gallery).
+    exclude: gallery name(s) never returned (the reference itself when it was picked from the gallery).
     negative: what the results must not show (DEO hook, see the module docstring).
+    drop_duplicates: also leave out gallery images whose pixels equal the reference's (an
+        uploaded copy of a gallery image would otherwise come back as its own first result).
     """
 
     image: str | Path | ImageRef | bytes | None
@@ -74,9 +83,15 @@ class SearchQuery:
     method: str = DEFAULT_METHOD
     template: str = DEFAULT_TEMPLATE
     k: int = 20
-    exclude: str | None = None
+    exclude: str | Collection[str] | None = None
     negative: str | None = None
     qid: str | None = None
+    drop_duplicates: bool = False
+
+    def excluded_names(self) -> set[str]:
+        if self.exclude is None:
+            return set()
+        return {self.exclude} if isinstance(self.exclude, str) else set(self.exclude)
 
 
 @dataclass
@@ -90,15 +105,42 @@ class SearchHit:
         return asdict(self)
 
 
-def read_query_image(image: str | Path | ImageRef | bytes) -> Image.Image:
-    """Decode a reference image (path, ImageRef or uploaded bytes) to RGB; SearchError naming it if it fails."""
+@dataclass
+class SearchOutcome:
+    """What :meth:`Searcher.search_with_details` searched and found: ``method`` and ``text`` as
+    searched (a negative turns "demind" + "make it red" into "demind+deo" + "make it red, without
+    the dog"), the ``negative`` as given, and the gallery ``duplicates`` of the reference left out."""
+
+    hits: list[SearchHit]
+    method: str
+    text: str
+    negative: str | None
+    duplicates: list[str] = field(default_factory=list)
+
+
+def read_query_image(image: str | Path | ImageRef | bytes, max_pixels: int = MAX_QUERY_PIXELS) -> Image.Image:
+    """Decode a reference image (path, ImageRef or uploaded bytes) to RGB; SearchError naming it if it fails.
+
+    Uploaded bytes larger than ``max_pixels`` are refused from the size in their header, before
+    any pixel is decoded (a 168 KB PNG can hold 144 megapixels, ~430 MB as RGB); the message
+    names no server path and no Python exception."""
     if isinstance(image, (bytes, bytearray)):
         try:
             with Image.open(io.BytesIO(image)) as img:
+                width, height = img.size
+                if width * height > max_pixels:
+                    raise SearchError(f"the uploaded reference image is {width} x {height} pixels "
+                                      f"({width * height / 1e6:.0f} megapixels); the limit is {max_pixels / 1e6:g} "
+                                      f"megapixels: upload a smaller image")
                 return img.convert("RGB")
-        except (OSError, ValueError, Image.DecompressionBombError) as e:
-            raise SearchError(f"the uploaded reference image cannot be read ({e}); upload a PNG, JPEG or WebP "
-                              f"image") from None
+        except Image.DecompressionBombError:  # beyond Pillow's own limit: refused by Image.open itself
+            raise SearchError(f"the uploaded reference image has more than {max_pixels / 1e6:g} megapixels; "
+                              f"upload a smaller image") from None
+        except (OSError, ValueError, SyntaxError) as e:
+            if isinstance(e, SearchError):
+                raise
+            raise SearchError("the uploaded reference image cannot be read as an image; upload a PNG, JPEG or "
+                              "WebP image") from None
     ref = image if isinstance(image, ImageRef) else ImageRef(name=Path(image).name, path=Path(image))
     if not ref.path.is_file():
         raise SearchError(f"reference image {ref.path} does not exist")
@@ -111,12 +153,12 @@ def read_query_image(image: str | Path | ImageRef | bytes) -> Image.Image:
 def build_prompt(template: str, text: str) -> str:
     """The template's one field filled with ``text``: ``("a {domain} of *", "sketch")`` -> ``"a sketch of *"``.
 
-    A template needs one ``*`` (the reference image's pseudo-word) and one ``{field}``."""
+    A template needs one ``*`` (the reference image's pseudo-word) and one plain ``{field}``;
+    anything else (format specs, conversions, attribute or index access) is a SearchError."""
     try:
         field_name = template_field(template)
-    except ValueError:
-        raise SearchError(f"template {template!r} must contain one {PLACEHOLDER!r} (the reference image's "
-                          f"pseudo-word) and one field such as '{{text}}', e.g. {DEFAULT_TEMPLATE!r}") from None
+    except TemplateError as e:
+        raise SearchError(f"{e}; e.g. {DEFAULT_TEMPLATE!r}") from None
     return fill_template(template, **{field_name: text})
 
 
@@ -202,9 +244,15 @@ class Searcher:
             parse_method_names([query.method], have_model=self.model is not None)
         except ValueError as e:
             raise SearchError(str(e).replace("pass --checkpoint", "start with --checkpoint")) from None
+        if query.method not in self.available_methods():  # e.g. the oracle: a benchmark's, not a user's
+            raise SearchError(f"method {query.method!r} does not answer a query against a gallery index; choose "
+                              f"one of {', '.join(self.available_methods())}")
         base = base_method(query.method)
         if base in TEXT_METHODS and not (query.text or "").strip():
             raise SearchError("the modification text is empty; type what should change, e.g. 'make it red'")
+        if len(query.text or "") > MAX_TEXT_CHARS:
+            raise SearchError(f"the modification text is {len(query.text):,} characters; at most "
+                              f"{MAX_TEXT_CHARS:,} are read (CLIP reads about 77 words): shorten it")
         if base in IMAGE_METHODS and query.image is None:
             raise SearchError(f"method {query.method!r} needs a reference image")
         if query.k < 1:
@@ -212,38 +260,74 @@ class Searcher:
         if base in PROMPT_METHODS:
             build_prompt(query.template, "x")
         if len(self.index) == 0:
-            raise SearchError(f"the index {self.index.directory} holds no images")
+            raise SearchError(f"the index {self.index.directory.name} holds no images; build it from a folder "
+                              f"of images with demind-index")
 
     @torch.no_grad()
     def embed(self, query: SearchQuery) -> torch.Tensor:
         """(1, D) L2-normalised query embedding."""
+        return self._embed(query)[0]
+
+    @torch.no_grad()
+    def _embed(self, query: SearchQuery) -> tuple[torch.Tensor, Image.Image | None, torch.Tensor | None]:
+        """(1, D) query embedding, the decoded reference image and its (1, D) image embedding (None
+        when the method reads no image)."""
         query = with_negative_as_deo(query)
         self.validate(query)
         base = base_method(query.method)
+        picture = None
         if query.image is not None and base in IMAGE_METHODS:
-            pixels = self.backbone.preprocess(read_query_image(query.image)).unsqueeze(0)
-            ref = self.backbone.encode_image(pixels)
+            picture = read_query_image(query.image)
+            ref = self.backbone.encode_image(self.backbone.preprocess(picture).unsqueeze(0))
         else:
             ref = torch.zeros(1, self.backbone.embed_dim, device=self.backbone.device)
         text = " ".join(query.text.split())
         prompt = build_prompt(query.template, text) if base in PROMPT_METHODS else text
-        return self.method(query.method).embed(ref, [prompt], [text]).float().cpu()
+        embedding = self.method(query.method).embed(ref, [prompt], [text]).float().cpu()
+        return embedding, picture, (ref.float().cpu() if picture is not None else None)
+
+    def duplicates_of(self, picture: Image.Image, image_embedding: torch.Tensor, candidates: int = 8) -> list[str]:
+        """Gallery names whose pixels equal ``picture``'s: the rows nearest to its (1, D) image
+        embedding (cosine >= 0.99, at most ``candidates``) are decoded and compared pixel for pixel,
+        so only exact copies are named, whatever their file format or name."""
+        sims = self.index.features.float() @ torch.nn.functional.normalize(image_embedding, dim=-1)[0]
+        scores, rows = torch.topk(sims, min(candidates, sims.shape[0]))
+        pixels = np.asarray(picture)
+        same = []
+        for score, row in zip(scores.tolist(), rows.tolist()):
+            if score < 0.99:
+                break
+            name = self.index.names[row]
+            try:
+                other = load_image(self.index.image_ref(name))
+            except ImageReadError:
+                continue
+            if other.size == picture.size and np.array_equal(np.asarray(other), pixels):
+                same.append(name)
+        return same
 
     def search(self, query: SearchQuery) -> list[SearchHit]:
-        """The top ``query.k`` gallery images, best first (the excluded name never appears)."""
-        q = self.embed(query)
-        extra = 1 if query.exclude is not None else 0
-        scores, rows = self.ranker.top_k(q, query.k + extra)
+        """The top ``query.k`` gallery images, best first (the excluded names never appear)."""
+        return self.search_with_details(query).hits
+
+    def search_with_details(self, query: SearchQuery) -> SearchOutcome:
+        """:meth:`search`, with what was searched: the method and text after an explicit negative
+        became DEO's, and the gallery copies of the reference left out (``query.drop_duplicates``)."""
+        used = with_negative_as_deo(query)
+        q, picture, image_embedding = self._embed(used)
+        duplicates = self.duplicates_of(picture, image_embedding) if query.drop_duplicates and picture else []
+        excluded = query.excluded_names() | set(duplicates)
+        scores, rows = self.ranker.top_k(q, query.k + len(excluded))
         hits = []
         for score, row in zip(scores[0].tolist(), rows[0].tolist()):
             if row < 0:  # FAISS pads with -1 when it finds fewer than k
                 continue
             name = self.index.names[row]
-            if name == query.exclude:
+            if name in excluded:
                 continue
             hits.append(SearchHit(len(hits) + 1, name, round(float(score), 6), str(self.index.path_of(name))))
             # (a shard member's path is its shard; the name says which member)
-        return hits[: query.k]
+        return SearchOutcome(hits[: query.k], used.method, used.text, query.negative, duplicates)
 
     def gallery_name_of(self, path: str | Path) -> str | None:
         """The indexed name of ``path`` when the file lies in the indexed folder (to exclude it)."""

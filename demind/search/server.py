@@ -1,15 +1,27 @@
-"""The search web page: a small Flask app over one loaded :class:`~demind.search.query.Searcher`.
+"""The search web page: a small Flask app over one loaded :class:`~demind.search.query.Searcher`,
+served by waitress.
 
-Flask (with its own WSGI server, werkzeug) is chosen because the page needs four routes,
-one upload and JSON: Flask does that with no async runtime, no build step and no assets from
-a CDN, and werkzeug's threaded server is enough for a local demo. (gradio would bring a
-large front-end bundle and fonts fetched online; FastAPI needs uvicorn and python-multipart
-for the same four routes.) The page itself is one offline HTML file, ``static/search.html``.
+Flask is chosen because the page needs four routes, one upload and JSON: Flask does that with
+no async runtime, no build step and no assets from a CDN. (gradio would bring a large front-end
+bundle and fonts fetched online; FastAPI needs uvicorn and python-multipart for the same four
+routes.) The page itself is one offline HTML file, ``static/search.html``.
 
-The index and the model are loaded once, before the app is built. Every bad request (an
-unreadable upload, an empty text, an unknown method, an index of another backbone) is
-answered with a JSON ``{"error": message}`` that the page shows; an unexpected failure is
-logged with its traceback on the server and the page gets one line; the server keeps serving.
+It is served by waitress, a production WSGI server in pure Python (Linux, macOS, Windows; no
+compiler): requests are read by one asynchronous loop and handed complete to a fixed pool of
+worker threads, so a client that stalls holds a connection slot (closed after
+``channel_timeout``) and never a thread; ``connection_limit`` and ``max_request_body_size``
+bound the rest. werkzeug's development server starts one thread per connection and never
+times one out (300 stalled clients made 304 threads).
+
+Safe by default (see :mod:`demind.search.guard`): only the allowed host names are answered
+(DNS rebinding), a browser POST from another site is refused, off loopback every request needs
+the token, an upload is limited in bytes and pixels, a query waits at most
+``query_timeout_s`` for the model, and a template is plain text with one field.
+
+The index and the model are loaded once, before the app is built. Every bad request is
+answered with a JSON ``{"error": message}`` that the page shows, without server paths or
+Python exception names; an unexpected failure is logged with its traceback on the server and
+the page gets one line; the server keeps serving.
 """
 
 from __future__ import annotations
@@ -18,26 +30,63 @@ import io
 import logging
 import threading
 import time
+from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 
 from demind.config import MissingDependencyError
+from demind.errors import DemindError
 from demind.eval.structures import ImageRef, load_image
 
 try:
-    from flask import Flask, Response, jsonify, request
+    import waitress.server
+    from flask import Flask, Response, jsonify, redirect, request
     from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
-    from werkzeug.serving import BaseWSGIServer, make_server
 except ImportError as e:  # an optional extra: say how to get it instead of a traceback
-    raise MissingDependencyError(f"the search page needs Flask: pip install -e '.[search]' ({e})") from e
+    raise MissingDependencyError(f"the search page needs Flask and waitress: pip install -e '.[search]' ({e})") from e
+from demind.search import guard
 from demind.search.index import GalleryIndexError
 from demind.search.query import DEFAULT_TEMPLATE, SearchError, Searcher, SearchQuery, method_label
 
 log = logging.getLogger(__name__)
 
 THUMB_SIDE = 192
-MAX_UPLOAD_MB = 20
 MAX_K = 200
+MAX_GALLERY_NAMES = 500
+TOKEN_COOKIE = "demind_token"
+SETTINGS_KEY = "DEMIND_SERVER"
+
+
+class ServerSetupError(DemindError):
+    """A server that would be unsafe to start as asked (e.g. off loopback without a token)."""
+
+
+@dataclass
+class ServerSettings:
+    """Limits and access rules of one server.
+
+    token: required from every request when set (``Authorization: Bearer TOKEN``, or the cookie
+        the page sets after ``/?token=TOKEN``); required to serve off loopback.
+    allowed_hosts: extra ``Host`` names answered besides loopback and the bound host ("*": any).
+    max_upload_mb: request body limit (the reference image upload).
+    max_form_kb: limit of one text field of a request (the modification text, the template).
+    threads: waitress worker threads; connection_limit: open connections at most;
+    channel_timeout_s: an idle or stalled connection is closed after this;
+    query_timeout_s: a query that cannot get the model within this is answered 503.
+    """
+
+    token: str | None = None
+    allowed_hosts: tuple[str, ...] = ()
+    max_upload_mb: int = 20
+    max_form_kb: int = 64
+    threads: int = 4
+    connection_limit: int = 100
+    channel_timeout_s: float = 30.0
+    query_timeout_s: float = 30.0
+    hosts: set[str] = field(default_factory=lambda: set(guard.LOOPBACK_NAMES), repr=False)  # filled by start_server
+
+    def __post_init__(self) -> None:
+        self.hosts |= {guard.host_name(h) if h != guard.ANY_HOST else h for h in self.allowed_hosts}
 
 
 def page_html() -> str:
@@ -54,15 +103,65 @@ def thumbnail_png(ref: ImageRef, side: int = THUMB_SIDE) -> bytes:
     return buffer.getvalue()
 
 
-def create_app(searcher: Searcher | None, problem: str | None = None) -> Flask:
+def failure(message: str, status: int = 400):
+    """The JSON error every route answers with; server paths cut to their last part."""
+    return jsonify({"error": guard.redact_paths(message)}), status
+
+
+def whole_number(name: str, raw: str | None, default: int, low: int, high: int) -> int:
+    """A query argument clamped to [low, high]; SearchError naming it when it is not a number."""
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise SearchError(f"{name} must be a whole number, got {raw[:40]!r}") from None
+    return max(low, min(value, high))
+
+
+def install_guards(app: Flask, settings: ServerSettings) -> None:
+    """Host, origin and token checks before every route (see :mod:`demind.search.guard`)."""
+
+    @app.before_request
+    def check_request():
+        host = request.headers.get("Host", "")
+        if not guard.host_allowed(host, settings.hosts):
+            name = guard.host_name(host)[:100]
+            return failure(f"host {name!r} is not served here; if this server should answer to it, start "
+                           f"demind-serve with --allowed-host {name or 'NAME'}", 403)
+        if request.method not in ("GET", "HEAD", "OPTIONS") and (
+                not guard.origin_allowed(request.headers.get("Origin"), host)
+                or request.headers.get("Sec-Fetch-Site") == "cross-site"):
+            return failure("a request from another site was refused; open the search page itself", 403)
+        if settings.token is None:
+            return None
+        if request.path == "/" and guard.token_matches(request.args.get("token"), settings.token):
+            # the printed address carries the token once; the cookie carries it on (thumbnails too)
+            response = redirect("/", code=303)
+            response.set_cookie(TOKEN_COOKIE, settings.token, httponly=True, samesite="Strict")
+            return response
+        given = guard.bearer_token(request.headers.get("Authorization")) or request.cookies.get(TOKEN_COOKIE)
+        if not guard.token_matches(given, settings.token):
+            return failure("this server needs its access token: open the address demind-serve printed "
+                           "(it ends in ?token=...), or send 'Authorization: Bearer TOKEN'", 401)
+        return None
+
+
+def create_app(searcher: Searcher | None, problem: str | None = None,
+               settings: ServerSettings | None = None) -> Flask:
     """The Flask app. ``searcher`` None with a ``problem`` (e.g. an index of another backbone)
     serves the page with that message instead of results, so the user sees what to fix."""
     if searcher is None and not problem:
-        raise ValueError("create_app needs a searcher or a problem to show")
+        raise ValueError("create_app needs a searcher or a problem to show")  # a caller's bug, not input
+    settings = settings or ServerSettings()
     app = Flask(__name__)
-    app.config["MAX_CONTENT_LENGTH"] = MAX_UPLOAD_MB * 1024 * 1024
+    app.config[SETTINGS_KEY] = settings
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_upload_mb * 1024 * 1024
+    app.config["MAX_FORM_MEMORY_SIZE"] = settings.max_form_kb * 1024
+    install_guards(app, settings)
     lock = threading.Lock()  # one query at a time through the model (torch modules are not re-entrant-safe)
     rows = {name: i for i, name in enumerate(searcher.index.names)} if searcher else {}
+    shown_problem = guard.redact_paths(problem) if problem else None
 
     @lru_cache(maxsize=4096)
     def cached_thumbnail(name: str) -> bytes:
@@ -75,23 +174,23 @@ def create_app(searcher: Searcher | None, problem: str | None = None) -> Flask:
     @app.get("/api/info")
     def info():
         if searcher is None:
-            return jsonify({"problem": problem, "methods": [], "gallery_size": 0})
+            return jsonify({"problem": shown_problem, "methods": [], "gallery_size": 0})
         return jsonify({
             "problem": None,
             "methods": [{"name": m, "label": method_label(m)} for m in searcher.available_methods()],
             "template": DEFAULT_TEMPLATE,
             "gallery_size": len(searcher.index),
-            "index": str(searcher.index.directory),
+            "index": searcher.index.directory.name,  # the folder's name: where it lies is the server's business
             "backbone": searcher.index.backbone,
         })
 
     @app.get("/api/gallery")
     def gallery():
-        """Gallery names containing ``q`` (to pick a reference), ``limit`` at most."""
+        """Gallery names containing ``q`` (to pick a reference), ``limit`` at most (and at most 500)."""
+        limit = whole_number("limit", request.args.get("limit"), 48, 0, MAX_GALLERY_NAMES)
         if searcher is None:
             return jsonify({"names": [], "total": 0})
         needle = request.args.get("q", "").strip().lower()
-        limit = min(int(request.args.get("limit", 48)), 500)
         names = [n for n in searcher.index.names if needle in n.lower()] if needle else searcher.index.names
         return jsonify({"names": names[:limit], "total": len(names)})
 
@@ -99,69 +198,108 @@ def create_app(searcher: Searcher | None, problem: str | None = None) -> Flask:
     def thumb():
         name = request.args.get("name", "")
         if searcher is None or name not in rows:  # only indexed files are served
-            return jsonify({"error": f"{name!r} is not in the index"}), 404
+            return failure(f"{name[:200]!r} is not in the index", 404)
         try:
             return Response(cached_thumbnail(name), mimetype="image/png")
-        except OSError as e:
-            return jsonify({"error": f"cannot read {name}: {e}"}), 404
+        except OSError:
+            log.warning("thumbnail of %s failed", name, exc_info=True)
+            return failure(f"cannot read {name}", 404)
 
     @app.post("/api/search")
     def search():
         if searcher is None:
             raise SearchError(problem)
-        form = request.form
-        upload = request.files.get("image")
-        picked = form.get("gallery_name") or None
-        if upload is not None and upload.filename:
-            image, exclude = upload.read(), None
-        elif picked:
-            if picked not in rows:
-                raise SearchError(f"{picked!r} is not an image of this index; pick one from the gallery")
-            image, exclude = searcher.index.image_ref(picked), picked  # never answer with the reference itself
-        else:
-            image, exclude = None, None
-        try:
-            k = int(form.get("k", 20))
-        except ValueError:
-            raise SearchError(f"k must be a whole number, got {form.get('k')!r}") from None
-        query = SearchQuery(image=image, text=form.get("text", ""), method=form.get("method", "demind"),
-                            template=form.get("template") or DEFAULT_TEMPLATE, k=min(k, MAX_K), exclude=exclude,
-                            negative=form.get("negative") or None)
+        query = read_search_form(searcher, rows)
         start = time.perf_counter()
-        with lock:
-            hits = searcher.search(query)
+        if not lock.acquire(timeout=settings.query_timeout_s):
+            return failure(f"the server is busy (no query finished within {settings.query_timeout_s:g} s); "
+                           f"try again shortly", 503)
+        try:
+            outcome = searcher.search_with_details(query)
+        finally:
+            lock.release()
         elapsed = time.perf_counter() - start
-        log.info("query %r (%s): %d results in %.1f ms", query.text, query.method, len(hits), elapsed * 1000)
+        log.info("query %s (%s): %d results in %.1f ms", guard.shorten(outcome.text), outcome.method,
+                 len(outcome.hits), elapsed * 1000)
         return jsonify({
-            "results": [{"rank": h.rank, "name": h.name, "score": h.score} for h in hits],
-            "method": query.method, "text": query.text, "excluded": exclude,
+            "results": [{"rank": h.rank, "name": h.name, "score": h.score} for h in outcome.hits],
+            "method": outcome.method, "text": outcome.text, "negative": outcome.negative,
+            "excluded": query.exclude, "duplicates": outcome.duplicates,
             "elapsed_ms": round(elapsed * 1000, 1),
         })
 
     @app.errorhandler(SearchError)
     @app.errorhandler(GalleryIndexError)
     def bad_query(error):
-        return jsonify({"error": str(error)}), 400
+        return failure(str(error), 400)
 
     @app.errorhandler(RequestEntityTooLarge)
     def too_large(error):
-        return jsonify({"error": f"the upload is larger than {MAX_UPLOAD_MB} MB; choose a smaller image"}), 413
+        if (request.content_length or 0) > settings.max_upload_mb * 1024 * 1024:
+            return failure(f"the upload is larger than {settings.max_upload_mb} MB; choose a smaller image", 413)
+        return failure(f"a text field is larger than {settings.max_form_kb} KB; the modification text is read up "
+                       f"to a few hundred characters: shorten it", 413)
 
     @app.errorhandler(Exception)
     def unexpected(error):
         if isinstance(error, HTTPException):
-            return jsonify({"error": f"{error.code} {error.name}: {error.description}"}), error.code
+            return failure(f"{error.code} {error.name}: {error.description}", error.code)
         log.exception("search request failed")
-        return jsonify({"error": f"internal error ({type(error).__name__}: {error}); the server log has the "
-                                 f"details"}), 500
+        return failure("internal error; the server log has the details", 500)
 
     return app
 
 
-def start_server(app: Flask, host: str = "127.0.0.1", port: int = 0) -> tuple[BaseWSGIServer, threading.Thread]:
-    """Serve ``app`` from a background thread (``port`` 0: a free port, see ``server.port``);
-    stop it with ``server.shutdown()``."""
-    server = make_server(host, port, app, threaded=True)
-    thread = threading.Thread(target=server.serve_forever, name="demind-search-server", daemon=True)
+def read_search_form(searcher: Searcher, rows: dict[str, int]) -> SearchQuery:
+    """The query of a POST to /api/search: an upload or a gallery pick, text, method, template, k, negative."""
+    form = request.form
+    upload = request.files.get("image")
+    picked = form.get("gallery_name") or None
+    if upload is not None and upload.filename:
+        # an uploaded copy of a gallery image is left out of its own results by content
+        image, exclude, drop_duplicates = upload.read(), None, True
+    elif picked:
+        if picked not in rows:
+            raise SearchError(f"{picked[:200]!r} is not an image of this index; pick one from the gallery")
+        image, exclude, drop_duplicates = searcher.index.image_ref(picked), picked, False
+    else:
+        image, exclude, drop_duplicates = None, None, False
+    k = whole_number("k", form.get("k"), 20, 1, MAX_K)
+    return SearchQuery(image=image, text=form.get("text", ""), method=form.get("method", "demind"),
+                       template=form.get("template") or DEFAULT_TEMPLATE, k=k, exclude=exclude,
+                       negative=(form.get("negative") or "").strip() or None, drop_duplicates=drop_duplicates)
+
+
+class RunningServer:
+    """A waitress server on a background thread: ``port`` (the bound one), ``shutdown()``."""
+
+    def __init__(self, server) -> None:
+        self._server = server
+        self.port: int = server.effective_port
+
+    def shutdown(self) -> None:
+        server = self._server
+        server.task_dispatcher.shutdown(timeout=5)
+        while server._map:  # closing every socket (listener, trigger, channels) ends the loop
+            for channel in list(server._map.values()):
+                try:
+                    channel.handle_close()
+                except OSError:
+                    pass
+
+
+def start_server(app: Flask, host: str = "127.0.0.1", port: int = 0) -> tuple[RunningServer, threading.Thread]:
+    """Serve ``app`` with waitress from a background thread (``port`` 0: a free port, see
+    ``server.port``); stop it with ``server.shutdown()``. Off loopback the app must hold a token."""
+    settings: ServerSettings = app.config[SETTINGS_KEY]
+    if not guard.is_loopback(host) and settings.token is None:
+        raise ServerSetupError(f"serving on {host} (not this machine only) needs an access token: give --token "
+                               f"or set DEMIND_SERVE_TOKEN")
+    settings.hosts |= guard.default_allowed_hosts(host)
+    server = waitress.server.create_server(
+        app, host=host, port=port, threads=settings.threads, connection_limit=settings.connection_limit,
+        channel_timeout=settings.channel_timeout_s, cleanup_interval=max(1, int(settings.channel_timeout_s / 2)),
+        max_request_body_size=(settings.max_upload_mb + 1) * 1024 * 1024, ident="demind-search")
+    thread = threading.Thread(target=server.run, name="demind-search-server", daemon=True)
     thread.start()
-    return server, thread
+    return RunningServer(server), thread
