@@ -231,7 +231,7 @@ def test_every_method_searches_the_real_index(gallery, tmp_path, loaded):
     (dict(image=b"garbage bytes", text="red"), "uploaded reference image cannot be read"),
     (dict(image="missing.png", text="red"), "does not exist"),
     (dict(text="red", method="nope"), "unknown method"),
-    (dict(text="red", template="a photo of {text}"), "must contain one"),
+    (dict(text="red", template="a photo of {text}"), "needs one"),
     (dict(image=None, text="red"), "needs a reference image"),
     (dict(text="red", method="image-only", negative="the dog"), "reads no text"),
 ])

@@ -280,7 +280,8 @@ class RunningServer:
     def shutdown(self) -> None:
         server = self._server
         server.task_dispatcher.shutdown(timeout=5)
-        while server._map:  # closing every socket (listener, trigger, channels) ends the loop
+        server.close()  # the listening socket and the trigger
+        while server._map:  # closing every socket ends the loop
             for channel in list(server._map.values()):
                 try:
                     channel.handle_close()
