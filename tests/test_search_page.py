@@ -117,7 +117,7 @@ def browser():
         pytest.skip("Chromium not installed: apt-get install -y chromium chromium-driver")
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1200,900"):
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1280,900"):
         options.add_argument(arg)
     driver = webdriver.Chrome(service=webdriver.ChromeService(executable_path=CHROMEDRIVER), options=options)
     driver.set_page_load_timeout(60)
@@ -165,6 +165,11 @@ def test_page_in_a_real_browser(browser, searcher, tmp_path):
         browser.find_element(By.ID, "search").click()
         error = wait.until(EC.visibility_of_element_located((By.ID, "error")))
         assert "uploaded reference image cannot be read" in error.text and "Traceback" not in error.text
+        # where the results were: the old results are gone, the status says so, the error is in view
+        assert browser.find_elements(By.CSS_SELECTOR, "#results .hit") == []
+        assert "search failed" in browser.find_element(By.ID, "status").text
+        assert browser.execute_script("return document.getElementById('error').getBoundingClientRect().bottom") \
+            <= browser.execute_script("return window.innerHeight")
 
         # an empty text
         browser.find_element(By.CSS_SELECTOR, "#gallery img[data-name='img2.png']").click()
@@ -172,13 +177,41 @@ def test_page_in_a_real_browser(browser, searcher, tmp_path):
         browser.find_element(By.ID, "search").click()
         wait.until(lambda d: "modification text is empty" in d.find_element(By.ID, "error").text)
 
-        # and a good query again: the server kept serving
+        # and a good query again, with something to leave out: searched as DEO, and the status says so
         browser.find_element(By.ID, "text").send_keys("make it blue")
+        browser.find_element(By.ID, "negative").send_keys("the circle")
+        assert "DEO" in browser.find_element(By.ID, "negative-hint").text
         Select(browser.find_element(By.ID, "method")).select_by_value("text-only")
         browser.find_element(By.ID, "search").click()
         wait.until(lambda d: "make it blue" in d.find_element(By.ID, "status").text)
+        status = browser.find_element(By.ID, "status").text
+        assert "make it blue, without the circle" in status and "+ DEO" in status and "leaving out “the circle”" in status
         assert not browser.find_element(By.ID, "error").is_displayed()
-        assert len(browser.find_elements(By.CSS_SELECTOR, "#results .hit")) == 7
+        cards = browser.find_elements(By.CSS_SELECTOR, "#results .hit")
+        expected = searcher.search(SearchQuery(image=searcher.index.path_of("img2.png"), text="make it blue",
+                                               negative="the circle", method="text-only", k=20, exclude="img2.png"))
+        assert [c.get_attribute("data-name") for c in cards] == [h.name for h in expected]
+    finally:
+        server.shutdown()
+
+
+def test_page_with_a_token_opens_from_the_printed_address(browser, searcher):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as EC
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from demind.search.server import ServerSettings
+
+    server, url = serve(create_app(searcher, settings=ServerSettings(token="page-token")))
+    try:
+        browser.get(url)  # without the token: one line saying what to open
+        assert "access token" in browser.find_element(By.TAG_NAME, "body").text
+        browser.get(url + "?token=page-token")
+        wait = WebDriverWait(browser, 60)
+        wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, "#gallery img.pick[data-name='img5.png']")))
+        assert "token" not in browser.current_url  # moved into the cookie
+        wait.until(lambda d: d.execute_script(  # thumbnails (plain <img> requests) carry the cookie too
+            "return [...document.querySelectorAll('#gallery img')].every(i => i.complete && i.naturalWidth > 0)"))
     finally:
         server.shutdown()
 
