@@ -93,6 +93,8 @@ def _template_parts(template: str) -> list[tuple[str, str | None]]:
     would pad to 100 MB), a conversion (``{text!r}``), attribute or index access
     (``{text.__class__}``, ``{text[0]}``) and positional fields (``{}``, ``{0}``) are refused, so
     filling a template costs no more than joining its parts."""
+    if not isinstance(template, str):
+        raise TemplateError(f"the template must be a text such as {TEMPLATES['cirr']!r}, got {type(template).__name__}")
     shown = template if len(template) <= 80 else template[:77] + "..."
     if len(template) > MAX_TEMPLATE_CHARS:
         raise TemplateError(f"the template is {len(template):,} characters; at most {MAX_TEMPLATE_CHARS:,} are "

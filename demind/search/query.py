@@ -257,8 +257,7 @@ class Searcher:
             raise SearchError(f"method {query.method!r} needs a reference image")
         if query.k < 1:
             raise SearchError(f"k must be at least 1, got {query.k}")
-        if base in PROMPT_METHODS:
-            build_prompt(query.template, "x")
+        build_prompt(query.template, "x")  # every method: a template given is checked, even where it is not read
         if len(self.index) == 0:
             raise SearchError(f"the index {self.index.directory.name} holds no images; build it from a folder "
                               f"of images with demind-index")
