@@ -150,7 +150,8 @@ def main() -> None:
     results = {
         "command": "PYTHONPATH=. python benchmarks/bench_serve_load.py " + " ".join(sys.argv[1:]),
         "clients": args.clients, "seconds": args.seconds, "gallery": args.images, "cpus": os.cpu_count(),
-        "load_avg": os.getloadavg(), "server": {"threads": settings.threads, "connection_limit": settings.connection_limit},
+        "load_avg": os.getloadavg(),
+        "server": {"threads": settings.threads, "connection_limit": settings.connection_limit},
         "requests": {k: len(v) for k, v in times.items()}, "errors": len(log["errors"]),
         "first_errors": log["errors"][:10],
         "latency_ms": {k: {"p50": round(statistics.median(v) * 1000, 1),
