@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from demind.backbone import PLACEHOLDER, FrozenCLIP
+from demind.backbone import FrozenCLIP
 from demind.config import MissingDependencyError
 from demind.eval import methods as registry
 from demind.eval.methods import (CHECKPOINT_METHODS, EXCLMM_METHODS, METHOD_LABELS, METHODS, ON_REQUEST_METHODS,
