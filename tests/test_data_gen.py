@@ -111,6 +111,8 @@ def test_two_shards_become_intent_shards(repo_root, tiny_llava, run_main, input_
     assert sorted(p.name for p in out.iterdir()) == ["00000.tar", "00000_stats.json", "00001.tar", "00001_stats.json"]
     printed = capsys.readouterr().out
     assert "to do           :      2  (0-1)" in printed
+    rows = [line.split() for line in printed.splitlines() if line.split()[:1] in (["0"], ["1"])]
+    assert "prefill/img  hit %" in printed and len(rows) == 2 and all(row[-2] == "100" for row in rows)
 
     for shard in range(2):
         inputs = {s["__key__"]: s for s in read_output(input_shards / f"0000{shard}.tar")}
@@ -144,6 +146,12 @@ def test_two_shards_become_intent_shards(repo_root, tiny_llava, run_main, input_
 
         assert stats["samples_in"] == 4 and stats["written"] == len(expected_keys)
         assert stats["samples_flagged"] == recount_flags
+        # every stage-2 request (retries too) found stage 1's prefix in the store; what it served is not prefilled
+        eng = stats["engine_tokens"]
+        gens = [json.loads(s["json"])["generation"] for s in samples]
+        assert eng["stage2_requests"] == sum(g["intent"]["attempts"] for g in gens) == eng["stage2_hits"]
+        assert eng["stage2_hit_rate"] == 1.0 and 0 < eng["cached"] < eng["prompt"]
+        assert eng["prefilled_per_sample"] == round(eng["prefilled"] / stats["written"], 1)
         assert stats["text_tokens"]["intent"]["count"] == len(expected_keys)
         if shard == 1:
             assert stats["skipped"] == {"undecodable image": 1}

@@ -83,7 +83,8 @@ class PrefixBudget:
         return self.bytes // self.bytes_per_token
 
     def describe(self) -> str:
-        return (f"prefix store: {self.bytes / GIB:.2f} GiB ({self.source}) / {self.bytes_per_token / 1024:.1f} KiB "
+        size = f"{self.bytes / GIB:.2f} GiB" if self.bytes >= GIB else f"{self.bytes / 1024**2:.2f} MiB"
+        return (f"prefix store: {size} ({self.source}) / {self.bytes_per_token / 1024:.1f} KiB "
                 f"of KV per token = {self.tokens:,} tokens")
 
 
