@@ -143,6 +143,7 @@ class WavePlanner:
         if (self.capacity_tokens is not None and prefix_wave_size(2, self.capacity_tokens, self.sample_tokens) < 2
                 and "small" not in self._told):
             self._told.add("small")
-            logger.warning("the prefix cache (%s tokens of KV) holds at most one sample (%d tokens): stage 2 is "
-                           "mostly prefilled in full; give it more memory", f"{self.capacity_tokens:,}",
-                           self.sample_tokens)
+            logger.warning("the prefix cache (%s tokens of KV) holds at most one sample (%d tokens): stage 1 and "
+                           "stage 2 run one sample at a time; give it more memory (engine.prefix_store_bytes, "
+                           "engine.prefix_store_fraction, vLLM's gpu_memory_utilization) or engine.prefix_cache=false",
+                           f"{self.capacity_tokens:,}", self.sample_tokens)
