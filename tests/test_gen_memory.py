@@ -29,6 +29,9 @@ from demind.gen.prompts import load_prompts, render, repaired_chat_template
 from demind.gen.tiny_llava import build_tiny_llava_next
 from tests.helpers import FIXTURES
 
+# transformers 5 deprecates generate's past_key_values (FutureWarning, removed in 6.0): the engine uses the new name
+pytestmark = pytest.mark.filterwarnings("error::FutureWarning")
+
 TEMPLATES = json.loads((FIXTURES / "llava_hf" / "chat_templates.json").read_text(encoding="utf-8"))
 LLAVA_16_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
 OLD_FIXED_CAP_TOKENS = 131_072  # the earlier token cap of the prefix store
@@ -97,6 +100,17 @@ def test_configured_bytes_win_and_unknown_free_memory_is_refused():
     assert (budget.bytes, budget.tokens, budget.source) == (8 * GIB, 10_485, "engine.prefix_store_bytes")
     with pytest.raises(DemindError, match=r"cannot tell how much memory mps has free .* set engine.prefix_store_bytes"):
         prefix_store_budget(0, 0.5, None, 819_200, device="mps")
+
+
+def test_the_old_token_cap_key_is_refused_naming_the_byte_setting():
+    from demind.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"'engine.prefix_cache_tokens' was removed: .* engine.prefix_store_bytes"):
+        load_config(GenConfig, None, ["engine.prefix_cache_tokens=131072"])
+    cfg = load_config(GenConfig, None, ["engine.prefix_store_bytes=8589934592", "engine.prefix_store_fraction=0.3"])
+    assert (cfg.engine.prefix_store_bytes, cfg.engine.prefix_store_fraction) == (8 * GIB, 0.3)
+    with pytest.raises(ConfigError, match="engine.prefix_store_fraction"):
+        load_config(GenConfig, None, ["engine.prefix_store_fraction=1.5"])
 
 
 def test_wave_size_follows_the_cache():
