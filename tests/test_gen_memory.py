@@ -132,8 +132,8 @@ def test_wave_size_follows_the_cache():
 def items(n: int, seed: int = 0) -> list[ChunkItem]:
     rng = np.random.default_rng(seed)
     words = ["a", "red", "dog", "on", "the", "street", "tree"]
-    return [ChunkItem(f"k{i}", " ".join(rng.choice(words, 3 + i)),
-                      Image.fromarray(rng.integers(0, 255, (20 + 7 * i, 40 - 3 * i, 3), dtype=np.uint8)))
+    return [ChunkItem(f"k{i}", " ".join(rng.choice(words, 3 + i % 8)),
+                      Image.fromarray(rng.integers(0, 255, (20 + 7 * (i % 7), 40 - 3 * (i % 7), 3), dtype=np.uint8)))
             for i in range(n)]
 
 
@@ -252,3 +252,69 @@ def test_old_and_current_mistral_templates_give_the_same_prompts(tiny_folders):
                                         tokenize=False)
     assert raw == " a dog<\\s> "  # what the old template gives unrepaired
     assert render(processor, [{"role": "assistant", "content": [{"type": "text", "text": "a dog"}]}]) == " a dog</s> "
+
+
+class LRUPrefixLLM:
+    """A stand-in for ``vllm.LLM`` that keeps what vLLM's prefix cache keeps: each finished
+    request's tokens, least recently used dropped beyond ``num_gpu_blocks x block_size`` tokens. A
+    prompt that starts with a held sequence is served that much from the cache (``num_cached_tokens``).
+    Tokens: one a word, 100 for the image."""
+
+    def __init__(self, blocks: int, **kwargs):
+        from types import SimpleNamespace
+
+        self.capacity = blocks * 16
+        self.held: list[tuple[str, int]] = []  # (prompt, tokens), oldest first
+        self.llm_engine = SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks=blocks, block_size=16))
+
+    @staticmethod
+    def tokens(text: str) -> int:
+        return len(text.split()) + 99 * text.count("<image>")
+
+    def generate(self, prompts, params, use_tqdm=False):
+        from types import SimpleNamespace
+
+        outputs = []
+        for prompt, p in zip(prompts, params):
+            text = prompt["prompt"]
+            hit = max((n for held, n in self.held if text.startswith(held)), default=0)
+            answer = " ".join(["dog"] * p["max_tokens"])
+            n = self.tokens(text)
+            self.held = [(h, m) for h, m in self.held if h != text] + [(text, n)]
+            while sum(m for _, m in self.held) > self.capacity:
+                self.held.pop(0)
+            outputs.append(SimpleNamespace(prompt_token_ids=[0] * n, num_cached_tokens=hit, outputs=[
+                SimpleNamespace(text=answer, finish_reason="length", token_ids=[0] * p["max_tokens"])]))
+        return outputs
+
+
+@pytest.mark.parametrize("waves", [True, False])
+def test_vllm_chunk_runs_in_waves_that_its_cache_holds(tiny_folders, monkeypatch, waves):
+    """A 64-sample chunk against a KV cache of 1,440 tokens (about five stage-1 prompts): in waves
+    (of 2 here) every stage-2 request hits stage 1's prefix; as one 64-sample call (the earlier
+    behaviour) none does, as the shard stats show."""
+    from types import SimpleNamespace
+
+    from demind.gen.engines import vllm_engine
+    from demind.gen.job import ShardStats
+
+    fake = SimpleNamespace(LLM=lambda **kw: LRUPrefixLLM(blocks=90, **kw), SamplingParams=dict, __version__="0.11.0")
+    monkeypatch.setattr(vllm_engine, "import_vllm", lambda: fake)
+    cfg = GenConfig()
+    cfg.engine.model, cfg.engine.chunk_size, cfg.engine.max_model_len = str(tiny_folders["tiny"]), 64, 4096
+    cfg.sampling.retries = 0
+    engine = vllm_engine.VLLMEngine(cfg.engine, cfg.sampling)
+    assert engine.prefix_capacity_tokens == 1440
+    generator = IntentGenerator(engine, cfg, load_prompts("v1"))
+    if not waves:
+        generator.waves.capacity_tokens = None
+    stats = ShardStats()
+    for out in generator.generate(items(64)):
+        stats.written += 1
+        stats.add_output(out)
+    cache = stats.cache_stats()
+    assert cache["stage2_requests"] == 64
+    if waves:
+        assert cache["stage2_hits"] == 64 and cache["stage2_hit_rate"] == 1.0
+    else:  # stage 1's last prompts pushed out the first ones before stage 2 asked for them
+        assert cache["stage2_hits"] == 0 and cache["stage2_hit_rate"] == 0.0
