@@ -193,7 +193,7 @@ def bench_gen(args: argparse.Namespace, work: Path) -> dict:
     from PIL import Image
 
     from demind.gen.config import GenConfig
-    from demind.gen.engines.transformers_engine import PrefixStore, TransformersEngine
+    from demind.gen.engines.transformers_engine import TransformersEngine
     from demind.gen.generate import ChunkItem, IntentGenerator
     from demind.gen.prompts import load_prompts
     from demind.gen.reader import decode_and_shrink
@@ -214,15 +214,17 @@ def bench_gen(args: argparse.Namespace, work: Path) -> dict:
     cfg.sampling.retries = 0  # equal work in every run
     out: dict[str, Any] = {"model_build_s": round(build_s, 1), "images": len(items)}
     engine = TransformersEngine(cfg.engine, cfg.sampling, device=cfg.run.device)  # loaded once; batch and prefix store set per run
+    store, capacity = engine.prefixes, engine.prefix_capacity_tokens  # sized from the free memory after loading
+    out["prefix_store_tokens"] = capacity
     for batch in args.gen_batches:
         for prefix_cache in (True, False):
             engine.batch_size = batch
-            engine.prefixes = PrefixStore(cfg.engine.prefix_cache_tokens) if prefix_cache else None
+            engine.prefixes, engine.prefix_capacity_tokens = (store, capacity) if prefix_cache else (None, None)
             generator = IntentGenerator(engine, cfg, load_prompts("v1"))
             generator.generate(items[:batch])  # warm-up
             sync(args.device)
             start = time.perf_counter()
-            # as the job with engine.chunk_size = batch: a chunk's kept prefixes stay within prefix_cache_tokens
+            # as the job with engine.chunk_size = batch: a chunk's kept prefixes stay within the prefix store
             outputs = [o for i in range(0, len(items), batch) for o in generator.generate(items[i : i + batch])]
             sync(args.device)
             seconds = time.perf_counter() - start

@@ -75,6 +75,8 @@ REMOVED_KEYS: dict[str, str] = {
     # dotted key of a deleted setting -> what to do instead
     "world": "the toy world has one version now (World v2.1): remove the key",
     "backbone.world": "the toy world has one version now (World v2.1): remove the key",
+    "engine.prefix_cache_tokens": "the prefix store is sized in bytes: engine.prefix_store_bytes "
+                                  "(0 = a share, engine.prefix_store_fraction, of the free device memory)",
 }
 """Keys of settings that were deleted: refused with one message saying what to do instead."""
 

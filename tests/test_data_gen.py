@@ -20,6 +20,7 @@ import webdataset as wds
 from PIL import Image
 
 from demind.cli.generate import main as generate_main
+from demind.errors import DemindError
 from demind.cli.make_shards import main as make_shards_main
 from demind.gen.config import GenConfig
 from demind.gen.engines.base import GenRequest, GenResult, request_seed
@@ -110,6 +111,8 @@ def test_two_shards_become_intent_shards(repo_root, tiny_llava, run_main, input_
     assert sorted(p.name for p in out.iterdir()) == ["00000.tar", "00000_stats.json", "00001.tar", "00001_stats.json"]
     printed = capsys.readouterr().out
     assert "to do           :      2  (0-1)" in printed
+    rows = [line.split() for line in printed.splitlines() if line.split()[:1] in (["0"], ["1"])]
+    assert "prefill/img  hit %" in printed and len(rows) == 2 and all(row[-2] == "100" for row in rows)
 
     for shard in range(2):
         inputs = {s["__key__"]: s for s in read_output(input_shards / f"0000{shard}.tar")}
@@ -143,6 +146,12 @@ def test_two_shards_become_intent_shards(repo_root, tiny_llava, run_main, input_
 
         assert stats["samples_in"] == 4 and stats["written"] == len(expected_keys)
         assert stats["samples_flagged"] == recount_flags
+        # every stage-2 request (retries too) found stage 1's prefix in the store; what it served is not prefilled
+        eng = stats["engine_tokens"]
+        gens = [json.loads(s["json"])["generation"] for s in samples]
+        assert eng["stage2_requests"] == sum(g["intent"]["attempts"] for g in gens) == eng["stage2_hits"]
+        assert eng["stage2_hit_rate"] == 1.0 and 0 < eng["cached"] < eng["prompt"]
+        assert eng["prefilled_per_sample"] == round(eng["prefilled"] / stats["written"], 1)
         assert stats["text_tokens"]["intent"]["count"] == len(expected_keys)
         if shard == 1:
             assert stats["skipped"] == {"undecodable image": 1}
@@ -336,7 +345,7 @@ def test_prompt_rendering_with_chat_template(tiny_llava):
     assert stage2.count("<image>") == 1  # the image is sent once, in the first turn
 
     no_template = SimpleNamespace(chat_template=None, apply_chat_template=None)
-    with pytest.raises(ValueError, match="no chat template"):
+    with pytest.raises(DemindError, match="no chat template"):
         render(no_template, rewrite_conversation(prompts, caption))
     with pytest.raises(FileNotFoundError, match="available versions"):
         load_prompts("v999")
@@ -358,7 +367,9 @@ def test_vllm_request_building_without_vllm():
                                outputs=[SimpleNamespace(text=" a dog", finish_reason="stop", token_ids=[5, 6, 2])]),
                SimpleNamespace(prompt_token_ids=[1] * 40,
                                outputs=[SimpleNamespace(text="x y", finish_reason="length", token_ids=[7] * 32)])]
-    assert results_from_outputs(outputs) == [GenResult(" a dog", "stop", 50, 3), GenResult("x y", "length", 40, 32)]
+    # a vLLM that does not report num_cached_tokens: prefilled in full, and said so (no hit rate is made up)
+    assert results_from_outputs(outputs) == [GenResult(" a dog", "stop", 50, 3, cache_reported=False),
+                                             GenResult("x y", "length", 40, 32, cache_reported=False)]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed")
@@ -639,19 +650,19 @@ def test_stage_two_reuses_stage_one_prefix_with_the_same_text(tiny_llava, temper
                        Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)))
              for i, (w, h) in enumerate(sizes)]
     outs = {}
-    for prefix_cache, budget in ((False, None), (True, None), ("full", 60)):
+    for prefix_cache, budget in ((False, None), (True, None), ("full", 10 * 256)):
         cfg = GenConfig()
         cfg.engine.model, cfg.engine.dtype, cfg.engine.batch_size = str(tiny_llava), "float32", 3
         cfg.engine.prefix_cache, cfg.engine.cpu_threads = bool(prefix_cache), 1
-        cfg.engine.prefix_cache_tokens = budget or cfg.engine.prefix_cache_tokens
+        cfg.engine.prefix_store_bytes = budget or 0
         cfg.sampling.temperature = temperature
         cfg.sampling.rewrite_max_tokens, cfg.sampling.intent_max_tokens = 12, 8
         engine = TransformersEngine(cfg.engine, cfg.sampling, device="cpu")
         outs[prefix_cache] = IntentGenerator(engine, cfg, load_prompts("v1")).generate(items)
         if prefix_cache:
-            assert len(engine.prefixes) == 0 and engine.prefixes.tokens == 0  # released at the end of the chunk
+            assert len(engine.prefixes) == 0 and engine.prefixes.bytes == 0  # released at the end of the chunk
         if prefix_cache == "full":
-            assert engine.prefixes.dropped > 0  # a budget of 60 tokens holds about one prompt
+            assert engine.prefixes.dropped > 0  # 10 tokens of KV (256 bytes each) hold no prompt
     full, reused, dropped = outs[False], outs[True], outs["full"]
     # Batches with a dropped prefix are prefilled in full: same text, more tokens than with room.
     assert [(o.rewrite.text, o.intent.text) for o in dropped] == [(o.rewrite.text, o.intent.text) for o in full]
@@ -672,7 +683,9 @@ def test_stage_two_reuses_stage_one_prefix_with_the_same_text(tiny_llava, temper
 
 def test_vllm_engine_turns_on_prefix_caching_and_counts_cached_tokens(tiny_llava, monkeypatch):
     """Without vLLM installed: the engine asks for automatic prefix caching (engine.prefix_cache),
-    and a result's prefilled tokens are its prompt tokens minus those vLLM served from the cache."""
+    reads its KV cache size (blocks x block size) for the prefix waves, refuses a vLLM older than
+    0.8 with prefix caching on, and a result's prefilled tokens are its prompt tokens minus those
+    vLLM served from the cache."""
     from types import SimpleNamespace
 
     from demind.gen.engines import vllm_engine
@@ -682,20 +695,30 @@ def test_vllm_engine_turns_on_prefix_caching_and_counts_cached_tokens(tiny_llava
     class FakeLLM:
         def __init__(self, **kwargs):
             made.update(kwargs)
+            cache_config = SimpleNamespace(num_gpu_blocks=2500, block_size=16)
+            self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(cache_config=cache_config))
 
-    fake = SimpleNamespace(LLM=FakeLLM, SamplingParams=dict)
+    fake = SimpleNamespace(LLM=FakeLLM, SamplingParams=dict, __version__="0.11.0")
     monkeypatch.setattr(vllm_engine, "import_vllm", lambda: fake)
     for on in (True, False):
         cfg = GenConfig()
         cfg.engine.model, cfg.engine.prefix_cache = str(tiny_llava), on
-        vllm_engine.VLLMEngine(cfg.engine, cfg.sampling)
+        engine = vllm_engine.VLLMEngine(cfg.engine, cfg.sampling)
         assert made["enable_prefix_caching"] is on
+        assert engine.prefix_capacity_tokens == (40_000 if on else None)
+    fake.__version__ = "0.7.3"
+    cfg.engine.prefix_cache = True
+    with pytest.raises(DemindError, match=r"needs vLLM >= 0.8 .* found vLLM 0.7.3: pip install 'vllm>=0.8', or "
+                                          r"engine.prefix_cache=false"):
+        vllm_engine.VLLMEngine(cfg.engine, cfg.sampling)
+    cfg.engine.prefix_cache = False
+    vllm_engine.VLLMEngine(cfg.engine, cfg.sampling)  # without prefix caching an older vLLM is fine
     completion = SimpleNamespace(text="a dog", finish_reason="stop", token_ids=[5, 6])
     cached = SimpleNamespace(prompt_token_ids=list(range(100)), outputs=[completion], num_cached_tokens=96)
-    uncached = SimpleNamespace(prompt_token_ids=list(range(100)), outputs=[completion])
+    uncached = SimpleNamespace(prompt_token_ids=list(range(100)), outputs=[completion], num_cached_tokens=0)
     first, second = vllm_engine.results_from_outputs([cached, uncached])
-    assert (first.prompt_tokens, first.prefilled_tokens) == (100, 4)
-    assert (second.prompt_tokens, second.prefilled_tokens) == (100, 100)
+    assert (first.prompt_tokens, first.prefilled_tokens, first.cache_reported) == (100, 4, True)
+    assert (second.prompt_tokens, second.prefilled_tokens, second.cache_reported) == (100, 100, True)
 
 
 def test_fidelity_stage_scores_and_flags_every_output(repo_root, tiny_llava, run_main, input_shards, tmp_path):

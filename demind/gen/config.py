@@ -18,22 +18,27 @@ class EngineConfig:
     name: str = setting("vllm", choices=("vllm", "transformers"))  # "vllm" (offline LLM, continuous batching) or "transformers" (batched generate)
     model: str = "llava-hf/llava-v1.6-mistral-7b-hf"  # hub id or local folder (model + processor)
     dtype: str = setting("auto", choices=("auto", "bfloat16", "float16", "float32"))  # "auto" (bfloat16 on GPU, float32 on CPU), "bfloat16", "float16", "float32"
-    # Requests handed to the engine in one call. vLLM schedules them with continuous batching;
-    # the bound keeps host memory flat (decoded images and vLLM's pixel tensors live per chunk).
+    # Samples decoded and held at a time (host memory stays flat). With a prefix cache a chunk's stages
+    # run in waves of as many samples as the cache holds (vLLM schedules a wave with continuous batching).
     chunk_size: int = setting(1024, ge=1)
     # Stage 2 continues stage 1's conversation, so its prefix (image + turn 1) is computed once:
-    # the transformers engine keeps stage 1's prompt KV cache, vLLM turns on automatic prefix caching.
+    # the transformers engine keeps stage 1's prompt KV cache, vLLM (>= 0.8) turns on automatic prefix
+    # caching; a chunk runs in waves that fit the cache, so stage 2 finds the prefix (shard stats:
+    # engine_tokens.stage2_hit_rate).
     prefix_cache: bool = True
-    # transformers only
-    # Prompt tokens of kept stage-1 prefixes (oldest dropped; a batch with a dropped one is prefilled in full).
-    # LLaVA-1.6 7B in bf16 keeps 128 KiB per token: 131,072 tokens = 16 GiB, about 48 images of 2.7k tokens, so
-    # keep engine.chunk_size x prompt tokens below it.
-    prefix_cache_tokens: int = 131072
+    # transformers only: bytes the kept stage-1 prefixes (their KV cache) may take on the engine's device.
+    # 0 = prefix_store_fraction of the memory free once the model is loaded (torch.cuda.mem_get_info on a
+    # GPU, available host memory on a CPU); the rest stays for the running batch. KV per token in bf16:
+    # LLaVA-1.6 Mistral-7B 128 KiB, Vicuna-7B 512 KiB, Vicuna-13B 800 KiB (demind/gen/memory.py).
+    prefix_store_bytes: int = setting(0, ge=0)
+    prefix_store_fraction: float = setting(0.5, gt=0, lt=1)
     batch_size: int = setting(8, ge=1)  # rows per generate() call
     cpu_threads: int = setting(0, ge=0)  # torch CPU threads for this process (0 = torch's default); 1 suits tiny models
+    # Longest prompt + answer in tokens: vLLM's context length; both engines also size their first
+    # prefix wave with it (later waves use the longest stage-2 sequence seen).
+    max_model_len: int = setting(4096, ge=1)
     # vLLM only
     tensor_parallel_size: int = setting(1, ge=1)
-    max_model_len: int = setting(4096, ge=1)
     gpu_memory_utilization: float = setting(0.9, gt=0, le=1)
     enforce_eager: bool = False
 

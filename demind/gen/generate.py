@@ -4,6 +4,8 @@ Stage 1 (caption rewriting): image + T_ori -> T_rew.
 Stage 2 (intention reasoning): the same conversation continued -> T_int.
 Each output is cleaned and checked; a flagged output is retried with a new seed
 (``sampling.retries`` times), and the attempt with the fewest flags is kept, flags and all.
+With a prefix cache, a chunk runs in waves (stage 1 then stage 2) no larger than the cache
+holds, so that stage 2 finds stage 1's prefix (:mod:`demind.gen.memory`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from PIL import Image
 
 from demind.gen.config import GenConfig
 from demind.gen.engines.base import Engine, GenRequest, GenResult, request_seed
+from demind.gen.memory import WavePlanner
 from demind.gen.prompts import (
     Conversation,
     PromptSet,
@@ -40,6 +43,11 @@ class StageOutput:
     output_tokens: int
     seed: int
     prefilled_tokens: int = 0  # prompt tokens the engine computed (fewer than prompt_tokens with a prefix cache)
+    # every attempt's prompt tokens, and the requests (attempts) that the prefix cache served in part;
+    # cache_reported False: the engine does not say (counted as prefilled in full)
+    requested_tokens: int = 0
+    prefix_hits: int = 0
+    cache_reported: bool = True
     attempts: int = 1
     flags: list[str] = field(default_factory=list)
     first_flags: list[str] = field(default_factory=list)  # flags of attempt 1 when it was retried
@@ -82,16 +90,25 @@ class IntentGenerator:
         self.cfg = cfg
         self.prompts = prompts
         self.engine_seconds = 0.0
+        self.waves = WavePlanner(getattr(engine, "prefix_capacity_tokens", None), cfg.engine.max_model_len)
 
     def generate(self, items: list[ChunkItem]) -> list[ChunkOutput]:
-        """Both stages (or the single prompt) for every item, in order."""
-        if not items:
-            return []
-        sampling = self.cfg.sampling
+        """Both stages (or the single prompt) for every item, in order; in waves that the engine's
+        prefix cache holds (stage 1's KV of a wave is still there when its stage 2 runs)."""
         if self.cfg.prompts.mode == "single":
             convs = [single_conversation(self.prompts, it.caption) for it in items]
-            intents = self.run_stage("intent", items, convs, sampling.intent_max_tokens)
+            intents = self.run_stage("intent", items, convs, self.cfg.sampling.intent_max_tokens) if items else []
             return [ChunkOutput(None, out) for out in intents]
+        outputs: list[ChunkOutput] = []
+        while len(outputs) < len(items):
+            wave = items[len(outputs) : len(outputs) + self.waves.size(len(items) - len(outputs))]
+            outputs += self._two_stages(wave)
+            self.waves.observe([o.intent.prompt_tokens + self.cfg.sampling.intent_max_tokens for o in outputs[-len(wave):]])
+        return outputs
+
+    def _two_stages(self, items: list[ChunkItem]) -> list[ChunkOutput]:
+        """Stage 1 (rewrite), then stage 2 (intent) continuing the same conversations."""
+        sampling = self.cfg.sampling
         convs = [rewrite_conversation(self.prompts, it.caption) for it in items]
         try:
             # Stage 2's prompt starts with stage 1's, so the engine may keep stage 1's prefix.
@@ -122,15 +139,21 @@ class IntentGenerator:
                 break
             retried = self._attempt(stage, items, prompts, max_new_tokens, todo, attempt)
             for i, new in zip(todo, retried):
-                new.prefilled_tokens += outputs[i].prefilled_tokens  # every attempt's prefill was paid for
+                old = outputs[i]
+                # every attempt's prefill was paid for, and each attempt is a request the cache may serve
+                new.prefilled_tokens += old.prefilled_tokens
+                new.requested_tokens += old.requested_tokens
+                new.prefix_hits += old.prefix_hits
+                new.cache_reported = new.cache_reported and old.cache_reported
                 new.attempts = attempt + 1
-                new.first_flags = outputs[i].first_flags if outputs[i].attempts > 1 else outputs[i].flags
+                new.first_flags = old.first_flags if old.attempts > 1 else old.flags
                 # keep the attempt with fewer problems; on a tie the newer one
-                if len(new.flags) <= len(outputs[i].flags):
+                if len(new.flags) <= len(old.flags):
                     outputs[i] = new
                 else:
-                    outputs[i].attempts, outputs[i].first_flags = new.attempts, new.first_flags
-                    outputs[i].prefilled_tokens = new.prefilled_tokens
+                    old.attempts, old.first_flags = new.attempts, new.first_flags
+                    old.prefilled_tokens, old.requested_tokens = new.prefilled_tokens, new.requested_tokens
+                    old.prefix_hits, old.cache_reported = new.prefix_hits, new.cache_reported
         return outputs
 
     def _attempt(
@@ -165,5 +188,8 @@ class IntentGenerator:
             output_tokens=result.output_tokens,
             seed=seed,
             prefilled_tokens=result.prefilled_tokens,
+            requested_tokens=result.prompt_tokens,
+            prefix_hits=int(result.prefilled_tokens < result.prompt_tokens),
+            cache_reported=result.cache_reported,
             flags=flags,
         )

@@ -50,6 +50,10 @@ class ShardStats:
     engine_prompt_tokens: int = 0
     engine_output_tokens: int = 0
     engine_prefilled_tokens: int = 0  # prompt tokens computed, retries included (a prefix cache saves the rest)
+    engine_requested_tokens: int = 0  # prompt tokens of every request, retries included
+    stage2_requests: int = 0  # stage-2 requests (retries included), each of which could reuse stage 1's prefix
+    stage2_hits: int = 0  # of those, the ones the prefix cache served in part
+    cache_reported: bool = True  # False: the engine did not say what its cache served
 
     def skip(self, item: SkippedSample) -> None:
         self.skipped[item.reason] += 1
@@ -69,9 +73,24 @@ class ShardStats:
             self.engine_prompt_tokens += res.prompt_tokens
             self.engine_output_tokens += res.output_tokens
             self.engine_prefilled_tokens += res.prefilled_tokens
+            self.engine_requested_tokens += res.requested_tokens
+            self.cache_reported &= res.cache_reported
+        if out.rewrite is not None:  # two stages: stage 2 continues stage 1's conversation
+            self.stage2_requests += out.intent.attempts
+            self.stage2_hits += out.intent.prefix_hits
         self.flagged.update(flags)
         self.samples_flagged += bool(flags)
         return flags
+
+    def cache_stats(self) -> dict[str, Any]:
+        """What the prefix cache served: ``cached`` prompt tokens, and the share of stage-2 requests
+        that found stage 1's prefix (``stage2_hit_rate``; None in single-prompt mode or when the
+        engine does not report it)."""
+        known = self.cache_reported
+        rate = round(self.stage2_hits / self.stage2_requests, 4) if known and self.stage2_requests else None
+        return {"cached": self.engine_requested_tokens - self.engine_prefilled_tokens if known else None,
+                "stage2_requests": self.stage2_requests, "stage2_hits": self.stage2_hits if known else None,
+                "stage2_hit_rate": rate}
 
     def to_dict(self) -> dict[str, Any]:
         def summary(counts: list[int]) -> dict[str, float]:
@@ -90,7 +109,8 @@ class ShardStats:
             "engine_tokens": {"prompt": self.engine_prompt_tokens, "output": self.engine_output_tokens,
                               "prefilled": self.engine_prefilled_tokens,
                               "prefilled_per_sample": round(self.engine_prefilled_tokens / self.written, 1)
-                              if self.written else 0.0},
+                              if self.written else 0.0,
+                              **self.cache_stats()},
             "skipped_samples": self.skipped_samples,
         }
 
@@ -336,9 +356,13 @@ def run_plan(plan: JobPlan, cfg: GenConfig, engine: Engine, prompts: PromptSet, 
             raise error from e
         else:
             summary.finished.append(stats)
+            eng = stats["engine_tokens"]
+            rate = eng["stage2_hit_rate"]
             logger.info(
-                "shard %d done: %d written, %d skipped, %d flagged, %.2f img/s",
+                "shard %d done: %d written, %d skipped, %d flagged, %.2f img/s, %s prompt tokens prefilled per sample, "
+                "stage-2 prefix hits %s",
                 task.shard_id, stats["written"], stats["skipped_total"], stats["samples_flagged"], stats["images_per_s"] or 0,
+                eng["prefilled_per_sample"], "n/a" if rate is None else f"{100 * rate:.0f}%",
             )
     overall.close()
     return summary
@@ -346,13 +370,16 @@ def run_plan(plan: JobPlan, cfg: GenConfig, engine: Engine, prompts: PromptSet, 
 
 def format_job_summary(summary: JobSummary) -> str:
     """The table printed at the end of a run."""
-    header = f"{'shard':>7} {'in':>7} {'written':>8} {'skipped':>8} {'flagged':>8} {'retried':>8} {'T_rew tok':>10} {'T_int tok':>10} {'img/s':>8}"
+    header = (f"{'shard':>7} {'in':>7} {'written':>8} {'skipped':>8} {'flagged':>8} {'retried':>8} {'T_rew tok':>10} "
+              f"{'T_int tok':>10} {'prefill/img':>11} {'hit %':>6} {'img/s':>8}")
     lines = [header]
     for s in summary.finished:
-        tok = s["text_tokens"]
+        tok, eng = s["text_tokens"], s["engine_tokens"]
+        rate = eng.get("stage2_hit_rate")
         lines.append(
             f"{s['shard']:>7} {s['samples_in']:>7} {s['written']:>8} {s['skipped_total']:>8} {s['samples_flagged']:>8} "
-            f"{sum(s['retried'].values()):>8} {tok['rewrite']['mean']:>10} {tok['intent']['mean']:>10} {s['images_per_s'] or 0:>8.3f}"
+            f"{sum(s['retried'].values()):>8} {tok['rewrite']['mean']:>10} {tok['intent']['mean']:>10} "
+            f"{eng['prefilled_per_sample']:>11} {'-' if rate is None else f'{100 * rate:.0f}':>6} {s['images_per_s'] or 0:>8.3f}"
         )
     lines.append(f"finished {len(summary.finished)} shard(s); {len(summary.skipped_done)} already done; {len(summary.failed)} failed")
     for shard_id, err in summary.failed.items():

@@ -9,11 +9,21 @@ prompts work for Mistral-, Vicuna- or any other LLaVA chat format.
 from __future__ import annotations
 
 import hashlib
+import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from demind.errors import DemindError
+
+logger = logging.getLogger(__name__)
+
 PROMPT_ROOT = Path(__file__).resolve().parent / "prompts"
+# Older llava-hf LLaVA-NeXT chat templates end assistant turns with '<\\s>' (in the Jinja source; it
+# renders as the literal text <\s>) where '</s>' was meant: the typo would reach stage 2's prompt as
+# four characters instead of the end-of-sequence token that closes turn 1.
+_EOS_TYPO = re.compile(r"<\\{1,2}s>")
 CAPTION_FIELD = "{caption}"
 
 Conversation = list[dict[str, Any]]
@@ -88,11 +98,30 @@ def single_conversation(prompts: PromptSet, caption: str) -> Conversation:
     return [user_turn(prompts.fill(prompts.single, caption), with_image=True)]
 
 
+def repaired_chat_template(template: str) -> str:
+    """``template`` with the ``<\\s>`` typo of older llava-hf templates written as ``</s>`` (what the
+    current templates say); any other template comes back unchanged."""
+    return _EOS_TYPO.sub("</s>", template)
+
+
+_repaired_told: set[str] = set()
+
+
 def render(renderer: ChatTemplateRenderer, conversation: Conversation) -> str:
-    """The prompt string the model sees, with the generation prompt (e.g. ``ASSISTANT:``) appended."""
-    if getattr(renderer, "chat_template", None) is None:
-        raise ValueError(
+    """The prompt string the model sees, with the generation prompt (e.g. ``ASSISTANT:``) appended.
+
+    A template with the ``<\\s>`` typo is rendered repaired (:func:`repaired_chat_template`)."""
+    template = getattr(renderer, "chat_template", None)
+    if template is None:
+        raise DemindError(
             "the model's processor has no chat template; pick a chat model (e.g. llava-hf/llava-v1.6-mistral-7b-hf) "
             "or save a processor with a chat_template"
         )
-    return renderer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    kwargs = {}
+    if isinstance(template, str) and _EOS_TYPO.search(template):
+        kwargs["chat_template"] = repaired_chat_template(template)
+        if template not in _repaired_told:
+            _repaired_told.add(template)
+            logger.warning("the model's chat template ends assistant turns with the typo '<\\s>': rendered with '</s>' "
+                           "(the end-of-sequence token), as current llava-hf templates do")
+    return renderer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False, **kwargs)

@@ -49,11 +49,13 @@ def word_level_tokenizer(vocab_size: int | None = None):
     return PreTrainedTokenizerFast(
         tokenizer_object=word_level, unk_token="<unk>", pad_token="<pad>", bos_token="<s>", eos_token="</s>",
         additional_special_tokens=["<image>"],
+        # as llava-hf's Llama tokenizers: no token_type_ids, which LLaVA's generate refuses on transformers 4.x
+        model_input_names=["input_ids", "attention_mask"],
     )
 
 
-def build_tiny_llava_next(output_dir: str | Path, seed: int = 0) -> Path:
-    """Build and save a random tiny LLaVA-NeXT and its processor; returns ``output_dir``.
+def build_tiny_llava_next(output_dir: str | Path, seed: int = 0, chat_template: str = TINY_CHAT_TEMPLATE) -> Path:
+    """Build and save a random tiny LLaVA-NeXT and its processor (with ``chat_template``); returns ``output_dir``.
 
     Vision: CLIP, hidden 32, 2 layers, 16 px tiles of 8 px patches; grid pinpoints
     16x16, 16x32, 32x16. Text: Llama, hidden 32, 1 layer, word-level vocabulary.
@@ -74,14 +76,17 @@ def build_tiny_llava_next(output_dir: str | Path, seed: int = 0) -> Path:
                              image_grid_pinpoints=pinpoints, vision_feature_layer=-1, image_seq_length=4)
     torch.manual_seed(seed)
     model = LlavaNextForConditionalGeneration(config).eval()
-    return save_llava_next(model, tokenizer, output_dir, tile=16, patch_size=8, pinpoints=pinpoints)
+    return save_llava_next(model, tokenizer, output_dir, tile=16, patch_size=8, pinpoints=pinpoints,
+                           chat_template=chat_template)
 
 
 def save_llava_next(model: Any, tokenizer: Any, output_dir: str | Path, *, tile: int, patch_size: int,
-                    pinpoints: list[list[int]], **image_processor_options: Any) -> Path:
+                    pinpoints: list[list[int]], chat_template: str = TINY_CHAT_TEMPLATE,
+                    **image_processor_options: Any) -> Path:
     """Save a LLaVA-NeXT ``model`` with the processor a llava-hf folder holds (image processor for
-    ``tile``-px tiles on ``pinpoints``, ``tokenizer``, :data:`TINY_CHAT_TEMPLATE`); the model's
-    generation config stops at and pads with the tokenizer's ``</s>`` / ``<pad>``. Returns ``output_dir``."""
+    ``tile``-px tiles on ``pinpoints``, ``tokenizer``, ``chat_template``: by default
+    :data:`TINY_CHAT_TEMPLATE`, or a llava-hf model's own); the model's generation config stops at
+    and pads with the tokenizer's ``</s>`` / ``<pad>``. Returns ``output_dir``."""
     from transformers import LlavaNextImageProcessor, LlavaNextProcessor
 
     vocab = tokenizer.get_vocab()
@@ -90,7 +95,7 @@ def save_llava_next(model: Any, tokenizer: Any, output_dir: str | Path, *, tile:
     image_processor = LlavaNextImageProcessor(size={"shortest_edge": tile}, crop_size={"height": tile, "width": tile},
                                               image_grid_pinpoints=pinpoints, **image_processor_options)
     processor = LlavaNextProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=patch_size,
-                                   vision_feature_select_strategy="default", chat_template=TINY_CHAT_TEMPLATE,
+                                   vision_feature_select_strategy="default", chat_template=chat_template,
                                    num_additional_image_tokens=1)
     model.save_pretrained(output_dir)
     processor.save_pretrained(output_dir)

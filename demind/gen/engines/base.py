@@ -29,6 +29,7 @@ class GenResult:
     prompt_tokens: int  # text + image tokens of the prompt
     output_tokens: int
     prefilled_tokens: int | None = None  # prompt tokens actually computed (fewer with a prefix cache); None = all
+    cache_reported: bool = True  # False: the engine does not say what its prefix cache served (prefilled = all)
 
     def __post_init__(self) -> None:
         if self.prefilled_tokens is None:
@@ -40,6 +41,9 @@ class Engine(Protocol):
 
     name: str
     model_id: str
+    # Tokens of KV the engine's prefix cache holds (None: no prefix cache, or its size is unknown);
+    # IntentGenerator runs stage 1 and stage 2 in waves that fit it.
+    prefix_capacity_tokens: int | None
 
     @property
     def renderer(self) -> Any: ...

@@ -17,18 +17,23 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor, DynamicCache, GenerationConfig, LogitsProcessor
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from demind.gen.config import EngineConfig, SamplingConfig
 from demind.gen.engines.base import GenRequest, GenResult
+from demind.gen.memory import free_memory_bytes, kv_bytes_per_token, prefix_store_budget
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# transformers 5 renamed generate's ``past_key_values`` (argument and output field) to ``cache``; the old
+# name warns there and goes in 6.0, the new one does not exist before 5.
+CACHE_NAME = "cache" if "cache" in {f.name for f in fields(GenerateDecoderOnlyOutput)} else "past_key_values"
 
 
 class SeededRowSampler(LogitsProcessor):
@@ -80,29 +85,40 @@ class Prefix:
     ids: tuple[int, ...]
     layers: list[tuple[torch.Tensor, torch.Tensor]]
 
+    @property
+    def nbytes(self) -> int:
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.layers)
+
 
 class PrefixStore:
-    """Kept prompt KV caches by image object, oldest dropped beyond ``max_tokens`` prompt tokens."""
+    """Kept prompt KV caches by image object, oldest dropped beyond ``max_bytes`` (see demind/gen/memory.py)."""
 
-    def __init__(self, max_tokens: int):
-        self.max_tokens = max_tokens
-        self.tokens = 0
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.bytes = 0
         self.dropped = 0
         self._by_image: OrderedDict[int, Prefix] = OrderedDict()
 
     def put(self, prefix: Prefix) -> None:
-        old = self._by_image.pop(id(prefix.image), None)
-        self.tokens -= len(old.ids) if old is not None else 0
+        self._drop(self._by_image.pop(id(prefix.image), None), count=False)
         self._by_image[id(prefix.image)] = prefix
-        self.tokens += len(prefix.ids)
-        while self.tokens > self.max_tokens and len(self._by_image) > 1:
-            _, dropped = self._by_image.popitem(last=False)
-            self.tokens -= len(dropped.ids)
-            if self.dropped == 0:
-                logger.warning("prefix cache full (%d prompt tokens): the oldest stage-1 prefixes are dropped and "
-                               "prefilled again; lower engine.chunk_size or raise engine.prefix_cache_tokens",
-                               self.max_tokens)
-            self.dropped += 1
+        self.bytes += prefix.nbytes
+        while self.bytes > self.max_bytes and self._by_image:
+            # a prefix larger than the whole budget is not kept either: the budget is what memory allows
+            _, oldest = self._by_image.popitem(last=False)
+            self._drop(oldest, count=True)
+
+    def _drop(self, prefix: Prefix | None, count: bool) -> None:
+        if prefix is None:
+            return
+        self.bytes -= prefix.nbytes
+        if not count:
+            return
+        if self.dropped == 0:
+            logger.warning("prefix store full (%.2f GiB): the oldest stage-1 prefixes are dropped and prefilled "
+                           "again; raise engine.prefix_store_bytes or engine.prefix_store_fraction",
+                           self.max_bytes / 1024**3)
+        self.dropped += 1
 
     def match(self, image: Any, ids: list[int], forbidden: set[int]) -> Prefix | None:
         """The kept prefix of ``image`` if ``ids`` starts with it, leaves at least one token to
@@ -115,7 +131,7 @@ class PrefixStore:
 
     def clear(self) -> None:
         self._by_image.clear()
-        self.tokens = 0
+        self.bytes = 0
 
     def __len__(self) -> int:
         return len(self._by_image)
@@ -159,12 +175,20 @@ class TransformersEngine:
         self.eos_ids = self._eos_ids()
         image_token_id = getattr(self.processor, "image_token_id", None)
         self.suppress_ids = [image_token_id] if image_token_id is not None else []
-        self.prefixes = PrefixStore(engine_cfg.prefix_cache_tokens) if engine_cfg.prefix_cache else None
+        self.prefixes: PrefixStore | None = None
+        self.prefix_capacity_tokens: int | None = None  # KV tokens the prefix store holds (IntentGenerator's waves)
         text_config = getattr(self.model.config, "text_config", self.model.config)
-        if self.prefixes is not None and getattr(text_config, "sliding_window", None):
+        if engine_cfg.prefix_cache and getattr(text_config, "sliding_window", None):
             # A sliding-window cache keeps only the last window of keys: a prompt's full prefix is not in it.
             logger.warning("engine.prefix_cache is off for %s: its text model uses a sliding window", self.model_id)
-            self.prefixes = None
+        elif engine_cfg.prefix_cache:
+            per_token = kv_bytes_per_token(self.model.config, torch.finfo(self.dtype).bits // 8)
+            budget = prefix_store_budget(engine_cfg.prefix_store_bytes, engine_cfg.prefix_store_fraction,
+                                         None if engine_cfg.prefix_store_bytes else free_memory_bytes(self.device),
+                                         per_token, device=str(self.device))
+            self.prefixes = PrefixStore(budget.bytes)
+            self.prefix_capacity_tokens = budget.tokens
+            logger.info("%s", budget.describe())
         logger.info("transformers engine: %s on %s (%s), batch %d", self.model_id, self.device, self.dtype, self.batch_size)
 
     @property
@@ -222,7 +246,7 @@ class TransformersEngine:
         sequences = output.sequences if keep else output
         width = model_inputs["input_ids"].shape[1]
         if keep:
-            self._keep_prefixes(batch, prompt_ids, output.past_key_values, width)
+            self._keep_prefixes(batch, prompt_ids, getattr(output, CACHE_NAME), width)
         new_tokens = sequences[:, width:].cpu()
         return [
             self._result(row.tolist(), request.max_new_tokens, len(ids), n_prefilled)
@@ -263,7 +287,7 @@ class TransformersEngine:
                 values[i, :, n_prefix - v.shape[1] :] = v
             layers.append((keys, values))
         return {"input_ids": input_ids.to(self.device), "attention_mask": attention.to(self.device),
-                "past_key_values": DynamicCache(ddp_cache_data=layers)}
+                CACHE_NAME: DynamicCache(ddp_cache_data=layers)}
 
     def _keep_prefixes(self, batch: list[GenRequest], prompt_ids: list[list[int]], cache: Any, width: int) -> None:
         """Keep the prompt part of ``keep_prefix`` rows' KV cache (their own tokens, no padding)."""
