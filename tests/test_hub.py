@@ -412,3 +412,19 @@ def test_cc3m_bad_inputs_are_one_line(tmp_path, capsys):
     assert len(err) == 3 and all(line.startswith("error: ") for line in err)
     assert ".tsv or .parquet" in err[0] and "split" in err[1] and "image_url" in err[2]
     assert not (tmp_path / "x.tsv").exists()
+
+
+def test_base_model_is_the_hub_repository_open_clip_names():
+    from demind.hub.cards import base_model_id
+
+    assert base_model_id("ViT-L-14", "openai") == "timm/vit_large_patch14_clip_224.openai"
+    assert base_model_id("ViT-L-14", None) is None and base_model_id("ViT-L-14", "no-such-tag") is None
+
+
+def test_features_of_hub_shards_need_an_output_folder(capsys):
+    from demind.cli.features import main as features_main
+
+    argv = ["--config", str(REPO_ROOT / "configs/train/smoke.yaml"), f"backbone.name={TINY_CLIP}",
+            "data.shards=hf-hub:demind-test/shards"]
+    assert features_main(argv) == 2
+    assert "cache.out" in capsys.readouterr().err
