@@ -91,7 +91,8 @@ def model_index(name: str, evaluations: list[dict[str, Any]]) -> list[dict[str, 
 def _backbone_lines(meta: dict[str, Any]) -> list[str]:
     cfg, identity = meta["backbone_config"], meta["backbone_identity"]
     tag = cfg.get("pretrained")
-    lines = [f"- Frozen CLIP: `{cfg['name']}`, pretrained `{tag}` (identity `{json.dumps(identity)}`)."]
+    weights = f"pretrained `{tag}`" if tag else "random weights"
+    lines = [f"- Frozen CLIP: `{cfg['name']}`, {weights} (identity `{json.dumps(identity)}`)."]
     if tag is None:
         lines.append(f"- The backbone has random weights drawn from seed {cfg.get('seed')} (a smoke test, not a "
                      "usable retrieval model); the loader draws the same weights and checks their fingerprint.")
