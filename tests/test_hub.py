@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-from demind.checkpoint import load_backbone_and_model
+from demind.checkpoint import CheckpointError, load_backbone_and_model
 from demind.cli.cc3m_list import main as cc3m_main
 from demind.cli.publish import main as publish_main
 from demind.eval.reports import markdown_table
@@ -140,6 +140,11 @@ def test_published_folder_loads_with_the_same_query_embeddings(smoke_run, tmp_pa
     backbone, _ = load_backbone_and_model(out)
     assert backbone.cfg.name == str(out / "backbone" / "tiny-clip.json")  # the folder's own copy
     assert torch.equal(query_embeddings(out), query_embeddings(checkpoint))
+    # another backbone is refused, naming both
+    weights = tmp_path / "other-weights.pt"
+    torch.save(backbone.model.state_dict(), weights)
+    with pytest.raises(CheckpointError, match=r"trained on backbone .*'random:.*loaded backbone is .*other-weights\.pt"):
+        load_backbone_and_model(out, backbone=f"{TINY_CLIP}:{weights}")
 
 
 def test_hf_hub_reference_loads_offline_from_the_cache(smoke_run, offline_hub_cache, tmp_path):
