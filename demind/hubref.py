@@ -106,6 +106,8 @@ def snapshot_folder(ref: HubRef, repo_type: str, setting: str,
                        f"a cache that holds it") from None
     except errors.HfHubHTTPError as e:
         raise HubError(f"{where}: the Hub answered {e}") from None
+    except errors.HFValidationError as e:
+        raise HubError(f"{setting}={str(ref)!r} is not a valid repository id or revision ({e})") from None
     folder = root / ref.subfolder if ref.subfolder else root
     if not folder.is_dir():
         raise HubError(f"{where} has no folder {ref.subfolder!r}; check the path after the repository name")

@@ -373,6 +373,11 @@ def test_malformed_hub_references_name_the_setting(spec):
         parse_hub_ref(spec, "checkpoint")
 
 
+def test_a_repository_id_the_hub_refuses_is_one_error(offline_hub_cache):
+    with pytest.raises(HubError, match="checkpoint='hf-hub:org/na--me' is not a valid repository id"):
+        load_backbone_and_model("hf-hub:org/na--me")
+
+
 # --------------------------------------------------------------------------- CC3M in
 
 

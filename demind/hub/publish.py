@@ -231,6 +231,8 @@ def upload(folder: str | Path, repo: str, repo_type: str, *, private: bool = Fal
     except errors.HfHubHTTPError as e:
         raise HubError(f"the Hub refused the upload to {repo_type} repository {repo} ({e}); log in with "
                        "`hf auth login` or set HF_TOKEN to a token that can write to it") from None
+    except errors.HFValidationError as e:
+        raise HubError(f"--repo {repo!r} is not a valid repository id ({e}); give ORG/NAME") from None
     return str(url)
 
 
