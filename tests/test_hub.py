@@ -21,7 +21,7 @@ from demind.cli.cc3m_list import main as cc3m_main
 from demind.cli.publish import main as publish_main
 from demind.eval.reports import markdown_table
 from demind.hub.cards import read_front_matter
-from demind.hub.publish import CARD_MARKER, PublishError, publish_checkpoint, CardOptions
+from demind.hub.publish import CARD_MARKER, CardOptions, PublishError, publish_checkpoint
 from demind.hubref import HubError, HubRef, parse_hub_ref
 from demind.shard_format import INTENT_MEMBERS, resolve_shards
 from demind.synthetic import write_synthetic_shards

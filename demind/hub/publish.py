@@ -28,7 +28,7 @@ from demind.backbone import BackboneConfig
 from demind.checkpoint import BACKBONE_DIR, CHECKPOINT_FILE, read_checked_tensors, read_checkpoint_metadata
 from demind.errors import DemindError
 from demind.hub.cards import dataset_card, model_card, results_problem
-from demind.hubref import HUB_PREFIX, HubError, import_hub
+from demind.hubref import HubError, import_hub, is_hub_ref, parse_hub_ref
 from demind.identity import backbone_identity
 from demind.io import atomic_path, write_json_atomic, write_text_atomic
 from demind.shard_format import HUB_SHARD_FILES, SHARD_SUFFIX, ShardOutput, stats_path
@@ -166,8 +166,8 @@ def publish_checkpoint(checkpoint: str | Path, out: str | Path, card: CardOption
         copied.append((rel, res))
     datasets = list(card.datasets)
     shards = str((training or {}).get("data", {}).get("shards", ""))
-    if shards.startswith(HUB_PREFIX):
-        datasets.append(shards[len(HUB_PREFIX):].split("@")[0])
+    if is_hub_ref(shards):
+        datasets.append(parse_hub_ref(shards, "data.shards").repo_id)
     write_json_atomic(out / CONFIG_FILE, {
         "library_name": "demind", "format": meta["format"], "checkpoint": CHECKPOINT_FILE,
         "tensors_sha256": meta.get("tensors_sha256"), "model_config": meta["model_config"],
