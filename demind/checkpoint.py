@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from demind.backbone import BackboneConfig, FrozenCLIP, build_backbone, parse_backbone_spec, same_backbone
 from demind.config import ConfigError, from_dict, to_dict
 from demind.errors import DemindError
+from demind.hubref import is_hub_ref, resolve_hub_folder
 from demind.model import DeMinds, ModelConfig
 from demind.io import atomic_path
 from demind.tensor_files import read_format_metadata, tensors_sha256  # noqa: F401 (tensors_sha256 re-exported)
@@ -28,6 +30,12 @@ logger = logging.getLogger(__name__)
 
 FORMAT = "demind-checkpoint/1"
 CHECKSUM_KEY = "tensors_sha256"
+
+# A published folder (what ``demind-publish`` writes, locally or on the Hub) holds the checkpoint
+# under this name, and a copy of the backbone's model-config JSON (when the backbone is one)
+# under BACKBONE_DIR, so the folder is complete on any machine.
+CHECKPOINT_FILE = "demind.safetensors"
+BACKBONE_DIR = "backbone"
 
 
 class CheckpointError(DemindError, ValueError):
@@ -110,6 +118,44 @@ def load_checkpoint(path: str | Path, backbone: FrozenCLIP) -> DeMinds:
     return model.to(backbone.device).eval()
 
 
+@dataclass(frozen=True)
+class CheckpointSource:
+    """Where a checkpoint was found: the file, and the published folder it lies in (or None)."""
+
+    file: Path
+    folder: Path | None = None
+
+
+def resolve_checkpoint(spec: str | Path) -> CheckpointSource:
+    """A checkpoint file, a published folder, or ``hf-hub:ORG/NAME[@REVISION]`` -> its file.
+
+    A Hub reference is fetched (or read from the Hugging Face cache) with
+    :func:`demind.hubref.resolve_hub_folder`; a folder must hold :data:`CHECKPOINT_FILE`.
+    """
+    if is_hub_ref(spec):
+        folder = resolve_hub_folder(str(spec), "model", "checkpoint")
+    elif Path(spec).is_dir():
+        folder = Path(spec)
+    else:
+        return CheckpointSource(Path(spec))
+    file = folder / CHECKPOINT_FILE
+    if not file.is_file():
+        raise CheckpointError(f"checkpoint {spec} is a folder without {CHECKPOINT_FILE}; give the .safetensors "
+                              f"file, or a folder written by demind-publish")
+    return CheckpointSource(file, folder)
+
+
+def source_backbone_config(source: CheckpointSource) -> BackboneConfig:
+    """The backbone config the checkpoint records; a published folder's copy of the model-config
+    JSON replaces the recorded path (its identity is by content, so the checks are unchanged)."""
+    cfg = checkpoint_backbone_config(source.file)
+    if source.folder is not None and cfg.name.endswith(".json"):
+        copy = source.folder / BACKBONE_DIR / Path(cfg.name).name
+        if copy.is_file():
+            cfg.name = str(copy)
+    return cfg
+
+
 def load_backbone_and_model(
     checkpoint: str | Path | None = None,
     backbone: str | FrozenCLIP | None = None,
@@ -119,7 +165,9 @@ def load_backbone_and_model(
 ) -> tuple[FrozenCLIP, DeMinds | None]:
     """The one place a backbone and a trained model are loaded for use (evaluation, the quickstart).
 
-    checkpoint: a De-MINDS checkpoint (.safetensors), or None for the backbone-only methods.
+    checkpoint: a De-MINDS checkpoint (.safetensors), a folder written by ``demind-publish``,
+        ``hf-hub:ORG/NAME[@REVISION]`` (:func:`resolve_checkpoint`), or None for the
+        backbone-only methods.
     backbone: a loaded FrozenCLIP, a ``NAME:TAG_OR_PATH`` spec (see
         :func:`demind.backbone.parse_backbone_spec`), or None to rebuild the backbone the
         checkpoint records.  With a checkpoint, it must be the backbone the checkpoint was
@@ -130,13 +178,14 @@ def load_backbone_and_model(
     if checkpoint is None and backbone is None:
         raise ConfigError("give a checkpoint (--checkpoint CKPT), or a backbone (--backbone NAME:TAG_OR_PATH) "
                           "for the backbone-only methods")
+    source = resolve_checkpoint(checkpoint) if checkpoint is not None else None
     if not isinstance(backbone, FrozenCLIP):
         if backbone is not None:
             cfg = parse_backbone_spec(backbone, precision)
         else:
-            cfg = checkpoint_backbone_config(checkpoint)
+            cfg = source_backbone_config(source)
             cfg.precision = precision
             cfg.grad_checkpointing = False  # loaded for inference: no gradients
         backbone = build_backbone(cfg, device=device)
-    model = load_checkpoint(checkpoint, backbone) if checkpoint is not None else None
+    model = load_checkpoint(source.file, backbone) if source is not None else None
     return backbone, model

@@ -38,6 +38,18 @@ JSON_FIELD = "json"
 SHARD_SUFFIX = ".tar"
 STATS_SUFFIX = "_stats.json"
 SHARD_ID_DIGITS = 5
+HUB_SHARD_FILES = ["*" + SHARD_SUFFIX, "*" + STATS_SUFFIX, "README.md"]
+"""What is fetched of a shard repository on the Hub (not a feature cache uploaded beside it)."""
+
+INTENT_MEMBERS = (
+    ("KEY.jpg", "the image, encoded bytes (or `.jpeg`, `.png`, `.webp`), unchanged from the input shard"),
+    ("KEY.txt", "T_ori, the original caption (UTF-8)"),
+    ("KEY.rew.txt", "T_rew, the rewritten caption (one line; empty in the single-prompt ablation)"),
+    ("KEY.int.txt", "T_int, the pseudo-manipulation description (one line)"),
+    ("KEY.json", "the input metadata object plus a `generation` record (engine, model, prompt version, "
+                 "sampling, flags)"),
+)
+"""The members of an intent-shard sample and what they hold (shards/README.md's table; dataset cards)."""
 
 
 class ShardListError(DemindError, FileNotFoundError):
@@ -86,15 +98,21 @@ def resolve_shards(spec: str, setting: str = "data.shards") -> list[str]:
     """Expand a folder or brace pattern (several joined by ``::``) into the sorted shard paths.
 
     A folder gives its ``*.tar`` files (``*.tar.tmp`` files of unfinished writes do not
-    match).  Raises :class:`ShardListError` naming ``setting``, the spec and the first
-    missing path when a local shard of the pattern does not exist, or when nothing matches.
+    match); ``hf-hub:ORG/NAME[/SUBFOLDER][@REVISION]`` is a dataset repository of shards, read
+    through the Hugging Face cache (:func:`demind.hubref.resolve_hub_folder`) as that folder.
+    Raises :class:`ShardListError` naming ``setting``, the spec and the first missing path when
+    a local shard of the pattern does not exist, or when nothing matches.
     URLs (``scheme://``) are passed through unchecked.
     """
     from webdataset.shardlists import expand_urls
 
+    from demind.hubref import is_hub_ref, resolve_hub_folder
+
     if not spec:
         raise ShardListError(f"{setting} is empty; set it to a folder of .tar shards or a brace pattern")
     path = Path(spec)
+    if is_hub_ref(spec):
+        path = resolve_hub_folder(spec, "dataset", setting, allow_patterns=HUB_SHARD_FILES)
     if path.is_dir():
         shards = sorted(str(p) for p in path.glob("*" + SHARD_SUFFIX))
     else:

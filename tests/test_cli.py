@@ -17,7 +17,7 @@ from demind.cli import train as train_cli
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = ("train", "features", "evaluate", "generate", "make_shards", "make_tiny_model", "index", "search",
-            "serve")
+            "serve", "publish", "cc3m_list")
 # the command modules outside demind/cli (the toy world's quickstart lives in its own package)
 COMMAND_MODULES = {**{c: f"demind.cli.{c}" for c in COMMANDS}, "quickstart": "toyworld.cli.quickstart", "toy_clip": "toyworld.cli.toy_clip"}
 SHIMS = {"train.py": "train", "data_gen/run.py": "generate", "data_gen/make_shards.py": "make_shards",
@@ -89,7 +89,8 @@ def test_console_scripts_point_at_the_command_mains():
     assert set(scripts) == {"demind-train", "demind-features", "demind-eval", "demind-generate",
                             "demind-make-shards", "demind-quickstart", "demind-toy-clip", "demind-index", "demind-search",
                             "demind-serve", "demind-build-exclcoco",
-                            "demind-train-exclmm", "demind-negation-report"}
+                            "demind-train-exclmm", "demind-negation-report", "demind-publish",
+                            "demind-cc3m-list"}
 
 
 # --------------------------------------------------------------------------- the config front end

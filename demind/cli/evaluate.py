@@ -27,7 +27,8 @@ class EvalConfig:
     benchmark: str | None = setting(None, choices=BENCHMARKS, help="which benchmark (required)")
     data_root: str | None = setting(None, help="the benchmark's folder in its official layout (required)")
     out: str | None = setting(None, help="output folder (required)")
-    checkpoint: str | None = setting(None, help="De-MINDS checkpoint (.safetensors); its backbone is rebuilt from it")
+    checkpoint: str | None = setting(None, help="De-MINDS checkpoint (.safetensors, a demind-publish folder, or "
+                                               "hf-hub:ORG/NAME[@REVISION]); its backbone is rebuilt from it")
     exclmm: str | None = setting(None, help="trained ExclMM export (exclmm.safetensors) for the exclmm method")
     split: str = setting("val", help="val, or test (CIRR test1, CIRCO test)")
     methods: str | None = setting(None, help=f"comma-separated subset of {','.join(METHODS)}, or a negation-aware "

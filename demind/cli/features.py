@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from demind.cli.common import Flag, config_parser, run_config_command
 from demind.config import resolve_device, setting
+from demind.features import features_off
 from demind.training.config import TrainConfig
 
 
@@ -32,6 +33,15 @@ class FeaturesConfig(TrainConfig):
     """A train recipe (its backbone, data and run sections are used) plus where the cache goes."""
 
     cache: CacheOutput = field(default_factory=CacheOutput)
+
+    def config_problems(self) -> list[tuple[str, str]]:
+        problems = super().config_problems()
+        if (str(self.data.shards).startswith("hf-hub:") and self.cache.out is None
+                and (features_off(self.data.features) or self.data.features == "auto")):
+            # the default folder lies beside the shards, here inside the Hugging Face cache
+            problems.append(("cache.out", f"is required with data.shards={self.data.shards}: give --out DIR and "
+                                          "train with data.features=DIR"))
+        return problems
 
 
 FLAGS = {"--out": Flag("cache.out"), "--plot": Flag("cache.plot")}

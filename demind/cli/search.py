@@ -46,7 +46,8 @@ class BackboneChoice:
 class ModelOptions:
     """What the search commands load: a checkpoint (its backbone rebuilt) or a backbone alone."""
 
-    checkpoint: str | None = setting(None, help="De-MINDS checkpoint (.safetensors); its backbone is rebuilt from it")
+    checkpoint: str | None = setting(None, help="De-MINDS checkpoint (.safetensors, a demind-publish folder, or "
+                                               "hf-hub:ORG/NAME[@REVISION]); its backbone is rebuilt from it")
     backbone: BackboneChoice = field(default_factory=BackboneChoice)
     run: RunOptions = field(default_factory=RunOptions)
 

@@ -1,0 +1,240 @@
+"""``demind-publish``'s work: a checkpoint's Hub-layout folder, a shard folder's dataset card, the upload.
+
+A published checkpoint folder (what ``--checkpoint FOLDER`` and ``hf-hub:ORG/NAME`` read)::
+
+    demind.safetensors        the checkpoint, byte for byte (its tensors' sha256 checked first)
+    config.json               format, model config, backbone config and identity, file list
+    README.md                 the model card (demind.hub.cards.model_card)
+    backbone/NAME.json        the backbone's open_clip model-config JSON, when the backbone is one
+    training_config.yaml      the run's resolved training config, when the run folder has one
+    results/BENCH-SPLIT.json  each results.json of demind-eval that evaluated this checkpoint
+
+Intent shards are published where they lie: the dataset card is written as the shard folder's
+``README.md`` and the folder is uploaded with only its ``*.tar``, ``*_stats.json`` and card.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from demind.backbone import BackboneConfig
+from demind.checkpoint import BACKBONE_DIR, CHECKPOINT_FILE, read_checked_tensors, read_checkpoint_metadata
+from demind.errors import DemindError
+from demind.hub.cards import dataset_card, model_card, results_problem
+from demind.hubref import HubError, import_hub, is_hub_ref, parse_hub_ref
+from demind.identity import backbone_identity
+from demind.io import atomic_path, write_json_atomic, write_text_atomic
+from demind.shard_format import HUB_SHARD_FILES, SHARD_SUFFIX, ShardOutput, stats_path
+
+logger = logging.getLogger(__name__)
+
+CARD_FILE = "README.md"
+CONFIG_FILE = "config.json"
+TRAINING_CONFIG_FILE = "training_config.yaml"
+RESULTS_DIR = "results"
+CARD_MARKER = "<!-- written by demind-publish -->"
+"""Ends every card we write: a README.md without it is the user's and is never overwritten."""
+
+
+class PublishError(DemindError, ValueError):
+    """Something to publish that cannot be published as asked (the message says what to do)."""
+
+
+@dataclass
+class CardOptions:
+    """What a card says beyond the data: Hub repository, licence, extra tags, training datasets."""
+
+    repo: str | None = None
+    license: str = "apache-2.0"
+    tags: list[str] = field(default_factory=list)
+    datasets: list[str] = field(default_factory=list)
+
+    def title(self, fallback: str) -> str:
+        return self.repo.split("/", 1)[1] if self.repo else fallback
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def find_run_results(checkpoint: Path) -> list[Path]:
+    """Every ``results.json`` under the checkpoint's run folder (``demind-eval --out RUN/eval/...``)."""
+    return sorted(checkpoint.parent.rglob("results.json"))
+
+
+def checkpoint_evaluations(checkpoint: Path, meta: dict[str, Any], results: list[str] | None
+                           ) -> list[tuple[Path, dict[str, Any]]]:
+    """The evaluations of this checkpoint: the ``results`` files given (each must be one), else the
+    run folder's ``results.json`` files that are (the others are skipped with a log line)."""
+    explicit = results is not None
+    found = [Path(p) for p in results] if explicit else find_run_results(checkpoint)
+    kept = []
+    for path in found:
+        try:
+            parsed = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            if explicit:
+                raise PublishError(f"results {path} cannot be read ({e}); give the results.json demind-eval wrote")
+            logger.info("skipping %s: unreadable (%s)", path, e)
+            continue
+        problem = results_problem(parsed, meta)
+        if problem and explicit:
+            raise PublishError(f"results {path} does not evaluate checkpoint {checkpoint}: {problem}; "
+                               "give a results.json that demind-eval wrote for this checkpoint")
+        if problem:
+            logger.info("skipping %s: %s", path, problem)
+            continue
+        kept.append((path, parsed))
+    return kept
+
+
+def _prepare_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise PublishError(f"output folder {out} is not empty; give an empty or new --out, or --overwrite "
+                               "to replace a folder demind-publish wrote")
+        if (out / CARD_FILE).is_file() and CARD_MARKER not in (out / CARD_FILE).read_text(encoding="utf-8"):
+            raise PublishError(f"--overwrite refused: {out / CARD_FILE} was not written by demind-publish; "
+                               "choose another --out")
+        shutil.rmtree(out / RESULTS_DIR, ignore_errors=True)  # results of an earlier publish may be stale
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def _copy_file(src: Path, dest: Path) -> None:
+    with atomic_path(dest) as tmp:
+        shutil.copyfile(src, tmp)
+
+
+def _copy_backbone_config(backbone_config: dict[str, Any], identity: dict[str, Any], out: Path) -> str | None:
+    """Copy the backbone's model-config JSON into ``out/backbone/`` after checking it is the one the
+    checkpoint records (identity ``STEM@SHA256[:12]``). Returns its path in the folder, or None."""
+    name = backbone_config["name"]
+    if not name.endswith(".json"):
+        return None
+    src = Path(name)
+    if not src.is_file():
+        raise PublishError(f"the checkpoint's backbone is the model config {name}, which is not on this disk; "
+                           "publish from where it is, since the folder must carry it")
+    now = backbone_identity(BackboneConfig(name=name, pretrained=None))["name"]
+    if identity.get("name") != now:
+        raise PublishError(f"the backbone model config {name} changed since training (its content is {now}, the "
+                           f"checkpoint records {identity.get('name')}); restore the file the run used")
+    rel = f"{BACKBONE_DIR}/{src.name}"
+    _copy_file(src, out / rel)
+    return rel
+
+
+def _results_name(res: dict[str, Any], taken: set[str]) -> str:
+    base = f"{res['benchmark']}-{res['split']}"
+    name, n = f"{base}.json", 2
+    while name in taken:
+        name, n = f"{base}-{n}.json", n + 1
+    taken.add(name)
+    return name
+
+
+def publish_checkpoint(checkpoint: str | Path, out: str | Path, card: CardOptions,
+                       results: list[str] | None = None, overwrite: bool = False) -> Path:
+    """Write the Hub-layout folder of ``checkpoint`` into ``out`` (layout in the module docstring).
+
+    results: results.json files to put in the card (each must evaluate this checkpoint); None
+    finds them under the checkpoint's run folder. Returns ``out``.
+    """
+    checkpoint, out = Path(checkpoint), Path(out)
+    meta = read_checkpoint_metadata(checkpoint)
+    read_checked_tensors(checkpoint)  # sha256 and finite check before anything is published
+    evaluations = checkpoint_evaluations(checkpoint, meta, results)
+    _prepare_out(out, overwrite)
+    _copy_file(checkpoint, out / CHECKPOINT_FILE)
+    backbone_file = _copy_backbone_config(meta["backbone_config"], meta["backbone_identity"], out)
+    training = None
+    run_config = checkpoint.parent / "config.yaml"
+    if run_config.is_file():
+        _copy_file(run_config, out / TRAINING_CONFIG_FILE)
+        training = yaml.safe_load(run_config.read_text(encoding="utf-8"))
+    taken: set[str] = set()
+    copied = []
+    for path, res in evaluations:
+        rel = f"{RESULTS_DIR}/{_results_name(res, taken)}"
+        _copy_file(path, out / rel)
+        copied.append((rel, res))
+    datasets = list(card.datasets)
+    shards = str((training or {}).get("data", {}).get("shards", ""))
+    if is_hub_ref(shards):
+        datasets.append(parse_hub_ref(shards, "data.shards").repo_id)
+    write_json_atomic(out / CONFIG_FILE, {
+        "library_name": "demind", "format": meta["format"], "checkpoint": CHECKPOINT_FILE,
+        "tensors_sha256": meta.get("tensors_sha256"), "model_config": meta["model_config"],
+        "backbone_config": meta["backbone_config"], "backbone_identity": meta["backbone_identity"],
+        "backbone_model_config": backbone_file, "results": [rel for rel, _ in copied],
+        "training_config": TRAINING_CONFIG_FILE if training is not None else None}, indent=2)
+    text = model_card(meta, copied, name=card.title(out.name), repo=card.repo, license=card.license,
+                      tags=card.tags, datasets=list(dict.fromkeys(datasets)), training=training)
+    write_text_atomic(out / CARD_FILE, text + "\n" + CARD_MARKER + "\n")
+    logger.info("published folder %s: checkpoint, card, %d evaluation(s)", out, len(copied))
+    return out
+
+
+# --------------------------------------------------------------------------- intent shards
+
+
+def shard_stats(shards: str | Path) -> list[dict[str, Any]]:
+    """The ``_stats.json`` of every shard in the folder; a shard without one is unfinished: an error."""
+    folder = Path(shards)
+    tars = sorted(folder.glob("*" + SHARD_SUFFIX)) if folder.is_dir() else []
+    if not tars:
+        raise PublishError(f"--shards {folder} holds no .tar shards; give the folder data_gen wrote")
+    missing = [t for t in tars if not stats_path(t).is_file()]
+    if missing:
+        raise PublishError(f"{len(missing)} shard(s) in {folder} have no _stats.json (unfinished), e.g. "
+                           f"{missing[0].name}; finish the generation run (rerun it) before publishing")
+    stats = [ShardOutput.of(t).load_stats() for t in tars]
+    bad = [t for t, s in zip(tars, stats) if s is None]
+    if bad:
+        raise PublishError(f"{stats_path(bad[0])} cannot be read; rerun the generation of that shard")
+    return stats
+
+
+def write_dataset_card(shards: str | Path, out: str | Path, card: CardOptions) -> Path:
+    """Write the dataset card of the shards in ``shards`` to ``out/README.md`` (never over a README.md
+    that demind-publish did not write). Returns the card's path."""
+    target = Path(out) / CARD_FILE
+    if target.is_file() and CARD_MARKER not in target.read_text(encoding="utf-8"):
+        raise PublishError(f"{target} exists and was not written by demind-publish; move it away first")
+    text = dataset_card(shard_stats(shards), name=card.title(Path(shards).resolve().name), repo=card.repo,
+                        license=card.license, tags=card.tags)
+    return write_text_atomic(target, text + "\n" + CARD_MARKER + "\n")
+
+
+# --------------------------------------------------------------------------- upload
+
+
+def upload(folder: str | Path, repo: str, repo_type: str, *, private: bool = False,
+           allow_patterns: list[str] | None = None, message: str = "Publish with demind-publish") -> str:
+    """Create ``repo`` if needed and upload ``folder`` in one ``upload_folder`` commit; returns the URL.
+
+    The token comes from where huggingface_hub looks (``HF_TOKEN``, ``hf auth login``)."""
+    hub = import_hub()
+    from huggingface_hub import errors
+
+    api = hub.HfApi()
+    try:
+        url = api.create_repo(repo, repo_type=repo_type, private=private, exist_ok=True)
+        api.upload_folder(repo_id=repo, folder_path=str(folder), repo_type=repo_type,
+                          allow_patterns=allow_patterns, commit_message=message)
+    except errors.HfHubHTTPError as e:
+        raise HubError(f"the Hub refused the upload to {repo_type} repository {repo} ({e}); log in with "
+                       "`hf auth login` or set HF_TOKEN to a token that can write to it") from None
+    except errors.HFValidationError as e:
+        raise HubError(f"--repo {repo!r} is not a valid repository id ({e}); give ORG/NAME") from None
+    return str(url)
+
+
+SHARD_UPLOAD_FILES = HUB_SHARD_FILES
+"""What a shard folder's upload sends: the tars, their stats and the card (no .tmp, no feature cache)."""
