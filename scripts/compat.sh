@@ -56,5 +56,5 @@ print(", ".join(f"{p} {version(p)}" for p in ("torch", "open_clip_torch", "trans
 EOF
 )"
 exec "$PY" -m pytest -q -p no:cacheprovider \
-    tests/test_backbone.py tests/test_checkpoint.py tests/test_features.py tests/test_shard_format.py \
+    tests/test_backbone.py tests/test_clip_loading.py tests/test_checkpoint.py tests/test_features.py tests/test_shard_format.py \
     tests/test_data_gen.py tests/test_train.py "$@"
