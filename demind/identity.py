@@ -127,7 +127,9 @@ def canonical_identity(identity: dict[str, str | None]) -> dict[str, str | None]
     Records written before the activation was recorded have none: they read as the activation
     their name and tag imply (:func:`implied_activation`). That is what the tag's weights were
     trained with and what this version builds, so checkpoints and caches of those versions keep
-    loading; a record that *says* another activation is refused.
+    loading; a record that *says* another activation is refused. (Earlier versions on open_clip
+    >= 2.29 built GELU for QuickGELU tags; an old record cannot say which it ran, and refusing
+    them all would also refuse those made on older open_clip, which were right.)
     """
     out = dict(identity)
     match = _OLD_FILE_IDENTITY.match(str(out.get("pretrained") or ""))

@@ -16,6 +16,7 @@ import open_clip.pretrained
 import pytest
 import torch
 import torch.nn as nn
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from demind.backbone import BackboneConfig, FrozenCLIP, backbone_activation
@@ -85,6 +86,24 @@ def test_a_quickgelu_tag_loads_with_quickgelu_in_both_towers(tiny_tags, recwarn)
     assert torch.equal(backbone.model.token_embedding.weight, expected["token_embedding.weight"])
 
 
+def test_every_entry_point_gets_the_tags_activation(tiny_tags):
+    """Features and training (build_backbone), evaluation and search (load_backbone_and_model with a
+    NAME:TAG spec) and the generation-time fidelity stage all build the backbone the same way."""
+    from demind.backbone import build_backbone
+    from demind.checkpoint import load_backbone_and_model
+    from demind.gen.config import QualityConfig
+    from demind.gen.fidelity_stage import FidelityScorer
+
+    name = tiny_tags[0]
+    built = [
+        build_backbone(BackboneConfig(name=name, pretrained=QUICK_TAG)),
+        load_backbone_and_model(None, f"{name}:{QUICK_TAG}")[0],
+        FidelityScorer.from_config(QualityConfig(fidelity_clip=name, fidelity_pretrained=QUICK_TAG)).backbone,
+    ]
+    for backbone in built:
+        assert tower_activations(backbone.model.visual) == tower_activations(backbone.model.transformer) == {"QuickGELU"}
+
+
 def test_a_gelu_tag_and_random_init_keep_gelu(tiny_tags):
     name = tiny_tags[0]
     for pretrained in (GELU_TAG, None):
@@ -132,8 +151,6 @@ def test_a_checkpoint_of_the_other_activation_is_refused_naming_both(tiny_backbo
     load_checkpoint(path, tiny_backbone)  # its own activation loads
     identity = dict(tiny_backbone.identity, activation="quick_gelu")
     state = load_file(str(path))
-    from safetensors import safe_open
-
     with safe_open(str(path), "pt") as f:
         metadata = dict(f.metadata())
     metadata["backbone_identity"] = json.dumps(identity)
