@@ -25,9 +25,11 @@ from demind.config import ConfigError, setting, validate
 from demind.plugins import require_timm_model
 # identity and text-tower helpers live in their own modules; also importable from here, where callers found them
 from demind.identity import (  # noqa: F401
-    backbone_identity, canonical_identity, file_sha256, identity_slug, same_backbone)
+    backbone_identity, canonical_identity, config_activation, file_sha256, identity_slug, same_backbone,
+    tag_activation)
 from demind.text_tower import (  # noqa: F401
-    length_buckets, run_text_transformer, text_layers, truncate_keeping_placeholders)
+    UnsupportedTextTowerError, check_built_text_tower, check_text_tower, length_buckets, run_text_transformer,
+    text_layers, truncate_keeping_placeholders)
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +129,30 @@ def text_width(cfg: BackboneConfig) -> int | None:
         return None
 
 
+def backbone_activation(model_name: str, model_cfg: dict | None, pretrained: str | None) -> str:
+    """``quick_gelu`` or ``gelu``: the pretrained tag's own activation, else the model config's.
+
+    open_clip (from 2.29) builds the model config's activation whatever the tag was trained
+    with and only warns: ``ViT-L-14`` + ``openai`` would run OpenAI's QuickGELU weights
+    through GELU. The tag decides; a tag trained with GELU on a ``-quickgelu`` config is refused.
+    """
+    configured = config_activation(model_cfg)
+    wanted = tag_activation(model_name, pretrained) or configured
+    if wanted == "gelu" and configured == "quick_gelu":
+        raise ConfigError(
+            f"backbone {model_name} with pretrained {pretrained}: the weights were trained with GELU but the "
+            f"model config builds QuickGELU; use the model name without '-quickgelu'")
+    return wanted
+
+
+def check_built_activation(model: nn.Module, activation: str, cfg: BackboneConfig) -> None:
+    """The built towers run ``activation`` (open_clip's ``QuickGELU`` modules present or absent)."""
+    quick = any(type(m).__name__ == "QuickGELU" for m in model.modules())
+    if quick != (activation == "quick_gelu"):
+        raise RuntimeError(f"open_clip {open_clip.__version__} built {cfg.name}:{cfg.pretrained} with "
+                           f"{'QuickGELU' if quick else 'GELU'}, but {activation} was asked for")
+
+
 class FrozenCLIP(nn.Module):
     """An open_clip CLIP whose weights are frozen and which always stays in eval mode.
 
@@ -144,6 +170,9 @@ class FrozenCLIP(nn.Module):
                 f"backbone checkpoint {cfg.pretrained} does not exist; give an existing file or an open_clip "
                 f"pretrained tag (see open_clip.list_pretrained_tags_by_model({model_name!r}))"
             )
+        model_cfg = open_clip.get_model_config(model_name)
+        check_text_tower(model_cfg, cfg.name)  # before any weights are built or downloaded
+        self.activation = backbone_activation(model_name, model_cfg, cfg.pretrained)
         with contextlib.ExitStack() as stack:
             if not cfg.pretrained:
                 # A random draw from backbone.seed alone (the CPU generator is restored after),
@@ -152,13 +181,11 @@ class FrozenCLIP(nn.Module):
                 stack.enter_context(quiet_random_init_notice())
                 torch.manual_seed(cfg.seed)
             model, _, preprocess = open_clip.create_model_and_transforms(
-                model_name, pretrained=cfg.pretrained, precision=cfg.precision, device=device
+                model_name, pretrained=cfg.pretrained, precision=cfg.precision, device=device,
+                force_quick_gelu=self.activation == "quick_gelu",
             )
-        if not hasattr(model, "token_embedding") or not hasattr(model, "transformer"):
-            raise ValueError(
-                f"backbone {cfg.name} has no built-in CLIP text transformer (e.g. an HF text tower); "
-                "pseudo-word tokens need direct access to token embeddings"
-            )
+        check_built_text_tower(model, cfg.name)
+        check_built_activation(model, self.activation, cfg)
         model.set_grad_checkpointing(cfg.grad_checkpointing)
         self.model = model.requires_grad_(False).eval()
         self.preprocess: Callable = preprocess
@@ -174,7 +201,7 @@ class FrozenCLIP(nn.Module):
         # for a compiled / CUDA-graph path (fixed lengths bound the number of captured graphs).
         self.text_layers: Callable = text_layers
         self.length_multiple = 1
-        self.identity = backbone_identity(cfg, self.model)
+        self.identity = backbone_identity(cfg, self.model, self.activation)
         self.identity_str = identity_slug(self.identity)
         self.embed_dim: int = self._infer_embed_dim()
         self.width: int = model.token_embedding.weight.shape[1]

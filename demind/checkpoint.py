@@ -19,6 +19,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from demind.backbone import BackboneConfig, FrozenCLIP, build_backbone, parse_backbone_spec, same_backbone
+from demind.identity import identity_difference
 from demind.config import ConfigError, from_dict, to_dict
 from demind.errors import DemindError
 from demind.hubref import is_hub_ref, resolve_hub_folder
@@ -111,7 +112,8 @@ def load_checkpoint(path: str | Path, backbone: FrozenCLIP) -> DeMinds:
         raise CheckpointError(
             f"checkpoint {path} was trained on backbone {meta['backbone_identity']}, "
             f"but the loaded backbone is {backbone.identity} ({backbone.cfg.name}, pretrained "
-            f"{backbone.cfg.pretrained}, seed {backbone.cfg.seed}); load the backbone it was trained on"
+            f"{backbone.cfg.pretrained}, seed {backbone.cfg.seed}; differs in "
+            f"{identity_difference(meta['backbone_identity'], backbone.identity)}); load the backbone it was trained on"
         )
     model = DeMinds(from_dict(ModelConfig, meta["model_config"]), backbone)
     model.load_state_dict(read_checked_tensors(path))

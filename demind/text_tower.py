@@ -2,14 +2,65 @@
 
 :class:`demind.backbone.FrozenCLIP` embeds tokens (some replaced by pseudo-word vectors) and
 runs them through these functions; they read the open_clip model and hold no state.
+:func:`check_text_tower` refuses, at load, the text towers these functions cannot serve.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+
+from demind.errors import DemindError
+
+NEEDS = ("pseudo-word tokens need CLIP's own text transformer: end-of-text (argmax) pooling, a causal "
+         "mask and CLIP's BPE tokenizer; use a CLIP / OpenCLIP / EVA-CLIP / MetaCLIP model with that text tower")
+
+
+class UnsupportedTextTowerError(DemindError, ValueError):
+    """A backbone whose text tower the pseudo-word path cannot run (named, with the reason)."""
+
+
+def text_tower_problem(model_cfg: dict[str, Any]) -> str | None:
+    """Why an open_clip model config's text tower cannot take pseudo-word tokens, or None.
+
+    Read from the config, before any weights are built or downloaded. The pseudo-word path
+    embeds tokens itself (CLIP's BPE ids, so ``*`` is one token), cuts padding after the
+    end-of-text token (exact only under a causal mask) and pools there (argmax pooling).
+    """
+    text = model_cfg.get("text_cfg", {}) or {}
+    if "hf_model_name" in text or model_cfg.get("custom_text"):
+        return f"its text tower is not CLIP's text transformer ({text.get('hf_model_name', 'custom_text')})"
+    if "hf_tokenizer_name" in text:
+        return f"it uses the Hugging Face tokenizer {text['hf_tokenizer_name']}, not CLIP's BPE tokenizer"
+    if text.get("pool_type", "argmax") != "argmax":
+        return f"its text tower pools with pool_type {text['pool_type']!r}, not at the end-of-text token (argmax)"
+    if text.get("no_causal_mask") or text.get("embed_cls"):
+        return "its text tower has no causal mask" if text.get("no_causal_mask") else "its text tower pools a class token"
+    return None
+
+
+def check_text_tower(model_cfg: dict[str, Any] | None, name: str) -> None:
+    """Raise :class:`UnsupportedTextTowerError` naming ``name`` when its text tower cannot serve."""
+    problem = text_tower_problem(model_cfg or {})
+    if problem:
+        raise UnsupportedTextTowerError(f"backbone {name} is not supported: {problem}; {NEEDS}")
+
+
+def check_built_text_tower(model: nn.Module, name: str) -> None:
+    """The same refusal on a built open_clip model (a config may reach open_clip another way)."""
+    if not hasattr(model, "token_embedding") or not hasattr(model, "transformer"):
+        raise UnsupportedTextTowerError(f"backbone {name} is not supported: it has no built-in CLIP text "
+                                        f"transformer; {NEEDS}")
+    pool = getattr(model, "text_pool_type", "argmax")
+    if pool != "argmax" or model.attn_mask is None:
+        reason = f"pool_type {pool!r}" if pool != "argmax" else "no causal mask"
+        raise UnsupportedTextTowerError(f"backbone {name} is not supported: its text tower has {reason}; {NEEDS}")
+    if not getattr(model.transformer, "batch_first", False):
+        # open_clip before 2.26 runs its text transformer sequence-first; text_layers feeds (B, L, W)
+        raise UnsupportedTextTowerError(f"backbone {name}: this open_clip's text transformer is sequence-first; "
+                                        "install open_clip_torch>=2.26 (pip install -U open_clip_torch)")
 
 
 def truncate_keeping_placeholders(ids: list[int], budget: int, placeholder_id: int) -> list[int]:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from demind.backbone import FrozenCLIP
+from demind.backbone import FrozenCLIP, same_backbone
 from demind.eval.exclcoco import load_exclcoco
 from demind.eval.image_cache import ImageFeatureCache, backbone_cache_slug, encode_image_refs
 from demind.eval.structures import ImageRef, read_json
@@ -82,7 +82,7 @@ def prepare_features(data_cfg: Any, backbone: FrozenCLIP, run_dir: Path, progres
     path = run_dir / FEATURES_NAME
     if path.is_file():
         feats = load_features(path)
-        if feats.get("backbone") == backbone.identity and feats.get("train") == data_cfg.train:
+        if same_backbone(feats.get("backbone") or {}, backbone.identity) and feats.get("train") == data_cfg.train:
             return feats
         log.warning("%s was computed for another backbone or data set; recomputing", path)
     if not data_cfg.train:

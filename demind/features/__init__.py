@@ -38,6 +38,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from tqdm import tqdm
 
 from demind.backbone import identity_slug
+from demind.identity import identity_difference
 from demind.data import ReaderStats, read_tar_samples, with_pixels
 from demind.errors import DemindError
 from demind.io import check_output_dir, write_bytes_atomic
@@ -139,7 +140,8 @@ def check_identity(index: dict[str, Any], identity: dict[str, Any], where: Path)
     cached = index.get("backbone")
     if not _same_identity(cached or {}, identity):
         raise FeatureCacheError(
-            f"feature cache {where} was made with backbone {cached} but this run uses {identity}; "
+            f"feature cache {where} was made with backbone {cached} but this run uses {identity} "
+            f"(differs in {identity_difference(cached or {}, identity)}); "
             f"point data.features at a cache of this backbone, rebuild it with "
             f"python -m demind.features, or set data.features=null to decode images"
         )

@@ -49,7 +49,7 @@ def word_level_tokenizer(vocab_size: int | None = None):
     return PreTrainedTokenizerFast(
         tokenizer_object=word_level, unk_token="<unk>", pad_token="<pad>", bos_token="<s>", eos_token="</s>",
         additional_special_tokens=["<image>"],
-        # as llava-hf's Llama tokenizers: no token_type_ids, which LLaVA's generate refuses on transformers 4.x
+        # as llava-hf's Llama tokenizers: no token_type_ids, which generate() rejects before transformers 5
         model_input_names=["input_ids", "attention_mask"],
     )
 
