@@ -19,7 +19,7 @@ from demind.training.metrics_log import trim_metrics
 from demind.training.optim import build_optimizer, build_scheduler
 from demind.training.state import TrainState, resume_state
 from demind.training.step import train_steps
-from demind.training.zero import deepspeed_precision
+from demind.training.zero import deepspeed_precision, use_full_precision_weights
 
 
 EXPORT_NAME = "demind.safetensors"
@@ -85,6 +85,8 @@ def train(cfg: TrainConfig, *, deepspeed: bool = False) -> Path:
     if available_trackers(cfg.run.trackers):
         accelerator.init_trackers("demind", config=tracker_config(cfg))
     train_steps(cfg, accelerator, model, optimizer, scheduler, loader, backbone, state)
+    if getattr(accelerator, "deepspeed_config", None):  # bf16 weights -> DeepSpeed's float32 masters
+        use_full_precision_weights(accelerator.unwrap_model(model))
     export = run_dir / EXPORT_NAME
     if accelerator.is_main_process:
         save_checkpoint(export, accelerator.unwrap_model(model))

@@ -112,3 +112,23 @@ def hold_scalars_as_vectors(model: torch.nn.Module) -> None:
     for p in model.parameters():
         if p.dim() == 0:
             p.data = p.data.reshape(1)
+
+
+def use_full_precision_weights(model: torch.nn.Module) -> int:
+    """Put DeepSpeed's float32 master weights into ``model``'s (bf16/fp16) parameters, for the export.
+
+    Under DeepSpeed's bf16 the module holds rounded copies while the optimizer updates float32
+    masters; the export (and every command reading it) should get the masters. Call it in every
+    process after the last step (ZeRO gathers each master from its shards). Returns how many
+    parameters it replaced (0 when the engine trains in float32).
+    """
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    replaced = 0
+    for param in model.parameters():
+        if param.requires_grad and param.dtype != torch.float32:
+            master = safe_get_full_fp32_param(param)
+            if master is not None:
+                param.data = master.reshape(param.shape).to(param.device)
+                replaced += 1
+    return replaced
