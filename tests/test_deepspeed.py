@@ -186,6 +186,13 @@ def test_deepspeed_launch_trains_resumes_after_a_kill_and_matches_the_plain_run(
     steps = [json.loads(line)["step"] for line in (resumed / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, STEPS + 1))
 
+    # continuing that run without DeepSpeed: refused in one line, not a failure inside Accelerate's loader
+    more = smoke_args(repo_root, shards, resumed, *common, f"optim.max_steps={STEPS + 2}")
+    result = subprocess.run([sys.executable, str(repo_root / "train.py"), *more], cwd=repo_root,
+                            env=launch_env(repo_root), capture_output=True, text=True, timeout=300)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(errors) == 1 and "written under DeepSpeed" in errors[0], result.stderr[-2000:]
+
 
 @pytest.mark.slow
 @needs_deepspeed
