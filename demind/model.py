@@ -169,7 +169,9 @@ class MappingNetwork(nn.Module):
         )
 
     def forward(self, image_emb: torch.Tensor) -> torch.Tensor:
-        return self.layers(F.normalize(image_emb.float(), dim=-1))
+        # Normalised in float32, then cast to the weights' dtype: DeepSpeed's bf16 casts the weights
+        # and Accelerate turns autocast off under it, while cached embeddings stay float32.
+        return self.layers(F.normalize(image_emb.float(), dim=-1).to(self.layers[0].weight.dtype))
 
 
 class IntentionBlock(nn.Module):
@@ -207,6 +209,7 @@ class IntentionModule(nn.Module):
         self.blocks = nn.ModuleList(IntentionBlock(width, num_heads, ff_mult) for _ in range(num_blocks))
 
     def forward(self, words: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        words = words.to(self.queries.dtype)  # the text tower's dtype -> ours (bf16 under DeepSpeed's bf16)
         batch = words.shape[0]
         queries = self.queries.unsqueeze(0).expand(batch, -1, -1)
         query_pad = torch.zeros(batch, queries.shape[1], dtype=torch.bool, device=words.device)
@@ -257,9 +260,32 @@ class DeMinds(nn.Module):
             self.negative_template = cfg.template.replace("{text}", " ".join([PLACEHOLDER] * cfg.negative_tokens))
 
     def _apply(self, fn, recurse: bool = True):  # noqa: ANN001 - torch's signature
-        # .to(device) / .half() also move the held backbone, so one call places everything.
-        self.backbone._apply(fn, recurse)
+        # .to(device) also moves the held backbone, so one call places everything. A dtype cast
+        # (.half(), .bfloat16(), DeepSpeed's bf16 engine) stops at our weights: the frozen tower's
+        # precision is backbone.precision's to choose, and caches and checkpoints record it.
+        probe = torch.zeros((), device=self.backbone.device)
+        moved = fn(probe)
+        if moved.dtype == probe.dtype:
+            self.backbone._apply(fn, recurse)
+        elif moved.device != probe.device:  # .to(device, dtype): the device part only
+            self.backbone._apply(lambda t: t.to(moved.device), recurse)
         return super()._apply(fn, recurse)
+
+    # Scalars are saved and loaded 0-dim however they are held: under DeepSpeed they are (1,)
+    # (demind.training.zero.hold_scalars_as_vectors), and checkpoints stay interchangeable.
+    SCALARS = ("gate", "logit_scale")
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: ANN001 - torch's signature
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for name in self.SCALARS:
+            if prefix + name in destination:
+                destination[prefix + name] = destination[prefix + name].reshape(())
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):  # noqa: ANN001 - torch's signature
+        for name in self.SCALARS:
+            if prefix + name in state_dict and getattr(self, name, None) is not None:
+                state_dict[prefix + name] = state_dict[prefix + name].reshape(getattr(self, name).shape)
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def temperature_scale(self) -> torch.Tensor:
         """exp(logit_scale), capped at 100 as in CLIP."""

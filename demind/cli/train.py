@@ -22,7 +22,9 @@ def train_command(cfg: TrainConfig) -> int:
     """Train, print the exported checkpoint path."""
     from demind.training import train
 
-    path = train(cfg)
+    # `accelerate launch` with a DeepSpeed config (or --use_deepspeed) says so in this variable;
+    # the trainer then uses DeepSpeed or refuses, never falls back.
+    path = train(cfg, deepspeed=os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true")
     print(f"checkpoint: {path}")
     return 0
 

@@ -11,32 +11,60 @@ import torch
 from demind.config import ConfigError, to_dict
 from demind.losses import Gather
 from demind.training.config import OptimConfig, TrainConfig
+from demind.training.zero import DeepSpeedError, configure_deepspeed, deepspeed_device, hold_scalars_as_vectors
 
 logger = logging.getLogger(__name__)
 
 
-def setup(cfg: TrainConfig):
-    """Create the Accelerator (precision, accumulation, trackers) and seed everything."""
-    from accelerate import Accelerator, DistributedDataParallelKwargs
-    from accelerate.utils import ProjectConfiguration, set_seed
+def setup(cfg: TrainConfig, *, deepspeed: bool = False):
+    """Create the Accelerator (precision, accumulation, trackers) and seed everything.
+
+    ``deepspeed``: the launcher asked for DeepSpeed (``accelerate launch`` with a DeepSpeed
+    config; the command reads that request). DeepSpeed's engine then trains, with its config
+    filled from ``cfg`` (:mod:`demind.training.zero`), or a one-line error says why it cannot.
+    """
+    from accelerate import Accelerator, DistributedDataParallelKwargs, InitProcessGroupKwargs
+    from accelerate.utils import DistributedType, ProjectConfiguration, set_seed
 
     if cfg.run.device.startswith("cuda:"):
         raise ConfigError(f"config key 'run.device' = {cfg.run.device!r}: training places each process on its GPU "
                           "itself; use run.device=cuda and choose the GPU with CUDA_VISIBLE_DEVICES=N or "
                           "`accelerate launch --gpu_ids N`", key="run.device")
     run_dir = Path(cfg.run.output_dir)
+    handlers = [DistributedDataParallelKwargs(find_unused_parameters=cfg.model.fusion != "gate")]
+    ds_device = deepspeed_device(cfg) if deepspeed else None
+    if ds_device == "cpu":  # DeepSpeed's CPU accelerator talks over gloo (Accelerate would assume none)
+        handlers.append(InitProcessGroupKwargs(backend="gloo"))
     accelerator = Accelerator(
         mixed_precision=cfg.run.mixed_precision,
         gradient_accumulation_steps=cfg.optim.grad_accum_steps,
-        # auto / cuda: Accelerate places each process on its GPU (or the CPU when none is visible)
-        cpu=cfg.run.device == "cpu",
+        # auto / cuda: Accelerate places each process on its GPU (or the CPU when none is visible).
+        # cpu=True would make Accelerate drop DeepSpeed for MULTI_CPU: DeepSpeed's own CPU accelerator
+        # (checked against run.device above) places it instead.
+        cpu=cfg.run.device == "cpu" and not deepspeed,
         log_with=available_trackers(cfg.run.trackers) or None,
         project_config=ProjectConfiguration(project_dir=str(run_dir), logging_dir=str(run_dir / "logs")),
         # The ablations that bypass the gate leave it without a gradient.
-        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=cfg.model.fusion != "gate")],
+        kwargs_handlers=handlers,
     )
+    if deepspeed and accelerator.distributed_type != DistributedType.DEEPSPEED:
+        raise DeepSpeedError(f"the launcher asked for DeepSpeed but Accelerate set up {accelerator.distributed_type}; "
+                             f"launch with `accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml`")
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        configure_deepspeed(accelerator.state.deepspeed_plugin, cfg, accelerator.num_processes,
+                            micro_batch_size(cfg.optim, accelerator.num_processes))
     set_seed(cfg.run.seed)
     return accelerator
+
+
+def prepare_model(accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    """``accelerator.prepare(model, optimizer)``; under DeepSpeed the scalar parameters are held as
+    (1,) first (:func:`demind.training.zero.hold_scalars_as_vectors`)."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        hold_scalars_as_vectors(model)
+    return accelerator.prepare(model, optimizer)
 
 
 def available_trackers(names: list[str]) -> list[str]:

@@ -12,13 +12,14 @@ from demind.config import save_config
 from demind.io import check_output_dir
 from demind.features import ShardFeatureCache
 from demind.model import DeMinds, build_model
-from demind.training.accel import tracker_config, available_trackers, micro_batch_size, setup
+from demind.training.accel import available_trackers, micro_batch_size, prepare_model, setup, tracker_config
 from demind.training.batches import build_data
 from demind.training.config import TrainConfig
 from demind.training.metrics_log import trim_metrics
 from demind.training.optim import build_optimizer, build_scheduler
 from demind.training.state import TrainState, resume_state
 from demind.training.step import train_steps
+from demind.training.zero import deepspeed_precision, use_full_precision_weights
 
 
 EXPORT_NAME = "demind.safetensors"
@@ -40,9 +41,11 @@ def build_modules(cfg: TrainConfig, device: torch.device) -> tuple[FrozenCLIP, D
 def describe_run(cfg: TrainConfig, accelerator, model: DeMinds, cache: ShardFeatureCache | None, state: TrainState) -> None:
     """Derived quantities, printed once at start-up."""
     micro = micro_batch_size(cfg.optim, accelerator.num_processes)
+    ds_config = getattr(accelerator, "deepspeed_config", None)  # set by prepare() under DeepSpeed
+    precision = (f"DeepSpeed ZeRO-{ds_config['zero_optimization'].get('stage')} {deepspeed_precision(ds_config)} weights"
+                 if ds_config else f"mixed precision {accelerator.mixed_precision}")
     lines = [
-        f"processes {accelerator.num_processes} ({accelerator.distributed_type}, {accelerator.device}), "
-        f"mixed precision {accelerator.mixed_precision}",
+        f"processes {accelerator.num_processes} ({accelerator.distributed_type}, {accelerator.device}), {precision}",
         f"global batch {cfg.optim.global_batch_size} = micro batch {micro} x {accelerator.num_processes} processes "
         f"x {cfg.optim.grad_accum_steps} accumulation; contrastive batch {micro * accelerator.num_processes}",
         f"trainable parameters {model.num_trainable_parameters():,}; backbone {model.backbone.identity}",
@@ -53,12 +56,14 @@ def describe_run(cfg: TrainConfig, accelerator, model: DeMinds, cache: ShardFeat
         accelerator.print(line)
 
 
-def train(cfg: TrainConfig) -> Path:
+def train(cfg: TrainConfig, *, deepspeed: bool = False) -> Path:
     """Train (or resume) the run described by ``cfg``; returns the exported checkpoint path.
 
     Call it in every process (``accelerate launch``); only the main process writes files.
+    ``deepspeed``: the launcher asked for DeepSpeed; it then trains, or the run is refused (see
+    :func:`demind.training.accel.setup`).
     """
-    accelerator = setup(cfg)
+    accelerator = setup(cfg, deepspeed=deepspeed)
     run_dir = Path(cfg.run.output_dir)
     if accelerator.is_main_process:
         check_output_dir(run_dir)  # read-only or missing permissions: fail now, not at the first checkpoint
@@ -69,7 +74,7 @@ def train(cfg: TrainConfig) -> Path:
                                                      if p.requires_grad))
     optimizer = build_optimizer(cfg.optim, model)
     scheduler = build_scheduler(cfg.optim, optimizer)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    model, optimizer = prepare_model(accelerator, model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
     state = resume_state(accelerator, cfg)
     if accelerator.is_main_process:
@@ -80,6 +85,8 @@ def train(cfg: TrainConfig) -> Path:
     if available_trackers(cfg.run.trackers):
         accelerator.init_trackers("demind", config=tracker_config(cfg))
     train_steps(cfg, accelerator, model, optimizer, scheduler, loader, backbone, state)
+    if getattr(accelerator, "deepspeed_config", None):  # bf16 weights -> DeepSpeed's float32 masters
+        use_full_precision_weights(accelerator.unwrap_model(model))
     export = run_dir / EXPORT_NAME
     if accelerator.is_main_process:
         save_checkpoint(export, accelerator.unwrap_model(model))

@@ -130,6 +130,22 @@ def _diff(old: Any, new: Any, prefix: str) -> list[str]:
     return [] if old == new else [f"{prefix} ({old!r} -> {new!r})"]
 
 
+DEEPSPEED_FOLDER = "pytorch_model"  # where Accelerate's save_state puts DeepSpeed's engine checkpoint
+
+
+def check_same_engine(checkpoint: Path, accelerator) -> None:
+    """A checkpoint written under DeepSpeed (sharded optimizer states) resumes only under DeepSpeed, and
+    the other way round: say so in one line instead of failing inside Accelerate's loader."""
+    from accelerate.utils import DistributedType
+
+    written = (checkpoint / DEEPSPEED_FOLDER).is_dir()
+    running = accelerator.distributed_type == DistributedType.DEEPSPEED
+    if written != running:
+        raise ResumeError(f"cannot resume from {checkpoint}: it was written {'under' if written else 'without'} "
+                          f"DeepSpeed and this run is {'' if running else 'not '}using it; launch with the "
+                          f"accelerate config that wrote it, or use a new run.output_dir")
+
+
 def resume_state(accelerator, cfg: TrainConfig) -> TrainState:
     """Load the newest checkpoint of the run folder, or start fresh."""
     import yaml
@@ -142,6 +158,7 @@ def resume_state(accelerator, cfg: TrainConfig) -> TrainState:
         raise ResumeError(f"{run_dir} already holds checkpoints (newest {latest.name}) but run.resume=false; "
                           f"use a new run.output_dir or delete {checkpoint_root(run_dir)}")
     check_resumable(yaml.safe_load((latest / "config.yaml").read_text()), cfg, latest)
+    check_same_engine(latest, accelerator)
     accelerator.load_state(str(latest))
     saved = json.loads((latest / STATE_NAME).read_text())
     positions = [{int(w): tuple(p) for w, p in per_rank.items()} for per_rank in saved["positions"]]

@@ -67,6 +67,11 @@ def check_finite(losses: dict[str, torch.Tensor], step: int, accelerator) -> Non
 def train_one_step(cfg: TrainConfig, accelerator, model, optimizer, scheduler, batches, backbone: FrozenCLIP,
                    state: TrainState, window: LogWindow, gather: Gather | None) -> None:
     """One optimizer step over ``optim.grad_accum_steps`` micro-batches from ``batches``."""
+    from accelerate.utils import DistributedType
+
+    # DeepSpeed's backward also steps (and clips): check the losses before it. Elsewhere the check
+    # (which waits for the device) comes after backward is queued, still before optimizer.step().
+    steps_in_backward = accelerator.distributed_type == DistributedType.DEEPSPEED
     for _ in range(cfg.optim.grad_accum_steps):
         batch = next(batches)
         truncated = backbone.text_counts["truncated"]
@@ -74,9 +79,11 @@ def train_one_step(cfg: TrainConfig, accelerator, model, optimizer, scheduler, b
             with accelerator.autocast():
                 losses = compute_losses(model, batch, backbone, distil=cfg.loss.distil, gather=gather,
                                         noise=cfg.noise, step=state.step, seed=cfg.run.seed)
+            if steps_in_backward:
+                check_finite(losses, state.step, accelerator)
             accelerator.backward(losses["loss"])
-            # After queueing backward (the check waits for the device), still before any update.
-            check_finite(losses, state.step, accelerator)
+            if not steps_in_backward:
+                check_finite(losses, state.step, accelerator)
             if accelerator.sync_gradients and cfg.optim.grad_clip:
                 accelerator.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
             optimizer.step()
