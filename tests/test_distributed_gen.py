@@ -109,6 +109,7 @@ def test_two_ray_workers_give_the_texts_of_a_local_run(repo_root, ray_cluster, t
     assert "already done    :      4  (0-3)" in capsys.readouterr().out  # a rerun skips finished shards
 
 
+@pytest.mark.slow
 def test_killed_worker_loses_only_its_shard_and_the_rerun_completes(repo_root, ray_cluster, tiny, inputs, local_texts,
                                                                    tmp_path, capsys):
     """One try per shard: the shard in flight on the killed worker is reported failed; the rerun does it."""
@@ -127,6 +128,7 @@ def test_killed_worker_loses_only_its_shard_and_the_rerun_completes(repo_root, r
     assert_complete(out, local_texts)
 
 
+@pytest.mark.slow
 def test_killed_worker_shard_is_retried_on_the_other_worker(repo_root, ray_cluster, tiny, inputs, local_texts,
                                                            tmp_path, capsys):
     out = tmp_path / "ray"
@@ -138,11 +140,12 @@ def test_killed_worker_shard_is_retried_on_the_other_worker(repo_root, ray_clust
     assert "finished 4 shard(s)" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_killed_driver_then_rerun_completes(repo_root, ray_cluster, tiny, inputs, local_texts, tmp_path, capsys):
     """kill -9 of the driver mid-job: Ray ends its workers; the same command completes the range."""
     out = tmp_path / "ray"
     env = dict(os.environ, PYTHONPATH=str(repo_root), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "demind.cli.generate", *argv(repo_root, tiny, inputs, out, "--distributor", "ray",
+    cmd = [sys.executable, str(repo_root / "data_gen/run.py"), *argv(repo_root, tiny, inputs, out, "--distributor", "ray",
                                                               "--workers", "2", "--ray-address", ray_cluster)]
     driver = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 180
