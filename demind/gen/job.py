@@ -108,12 +108,14 @@ class ShardOutcome:
 class JobSummary:
     """What a run did: the stats of each shard it finished, and the shards it could not do.
 
-    ``notes``: lines a distributor adds under the table (workers, retries, overall rate)."""
+    ``notes``: lines a distributor adds under the table (workers, retries, overall rate);
+    ``metrics``: its numbers (``demind.gen.ray_job``: workers, wall and work time, shards/s, overhead)."""
 
     finished: list[dict[str, Any]] = field(default_factory=list)
     skipped_done: list[int] = field(default_factory=list)
     failed: dict[int, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
 
     def add(self, outcome: ShardOutcome) -> None:
         if outcome.stats is not None:

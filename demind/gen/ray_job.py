@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -134,6 +135,7 @@ class _Dispatch:
     idle: list[int] = field(default_factory=list)
     hosts: dict[int, str] = field(default_factory=dict)
     overhead_s: list[float] = field(default_factory=list)  # per shard: round trip minus the shard's own time
+    first_dispatch: float | None = None  # perf_counter when the first shard was handed out
 
     def next_task(self, worker: int, live: set[int]) -> ShardTask | None:
         """The first waiting shard this worker has not failed (any, once every live worker failed it)."""
@@ -153,19 +155,23 @@ def run_plan_on_ray(plan: JobPlan, cfg: GenConfig, options: RayOptions, show_pro
     todo = plan.todo
     summary = JobSummary(skipped_done=[t.shard_id for t in plan.by_state("done")])
     started = connect(options.address, options.workers * max(cfg.engine.cpu_threads, 1))
+    workers: list = []
     try:
+        start = time.perf_counter()
         cluster = ray.cluster_resources()
         resources = worker_resources(cfg, cluster, options.address)
         n = count_workers(options.workers, resources, cluster, len(todo))
         remote_cls = ray.remote(max_restarts=WORKER_RESTARTS, max_task_retries=0, **resources)(ShardWorker)
         workers = [remote_cls.options(name=f"{options.name_prefix}-{i}").remote(cfg) for i in range(n)]
-        print(f"ray: {n} worker(s), each {resources}; cluster {dict(sorted(cluster.items()))}", flush=True)
+        size = ", ".join(f"{cluster[k]:g} {k}" for k in ("CPU", "GPU") if k in cluster)
+        print(f"ray: {n} worker(s), each {resources}; the cluster has {size}", flush=True)
         state = _Dispatch(workers=workers, pending=deque(todo))
         state.probing = {w.describe.remote(): i for i, w in enumerate(workers)}
-        start = time.perf_counter()
         _drive(ray, state, summary, options, show_progress)
         _add_notes(summary, state, n, time.perf_counter() - start)
     finally:
+        for worker in workers:  # now, not when Ray collects the handles: frees their GPUs and names
+            ray.kill(worker)
         if started:
             ray.shutdown()
     summary.finished.sort(key=lambda s: s["shard"])
@@ -184,7 +190,9 @@ def _drive(ray, state: _Dispatch, summary: JobSummary, options: RayOptions, show
                 task = state.next_task(worker, live)
                 if task is not None:
                     state.idle.remove(worker)
-                    state.running[workers[worker].run.remote(task)] = (worker, task, time.perf_counter())
+                    now = time.perf_counter()
+                    state.first_dispatch = state.first_dispatch or now
+                    state.running[workers[worker].run.remote(task)] = (worker, task, now)
             if not live:
                 for task in state.pending:
                     summary.failed[task.shard_id] = "no Ray worker left: " + "; ".join(state.errors.get(task.shard_id, []))
@@ -264,16 +272,23 @@ def _failed_try(task: ShardTask, worker: int, error: str, state: _Dispatch, summ
 
 
 def _add_notes(summary: JobSummary, state: _Dispatch, workers: int, wall_s: float) -> None:
-    """The lines under the summary table: workers and hosts, retries, the rate over all workers."""
+    """The numbers of the run (``summary.metrics``) and the lines under the summary table."""
+    end = time.perf_counter()
+    work_s = end - state.first_dispatch if state.first_dispatch is not None else 0.0
     written = sum(s["written"] for s in summary.finished)
+    overhead_ms = 1000 * statistics.median(state.overhead_s) if state.overhead_s else 0.0
+    summary.metrics = {"workers": workers, "wall_s": round(wall_s, 3), "work_s": round(work_s, 3),
+                       "shards_per_s": round(len(summary.finished) / work_s, 4) if work_s else 0.0,
+                       "images_per_s": round(written / work_s, 4) if work_s else 0.0,
+                       "overhead_ms_per_shard": round(overhead_ms, 2)}
     retried = sorted(state.errors)
     hosts = sorted(set(state.hosts.values()))
     summary.notes.append(f"ray: {workers} worker(s) on {len(hosts)} host(s) ({', '.join(hosts)}); "
                          f"{len(retried)} shard(s) retried after a failed try"
                          + (f" ({','.join(map(str, retried))})" if retried else ""))
-    overhead = 1000 * sum(state.overhead_s) / len(state.overhead_s) if state.overhead_s else 0.0
-    summary.notes.append(f"ray: {written} samples in {wall_s:.1f} s = {written / max(wall_s, 1e-9):.2f} img/s over all "
-                         f"workers (engine load included); scheduling overhead {overhead:.1f} ms/shard")
+    summary.notes.append(f"ray: {written} samples in {work_s:.1f} s from the first shard handed out "
+                         f"({wall_s:.1f} s with engine loading) = {summary.metrics['images_per_s']:.2f} img/s over all "
+                         f"workers; scheduling overhead {overhead_ms:.1f} ms/shard (median)")
 
 
 def last_line(error: BaseException) -> str:
