@@ -162,3 +162,11 @@ def test_killed_driver_then_rerun_completes(repo_root, ray_cluster, tiny, inputs
 def test_ray_settings_without_ray_distributor_are_refused(repo_root, tiny, inputs, tmp_path, capsys):
     assert generate_main(argv(repo_root, tiny, inputs, tmp_path / "o", "--workers", "2")) == 2
     assert "workers" in capsys.readouterr().err
+
+
+def test_workers_that_cannot_load_the_engine_are_one_error(repo_root, ray_cluster, tiny, inputs, tmp_path, capsys):
+    missing = tmp_path / "no-such-model"
+    code = generate_main(argv(repo_root, tiny, inputs, tmp_path / "out", f"engine.model={missing}",
+                              "--distributor", "ray", "--workers", "2"))
+    err = capsys.readouterr().err
+    assert code == 2 and "no Ray worker could start its engine" in err and "no-such-model" in err, err
