@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['name']:<28} {r['shards']:>6} {r['wall_s']:>8.2f} {r['work_s']:>8.2f} {r['shards_per_s']:>9.3f} "
               f"{r['overhead_ms_per_shard']:>18.1f}")
     ratio = best("2 workers") / best("1 worker")
+    print(f"load average at the end (1, 5, 15 min): {os.getloadavg()} on {os.cpu_count()} cores")
     print(f"2 workers / 1 worker (best of 2 each): {ratio:.2f}x shards/s ({args.shards} shards x {args.samples} samples)")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "ratio_2_over_1": round(ratio, 3)}, indent=2))

@@ -170,3 +170,25 @@ def test_workers_that_cannot_load_the_engine_are_one_error(repo_root, ray_cluste
                               "--distributor", "ray", "--workers", "2"))
     err = capsys.readouterr().err
     assert code == 2 and "no Ray worker could start its engine" in err and "no-such-model" in err, err
+
+
+def test_worker_resources_and_count():
+    from demind.gen.config import GenConfig
+    from demind.gen.ray_job import DistributedJobError, count_workers, worker_resources
+
+    cfg = GenConfig()
+    cfg.engine.tensor_parallel_size = 2
+    gpu_cluster = {"CPU": 64.0, "GPU": 8.0}
+    resources = worker_resources(cfg, gpu_cluster, "head:6379")
+    assert resources == {"num_cpus": 1, "num_gpus": 2}  # vLLM: tensor_parallel_size GPUs per worker
+    assert count_workers(0, resources, gpu_cluster, shards=100) == 4 and count_workers(0, resources, gpu_cluster, 3) == 3
+    cfg.engine.name = "transformers"
+    assert worker_resources(cfg, gpu_cluster, None)["num_gpus"] == 1
+    cfg.run.device, cfg.engine.cpu_threads = "cpu", 4
+    cpu = worker_resources(cfg, gpu_cluster, None)
+    assert cpu == {"num_cpus": 4, "num_gpus": 0} and count_workers(3, cpu, gpu_cluster, 100) == 3
+    with pytest.raises(DistributedJobError, match="--workers N"):
+        count_workers(0, cpu, {"CPU": 2.0}, 10)
+    cfg.run.device = "cuda"
+    with pytest.raises(DistributedJobError, match="has no GPU"):
+        worker_resources(cfg, {"CPU": 2.0}, None)

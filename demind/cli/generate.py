@@ -38,8 +38,8 @@ class GenerateConfig(GenConfig):
     distributor: str = setting("local", choices=("local", "ray"),
                                help="'local': the shards one after the other in this process; 'ray': on Ray "
                                     "workers, one engine each (pip install 'demind[distributed]')")
-    workers: int = setting(0, ge=0, help="ray: engines (Ray actors) to start; 0 = as many as the cluster holds "
-                                         "(one per GPU, tensor_parallel_size GPUs each for vLLM; else one per CPU)")
+    workers: int = setting(0, ge=0, help="ray: engines (Ray actors) to start; 0 = one per GPU of the cluster "
+                                         "(tensor_parallel_size GPUs each for vLLM); required without GPUs")
     ray_address: str | None = setting(None, help="ray: the cluster to join (HOST:6379, or ray://HOST:10001); "
                                                  "default RAY_ADDRESS, else a local cluster on this machine")
     shard_attempts: int = setting(3, ge=1, help="ray: tries of a shard whose worker died or raised, each on "

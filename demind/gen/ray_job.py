@@ -75,7 +75,7 @@ class ShardWorker:
 
 @dataclass
 class RayOptions:
-    """How the job uses Ray: ``workers`` (0 = as many as the cluster's resources hold), the
+    """How the job uses Ray: ``workers`` (0 = one per GPU, or per ``tensor_parallel_size`` GPUs), the
     cluster ``address`` (None: start a local one), tries per shard, a name prefix for the actors."""
 
     workers: int = 0
@@ -115,10 +115,14 @@ def worker_resources(cfg: GenConfig, cluster: dict[str, float], address: str | N
 
 
 def count_workers(requested: int, resources: dict[str, float], cluster: dict[str, float], shards: int) -> int:
-    """``requested`` workers, or (0) as many as the cluster holds; never more than the shards to do."""
+    """``requested`` workers, or (0) one per ``num_gpus`` GPUs of the cluster; never more than the
+    shards to do. Without GPUs the count must be given: CPU workers of a large model need memory Ray
+    does not account for, so one per core could exhaust it."""
     if requested <= 0:
-        key, per = ("GPU", resources["num_gpus"]) if resources["num_gpus"] else ("CPU", resources["num_cpus"])
-        requested = max(int(cluster.get(key, 0) // per), 1)
+        if not resources["num_gpus"]:
+            raise DistributedJobError(f"the Ray cluster has no GPU ({cluster.get('CPU', 0):g} CPUs): give the number "
+                                      "of CPU workers with --workers N (each loads its own copy of the model)")
+        requested = max(int(cluster.get("GPU", 0) // resources["num_gpus"]), 1)
     return max(min(requested, shards), 1)
 
 
@@ -206,7 +210,7 @@ def _drive(ray, state: _Dispatch, summary: JobSummary, options: RayOptions, show
             if ref in state.probing:
                 _probed(ray, ref, state, live)
             else:
-                written += _finished(ray, ref, state, summary, options, live, bar)
+                written += _finished(ray, ref, state, summary, options, bar)
                 last_news = time.perf_counter()
             bar.set_postfix(in_flight=len(state.running), failed=len(summary.failed),
                             img_s=f"{written / max(last_news - t0, 1e-9):.2f}", refresh=False)
@@ -227,7 +231,7 @@ def _probed(ray, ref, state: _Dispatch, live: set[int]) -> None:
     state.idle.append(worker)
 
 
-def _finished(ray, ref, state: _Dispatch, summary: JobSummary, options: RayOptions, live: set[int], bar: tqdm) -> int:
+def _finished(ray, ref, state: _Dispatch, summary: JobSummary, options: RayOptions, bar: tqdm) -> int:
     """Record a call that returned; a failed try goes back to the queue or, after the last, is
     reported. Returns the samples it wrote."""
     worker, task, t0 = state.running.pop(ref)
@@ -240,8 +244,9 @@ def _finished(ray, ref, state: _Dispatch, summary: JobSummary, options: RayOptio
         state.probing[state.workers[worker].describe.remote()] = worker
         return 0
     except ray.exceptions.RayTaskError as e:
-        if isinstance(e.cause, DemindError) and not isinstance(e.cause, DistributedJobError):
-            raise e.cause from None  # e.g. the output disk is full: every shard would fail the same way
+        if isinstance(e.cause, DemindError):  # as in a local run, e.g. the output disk is full: every
+            raise e.cause from None           # shard would fail the same way
+        logger.warning("shard %d failed on worker %d:\n%s", task.shard_id, worker, e)  # with its remote traceback
         _failed_try(task, worker, f"worker {worker}: {last_line(e)}", state, summary, options, bar)
         state.idle.append(worker)
         return 0
