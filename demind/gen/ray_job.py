@@ -140,6 +140,8 @@ class _Dispatch:
     hosts: dict[int, str] = field(default_factory=dict)
     overhead_s: list[float] = field(default_factory=list)  # per shard: round trip minus the shard's own time
     first_dispatch: float | None = None  # perf_counter when the first shard was handed out
+    all_up: float | None = None  # when the last worker of the job came up (its engine loaded)
+    done_at: list[float] = field(default_factory=list)  # when each shard came back done
 
     def next_task(self, worker: int, live: set[int]) -> ShardTask | None:
         """The first waiting shard this worker has not failed (any, once every live worker failed it)."""
@@ -228,6 +230,8 @@ def _probed(ray, ref, state: _Dispatch, live: set[int]) -> None:
             raise DistributedJobError(f"no Ray worker could start its engine: {last_line(e)}") from None
         return
     state.hosts.setdefault(worker, info["host"])
+    if len(state.hosts) == len(state.workers):
+        state.all_up = state.all_up or time.perf_counter()
     state.idle.append(worker)
 
 
@@ -252,6 +256,7 @@ def _finished(ray, ref, state: _Dispatch, summary: JobSummary, options: RayOptio
         return 0
     state.idle.append(worker)
     summary.add(outcome)
+    state.done_at.append(time.perf_counter())
     bar.update(1)
     if outcome.stats is None:
         return 0
@@ -286,6 +291,10 @@ def _add_notes(summary: JobSummary, state: _Dispatch, workers: int, wall_s: floa
                        "shards_per_s": round(len(summary.finished) / work_s, 4) if work_s else 0.0,
                        "images_per_s": round(written / work_s, 4) if work_s else 0.0,
                        "overhead_ms_per_shard": round(overhead_ms, 2)}
+    # the rate once every worker is up (engine loads of later workers not counted): how Ray scales
+    after = [t for t in state.done_at if state.all_up is not None and t > state.all_up]
+    if len(after) >= 2:
+        summary.metrics["all_up_shards_per_s"] = round(len(after) / (after[-1] - state.all_up), 4)
     retried = sorted(state.errors)
     hosts = sorted(set(state.hosts.values()))
     summary.notes.append(f"ray: {workers} worker(s) on {len(hosts)} host(s) ({', '.join(hosts)}); "
