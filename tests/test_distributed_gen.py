@@ -197,3 +197,12 @@ def test_worker_resources_and_count():
     cfg.run.device = "cuda"
     with pytest.raises(DistributedJobError, match="has no GPU"):
         worker_resources(cfg, {"CPU": 2.0}, None)
+
+
+def test_without_ray_the_error_names_the_install_line(monkeypatch):
+    from demind.config import MissingDependencyError
+    from demind.gen.ray_job import import_ray
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # what an environment without Ray gives
+    with pytest.raises(MissingDependencyError, match=r"pip install 'demind\[distributed\]'"):
+        import_ray()

@@ -40,7 +40,7 @@ class GenerateConfig(GenConfig):
                                     "workers, one engine each (pip install 'demind[distributed]')")
     workers: int = setting(0, ge=0, help="ray: engines (Ray actors) to start; 0 = one per GPU of the cluster "
                                          "(tensor_parallel_size GPUs each for vLLM); required without GPUs")
-    ray_address: str | None = setting(None, help="ray: the cluster to join (HOST:6379, or ray://HOST:10001); "
+    ray_address: str | None = setting(None, help="ray: the cluster to join (HOST:6379); "
                                                  "default RAY_ADDRESS, else a local cluster on this machine")
     shard_attempts: int = setting(3, ge=1, help="ray: tries of a shard whose worker died or raised, each on "
                                                 "another worker where one is free; then it is reported as failed")
