@@ -8,7 +8,8 @@ PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q torch==2.14.1 torchvision==0.29.1
-.venv/bin/python -m pip install -q -e '.[train,gen,test,search,robust,hub]'
+# distributed (Ray, ~240 MB, ~11 s to install) is in so that the Ray generation tests run here too
+.venv/bin/python -m pip install -q -e '.[train,gen,test,search,robust,hub,distributed]'
 # The search page's test drives a real headless Chromium (Debian's package). Installed when we
 # are root with apt and it is missing; elsewhere that one test skips and says how to install it.
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ] \

@@ -156,6 +156,35 @@ def test_accelerate_launch_two_cpu_processes_end_to_end(repo_root, tmp_path):
     assert (run / "demind.safetensors").is_file()
 
 
+
+@pytest.mark.slow
+def test_multi_node_config_as_two_machines_on_one_host(repo_root, tmp_path):
+    """configs/accelerate/multi_node.yaml as docs/training.md launches it, one command per machine:
+    here 2 "machines" x 1 CPU process on this host (gloo), machine 0's address 127.0.0.1."""
+    shards = tmp_path / "shards"
+    write_synthetic_shards(shards, num_shards=4, samples_per_shard=16)
+    run = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo_root))
+    accelerate = Path(sys.executable).with_name("accelerate")
+    port = str(free_port())
+    machines = []
+    for rank in range(2):
+        cmd = [str(accelerate), "launch", "--config_file", str(repo_root / "configs/accelerate/multi_node.yaml"),
+               "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank),
+               "--main_process_ip", "127.0.0.1", "--main_process_port", port, "--mixed_precision", "no",
+               str(repo_root / "train.py"), "--config", str(repo_root / "configs/train/smoke.yaml"),
+               f"data.shards={shards}", f"run.output_dir={run}", "optim.max_steps=2", "run.save_every=2",
+               f"backbone.name={repo_root / 'configs/model/tiny-clip.json'}", "run.device=cpu"]
+        machines.append(subprocess.Popen(cmd, cwd=repo_root, env=env, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, text=True))
+    outputs = [m.communicate(timeout=300)[0] for m in machines]
+    assert [m.returncode for m in machines] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert "micro batch 8 x 2 processes" in outputs[0] and "contrastive batch 16" in outputs[0]
+    state = json.loads((run / "checkpoints/step_00000002/trainer_state.json").read_text())
+    assert state["num_processes"] == 2 and len(state["positions"]) == 2
+    assert (run / "demind.safetensors").is_file()
+
+
 CONESEP_WORKER = r'''
 import json, sys, torch
 torch.set_num_threads(1)

@@ -4,6 +4,11 @@ r"""``demind-generate`` / ``python data_gen/run.py``: turn image-caption shards 
     demind-generate --input /data/cc3m --output /data/intent-cc3m --shard 0-99 \
         --config configs/data_gen/llava-1.6-7b.yaml [engine.tensor_parallel_size=2 ...]
 
+On a Ray cluster (one engine per worker, shards pulled by whichever worker is free):
+
+    demind-generate --input ... --output ... --shard 0-99 --config ... --distributor ray --workers 8 \
+        [--ray-address HOST:6379]   # or RAY_ADDRESS; neither: a local Ray cluster
+
 Rerunning the same command skips finished shards and redoes interrupted ones.
 Schema of the input and output shards: shards/README.md.
 """
@@ -30,9 +35,23 @@ class GenerateConfig(GenConfig):
                                            "(default: every shard of input); give each process a disjoint range")
     overwrite: bool = setting(False, help="redo selected shards even if their stats file says they are done")
     dry_run: bool = setting(False, help="print the plan and exit without loading a model")
+    distributor: str = setting("local", choices=("local", "ray"),
+                               help="'local': the shards one after the other in this process; 'ray': on Ray "
+                                    "workers, one engine each (pip install 'demind[distributed]')")
+    workers: int = setting(0, ge=0, help="ray: engines (Ray actors) to start; 0 = one per GPU of the cluster "
+                                         "(tensor_parallel_size GPUs each for vLLM); required without GPUs")
+    ray_address: str | None = setting(None, help="ray: the cluster to join (HOST:6379); "
+                                                 "default RAY_ADDRESS, else a local cluster on this machine")
+    shard_attempts: int = setting(3, ge=1, help="ray: tries of a shard whose worker died or raised, each on "
+                                                "another worker where one is free; then it is reported as failed")
 
     def config_problems(self) -> list[tuple[str, str]]:
-        return [(key, f"is required: give --{key} DIR") for key in ("input", "output") if getattr(self, key) is None]
+        problems = [(key, f"is required: give --{key} DIR") for key in ("input", "output") if getattr(self, key) is None]
+        if self.distributor == "local":  # refused rather than ignored: the local loop runs one engine
+            problems += [(key, f"= {getattr(self, key)} applies to --distributor ray only; add --distributor ray")
+                         for key, unset in (("workers", 0), ("ray_address", None), ("shard_attempts", 3))
+                         if getattr(self, key) != unset]
+        return problems
 
     def recipe(self) -> GenConfig:
         """The generation recipe alone: what each shard's stats record (not where this job read and wrote)."""
@@ -40,7 +59,8 @@ class GenerateConfig(GenConfig):
 
 
 FLAGS = {"--input": Flag("input"), "--output": Flag("output"), "--shard": Flag("shard"),
-         "--overwrite": Flag("overwrite"), "--dry-run": Flag("dry_run")}
+         "--overwrite": Flag("overwrite"), "--dry-run": Flag("dry_run"), "--distributor": Flag("distributor"),
+         "--workers": Flag("workers"), "--ray-address": Flag("ray_address"), "--shard-attempts": Flag("shard_attempts")}
 
 
 def build_parser():
@@ -70,6 +90,10 @@ def generate_command(job: GenerateConfig) -> int:
 
         disable_loading_progress()
     check_output_dir(job.output)  # before the model loads: a read-only or full disk fails in seconds
+    if job.distributor == "ray":
+        summary = generate_on_ray(job, plan, cfg)
+        print(format_job_summary(summary))
+        return 1 if summary.failed else 0
     prompts = load_prompts(cfg.prompts.version)
     engine = build_engine(cfg.engine, cfg.sampling, device=cfg.run.device, seed=cfg.run.seed)
     print(f"engine {engine.name}: {engine.model_id}; prompts {prompts.version} ({prompts.sha}), mode {cfg.prompts.mode}",
@@ -78,6 +102,22 @@ def generate_command(job: GenerateConfig) -> int:
         summary = run_plan(plan, cfg, engine, prompts, show_progress=cfg.run.progress)
     print(format_job_summary(summary))
     return 1 if summary.failed else 0
+
+
+def generate_on_ray(job: GenerateConfig, plan, cfg: GenConfig):
+    """The plan's shards on Ray workers (the engines load there, not in this process)."""
+    import os
+
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    from demind.gen.ray_job import RayOptions, run_plan_on_ray
+
+    options = RayOptions(workers=job.workers, address=job.ray_address or os.environ.get("RAY_ADDRESS") or None,
+                         shard_attempts=job.shard_attempts)
+    print(f"prompts {cfg.prompts.version}, mode {cfg.prompts.mode}; engine {cfg.engine.name}: {cfg.engine.model} "
+          f"on Ray ({options.address or 'local cluster'})", flush=True)
+    with logging_redirect_tqdm():
+        return run_plan_on_ray(plan, cfg, options, show_progress=cfg.run.progress)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -116,12 +116,32 @@ class ShardStats:
 
 
 @dataclass
+class ShardOutcome:
+    """One shard's result: its stats when it was written, else why its input could not be read."""
+
+    shard_id: int
+    stats: dict[str, Any] | None = None
+    error: str | None = None
+
+
+@dataclass
 class JobSummary:
-    """What a run did: the stats of each shard it finished, and the shards it could not read."""
+    """What a run did: the stats of each shard it finished, and the shards it could not do.
+
+    ``notes``: lines a distributor adds under the table (workers, retries, overall rate);
+    ``metrics``: its numbers (``demind.gen.ray_job``: workers, wall and work time, shards/s, overhead)."""
 
     finished: list[dict[str, Any]] = field(default_factory=list)
     skipped_done: list[int] = field(default_factory=list)
     failed: dict[int, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def add(self, outcome: ShardOutcome) -> None:
+        if outcome.stats is not None:
+            self.finished.append(outcome.stats)
+        else:
+            self.failed[outcome.shard_id] = outcome.error or "unknown error"
 
 
 def expected_samples(input_path: Path) -> int | None:
@@ -328,43 +348,55 @@ def _log_progress(task: ShardTask, stats: ShardStats, elapsed: float, every: int
     )
 
 
-def run_plan(plan: JobPlan, cfg: GenConfig, engine: Engine, prompts: PromptSet, show_progress: bool = True) -> JobSummary:
-    """Process every shard of the plan that is not done. Unreadable input shards are recorded
-    as failed (no stats file, so the next run retries them) and the others go on."""
+def build_generator(cfg: GenConfig, engine: Engine, prompts: PromptSet) -> tuple[IntentGenerator, FidelityScorer | None]:
+    """The per-engine state a worker keeps across shards: the generator and the optional fidelity stage."""
     generator = IntentGenerator(engine, cfg, prompts)
     scorer = None
     if cfg.quality.fidelity_clip:
         scorer = FidelityScorer.from_config(cfg.quality, cfg.run.seed, resolve_device(cfg.run.device))
+    return generator, scorer
+
+
+def run_shard(task: ShardTask, generator: IntentGenerator, cfg: GenConfig, show_progress: bool = True,
+              overall: tqdm | None = None, scorer: FidelityScorer | None = None) -> ShardOutcome:
+    """:func:`process_shard` under the job's error rules, the same for every distributor.
+
+    An unreadable input shard is an outcome (no stats file, so the next run retries it) and the
+    job goes on; a full disk or read-only output raises one :class:`~demind.errors.OutputLocationError`
+    naming the path (every later shard would fail the same way); anything else is a bug and keeps
+    its traceback."""
+    try:
+        stats = process_shard(task, generator, cfg, show_progress, overall, scorer)
+    except InputShardError as e:
+        logger.error("%s", e)
+        return ShardOutcome(task.shard_id, error=str(e))
+    except (OSError, RuntimeError) as e:
+        error = output_error(task.output.tar, e)
+        if error is None:
+            raise
+        raise error from e
+    eng = stats["engine_tokens"]
+    rate = eng["stage2_hit_rate"]
+    logger.info(
+        "shard %d done: %d written, %d skipped, %d flagged, %.2f img/s, %s prompt tokens prefilled per sample, "
+        "stage-2 prefix hits %s",
+        task.shard_id, stats["written"], stats["skipped_total"], stats["samples_flagged"], stats["images_per_s"] or 0,
+        eng["prefilled_per_sample"], "n/a" if rate is None else f"{100 * rate:.0f}%",
+    )
+    return ShardOutcome(task.shard_id, stats=stats)
+
+
+def run_plan(plan: JobPlan, cfg: GenConfig, engine: Engine, prompts: PromptSet, show_progress: bool = True) -> JobSummary:
+    """The ``local`` distributor: every shard of the plan that is not done, one after the other, on
+    this process's engine. Unreadable input shards are recorded as failed and the others go on."""
+    generator, scorer = build_generator(cfg, engine, prompts)
     summary = JobSummary(skipped_done=[t.shard_id for t in plan.by_state("done")])
     todo = plan.todo
     expected = [expected_samples(t.input_path) for t in todo]
     total = sum(expected) if None not in expected else None  # known when img2dataset stats sit beside the tars
-    overall = tqdm(total=total, desc=f"all {len(todo)} shard(s)", unit="img", disable=not show_progress)
-    for task in todo:
-        try:
-            stats = process_shard(task, generator, cfg, show_progress, overall, scorer)
-        except InputShardError as e:
-            logger.error("%s", e)
-            summary.failed[task.shard_id] = str(e)
-        except (OSError, RuntimeError) as e:
-            # a full disk or read-only output stops the job (every later shard would fail the
-            # same way), as one line naming the path; anything else is a bug with its traceback
-            error = output_error(task.output.tar, e)
-            if error is None:
-                raise
-            overall.close()
-            raise error from e
-        else:
-            summary.finished.append(stats)
-            eng = stats["engine_tokens"]
-            rate = eng["stage2_hit_rate"]
-            logger.info(
-                "shard %d done: %d written, %d skipped, %d flagged, %.2f img/s, %s prompt tokens prefilled per sample, "
-                "stage-2 prefix hits %s",
-                task.shard_id, stats["written"], stats["skipped_total"], stats["samples_flagged"], stats["images_per_s"] or 0,
-                eng["prefilled_per_sample"], "n/a" if rate is None else f"{100 * rate:.0f}%",
-            )
-    overall.close()
+    with tqdm(total=total, desc=f"all {len(todo)} shard(s)", unit="img", disable=not show_progress) as overall:
+        for task in todo:
+            summary.add(run_shard(task, generator, cfg, show_progress, overall, scorer))
     return summary
 
 
@@ -382,6 +414,7 @@ def format_job_summary(summary: JobSummary) -> str:
             f"{eng['prefilled_per_sample']:>11} {'-' if rate is None else f'{100 * rate:.0f}':>6} {s['images_per_s'] or 0:>8.3f}"
         )
     lines.append(f"finished {len(summary.finished)} shard(s); {len(summary.skipped_done)} already done; {len(summary.failed)} failed")
-    for shard_id, err in summary.failed.items():
+    for shard_id, err in sorted(summary.failed.items()):
         lines.append(f"  shard {shard_id} FAILED: {err}")
+    lines += summary.notes
     return "\n".join(lines)
