@@ -136,6 +136,11 @@ def test_published_folder_loads_with_the_same_query_embeddings(smoke_run, tmp_pa
     assert (out / "demind.safetensors").read_bytes() == checkpoint.read_bytes()
     config = json.loads((out / "config.json").read_text())
     assert config["library_name"] == "demind" and config["backbone_model_config"] == "backbone/tiny-clip.json"
+    # the copied training config and results do not show the publisher's disk
+    for name in ("training_config.yaml", "results/fashioniq-val.json"):
+        text = (out / name).read_text()
+        assert str(smoke_run) not in text and str(tmp_path) not in text, name
+    assert str(smoke_run) in (smoke_run / "config.yaml").read_text() + (smoke_run / "eval/fashioniq/results.json").read_text()
 
     backbone, _ = load_backbone_and_model(out)
     assert backbone.cfg.name == str(out / "backbone" / "tiny-clip.json")  # the folder's own copy

@@ -9,6 +9,9 @@ A published checkpoint folder (what ``--checkpoint FOLDER`` and ``hf-hub:ORG/NAM
     training_config.yaml      the run's resolved training config, when the run folder has one
     results/BENCH-SPLIT.json  each results.json of demind-eval that evaluated this checkpoint
 
+Absolute paths in the copied configs and results are cut (``without_local_paths``): a published
+folder does not show the publisher's disk.
+
 Intent shards are published where they lie: the dataset card is written as the shard folder's
 ``README.md`` and the folder is uploaded with only its ``*.tar``, ``*_stats.json`` and card.
 """
@@ -106,6 +109,20 @@ def _prepare_out(out: Path, overwrite: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
+def without_local_paths(obj: Any, run_dir: Path) -> Any:
+    """``obj`` (parsed YAML/JSON) with every absolute path replaced, so a published config does not
+    show the publisher's disk: a path inside ``run_dir`` becomes relative to it, any other becomes
+    ``<local>/NAME``."""
+    if isinstance(obj, dict):
+        return {k: without_local_paths(v, run_dir) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [without_local_paths(v, run_dir) for v in obj]
+    if isinstance(obj, str) and Path(obj).is_absolute() and len(Path(obj).parts) > 1:
+        path = Path(obj)
+        return str(path.relative_to(run_dir)) if path.is_relative_to(run_dir) else f"<local>/{path.name}"
+    return obj
+
+
 def _copy_file(src: Path, dest: Path) -> None:
     with atomic_path(dest) as tmp:
         shutil.copyfile(src, tmp)
@@ -155,14 +172,15 @@ def publish_checkpoint(checkpoint: str | Path, out: str | Path, card: CardOption
     backbone_file = _copy_backbone_config(meta["backbone_config"], meta["backbone_identity"], out)
     training = None
     run_config = checkpoint.parent / "config.yaml"
+    run_dir = checkpoint.parent.resolve()
     if run_config.is_file():
-        _copy_file(run_config, out / TRAINING_CONFIG_FILE)
-        training = yaml.safe_load(run_config.read_text(encoding="utf-8"))
+        training = without_local_paths(yaml.safe_load(run_config.read_text(encoding="utf-8")), run_dir)
+        write_text_atomic(out / TRAINING_CONFIG_FILE, yaml.safe_dump(training, sort_keys=False))
     taken: set[str] = set()
     copied = []
     for path, res in evaluations:
         rel = f"{RESULTS_DIR}/{_results_name(res, taken)}"
-        _copy_file(path, out / rel)
+        write_json_atomic(out / rel, without_local_paths(res, run_dir), indent=2)
         copied.append((rel, res))
     datasets = list(card.datasets)
     shards = str((training or {}).get("data", {}).get("shards", ""))
