@@ -40,7 +40,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from demind.config import setting
-from demind.errors import DemindError
+from demind.errors import DemindError, InputError
 from demind.shard_format import CAPTION_FIELD, IMAGE_FIELDS, INTENT_FIELD, REWRITTEN_FIELD
 from demind.targets import TargetSampling, sample_target_kind
 
@@ -108,7 +108,7 @@ def check_reader_count(num_shards: int, world_size: int, num_workers: int, resam
     """Without resampling every reader needs at least one shard per epoch."""
     readers = world_size * max(num_workers, 1)
     if not resample and num_shards < readers:
-        raise ValueError(
+        raise InputError(
             f"{num_shards} shards cannot feed {readers} readers ({world_size} processes x "
             f"{max(num_workers, 1)} workers) without resampling; set data.resample=true or "
             f"lower data.num_workers"

@@ -66,6 +66,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from demind.errors import InputError, MissingInputError
 from demind.config import setting
 # the LLM writer lives with the data_gen engines; also importable from here, where callers found it
 from demind.gen.exclusion import llm_query_writer  # noqa: F401
@@ -227,14 +228,14 @@ def _load(path: Path, keys: tuple[str, ...]) -> dict[str, Any]:
     import json
 
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist (expected a COCO-format annotation file)")
+        raise MissingInputError(f"{path} does not exist (expected a COCO-format annotation file)")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except ValueError as e:
-        raise ValueError(f"{path} is not valid JSON ({e})") from None
+        raise InputError(f"{path} is not valid JSON ({e})") from None
     absent = [k for k in keys if k not in data]
     if absent:
-        raise ValueError(f"{path} lacks the COCO key(s) {absent}; is it the right file?")
+        raise InputError(f"{path} lacks the COCO key(s) {absent}; is it the right file?")
     return data
 
 
@@ -350,7 +351,7 @@ def build_exclcoco(instances_path: str | Path, captions_path: str | Path, out_di
     """
     cfg = cfg or ExclCocoConfig()
     if cfg.query_source not in QUERY_SOURCES:
-        raise ValueError(f"query_source must be one of {QUERY_SOURCES}, got {cfg.query_source!r}")
+        raise InputError(f"query_source must be one of {QUERY_SOURCES}, got {cfg.query_source!r}")
     if cfg.query_source == "llm" and llm is None:
         raise ValueError("query_source='llm' needs an llm function (see demind.gen.exclusion.llm_query_writer)")
     started = time.perf_counter()

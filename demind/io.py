@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from demind.errors import OutputLocationError
+from demind.errors import InputError, MissingInputError, OutputLocationError
 
 
 def temp_path(path: str | Path) -> Path:
@@ -64,7 +64,8 @@ def write_json_atomic(path: str | Path, obj: Any, indent: int | None = None,
 # errno values that mean "this output place is unusable", not "the program has a bug".
 OUTPUT_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EROFS: "read-only file system",
                  errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
-                 errno.EDQUOT: "disk quota exceeded"}
+                 errno.EDQUOT: "disk quota exceeded", errno.ENOTDIR: "a part of the path is a file, not a folder",
+                 errno.EISDIR: "it is a folder, not a file"}
 
 
 def read_jsonl(path: str | Path, what: str = "file") -> list[tuple[int, Any]]:
@@ -75,7 +76,7 @@ def read_jsonl(path: str | Path, what: str = "file") -> list[tuple[int, Any]]:
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{what} {path} does not exist")
+        raise MissingInputError(f"{what} {path} does not exist")
     rows = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
@@ -83,7 +84,7 @@ def read_jsonl(path: str | Path, what: str = "file") -> list[tuple[int, Any]]:
         try:
             rows.append((number, json.loads(line)))
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{number}: not JSON ({e})") from None
+            raise InputError(f"{path}:{number}: not JSON ({e})") from None
     return rows
 
 
@@ -146,6 +147,8 @@ def check_output_dir(path: str | Path, need_bytes: int = 0) -> Path:
     Writes and removes a probe file (the only reliable test for read-only mounts and ACLs) and,
     when ``need_bytes`` > 0, checks the free space. Raises OutputLocationError naming the folder."""
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise OutputLocationError(f"cannot write into {path}: it is a file, not a folder; choose another output location")
     with reporting_output_errors(path):
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".demind-write-probe-{os.getpid()}"
@@ -156,4 +159,14 @@ def check_output_dir(path: str | Path, need_bytes: int = 0) -> Path:
     if need_bytes > 0 and free_bytes(path) < need_bytes:
         raise OutputLocationError(f"cannot write {path}: {_human(free_bytes(path))} free, about {_human(need_bytes)} "
                                   "needed; free space or choose another output location")
+    return path
+
+
+def check_output_file(path: str | Path) -> Path:
+    """Make sure file ``path`` can be written (its folder created and probed, the path not a folder)
+    before the work that produces it. Raises OutputLocationError naming the path."""
+    path = Path(path)
+    if path.is_dir():
+        raise OutputLocationError(f"cannot write {path}: it is a folder, not a file; give a file name")
+    check_output_dir(path.parent if str(path.parent) else Path("."))
     return path

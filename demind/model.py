@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from demind.backbone import PLACEHOLDER, FrozenCLIP
 from demind.config import ConfigError, setting, validate
+from demind.errors import InputError
 
 TEMPLATES = {
     "cirr": "a photo of * , {text}",
@@ -85,7 +86,7 @@ def template_field(template: str) -> str:
     """The one ``{field}`` a query template takes: ``"a {domain} of *"`` -> ``"domain"``."""
     fields = {name for _, name, _, _ in string.Formatter().parse(template) if name}
     if len(fields) != 1 or template.count(PLACEHOLDER) != 1:
-        raise ValueError(f"a query template needs one {PLACEHOLDER!r} and one {{field}}, got {template!r}")
+        raise InputError(f"a query template needs one {PLACEHOLDER!r} and one {{field}}, got {template!r}")
     return fields.pop()
 
 
@@ -275,7 +276,7 @@ class DeMinds(nn.Module):
         six blocks at batch 1 dominates on a GPU.
         """
         if mode not in QUERY_MODES:
-            raise ValueError(f"query mode must be one of {QUERY_MODES}, got {mode!r}")
+            raise InputError(f"query mode must be one of {QUERY_MODES}, got {mode!r}")
         if mode == "eager":
             self.backbone.compile_text_layers(None)
             for module in (self.mapping, self.intention):

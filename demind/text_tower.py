@@ -11,6 +11,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from demind.errors import InputError
+
 
 def truncate_keeping_placeholders(ids: list[int], budget: int, placeholder_id: int) -> list[int]:
     """Drop free-text tokens from the end until ``ids`` fits ``budget``; placeholders stay."""
@@ -18,7 +20,7 @@ def truncate_keeping_placeholders(ids: list[int], budget: int, placeholder_id: i
         return ids
     n_placeholders = sum(1 for i in ids if i == placeholder_id)
     if n_placeholders > budget:
-        raise ValueError(f"{n_placeholders} placeholders do not fit a context of {budget} word tokens")
+        raise InputError(f"{n_placeholders} placeholders do not fit a context of {budget} word tokens")
     keep = list(ids)
     for pos in range(len(keep) - 1, -1, -1):
         if len(keep) <= budget:

@@ -24,6 +24,7 @@ import open_clip
 import torch
 from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 
+from demind.errors import MissingInputError
 from demind.backbone import quiet_random_init_notice, run_text_transformer
 from demind.config import setting, validate
 
@@ -130,7 +131,7 @@ def model_name(model_config: str | Path) -> str:
     """Register a model-config JSON with open_clip and return the name to create it by."""
     path = Path(model_config)
     if not path.is_file():
-        raise FileNotFoundError(f"toy model config {path} does not exist (expected an open_clip model JSON)")
+        raise MissingInputError(f"toy model config {path} does not exist (expected an open_clip model JSON)")
     open_clip.add_model_config(path)
     return path.stem
 

@@ -21,6 +21,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from demind.errors import InputError
 from demind.backbone import PRECISIONS
 from demind.checkpoint import load_backbone_and_model
 from demind.cli.common import Flag, config_parser, run_config_command
@@ -102,14 +103,14 @@ def read_query_file(path: str | Path, defaults: SearchQuery) -> list[SearchQuery
     for number, row in read_jsonl(path, what="query file"):
         unknown = set(row) - {"id", "image", "text", "method", "template", "k", "negative"} if isinstance(row, dict) else None
         if not isinstance(row, dict) or "text" not in row or unknown:
-            raise ValueError(f"{path}:{number} must be an object with 'text' and optionally image, method, "
+            raise InputError(f"{path}:{number} must be an object with 'text' and optionally image, method, "
                              f"template, k, negative, id" + (f" (unknown keys {sorted(unknown)})" if unknown else ""))
         queries.append(SearchQuery(image=row.get("image"), text=str(row["text"]),
                                    method=row.get("method", defaults.method),
                                    template=row.get("template", defaults.template), k=int(row.get("k", defaults.k)),
                                    negative=row.get("negative", defaults.negative), qid=str(row.get("id", number))))
     if not queries:
-        raise ValueError(f"query file {path} holds no queries")
+        raise InputError(f"query file {path} holds no queries")
     return queries
 
 
@@ -141,10 +142,10 @@ def run(cfg: SearchConfig) -> int:
                            k=cfg.k, negative=cfg.negative)
     if cfg.queries:
         if cfg.image or cfg.text:
-            raise ValueError("give --queries FILE or --image/--text, not both")
+            raise InputError("give --queries FILE or --image/--text, not both")
         queries = read_query_file(cfg.queries, defaults)
     elif cfg.text is None and cfg.image is None:
-        raise ValueError("give --image REF --text 'make it red' (or --queries FILE.jsonl)")
+        raise InputError("give --image REF --text 'make it red' (or --queries FILE.jsonl)")
     else:
         queries = [defaults]
     backbone, model = load_model(cfg)

@@ -15,6 +15,7 @@ import logging
 import sys
 from dataclasses import dataclass
 
+from demind.errors import InputError
 from demind.cli.common import Flag, config_parser, run_config_command
 from demind.cli.search import MODEL_FLAGS, ModelOptions, load_model
 from demind.config import setting
@@ -53,7 +54,7 @@ def resolve_paths(args: ServeConfig) -> None:
         args.images = args.images or str(paths["images"])
         args.index = args.index or str(paths["index"])
     if not args.index or not (args.checkpoint or args.backbone.spec):
-        raise ValueError("give --quickstart [WORKDIR], or --index DIR with --checkpoint CKPT")
+        raise InputError("give --quickstart [WORKDIR], or --index DIR with --checkpoint CKPT")
 
 
 def run(args: ServeConfig) -> int:

@@ -23,6 +23,7 @@ from open_clip.transform import PreprocessCfg, image_transform_v2, merge_preproc
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
+from demind.errors import InputError
 from demind.backbone import FrozenCLIP
 from demind.eval.structures import ImageReadError, ImageRef, load_image
 from demind.io import atomic_path
@@ -174,7 +175,7 @@ def unique_refs(refs: list[ImageRef]) -> list[ImageRef]:
         if seen is None:
             by_name[ref.name] = ref
         elif seen.cache_key != ref.cache_key:
-            raise ValueError(f"two different images share the name {ref.name!r}: {seen.cache_key} and {ref.cache_key}")
+            raise InputError(f"two different images share the name {ref.name!r}: {seen.cache_key} and {ref.cache_key}")
     return list(by_name.values())
 
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from demind.errors import InputError, MissingInputError
+
 PROMPT_ROOT = Path(__file__).resolve().parent / "prompts"
 CAPTION_FIELD = "{caption}"
 
@@ -43,7 +45,7 @@ def load_prompts(version: str) -> PromptSet:
     folder = Path(version) if Path(version).is_dir() else PROMPT_ROOT / version
     if not folder.is_dir():
         available = sorted(p.name for p in PROMPT_ROOT.iterdir() if p.is_dir())
-        raise FileNotFoundError(
+        raise MissingInputError(
             f"prompt version {version!r} not found: no folder {folder}; available versions: {available} "
             "(or pass prompts.version=/path/to/folder with rewrite.txt, intent.txt, single.txt)"
         )
@@ -51,11 +53,11 @@ def load_prompts(version: str) -> PromptSet:
     for name in ("rewrite", "intent", "single"):
         path = folder / f"{name}.txt"
         if not path.is_file():
-            raise FileNotFoundError(f"prompt file {path} is missing; a prompt set needs rewrite.txt, intent.txt, single.txt")
+            raise MissingInputError(f"prompt file {path} is missing; a prompt set needs rewrite.txt, intent.txt, single.txt")
         texts[name] = path.read_text(encoding="utf-8").strip()
     for name in ("rewrite", "single"):
         if texts[name].count(CAPTION_FIELD) != 1:
-            raise ValueError(f"prompt file {folder / (name + '.txt')} must contain {CAPTION_FIELD} exactly once")
+            raise InputError(f"prompt file {folder / (name + '.txt')} must contain {CAPTION_FIELD} exactly once")
     digest = hashlib.sha256("\x00".join(texts[n] for n in ("rewrite", "intent", "single")).encode()).hexdigest()
     return PromptSet(version=folder.name, sha=digest[:12], **texts)
 
@@ -91,7 +93,7 @@ def single_conversation(prompts: PromptSet, caption: str) -> Conversation:
 def render(renderer: ChatTemplateRenderer, conversation: Conversation) -> str:
     """The prompt string the model sees, with the generation prompt (e.g. ``ASSISTANT:``) appended."""
     if getattr(renderer, "chat_template", None) is None:
-        raise ValueError(
+        raise InputError(
             "the model's processor has no chat template; pick a chat model (e.g. llava-hf/llava-v1.6-mistral-7b-hf) "
             "or save a processor with a chat_template"
         )

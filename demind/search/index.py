@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from demind.backbone import FrozenCLIP
+from demind.errors import DemindError
 from demind.eval.image_cache import ImageFeatureCache, backbone_cache_slug, encode_image_refs, stack_features
 from demind.eval.structures import IMAGE_EXTENSIONS, ImageRef, read_json
 from demind.io import write_json_atomic
@@ -41,7 +42,7 @@ BACKBONE_FILE = "backbone.json"
 ROLE = "embeddings"
 
 
-class GalleryIndexError(ValueError):
+class GalleryIndexError(DemindError, ValueError):
     """An index that cannot be used as asked (missing, unfinished, or another backbone's)."""
 
 

@@ -15,7 +15,7 @@ import json
 import os
 from pathlib import Path
 
-from demind.errors import DemindError
+from demind.errors import DemindError, MissingInputError
 from demind.io import write_json_atomic
 
 MANIFEST_NAME = "search.json"
@@ -45,7 +45,7 @@ def read_search_manifest(folder: str | Path) -> dict[str, Path]:
     not a manifest of this format."""
     path = Path(folder) / MANIFEST_NAME
     if not path.is_file():
-        raise FileNotFoundError(f"no {MANIFEST_NAME} in {folder}: run the quickstart first "
+        raise MissingInputError(f"no {MANIFEST_NAME} in {folder}: run the quickstart first "
                                 f"(demind-quickstart workdir={folder}), which writes it when it finishes")
     try:
         data = json.loads(path.read_text())

@@ -25,6 +25,7 @@ from PIL import Image
 
 from demind.backbone import PLACEHOLDER, FrozenCLIP
 from demind.config import MissingDependencyError
+from demind.errors import DemindError
 from demind.eval import methods as registry
 from demind.eval.methods import (CHECKPOINT_METHODS, EXCLMM_METHODS, METHOD_LABELS, METHODS, ON_REQUEST_METHODS,
                                  build_methods, parse_method_names)
@@ -53,7 +54,7 @@ def method_label(name: str) -> str:
     return METHOD_LABELS.get(base, base) + (f" + DEO ({name[len(base) + 5:] or 'exact'})" if name != base else "")
 
 
-class SearchError(ValueError):
+class SearchError(DemindError, ValueError):
     """A query that cannot be answered as given; the message says what to change."""
 
 
