@@ -68,23 +68,31 @@ OUTPUT_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EROFS: "read-onl
                  errno.EISDIR: "it is a folder, not a file"}
 
 
-def read_jsonl(path: str | Path, what: str = "file") -> list[tuple[int, Any]]:
+def read_jsonl(path: str | Path, what: str = "file", bad_lines: list[tuple[int, str]] | None = None
+               ) -> list[tuple[int, Any]]:
     """The values of a JSON-lines file as (line number, value), blank lines skipped.
 
-    A missing file is a FileNotFoundError and a malformed line a ValueError, each naming the
-    file (and the line), so callers only check the values' own shape.
+    A missing file is a MissingInputError and a malformed line (not JSON, not UTF-8) an InputError,
+    each naming the file (and the line), so callers only check the values' own shape. With
+    ``bad_lines`` a malformed line is appended there as (line number, message) and skipped instead.
     """
     path = Path(path)
+    if path.is_dir():
+        raise InputError(f"{what} {path} is a folder; give the JSON-lines file")
     if not path.is_file():
         raise MissingInputError(f"{what} {path} does not exist")
     rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
+    for number, raw in enumerate(path.read_bytes().splitlines(), start=1):
         try:
+            line = raw.decode("utf-8")
+            if not line.strip():
+                continue
             rows.append((number, json.loads(line)))
-        except json.JSONDecodeError as e:
-            raise InputError(f"{path}:{number}: not JSON ({e})") from None
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            message = f"{path}:{number}: not {'UTF-8' if isinstance(e, UnicodeDecodeError) else 'JSON'} ({e})"
+            if bad_lines is None:
+                raise InputError(message) from None
+            bad_lines.append((number, message))
     return rows
 
 

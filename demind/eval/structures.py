@@ -180,13 +180,13 @@ def require_dir(path: Path, layout: str) -> Path:
     return path
 
 
-def read_json(path: Path) -> Any:
-    """Parse a JSON file; a malformed one raises ValueError naming the file."""
+def read_json(path: Path, fix: str = "re-download the annotation file") -> Any:
+    """Parse a JSON file; a malformed one (truncated, not UTF-8) raises InputError naming the file and ``fix``."""
     try:
         with path.open("r", encoding="utf-8") as f:
             return json.load(f)
-    except json.JSONDecodeError as e:
-        raise InputError(f"{path} is not valid JSON ({e}); re-download the annotation file") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{path} is not valid JSON ({e}); {fix}") from None
 
 
 def check_query_file(data: Any, path: Path, fmt: str, top_keys: tuple[str, ...], query_keys: tuple[str, ...],
