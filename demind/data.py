@@ -41,6 +41,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from demind.config import setting
 from demind.errors import DemindError, InputError
+from demind.io import to_rgb
 from demind.shard_format import CAPTION_FIELD, IMAGE_FIELDS, INTENT_FIELD, REWRITTEN_FIELD
 from demind.targets import TargetSampling, sample_target_kind
 
@@ -189,7 +190,7 @@ def decode_to_tensor(data: bytes, transform: Callable) -> torch.Tensor:
     from PIL import Image
 
     with Image.open(io.BytesIO(data)) as img:
-        return transform(img.convert("RGB"))
+        return transform(to_rgb(img))
 
 
 def read_tar_samples(shard: str, missing_text: str, stats: ReaderStats) -> Iterator[dict[str, Any]]:

@@ -16,6 +16,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from PIL import Image
+
 from demind.errors import InputError, MissingInputError, OutputLocationError
 
 
@@ -57,6 +59,22 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
 def write_json_atomic(path: str | Path, obj: Any, indent: int | None = None,
                       default: Callable[[Any], Any] | None = None) -> Path:
     return write_text_atomic(path, json.dumps(obj, indent=indent, default=default))
+
+
+# --------------------------------------------------------------------------- images
+
+ALPHA_MODES = ("RGBA", "RGBa", "LA", "La", "PA")
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """A decoded image as RGB, transparency composited on white (every image reader uses this).
+
+    Dropping the alpha channel would show whatever colour the file keeps under transparent
+    pixels (often black, sometimes a hidden drawing); a white background is what a viewer shows."""
+    if image.mode not in ALPHA_MODES and "transparency" not in image.info:
+        return image.convert("RGB")
+    rgba = image.convert("RGBA")
+    return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
 
 
 # --------------------------------------------------------------------------- output checks

@@ -22,6 +22,7 @@ from PIL import Image
 
 from demind.errors import DemindError, InputError
 from demind.eval.masks import decode_segmentation
+from demind.io import to_rgb
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 # How an image is brought to the backbone's input size: "backbone" = the backbone's own eval
@@ -256,7 +257,7 @@ def load_image(ref: ImageRef) -> Image.Image:
     """
     try:
         with Image.open(_span_bytes(ref.path, ref.span) if ref.span else ref.path) as img:
-            image = img.convert("RGB")
+            image = to_rgb(img)
     except (OSError, ValueError, Image.DecompressionBombError) as e:
         raise ImageReadError(f"cannot read image {ref.path}: {e}; re-download or remove it from the split") from e
     if ref.segmentation is not None:

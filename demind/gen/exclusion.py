@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from demind.errors import InputError, MissingInputError
+from demind.io import to_rgb
 
 PROMPT_ROOT = Path(__file__).resolve().parent / "exclusion_prompts"
 
@@ -51,7 +52,7 @@ def llm_query_writer(engine: Any, prompt_version: str = "v1", seed: int = 0, max
             path = Path(q["image_path"])
             if not path.is_file():
                 raise MissingInputError(f"image {path} of query {q['id']} does not exist (check --image-root)")
-            image = Image.open(path).convert("RGB")
+            image = to_rgb(Image.open(path))
             image.thumbnail((image_max_side, image_max_side))
             text = (prompt.replace("{caption}", q["positive_query"]).replace("{include}", ", ".join(q["include"]))
                     .replace("{exclude}", q["exclude"]))

@@ -30,6 +30,7 @@ from demind.eval import methods as registry
 from demind.eval.methods import (CHECKPOINT_METHODS, EXCLMM_METHODS, METHOD_LABELS, METHODS, ON_REQUEST_METHODS,
                                  build_methods, parse_method_names)
 from demind.eval.structures import ImageReadError, ImageRef, load_image
+from demind.io import to_rgb
 from demind.model import TEMPLATES, DeMinds, fill_template, template_field
 from demind.search.index import GalleryIndex, check_index_backbone
 
@@ -96,7 +97,7 @@ def read_query_image(image: str | Path | ImageRef | bytes) -> Image.Image:
     if isinstance(image, (bytes, bytearray)):
         try:
             with Image.open(io.BytesIO(image)) as img:
-                return img.convert("RGB")
+                return to_rgb(img)
         except (OSError, ValueError, Image.DecompressionBombError) as e:
             raise SearchError(f"the uploaded reference image cannot be read ({e}); upload a PNG, JPEG or WebP "
                               f"image") from None
