@@ -148,6 +148,8 @@ def output_error(path: str | Path, exc: BaseException) -> OutputLocationError | 
             return None
     if reason is None:
         return None
+    if code in (errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EROFS):
+        return OutputLocationError(f"cannot write {path}: {reason}; choose another output location")
     try:
         free = f"; {_human(free_bytes(path))} free there"
     except OSError:

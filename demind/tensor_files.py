@@ -54,5 +54,7 @@ def load_torch_file(path: str | Path, error: type[Exception], what: str, fix: st
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except (EOFError, RuntimeError, pickle.UnpicklingError) as e:
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        # torch's own texts run to paragraphs (the weights_only advice): keep the first clause
+        reason = "not a torch.save file" if isinstance(e, pickle.UnpicklingError) else (
+            str(e).split(". ")[0] if str(e) else "the file ends early")
         raise error(f"{what} {path} is truncated or corrupted ({reason}){tail}") from None

@@ -62,7 +62,6 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
-from demind.errors import InputError
 from demind.config import setting
 from demind.eval.exclusion import FORMAT
 from demind.io import atomic_path, write_json_atomic, write_text_atomic
@@ -378,7 +377,7 @@ def toy_categories(labels: str) -> list[str]:
         return list(SHAPES)
     if labels == "colour shape":
         return [f"{c} {s}" for c in COLOURS for s in SHAPES]
-    raise InputError(f"exclcoco_labels must be 'shape' or 'colour shape', got {labels!r}")
+    raise ValueError(f"exclcoco_labels must be 'shape' or 'colour shape', got {labels!r}")
 
 
 def write_toy_coco_split(folder: Path, split: str, stream: str, count: int, image_size: int,
@@ -437,7 +436,7 @@ def write_benchmarks(root: str | Path, cfg: ToyBenchmarkConfig | None = None,
     root = Path(root)
     unknown = [w for w in which if w not in BENCHMARKS]
     if unknown:
-        raise InputError(f"unknown toy benchmarks {unknown}; known: {BENCHMARKS}")
+        raise ValueError(f"unknown toy benchmarks {unknown}; known: {BENCHMARKS}")
     folders = {}
     for name in which:
         folder = root / name

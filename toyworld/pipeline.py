@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from demind.config import setting
-from demind.io import write_json_atomic
+from demind.io import check_output_dir, write_json_atomic
 
 from .benchmarks import ToyBenchmarkConfig, write_benchmarks
 from .clip import ToyBackboneConfig, model_config_path
@@ -227,8 +227,8 @@ def trained_gate(export: Path) -> float:
 
 def run_quickstart(cfg: QuickstartConfig) -> dict[str, Any]:
     """Run (or finish) the whole quickstart; returns the summary written to results.json."""
-    workdir = Path(cfg.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
+    workdir = check_output_dir(cfg.workdir)  # before any stage: a workdir under a file is one line
+    model_config_path(cfg.backbone.model_config)  # and a missing model config
     timings: dict[str, float] = {}
 
     def timed(name: str, fn, *args):

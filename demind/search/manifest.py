@@ -47,11 +47,13 @@ def read_search_manifest(folder: str | Path) -> dict[str, Path]:
     if not path.is_file():
         raise MissingInputError(f"no {MANIFEST_NAME} in {folder}: run the quickstart first "
                                 f"(demind-quickstart workdir={folder}), which writes it when it finishes")
+    fix = "rerun the quickstart to rewrite it, or give --index and --checkpoint instead of --quickstart"
     try:
-        data = json.loads(path.read_text())
-        if data.get("format") != MANIFEST_FORMAT or not all(isinstance(data.get(k), str) for k in KEYS):
-            raise ValueError(f"expected format {MANIFEST_FORMAT} with string paths {', '.join(KEYS)}")
-    except (ValueError, AttributeError) as err:
-        raise SearchManifestError(f"{path} is not a search manifest ({err}); rerun the quickstart to rewrite it, "
-                                  f"or give --index and --checkpoint instead of --quickstart") from err
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise SearchManifestError(f"{path} is not a search manifest (not JSON: {err}); {fix}") from None
+    if (not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT
+            or not all(isinstance(data.get(k), str) for k in KEYS)):
+        raise SearchManifestError(f"{path} is not a search manifest (expected a JSON object of format "
+                                  f"{MANIFEST_FORMAT} with string paths {', '.join(KEYS)}); {fix}")
     return {k: Path(folder) / data[k] for k in KEYS}
