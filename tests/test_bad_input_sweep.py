@@ -1,6 +1,7 @@
 """Every console script against malformed input of each kind it reads: a missing file, an empty
 file, the wrong JSON/YAML type at each level, null and wrong-typed fields, truncated binary
-state, a directory where a file is expected, an output under a file.
+state, an unreadable file (skipped when run as root, who reads it anyway), a directory where a
+file is expected, an output under a file.
 
 Each row runs the command in-process through its ``main(argv)`` and expects one of two outcomes:
 ``error`` -- exit status 2, no traceback, exactly one ``error:`` line on stderr that names the file
@@ -15,6 +16,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import os
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -136,6 +138,7 @@ class Row:
     names: Callable[[Inputs], list[str]] = lambda i: []
     expect: str = "error"
     codes: tuple[int, ...] = (0,)
+    unreadable: bool = False  # a file without read permission: root reads it anyway, so skipped as root
     id: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -199,6 +202,9 @@ ROWS: list[Row] = [
     Row("demind-make-shards", "captions empty",
         lambda i: ["--images", str(i.gallery), "--captions", str(i.write("empty.csv", "")), "--output",
                    str(i.root / "ms")], lambda i: ["empty.csv"]),
+    Row("demind-make-shards", "captions unreadable",
+        lambda i: ["--images", str(i.gallery), "--captions", str(unreadable(i, "locked.csv", "image,caption\n")),
+                   "--output", str(i.root / "ms")], lambda i: ["locked.csv"], unreadable=True),
     Row("demind-make-shards", "images missing",
         lambda i: ["--images", str(i.root / "no-images"), "--captions",
                    str(i.write("ok.jsonl", '{"image": "img0.png", "caption": "a"}\n')), "--output", str(i.root / "ms")],
@@ -260,6 +266,9 @@ ROWS: list[Row] = [
                                                        str(i.root / "none.jsonl"), *ckpt(i)], lambda i: ["none.jsonl"]),
     Row("demind-search", "queries is a folder", lambda i: ["--index", str(i.index("sx-q2")), "--queries",
                                                            str(i.folder("q.jsonl")), *ckpt(i)], lambda i: ["q.jsonl"]),
+    Row("demind-search", "queries unreadable", lambda i: ["--index", str(i.index("sx-q5")), "--queries",
+                                                          str(unreadable(i, "locked-q.jsonl", '{"text": "a"}\n')),
+                                                          *ckpt(i)], lambda i: ["locked-q.jsonl"], unreadable=True),
     Row("demind-search", "queries empty", lambda i: ["--index", str(i.index("sx-q3")), "--queries",
                                                      str(i.write("empty.jsonl", "")), *ckpt(i)],
         lambda i: ["empty.jsonl"]),
@@ -322,6 +331,9 @@ ROWS: list[Row] = [
     *config_rows("demind-negation-report"),
     Row("demind-negation-report", "phrasings missing", lambda i: ["--phrasings", str(i.root / "none.jsonl")],
         lambda i: ["none.jsonl"]),
+    Row("demind-negation-report", "phrasings unreadable",
+        lambda i: ["--phrasings", str(unreadable(i, "locked.jsonl", '{"query": "a"}\n'))], lambda i: ["locked.jsonl"],
+        unreadable=True),
     Row("demind-negation-report", "phrasings line a list", lambda i: ["--phrasings", str(i.write("p1.jsonl", "[1]\n"))],
         lambda i: ["p1.jsonl:1"]),
     Row("demind-negation-report", "phrasings positive: 5", lambda i: ["--phrasings", str(i.write("p2.jsonl", json.dumps(
@@ -375,6 +387,12 @@ def resume_dir(i: Inputs, name: str, files: dict[str, str]) -> Path:
     for file, text in files.items():
         (step / file).write_text(text)
     return step.parents[1]
+
+
+def unreadable(i: Inputs, name: str, text: str) -> Path:
+    path = i.write(name, text)
+    path.chmod(0)
+    return path
 
 
 def damage(folder: Path, name: str, content: bytes) -> Path:
@@ -436,6 +454,8 @@ def test_bad_input(row: Row, inputs: Inputs, capsys, caplog, monkeypatch):
         import demind.search.server as server
 
         monkeypatch.setattr(server, "start_server", lambda *a, **k: pytest.fail("the bad input was served"))
+    if row.unreadable and os.geteuid() == 0:
+        pytest.skip("root reads files without read permission")
     argv = row.argv(inputs)
     capsys.readouterr()
     with caplog.at_level(logging.INFO):
