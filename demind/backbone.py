@@ -21,6 +21,7 @@ import open_clip
 import torch
 import torch.nn as nn
 
+from demind.errors import InputError, MissingInputError
 from demind.config import ConfigError, setting, validate
 from demind.plugins import require_timm_model
 # identity and text-tower helpers live in their own modules; also importable from here, where callers found them
@@ -92,7 +93,7 @@ def _resolve_model_name(name: str) -> str:
         return name
     path = Path(name)
     if not path.is_file():
-        raise FileNotFoundError(
+        raise MissingInputError(
             f"backbone model config {path} does not exist; give an open_clip model name "
             f"(see open_clip.list_models()) or the path of a model-config JSON"
         )
@@ -166,7 +167,7 @@ class FrozenCLIP(nn.Module):
         self.cfg = cfg
         model_name = _resolve_model_name(cfg.name)
         if cfg.pretrained and not Path(cfg.pretrained).exists() and ("/" in cfg.pretrained or cfg.pretrained.endswith((".pt", ".bin", ".safetensors"))):
-            raise FileNotFoundError(
+            raise MissingInputError(
                 f"backbone checkpoint {cfg.pretrained} does not exist; give an existing file or an open_clip "
                 f"pretrained tag (see open_clip.list_pretrained_tags_by_model({model_name!r}))"
             )
@@ -224,7 +225,7 @@ class FrozenCLIP(nn.Module):
     def _single_token_id(self, text: str) -> int:
         ids = self.tokenizer.encode(text)
         if len(ids) != 1:
-            raise ValueError(f"placeholder {text!r} is not a single token for this tokenizer: {ids}")
+            raise InputError(f"placeholder {text!r} is not a single token for this tokenizer: {ids}")
         return ids[0]
 
     def train(self, mode: bool = True) -> "FrozenCLIP":

@@ -348,7 +348,8 @@ def load_config(cls: type[T], path: str | Path | None = None,
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
+            raise ConfigError(f"config file {path} " + ("is a folder; give the YAML file" if path.is_dir()
+                                                          else "does not exist"))
         try:
             loaded = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as e:

@@ -40,7 +40,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from demind.config import setting
-from demind.errors import DemindError
+from demind.errors import DemindError, InputError
+from demind.io import to_rgb
 from demind.shard_format import CAPTION_FIELD, IMAGE_FIELDS, INTENT_FIELD, REWRITTEN_FIELD
 from demind.targets import TargetSampling, sample_target_kind
 
@@ -108,7 +109,7 @@ def check_reader_count(num_shards: int, world_size: int, num_workers: int, resam
     """Without resampling every reader needs at least one shard per epoch."""
     readers = world_size * max(num_workers, 1)
     if not resample and num_shards < readers:
-        raise ValueError(
+        raise InputError(
             f"{num_shards} shards cannot feed {readers} readers ({world_size} processes x "
             f"{max(num_workers, 1)} workers) without resampling; set data.resample=true or "
             f"lower data.num_workers"
@@ -189,7 +190,7 @@ def decode_to_tensor(data: bytes, transform: Callable) -> torch.Tensor:
     from PIL import Image
 
     with Image.open(io.BytesIO(data)) as img:
-        return transform(img.convert("RGB"))
+        return transform(to_rgb(img))
 
 
 def read_tar_samples(shard: str, missing_text: str, stats: ReaderStats) -> Iterator[dict[str, Any]]:

@@ -14,6 +14,18 @@ class DemindError(Exception):
     """An error caused by the user's input or environment, with a message that names the fix."""
 
 
+class InputError(DemindError, ValueError):
+    """A file, line, key or value the user gave that cannot be used; the message names it and the fix.
+
+    The generic reader error: a malformed annotation, query, caption or prompt file, or a setting
+    outside what a function accepts. ``ValueError`` stays its base so library callers that caught
+    it keep working; the command line tells it from a bug's ``ValueError`` by the ``DemindError``."""
+
+
+class MissingInputError(DemindError, FileNotFoundError):
+    """An input the user named (file, folder, prompt version) that does not exist; the message says what was expected."""
+
+
 class OutputLocationError(DemindError, OSError):
     """An output folder or file that cannot be written: read-only, no permission, or disk full."""
 
@@ -22,4 +34,4 @@ class NonFiniteError(DemindError, FloatingPointError):
     """A tensor (weights, embeddings, a loss) holds NaN or infinity; the message names it."""
 
 
-__all__ = ["DemindError", "OutputLocationError", "NonFiniteError"]
+__all__ = ["DemindError", "InputError", "MissingInputError", "OutputLocationError", "NonFiniteError"]

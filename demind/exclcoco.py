@@ -66,6 +66,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from demind.coco_files import CAPTION_FIELDS, INSTANCE_FIELDS, load_coco
+from demind.errors import InputError
 from demind.config import setting
 # the LLM writer lives with the data_gen engines; also importable from here, where callers found it
 from demind.gen.exclusion import llm_query_writer  # noqa: F401
@@ -223,21 +225,6 @@ class LabelIndex:
         return sorted(found, key=self._order.__getitem__)
 
 
-def _load(path: Path, keys: tuple[str, ...]) -> dict[str, Any]:
-    import json
-
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist (expected a COCO-format annotation file)")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as e:
-        raise ValueError(f"{path} is not valid JSON ({e})") from None
-    absent = [k for k in keys if k not in data]
-    if absent:
-        raise ValueError(f"{path} lacks the COCO key(s) {absent}; is it the right file?")
-    return data
-
-
 def category_phrases(categories: list[str]) -> dict[str, list[tuple[str, ...]]]:
     """label -> its name and synonyms as singularised token tuples."""
     return {c: list(dict.fromkeys(tuple(tokens(p)) for p in (c, *SYNONYMS.get(c, ())) if tokens(p)))
@@ -350,13 +337,13 @@ def build_exclcoco(instances_path: str | Path, captions_path: str | Path, out_di
     """
     cfg = cfg or ExclCocoConfig()
     if cfg.query_source not in QUERY_SOURCES:
-        raise ValueError(f"query_source must be one of {QUERY_SOURCES}, got {cfg.query_source!r}")
+        raise InputError(f"query_source must be one of {QUERY_SOURCES}, got {cfg.query_source!r}")
     if cfg.query_source == "llm" and llm is None:
         raise ValueError("query_source='llm' needs an llm function (see demind.gen.exclusion.llm_query_writer)")
     started = time.perf_counter()
     instances_path, captions_path, out_dir = Path(instances_path), Path(captions_path), Path(out_dir)
-    instances = _load(instances_path, ("images", "annotations", "categories"))
-    captions = _load(captions_path, ("annotations",))["annotations"]
+    instances = load_coco(instances_path, INSTANCE_FIELDS)
+    captions = load_coco(captions_path, CAPTION_FIELDS)["annotations"]
     counts = BuildCounts(images=len(instances["images"]))
 
     categories = [c["name"] for c in sorted(instances["categories"], key=lambda c: c["id"])]

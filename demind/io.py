@@ -16,7 +16,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from demind.errors import OutputLocationError
+from PIL import Image
+
+from demind.errors import InputError, MissingInputError, OutputLocationError
 
 
 def temp_path(path: str | Path) -> Path:
@@ -59,31 +61,56 @@ def write_json_atomic(path: str | Path, obj: Any, indent: int | None = None,
     return write_text_atomic(path, json.dumps(obj, indent=indent, default=default))
 
 
+# --------------------------------------------------------------------------- images
+
+ALPHA_MODES = ("RGBA", "RGBa", "LA", "La", "PA")
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """A decoded image as RGB, transparency composited on white (every image reader uses this).
+
+    Dropping the alpha channel would show whatever colour the file keeps under transparent
+    pixels (often black, sometimes a hidden drawing); a white background is what a viewer shows."""
+    if image.mode not in ALPHA_MODES and "transparency" not in image.info:
+        return image.convert("RGB")
+    rgba = image.convert("RGBA")
+    return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+
+
 # --------------------------------------------------------------------------- output checks
 
 # errno values that mean "this output place is unusable", not "the program has a bug".
 OUTPUT_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EROFS: "read-only file system",
                  errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
-                 errno.EDQUOT: "disk quota exceeded"}
+                 errno.EDQUOT: "disk quota exceeded", errno.ENOTDIR: "a part of the path is a file, not a folder",
+                 errno.EISDIR: "it is a folder, not a file"}
 
 
-def read_jsonl(path: str | Path, what: str = "file") -> list[tuple[int, Any]]:
+def read_jsonl(path: str | Path, what: str = "file", bad_lines: list[tuple[int, str]] | None = None
+               ) -> list[tuple[int, Any]]:
     """The values of a JSON-lines file as (line number, value), blank lines skipped.
 
-    A missing file is a FileNotFoundError and a malformed line a ValueError, each naming the
-    file (and the line), so callers only check the values' own shape.
+    A missing file is a MissingInputError and a malformed line (not JSON, not UTF-8) an InputError,
+    each naming the file (and the line), so callers only check the values' own shape. With
+    ``bad_lines`` a malformed line is appended there as (line number, message) and skipped instead.
     """
     path = Path(path)
+    if path.is_dir():
+        raise InputError(f"{what} {path} is a folder; give the JSON-lines file")
     if not path.is_file():
-        raise FileNotFoundError(f"{what} {path} does not exist")
+        raise MissingInputError(f"{what} {path} does not exist")
     rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
+    for number, raw in enumerate(path.read_bytes().splitlines(), start=1):
         try:
+            line = raw.decode("utf-8")
+            if not line.strip():
+                continue
             rows.append((number, json.loads(line)))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{number}: not JSON ({e})") from None
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            message = f"{path}:{number}: not {'UTF-8' if isinstance(e, UnicodeDecodeError) else 'JSON'} ({e})"
+            if bad_lines is None:
+                raise InputError(message) from None
+            bad_lines.append((number, message))
     return rows
 
 
@@ -121,6 +148,8 @@ def output_error(path: str | Path, exc: BaseException) -> OutputLocationError | 
             return None
     if reason is None:
         return None
+    if code in (errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EROFS):
+        return OutputLocationError(f"cannot write {path}: {reason}; choose another output location")
     try:
         free = f"; {_human(free_bytes(path))} free there"
     except OSError:
@@ -146,6 +175,8 @@ def check_output_dir(path: str | Path, need_bytes: int = 0) -> Path:
     Writes and removes a probe file (the only reliable test for read-only mounts and ACLs) and,
     when ``need_bytes`` > 0, checks the free space. Raises OutputLocationError naming the folder."""
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise OutputLocationError(f"cannot write into {path}: it is a file, not a folder; choose another output location")
     with reporting_output_errors(path):
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".demind-write-probe-{os.getpid()}"
@@ -156,4 +187,14 @@ def check_output_dir(path: str | Path, need_bytes: int = 0) -> Path:
     if need_bytes > 0 and free_bytes(path) < need_bytes:
         raise OutputLocationError(f"cannot write {path}: {_human(free_bytes(path))} free, about {_human(need_bytes)} "
                                   "needed; free space or choose another output location")
+    return path
+
+
+def check_output_file(path: str | Path) -> Path:
+    """Make sure file ``path`` can be written (its folder created and probed, the path not a folder)
+    before the work that produces it. Raises OutputLocationError naming the path."""
+    path = Path(path)
+    if path.is_dir():
+        raise OutputLocationError(f"cannot write {path}: it is a folder, not a file; give a file name")
+    check_output_dir(path.parent if str(path.parent) else Path("."))
     return path

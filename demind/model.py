@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from demind.backbone import PLACEHOLDER, FrozenCLIP
 from demind.config import ConfigError, setting, validate
-from demind.errors import DemindError
+from demind.errors import DemindError, InputError
 
 TEMPLATES = {
     "cirr": "a photo of * , {text}",
@@ -365,7 +365,7 @@ class DeMinds(nn.Module):
         six blocks at batch 1 dominates on a GPU.
         """
         if mode not in QUERY_MODES:
-            raise ValueError(f"query mode must be one of {QUERY_MODES}, got {mode!r}")
+            raise InputError(f"query mode must be one of {QUERY_MODES}, got {mode!r}")
         if mode == "eager":
             self.backbone.compile_text_layers(None)
             for module in (self.mapping, self.intention):

@@ -63,6 +63,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from demind.errors import InputError
 from demind.config import setting
 from demind.fidelity import GFQ_PAIRINGS, GFQ_THRESHOLD
 from demind.losses import Gather, demind_losses
@@ -222,7 +223,7 @@ def noise_aware_losses(out: ComposeOutput, teacher_emb: torch.Tensor, image_emb:
     if cfg.mode != "conesep":
         return terms
     if negative is None:
-        raise ValueError("noise.mode=conesep needs the negative compositions (model.negative_tokens >= 1)")
+        raise InputError("noise.mode=conesep needs the negative compositions (model.negative_tokens >= 1)")
     image = F.normalize(image_emb.float(), dim=-1)
     teacher = F.normalize(teacher_emb.float(), dim=-1)
     negative = negative.float()

@@ -1,4 +1,5 @@
-"""safetensors files of a declared format: the tensors' digest and the metadata read with one error.
+"""safetensors files of a declared format: the tensors' digest and the metadata read with one error;
+``torch.save`` files (the feature-cache parts) read the same way.
 
 De-MINDS checkpoints, ExclMM exports and the training engine's state files are safetensors files
 whose metadata names their ``format``; each reader refuses a file that is not readable
@@ -8,7 +9,9 @@ safetensors, or is of another format, with one message naming the file.
 from __future__ import annotations
 
 import hashlib
+import pickle
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -40,3 +43,18 @@ def read_format_metadata(path: str | Path, expected: str, error: type[Exception]
     if meta.get("format") != expected:
         raise error(f"{what} {path} is not a {expected} file (format {meta.get('format')!r}){tail}")
     return meta
+
+
+def load_torch_file(path: str | Path, error: type[Exception], what: str, fix: str = "") -> Any:
+    """``torch.load(path)`` (tensors and plain containers only, onto the CPU) with one error.
+
+    A truncated or corrupted file (torch raises EOFError, RuntimeError from its zip reader, or
+    an UnpicklingError) raises ``error`` naming ``what`` and the file, then ``fix``."""
+    tail = f"; {fix}" if fix else ""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (EOFError, RuntimeError, pickle.UnpicklingError) as e:
+        # torch's own texts run to paragraphs (the weights_only advice): keep the first clause
+        reason = "not a torch.save file" if isinstance(e, pickle.UnpicklingError) else (
+            str(e).split(". ")[0] if str(e) else "the file ends early")
+        raise error(f"{what} {path} is truncated or corrupted ({reason}){tail}") from None

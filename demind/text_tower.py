@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from demind.errors import DemindError
+from demind.errors import DemindError, InputError
 
 NEEDS = ("pseudo-word tokens need CLIP's own text transformer: end-of-text (argmax) pooling, a causal "
          "mask and CLIP's BPE tokenizer; use a CLIP / OpenCLIP / EVA-CLIP / MetaCLIP model with that text tower")
@@ -69,7 +69,7 @@ def truncate_keeping_placeholders(ids: list[int], budget: int, placeholder_id: i
         return ids
     n_placeholders = sum(1 for i in ids if i == placeholder_id)
     if n_placeholders > budget:
-        raise ValueError(f"{n_placeholders} placeholders do not fit a context of {budget} word tokens")
+        raise InputError(f"{n_placeholders} placeholders do not fit a context of {budget} word tokens")
     keep = list(ids)
     for pos in range(len(keep) - 1, -1, -1):
         if len(keep) <= budget:

@@ -7,6 +7,9 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
+import os
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -55,6 +58,59 @@ def test_a_bug_is_not_a_known_error_and_keeps_its_traceback():
 
     with pytest.raises(RuntimeError, match="a bug"):
         common.run_command(argparse.ArgumentParser(), body, [])
+
+
+def test_a_valueerror_from_a_bug_inside_a_command_keeps_its_traceback(monkeypatch):
+    """A bug that raises a builtin ValueError (``x, y = [1, 2, 3]``) is not a user error."""
+    from demind.cli import negation_report
+
+    def buggy(*args, **kwargs):
+        x, y = [1, 2, 3]
+
+    monkeypatch.setattr(negation_report, "rule_accuracy", buggy)
+    with pytest.raises(ValueError, match="too many values to unpack"):
+        negation_report.main([])
+
+
+def test_a_bug_in_a_console_script_prints_its_traceback_and_exits_1():
+    code = ("import sys\nfrom demind.cli import negation_report\n"
+            "def buggy(*a, **k):\n    x, y = [1, 2, 3]\n"
+            "negation_report.rule_accuracy = buggy\nsys.exit(negation_report.main([]))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.startswith("Traceback") and "ValueError: too many values to unpack" in done.stderr
+    assert "error:" not in done.stderr
+
+
+def test_a_user_error_that_is_also_a_valueerror_is_one_line(tmp_path, capsys):
+    """The readers' InputError keeps ValueError as a base for library callers; the CLI still shows one line."""
+    from demind.cli import negation_report
+    from demind.errors import InputError
+
+    assert issubclass(InputError, ValueError)
+    bad = tmp_path / "labels.jsonl"
+    bad.write_text('{"query": "a cat"}\n')
+    assert negation_report.main(["--phrasings", str(bad)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and f"{bad}:1" in err[0]
+
+
+def test_an_oserror_without_a_file_name_is_a_bug():
+    def body(args):
+        raise OSError("a bug in a socket call")
+
+    with pytest.raises(OSError, match="a bug"):
+        common.run_command(argparse.ArgumentParser(), body, [])
+
+
+def test_a_missing_file_named_by_the_os_is_one_line(tmp_path, capsys):
+    def body(args):
+        open(tmp_path / "absent.json").close()
+
+    assert common.run_command(argparse.ArgumentParser(), body, []) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "absent.json" in err[0]
 
 
 def test_the_body_gets_parsed_arguments_and_its_status_is_returned():

@@ -106,6 +106,41 @@ def test_bad_input_names_the_file(tmp_path):
         build_exclcoco(tmp_path / "nothere.json", tmp_path / "captions_val.json", tmp_path / "o", tmp_path)
 
 
+def _set(data, key, i, field, value):
+    if value is _DROP:
+        del data[key][i][field]
+    else:
+        data[key][i][field] = value
+
+
+_DROP = object()
+
+
+@pytest.mark.parametrize("which, change, message", [
+    ("instances", lambda d: _set(d, "annotations", 0, "category_id", "2"),
+     r"instances_val2017.json: annotations\[0\].category_id must be an integer \(got \"2\"\)"),
+    ("instances", lambda d: d.update(images={"1": "a.jpg"}), r"instances_val2017.json: 'images' must be a list"),
+    ("instances", lambda d: _set(d, "annotations", 1, "image_id", _DROP),
+     r"instances_val2017.json: annotations\[1\].image_id must be an integer \(missing\)"),
+    ("captions", lambda d: _set(d, "annotations", 2, "caption", None),
+     r"captions_val2017.json: annotations\[2\].caption must be a string \(got null\)"),
+    ("captions", lambda d: d.update(annotations=[5]), r"captions_val2017.json: annotations\[0\] must be an object"),
+])
+def test_malformed_coco_entries_name_file_entry_and_field(fixture_coco, tmp_path, which, change, message):
+    """A string category id used to be dropped silently (kept 0, exit 0); the rest were tracebacks."""
+    from demind.errors import InputError
+
+    _, instances, captions, images = fixture_coco
+    paths = {"instances": instances, "captions": captions}
+    copy = tmp_path / paths[which].name
+    data = json.loads(paths[which].read_text())
+    change(data)
+    copy.write_text(json.dumps(data))
+    paths[which] = copy
+    with pytest.raises(InputError, match=message):
+        build_exclcoco(paths["instances"], paths["captions"], tmp_path / "out", images, ExclCocoConfig())
+
+
 def test_reader_gives_text_queries_over_the_whole_split(fixture_coco, tmp_path):
     data, _ = build(fixture_coco, tmp_path / "out")
     bench = read_exclcoco(tmp_path / "out")

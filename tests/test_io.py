@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from demind.io import atomic_path, write_json_atomic, write_text_atomic
@@ -21,3 +22,32 @@ def test_failed_write_keeps_the_old_file_and_removes_the_temp(tmp_path):
 def test_json_round_trip_with_default(tmp_path):
     path = write_json_atomic(tmp_path / "r.json", {"p": tmp_path}, indent=2, default=str)
     assert json.loads(path.read_text()) == {"p": str(tmp_path)}
+
+
+def _transparent_png(path, mode="RGBA"):
+    """A 4x4 image: left half opaque blue, right half fully transparent with red hidden under it."""
+    from PIL import Image
+
+    pixels = np.zeros((4, 4, 4), dtype=np.uint8)
+    pixels[:, :2] = (0, 0, 255, 255)
+    pixels[:, 2:] = (255, 0, 0, 0)
+    image = Image.fromarray(pixels, "RGBA")
+    if mode == "P":
+        image = image.quantize(colors=4, method=Image.Quantize.FASTOCTREE)
+        image.info["transparency"] = image.getpixel((3, 0))
+    image.save(path)
+    return path
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "P"])
+def test_every_image_reader_composites_transparency_on_white(tmp_path, mode):
+    from demind.eval.structures import ImageRef, load_image
+    from demind.gen.reader import decode_and_shrink
+    from demind.search.query import read_query_image
+
+    path = _transparent_png(tmp_path / "t.png", mode)
+    for image in (load_image(ImageRef(name="t", path=path)), read_query_image(path.read_bytes()),
+                  decode_and_shrink(path.read_bytes(), 64)):
+        pixels = np.asarray(image)
+        assert image.mode == "RGB"
+        assert tuple(pixels[0, 0]) == (0, 0, 255) and tuple(pixels[0, 3]) == (255, 255, 255)

@@ -303,9 +303,59 @@ def test_commands_turn_bad_input_into_one_line(gallery, tmp_path, tiny_checkpoin
                         str(gallery / "img0.png")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: index") and "checkpoint's backbone" in err and "Traceback" not in err
-    (tmp_path / "bad.jsonl").write_text('{"text": "red"}\n{"txt": "red"}\n')
-    assert search_main(["--index", str(tmp_path / "other"), *common, "--queries", str(tmp_path / "bad.jsonl")]) == 2
-    assert "bad.jsonl:2" in capsys.readouterr().err
+    (tmp_path / "empty.jsonl").write_text("\n")
+    assert search_main(["--index", str(tmp_path / "other"), *common, "--queries", str(tmp_path / "empty.jsonl")]) == 2
+    assert "empty.jsonl holds no queries" in capsys.readouterr().err
+
+
+def test_a_negative_is_recorded_as_it_was_searched(gallery, tmp_path, tiny_checkpoint, capsys):
+    """--negative runs demind+deo on "TEXT, without NEGATIVE": the results JSON says so."""
+    from demind.cli.index import main as index_main
+    from demind.cli.search import main as search_main
+
+    common = ["--index", str(tmp_path / "idx"), "--checkpoint", str(tiny_checkpoint)]
+    assert index_main(["--images", str(gallery), *common[:2], *common[2:], "run.progress=false",
+                       "--num-workers", "0"]) == 0
+    ref = str(gallery / "img2.png")
+    assert search_main([*common, "--image", ref, "--text", "make it blue", "--negative", "the circle",
+                        "--out", str(tmp_path / "neg.json")]) == 0
+    assert search_main([*common, "--image", ref, "--text", "make it blue, without the circle", "--method",
+                        "demind+deo", "--out", str(tmp_path / "deo.json")]) == 0
+    neg = json.loads((tmp_path / "neg.json").read_text())["queries"][0]
+    deo = json.loads((tmp_path / "deo.json").read_text())["queries"][0]
+    assert neg["method"] == "demind+deo" and neg["text"] == "make it blue, without the circle"
+    assert neg["negative"] == "the circle" and neg["results"] == deo["results"]
+
+
+def test_bad_query_lines_are_counted_skips_naming_file_line_and_key(gallery, tmp_path, tiny_checkpoint, capsys,
+                                                                   caplog):
+    from demind.cli.index import main as index_main
+    from demind.cli.search import main as search_main
+
+    common = ["--index", str(tmp_path / "idx"), "--checkpoint", str(tiny_checkpoint)]
+    assert index_main(["--images", str(gallery), *common, "run.progress=false", "--num-workers", "0"]) == 0
+    ref = str(gallery / "img2.png")
+    lines = [json.dumps({"id": "good", "image": ref, "text": "make it red"}),
+             json.dumps({"image": ref, "text": None}), json.dumps({"image": 5, "text": "red"}),
+             json.dumps({"image": ref, "text": "red", "negative": 7}),
+             json.dumps({"image": ref, "text": "red", "k": "many"}), "{not json", json.dumps([1, 2]),
+             json.dumps({"image": ref, "text": "red", "k": True})]
+    queries = tmp_path / "q.jsonl"
+    queries.write_text("\n".join(lines) + "\n")
+    assert search_main([*common, "--queries", str(queries), "--out", str(tmp_path / "r.json")]) == 1
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    records = json.loads((tmp_path / "r.json").read_text())["queries"]
+    assert len(records) == 8 and len(records[0]["results"]) == 6  # the reference is left out
+    errors = {r["line"]: r["error"] for r in records[1:]}
+    assert sorted(errors) == [2, 3, 4, 5, 6, 7, 8]
+    expected = {2: "key 'text' must be a string, got null", 3: "key 'image' must be a string or null, got 5",
+                4: "key 'negative' must be a string or null, got 7", 5: "key 'k' must be an integer, got \"many\"",
+                6: "not JSON", 7: "expected an object", 8: "key 'k' must be an integer, got true"}
+    for line, text in expected.items():
+        assert f"{queries}:{line}" in errors[line] and text in errors[line], errors[line]
+        assert f"{queries}:{line}" in captured.out
+    assert "7 line(s) of the query file skipped" in caplog.text
 
 
 def test_the_search_manifest_round_trips_relative_paths_and_names_what_to_run(tmp_path):
@@ -364,3 +414,76 @@ def test_image_members_of_tar_shards_are_indexed_in_place(gallery, tmp_path, loa
     os.utime(gallery / "shards" / "00000.tar", ns=(1, 2_000_000_000))
     again = build(gallery, tmp_path / "index", backbone)
     assert (again.encoded, again.cached) == (3, 7)
+
+
+def test_links_that_lead_nowhere_are_counted_and_skipped(gallery, tmp_path, loaded):
+    backbone, _ = loaded
+    os.symlink(tmp_path / "absent.png", gallery / "dangling.png")
+    os.symlink(gallery / "loop.jpg", gallery / "loop.jpg")  # a link to itself: ELOOP
+    stats = build(gallery, tmp_path / "idx", backbone)
+    assert stats.indexed == 7 and set(stats.unreadable) == {"dangling.png", "loop.jpg"}
+    assert "dangling.png" in stats.unreadable["dangling.png"]
+    manifest = json.loads((tmp_path / "idx" / "index.json").read_text())
+    assert set(manifest["unreadable"]) == {"dangling.png", "loop.jpg"}
+
+
+def test_index_output_and_part_size_are_checked_first(gallery, tmp_path, tiny_checkpoint, capsys):
+    from demind.cli.index import main as index_main
+
+    (tmp_path / "afile").write_text("x")
+    common = ["--images", str(gallery), "--checkpoint", str(tiny_checkpoint), "run.progress=false"]
+    assert index_main([*common, "--index", str(tmp_path / "afile" / "idx")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "afile" in err and "not a folder" in err
+    assert index_main([*common, "--index", str(tmp_path / "idx"), "--part-size", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "part_size" in err
+    with pytest.raises(GalleryIndexError, match="part_size must be at least 1"):
+        build_index(gallery, tmp_path / "idx", None, part_size=0)
+
+
+def test_following_another_folder_needs_the_explicit_flag(gallery, tmp_path, loaded, tiny_checkpoint, capsys):
+    from demind.cli.index import main as index_main
+
+    backbone, _ = loaded
+    build(gallery, tmp_path / "idx", backbone)
+    other = tmp_path / "other"
+    write_image(other / "x.png", 50)
+    with pytest.raises(GalleryIndexError, match="--new-folder"):
+        build(other, tmp_path / "idx", backbone)
+    assert len(load_index(tmp_path / "idx")) == 7  # untouched
+    common = ["--images", str(other), "--index", str(tmp_path / "idx"), "--checkpoint", str(tiny_checkpoint),
+              "run.progress=false", "--num-workers", "0"]
+    assert index_main(common) == 2 and "drops the 7 indexed file(s)" in capsys.readouterr().err
+    assert index_main([*common, "--new-folder"]) == 0
+    assert load_index(tmp_path / "idx").names == ["x.png"]
+
+
+def test_a_truncated_part_is_named_by_search_and_repaired_by_index(gallery, tmp_path, loaded):
+    backbone, _ = loaded
+    build(gallery, tmp_path / "idx", backbone)
+    part = sorted((tmp_path / "idx" / "embeddings").glob("part-*.pt"))[0]
+    part.write_bytes(part.read_bytes()[:100])
+    with pytest.raises(GalleryIndexError, match=f"{part.name} is truncated or corrupted.*rerun demind-index"):
+        load_index(tmp_path / "idx")
+    stats = build(gallery, tmp_path / "idx", backbone)
+    assert stats.encoded == 3 and stats.cached == 4  # only the damaged part's images again
+    fresh = build(gallery, tmp_path / "fresh", backbone)
+    assert fresh.encoded == 7
+    assert torch.allclose(load_index(tmp_path / "idx").features, load_index(tmp_path / "fresh").features, atol=1e-6)
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"format": "demind-index/1", "root', "is not valid JSON .*rerun demind-index"),
+    ("[1, 2, 3]", "not a demind index \\(a JSON list"),
+    ('{"format": "demind-index/1", "root": "/x", "backbone_slug": "s", "precision": "fp32", "embed_dim": 4, '
+     '"images": {}, "unreadable": {}}', "key 'images' must be a JSON list"),
+])
+def test_a_damaged_index_json_gets_rebuild_advice(gallery, tmp_path, loaded, content, message):
+    backbone, _ = loaded
+    build(gallery, tmp_path / "idx", backbone)
+    (tmp_path / "idx" / "index.json").write_text(content)
+    with pytest.raises(GalleryIndexError, match=message):
+        load_index(tmp_path / "idx")
+    with pytest.raises(GalleryIndexError, match=message):
+        build(gallery, tmp_path / "idx", backbone)

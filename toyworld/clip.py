@@ -26,14 +26,17 @@ from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 
 from demind.backbone import quiet_random_init_notice, run_text_transformer
 from demind.config import setting, validate
+from demind.errors import MissingInputError
 
 from . import towers  # noqa: F401  (registers the convnet with timm before open_clip builds it)
 from .world import BACKGROUNDS, COLOURS, EDIT_KINDS, POSITIONS, SHAPES, SIZES, STYLES, THEME_BACKGROUNDS, Scene
 
 logger = logging.getLogger(__name__)
 
-# the toy CLIP's open_clip model config, relative to the repository root (where the commands run)
+# the toy CLIP's open_clip model config, relative to the repository root (resolved from there when
+# the current folder is elsewhere: model_config_path)
 TOY_CLIP_CONFIG = "toyworld/model_configs/toy-clip-cnn-text2.json"
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 
 
 # the scene's ground-truth tags the image tower's pre-training predicts -> their values (the tag
@@ -126,11 +129,20 @@ def attribute_targets(scenes: list[Scene], attributes: tuple[str, ...]) -> torch
     return target
 
 
+def model_config_path(model_config: str | Path) -> Path:
+    """The absolute path of a model-config JSON: as given (from the current folder), else the
+    shipped one of that repository-relative name (``toyworld/model_configs/...``), so the toy
+    commands and the checkpoints that record the path work from any folder."""
+    path = Path(model_config)
+    for candidate in (path, PACKAGE_ROOT / path):
+        if candidate.is_file():
+            return candidate.resolve()
+    raise MissingInputError(f"toy model config {path} does not exist (expected an open_clip model JSON)")
+
+
 def model_name(model_config: str | Path) -> str:
     """Register a model-config JSON with open_clip and return the name to create it by."""
-    path = Path(model_config)
-    if not path.is_file():
-        raise FileNotFoundError(f"toy model config {path} does not exist (expected an open_clip model JSON)")
+    path = model_config_path(model_config)
     open_clip.add_model_config(path)
     return path.stem
 

@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 from demind.io import atomic_path, write_json_atomic
 from demind.training.store import StateFileError
 
-from .clip import ToyBackboneConfig, image_side, model_name, build_toy_model
+from .clip import ToyBackboneConfig, build_toy_model, image_side, model_config_path, model_name
 from .clip_eval import _add_probe_reports, evaluate_toy_clip
 from .clip_train import train_toy_clip
 from .shipped import ShippedWeightsError, expand_shipped, shipped_path
@@ -52,7 +52,7 @@ RETIRED_SETTINGS = {"aux_attributes": [], "aux_weight": 1.0, "pretrain_anneal": 
 def cache_key(cfg: ToyBackboneConfig) -> str:
     """Hash of everything that determines the trained weights."""
     payload = {
-        "model_config": json.loads(Path(cfg.model_config).read_text()),
+        "model_config": json.loads(model_config_path(cfg.model_config).read_text()),
         "train": {k: v for k, v in asdict(cfg).items()
                   if k not in ("model_config", "log_every", "num_pair_probe_scenes", "shipped")} | RETIRED_SETTINGS,
         "world": WORLD_VERSION,
@@ -147,7 +147,7 @@ def ensure_toy_backbone(cfg: ToyBackboneConfig | None = None, cache_dir: str | P
     recall = evaluate_toy_clip(model, tokenizer, image_side(model), cfg.num_eval_scenes, progress)
     report = {"weights": str(weights), "cache_key": cache_key(cfg), "world_version": WORLD_VERSION,
               "config": json.loads(json.dumps(asdict(cfg))),  # as read back: tuples become lists
-              "model_config": json.loads(Path(cfg.model_config).read_text()),
+              "model_config": json.loads(model_config_path(cfg.model_config).read_text()),
               **log, "heldout_text_to_image": recall}
     report = _add_probe_reports(report, model, tokenizer, cfg)
     write_json_atomic(report_path, report, indent=2)

@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from demind.config import setting
-from demind.io import write_json_atomic
+from demind.io import check_output_dir, write_json_atomic
 
 from .benchmarks import ToyBenchmarkConfig, write_benchmarks
-from .clip import ToyBackboneConfig
+from .clip import ToyBackboneConfig, model_config_path
 from .clip_cache import ensure_toy_backbone
 from .intent_data import ToyShardConfig, write_toy_shards
 from .results import (cirr_targets, deo_paired, deo_touched, format_ablation_paired, format_deo, format_paired,
@@ -104,12 +104,20 @@ class QuickstartConfig:
         return self.run.progress
 
 
+def toy_backbone_config(model_config: str | Path, weights: str | Path):
+    """The BackboneConfig of the trained toy CLIP, with absolute paths: the checkpoints record it,
+    and must load from any folder."""
+    from demind.backbone import BackboneConfig
+
+    return BackboneConfig(name=str(model_config_path(model_config)), pretrained=str(Path(weights).resolve()))
+
+
 def prepare_backbone(cfg: QuickstartConfig):
     """Train or reuse the toy CLIP; returns (FrozenCLIP, its report, log of its logit scale)."""
-    from demind.backbone import BackboneConfig, FrozenCLIP
+    from demind.backbone import FrozenCLIP
 
     weights, report = ensure_toy_backbone(cfg.backbone, Path(cfg.workdir) / "backbone", cfg.progress)
-    backbone = FrozenCLIP(BackboneConfig(name=cfg.backbone.model_config, pretrained=str(weights)))
+    backbone = FrozenCLIP(toy_backbone_config(cfg.backbone.model_config, weights))
     # De-MINDS uses the backbone's own (fixed) temperature, as with CLIP's trained 100.
     log_scale = float(backbone.model.logit_scale.detach().clamp(max=math.log(100)))
     return backbone, report, log_scale
@@ -219,8 +227,8 @@ def trained_gate(export: Path) -> float:
 
 def run_quickstart(cfg: QuickstartConfig) -> dict[str, Any]:
     """Run (or finish) the whole quickstart; returns the summary written to results.json."""
-    workdir = Path(cfg.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
+    workdir = check_output_dir(cfg.workdir)  # before any stage: a workdir under a file is one line
+    model_config_path(cfg.backbone.model_config)  # and a missing model config
     timings: dict[str, float] = {}
 
     def timed(name: str, fn, *args):

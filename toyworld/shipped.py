@@ -28,6 +28,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from demind.errors import DemindError
 from demind.io import atomic_path
 from demind.tensor_files import read_format_metadata, tensors_sha256
 
@@ -40,7 +41,7 @@ FORMAT = "demind-toy-clip-shipped/1"
 EMBEDDING = "token_embedding.weight"
 
 
-class ShippedWeightsError(ValueError):
+class ShippedWeightsError(DemindError, ValueError):
     """A shipped weights file that does not expand to the weights it records."""
 
 

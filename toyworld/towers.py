@@ -20,6 +20,8 @@ import torch.nn as nn
 from timm.layers import ConvNormAct, SelectAdaptivePool2d
 from timm.models import register_model
 
+from demind.errors import InputError
+
 TOY_CONVNET = "demind_toy_convnet"
 
 
@@ -71,7 +73,7 @@ class ToyConvNet(nn.Module):
 def demind_toy_convnet(pretrained: bool = False, **kwargs: object) -> ToyConvNet:
     """The toy CLIP's convnet (no pretrained weights exist: it is trained from scratch)."""
     if pretrained:
-        raise ValueError(f"{TOY_CONVNET} has no pretrained weights; train the toy CLIP instead")
+        raise InputError(f"{TOY_CONVNET} has no pretrained weights; train the toy CLIP instead")
     for key in ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir"):  # timm's factory extras
         kwargs.pop(key, None)
     return ToyConvNet(**kwargs)

@@ -13,6 +13,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from demind.errors import InputError
 from demind.seeding import derive_seed  # noqa: F401  (the toy world's seeds; re-exported)
 
 SHAPES = ("circle", "square", "triangle", "star", "cross", "diamond", "hexagon", "heart")
@@ -201,7 +202,7 @@ def apply_theme(scene: Scene, theme: str, rng: random.Random) -> Scene:
     """The theme's bundle applied to ``scene``: every object's colour redrawn from the
     palette, the theme's background (when it has one), its decor, and ``theme`` set."""
     if theme not in THEMES:
-        raise ValueError(f"unknown theme {theme!r}; known: {', '.join(THEMES)}")
+        raise InputError(f"unknown theme {theme!r}; known: {', '.join(THEMES)}")
     bundle = THEMES[theme]
     objects = tuple(dataclasses.replace(o, colour=rng.choice(bundle.palette)) for o in scene.objects)
     return dataclasses.replace(scene, objects=objects, background=bundle.background or scene.background,

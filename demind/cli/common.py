@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import logging
 import os
 import sys
@@ -36,14 +37,38 @@ DEBUG_ENV = "DEMIND_DEBUG"
 KNOWN_ERRORS: tuple[type[BaseException], ...] = (
     # Every error the library raises for input a user can fix derives from DemindError (config,
     # checkpoint, shard format/spec, feature cache, resume, non-finite loss/weights, eval layout,
-    # image read, caption file, input shard, missing dependency, unwritable or full output).
+    # image read, caption file, input shard, query file, missing dependency, unwritable or full output).
     DemindError,
-    FileNotFoundError, PermissionError,
-    # The benchmark readers still report a bad annotation file's line as a plain ValueError with
-    # the file and the fix in the message.
-    ValueError,
+    # What the OS says about a path the user named (open() of a missing, unreadable or misplaced
+    # file); is_user_error accepts these only when they carry the file name.
+    OSError,
 )
-"""Errors shown as one line; anything else is a bug and prints its traceback."""
+"""Error types that may be shown as one line (see :func:`is_user_error`). No ValueError, KeyError,
+TypeError or RuntimeError: raised by a bug, they keep their traceback."""
+
+USER_OS_ERRNOS = frozenset({errno.ENOENT, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR,
+                            errno.ELOOP, errno.ENAMETOOLONG, errno.EROFS, errno.ENOSPC})
+"""OSError codes that describe the user's files (missing, unreadable, a folder for a file, a loop)."""
+
+
+def is_user_error(exc: BaseException) -> bool:
+    """True for an error the user can fix from its one-line message: a :class:`DemindError`, or an
+    OSError about a named path with one of :data:`USER_OS_ERRNOS`. Anything else is a bug."""
+    if isinstance(exc, DemindError):
+        return True
+    return (isinstance(exc, OSError) and exc.errno in USER_OS_ERRNOS
+            and getattr(exc, "filename", None) is not None)
+
+
+def report_error(exc: BaseException, args: argparse.Namespace) -> int:
+    """Print a user error as one ``error:`` line (its traceback above it under --debug) -> 2;
+    re-raise anything else so a bug shows its traceback."""
+    if not is_user_error(exc):
+        raise  # the exception being handled, with its traceback
+    if debug_requested(args):
+        traceback.print_exception(exc)
+    print(f"error: {exc}", file=sys.stderr)
+    return 2
 
 
 def add_debug_option(parser: argparse.ArgumentParser) -> None:
@@ -60,7 +85,7 @@ def run_command(parser: argparse.ArgumentParser, body: Callable[[argparse.Namesp
                 log_level: int = logging.INFO) -> int:
     """Parse ``argv`` (``--debug`` added), set up logging, run ``body(args)`` -> exit status.
 
-    A known error (:data:`KNOWN_ERRORS`) prints ``error: <message>`` on stderr and returns 2;
+    A user error (:func:`is_user_error`) prints ``error: <message>`` on stderr and returns 2;
     with ``--debug`` or ``DEMIND_DEBUG=1`` its traceback is printed above that line.
     ``intermixed``: positional overrides may come before or after the flags.
     """
@@ -70,10 +95,7 @@ def run_command(parser: argparse.ArgumentParser, body: Callable[[argparse.Namesp
     try:
         return body(args)
     except KNOWN_ERRORS as e:
-        if debug_requested(args):
-            traceback.print_exc()
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return report_error(e, args)
 
 
 # --------------------------------------------------------------------------- config front end
@@ -201,7 +223,4 @@ def run_config_command(cls: type[T], parser: argparse.ArgumentParser, body: Call
     try:
         return body(load_command_config(cls, args))
     except KNOWN_ERRORS as e:
-        if debug_requested(args):
-            traceback.print_exc()
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return report_error(e, args)

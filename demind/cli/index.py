@@ -25,6 +25,8 @@ class IndexConfig(ModelOptions):
     batch_size: int = setting(64, ge=1)
     num_workers: int = setting(2, ge=0, help="image-decoding workers")
     part_size: int = setting(1024, ge=1, help="images per saved part (what a kill can lose)")
+    new_folder: bool = setting(False, help="let an index built from another folder follow --images (drops the "
+                                           "files only in the old folder)")
 
     def config_problems(self) -> list[tuple[str, str]]:
         problems = [(key, f"is required: give --{key} DIR") for key in ("images", "index") if getattr(self, key) is None]
@@ -35,7 +37,7 @@ class IndexConfig(ModelOptions):
 
 
 FLAGS = {**MODEL_FLAGS, "--images": Flag("images"), "--index": Flag("index"), "--batch-size": Flag("batch_size"),
-         "--num-workers": Flag("num_workers"), "--part-size": Flag("part_size")}
+         "--num-workers": Flag("num_workers"), "--part-size": Flag("part_size"), "--new-folder": Flag("new_folder")}
 
 
 def build_parser():
@@ -45,7 +47,7 @@ def build_parser():
 def run(cfg: IndexConfig) -> int:
     backbone, _ = load_model(cfg)
     stats = build_index(cfg.images, cfg.index, backbone, cfg.batch_size, cfg.num_workers, cfg.part_size,
-                        progress=cfg.run.progress)
+                        progress=cfg.run.progress, new_root=cfg.new_folder)
     s = stats.as_dict()
     rate = f" at {s['encoded_per_s']} images/s" if s["encoded"] else ""
     print(f"index {cfg.index}: {s['indexed']} images ({s['encoded']} encoded{rate}, {s['cached']} reused, "

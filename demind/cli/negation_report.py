@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 
 from demind.cli.common import Flag, config_parser, run_config_command
 from demind.config import setting
-from demind.io import write_json_atomic
+from demind.io import check_output_file, write_json_atomic
 from demind.negation.decompose import RuleDecomposer
 from demind.negation.report import PHRASINGS, cirr_flags, format_report, load_phrasings, rule_accuracy
 
@@ -35,6 +35,8 @@ def build_parser():
 
 def report_command(args: NegationReportConfig) -> int:
     """Score the rules on the labelled set, count CIRR flags, print (and write) both."""
+    if args.json:
+        check_output_file(args.json)  # before the report is computed, not after
     rules = RuleDecomposer()
     acc = rule_accuracy(rules, load_phrasings(args.phrasings))
     flags = cirr_flags(args.cirr, rules, args.examples) if args.cirr else None

@@ -7,7 +7,10 @@
 Prints the ranked file names with scores and writes them as JSON. A JSONL line is an object
 with ``text`` and optionally ``image`` (paths relative to the current folder), ``method``,
 ``template``, ``k``, ``negative`` and ``id``. A query that cannot be answered (an unreadable
-image, an empty text) is reported, counted and kept in the JSON with its error; the others run.
+image, an empty text) and a line that is not such an object (bad JSON, ``"text": null``, a
+wrong-typed key) are reported, counted and kept in the JSON with their error (naming the file,
+line and key); the others run. A query with a negative is recorded as it was searched: the
+method's ``+deo`` variant on "TEXT, without NEGATIVE".
 Exit status: 0, 1 when some queries could not be answered, 2 on an error (one line).
 
 This module also holds what demind-index and demind-serve share: the model settings
@@ -16,19 +19,22 @@ This module also holds what demind-index and demind-serve share: the model setti
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from demind.errors import InputError
 from demind.backbone import PRECISIONS
 from demind.checkpoint import load_backbone_and_model
 from demind.cli.common import Flag, config_parser, run_config_command
 from demind.config import RunOptions, resolve_device, setting
 from demind.eval.methods import METHODS
-from demind.io import read_jsonl, write_json_atomic
+from demind.io import check_output_file, read_jsonl, write_json_atomic
 from demind.search.index import load_index
-from demind.search.query import DEFAULT_METHOD, DEFAULT_TEMPLATE, RANKERS, SearchError, Searcher, SearchQuery
+from demind.search.query import (DEFAULT_METHOD, DEFAULT_TEMPLATE, RANKERS, SearchError, Searcher, SearchQuery,
+                                 with_negative_as_deo)
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +62,7 @@ MODEL_FLAGS = {"--checkpoint": Flag("checkpoint"), "--backbone": Flag("backbone.
                "--precision": Flag("backbone.precision")}
 """The flags demind-index, demind-search and demind-serve share.
 
-Every search error (GalleryIndexError, SearchError) is a ValueError with the fix in its
+Every search error (GalleryIndexError, SearchError) is a DemindError with the fix in its
 message, so the command prints it as one line."""
 
 
@@ -96,30 +102,74 @@ def build_parser():
     return config_parser(SearchConfig, "demind-search", __doc__.split("\n\n")[0], FLAGS)
 
 
-def read_query_file(path: str | Path, defaults: SearchQuery) -> list[SearchQuery]:
-    """Queries from a JSONL file; a malformed line is an error naming the file and line."""
+QUERY_KEYS = {"text": (str,), "image": (str, type(None)), "method": (str,), "template": (str,), "k": (int,),
+              "negative": (str, type(None)), "id": (str, int)}
+"""The keys of a JSONL query line and the JSON types each takes (``text`` is required)."""
+
+
+def parse_query_line(row: object, where: str, defaults: SearchQuery, number: int) -> SearchQuery:
+    """One JSONL value -> SearchQuery; InputError naming ``where`` (``file:line``) and the key otherwise."""
+    if not isinstance(row, dict):
+        raise InputError(f"{where}: expected an object with 'text' and optionally {', '.join(list(QUERY_KEYS)[1:])}, "
+                         f"got a JSON {type(row).__name__}")
+    unknown = sorted(set(row) - set(QUERY_KEYS))
+    if unknown:
+        raise InputError(f"{where}: unknown key(s) {unknown}; a query takes {', '.join(QUERY_KEYS)}")
+    if "text" not in row:
+        raise InputError(f"{where}: key 'text' is missing (the modification text; \"\" for none)")
+    for key, kinds in QUERY_KEYS.items():
+        value = row.get(key)
+        if key in row and (not isinstance(value, kinds) or isinstance(value, bool)):
+            wanted = " or ".join("null" if k is type(None) else {str: "a string", int: "an integer"}[k] for k in kinds)
+            raise InputError(f"{where}: key {key!r} must be {wanted}, got {json.dumps(value)}")
+    k = row.get("k", defaults.k)
+    if k < 1:
+        raise InputError(f"{where}: key 'k' must be at least 1, got {k}")
+    return SearchQuery(image=row.get("image"), text=row["text"], method=row.get("method", defaults.method),
+                       template=row.get("template", defaults.template), k=k,
+                       negative=row.get("negative", defaults.negative), qid=str(row.get("id", number)))
+
+
+def read_query_file(path: str | Path, defaults: SearchQuery) -> tuple[list[SearchQuery], list[dict]]:
+    """Queries from a JSONL file, and a record per bad line (not JSON, wrong keys or types) that
+    was skipped: ``{"id", "line", "error"}`` with the error naming the file, line and key."""
     path = Path(path)
+    bad_lines: list[tuple[int, str]] = []
     queries = []
-    for number, row in read_jsonl(path, what="query file"):
-        unknown = set(row) - {"id", "image", "text", "method", "template", "k", "negative"} if isinstance(row, dict) else None
-        if not isinstance(row, dict) or "text" not in row or unknown:
-            raise ValueError(f"{path}:{number} must be an object with 'text' and optionally image, method, "
-                             f"template, k, negative, id" + (f" (unknown keys {sorted(unknown)})" if unknown else ""))
-        queries.append(SearchQuery(image=row.get("image"), text=str(row["text"]),
-                                   method=row.get("method", defaults.method),
-                                   template=row.get("template", defaults.template), k=int(row.get("k", defaults.k)),
-                                   negative=row.get("negative", defaults.negative), qid=str(row.get("id", number))))
-    if not queries:
-        raise ValueError(f"query file {path} holds no queries")
-    return queries
+    for number, row in read_jsonl(path, what="query file", bad_lines=bad_lines):
+        try:
+            queries.append(parse_query_line(row, f"{path}:{number}", defaults, number))
+        except InputError as e:
+            bad_lines.append((number, str(e)))
+    if not queries and not bad_lines:
+        raise InputError(f"query file {path} holds no queries; write one JSON object a line, e.g. "
+                         f'{{"image": "ref.jpg", "text": "make it red"}}')
+    skipped = [{"id": str(number), "line": number, "error": message} for number, message in sorted(bad_lines)]
+    for record in skipped:
+        log.warning("skipping query line: %s", record["error"])
+    return queries, skipped
 
 
 def answer(searcher: Searcher, query: SearchQuery, keep_reference: bool) -> dict:
-    """One query's JSON record: the query, and its results or its error."""
+    """One query's JSON record: the query as searched (an explicit negative turns into the
+    ``+deo`` method and "TEXT, without NEGATIVE", and is kept under ``negative``), and its results
+    or its error."""
     if query.image is not None and not keep_reference:
         query.exclude = searcher.gallery_name_of(query.image)
+    negative = query.negative
+    try:
+        query = with_negative_as_deo(query)
+    except SearchError as e:
+        error = str(e)
+    else:
+        error = None
     record = {"id": query.qid, "image": None if query.image is None else str(query.image), "text": query.text,
               "method": query.method, "template": query.template, "k": query.k, "excluded": query.exclude}
+    if negative:
+        record["negative"] = negative
+    if error is not None:
+        record["error"] = error
+        return record
     try:
         record["results"] = [h.as_dict() for h in searcher.search(query)]
     except SearchError as e:
@@ -129,6 +179,9 @@ def answer(searcher: Searcher, query: SearchQuery, keep_reference: bool) -> dict
 
 def print_record(record: dict) -> None:
     head = f"[{record['id']}] " if record["id"] else ""
+    if "line" in record:  # a skipped line of the query file
+        print(f"{head}skipped: {record['error']}")
+        return
     print(f"{head}{record['method']}: {record['image']} + {record['text']!r}")
     if "error" in record:
         print(f"  error: {record['error']}")
@@ -142,21 +195,23 @@ def run(cfg: SearchConfig) -> int:
                            k=cfg.k, negative=cfg.negative)
     if cfg.queries:
         if cfg.image or cfg.text:
-            raise ValueError("give --queries FILE or --image/--text, not both")
-        queries = read_query_file(cfg.queries, defaults)
+            raise InputError("give --queries FILE or --image/--text, not both")
+        queries, skipped = read_query_file(cfg.queries, defaults)
     elif cfg.text is None and cfg.image is None:
-        raise ValueError("give --image REF --text 'make it red' (or --queries FILE.jsonl)")
+        raise InputError("give --image REF --text 'make it red' (or --queries FILE.jsonl)")
     else:
-        queries = [defaults]
+        queries, skipped = [defaults], []
+    if cfg.out:
+        check_output_file(cfg.out)
     backbone, model = load_model(cfg)
     searcher = Searcher(backbone, model, load_index(cfg.index), cfg.ranker)
-    records = [answer(searcher, q, cfg.keep_reference) for q in queries]
+    records = [answer(searcher, q, cfg.keep_reference) for q in queries] + skipped
     for record in records:
         print_record(record)
     failed = sum("error" in r for r in records)
     if failed:
-        log.warning("%d of %d queries could not be answered (their errors are above and in the JSON)",
-                    failed, len(records))
+        log.warning("%d of %d queries could not be answered (%d line(s) of the query file skipped; their "
+                    "errors are above and in the JSON)", failed, len(records), len(skipped))
     if cfg.out:
         write_json_atomic(cfg.out, {"index": str(cfg.index), "checkpoint": cfg.checkpoint,
                                      "ranker": cfg.ranker, "queries": records}, indent=2)

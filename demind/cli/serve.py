@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from demind.cli.common import Flag, config_parser, run_config_command
 from demind.cli.search import MODEL_FLAGS, ModelOptions, load_model
 from demind.config import setting
-from demind.errors import DemindError
+from demind.errors import DemindError, InputError
 from demind.search.index import GalleryIndexError, build_index, load_index
 from demind.search.query import RANKERS, Searcher
 
@@ -71,7 +71,7 @@ def resolve_paths(args: ServeConfig) -> None:
         args.images = args.images or str(paths["images"])
         args.index = args.index or str(paths["index"])
     if not args.index or not (args.checkpoint or args.backbone.spec):
-        raise DemindError("give --quickstart [WORKDIR], or --index DIR with --checkpoint CKPT")
+        raise InputError("give --quickstart [WORKDIR], or --index DIR with --checkpoint CKPT")
 
 
 def access_settings(args: ServeConfig):

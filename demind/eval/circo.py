@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from demind.errors import InputError
 from demind.eval.structures import (
     BenchmarkData,
     DataLayoutError,
@@ -37,7 +38,7 @@ def read_circo(root: str | Path, split: str = "val", limit: int | None = None) -
     """Read CIRCO ``split`` (``val`` or ``test``) under ``root``."""
     root = Path(root)
     if split not in ("val", "test"):
-        raise ValueError(f"CIRCO split must be 'val' or 'test', got {split!r}")
+        raise InputError(f"CIRCO split must be 'val' or 'test', got {split!r}")
     annotations = read_json(require_file(root / "annotations" / f"{split}.json", LAYOUT))
     info = read_json(require_file(root / "COCO2017_unlabeled" / "annotations" / "image_info_unlabeled2017.json", LAYOUT))
     on_disk = index_image_folder(require_dir(root / "COCO2017_unlabeled" / "unlabeled2017", LAYOUT))
@@ -67,7 +68,7 @@ def read_circo(root: str | Path, split: str = "val", limit: int | None = None) -
 def _query(entry: dict, stem_by_id: dict[int, str], by_name: dict[str, ImageRef], has_gt: bool) -> Query:
     def name_of(image_id: int) -> str:
         if int(image_id) not in stem_by_id:
-            raise ValueError(f"CIRCO query {entry['id']} names image id {image_id}, absent from image_info_unlabeled2017.json")
+            raise InputError(f"CIRCO query {entry['id']} names image id {image_id}, absent from image_info_unlabeled2017.json")
         return stem_by_id[int(image_id)]
 
     caption = entry["relative_caption"]

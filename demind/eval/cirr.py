@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from demind.errors import InputError
 from demind.eval.structures import (
     BenchmarkData,
     DataLayoutError,
@@ -51,7 +52,7 @@ def read_cirr(root: str | Path, split: str = "val", limit: int | None = None) ->
     """Read CIRR ``split`` (``val`` or ``test``/``test1``) from ``root``."""
     root = Path(root)
     if split not in SPLITS:
-        raise ValueError(f"CIRR split must be one of {sorted(SPLITS)}, got {split!r}")
+        raise InputError(f"CIRR split must be one of {sorted(SPLITS)}, got {split!r}")
     name = SPLITS[split]
     captions = read_json(require_file(root / "captions" / f"cap.rc2.{name}.json", LAYOUT))
     name_to_relpath: dict[str, str] = read_json(require_file(root / "image_splits" / f"split.rc2.{name}.json", LAYOUT))
@@ -83,7 +84,7 @@ def _query(entry: dict, by_name: dict[str, ImageRef], has_gt: bool, split: str) 
     needed = [ref_name, *members] + ([canonical_name(entry["target_hard"])] if has_gt else [])
     unknown = [n for n in needed if n not in by_name]
     if unknown:
-        raise ValueError(f"CIRR {split} pairid {pairid} names images {unknown} absent from split.rc2.{split}.json")
+        raise InputError(f"CIRR {split} pairid {pairid} names images {unknown} absent from split.rc2.{split}.json")
     subset = tuple(m for m in members if m != ref_name)
     targets = (canonical_name(entry["target_hard"]),) if has_gt else ()
     return Query(

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from demind.errors import InputError
 from demind.eval.structures import (
     BenchmarkData,
     ImageRef,
@@ -82,7 +83,7 @@ class CocoQuerySpec:
 def coco_texts(query_class: str, others: tuple[str, ...], form: str) -> tuple[str, str]:
     """(composed prompt with one ``*``, Text-only text) for one query."""
     if form not in PROMPT_FORMS:
-        raise ValueError(f"COCO prompt form must be one of {PROMPT_FORMS}, got {form!r}")
+        raise InputError(f"COCO prompt form must be one of {PROMPT_FORMS}, got {form!r}")
     clean = lambda s: " ".join(s.replace(PLACEHOLDER, " ").split())  # noqa: E731 - tiny local helper
     others = tuple(clean(o) for o in others if clean(o))
     if form == "released" and not others:
@@ -135,19 +136,19 @@ def read_pic2word_csv(path: Path) -> list[CocoQuerySpec]:
     with path.open(newline="", encoding="utf-8") as f:
         rows = list(csv.reader(f))
     if not rows or [c.strip() for c in rows[0]] != CSV_HEADER:
-        raise ValueError(f"{path}: expected header {','.join(CSV_HEADER)}, got {rows[0] if rows else 'an empty file'}")
+        raise InputError(f"{path}: expected header {','.join(CSV_HEADER)}, got {rows[0] if rows else 'an empty file'}")
     specs = []
     for line_no, row in enumerate(rows[1:], start=2):
         if len(row) != 4:
-            raise ValueError(f"{path}:{line_no}: expected 4 columns ({','.join(CSV_HEADER)}), got {row}")
+            raise InputError(f"{path}:{line_no}: expected 4 columns ({','.join(CSV_HEADER)}), got {row}")
         file_name, region, query_class, classes = (c.strip() for c in row)
         try:
             # Pic2Word reads the box with int(float(x)).
             box = tuple(float(int(float(v))) for v in region.split(";"))
         except ValueError:
-            raise ValueError(f"{path}:{line_no}: query_regions {region!r} is not x1;y1;x2;y2") from None
+            raise InputError(f"{path}:{line_no}: query_regions {region!r} is not x1;y1;x2;y2") from None
         if len(box) != 4:
-            raise ValueError(f"{path}:{line_no}: query_regions {region!r} is not x1;y1;x2;y2")
+            raise InputError(f"{path}:{line_no}: query_regions {region!r} is not x1;y1;x2;y2")
         others = tuple(c for c in classes.split(";") if c.strip()) if classes else ()
         specs.append(CocoQuerySpec(file_name, box, query_class, others))
     return specs
@@ -170,9 +171,9 @@ def read_coco(
     """
     root = Path(root)
     if query_resize not in QUERY_RESIZES:
-        raise ValueError(f"COCO query resize must be one of {tuple(QUERY_RESIZES)}, got {query_resize!r}")
+        raise InputError(f"COCO query resize must be one of {tuple(QUERY_RESIZES)}, got {query_resize!r}")
     if split != "val":
-        raise ValueError(f"COCO object composition uses val2017; got split {split!r}")
+        raise InputError(f"COCO object composition uses val2017; got split {split!r}")
     images_dir = require_dir(root / "val2017", LAYOUT)
     notes = ["COCO: Recall@K = fraction of queries whose original image is in the top K of all query images."]
     if csv_path is not None:
@@ -208,7 +209,7 @@ def _group(specs: list[CocoQuerySpec], images_dir: Path, crop_dir: Path, form: s
     gallery, queries = [], []
     for spec in specs:
         if spec.file_name in seen:
-            raise ValueError(f"COCO query list names image {spec.file_name} twice; one query per image expected")
+            raise InputError(f"COCO query list names image {spec.file_name} twice; one query per image expected")
         seen.add(spec.file_name)
         stem = canonical_name(spec.file_name)
         gallery.append(ImageRef(stem, images_dir / spec.file_name))

@@ -19,6 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from demind.errors import InputError
 from demind.eval.structures import (BenchmarkData, ImageRef, Query, QueryGroup, check_query_file, raise_if_missing,
                                      read_json, require_file)
 from demind.model import TEMPLATES, fill_template
@@ -38,12 +39,12 @@ def check_exclcoco(data: Any, path: Path) -> None:
     images = data["images"]
     for q in data["queries"]:
         if not q["ground_truth"]:
-            raise ValueError(f"{path}: query {q['id']} has no ground truth")
+            raise InputError(f"{path}: query {q['id']} has no ground truth")
         unknown = [i for i in [q["image_id"], *q["ground_truth"]] if i not in images]
         if unknown:
-            raise ValueError(f"{path}: query {q['id']} names image ids not in 'images': {unknown[:3]}")
+            raise InputError(f"{path}: query {q['id']} names image ids not in 'images': {unknown[:3]}")
         if q["image_id"] in q["ground_truth"]:
-            raise ValueError(f"{path}: query {q['id']}: its positive image {q['image_id']} shows the excluded "
+            raise InputError(f"{path}: query {q['id']}: its positive image {q['image_id']} shows the excluded "
                              f"label, so it cannot be ground truth")
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from demind.errors import InputError
 from demind.eval.structures import (BenchmarkData, ImageRef, Query, QueryGroup, check_query_file, raise_if_missing,
                                      read_json, require_file)
 from demind.model import TEMPLATES, fill_template
@@ -46,20 +47,20 @@ def check_exclusion(data: Any, path: Path) -> None:
         named = [q["reference"], *q["positives"], *q.get("hard_negatives", [])] + ([q["target"]] if "target" in q else [])
         missing = [n for n in named if n not in images]
         if missing:
-            raise ValueError(f"{path}: query {q['id']} names images not in 'images': {missing[:3]}")
+            raise InputError(f"{path}: query {q['id']} names images not in 'images': {missing[:3]}")
         if not q["positives"]:
-            raise ValueError(f"{path}: query {q['id']} has no positives")
+            raise InputError(f"{path}: query {q['id']} has no positives")
         if "target" in q and q["target"] not in q["positives"]:
-            raise ValueError(f"{path}: query {q['id']}: target {q['target']} is not among its positives")
+            raise InputError(f"{path}: query {q['id']}: target {q['target']} is not among its positives")
         if q["reference"] in q["positives"]:
-            raise ValueError(f"{path}: query {q['id']}: its reference {q['reference']} cannot be a positive")
+            raise InputError(f"{path}: query {q['id']}: its reference {q['reference']} cannot be a positive")
 
 
 def read_exclusion(root: str | Path, split: str = "val", limit: int | None = None) -> BenchmarkData:
     """Read ``root/exclusion.json`` and its images (``split`` must be ``val``)."""
     root = Path(root)
     if split != "val":
-        raise ValueError(f"the exclusion benchmark has one split, 'val'; got {split!r}")
+        raise InputError(f"the exclusion benchmark has one split, 'val'; got {split!r}")
     path = require_file(root / "exclusion.json", LAYOUT)
     data = read_json(path)
     check_exclusion(data, path)

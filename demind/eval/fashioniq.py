@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from demind.errors import InputError
 from demind.eval.structures import (
     BenchmarkData,
     ImageRef,
@@ -51,9 +52,9 @@ LAYOUT = """  DATA_ROOT/
 def join_captions(captions: list[str], order: str) -> str:
     """The two relative captions as one text, in the chosen order."""
     if order not in CAPTION_ORDERS:
-        raise ValueError(f"FashionIQ caption order must be one of {CAPTION_ORDERS}, got {order!r}")
+        raise InputError(f"FashionIQ caption order must be one of {CAPTION_ORDERS}, got {order!r}")
     if len(captions) != 2:
-        raise ValueError(f"FashionIQ entries have two captions, got {captions!r}")
+        raise InputError(f"FashionIQ entries have two captions, got {captions!r}")
     first, second = (captions[1], captions[0]) if order == "released" else (captions[0], captions[1])
     return f"{first.strip()} and {second.strip()}"
 
@@ -61,7 +62,7 @@ def join_captions(captions: list[str], order: str) -> str:
 def fashioniq_texts(captions: list[str], order: str, text_form: str) -> tuple[str, str]:
     """(composed prompt with one ``*``, Text-only / Image+Text text) for one entry's two captions."""
     if text_form not in TEXT_FORMS:
-        raise ValueError(f"FashionIQ text form must be one of {TEXT_FORMS}, got {text_form!r}")
+        raise InputError(f"FashionIQ text form must be one of {TEXT_FORMS}, got {text_form!r}")
     joined = join_captions(captions, order)
     prompt = fill_template(TEMPLATE, text=joined)
     return prompt, prompt if text_form == "released" else joined
@@ -89,7 +90,7 @@ def read_fashioniq(
     """
     root = Path(root)
     if split != "val":
-        raise ValueError(f"FashionIQ is evaluated on its validation split; got split {split!r}")
+        raise InputError(f"FashionIQ is evaluated on its validation split; got split {split!r}")
     images = index_image_folder(require_dir(root / "images", LAYOUT))
     groups = [_read_category(root, c, images, caption_order, text_form, limit) for c in categories]
     notes = [

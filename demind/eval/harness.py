@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from demind.backbone import FrozenCLIP
 from demind.config import ConfigError, Rule, config_problems, setting
-from demind.errors import NonFiniteError
+from demind.errors import InputError, NonFiniteError
 from demind.io import check_output_dir
 from demind.eval import metrics as M
 from demind.eval.circo import read_circo
@@ -116,7 +116,7 @@ def read_benchmark(benchmark: str, data_root: str | Path, split: str = "val", li
         return read_exclusion(data_root, split, limit)
     if benchmark == "exclcoco":
         return read_exclcoco(data_root, split, limit)
-    raise ValueError(f"unknown benchmark {benchmark!r}; choose from {', '.join(BENCHMARKS)}")
+    raise InputError(f"unknown benchmark {benchmark!r}; choose from {', '.join(BENCHMARKS)}")
 
 
 @dataclass
@@ -217,7 +217,7 @@ def encode_benchmark_images(backbone: FrozenCLIP, data: BenchmarkData, cache: Im
             if key is None:
                 references.append(q.reference)
             elif key != q.reference.cache_key:
-                raise ValueError(f"query {q.qid}: reference {q.reference.name!r} ({q.reference.cache_key}) "
+                raise InputError(f"query {q.qid}: reference {q.reference.name!r} ({q.reference.cache_key}) "
                                  f"differs from the gallery image of that name ({key})")
     query_features, query_stats = encode_image_refs(backbone, references, cache, "queries", batch_size, num_workers,
                                                 progress=progress, desc=f"references {tag}")
@@ -306,7 +306,7 @@ def _relevant_sets(queries, index: dict[str, int], group: str) -> list[frozenset
         if key not in memo:
             absent = [t for t in q.targets if t not in index]
             if absent:
-                raise ValueError(f"query {q.qid} ({group}): target(s) {absent[:3]} are not in the gallery")
+                raise InputError(f"query {q.qid} ({group}): target(s) {absent[:3]} are not in the gallery")
             memo[key] = frozenset(index[t] for t in q.targets)
         out.append(memo[key])
     return out

@@ -24,8 +24,10 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from demind.backbone import FrozenCLIP
+from demind.errors import DemindError, InputError
 from demind.eval.structures import ImageReadError, ImageRef, load_image
 from demind.io import atomic_path
+from demind.tensor_files import load_torch_file
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +104,23 @@ class EncodeStats:
         return {"images": self.images, "cached": self.cached, "encoded": self.encoded}
 
 
+class DamagedPartError(DemindError, ValueError):
+    """A feature part that cannot be read (truncated by a full disk, or not a part at all)."""
+
+
+PART_KEYS = ("names", "keys", "features")
+
+
+def read_part(part: Path) -> dict:
+    """One part file -> {"names", "keys", "features" (n, D)}; DamagedPartError naming it otherwise."""
+    data = load_torch_file(part, DamagedPartError, "feature part")
+    if (not isinstance(data, dict) or any(k not in data for k in PART_KEYS)
+            or not isinstance(data["features"], torch.Tensor)
+            or not len(data["names"]) == len(data["keys"]) == len(data["features"])):
+        raise DamagedPartError(f"feature part {part} is not a part of names, keys and features")
+    return data
+
+
 class ImageFeatureCache:
     """On-disk features for one backbone, benchmark and split, in atomic parts per role."""
 
@@ -122,18 +141,27 @@ class ImageFeatureCache:
     def _role_dir(self, role: str) -> Path:
         return self.dir / role
 
-    def load(self, role: str) -> dict[str, dict[str, torch.Tensor]]:
+    def load(self, role: str, drop_damaged: bool = False) -> dict[str, dict[str, torch.Tensor]]:
         """name -> {cache key -> (D,) feature} over all parts; for a repeated key, later parts win.
 
         A name can hold several keys (a COCO query crop under each resize mode), so switching
-        a reader option back and forth re-encodes nothing.
+        a reader option back and forth re-encodes nothing. A damaged part (truncated, say by a
+        full disk) raises :class:`DamagedPartError`; with ``drop_damaged`` (a writer, which
+        re-encodes what is missing) it is deleted with a warning instead.
         """
         found: dict[str, dict[str, torch.Tensor]] = {}
         role_dir = self._role_dir(role)
         if not role_dir.is_dir():
             return found
         for part in sorted(role_dir.glob("part-*.pt")):
-            data = torch.load(part, map_location="cpu", weights_only=True)
+            try:
+                data = read_part(part)
+            except DamagedPartError as e:
+                if not drop_damaged:
+                    raise
+                log.warning("%s; deleting it (its images are encoded again)", e)
+                part.unlink()
+                continue
             for name, key, feature in zip(data["names"], data["keys"], data["features"]):
                 found.setdefault(name, {})[key] = feature
         return found
@@ -174,7 +202,7 @@ def unique_refs(refs: list[ImageRef]) -> list[ImageRef]:
         if seen is None:
             by_name[ref.name] = ref
         elif seen.cache_key != ref.cache_key:
-            raise ValueError(f"two different images share the name {ref.name!r}: {seen.cache_key} and {ref.cache_key}")
+            raise InputError(f"two different images share the name {ref.name!r}: {seen.cache_key} and {ref.cache_key}")
     return list(by_name.values())
 
 
@@ -204,7 +232,7 @@ def encode_image_refs(
         raise ValueError(f"on_unreadable must be 'raise' or 'skip', got {on_unreadable!r}")
     refs = unique_refs(refs)
     stats = EncodeStats(images=len(refs))
-    cached = cache.load(role) if cache is not None else {}
+    cached = cache.load(role, drop_damaged=True) if cache is not None else {}
     features: dict[str, torch.Tensor] = {}
     todo = []
     for ref in refs:

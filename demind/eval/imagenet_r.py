@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from demind.errors import InputError
 from demind.eval.structures import (
     BenchmarkData,
     DataLayoutError,
@@ -52,11 +53,11 @@ def read_image_list(path: Path) -> list[tuple[str, int]]:
         if not parts:
             continue
         if len(parts) != 2:
-            raise ValueError(f"{path}:{line_no}: expected 'path label', got {line!r}")
+            raise InputError(f"{path}:{line_no}: expected 'path label', got {line!r}")
         try:
             items.append((parts[0], int(parts[1])))
         except ValueError:
-            raise ValueError(f"{path}:{line_no}: label {parts[1]!r} is not an integer") from None
+            raise InputError(f"{path}:{line_no}: label {parts[1]!r} is not an integer") from None
     return items
 
 
@@ -77,10 +78,10 @@ def read_imagenet_r(root: str | Path, split: str = "val", limit: int | None = No
     """Read Pic2Word's ImageNet-R domain-conversion lists under ``root``."""
     root = Path(root)
     if split != "val":
-        raise ValueError(f"ImageNet-R domain conversion has one split; use 'val', got {split!r}")
+        raise InputError(f"ImageNet-R domain conversion has one split; use 'val', got {split!r}")
     unknown = [d for d in domains if d not in DOMAINS]
     if unknown:
-        raise ValueError(f"unknown ImageNet-R domains {unknown}; known: {DOMAINS}")
+        raise InputError(f"unknown ImageNet-R domains {unknown}; known: {DOMAINS}")
     query_items = read_image_list(require_file(root / "imgnet_real_query.txt", LAYOUT))
     target_items = read_image_list(require_file(root / "imgnet_targets.txt", LAYOUT))
     if limit is not None:

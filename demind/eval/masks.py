@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
+from demind.errors import InputError
+
 
 def rle_counts_from_string(s: str) -> list[int]:
     """Decode COCO's compressed RLE string (pycocotools ``rleFrString``) to run lengths.
@@ -47,7 +49,7 @@ def rle_to_mask(counts: list[int], height: int, width: int) -> np.ndarray:
         pos += run
         value ^= 1
     if pos != height * width:
-        raise ValueError(f"RLE covers {pos} pixels, expected {height}x{width}={height * width}")
+        raise InputError(f"RLE covers {pos} pixels, expected {height}x{width}={height * width}")
     return flat.reshape(width, height).T.copy()  # COCO RLE runs down columns
 
 
@@ -71,9 +73,9 @@ def decode_segmentation(segmentation: Any, height: int, width: int) -> np.ndarra
     if isinstance(segmentation, dict) and "counts" in segmentation:
         rle_h, rle_w = segmentation.get("size", (height, width))
         if (rle_h, rle_w) != (height, width):
-            raise ValueError(f"RLE of size {rle_h}x{rle_w} does not fit an image of {height}x{width}")
+            raise InputError(f"RLE of size {rle_h}x{rle_w} does not fit an image of {height}x{width}")
         counts = segmentation["counts"]
         if isinstance(counts, (bytes, str)):
             counts = rle_counts_from_string(counts.decode() if isinstance(counts, bytes) else counts)
         return rle_to_mask(list(counts), height, width)
-    raise ValueError(f"unknown COCO segmentation format: {type(segmentation).__name__}")
+    raise InputError(f"unknown COCO segmentation format: {type(segmentation).__name__}")

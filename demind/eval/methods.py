@@ -23,6 +23,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from demind.errors import InputError
 from demind.backbone import FrozenCLIP
 from demind.config import ConfigError
 from demind.eval.structures import Query
@@ -239,7 +240,7 @@ def build_methods(names: list[str], backbone: FrozenCLIP, model: DeMinds | None,
                 raise ConfigError("method 'exclmm' needs a trained ExclMM (--exclmm)")
             methods.append(ExclMMQuery(backbone, exclmm))
         elif model is None:
-            raise ValueError(f"method {name!r} needs a trained model (checkpoint)")
+            raise InputError(f"method {name!r} needs a trained model (checkpoint)")
         else:
             methods.append((DeMindsQuery if name == "demind" else MappingOnly)(backbone, model))
     return methods
@@ -260,7 +261,7 @@ class DEOMethod(RetrievalMethod):
     def __init__(self, base: RetrievalMethod, decomposer: Decomposer, cfg: DEOConfig, suffix: str = "+deo",
                  negative_template: str = NEGATIVE_TEMPLATE) -> None:
         if base.language is None:
-            raise ValueError(f"method {base.name!r} reads no text, so DEO has nothing to decompose; "
+            raise InputError(f"method {base.name!r} reads no text, so DEO has nothing to decompose; "
                              f"DEO works with {', '.join(DEO_BASES)}")
         super().__init__(base.backbone)
         self.base = base

@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from demind.errors import InputError
 from demind.eval.methods import method_label
 from demind.io import write_json_atomic, write_text_atomic
 
@@ -99,7 +100,7 @@ def markdown_table(results: dict) -> str:
 def cirr_submission(rankings: dict[str, list[str]], metric: str) -> dict[str, Any]:
     """CIRR test-server format: ``{"version": "rc2", "metric": metric, pairid: names}``."""
     if metric not in ("recall", "recall_subset"):
-        raise ValueError(f"CIRR submissions are 'recall' or 'recall_subset', got {metric!r}")
+        raise InputError(f"CIRR submissions are 'recall' or 'recall_subset', got {metric!r}")
     depth = 50 if metric == "recall" else 3
     return {"version": "rc2", "metric": metric, **{qid: names[:depth] for qid, names in rankings.items()}}
 

@@ -20,8 +20,9 @@ from typing import Any
 
 from PIL import Image
 
-from demind.errors import DemindError
+from demind.errors import DemindError, InputError
 from demind.eval.masks import decode_segmentation
+from demind.io import to_rgb
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 # How an image is brought to the backbone's input size: "backbone" = the backbone's own eval
@@ -81,7 +82,7 @@ class ImageRef:
 
     def __post_init__(self) -> None:
         if self.resize not in RESIZE_MODES:
-            raise ValueError(f"ImageRef {self.name}: resize must be one of {RESIZE_MODES}, got {self.resize!r}")
+            raise InputError(f"ImageRef {self.name}: resize must be one of {RESIZE_MODES}, got {self.resize!r}")
 
     @property
     def cache_key(self) -> str:
@@ -180,13 +181,13 @@ def require_dir(path: Path, layout: str) -> Path:
     return path
 
 
-def read_json(path: Path) -> Any:
-    """Parse a JSON file; a malformed one raises ValueError naming the file."""
+def read_json(path: Path, fix: str = "re-download the annotation file") -> Any:
+    """Parse a JSON file; a malformed one (truncated, not UTF-8) raises InputError naming the file and ``fix``."""
     try:
         with path.open("r", encoding="utf-8") as f:
             return json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); re-download the annotation file") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{path} is not valid JSON ({e}); {fix}") from None
 
 
 def check_query_file(data: Any, path: Path, fmt: str, top_keys: tuple[str, ...], query_keys: tuple[str, ...],
@@ -195,14 +196,14 @@ def check_query_file(data: Any, path: Path, fmt: str, top_keys: tuple[str, ...],
     keys of each query. Each failure is a ValueError naming the file (and the query)."""
     if not isinstance(data, dict) or data.get("format") != fmt:
         got = data.get("format") if isinstance(data, dict) else type(data).__name__
-        raise ValueError(f"{path}: expected format {fmt!r}, got {got!r}" + (f" ({build_hint})" if build_hint else ""))
+        raise InputError(f"{path}: expected format {fmt!r}, got {got!r}" + (f" ({build_hint})" if build_hint else ""))
     for key in top_keys:
         if key not in data:
-            raise ValueError(f"{path}: missing top-level key {key!r}")
+            raise InputError(f"{path}: missing top-level key {key!r}")
     for q in data["queries"]:
         absent = [k for k in query_keys if k not in q]
         if absent:
-            raise ValueError(f"{path}: query {q.get('id', '?')} lacks {absent}")
+            raise InputError(f"{path}: query {q.get('id', '?')} lacks {absent}")
 
 
 def raise_if_missing(paths: list[Path], what: str, layout: str) -> None:
@@ -256,7 +257,7 @@ def load_image(ref: ImageRef) -> Image.Image:
     """
     try:
         with Image.open(_span_bytes(ref.path, ref.span) if ref.span else ref.path) as img:
-            image = img.convert("RGB")
+            image = to_rgb(img)
     except (OSError, ValueError, Image.DecompressionBombError) as e:
         raise ImageReadError(f"cannot read image {ref.path}: {e}; re-download or remove it from the split") from e
     if ref.segmentation is not None:

@@ -16,10 +16,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from demind.coco_files import CAPTION_FIELDS, load_coco
+from demind.errors import InputError, MissingInputError
 from demind.backbone import FrozenCLIP, same_backbone
 from demind.eval.exclcoco import load_exclcoco
 from demind.eval.image_cache import ImageFeatureCache, backbone_cache_slug, encode_image_refs
-from demind.eval.structures import ImageRef, read_json
+from demind.eval.structures import ImageRef
 from demind.exclmm.model import words_of
 from demind.training.store import load_tree, save_tree
 
@@ -86,7 +88,7 @@ def prepare_features(data_cfg: Any, backbone: FrozenCLIP, run_dir: Path, progres
             return feats
         log.warning("%s was computed for another backbone or data set; recomputing", path)
     if not data_cfg.train:
-        raise ValueError("data.train is empty: give the ExclCOCO folder of the training split "
+        raise InputError("data.train is empty: give the ExclCOCO folder of the training split "
                          "(python -m demind.cli.build_exclcoco ...)")
     data, files = load_exclcoco(data_cfg.train)
     image_ids = list(files)
@@ -100,9 +102,9 @@ def prepare_features(data_cfg: Any, backbone: FrozenCLIP, run_dir: Path, progres
 
     captions_path = Path(data_cfg.captions or data["source"]["captions"])
     if not captions_path.is_file():
-        raise FileNotFoundError(f"captions file {captions_path} not found; set data.captions to the COCO "
+        raise MissingInputError(f"captions file {captions_path} not found; set data.captions to the COCO "
                                 f"captions_{{split}}.json of the training split")
-    caps = [c for c in read_json(captions_path)["annotations"] if str(c["image_id"]) in row]
+    caps = [c for c in load_coco(captions_path, CAPTION_FIELDS)["annotations"] if str(c["image_id"]) in row]
     caption_texts = [c["caption"].strip() for c in caps]
     queries = data["queries"]
     vocab = sorted({w for s in caption_texts + [q["query"] for q in queries] for w in words_of(s)})

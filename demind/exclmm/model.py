@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from demind.backbone import same_backbone
-from demind.errors import DemindError
+from demind.errors import DemindError, InputError
 from demind.tensor_files import read_format_metadata
 
 
@@ -141,7 +141,7 @@ class ExclusionQueryEncoder(nn.Module):
     def __init__(self, dim: int, hidden: int, space: str = "sparse") -> None:
         super().__init__()
         if space not in ("sparse", "clip"):
-            raise ValueError(f"space must be 'sparse' or 'clip', got {space!r}")
+            raise InputError(f"space must be 'sparse' or 'clip', got {space!r}")
         self.space = space
         self.net = mlp(dim, hidden, dim)
         nn.init.zeros_(self.net[-1].weight)  # identity at initialisation
@@ -259,7 +259,7 @@ def load_exclmm(path: str | Path, backbone_identity: dict[str, Any] | None = Non
     identity = json.loads(meta["backbone_identity"])
     # the same comparison as De-MINDS checkpoints: by content, older file-name records accepted
     if backbone_identity is not None and not same_backbone(identity, backbone_identity):
-        raise ValueError(f"{path} was trained on backbone {identity}, but the loaded backbone is "
+        raise InputError(f"{path} was trained on backbone {identity}, but the loaded backbone is "
                          f"{backbone_identity}; load the backbone it was trained on")
     state = load_file(str(path))
     cfg = json.loads(meta["config"])

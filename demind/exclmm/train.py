@@ -31,7 +31,7 @@ import torch
 
 from demind.backbone import BackboneConfig, FrozenCLIP, build_backbone
 from demind.config import device_setting, save_config
-from demind.errors import DemindError
+from demind.errors import DemindError, InputError
 from demind.exclmm import losses as L
 from demind.exclmm.features import FEATURES_NAME, prepare_features
 from demind.exclmm.model import ExclMM
@@ -270,7 +270,7 @@ def check_same_run(found: dict, cfg: ExclMMConfig, path: Path) -> None:
     old, new = result_defining(found), result_defining(cfg)
     if old != new:
         diff = [k for k in new if old.get(k) != new[k]]
-        raise ValueError(f"{path} was written with another config (differs in {diff}); "
+        raise InputError(f"{path} was written with another config (differs in {diff}); "
                          f"choose another run.output_dir or delete {path}")
 
 

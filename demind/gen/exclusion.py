@@ -11,6 +11,9 @@ import hashlib
 from pathlib import Path
 from typing import Any, Callable
 
+from demind.errors import InputError, MissingInputError
+from demind.io import to_rgb
+
 PROMPT_ROOT = Path(__file__).resolve().parent / "exclusion_prompts"
 
 
@@ -19,11 +22,11 @@ def load_exclusion_prompt(version: str) -> tuple[str, str]:
     path = Path(version) if Path(version).is_file() else PROMPT_ROOT / f"{version}.txt"
     if not path.is_file():
         known = sorted(p.stem for p in PROMPT_ROOT.glob("*.txt"))
-        raise FileNotFoundError(f"exclusion prompt {version!r} not found ({path}); available: {known}")
+        raise MissingInputError(f"exclusion prompt {version!r} not found ({path}); available: {known}")
     text = path.read_text(encoding="utf-8").strip()
     for slot in ("{caption}", "{include}", "{exclude}"):
         if text.count(slot) != 1:
-            raise ValueError(f"exclusion prompt {path} must contain {slot} exactly once")
+            raise InputError(f"exclusion prompt {path} must contain {slot} exactly once")
     return text, hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -48,8 +51,8 @@ def llm_query_writer(engine: Any, prompt_version: str = "v1", seed: int = 0, max
         for q in queries:
             path = Path(q["image_path"])
             if not path.is_file():
-                raise FileNotFoundError(f"image {path} of query {q['id']} does not exist (check --image-root)")
-            image = Image.open(path).convert("RGB")
+                raise MissingInputError(f"image {path} of query {q['id']} does not exist (check --image-root)")
+            image = to_rgb(Image.open(path))
             image.thumbnail((image_max_side, image_max_side))
             text = (prompt.replace("{caption}", q["positive_query"]).replace("{include}", ", ".join(q["include"]))
                     .replace("{exclude}", q["exclude"]))

@@ -54,7 +54,7 @@ class IngestReport:
     source: str = ""
 
     def skip(self, line: int, reason: str, detail: str = "") -> None:
-        logger.warning("%s line %d skipped: %s %s", self.source or "captions", line, reason, detail)
+        logger.warning("%s:%d skipped: %s %s", self.source or "captions", line, reason, detail)
         self.skipped[reason] += 1
         self.skipped_rows.append({"file": self.source, "line": line, "reason": reason, "detail": detail})
 
@@ -224,7 +224,10 @@ def build_shards(images_dir: Path, captions: Path, output_dir: Path, samples_per
         raise CaptionFileError(f"--samples-per-shard must be >= 1, got {samples_per_shard}")
     images_dir, captions, output_dir = Path(images_dir), Path(captions), Path(output_dir)
     if not captions.is_file():
-        raise CaptionFileError(f"caption file {captions} does not exist")
+        raise CaptionFileError(f"caption file {captions} does not exist" + (" (it is a folder)" if captions.is_dir() else ""))
+    if not images_dir.is_dir():
+        raise CaptionFileError(f"image folder {images_dir} does not exist or is not a folder; give --images, the "
+                               f"folder the image paths of {captions.name} are relative to")
     earlier = shard_files_in(output_dir)
     if earlier and not overwrite:
         raise CaptionFileError(

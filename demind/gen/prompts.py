@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from demind.errors import DemindError
+from demind.errors import InputError, MissingInputError
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def load_prompts(version: str) -> PromptSet:
     folder = Path(version) if Path(version).is_dir() else PROMPT_ROOT / version
     if not folder.is_dir():
         available = sorted(p.name for p in PROMPT_ROOT.iterdir() if p.is_dir())
-        raise FileNotFoundError(
+        raise MissingInputError(
             f"prompt version {version!r} not found: no folder {folder}; available versions: {available} "
             "(or pass prompts.version=/path/to/folder with rewrite.txt, intent.txt, single.txt)"
         )
@@ -61,11 +61,11 @@ def load_prompts(version: str) -> PromptSet:
     for name in ("rewrite", "intent", "single"):
         path = folder / f"{name}.txt"
         if not path.is_file():
-            raise FileNotFoundError(f"prompt file {path} is missing; a prompt set needs rewrite.txt, intent.txt, single.txt")
+            raise MissingInputError(f"prompt file {path} is missing; a prompt set needs rewrite.txt, intent.txt, single.txt")
         texts[name] = path.read_text(encoding="utf-8").strip()
     for name in ("rewrite", "single"):
         if texts[name].count(CAPTION_FIELD) != 1:
-            raise ValueError(f"prompt file {folder / (name + '.txt')} must contain {CAPTION_FIELD} exactly once")
+            raise InputError(f"prompt file {folder / (name + '.txt')} must contain {CAPTION_FIELD} exactly once")
     digest = hashlib.sha256("\x00".join(texts[n] for n in ("rewrite", "intent", "single")).encode()).hexdigest()
     return PromptSet(version=folder.name, sha=digest[:12], **texts)
 
@@ -113,7 +113,7 @@ def render(renderer: ChatTemplateRenderer, conversation: Conversation) -> str:
     A template with the ``<\\s>`` typo is rendered repaired (:func:`repaired_chat_template`)."""
     template = getattr(renderer, "chat_template", None)
     if template is None:
-        raise DemindError(
+        raise InputError(
             "the model's processor has no chat template; pick a chat model (e.g. llava-hf/llava-v1.6-mistral-7b-hf) "
             "or save a processor with a chat_template"
         )

@@ -22,6 +22,7 @@ from webdataset.tariterators import base_plus_ext
 
 from demind.errors import DemindError
 
+from demind.io import to_rgb
 from demind.shard_format import CAPTION_FIELD, IMAGE_FIELDS, JSON_FIELD
 
 logger = logging.getLogger(__name__)
@@ -136,7 +137,7 @@ def decode_and_shrink(data: bytes, max_side: int) -> Image.Image:
                 # decode a large JPEG at 1/2, 1/4 or 1/8 scale (never below the target): much cheaper
                 img.draft("RGB", _target_size(img.size, max_side))
             img.load()
-            rgb = img.convert("RGB")
+            rgb = to_rgb(img)
     except Exception as e:  # PIL raises many types (UnidentifiedImageError, OSError, SyntaxError, ...)
         raise ValueError(decoder_message(e)) from None
     return resize_longest_side(rgb, max_side)

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from demind.errors import InputError
 from demind.config import setting, validate
 
 log = logging.getLogger(__name__)
@@ -133,7 +134,7 @@ def closed_form(e_o: torch.Tensor, sub: SubQueries, cfg: DEOConfig) -> torch.Ten
     Raises ValueError when λp + λo <= λn (the loss has no minimum).
     """
     if cfg.curvature <= 0:
-        raise ValueError(f"DEO exact mode needs λp + λo > λn (a convex loss), got λp={cfg.lambda_p}, "
+        raise InputError(f"DEO exact mode needs λp + λo > λn (a convex loss), got λp={cfg.lambda_p}, "
                          f"λn={cfg.lambda_n}, λo={cfg.lambda_o}: the loss is unbounded below. Lower λn, or use "
                          "mode='adam', whose fixed step budget bounds how far e_u moves")
     p_bar = _masked_mean(sub.positives, sub.positive_mask)
@@ -176,7 +177,7 @@ def optimise(e_o: torch.Tensor, sub: SubQueries, cfg: DEOConfig) -> torch.Tensor
         return out
     lacking = (active & ~sub.positive_mask.any(1)).nonzero().flatten().tolist()
     if lacking:
-        raise ValueError(f"queries {lacking[:5]} have negatives but no positive sub-query; DEO needs at least one")
+        raise InputError(f"queries {lacking[:5]} have negatives but no positive sub-query; DEO needs at least one")
     idx = active.nonzero().flatten()
     sub_active = SubQueries(sub.positives[idx], sub.positive_mask[idx], sub.negatives[idx], sub.negative_mask[idx])
     solve = closed_form if cfg.mode == "exact" else adam_optimise

@@ -28,6 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from demind.errors import InputError, MissingInputError
 from demind.gen.engines.base import Engine, GenRequest, request_seed
 from demind.gen.prompts import render, user_turn
 from demind.io import write_json_atomic
@@ -50,11 +51,11 @@ def load_prompt(version: str = "v1") -> tuple[str, str]:
     path = folder / "decompose.txt"
     if not path.is_file():
         available = sorted(p.name for p in PROMPT_ROOT.iterdir() if p.is_dir())
-        raise FileNotFoundError(f"decomposition prompt {path} not found; available versions: {available} "
+        raise MissingInputError(f"decomposition prompt {path} not found; available versions: {available} "
                                 "(or a folder holding decompose.txt)")
     text = path.read_text(encoding="utf-8").strip()
     if text.count(QUERY_FIELD) != 1:
-        raise ValueError(f"{path} must contain {QUERY_FIELD} exactly once")
+        raise InputError(f"{path} must contain {QUERY_FIELD} exactly once")
     return text, f"{folder.name}@{hashlib.sha256(text.encode()).hexdigest()[:12]}"
 
 
@@ -104,9 +105,9 @@ class LLMDecomposer:
         try:
             data = json.loads(self.cache_path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
-            raise ValueError(f"{self.cache_path}: decomposition cache is not JSON ({e}); delete it to rebuild") from None
+            raise InputError(f"{self.cache_path}: decomposition cache is not JSON ({e}); delete it to rebuild") from None
         if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT:
-            raise ValueError(f"{self.cache_path}: not a {CACHE_FORMAT} file; delete it or pass another cache_path")
+            raise InputError(f"{self.cache_path}: not a {CACHE_FORMAT} file; delete it or pass another cache_path")
         return data["entries"]
 
     def _write_cache(self) -> None:

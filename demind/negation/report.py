@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from demind.errors import InputError
 from demind.io import read_jsonl
 from demind.negation.decompose import CUE_PATTERN, CUES, Decomposer, Decomposition, strip_determiner
 
@@ -33,13 +34,20 @@ def normalise_phrase(text: str) -> str:
 
 
 def load_phrasings(path: str | Path = PHRASINGS) -> list[dict[str, Any]]:
-    """The labelled phrasings; a malformed line is an error naming the file and line."""
+    """The labelled phrasings; a malformed line is an error naming the file, line and key."""
     path = Path(path)
     items = []
     for n, item in read_jsonl(path, what="labelled phrasings"):
+        if not isinstance(item, dict):
+            raise InputError(f"{path}:{n}: expected an object with keys {list(LABEL_KEYS)}, got {type(item).__name__}")
         missing = [k for k in LABEL_KEYS if k not in item]
         if missing:
-            raise ValueError(f"{path}:{n}: missing key(s) {missing}; each line needs {list(LABEL_KEYS)}")
+            raise InputError(f"{path}:{n}: missing key(s) {missing}; each line needs {list(LABEL_KEYS)}")
+        for key in ("query", "positive", "cue"):
+            if not isinstance(item[key], str):
+                raise InputError(f"{path}:{n}: key {key!r} must be a string, got {json.dumps(item[key])}")
+        if not isinstance(item["negatives"], list) or not all(isinstance(x, str) for x in item["negatives"]):
+            raise InputError(f"{path}:{n}: key 'negatives' must be a list of strings, got {json.dumps(item['negatives'])}")
         items.append(item)
     return items
 
@@ -102,10 +110,16 @@ def cirr_flags(caption_files: list[str | Path], decomposer: Decomposer, examples
         try:
             entries = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path}: cannot read CIRR captions ({e})") from None
-        if not isinstance(entries, list) or any("caption" not in e for e in entries):
-            raise ValueError(f"{path}: expected a CIRR caption file (a list of objects with 'caption')")
-        captions.extend(e["caption"] for e in entries)
+            raise InputError(f"{path}: cannot read CIRR captions ({e})") from None
+        if not isinstance(entries, list):
+            raise InputError(f"{path}: expected a CIRR caption file (a list of objects with 'caption'), "
+                             f"got {type(entries).__name__}")
+        for i, e in enumerate(entries):
+            if not isinstance(e, dict) or not isinstance(e.get("caption"), str):
+                got = json.dumps(e.get("caption")) if isinstance(e, dict) else type(e).__name__
+                raise InputError(f"{path}: entry {i} (pairid {e.get('pairid', '?') if isinstance(e, dict) else '?'}): "
+                                 f"key 'caption' must be a string, got {got}")
+            captions.append(e["caption"])
     flagged = [d for d in decomposer.decompose(captions) if d.has_negation]
     by_cue: Counter[str] = Counter()
     found: dict[str, list[Decomposition]] = {}

@@ -28,9 +28,10 @@ import torch
 import torch.nn.functional as F
 
 from demind.backbone import FrozenCLIP
-from demind.eval.image_cache import ImageFeatureCache, backbone_cache_slug, encode_image_refs, stack_features
+from demind.errors import DemindError, InputError
+from demind.eval.image_cache import DamagedPartError, ImageFeatureCache, backbone_cache_slug, encode_image_refs, stack_features
 from demind.eval.structures import IMAGE_EXTENSIONS, ImageRef, read_json
-from demind.io import write_json_atomic
+from demind.io import check_output_dir, write_json_atomic
 from demind.shard_format import IMAGE_FIELDS, SHARD_SUFFIX
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ BACKBONE_FILE = "backbone.json"
 ROLE = "embeddings"
 
 
-class GalleryIndexError(ValueError):
+class GalleryIndexError(DemindError, ValueError):
     """An index that cannot be used as asked (missing, unfinished, or another backbone's)."""
 
 
@@ -103,7 +104,8 @@ def list_gallery_images(folder: str | Path) -> tuple[list[ImageRef], dict[str, s
 
     Returns (ImageRefs named by their path relative to ``folder`` (a shard member:
     ``shard.tar/member``), with ``version`` = size and mtime of the file or shard so the cache
-    key changes with it; {shard name: error} for shards that cannot be listed).
+    key changes with it; {name: error} for shards that cannot be listed and files that cannot be
+    opened: dangling symbolic links, link loops).
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -120,7 +122,12 @@ def list_gallery_images(folder: str | Path) -> tuple[list[ImageRef], dict[str, s
                 except (tarfile.TarError, OSError) as e:
                     bad_shards[name] = f"cannot list shard {path}: {e}"
             elif os.path.splitext(filename)[1].lower() in IMAGE_EXTENSIONS:
-                refs.append(ImageRef(name=name, path=path, version=file_version(path.stat())))
+                try:
+                    version = file_version(path.stat())
+                except OSError as e:  # a dangling symbolic link, a link loop, a file gone meanwhile
+                    bad_shards[name] = f"cannot read {path}: {e.strerror or e}"
+                    continue
+                refs.append(ImageRef(name=name, path=path, version=version))
     return refs, bad_shards
 
 
@@ -150,7 +157,12 @@ def _check_or_write_backbone(index_dir: Path, backbone: FrozenCLIP) -> None:
     record = backbone_record(backbone)
     path = index_dir / BACKBONE_FILE
     if path.is_file():
-        found = read_json(path)
+        try:
+            found = read_json(path, fix=f"delete {index_dir} to rebuild it")
+        except InputError as e:
+            raise GalleryIndexError(str(e)) from None
+        if not isinstance(found, dict):
+            raise GalleryIndexError(f"{path} is not a backbone record (a JSON object); delete {index_dir} to rebuild it")
         if found.get("slug") != record["slug"]:
             raise GalleryIndexError(
                 f"index {index_dir} was built with backbone {found.get('identity')} "
@@ -160,14 +172,38 @@ def _check_or_write_backbone(index_dir: Path, backbone: FrozenCLIP) -> None:
     write_json_atomic(path, record, indent=2)
 
 
+def _rebuild_advice(index_dir: Path, root: str | None = None) -> str:
+    return f"rerun demind-index --images {root or 'DIR'} --index {index_dir} (with its --checkpoint) to rebuild it"
+
+
+MANIFEST_TYPES = {"format": str, "root": str, "backbone_slug": str, "precision": str, "embed_dim": int,
+                  "images": list, "unreadable": dict}
+
+
 def _read_manifest(index_dir: Path) -> dict | None:
+    """The finished build's ``index.json``, None when there is none; a damaged one is a
+    GalleryIndexError naming the file, the key and how to rebuild it."""
     path = index_dir / MANIFEST
     if not path.is_file():
         return None
-    manifest = read_json(path)
+    try:
+        manifest = read_json(path, fix=_rebuild_advice(index_dir))
+    except InputError as e:
+        raise GalleryIndexError(str(e)) from None
+    if not isinstance(manifest, dict):
+        raise GalleryIndexError(f"{path} is not a demind index (a JSON {type(manifest).__name__}, not an object); "
+                                + _rebuild_advice(index_dir))
     if manifest.get("format") != INDEX_FORMAT:
         raise GalleryIndexError(f"{path} is not a demind index (format {manifest.get('format')!r}, "
                                 f"expected {INDEX_FORMAT!r})")
+    root = manifest.get("root") if isinstance(manifest.get("root"), str) else None
+    for key, kind in MANIFEST_TYPES.items():
+        if not isinstance(manifest.get(key), kind):
+            raise GalleryIndexError(f"{path}: key {key!r} must be a JSON {kind.__name__}, got "
+                                    f"{type(manifest.get(key)).__name__}; " + _rebuild_advice(index_dir, root))
+    if not all(isinstance(e, list) and len(e) == 2 and all(isinstance(x, str) for x in e) for e in manifest["images"]):
+        raise GalleryIndexError(f"{path}: key 'images' must list [name, key] pairs of strings; "
+                                + _rebuild_advice(index_dir, root))
     return manifest
 
 
@@ -179,21 +215,31 @@ def build_index(
     num_workers: int = 0,
     part_size: int = 1024,
     progress: bool = True,
+    new_root: bool = False,
 ) -> IndexBuildStats:
     """Build or update the index of every image under ``images`` into ``index_dir``.
 
     Only new or changed files are encoded (``encode_image_refs`` reuses every part whose key
     matches); files that failed to decode before and have not changed are not retried.
     When files were removed or changed the parts are compacted so they hold only live entries.
+    An index built from another folder is refused unless ``new_root`` (it would drop every
+    file only in the old folder). A damaged embedding part is deleted and its images encoded again.
     """
     start = time.perf_counter()
     images, index_dir = Path(images), Path(index_dir)
-    index_dir.mkdir(parents=True, exist_ok=True)
-    _check_or_write_backbone(index_dir, backbone)
+    if part_size < 1:
+        raise GalleryIndexError(f"part_size must be at least 1 (images per saved part), got {part_size}")
+    check_output_dir(index_dir)
     previous = _read_manifest(index_dir) or {"images": [], "unreadable": {}, "root": None}
     if previous["root"] and Path(previous["root"]) != images.resolve():
+        if not new_root:
+            raise GalleryIndexError(
+                f"index {index_dir} was built from {previous['root']}, not {images.resolve()}: following the new "
+                f"folder drops the {len(previous['images'])} indexed file(s) not in it; give --new-folder to do "
+                f"that, or another --index folder")
         log.warning("index %s was built from %s; it now follows %s (files only in the old folder are dropped)",
                     index_dir, previous["root"], images.resolve())
+    _check_or_write_backbone(index_dir, backbone)
     refs, bad_shards = list_gallery_images(images)
     stats = IndexBuildStats(images=len(refs))
     stats.members = {r.name: (r.path.relative_to(images).as_posix(), *r.span) for r in refs if r.span}
@@ -208,7 +254,7 @@ def build_index(
                                                progress, desc="index images", on_unreadable="skip")
     stats.cached, stats.encoded = encode_stats.cached, encode_stats.encoded
     stats.unreadable.update(encode_stats.unreadable)
-    stats.unreadable.update(bad_shards)  # retried on every run (listing a shard is cheap)
+    stats.unreadable.update(bad_shards)  # retried on every run (listing a shard or a link is cheap)
     keys = {r.name: r.cache_key for r in refs}
     names = [r.name for r in refs if r.name in features]
     stats.indexed = len(names)
@@ -250,7 +296,11 @@ def load_index(index_dir: str | Path, root: str | Path | None = None) -> Gallery
                 if (index_dir / ROLE).is_dir() else "")
         raise GalleryIndexError(f"no index at {index_dir}: {MANIFEST} is missing{hint}; "
                                 f"build one with demind-index --images DIR --index {index_dir} --checkpoint CKPT")
-    stored = ImageFeatureCache.at(index_dir).load(ROLE)
+    try:
+        stored = ImageFeatureCache.at(index_dir).load(ROLE)
+    except DamagedPartError as e:
+        raise GalleryIndexError(f"index {index_dir}: {e}; {_rebuild_advice(index_dir, manifest['root'])} "
+                                f"(only the damaged part's images are encoded again)") from None
     names = [name for name, _ in manifest["images"]]
     stale = [name for name, key in manifest["images"] if key not in stored.get(name, {})]
     if stale:

@@ -15,7 +15,7 @@ import json
 import os
 from pathlib import Path
 
-from demind.errors import DemindError
+from demind.errors import DemindError, MissingInputError
 from demind.io import write_json_atomic
 
 MANIFEST_NAME = "search.json"
@@ -45,13 +45,15 @@ def read_search_manifest(folder: str | Path) -> dict[str, Path]:
     not a manifest of this format."""
     path = Path(folder) / MANIFEST_NAME
     if not path.is_file():
-        raise FileNotFoundError(f"no {MANIFEST_NAME} in {folder}: run the quickstart first "
+        raise MissingInputError(f"no {MANIFEST_NAME} in {folder}: run the quickstart first "
                                 f"(demind-quickstart workdir={folder}), which writes it when it finishes")
+    fix = "rerun the quickstart to rewrite it, or give --index and --checkpoint instead of --quickstart"
     try:
-        data = json.loads(path.read_text())
-        if data.get("format") != MANIFEST_FORMAT or not all(isinstance(data.get(k), str) for k in KEYS):
-            raise ValueError(f"expected format {MANIFEST_FORMAT} with string paths {', '.join(KEYS)}")
-    except (ValueError, AttributeError) as err:
-        raise SearchManifestError(f"{path} is not a search manifest ({err}); rerun the quickstart to rewrite it, "
-                                  f"or give --index and --checkpoint instead of --quickstart") from err
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise SearchManifestError(f"{path} is not a search manifest (not JSON: {err}); {fix}") from None
+    if (not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT
+            or not all(isinstance(data.get(k), str) for k in KEYS)):
+        raise SearchManifestError(f"{path} is not a search manifest (expected a JSON object of format "
+                                  f"{MANIFEST_FORMAT} with string paths {', '.join(KEYS)}); {fix}")
     return {k: Path(folder) / data[k] for k in KEYS}

@@ -27,11 +27,12 @@ from PIL import Image
 
 from demind.backbone import FrozenCLIP
 from demind.config import MissingDependencyError
+from demind.errors import DemindError
 from demind.eval import methods as registry
 from demind.eval.methods import (CHECKPOINT_METHODS, EXCLMM_METHODS, METHOD_LABELS, METHODS, ON_REQUEST_METHODS,
                                  build_methods, parse_method_names)
 from demind.eval.structures import ImageReadError, ImageRef, load_image
-from demind.errors import DemindError
+from demind.io import to_rgb
 from demind.model import TEMPLATES, DeMinds, TemplateError, fill_template, template_field
 from demind.search.index import GalleryIndex, check_index_backbone
 
@@ -132,7 +133,7 @@ def read_query_image(image: str | Path | ImageRef | bytes, max_pixels: int = MAX
                     raise SearchError(f"the uploaded reference image is {width} x {height} pixels "
                                       f"({width * height / 1e6:.0f} megapixels); the limit is {max_pixels / 1e6:g} "
                                       f"megapixels: upload a smaller image")
-                return img.convert("RGB")
+                return to_rgb(img)
         except Image.DecompressionBombError:  # beyond Pillow's own limit: refused by Image.open itself
             raise SearchError(f"the uploaded reference image has more than {max_pixels / 1e6:g} megapixels; "
                               f"upload a smaller image") from None

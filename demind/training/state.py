@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 import shutil
 from collections import Counter
 from dataclasses import dataclass, field
@@ -157,11 +158,29 @@ def resume_state(accelerator, cfg: TrainConfig) -> TrainState:
     if not cfg.run.resume:
         raise ResumeError(f"{run_dir} already holds checkpoints (newest {latest.name}) but run.resume=false; "
                           f"use a new run.output_dir or delete {checkpoint_root(run_dir)}")
-    check_resumable(yaml.safe_load((latest / "config.yaml").read_text()), cfg, latest)
+    fix = (f"delete {latest} to resume from the checkpoint before it (or restore an intact copy), or use a new "
+           f"run.output_dir")
+    try:
+        saved_config = yaml.safe_load((latest / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise ResumeError(f"cannot resume: {latest / 'config.yaml'} cannot be read ({str(e).splitlines()[0]}); "
+                          f"{fix}") from None
+    if not isinstance(saved_config, dict):
+        raise ResumeError(f"cannot resume: {latest / 'config.yaml'} is not a config (a YAML mapping); {fix}")
+    check_resumable(saved_config, cfg, latest)
     check_same_engine(latest, accelerator)
-    accelerator.load_state(str(latest))
-    saved = json.loads((latest / STATE_NAME).read_text())
-    positions = [{int(w): tuple(p) for w, p in per_rank.items()} for per_rank in saved["positions"]]
+    try:
+        accelerator.load_state(str(latest))
+    except (EOFError, pickle.UnpicklingError, RuntimeError) as e:  # a truncated or foreign state file
+        raise ResumeError(f"cannot resume from {latest}: its Accelerate state is truncated or corrupted "
+                          f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); {fix}") from None
+    try:
+        saved = json.loads((latest / STATE_NAME).read_text(encoding="utf-8"))
+        positions = [{int(w): tuple(p) for w, p in per_rank.items()} for per_rank in saved["positions"]]
+        saved["step"], saved["samples_seen"]  # noqa: B018  (present, or the file is not ours)
+    except (ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise ResumeError(f"cannot resume: {latest / STATE_NAME} is truncated or not a trainer state "
+                          f"({type(e).__name__}: {e}); {fix}") from None
     same_readers = len(positions) == accelerator.num_processes and saved.get("num_workers") == cfg.data.num_workers
     if not same_readers:
         logger.warning("checkpoint %s was written by %d processes x %s workers, this run has %d x %d: the data "

@@ -164,3 +164,30 @@ def test_quickstart_command_prints_probes_ceilings_and_gate(monkeypatch, capsys)
     assert "shape 55.5  colour 94.7" in out and "600 held-out scenes" in out
     assert "2.0 / 10.0 / 20.0   (ceiling 30.0)" in out
     assert "tanh(gate) [demind]: seed 0 0.091" in out
+
+
+def test_the_quickstart_checkpoint_loads_from_any_folder(tmp_path, monkeypatch):
+    """Paths typed relative to the repository, the checkpoint loaded from elsewhere: the quickstart's
+    backbone config records absolute model-config and weights paths, and the shipped config
+    resolves from any folder."""
+    import torch
+
+    from demind.backbone import BackboneConfig, FrozenCLIP
+    from demind.checkpoint import load_backbone_and_model, save_checkpoint
+    from demind.model import DeMinds, ModelConfig
+    from toyworld.clip import TOY_CLIP_CONFIG, model_config_path
+    from toyworld.pipeline import toy_backbone_config
+
+    run_dir = tmp_path / "repo"
+    run_dir.mkdir()
+    (run_dir / "toy-clip-tiny.json").write_text(json.dumps(TINY_CLIP))
+    monkeypatch.chdir(run_dir)
+    random_clip = FrozenCLIP(BackboneConfig(name="toy-clip-tiny.json", pretrained=None))
+    torch.save(random_clip.model.state_dict(), "weights.pt")
+    backbone = FrozenCLIP(toy_backbone_config("toy-clip-tiny.json", "weights.pt"))
+    model = DeMinds(ModelConfig(num_queries=2, num_blocks=1, num_heads=4, mapping_hidden=16), backbone)
+    checkpoint = save_checkpoint(run_dir / "demind.safetensors", model)
+    monkeypatch.chdir(tmp_path)
+    loaded_backbone, loaded = load_backbone_and_model(checkpoint)
+    assert loaded_backbone.identity == backbone.identity and loaded is not None
+    assert model_config_path(TOY_CLIP_CONFIG).is_file()  # the shipped config, from outside the repository

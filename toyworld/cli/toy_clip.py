@@ -37,10 +37,15 @@ def toy_clip_command(cfg: ToyClipConfig) -> int:
     """Train (never from shipped weights), then pack the result as :mod:`toyworld.shipped` ships it."""
     from safetensors.torch import load_file
 
+    from demind.io import check_output_dir
+    from toyworld.clip import model_config_path
     from toyworld.clip_cache import ensure_toy_backbone
     from toyworld.shipped import SHIPPED_DIR, initial_state, pack, shipped_path
 
     recipe = dataclasses.replace(cfg.backbone, shipped=False)
+    model_config_path(recipe.model_config)  # a missing model config is named before anything runs
+    check_output_dir(Path(cfg.workdir) / "backbone")
+    check_output_dir(Path(cfg.out) if cfg.out else SHIPPED_DIR)
     weights, report = ensure_toy_backbone(recipe, Path(cfg.workdir) / "backbone", cfg.run.progress)
     log = {k: report[k] for k in TRAINING_LOG_KEYS if k in report}
     out = shipped_path(weights.stem, Path(cfg.out) if cfg.out else SHIPPED_DIR)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from demind.errors import InputError
 from demind.gen.config import EngineConfig, SamplingConfig
 from demind.gen.engines.base import Engine, GenRequest, GenResult, request_seed
 
@@ -21,7 +22,7 @@ def build_engine(engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, *, devi
         from demind.gen.engines.vllm_engine import VLLMEngine
 
         return VLLMEngine(engine_cfg, sampling_cfg, seed=seed)
-    raise ValueError(f"engine.name must be 'vllm' or 'transformers', got {engine_cfg.name!r}")
+    raise InputError(f"engine.name must be 'vllm' or 'transformers', got {engine_cfg.name!r}")
 
 
 def disable_loading_progress() -> None:

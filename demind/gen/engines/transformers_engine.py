@@ -24,6 +24,7 @@ import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor, DynamicCache, GenerationConfig, LogitsProcessor
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from demind.errors import InputError
 from demind.gen.config import EngineConfig, SamplingConfig
 from demind.gen.engines.base import GenRequest, GenResult
 from demind.gen.memory import free_memory_bytes, kv_bytes_per_token, prefix_store_budget
@@ -147,7 +148,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if name not in _DTYPES:
-        raise ValueError(f"engine.dtype must be auto, {', '.join(_DTYPES)}; got {name!r}")
+        raise InputError(f"engine.dtype must be auto, {', '.join(_DTYPES)}; got {name!r}")
     return _DTYPES[name]
 
 

@@ -1,0 +1,55 @@
+"""COCO-format annotation files (``instances_{split}.json``, ``captions_{split}.json``), read with the
+fields each reader uses checked.
+
+A missing file, one that is not JSON, or an entry whose field is absent or of the wrong JSON type
+is one error naming the file, the entry (``annotations[3]``) and the field. COCO ids are numbers:
+a string id (``"category_id": "2"``) would silently match nothing, so it is refused.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from demind.errors import InputError, MissingInputError
+
+INSTANCE_FIELDS = {"images": {"id": int, "file_name": str}, "annotations": {"image_id": int, "category_id": int},
+                   "categories": {"id": int, "name": str}}
+"""What the ExclCOCO builder reads of ``instances_{split}.json``: top-level key -> {field: JSON type}."""
+
+CAPTION_FIELDS = {"annotations": {"id": int, "image_id": int, "caption": str}}
+"""What the ExclCOCO builder and ExclMM read of ``captions_{split}.json``."""
+
+_JSON_TYPE = {int: "an integer", str: "a string"}
+
+
+def load_coco(path: str | Path, fields: dict[str, dict[str, type]]) -> dict[str, Any]:
+    """The COCO file at ``path``, each ``data[key]`` checked to be a list of objects holding
+    ``fields[key]`` with their JSON types; else MissingInputError / InputError naming the file,
+    the entry and the field."""
+    path = Path(path)
+    if not path.is_file():
+        raise MissingInputError(f"{path} does not exist (expected a COCO-format annotation file)")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InputError(f"{path} is not valid JSON ({e}); re-download the annotation file") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path} holds a JSON {type(data).__name__}, not a COCO-format object; is it the right file?")
+    absent = [k for k in fields if k not in data]
+    if absent:
+        raise InputError(f"{path} lacks the COCO key(s) {absent}; is it the right file?")
+    for key, wanted in fields.items():
+        entries = data[key]
+        if not isinstance(entries, list):
+            raise InputError(f"{path}: {key!r} must be a list of objects, got a JSON {type(entries).__name__}")
+        for i, entry in enumerate(entries):
+            if not isinstance(entry, dict):
+                raise InputError(f"{path}: {key}[{i}] must be an object, got {json.dumps(entry)[:80]}")
+            for name, kind in wanted.items():
+                value = entry.get(name)
+                if not isinstance(value, kind) or isinstance(value, bool):
+                    got = "missing" if name not in entry else f"got {json.dumps(value)[:80]}"
+                    raise InputError(f"{path}: {key}[{i}].{name} must be {_JSON_TYPE[kind]} ({got})")
+    return data

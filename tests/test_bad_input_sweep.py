@@ -1,0 +1,476 @@
+"""Every console script against malformed input of each kind it reads: a missing file, an empty
+file, the wrong JSON/YAML type at each level, null and wrong-typed fields, truncated binary
+state, an unreadable file (skipped when run as root, who reads it anyway), a directory where a
+file is expected, an output under a file.
+
+Each row runs the command in-process through its ``main(argv)`` and expects one of two outcomes:
+``error`` -- exit status 2, no traceback, exactly one ``error:`` line on stderr that names the file
+(and the line, entry or key); ``skip`` -- the bad item is skipped, counted and logged, and the rest
+runs (exit 0, or 1 where the command reports partial failure). The scripts come from
+``[project.scripts]`` of pyproject.toml: a new script without rows fails
+:func:`test_every_console_script_has_rows`; covering it is adding rows to :data:`ROWS`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import pytest
+import torch
+
+from demind.cli import common
+from helpers import REPO_ROOT, TINY_CLIP
+
+SCRIPTS = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+
+
+class Inputs:
+    """Well-formed inputs the rows break, built on first use and shared by the module."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def write(self, name: str, text: str | bytes) -> Path:
+        path = self.root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        (path.write_bytes if isinstance(text, bytes) else path.write_text)(text)
+        return path
+
+    def folder(self, name: str) -> Path:
+        path = self.root / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    @cached_property
+    def a_file(self) -> Path:
+        return self.write("a-file.txt", "not a folder")
+
+    @cached_property
+    def checkpoint(self) -> Path:
+        """A tiny De-MINDS checkpoint whose backbone weights are in a file (every load rebuilds it)."""
+        from demind.backbone import BackboneConfig, FrozenCLIP
+        from demind.checkpoint import save_checkpoint
+        from demind.model import DeMinds, ModelConfig
+
+        torch.manual_seed(0)
+        weights = self.root / "ckpt" / "clip.pt"
+        weights.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(FrozenCLIP(BackboneConfig(name=str(TINY_CLIP), pretrained=None)).model.state_dict(), weights)
+        backbone = FrozenCLIP(BackboneConfig(name=str(TINY_CLIP), pretrained=str(weights)))
+        model = DeMinds(ModelConfig(num_queries=2, num_blocks=1, num_heads=4, mapping_hidden=16), backbone)
+        return save_checkpoint(self.root / "ckpt" / "tiny.safetensors", model)
+
+    @cached_property
+    def truncated_checkpoint(self) -> Path:
+        return self.write("ckpt/truncated.safetensors", self.checkpoint.read_bytes()[:200])
+
+    @cached_property
+    def gallery(self) -> Path:
+        import numpy as np
+        from PIL import Image
+
+        folder = self.folder("gallery")
+        for i in range(3):
+            pixels = np.random.default_rng(i).integers(0, 256, (16, 16, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(folder / f"img{i}.png")
+        return folder
+
+    def index(self, name: str) -> Path:
+        """A fresh copy of a built index of :attr:`gallery` (rows damage their own copy)."""
+        import shutil
+
+        built = self.root / "index-built"
+        if not built.is_dir():
+            from demind.cli.index import main
+
+            assert main(["--images", str(self.gallery), "--index", str(built), "--checkpoint", str(self.checkpoint),
+                         "--num-workers", "0", "run.progress=false"]) == 0
+        target = self.root / name
+        shutil.copytree(built, target)
+        return target
+
+    @cached_property
+    def coco(self) -> tuple[Path, Path, Path]:
+        from demind.synthetic import write_synthetic_coco
+
+        return write_synthetic_coco(self.root / "coco", 24, split="train", seed=5, write_images=True)
+
+    def coco_variant(self, which: str, change: Callable[[dict], None]) -> Path:
+        """An annotations folder with the instances or captions file of :attr:`coco` changed."""
+        instances, captions, _ = self.coco
+        folder = self.folder(f"coco-{which}-{len(list(self.root.glob('coco-*')))}")
+        for kind, path in (("instances", instances), ("captions", captions)):
+            data = json.loads(path.read_text())
+            if kind == which:
+                change(data)
+            (folder / path.name).write_text(json.dumps(data))
+        return folder
+
+    @cached_property
+    def exclcoco_train(self) -> Path:
+        from demind.exclcoco import ExclCocoConfig, build_exclcoco
+
+        instances, captions, images = self.coco
+        build_exclcoco(instances, captions, self.root / "exclcoco-train", images,
+                       ExclCocoConfig(caption_min_images=4), split="train")
+        return self.root / "exclcoco-train"
+
+
+@dataclass
+class Row:
+    """One malformed input for one command.
+
+    argv: the command line, built from the module's :class:`Inputs`. names: what the one error
+    line must contain (file, line, key), from the same inputs. expect: ``"error"`` or ``"skip"``;
+    for a skip, ``names`` must appear in the log and ``codes`` lists the allowed exit statuses."""
+
+    script: str
+    case: str
+    argv: Callable[[Inputs], list[str]]
+    names: Callable[[Inputs], list[str]] = lambda i: []
+    expect: str = "error"
+    codes: tuple[int, ...] = (0,)
+    unreadable: bool = False  # a file without read permission: root reads it anyway, so skipped as root
+    id: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.id = f"{self.script}:{self.case}"
+
+
+def config_rows(script: str, extra: Callable[[Inputs], list[str]] = lambda i: []) -> list[Row]:
+    """The config file every config-driven command reads: missing, a folder, not YAML, a list at the
+    top, a scalar where a section belongs."""
+    return [
+        Row(script, "config missing", lambda i: ["--config", str(i.root / "absent.yaml"), *extra(i)],
+            lambda i: ["absent.yaml"]),
+        Row(script, "config is a folder", lambda i: ["--config", str(i.folder("config-dir")), *extra(i)],
+            lambda i: ["config-dir"]),
+        Row(script, "config not YAML", lambda i: ["--config", str(i.write("bad.yaml", "a: [\n")), *extra(i)],
+            lambda i: ["bad.yaml"]),
+        Row(script, "config a list", lambda i: ["--config", str(i.write("list.yaml", "- 1\n- 2\n")), *extra(i)],
+            lambda i: ["list.yaml"]),
+        Row(script, "config section a scalar", lambda i: ["--config", str(i.write("scalar.yaml", "run: 5\n")),
+                                                          *extra(i)], lambda i: ["scalar.yaml", "run"]),
+    ]
+
+
+def ckpt(i: Inputs) -> list[str]:
+    return ["--checkpoint", str(i.checkpoint)]
+
+
+ROWS: list[Row] = [
+    # ------------------------------------------------------------------ training and data
+    *config_rows("demind-train"),
+    Row("demind-train", "shards missing",
+        lambda i: ["--config", str(REPO_ROOT / "configs/train/smoke.yaml"), f"data.shards={i.root / 'no-shards'}",
+                   f"run.output_dir={i.root / 'train-run'}"], lambda i: ["no-shards"]),
+    Row("demind-train", "output under a file",
+        lambda i: ["--config", str(REPO_ROOT / "configs/train/smoke.yaml"), f"run.output_dir={i.a_file / 'run'}"],
+        lambda i: ["a-file.txt"]),
+    Row("demind-train", "resume config.yaml not YAML",
+        lambda i: ["--config", str(REPO_ROOT / "configs/train/smoke.yaml"), f"data.shards={shards(i)}",
+                   f"run.output_dir={resume_dir(i, 'resume-a', {'config.yaml': 'a: [', STATE: '{}'})}"],
+        lambda i: ["resume-a", "config.yaml"]),
+    Row("demind-train", "resume config.yaml a list",
+        lambda i: ["--config", str(REPO_ROOT / "configs/train/smoke.yaml"), f"data.shards={shards(i)}",
+                   f"run.output_dir={resume_dir(i, 'resume-b', {'config.yaml': '- 1', STATE: '{}'})}"],
+        lambda i: ["resume-b", "config.yaml"]),
+    *config_rows("demind-features"),
+    Row("demind-features", "shards missing", lambda i: ["--config", str(REPO_ROOT / "configs/train/smoke.yaml"),
+                                                        f"data.shards={i.root / 'no-shards'}"],
+        lambda i: ["no-shards"]),
+    *config_rows("demind-generate"),
+    Row("demind-generate", "input missing", lambda i: ["--input", str(i.root / "no-input"), "--output",
+                                                       str(i.root / "gen-out"), "--dry-run"], lambda i: ["no-input"]),
+    Row("demind-generate", "input is a file", lambda i: ["--input", str(i.a_file), "--output",
+                                                         str(i.root / "gen-out"), "--dry-run"], lambda i: ["a-file.txt"]),
+    *config_rows("demind-make-shards"),
+    Row("demind-make-shards", "captions missing",
+        lambda i: ["--images", str(i.gallery), "--captions", str(i.root / "none.csv"), "--output", str(i.root / "ms")],
+        lambda i: ["none.csv"]),
+    Row("demind-make-shards", "captions is a folder",
+        lambda i: ["--images", str(i.gallery), "--captions", str(i.folder("caps.csv")), "--output", str(i.root / "ms")],
+        lambda i: ["caps.csv"]),
+    Row("demind-make-shards", "captions empty",
+        lambda i: ["--images", str(i.gallery), "--captions", str(i.write("empty.csv", "")), "--output",
+                   str(i.root / "ms")], lambda i: ["empty.csv"]),
+    Row("demind-make-shards", "captions unreadable",
+        lambda i: ["--images", str(i.gallery), "--captions", str(unreadable(i, "locked.csv", "image,caption\n")),
+                   "--output", str(i.root / "ms")], lambda i: ["locked.csv"], unreadable=True),
+    Row("demind-make-shards", "images missing",
+        lambda i: ["--images", str(i.root / "no-images"), "--captions",
+                   str(i.write("ok.jsonl", '{"image": "img0.png", "caption": "a"}\n')), "--output", str(i.root / "ms")],
+        lambda i: ["no-images"]),
+    Row("demind-make-shards", "jsonl: null caption, wrong-typed image, not an object",
+        lambda i: ["--images", str(i.gallery), "--captions", str(i.write("mixed.jsonl", "\n".join([
+            '{"image": "img0.png", "caption": "a red square"}', '{"image": "img1.png", "caption": null}',
+            '{"image": 5, "caption": "x"}', "[1, 2]", "{broken"]) + "\n")), "--output", str(i.root / "ms-mixed")],
+        lambda i: ["mixed.jsonl:3", "mixed.jsonl:4", "mixed.jsonl:5"], expect="skip", codes=(0,)),
+    # ------------------------------------------------------------------ evaluation
+    *config_rows("demind-eval"),
+    Row("demind-eval", "checkpoint missing",
+        lambda i: ["--benchmark", "cirr", "--data-root", str(i.root), "--out", str(i.root / "ev"), "--checkpoint",
+                   str(i.root / "none.safetensors")], lambda i: ["none.safetensors"]),
+    Row("demind-eval", "checkpoint truncated",
+        lambda i: ["--benchmark", "cirr", "--data-root", str(i.root), "--out", str(i.root / "ev"), "--checkpoint",
+                   str(i.truncated_checkpoint)], lambda i: ["truncated.safetensors"]),
+    Row("demind-eval", "checkpoint is a folder",
+        lambda i: ["--benchmark", "cirr", "--data-root", str(i.root), "--out", str(i.root / "ev"), "--checkpoint",
+                   str(i.folder("ckpt-dir.safetensors"))], lambda i: ["ckpt-dir.safetensors"]),
+    Row("demind-eval", "data root missing",
+        lambda i: ["--benchmark", "cirr", "--data-root", str(i.root / "no-cirr"), "--out", str(i.root / "ev"),
+                   *ckpt(i)], lambda i: ["no-cirr"]),
+    # ------------------------------------------------------------------ search
+    *config_rows("demind-index"),
+    Row("demind-index", "images missing", lambda i: ["--images", str(i.root / "no-images"), "--index",
+                                                     str(i.root / "ix"), *ckpt(i)], lambda i: ["no-images"]),
+    Row("demind-index", "images is a file", lambda i: ["--images", str(i.a_file), "--index", str(i.root / "ix"),
+                                                       *ckpt(i)], lambda i: ["a-file.txt"]),
+    Row("demind-index", "index under a file", lambda i: ["--images", str(i.gallery), "--index",
+                                                         str(i.a_file / "ix"), *ckpt(i)], lambda i: ["a-file.txt"]),
+    Row("demind-index", "part size 0", lambda i: ["--images", str(i.gallery), "--index", str(i.root / "ix"),
+                                                  "--part-size", "0", *ckpt(i)], lambda i: ["part_size"]),
+    Row("demind-index", "checkpoint truncated", lambda i: ["--images", str(i.gallery), "--index", str(i.root / "ix"),
+                                                           "--checkpoint", str(i.truncated_checkpoint)],
+        lambda i: ["truncated.safetensors"]),
+    Row("demind-index", "index.json truncated",
+        lambda i: ["--images", str(i.gallery), "--index", str(damage(i.index("ix-trunc"), "index.json", b'{"form')),
+                   *ckpt(i)], lambda i: ["ix-trunc", "index.json", "rerun demind-index"]),
+    Row("demind-index", "index.json a list",
+        lambda i: ["--images", str(i.gallery), "--index", str(damage(i.index("ix-list"), "index.json", b"[1, 2, 3]")),
+                   *ckpt(i)], lambda i: ["ix-list", "index.json"]),
+    Row("demind-index", "dangling link", lambda i: ["--images", str(dangling(i)), "--index", str(i.root / "ix-link"),
+                                                    "--num-workers", "0", *ckpt(i)],
+        lambda i: ["dangling.png"], expect="skip", codes=(0,)),
+    *config_rows("demind-search"),
+    Row("demind-search", "index missing", lambda i: ["--index", str(i.root / "no-index"), "--text", "red", *ckpt(i)],
+        lambda i: ["no-index"]),
+    Row("demind-search", "index.json truncated",
+        lambda i: ["--index", str(damage(i.index("sx-trunc"), "index.json", b'{"form')), "--text", "red", *ckpt(i)],
+        lambda i: ["sx-trunc", "index.json", "rerun demind-index"]),
+    Row("demind-search", "index.json wrong-typed key",
+        lambda i: ["--index", str(retype(i.index("sx-key"), "images", {})), "--text", "red", *ckpt(i)],
+        lambda i: ["sx-key", "index.json", "'images'"]),
+    Row("demind-search", "embedding part truncated",
+        lambda i: ["--index", str(damage(i.index("sx-part"), "embeddings/part-00000.pt", b"PK\x03")), "--text", "red",
+                   *ckpt(i)], lambda i: ["sx-part", "part-00000.pt", "rerun demind-index"]),
+    Row("demind-search", "queries missing", lambda i: ["--index", str(i.index("sx-q1")), "--queries",
+                                                       str(i.root / "none.jsonl"), *ckpt(i)], lambda i: ["none.jsonl"]),
+    Row("demind-search", "queries is a folder", lambda i: ["--index", str(i.index("sx-q2")), "--queries",
+                                                           str(i.folder("q.jsonl")), *ckpt(i)], lambda i: ["q.jsonl"]),
+    Row("demind-search", "queries unreadable", lambda i: ["--index", str(i.index("sx-q5")), "--queries",
+                                                          str(unreadable(i, "locked-q.jsonl", '{"text": "a"}\n')),
+                                                          *ckpt(i)], lambda i: ["locked-q.jsonl"], unreadable=True),
+    Row("demind-search", "queries empty", lambda i: ["--index", str(i.index("sx-q3")), "--queries",
+                                                     str(i.write("empty.jsonl", "")), *ckpt(i)],
+        lambda i: ["empty.jsonl"]),
+    Row("demind-search", "query lines: null, wrong types, not JSON",
+        lambda i: ["--index", str(i.index("sx-q4")), "--queries", str(i.write("bad.jsonl", "\n".join([
+            json.dumps({"image": str(i.gallery / "img0.png"), "text": "make it red"}), '{"text": null}',
+            '{"text": "red", "image": 5}', '{"text": "red", "negative": 7}', '{"text": "red", "k": "many"}',
+            "not json", "[]"]) + "\n")), *ckpt(i)],
+        lambda i: [f"bad.jsonl:{n}" for n in range(2, 8)], expect="skip", codes=(1,)),
+    Row("demind-search", "output under a file", lambda i: ["--index", str(i.index("sx-out")), "--text", "red",
+                                                           "--method", "text-only", "--out", str(i.a_file / "r.json"),
+                                                           *ckpt(i)], lambda i: ["a-file.txt"]),
+    *config_rows("demind-serve"),
+    Row("demind-serve", "quickstart without search.json", lambda i: ["--quickstart", str(i.folder("qs-empty"))],
+        lambda i: ["qs-empty", "search.json"]),
+    Row("demind-serve", "search.json a list", lambda i: ["--quickstart", str(i.write("qs-list/search.json",
+                                                                                     "[1]").parent)],
+        lambda i: ["qs-list", "search.json"]),
+    Row("demind-serve", "search.json truncated", lambda i: ["--quickstart", str(i.write("qs-trunc/search.json",
+                                                                                        '{"form').parent)],
+        lambda i: ["qs-trunc", "search.json"]),
+    Row("demind-serve", "checkpoint truncated", lambda i: ["--index", str(i.root / "ix"), "--checkpoint",
+                                                           str(i.truncated_checkpoint)],
+        lambda i: ["truncated.safetensors"]),
+    # ------------------------------------------------------------------ ExclCOCO and ExclMM
+    *config_rows("demind-build-exclcoco"),
+    *[Row("demind-build-exclcoco", case,
+          lambda i, which=which, change=change: ["--annotations", str(i.coco_variant(which, change)), "--split", "train",
+                                                 "--images", str(i.coco[2]), "--out", str(i.root / "ex-out")],
+          lambda i, names=names: names)
+      for case, which, change, names in [
+          ("string category_id", "instances", lambda d: d["annotations"][0].update(category_id="2"),
+           ["instances_train.json", "annotations[0].category_id"]),
+          ("images a dict", "instances", lambda d: d.update(images={"1": "a.jpg"}), ["instances_train.json", "'images'"]),
+          ("annotation without image_id", "instances", lambda d: d["annotations"][1].pop("image_id"),
+           ["instances_train.json", "annotations[1].image_id"]),
+          ("null caption", "captions", lambda d: d["annotations"][2].update(caption=None),
+           ["captions_train.json", "annotations[2].caption"]),
+          ("captions a list", "captions", lambda d: (d.clear(), None)[1], ["captions_train.json", "annotations"]),
+      ]],
+    Row("demind-build-exclcoco", "annotations missing",
+        lambda i: ["--annotations", str(i.root / "no-coco"), "--split", "train", "--images", str(i.root),
+                   "--out", str(i.root / "ex-out")], lambda i: ["no-coco"]),
+    Row("demind-build-exclcoco", "instances empty",
+        lambda i: ["--annotations", str(i.write("coco-empty/instances_train.json", "").parent), "--split", "train",
+                   "--images", str(i.root), "--out", str(i.root / "ex-out")], lambda i: ["instances_train.json"]),
+    *config_rows("demind-train-exclmm"),
+    Row("demind-train-exclmm", "train split missing",
+        lambda i: exclmm_args(i, i.root / "no-split", "exclmm-a"), lambda i: ["no-split", "exclcoco.json"]),
+    Row("demind-train-exclmm", "exclcoco.json a list",
+        lambda i: exclmm_args(i, i.write("split-list/exclcoco.json", "[]").parent, "exclmm-b"),
+        lambda i: ["split-list", "exclcoco.json"]),
+    Row("demind-train-exclmm", "features truncated",
+        lambda i: exclmm_args(i, i.exclcoco_train, damage(i.folder("exclmm-c"), "features.safetensors", b"\x08\x00")),
+        lambda i: ["exclmm-c", "features.safetensors"]),
+    Row("demind-train-exclmm", "state truncated",
+        lambda i: exclmm_args(i, i.exclcoco_train, damage(i.folder("exclmm-d"), "state.safetensors", b"\x08\x00")),
+        lambda i: ["exclmm-d", "state.safetensors"]),
+    # ------------------------------------------------------------------ reports
+    *config_rows("demind-negation-report"),
+    Row("demind-negation-report", "phrasings missing", lambda i: ["--phrasings", str(i.root / "none.jsonl")],
+        lambda i: ["none.jsonl"]),
+    Row("demind-negation-report", "phrasings unreadable",
+        lambda i: ["--phrasings", str(unreadable(i, "locked.jsonl", '{"query": "a"}\n'))], lambda i: ["locked.jsonl"],
+        unreadable=True),
+    Row("demind-negation-report", "phrasings line a list", lambda i: ["--phrasings", str(i.write("p1.jsonl", "[1]\n"))],
+        lambda i: ["p1.jsonl:1"]),
+    Row("demind-negation-report", "phrasings positive: 5", lambda i: ["--phrasings", str(i.write("p2.jsonl", json.dumps(
+        {"query": "a cat", "positive": 5, "negatives": [], "cue": "control"}) + "\n"))],
+        lambda i: ["p2.jsonl:1", "'positive'"]),
+    Row("demind-negation-report", "phrasings not UTF-8", lambda i: ["--phrasings", str(i.write("p3.jsonl", b"\xff\xfe\n"))],
+        lambda i: ["p3.jsonl:1"]),
+    Row("demind-negation-report", "cirr null caption", lambda i: ["--cirr", str(i.write("cap.json", json.dumps(
+        [{"pairid": 7, "caption": None}])))], lambda i: ["cap.json", "pairid 7", "'caption'"]),
+    Row("demind-negation-report", "cirr a dict", lambda i: ["--cirr", str(i.write("cap2.json", "{}"))],
+        lambda i: ["cap2.json"]),
+    Row("demind-negation-report", "cirr entries not objects", lambda i: ["--cirr", str(i.write("cap3.json", "[1, 2]"))],
+        lambda i: ["cap3.json", "entry 0"]),
+    Row("demind-negation-report", "cirr is a folder", lambda i: ["--cirr", str(i.folder("cap4.json"))],
+        lambda i: ["cap4.json"]),
+    Row("demind-negation-report", "json under a file", lambda i: ["--json", str(i.a_file / "r.json")],
+        lambda i: ["a-file.txt"]),
+    Row("demind-negation-report", "json is a folder", lambda i: ["--json", str(i.folder("out.json"))],
+        lambda i: ["out.json"]),
+    # ------------------------------------------------------------------ the toy world
+    *config_rows("demind-quickstart"),
+    Row("demind-quickstart", "workdir under a file", lambda i: [f"workdir={i.a_file / 'qs'}"], lambda i: ["a-file.txt"]),
+    Row("demind-quickstart", "model config missing", lambda i: [f"workdir={i.root / 'qs'}",
+                                                                f"backbone.model_config={i.root / 'none.json'}"],
+        lambda i: ["none.json"]),
+    *config_rows("demind-toy-clip"),
+    Row("demind-toy-clip", "workdir under a file", lambda i: [f"workdir={i.a_file / 'tc'}"], lambda i: ["a-file.txt"]),
+    Row("demind-toy-clip", "out under a file", lambda i: [f"workdir={i.root / 'tc'}", f"out={i.a_file / 'w'}"],
+        lambda i: ["a-file.txt"]),
+    Row("demind-toy-clip", "model config missing", lambda i: [f"workdir={i.root / 'tc'}",
+                                                              f"backbone.model_config={i.root / 'none.json'}"],
+        lambda i: ["none.json"]),
+]
+
+
+STATE = "trainer_state.json"
+
+
+def shards(i: Inputs) -> Path:
+    from demind.synthetic import write_synthetic_shards
+
+    folder = i.root / "shards"
+    if not folder.is_dir():
+        write_synthetic_shards(folder, num_shards=1, samples_per_shard=4)
+    return folder
+
+
+def resume_dir(i: Inputs, name: str, files: dict[str, str]) -> Path:
+    """A training run folder whose newest checkpoint holds ``files``."""
+    step = i.folder(f"{name}/checkpoints/step_5")
+    for file, text in files.items():
+        (step / file).write_text(text)
+    return step.parents[1]
+
+
+def unreadable(i: Inputs, name: str, text: str) -> Path:
+    path = i.write(name, text)
+    path.chmod(0)
+    return path
+
+
+def damage(folder: Path, name: str, content: bytes) -> Path:
+    """Overwrite ``folder/name`` with ``content`` (a truncated or foreign file); returns the folder."""
+    path = folder / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(content)
+    return folder
+
+
+def retype(index: Path, key: str, value: object) -> Path:
+    """Give ``key`` of the index's index.json another JSON type; returns the index folder."""
+    manifest = json.loads((index / "index.json").read_text())
+    manifest[key] = value
+    (index / "index.json").write_text(json.dumps(manifest))
+    return index
+
+
+def dangling(i: Inputs) -> Path:
+    import shutil
+
+    folder = i.root / "gallery-link"
+    shutil.copytree(i.gallery, folder)
+    (folder / "dangling.png").symlink_to(i.root / "gone.png")
+    return folder
+
+
+def exclmm_args(i: Inputs, split: Path, run: Path | str) -> list[str]:
+    return ["--config", str(REPO_ROOT / "configs/exclmm/smoke.yaml"), f"backbone.name={TINY_CLIP}",
+            f"data.train={split}", f"run.output_dir={i.root / run if isinstance(run, str) else run}"]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> Inputs:
+    return Inputs(tmp_path_factory.mktemp("sweep"))
+
+
+@pytest.fixture(autouse=True)
+def quiet_and_single_threaded(monkeypatch):
+    monkeypatch.delenv(common.DEBUG_ENV, raising=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def command_main(script: str) -> Callable[[list[str]], int]:
+    module, name = SCRIPTS[script].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def test_every_console_script_has_rows():
+    assert sorted(SCRIPTS) == sorted({row.script for row in ROWS})
+
+
+@pytest.mark.parametrize("row", ROWS, ids=lambda r: r.id)
+def test_bad_input(row: Row, inputs: Inputs, capsys, caplog, monkeypatch):
+    if row.script == "demind-serve":  # a row that got past its inputs must not block on a server
+        import demind.search.server as server
+
+        monkeypatch.setattr(server, "start_server", lambda *a, **k: pytest.fail("the bad input was served"))
+    if row.unreadable and os.geteuid() == 0:
+        pytest.skip("root reads files without read permission")
+    argv = row.argv(inputs)
+    capsys.readouterr()
+    with caplog.at_level(logging.INFO):
+        status = command_main(row.script)(argv)
+    captured = capsys.readouterr()
+    names = row.names(inputs)
+    assert "Traceback" not in captured.err
+    if row.expect == "error":
+        errors = [line for line in captured.err.splitlines() if line.startswith("error:")]
+        assert status == 2, f"exit {status}; stderr: {captured.err[-800:]}"
+        assert len(errors) == 1, captured.err
+        for name in names:
+            assert name in errors[0], f"{name!r} not in {errors[0]!r}"
+    else:
+        assert status in row.codes, f"exit {status}; stderr: {captured.err[-800:]}"
+        said = caplog.text + captured.out + captured.err
+        for name in names:
+            assert name in said, f"the skip of {name!r} was not reported"
