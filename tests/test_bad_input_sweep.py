@@ -353,6 +353,30 @@ ROWS: list[Row] = [
         lambda i: ["a-file.txt"]),
     Row("demind-negation-report", "json is a folder", lambda i: ["--json", str(i.folder("out.json"))],
         lambda i: ["out.json"]),
+    # ------------------------------------------------------------------ release
+    *config_rows("demind-publish"),
+    Row("demind-publish", "checkpoint missing", lambda i: ["--checkpoint", str(i.root / "none.safetensors"), "--out",
+                                                           str(i.root / "pub-a")], lambda i: ["none.safetensors"]),
+    Row("demind-publish", "checkpoint truncated", lambda i: ["--checkpoint", str(i.truncated_checkpoint), "--out",
+                                                             str(i.root / "pub-b")], lambda i: ["truncated.safetensors"]),
+    Row("demind-publish", "checkpoint is an empty folder", lambda i: ["--checkpoint", str(i.folder("pub-ckpt")), "--out",
+                                                                      str(i.root / "pub-c")], lambda i: ["pub-ckpt"]),
+    Row("demind-publish", "results not JSON", lambda i: ["--checkpoint", str(i.checkpoint), "--out", str(i.root / "pub-d"),
+                                                         "--results", str(i.write("res.json", "{"))],
+        lambda i: ["res.json"]),
+    Row("demind-publish", "shards missing", lambda i: ["--shards", str(i.root / "no-shards"), "--out",
+                                                       str(i.root / "pub-e")], lambda i: ["no-shards"]),
+    *config_rows("demind-cc3m-list"),
+    Row("demind-cc3m-list", "source missing", lambda i: ["--out", str(i.root / "cc-a.tsv"), "--source",
+                                                         str(i.root / "none.parquet")], lambda i: ["none.parquet"]),
+    Row("demind-cc3m-list", "source not parquet", lambda i: ["--out", str(i.root / "cc-b.tsv"), "--source",
+                                                             str(i.write("bad.parquet", "not parquet"))],
+        lambda i: ["bad.parquet"]),
+    Row("demind-cc3m-list", "source without its columns", lambda i: ["--out", str(i.root / "cc-c.tsv"), "--source",
+                                                                     str(parquet(i, "cols.parquet", {"url": ["u"]}))],
+        lambda i: ["cols.parquet", "image_url"]),
+    Row("demind-cc3m-list", "out under a file", lambda i: ["--out", str(i.a_file / "cc.tsv"), "--source", str(parquet(
+        i, "good.parquet", {"image_url": ["http://x/1.jpg"], "caption": ["a cat"]}))], lambda i: ["a-file.txt"]),
     # ------------------------------------------------------------------ the toy world
     *config_rows("demind-quickstart"),
     Row("demind-quickstart", "workdir under a file", lambda i: [f"workdir={i.a_file / 'qs'}"], lambda i: ["a-file.txt"]),
@@ -379,6 +403,15 @@ def shards(i: Inputs) -> Path:
     if not folder.is_dir():
         write_synthetic_shards(folder, num_shards=1, samples_per_shard=4)
     return folder
+
+
+def parquet(i: Inputs, name: str, columns: dict[str, list[str]]) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = i.root / name
+    pq.write_table(pa.table(columns), path)
+    return path
 
 
 def resume_dir(i: Inputs, name: str, files: dict[str, str]) -> Path:

@@ -44,7 +44,9 @@ def build_parser():
 def cc3m_list_command(cfg: Cc3mListConfig) -> int:
     """Write the url list; print its size and the img2dataset command to run next."""
     from demind.hub.cc3m import load_caption_table, write_url_list
+    from demind.io import check_output_file
 
+    check_output_file(cfg.out)  # before a download that can take hours
     report = write_url_list(load_caption_table(cfg.source, cfg.split, cfg.subset), cfg.out, cfg.limit, cfg.source)
     print(f"wrote {report.rows} rows to {report.out}; download the images with:\n"
           f"  {report.img2dataset_command(cfg.output_folder)}")

@@ -56,6 +56,9 @@ def load_caption_table(source: str = CC3M_REPO, split: str = "train", config: st
     table's schema; one table, so ``split``/``config`` stay at their defaults), else a Hub dataset id
     read with ``datasets.load_dataset`` (its cache, offline mode and tokens)."""
     path = Path(source)
+    if not path.exists() and (source.endswith(".parquet") or path.is_absolute() or source.startswith(".")):
+        raise CaptionTableError(f"caption table {source} does not exist; give a parquet file or folder of them, "
+                                f"or a Hub dataset id such as {CC3M_REPO}")
     if path.exists():
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -66,12 +69,24 @@ def load_caption_table(source: str = CC3M_REPO, split: str = "train", config: st
         files = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
         if not files:
             raise CaptionTableError(f"{source} holds no .parquet files; give a parquet file or folder of them")
-        return pa.concat_tables([pq.read_table(f) for f in files])
+        tables = []
+        for f in files:
+            try:
+                tables.append(pq.read_table(f))
+            except (pa.ArrowException, OSError) as e:
+                raise CaptionTableError(f"{f} cannot be read as a parquet table ({str(e).splitlines()[0]}); "
+                                        "give a parquet file in the Conceptual Captions schema") from None
+        return pa.concat_tables(tables)
     try:
         import datasets
     except ImportError as e:
         raise MissingDependencyError(f"reading the Conceptual Captions table needs datasets: {INSTALL_HINT} ({e})") from e
-    return datasets.load_dataset(source, config, split=split).data.table
+    try:
+        return datasets.load_dataset(source, config, split=split).data.table
+    except (ConnectionError, FileNotFoundError) as e:  # datasets' "not found" and "cannot reach the Hub"
+        raise CaptionTableError(f"the Hub dataset {source} ({config}, {split}) cannot be read: "
+                                f"{str(e).splitlines()[0]}; check the id, the network, or HF_HUB_OFFLINE and the "
+                                "cache") from None
 
 
 def write_url_list(table, out: str | Path, limit: int | None = None, source: str = CC3M_REPO) -> UrlListReport:
