@@ -21,7 +21,7 @@ import open_clip
 import torch
 import torch.nn as nn
 
-from demind.errors import InputError, MissingInputError
+from demind.errors import DemindError, InputError, MissingInputError
 from demind.config import ConfigError, setting, validate
 from demind.plugins import require_timm_model
 # identity and text-tower helpers live in their own modules; also importable from here, where callers found them
@@ -154,6 +154,22 @@ def check_built_activation(model: nn.Module, activation: str, cfg: BackboneConfi
                            f"{'QuickGELU' if quick else 'GELU'}, but {activation} was asked for")
 
 
+class BackboneWeightsError(DemindError, RuntimeError):
+    """A pretrained tag whose weights open_clip could not fetch (no network, unknown tag)."""
+
+
+def weights_unavailable(error: RuntimeError, cfg: BackboneConfig, model_name: str) -> BackboneWeightsError | None:
+    """open_clip's download failure (or unknown tag) as one error naming the backbone and the fix;
+    None for any other RuntimeError, which keeps its traceback."""
+    message = str(error)
+    if not message.startswith(("Failed to download weights", "Pretrained value")):
+        return None
+    return BackboneWeightsError(
+        f"backbone {cfg.name}:{cfg.pretrained}: {message.splitlines()[0]}. Check the network, or put the weights "
+        f"in the Hugging Face cache and set HF_HUB_OFFLINE=1, or give a local weights file as backbone.pretrained "
+        f"(tags of this model: open_clip.list_pretrained_tags_by_model({model_name!r}))")
+
+
 class FrozenCLIP(nn.Module):
     """An open_clip CLIP whose weights are frozen and which always stays in eval mode.
 
@@ -181,10 +197,13 @@ class FrozenCLIP(nn.Module):
                 stack.enter_context(torch.random.fork_rng(devices=[]))
                 stack.enter_context(quiet_random_init_notice())
                 torch.manual_seed(cfg.seed)
-            model, _, preprocess = open_clip.create_model_and_transforms(
-                model_name, pretrained=cfg.pretrained, precision=cfg.precision, device=device,
-                force_quick_gelu=self.activation == "quick_gelu",
-            )
+            try:
+                model, _, preprocess = open_clip.create_model_and_transforms(
+                    model_name, pretrained=cfg.pretrained, precision=cfg.precision, device=device,
+                    force_quick_gelu=self.activation == "quick_gelu",
+                )
+            except RuntimeError as e:
+                raise weights_unavailable(e, cfg, model_name) or e
         check_built_text_tower(model, cfg.name)
         check_built_activation(model, self.activation, cfg)
         model.set_grad_checkpointing(cfg.grad_checkpointing)

@@ -19,7 +19,7 @@ import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from demind.backbone import BackboneConfig, FrozenCLIP, backbone_activation
+from demind.backbone import BackboneConfig, BackboneWeightsError, FrozenCLIP, backbone_activation
 from demind.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from demind.features import FeatureCacheError, check_identity
 from demind.identity import identity_slug, same_backbone, tag_activation
@@ -204,3 +204,17 @@ def test_real_unsupported_models_are_refused_before_any_download(name, monkeypat
                         lambda *a, **k: pytest.fail("a refused model was built"))
     with pytest.raises(UnsupportedTextTowerError, match=name):
         FrozenCLIP(BackboneConfig(name=name, pretrained=None))
+
+
+def test_weights_that_cannot_be_downloaded_are_one_error_naming_the_backbone(tiny_tags, monkeypatch):
+    """No network: open_clip's own download raises; the load names the backbone, tag and the fix."""
+    name, _, _ = tiny_tags
+
+    def offline(*args, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
+
+    monkeypatch.setattr(open_clip.pretrained, "download_pretrained_from_url", offline)
+    with pytest.raises(BackboneWeightsError, match=rf"backbone .*{QUICK_TAG}: Failed to download weights.*HF_HUB_OFFLINE"):
+        FrozenCLIP(BackboneConfig(name=name, pretrained=QUICK_TAG))
+    with pytest.raises(BackboneWeightsError, match=r"not a known tag"):
+        FrozenCLIP(BackboneConfig(name=name, pretrained="no_such_tag"))
