@@ -46,6 +46,9 @@ grads = {n: p.grad.clone() for n, p in accelerator.unwrap_model(model).named_par
 if accelerator.is_main_process:
     torch.save({"losses": mean, "grads": grads}, out)
 accelerator.wait_for_everyone()
+# as train() does: destroy the process group before exit (a gloo group left to the interpreter's
+# teardown can abort the process: "terminate called without an active exception")
+accelerator.end_training()
 '''
 
 
