@@ -53,7 +53,8 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     design = dataclasses.replace(CIRR_DESIGNS[args.version],
-                                 **{k: parse_value(v) for k, v in (o.split("=", 1) for o in args.overrides)})
+                                 **{k: tuple(v) if isinstance(v, list) else v for k, v in
+                                    ((k, parse_value(v)) for k, v in (o.split("=", 1) for o in args.overrides))})
     workdir = Path(args.workdir)
     cfg = ToyBenchmarkConfig(cirr_sets=args.sets, cirr_version=args.version)
     key = hashlib.sha256(json.dumps([args.version, args.sets, dataclasses.asdict(design)]).encode()).hexdigest()[:12]

@@ -40,7 +40,7 @@ class CirrDesign:
     """What the toy CIRR generator draws; a benchmark version is one frozen design.
 
     unnamed_edits: random edits between reference and target that no text names (never the named
-        edit's kind, never the named object).
+        edit's kind, never the named object), of the kinds in ``unnamed_kinds``.
     p_description / p_keep / p_background / p_context: the annotator's text
         (:func:`toyworld.texts.modification_text`): the share of texts that describe the target
         instead of instructing, of "keep the ..." clauses, of descriptions naming the background,
@@ -48,6 +48,7 @@ class CirrDesign:
     """
 
     unnamed_edits: int = 0
+    unnamed_kinds: tuple[str, ...] = EDIT_KINDS
     p_description: float = 0.4
     p_keep: float = 0.2
     p_background: float = 0.3
@@ -115,23 +116,30 @@ def build_cirr_set(rng: random.Random, implicit_share: float = 0.0) -> CirrSet:
             return CirrSet(members, [(0, 1), (4, 1)], [(base, target), (n3, target)])
 
 
-def unnamed_edit(scene: Scene, rng: random.Random, exclude: tuple[str, ...], keep_oid: int) -> tuple[str, Scene]:
-    """One random edit that leaves object ``keep_oid`` as it is and whose kind is not in ``exclude``
-    (a change the modification text does not name)."""
-    kinds = [k for k in EDIT_KINDS if k not in exclude and edit_is_possible(scene, k)]
+def unnamed_edit(scene: Scene, rng: random.Random, exclude: tuple[str, ...], keep_oid: int,
+                 allowed: tuple[str, ...] = EDIT_KINDS) -> tuple[str, Scene] | None:
+    """One random edit of a kind in ``allowed`` and not in ``exclude`` that leaves object ``keep_oid``
+    as it is (a change the modification text does not name); None when no such edit is possible."""
+    kinds = [k for k in allowed if k not in exclude and edit_is_possible(scene, k)]
     others = [o.oid for o in scene.objects if o.oid != keep_oid]
     if not others:  # object edits would touch the named object
         kinds = [k for k in kinds if k in ("add", "background", "style")]
+    if not kinds:
+        return None
     kind = rng.choice(kinds)
     pick = rng.choice(others) if kind in ("colour", "shape", "size", "position", "remove") else None
     return kind, apply_edit(scene, kind, rng, pick)
 
 
-def _unnamed(scene: Scene, rng: random.Random, count: int, exclude: tuple[str, ...], keep_oid: int) -> Scene:
+def _unnamed(scene: Scene, rng: random.Random, count: int, exclude: tuple[str, ...], keep_oid: int,
+             allowed: tuple[str, ...]) -> Scene:
     kinds = list(exclude)
     for _ in range(count):
-        kind, scene = unnamed_edit(scene, rng, tuple(kinds), keep_oid)
-        kinds.append(kind)
+        edit = unnamed_edit(scene, rng, tuple(kinds), keep_oid, allowed)
+        if edit is None:
+            break
+        kinds.append(edit[0])
+        scene = edit[1]
     return scene
 
 
@@ -148,13 +156,13 @@ def build_cirr_set_v2(rng: random.Random, design: CirrDesign, implicit_share: fl
         kind = IMPLICIT if implicit else rng.choice([k for k in EDIT_KINDS if edit_is_possible(base, k)])
         oid = rng.choice(base.objects).oid
         # unnamed edits never add a theme, so an implicit edit still applies to U
-        unnamed_base = _unnamed(base, rng, design.unnamed_edits, (kind,), oid)
+        unnamed_base = _unnamed(base, rng, design.unnamed_edits, (kind,), oid, design.unnamed_kinds)
         if not edit_is_possible(unnamed_base, kind) or oid not in {o.oid for o in unnamed_base.objects}:
             continue
         target = apply_edit(unnamed_base, kind, rng, oid)
         n1 = _same_kind_other_value(unnamed_base, kind, oid, target, rng)
         n2 = random_edit(target, rng, exclude=(kind,))[1]
-        n3 = _unnamed(unnamed_base, rng, max(design.unnamed_edits, 1), (kind,), oid)
+        n3 = _unnamed(unnamed_base, rng, max(design.unnamed_edits, 1), (kind,), oid, EDIT_KINDS)
         n4 = random_edit(base, rng, exclude=(kind,))[1]
         members = [base, target, n1, n2, n3, n4]
         if len({m.canonical() for m in members}) == len(members) and scene_diff(unnamed_base, target):

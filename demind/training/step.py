@@ -77,6 +77,8 @@ def train_one_step(cfg: TrainConfig, accelerator, model, optimizer, scheduler, b
             accelerator.backward(losses["loss"])
             # After queueing backward (the check waits for the device), still before any update.
             check_finite(losses, state.step, accelerator)
+            if accelerator.sync_gradients:  # the step's whole gradient, before clipping; read at the log line
+                window.note_gate_grad(accelerator.unwrap_model(model).gate)
             if accelerator.sync_gradients and cfg.optim.grad_clip:
                 accelerator.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
             optimizer.step()
