@@ -66,14 +66,16 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     out_path = Path(args.workdir) / "recipes.json"
-    results = json.loads(out_path.read_text()) if out_path.is_file() else {}
     for name in args.recipes:
         cfg = QuickstartConfig(workdir=args.workdir, train_overrides=RECIPES[name], seeds=args.seeds,
                                ablations=args.ablations, benchmarks=["cirr"], run=QuickstartRunConfig(progress=False))
         key = name + (" +ablations" if args.ablations else "")
-        results[key] = recipe_summary(run_quickstart(cfg)) | {"seeds": args.seeds, "overrides": RECIPES[name]}
+        result = recipe_summary(run_quickstart(cfg)) | {"seeds": args.seeds, "overrides": RECIPES[name]}
+        # read just before writing: another invocation may have added its recipes meanwhile
+        results = json.loads(out_path.read_text()) if out_path.is_file() else {}
+        results[key] = result
         write_json_atomic(out_path, results, indent=1)
-        print(format_recipe(key, results[key]), flush=True)
+        print(format_recipe(key, result), flush=True)
 
 
 if __name__ == "__main__":

@@ -3,11 +3,13 @@
 ``write_benchmarks(root)`` writes, each from its own seed stream (disjoint from the
 backbone's and the intent shards' scenes):
 
-* ``root/cirr/``: CIRR rc2 layout — ``captions/cap.rc2.val.json`` (entries ``pairid``,
+* ``root/cirr/``: CIRR rc2 layout (generator and versions: :mod:`toyworld.cirr`) —
+  ``captions/cap.rc2.val.json`` (entries ``pairid``,
   ``reference``, ``target_hard``, ``target_soft``, ``caption``, ``img_set`` {``id``,
-  ``members``, ``reference_rank``, ``target_rank``}, plus ``toy_type``: the modification
+  ``members``, ``reference_rank``, ``target_rank``}, plus ``toy_type``: the named modification's
   type, for per-type recall; ``implicit`` for the themes), ``image_splits/split.rc2.val.json`` (name ->
-  ``./dev/NAME.png``), ``dev/*.png``.
+  ``./dev/NAME.png``: the sets' members and, in ``cirr-2``, gallery look-alikes outside any set),
+  ``dev/*.png``.
 * ``root/imgnet/``: Pic2Word's ``imgnet_real_query.txt`` and ``imgnet_targets.txt``
   (``path label `` lines; paths ``imgnet/real/<class>/...`` and
   ``imgnet/imagenet-r/<class>/<domain>_<i>.png`` relative to ``root``), label = class +
@@ -68,7 +70,7 @@ from demind.io import atomic_path, write_json_atomic, write_text_atomic
 
 from .cirr import CIRR_VERSIONS, CirrSet, build_cirr_set, write_cirr  # noqa: F401  (CirrSet, build_cirr_set: re-exported)
 from .parallel import parallel_map
-from .render import render_scene
+from .render import render_scene, save_png
 from .texts import alt_text, article, full_description, noun_phrase, with_article
 from .world import (
     BACKGROUNDS, COLOURS, DOMAINS, POSITIONS, SHAPES, SIZES, WORLD_VERSION, Scene, ToyObject, derive_seed,
@@ -107,11 +109,6 @@ class ToyBenchmarkConfig:
     # the toy CIRR generator (toyworld/cirr.py): cirr-2 is calibrated to real CIRR's baseline
     # profile; cirr-1 (the target = the reference + the named edit) kept for comparisons
     cirr_version: str = setting("cirr-2", choices=CIRR_VERSIONS)
-
-
-def save_png(image: np.ndarray, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(image).save(path, format="PNG")
 
 
 def _write_json(path: Path, data: Any) -> None:

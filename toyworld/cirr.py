@@ -26,7 +26,7 @@ from typing import Any
 
 from demind.io import write_json_atomic
 
-from .render import render_scene
+from .render import render_scene, save_png
 from .texts import full_description, modification_text
 from .world import (
     EDIT_KINDS, IMPLICIT, THEMES, Scene, apply_edit, apply_theme, derive_seed, edit_is_possible,
@@ -241,8 +241,6 @@ def write_cirr(folder: Path, cfg: Any, progress: bool = True, design: CirrDesign
     """The toy CIRR of ``cfg`` (a ``ToyBenchmarkConfig``: ``cirr_sets``, ``cirr_version``,
     ``cirr_implicit_share``, ``image_size``) into ``folder`` in CIRR's rc2 layout."""
     from tqdm import tqdm
-
-    from .benchmarks import save_png
 
     design = design or CIRR_DESIGNS[cfg.cirr_version]
     captions, split = [], {}

@@ -302,3 +302,22 @@ def torch_allclose(a, b) -> bool:
     import torch
 
     return torch.allclose(a.float().cpu(), b.float().cpu(), atol=1e-5)
+
+
+@pytest.mark.slow
+def test_frozen_cirr2_baselines_with_the_shipped_toy_clip(tmp_path):
+    """The calibration record's frozen row, rerun: the three untrained baselines on the default toy
+    CIRR (300 sets) with the shipped toy CLIP (docs/lab-notes/calibrated-cirr.md)."""
+    from demind.eval.harness import evaluate
+    from toyworld.cirr import write_cirr
+    from toyworld.pipeline import QuickstartConfig, QuickstartRunConfig, prepare_backbone
+
+    cfg = ToyBenchmarkConfig()
+    assert cfg.cirr_version == "cirr-2"
+    write_cirr(tmp_path / "cirr", cfg, progress=False)
+    backbone, _, _ = prepare_backbone(QuickstartConfig(workdir=str(tmp_path), run=QuickstartRunConfig(progress=False)))
+    methods = {"image-only": 24.8, "text-only": 52.5, "image+text": 63.7}
+    results = evaluate("cirr", tmp_path / "cirr", backbone=backbone, methods=list(methods), batch_size=256,
+                       progress=False)
+    for method, expected in methods.items():
+        assert results["methods"][method]["R@10"] == pytest.approx(expected, abs=0.05)
