@@ -68,7 +68,8 @@ from demind.config import setting
 from demind.eval.exclusion import FORMAT
 from demind.io import atomic_path, write_json_atomic, write_text_atomic
 
-from .cirr import CIRR_VERSIONS, CirrSet, build_cirr_set, write_cirr  # noqa: F401  (CirrSet, build_cirr_set: re-exported)
+# CirrSet and build_cirr_set are re-exported: the CIRR generator lived here before toyworld/cirr.py
+from .cirr import CIRR_VERSIONS, CirrSet, build_cirr_set, write_cirr  # noqa: F401
 from .parallel import parallel_map
 from .render import render_scene, save_png
 from .texts import alt_text, article, full_description, noun_phrase, with_article

@@ -219,7 +219,8 @@ def build_cirr_set_v2(rng: random.Random, design: CirrDesign, implicit_share: fl
         if design.lookalikes and copied is None:
             continue
         extras = [_unnamed(copied, rng, 1, (kind,), oid, EDIT_KINDS) for _ in range(design.lookalikes)]
-        if len({m.canonical() for m in members + extras}) == len(members) + len(extras) and scene_diff(unnamed_base, target):
+        distinct = len({m.canonical() for m in members + extras}) == len(members) + len(extras)
+        if distinct and scene_diff(unnamed_base, target):
             return CirrSet(members, [(0, 1), (4, 1)], [(unnamed_base, target), (unnamed_base, target)], extras)
 
 

@@ -189,7 +189,8 @@ def test_cirr_reader_loads_toy_files(bench_root):
 
     data = read_cirr(bench_root / "cirr")
     group = data.groups[0]
-    assert len(group.queries) == 2 * SMALL.cirr_sets and len(group.gallery) == (6 + CIRR_DESIGNS[SMALL.cirr_version].lookalikes) * SMALL.cirr_sets
+    per_set = 6 + CIRR_DESIGNS[SMALL.cirr_version].lookalikes
+    assert len(group.queries) == 2 * SMALL.cirr_sets and len(group.gallery) == per_set * SMALL.cirr_sets
 
 
 def test_exclusion_reader_loads_toy_file(bench_root):
