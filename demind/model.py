@@ -35,6 +35,10 @@ TEMPLATES = {
     "objects": "a photo of * , {objects}",
 }
 FUSIONS = ("gate", "add", "intent_only")
+# How the refined queries X^n enter the frozen text tower: as the blocks leave them (the paper does
+# not say), or each rescaled to the mean norm of the token-embedding table (the scale the tower's
+# first layer was trained on), keeping its direction.
+QUERY_SCALES = ("none", "token_norm")
 QUERY_MODES = ("eager", "compile", "cudagraphs")
 
 
@@ -57,6 +61,7 @@ class ModelConfig:
     # ConeSep's NBL (training.noise.mode=conesep): learnable negative prompt tokens; 0 = none.
     # Used in training only; queries never read them.
     negative_tokens: int = setting(0, ge=0)
+    query_scale: str = setting("none", choices=QUERY_SCALES)
 
     def config_problems(self) -> list[tuple[str, str]]:
         try:
@@ -253,6 +258,8 @@ class DeMinds(nn.Module):
         else:
             self.register_buffer("logit_scale", scale)
         self.intent_prompt = " ".join([PLACEHOLDER] * cfg.num_queries)
+        # a plain float, not a buffer: derived from the frozen backbone, so checkpoints stay as they were
+        self.token_norm = float(backbone.model.token_embedding.weight.detach().float().norm(dim=-1).mean())
         if cfg.negative_tokens:
             # P_neg, at CLIP's token-embedding scale like the intention queries
             self.negative_prompt = nn.Parameter(torch.randn(cfg.negative_tokens, backbone.width) * 0.02)
@@ -300,9 +307,16 @@ class DeMinds(nn.Module):
         out = self.backbone.encode_with_pseudo_tokens(prompts, self.pseudo_token(image_emb))
         return F.normalize(out.pooled, dim=-1)
 
+    def scale_queries(self, refined: torch.Tensor) -> torch.Tensor:
+        """``model.query_scale``: refined queries (B, n, W) as the blocks leave them (``none``) or each
+        rescaled to L2 norm ``token_norm`` (``token_norm``), the mean norm of a token embedding."""
+        if self.cfg.query_scale == "none":
+            return refined
+        return refined * (self.token_norm / refined.norm(dim=-1, keepdim=True).clamp_min(1e-12))
+
     def intention_embedding(self, words: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Word features (B, L, W) with mask (B, L) -> t* (B, D), L2-normalised."""
-        refined = self.intention(words, mask)
+        refined = self.scale_queries(self.intention(words, mask))
         out = self.backbone.encode_template_with_pseudo_tokens(self.intent_prompt, refined)
         return F.normalize(out.pooled, dim=-1)
 

@@ -3,11 +3,13 @@
 ``write_benchmarks(root)`` writes, each from its own seed stream (disjoint from the
 backbone's and the intent shards' scenes):
 
-* ``root/cirr/``: CIRR rc2 layout — ``captions/cap.rc2.val.json`` (entries ``pairid``,
+* ``root/cirr/``: CIRR rc2 layout (generator and versions: :mod:`toyworld.cirr`) —
+  ``captions/cap.rc2.val.json`` (entries ``pairid``,
   ``reference``, ``target_hard``, ``target_soft``, ``caption``, ``img_set`` {``id``,
-  ``members``, ``reference_rank``, ``target_rank``}, plus ``toy_type``: the modification
+  ``members``, ``reference_rank``, ``target_rank``}, plus ``toy_type``: the named modification's
   type, for per-type recall; ``implicit`` for the themes), ``image_splits/split.rc2.val.json`` (name ->
-  ``./dev/NAME.png``), ``dev/*.png``.
+  ``./dev/NAME.png``: the sets' members and, in ``cirr-2``, gallery look-alikes outside any set),
+  ``dev/*.png``.
 * ``root/imgnet/``: Pic2Word's ``imgnet_real_query.txt`` and ``imgnet_targets.txt``
   (``path label `` lines; paths ``imgnet/real/<class>/...`` and
   ``imgnet/imagenet-r/<class>/<domain>_<i>.png`` relative to ``root``), label = class +
@@ -66,13 +68,14 @@ from demind.config import setting
 from demind.eval.exclusion import FORMAT
 from demind.io import atomic_path, write_json_atomic, write_text_atomic
 
+# CirrSet and build_cirr_set are re-exported: the CIRR generator lived here before toyworld/cirr.py
+from .cirr import CIRR_VERSIONS, CirrSet, build_cirr_set, write_cirr  # noqa: F401
 from .parallel import parallel_map
-from .render import render_scene
-from .texts import alt_text, annotator_text, article, full_description, noun_phrase, with_article
+from .render import render_scene, save_png
+from .texts import alt_text, article, full_description, noun_phrase, with_article
 from .world import (
-    BACKGROUNDS, COLOURS, DOMAINS, EDIT_KINDS, IMPLICIT, POSITIONS, SHAPES, SIZES, THEMES, WORLD_VERSION, Scene,
-    ToyObject, apply_edit, apply_theme, derive_seed, edit_is_possible, modification_type, random_edit, sample_scene,
-    scene_diff, stream_seed, with_details,
+    BACKGROUNDS, COLOURS, DOMAINS, POSITIONS, SHAPES, SIZES, WORLD_VERSION, Scene, ToyObject, derive_seed,
+    sample_scene, stream_seed, with_details,
 )
 
 logger = logging.getLogger(__name__)
@@ -104,11 +107,9 @@ class ToyBenchmarkConfig:
     image_size: int = setting(64, ge=8)
     # share of toy CIRR sets whose edit is a theme (an implicit intent)
     cirr_implicit_share: float = setting(0.2, ge=0, le=1)
-
-
-def _save_png(image: np.ndarray, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(image).save(path, format="PNG")
+    # the toy CIRR generator (toyworld/cirr.py): cirr-2 is calibrated to real CIRR's baseline
+    # profile; cirr-1 (the target = the reference + the named edit) kept for comparisons
+    cirr_version: str = setting("cirr-2", choices=CIRR_VERSIONS)
 
 
 def _write_json(path: Path, data: Any) -> None:
@@ -132,96 +133,6 @@ def is_done(folder: Path, name: str, cfg: ToyBenchmarkConfig) -> bool:
         return marker == _marker(folder, name, cfg)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
-
-
-# ------------------------------------------------------------------------------ CIRR
-
-@dataclass
-class CirrSet:
-    """Six distinct scenes and the queries over them (indices into ``members``)."""
-
-    members: list[Scene]
-    queries: list[tuple[int, int]]  # (reference index, target index)
-
-
-def _same_kind_other_value(base: Scene, kind: str, oid: int, target: Scene, rng: random.Random) -> Scene:
-    """N1: the same kind of edit as base -> target with another outcome (another colour,
-    shape, cell, added object, background or style; for size and remove, another object)."""
-    if kind == IMPLICIT:  # another theme on the same reference
-        theme = rng.choice([t for t in THEMES if t != target.theme])
-        return apply_theme(base, theme, rng)
-    for _ in range(20):
-        pick: int | None = oid
-        if kind in ("size", "remove"):
-            others = [o.oid for o in base.objects if o.oid != oid]
-            if not others:
-                break
-            pick = rng.choice(others)
-        elif kind in ("add", "background", "style"):
-            pick = None
-        candidate = apply_edit(base, kind, rng, pick)
-        if candidate.canonical() != target.canonical():
-            return candidate
-    return random_edit(base, rng, exclude=(kind,))[1]
-
-
-def build_cirr_set(rng: random.Random, implicit_share: float = 0.0) -> CirrSet:
-    """B, T = B + e1, N1 (same edit kind, other value), N2 = T + e2 (unmentioned change),
-    N3 = B + e3, N4 = B + e4; queries B -> T and N3 -> T. All six scenes are distinct.
-
-    With probability ``implicit_share`` e1 is a theme (IMPLICIT) on an unthemed B, and N1 is B
-    with another theme."""
-    implicit = rng.random() < implicit_share
-    while True:
-        base = sample_scene(rng)
-        if implicit and base.theme is not None:
-            continue  # a theme is applied to an unthemed reference
-        kind = IMPLICIT if implicit else rng.choice([k for k in EDIT_KINDS if edit_is_possible(base, k)])
-        oid = rng.choice(base.objects).oid
-        target = apply_edit(base, kind, rng, oid)
-        n1 = _same_kind_other_value(base, kind, oid, target, rng)
-        n2 = random_edit(target, rng, exclude=(kind,))[1]
-        k3, n3 = random_edit(base, rng, exclude=(kind,))
-        n4 = random_edit(base, rng, exclude=(kind, k3))[1]
-        members = [base, target, n1, n2, n3, n4]
-        if len({m.canonical() for m in members}) == len(members):
-            return CirrSet(members, [(0, 1), (4, 1)])
-
-
-def write_cirr(folder: Path, cfg: ToyBenchmarkConfig, progress: bool = True) -> None:
-    captions, split = [], {}
-    pairid = 0
-    for set_id in tqdm(range(cfg.cirr_sets), desc="toy CIRR", unit="set", disable=not progress):
-        rng = random.Random(stream_seed("cirr", set_id))
-        cset = build_cirr_set(rng, cfg.cirr_implicit_share)
-        order = list(range(len(cset.members)))
-        rng.shuffle(order)  # members listed in a random order, as CIRR's sets
-        names = [f"dev-{set_id}-{m}-img0" for m in range(len(cset.members))]
-        for m, scene in enumerate(cset.members):
-            image = render_scene(scene, derive_seed("cirr", "nuisance", set_id, m), cfg.image_size).image
-            _save_png(image, folder / "dev" / f"{names[m]}.png")
-            split[names[m]] = f"./dev/{names[m]}.png"
-        members = [names[i] for i in order]
-        for ref, tgt in cset.queries:
-            changes = scene_diff(cset.members[ref], cset.members[tgt])
-            captions.append({
-                "pairid": pairid,
-                "reference": names[ref],
-                "target_hard": names[tgt],
-                "target_soft": {names[tgt]: 1.0},
-                "caption": annotator_text(cset.members[ref], cset.members[tgt], rng),
-                "img_set": {"id": set_id, "members": members,
-                            "reference_rank": members.index(names[ref]), "target_rank": members.index(names[tgt])},
-                "toy_type": modification_type(changes),
-                # its own rng: the other fields stay as they were before this field existed
-                "target_description": full_description(
-                    cset.members[tgt], random.Random(derive_seed("cirr", "description", set_id, tgt))),
-            })
-            pairid += 1
-    (folder / "captions").mkdir(parents=True, exist_ok=True)
-    (folder / "image_splits").mkdir(parents=True, exist_ok=True)
-    _write_json(folder / "captions" / "cap.rc2.val.json", captions)
-    _write_json(folder / "image_splits" / "split.rc2.val.json", split)
 
 
 # ------------------------------------------------------------------------ ImageNet-R
@@ -256,7 +167,7 @@ def write_imgnet(folder: Path, cfg: ToyBenchmarkConfig, progress: bool = True) -
             jobs.append((path, single_object_scene(rng, shape, "photo"), derive_seed("imgnet", path)))
             target_lines.append(f"{path} {c + REAL_DISTRACTOR_OFFSET} ")
     for path, scene, seed in tqdm(jobs, desc="toy ImageNet-R", unit="img", disable=not progress):
-        _save_png(render_scene(scene, seed, cfg.image_size).image, root / path)
+        save_png(render_scene(scene, seed, cfg.image_size).image, root / path)
     for name, lines in (("imgnet_real_query.txt", query_lines), ("imgnet_targets.txt", target_lines)):
         write_text_atomic(folder / name, "\n".join(lines) + "\n")
 
@@ -325,7 +236,7 @@ def write_exclusion(folder: Path, cfg: ToyBenchmarkConfig, progress: bool = True
         for role, scene in group.items():
             name = f"excl-{q}-{role}"
             image = render_scene(scene, derive_seed("exclusion", name), cfg.image_size).image
-            _save_png(image, folder / "images" / f"{name}.png")
+            save_png(image, folder / "images" / f"{name}.png")
             images[name], scenes[name], names[role] = f"images/{name}.png", scene, name
         ex_np = f"{excluded.colour} {excluded.shape}"
         kept_text = " and ".join(with_article(noun_phrase(o, rng, p_size=0.3)) for o in kept)
@@ -365,7 +276,7 @@ def _render_exclcoco_image(job: tuple[str, int, int, str]) -> dict[str, Any]:
     rng = random.Random(stream_seed(stream, index))
     scene = sample_scene(rng)
     rendered = render_scene(scene, derive_seed(stream, index), size)
-    _save_png(rendered.image, Path(path))
+    save_png(rendered.image, Path(path))
     captions = [full_description(scene, rng), full_description(scene, rng), alt_text(scene, rng)]
     objects = [(o.shape, o.colour, [float(v) for v in rendered.boxes[o.oid]]) for o in scene.objects]
     return {"objects": objects, "captions": captions}

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -133,12 +134,33 @@ def build_features(cfg: QuickstartConfig, backbone, shards: list[Path]) -> Path:
     return directory
 
 
+def run_name(cfg: QuickstartConfig, variant: str, seed: int) -> str:
+    """``demind-seed0``; with ``train_overrides`` a hash of them is appended, so another recipe never
+    reuses a model trained (or results evaluated) with other settings."""
+    name = f"{variant}-seed{seed}"
+    if cfg.train_overrides:
+        name += "-" + hashlib.sha256("\n".join(cfg.train_overrides).encode()).hexdigest()[:10]
+    return name
+
+
+def variant_overrides(cfg: QuickstartConfig, variant: str) -> list[str]:
+    """The variant's overrides, then the user's; a variant without the gate (``model.fusion=add`` or
+    ``intent_only``) drops ``optim.gate_lr``, the lr of the parameter it ablates."""
+    user = list(cfg.train_overrides)
+    if any(o.startswith("model.fusion=") and o != "model.fusion=gate" for o in VARIANTS[variant]):
+        dropped = [o for o in user if o.startswith("optim.gate_lr=")]
+        if dropped:
+            logger.info("%s: no gate, so %s does not apply", variant, ", ".join(dropped))
+        user = [o for o in user if o not in dropped]
+    return [*VARIANTS[variant], *user]
+
+
 def train_variant(cfg: QuickstartConfig, backbone, variant: str, seed: int, log_scale: float) -> Path:
     """Train one (variant, seed) run with the trainer's own code; reuse a finished export."""
     from demind.training import EXPORT_NAME, load_train_config, train
 
     # keyed by the backbone, so a retrained backbone never reuses a model trained on another
-    run_dir = Path(cfg.workdir) / "train" / backbone.identity_str / f"{variant}-seed{seed}"
+    run_dir = Path(cfg.workdir) / "train" / backbone.identity_str / run_name(cfg, variant, seed)
     export = run_dir / EXPORT_NAME
     if export.is_file():
         logger.info("reusing %s", export)
@@ -147,7 +169,7 @@ def train_variant(cfg: QuickstartConfig, backbone, variant: str, seed: int, log_
         f"backbone.name={backbone.cfg.name}", f"backbone.pretrained={backbone.cfg.pretrained}",
         f"data.shards={Path(cfg.workdir) / 'shards'}", f"run.output_dir={run_dir}", f"run.seed={seed}",
         f"model.init_logit_scale={log_scale}", f"run.progress={str(cfg.progress).lower()}",
-        *VARIANTS[variant], *cfg.train_overrides,
+        *variant_overrides(cfg, variant),
     ]
     return train(load_train_config(cfg.train_config, overrides))
 
@@ -177,7 +199,7 @@ def evaluate_run(cfg: QuickstartConfig, backbone, export: Path, variant: str, se
         options = ReaderOptions(coco=CocoOptions(csv=str(root / "coco_eval.csv"))) if bench == "coco" else None
         bench_methods = [m for m in methods if m != "oracle" or bench in ORACLE_BENCHMARKS]
         results = evaluate(bench, root, backbone=backbone, model=model, methods=bench_methods,
-                           out_dir=Path(cfg.workdir) / "eval" / backbone.identity_str / f"{variant}-seed{seed}" / bench,
+                           out_dir=Path(cfg.workdir) / "eval" / backbone.identity_str / run_name(cfg, variant, seed) / bench,
                            cache_dir=Path(cfg.workdir) / "eval" / "feature_cache", options=options,
                            batch_size=cfg.eval_batch_size, progress=cfg.progress)
         if bench == "cirr":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -401,3 +402,9 @@ def render_scene(scene: Scene, nuisance_seed: int, size: int = IMAGE_SIZE, per_p
 def render_image(scene: Scene, nuisance_seed: int, size: int = IMAGE_SIZE, per_part: bool = False) -> Image.Image:
     """Just the PIL image of :func:`render_scene`."""
     return render_scene(scene, nuisance_seed, size, per_part).pil()
+
+
+def save_png(image: np.ndarray, path: Path) -> None:
+    """Write an (H, W, 3) uint8 image as PNG, creating its folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(image).save(path, format="PNG")

@@ -303,12 +303,16 @@ def _changed_objects(target: Scene, changes: list[Change]) -> list[ToyObject]:
 
 
 def modification_text(source: Scene, target: Scene, rng: random.Random, pool: str,
-                      p_description: float, p_keep: float) -> str:
+                      p_description: float, p_keep: float, p_background: float = 0.3,
+                      p_context: float = 0.0) -> str:
     """A text that turns ``source`` into ``target``.
 
     With probability ``p_description`` it is a partial description of the target (as
-    "shows a red circle on sand"), otherwise instructions, one per change, joined; then
-    with probability ``p_keep`` a clause naming an unchanged object to keep.
+    "shows a red circle on sand": the changed objects, with probability ``p_context`` every
+    object of the target, and the background with probability ``p_background`` or when it
+    changed), otherwise instructions, one per change, joined; then with probability
+    ``p_keep`` a clause naming an unchanged object to keep. ``p_context=0`` draws nothing
+    more, so texts written before it existed stay as they were.
     """
     changes = scene_diff(source, target)
     if not changes:
@@ -317,7 +321,9 @@ def modification_text(source: Scene, target: Scene, rng: random.Random, pool: st
     # a theme is said as an instruction: a target description would spell out its realisation
     if rng.random() < p_description and not implicit:
         focus = _changed_objects(target, changes) or [rng.choice(target.objects)]
-        bg = any(c.kind == "background" for c in changes) or rng.random() < 0.3
+        if p_context and rng.random() < p_context:
+            focus = list(target.objects)
+        bg = any(c.kind == "background" for c in changes) or rng.random() < p_background
         restyled = any(c.kind == "style" for c in changes)
         removed = [c.before for c in changes if c.kind == "remove"]
         desc = partial_target_description(target, focus, rng, bg, with_style=restyled)

@@ -24,6 +24,10 @@ class OptimConfig:
     """AdamW with linear warm-up then cosine decay (per optimizer step)."""
 
     lr: float = setting(1e-6, gt=0)
+    # peak lr of the gate alpha alone (same warm-up and schedule); null = lr. Adam moves a scalar by
+    # about its lr per step, so tanh(alpha) <= tanh(sum of the gate's lr over the schedule): with the
+    # paper's lr 1e-6 that cap is 0.015 (docs/training.md)
+    gate_lr: float | None = setting(None, gt=0)
     weight_decay: float = setting(0.1, ge=0)
     betas: tuple[float, float] = setting((0.9, 0.98), ge=0, lt=1)  # open_clip's ViT defaults; the paper does not say
     eps: float = setting(1e-6, gt=0)
@@ -90,6 +94,9 @@ class TrainConfig:
             # an unused parameter would also stop multi-process (DDP) training at its second step
             problems.append(("model.negative_tokens", f"= {self.model.negative_tokens} is only used by "
                                                       f"noise.mode=conesep (here {self.noise.mode!r}); set it to 0"))
+        if self.optim.gate_lr is not None and self.model.fusion != "gate":
+            problems.append(("optim.gate_lr", f"= {self.optim.gate_lr} sets the gate's lr, but model.fusion="
+                                              f"{self.model.fusion} has no gate; unset optim.gate_lr"))
         return problems
 
 

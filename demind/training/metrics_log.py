@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from demind.io import write_text_atomic
 from demind.training.config import TrainConfig
+from demind.training.optim import gate_lr
 from demind.training.state import TrainState
 
 LOSS_TERMS = ("loss", "distil", "align")
@@ -54,12 +55,18 @@ class LogWindow:
     samples: int = 0
     start: float = field(default_factory=time.perf_counter)
     names: tuple[str, ...] = LOSS_TERMS + NOISE_TERMS
+    # |dL/d alpha| of the window's last optimizer step (a device tensor: no host sync per step)
+    gate_grad: torch.Tensor | None = None
 
     def add(self, losses: dict[str, torch.Tensor]) -> None:
         for t in self.names:
             if t in losses:
                 self.sums[t] = self.sums.get(t, 0.0) + losses[t].detach().double()
         self.micro_steps += 1
+
+    def note_gate_grad(self, gate: torch.nn.Parameter) -> None:
+        """Keep the gate's gradient of this optimizer step (0 when it got none: an ablation without the gate)."""
+        self.gate_grad = gate.grad.detach().abs().clone() if gate.grad is not None else torch.zeros(())
 
     def snapshot(self) -> dict[str, Any]:
         """What a checkpoint keeps of the window (not the timer: samples/s restarts after a resume)."""
@@ -95,11 +102,14 @@ def log_metrics(accelerator, cfg: TrainConfig, state: TrainState, window: LogWin
     elapsed = max(time.perf_counter() - window.start, 1e-9)
     metrics = {t: round(float(v), 6) for t, v in zip(window.terms(), means.tolist())}
     metrics.update(lr=scheduler.get_last_lr()[0], gate=round(float(torch.tanh(core.gate.detach())), 6),
-                   samples_per_s=round(window.samples / elapsed, 2))
+                   gate_lr=gate_lr(scheduler.optimizer, core.gate), samples_per_s=round(window.samples / elapsed, 2))
+    if window.gate_grad is not None:  # every window holds a step; kept out rather than faked if not
+        metrics["gate_grad"] = round(float(window.gate_grad), 8)
     accelerator.log(metrics, step=state.step)
     if accelerator.is_main_process:
         skipped = ", ".join(f"{k} {v}" for k, v in sorted(state.counts.items()))
         parts = [*term_parts(metrics, LOSS_TERMS), f"lr {metrics['lr']:.3g}", f"tanh(gate) {metrics['gate']:+.4f}",
+                 f"gate lr {metrics['gate_lr']:.3g}", f"|grad gate| {metrics.get('gate_grad', float('nan')):.3g}",
                  f"{metrics['samples_per_s']:.1f} samples/s", *term_parts(metrics, NOISE_TERMS, ".4g")]
         bar.write(step_line(state.step, cfg.optim.max_steps, parts + ([skipped] if skipped else [])))
         append_metrics(Path(cfg.run.output_dir) / "metrics.jsonl",

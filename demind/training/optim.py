@@ -84,10 +84,30 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int, tota
 
 # ------------------------------------------------------------------------ De-MINDS (its optim section)
 
+GATE = "gate"  # De-MINDS's parameter name of alpha
+
+
+def gate_lr_scales(optim: OptimConfig) -> dict[str, float] | None:
+    """``optim.gate_lr`` as a multiplier of ``optim.lr`` for the gate alone (None: no own lr)."""
+    return None if optim.gate_lr is None else {GATE: optim.gate_lr / optim.lr}
+
+
 def build_optimizer(optim: OptimConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """De-MINDS's AdamW from ``optim`` over the model's trainable parameters."""
-    return build_adamw(model.named_parameters(), optim.lr, weight_decay=optim.weight_decay,
-                       betas=tuple(optim.betas), eps=optim.eps)
+    """De-MINDS's AdamW from ``optim`` over the model's trainable parameters; the gate alpha gets
+    ``optim.gate_lr`` when set (its group's ``lr_scale`` = gate_lr / lr, the same schedule)."""
+    # lr_scales match by name prefix: "gate" is alpha alone (no other parameter name starts with it)
+    named = list(model.named_parameters())
+    scales = gate_lr_scales(optim)
+    if scales and not any(name == GATE for name, p in named if p.requires_grad):
+        raise ConfigError("optim.gate_lr is set but the model has no trainable gate; unset optim.gate_lr",
+                          key="optim.gate_lr")
+    return build_adamw(named, optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas), eps=optim.eps,
+                       lr_scales=scales)
+
+
+def gate_lr(optimizer: torch.optim.Optimizer, gate: torch.nn.Parameter) -> float:
+    """The lr the optimizer applies to ``gate`` now (its group's, after the scheduler)."""
+    return next(g["lr"] for g in optimizer.param_groups if any(p is gate for p in g["params"]))
 
 
 def lr_factor(step: int, optim: OptimConfig) -> float:

@@ -83,7 +83,12 @@ def train_one_step(cfg: TrainConfig, accelerator, model, optimizer, scheduler, b
                 check_finite(losses, state.step, accelerator)
             accelerator.backward(losses["loss"])
             if not steps_in_backward:
+                # After queueing backward (the check waits for the device), still before any update.
                 check_finite(losses, state.step, accelerator)
+            # the step's whole gradient, before clipping; read at the log line (DeepSpeed holds its
+            # gradients in its own partitions and has stepped already: not logged rather than a fake 0)
+            if accelerator.sync_gradients and not steps_in_backward:
+                window.note_gate_grad(accelerator.unwrap_model(model).gate)
             if accelerator.sync_gradients and cfg.optim.grad_clip:
                 accelerator.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
             optimizer.step()

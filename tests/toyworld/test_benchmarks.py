@@ -11,8 +11,11 @@ import pytest
 from PIL import Image
 
 from toy_helpers import load_exclusion_json
+import random
+
 from toyworld.benchmarks import ToyBenchmarkConfig, build_cirr_set, write_benchmarks
-from toyworld.world import DOMAINS, EDIT_KINDS, IMPLICIT, SHAPES, scene_diff
+from toyworld.cirr import CIRR_DESIGNS
+from toyworld.world import DOMAINS, EDIT_KINDS, IMPLICIT, SHAPES, modification_type, scene_diff
 
 SMALL = ToyBenchmarkConfig(cirr_sets=6, imgnet_queries_per_class=2, imgnet_targets_per_domain=2,
                            imgnet_distractors_per_class=1, coco_images=6, exclusion_queries=4,
@@ -29,7 +32,8 @@ def bench_root(tmp_path_factory) -> Path:
 def test_cirr_files_have_the_official_structure(bench_root):
     captions = json.loads((bench_root / "cirr/captions/cap.rc2.val.json").read_text())
     split = json.loads((bench_root / "cirr/image_splits/split.rc2.val.json").read_text())
-    assert len(captions) == 2 * SMALL.cirr_sets and len(split) == 6 * SMALL.cirr_sets
+    per_set = 6 + CIRR_DESIGNS[SMALL.cirr_version].lookalikes  # members + gallery look-alikes
+    assert len(captions) == 2 * SMALL.cirr_sets and len(split) == per_set * SMALL.cirr_sets
     for name, rel in split.items():
         assert rel == f"./dev/{name}.png" and (bench_root / "cirr" / rel).is_file()
     for e in captions:
@@ -53,6 +57,39 @@ def test_cirr_sets_are_distinct_with_the_designed_distractors():
         assert len(scene_diff(base, target)) == 1             # one edit
         assert len(scene_diff(target, n2)) == 1               # target + an unmentioned change
         assert cset.queries == [(0, 1), (4, 1)]
+
+
+def test_calibrated_cirr_sets_name_one_change_of_a_target_that_differs_more():
+    """cirr-2: the text is written from U = B + unnamed edits to T = U + the named edit, so it names one
+    change; B -> T also holds the unnamed ones (on other objects or the scene); the copies of the
+    named change on the reference (N4, the gallery look-alikes) fit the text as the target does."""
+    from toyworld.cirr import CIRR_DESIGNS, cirr_set
+    from toyworld.texts import modification_text
+
+    design = CIRR_DESIGNS["cirr-2"]
+    assert SMALL.cirr_version == "cirr-2"
+    kinds = []
+    for set_id in range(40):
+        cset, _ = cirr_set("cirr-2", set_id, 0.2)
+        base, target, n1, n2, n3, n4 = cset.members
+        (source, text_target), second = cset.texts
+        assert text_target is target and second == (source, target)
+        named = scene_diff(source, target)
+        assert len(named) == 1                                 # the text names one change
+        kinds.append(named[0].kind)
+        assert base.canonical() != source.canonical()          # ... and the target differs by more
+        assert len(scene_diff(base, target)) >= 2 or named[0].kind == IMPLICIT
+        assert len(cset.extras) == design.lookalikes
+        if design.edited_references:                           # N4 = B + the named change
+            assert modification_type(scene_diff(base, n4)) == named[0].kind
+            assert [c.kind for c in scene_diff(n4, target)] != []
+        for extra in cset.extras:
+            assert extra.canonical() not in {m.canonical() for m in cset.members}
+        assert len({m.canonical() for m in cset.members + cset.extras}) == 6 + design.lookalikes
+        text = modification_text(source, target, random.Random(set_id), "annotator", design.p_description,
+                                 design.p_keep, design.p_background, design.p_context)
+        assert text
+    assert len(set(kinds)) >= 6  # every kind of edit is named somewhere
 
 
 def test_imagenet_lists_follow_pic2word(bench_root):
@@ -152,7 +189,8 @@ def test_cirr_reader_loads_toy_files(bench_root):
 
     data = read_cirr(bench_root / "cirr")
     group = data.groups[0]
-    assert len(group.queries) == 2 * SMALL.cirr_sets and len(group.gallery) == 6 * SMALL.cirr_sets
+    per_set = 6 + CIRR_DESIGNS[SMALL.cirr_version].lookalikes
+    assert len(group.queries) == 2 * SMALL.cirr_sets and len(group.gallery) == per_set * SMALL.cirr_sets
 
 
 def test_exclusion_reader_loads_toy_file(bench_root):
@@ -215,13 +253,14 @@ def test_toy_queries_carry_the_target_description(bench_root):
     import random
 
     from toyworld.texts import full_description
-    from toyworld.world import derive_seed, stream_seed
+    from toyworld.cirr import cirr_set
+    from toyworld.world import derive_seed
 
     cirr = read_benchmark("cirr", bench_root / "cirr").groups[0].queries
     captions = json.loads((bench_root / "cirr/captions/cap.rc2.val.json").read_text())
     assert [q.target_description for q in cirr] == [e["target_description"] for e in captions]
     # the description is the target scene's, from its own seed: rebuild set 0's target
-    cset = build_cirr_set(random.Random(stream_seed("cirr", 0)))
+    cset, _ = cirr_set(SMALL.cirr_version, 0, SMALL.cirr_implicit_share)
     ref, tgt = cset.queries[0]
     assert cirr[0].target_description == full_description(
         cset.members[tgt], random.Random(derive_seed("cirr", "description", 0, tgt)))
@@ -264,3 +303,22 @@ def torch_allclose(a, b) -> bool:
     import torch
 
     return torch.allclose(a.float().cpu(), b.float().cpu(), atol=1e-5)
+
+
+@pytest.mark.slow
+def test_frozen_cirr2_baselines_with_the_shipped_toy_clip(tmp_path):
+    """The calibration record's frozen row, rerun: the three untrained baselines on the default toy
+    CIRR (300 sets) with the shipped toy CLIP (docs/lab-notes/calibrated-cirr.md)."""
+    from demind.eval.harness import evaluate
+    from toyworld.cirr import write_cirr
+    from toyworld.pipeline import QuickstartConfig, QuickstartRunConfig, prepare_backbone
+
+    cfg = ToyBenchmarkConfig()
+    assert cfg.cirr_version == "cirr-2"
+    write_cirr(tmp_path / "cirr", cfg, progress=False)
+    backbone, _, _ = prepare_backbone(QuickstartConfig(workdir=str(tmp_path), run=QuickstartRunConfig(progress=False)))
+    methods = {"image-only": 24.8, "text-only": 52.5, "image+text": 63.7}
+    results = evaluate("cirr", tmp_path / "cirr", backbone=backbone, methods=list(methods), batch_size=256,
+                       progress=False)
+    for method, expected in methods.items():
+        assert results["methods"][method]["R@10"] == pytest.approx(expected, abs=0.05)

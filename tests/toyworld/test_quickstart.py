@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -44,8 +45,15 @@ def test_quickstart_runs_every_stage_and_reuses_them(tmp_path, monkeypatch):
     summary = run_quickstart(cfg)
     qs = tmp_path / "qs"
     assert (qs / "results.json").is_file() and (qs / "recall_at_k.png").is_file()
-    exports = list((qs / "train").glob("*/demind-seed0/demind.safetensors"))
+    exports = list((qs / "train").glob("*/demind-seed0*/demind.safetensors"))
     assert len(exports) == 1
+    # the run folder names the training overrides (by hash): another recipe never reuses this model
+    from toyworld.pipeline import run_name
+
+    assert exports[0].parent.name == run_name(cfg, "demind", 0) != "demind-seed0"
+    other = dataclasses.replace(cfg, train_overrides=TINY_TRAIN + ["optim.gate_lr=1e-2"])
+    assert run_name(other, "demind", 0) != run_name(cfg, "demind", 0)
+    assert run_name(dataclasses.replace(cfg, train_overrides=[]), "demind", 0) == "demind-seed0"
     # what demind-serve --quickstart serves, read without the toy package
     from demind.search.manifest import read_search_manifest
 
@@ -74,7 +82,7 @@ def test_quickstart_runs_every_stage_and_reuses_them(tmp_path, monkeypatch):
             cell = saved["metrics"][bench][method][key]
             assert cell["mean"] == pytest.approx(rows[method]["metrics"][f"{bench}:{key}"][0])
             assert cell["per_seed"] == {"0": cell["mean"]} and cell["std"] == 0.0
-    export = next((qs / "train").glob("*/demind-seed0/demind.safetensors"))
+    export = next((qs / "train").glob("*/demind-seed0*/demind.safetensors"))
     assert saved["gate"] == {"demind": {"0": pytest.approx(math.tanh(float(read_checked_tensors(export)["gate"])))}}
     assert saved["paired"]["0"]["mapping-only"]["R@10"]["p"] == summary["paired"][0]["mapping-only"]["R@10"]["p"]
     assert "demind" in summary["table"] and "text-only" in summary["table"]
