@@ -1,8 +1,9 @@
 """Take the README's screenshot of the search page (docs/search.png) in headless Chromium.
 
+    demind-index --images runs/quickstart/benchmarks/cirr/dev --index runs/quickstart/search-index --checkpoint CKPT
     PYTHONPATH=. .venv/bin/python scripts/search_screenshot.py --index runs/quickstart/search-index \\
         --checkpoint runs/quickstart/train/<backbone>/demind-seed0/demind.safetensors \\
-        --reference dev-3-0-img0.png --text "make the square red" --out docs/search.png
+        --reference dev-3-0-img0.png --filter dev-3-0 --text "make the circle red" --out docs/search.png
 
 Needs Chromium and chromedriver (apt-get install -y chromium chromium-driver) and selenium.
 """
@@ -28,6 +29,7 @@ def main() -> None:
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--reference", required=True, help="gallery name to pick as the reference")
     p.add_argument("--text", required=True)
+    p.add_argument("--negative", default="", help="what to leave out (searched with the method's DEO variant)")
     p.add_argument("--method", default="demind")
     p.add_argument("--filter", default="", help="gallery filter to type first (the reference must match it)")
     p.add_argument("--out", default="docs/search.png")
@@ -37,7 +39,7 @@ def main() -> None:
     server, _ = start_server(create_app(Searcher(backbone, model, load_index(args.index))))
     options = webdriver.ChromeOptions()
     options.binary_location = shutil.which("chromium") or shutil.which("chromium-browser")
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1280,860"):
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1280,900"):
         options.add_argument(arg)
     driver = webdriver.Chrome(service=webdriver.ChromeService(executable_path=shutil.which("chromedriver")),
                               options=options)
@@ -50,6 +52,8 @@ def main() -> None:
         wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, pick))
         driver.find_element(By.CSS_SELECTOR, pick).click()
         driver.find_element(By.ID, "text").send_keys(args.text)
+        if args.negative:
+            driver.find_element(By.ID, "negative").send_keys(args.negative)
         Select(driver.find_element(By.ID, "method")).select_by_value(args.method)
         driver.find_element(By.ID, "search").click()
         wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#results .hit"))
