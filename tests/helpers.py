@@ -8,6 +8,10 @@ COCO-format data) live in the package (:mod:`demind.synthetic`, :mod:`demind.gen
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -31,3 +35,22 @@ def run_eval_command(argv: list[str]) -> dict:
 
     assert evaluate_main(argv) == 0
     return json.loads((Path(argv[argv.index("--out") + 1]) / "results.json").read_text())
+
+
+def kill_at_checkpoint(command: list[str], cwd: Path, env: dict[str, str], run: Path, step: int,
+                       timeout_s: float) -> int:
+    """Start ``command`` in its own process group and SIGKILL the whole group (trainer, DataLoader
+    workers, a launcher's children) once the run's step-``step`` checkpoint exists. Returns the exit
+    status; fails when the checkpoint never appeared (with the command's stderr)."""
+    proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    marker = run / "checkpoints" / f"step_{step:08d}" / "trainer_state.json"
+    deadline = time.time() + timeout_s
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert marker.exists(), f"no checkpoint at step {step}; the command said:\n" + \
+        proc.stderr.read().decode(errors="replace")[-3000:]
+    return proc.returncode

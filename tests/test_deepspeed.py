@@ -7,10 +7,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,6 +22,8 @@ from demind.model import build_model
 from demind.synthetic import write_synthetic_shards
 from demind.training import TrainConfig, build_modules
 from demind.training.zero import DeepSpeedError, configure_deepspeed, hold_scalars_as_vectors
+
+from helpers import kill_at_checkpoint
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 needs_deepspeed = pytest.mark.skipif(not HAS_DEEPSPEED, reason="DeepSpeed is not installed: pip install -e '.[train,deepspeed]'")
@@ -142,16 +142,7 @@ def launch(repo_root: Path, args: list[str], ds_yaml: Path | None = None) -> sub
 
 def launch_and_kill(repo_root: Path, args: list[str], run: Path, step: int) -> None:
     """Start the launcher; SIGKILL it and the trainer once the step-``step`` checkpoint exists."""
-    proc = subprocess.Popen(launch_command(repo_root, args), cwd=repo_root, env=launch_env(repo_root),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    marker = run / "checkpoints" / f"step_{step:08d}" / "trainer_state.json"
-    deadline = time.time() + 600
-    while not marker.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the process it started
-    proc.wait()
-    assert marker.exists(), proc.stderr.read().decode(errors="replace")[-3000:]
+    kill_at_checkpoint(launch_command(repo_root, args), repo_root, launch_env(repo_root), run, step, 600)
 
 
 @pytest.mark.slow

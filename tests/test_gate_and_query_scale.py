@@ -35,7 +35,7 @@ def test_gate_lr_is_the_lr_adam_applies_to_the_gate_alone(tiny_backbone):
     optimizer = build_optimizer(optim, model)
     scheduler = build_scheduler(optim, optimizer)
     # first step: warm-up factor 1/2 on both lrs
-    assert gate_lr(optimizer, model.gate) == pytest.approx(2e-2 * lr_factor(0, optim))
+    assert gate_lr(optimizer, model.gate, optim) == pytest.approx(2e-2 * lr_factor(0, optim))
     others = [g["lr"] for g in optimizer.param_groups if not any(p is model.gate for p in g["params"])]
     assert others and all(lr == pytest.approx(1e-3 * lr_factor(0, optim)) for lr in others)
     alpha = model.gate.detach().clone()
@@ -47,13 +47,17 @@ def test_gate_lr_is_the_lr_adam_applies_to_the_gate_alone(tiny_backbone):
     # Adam's first step moves a scalar by lr * g / (|g| + eps): the configured lr, against the gradient
     moved = float(model.gate.detach() - alpha)
     assert moved == pytest.approx(-2e-2 * lr_factor(0, optim) * grad / (abs(grad) + optim.eps), rel=1e-4)
-    assert gate_lr(optimizer, model.gate) == pytest.approx(2e-2 * lr_factor(1, optim))
+    assert gate_lr(optimizer, model.gate, optim) == pytest.approx(2e-2 * lr_factor(1, optim))
+    # DeepSpeed's groups hold its own flat partitions, not the gate: found by the group's lr_scale
+    stand_in = torch.nn.Parameter(model.gate.detach().clone())
+    assert gate_lr(optimizer, stand_in, optim) == pytest.approx(2e-2 * lr_factor(1, optim))
 
 
 def test_without_gate_lr_the_gate_follows_lr(tiny_backbone):
     model = _model(tiny_backbone)
-    optimizer = build_optimizer(OptimConfig(lr=3e-4), model)
-    assert gate_lr(optimizer, model.gate) == pytest.approx(3e-4)
+    optim = OptimConfig(lr=3e-4)
+    optimizer = build_optimizer(optim, model)
+    assert gate_lr(optimizer, model.gate, optim) == pytest.approx(3e-4)
     assert len({g["lr"] for g in optimizer.param_groups}) == 1
 
 

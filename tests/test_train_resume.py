@@ -5,9 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,8 @@ from safetensors.torch import load_file
 
 from demind.cli import train
 from demind.synthetic import write_synthetic_shards
+
+from helpers import kill_at_checkpoint
 
 TOTAL_STEPS = 40
 
@@ -34,20 +34,9 @@ def run_args(repo_root: Path, shards: Path, run: Path) -> list[str]:
 
 
 def kill_after_checkpoint(args: list[str], run: Path, repo_root: Path, step: int) -> int:
-    """Start ``python train.py args``; SIGKILL it once the step-``step`` checkpoint exists."""
+    """Start ``python train.py args``; SIGKILL it and its DataLoader workers once the step-``step`` checkpoint exists."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo_root))
-    proc = subprocess.Popen([sys.executable, str(repo_root / "train.py"), *args], cwd=repo_root, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    marker = run / "checkpoints" / f"step_{step:08d}" / "trainer_state.json"
-    deadline = time.time() + 120
-    while not marker.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)  # the trainer and its DataLoader workers
-    proc.wait()
-    stderr = proc.stderr.read().decode(errors="replace")
-    assert marker.exists(), f"no checkpoint at step {step}; trainer said:\n{stderr[-3000:]}"
-    return proc.returncode
+    return kill_at_checkpoint([sys.executable, str(repo_root / "train.py"), *args], repo_root, env, run, step, 120)
 
 
 def test_killed_run_resumes_to_the_same_weights(repo_root, tmp_path):

@@ -102,7 +102,7 @@ def log_metrics(accelerator, cfg: TrainConfig, state: TrainState, window: LogWin
     elapsed = max(time.perf_counter() - window.start, 1e-9)
     metrics = {t: round(float(v), 6) for t, v in zip(window.terms(), means.tolist())}
     metrics.update(lr=scheduler.get_last_lr()[0], gate=round(float(torch.tanh(core.gate.detach())), 6),
-                   gate_lr=gate_lr(scheduler.optimizer, core.gate), samples_per_s=round(window.samples / elapsed, 2))
+                   gate_lr=gate_lr(scheduler.optimizer, core.gate, cfg.optim), samples_per_s=round(window.samples / elapsed, 2))
     if window.gate_grad is not None:  # every window holds a step; kept out rather than faked if not
         metrics["gate_grad"] = round(float(window.gate_grad), 8)
     accelerator.log(metrics, step=state.step)

@@ -105,9 +105,15 @@ def build_optimizer(optim: OptimConfig, model: torch.nn.Module) -> torch.optim.O
                        lr_scales=scales)
 
 
-def gate_lr(optimizer: torch.optim.Optimizer, gate: torch.nn.Parameter) -> float:
-    """The lr the optimizer applies to ``gate`` now (its group's, after the scheduler)."""
-    return next(g["lr"] for g in optimizer.param_groups if any(p is gate for p in g["params"]))
+def gate_lr(optimizer: torch.optim.Optimizer, gate: torch.nn.Parameter, optim: OptimConfig) -> float:
+    """The lr the optimizer applies to ``gate`` now (its group's, after the scheduler). The group is
+    found by holding ``gate``; under DeepSpeed, whose groups hold its own flat partitions instead,
+    by the ``lr_scale`` that :func:`build_optimizer` gave the gate's group."""
+    for group in optimizer.param_groups:
+        if any(p is gate for p in group["params"]):
+            return group["lr"]
+    scale = (gate_lr_scales(optim) or {}).get(GATE, 1.0)
+    return next(g["lr"] for g in optimizer.param_groups if g.get("lr_scale") == scale)
 
 
 def lr_factor(step: int, optim: OptimConfig) -> float:
