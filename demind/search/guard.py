@@ -57,7 +57,9 @@ def default_allowed_hosts(bound_host: str) -> set[str]:
 
 
 def host_allowed(host_header: str, allowed: set[str] | frozenset[str]) -> bool:
-    return ANY_HOST in allowed or host_name(host_header) in {host_name(a) for a in allowed}
+    """Whether a request's ``Host`` header names an allowed host. ``allowed`` holds names as
+    :func:`host_name` gives them (``ServerSettings.hosts`` normalises once, not per request)."""
+    return ANY_HOST in allowed or host_name(host_header) in allowed
 
 
 def origin_allowed(origin: str | None, host_header: str) -> bool:
