@@ -49,6 +49,12 @@ accelerator.wait_for_everyone()
 # as train() does: destroy the process group before exit (a gloo group left to the interpreter's
 # teardown can abort the process: "terminate called without an active exception")
 accelerator.end_training()
+print("worker finished", flush=True)
+# Leave without the interpreter's teardown: even after destroy_process_group, gloo's C++ threads can
+# still hold tensors whose release during finalisation aborts the process (seen once in CI, exit -6,
+# after the results were written). The results are on disk; nothing else needs a clean teardown.
+import os
+os._exit(0)
 '''
 
 
@@ -90,7 +96,7 @@ def test_two_processes_equal_one_process_with_the_global_batch(repo_root, tmp_pa
             cwd=repo_root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     for proc in procs:
         output = proc.communicate(timeout=180)[0].decode(errors="replace")
-        assert proc.returncode == 0, output[-4000:]
+        assert proc.returncode == 0 and "worker finished" in output, output[-4000:]
     distributed = torch.load(out, weights_only=True)
 
     # The same model and the same 2b samples in one process, no Accelerate, no gather.
