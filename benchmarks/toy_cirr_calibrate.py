@@ -1,7 +1,7 @@
 """The toy CIRR's three untrained baselines for one generator design: the calibration tool.
 
     PYTHONPATH=. python benchmarks/toy_cirr_calibrate.py                          # the frozen cirr-2
-    PYTHONPATH=. python benchmarks/toy_cirr_calibrate.py --version cirr-1
+    PYTHONPATH=. python benchmarks/toy_cirr_calibrate.py --version cirr-1 --gap 0
     PYTHONPATH=. python benchmarks/toy_cirr_calibrate.py unnamed_edits=2 p_description=0.7
 
 Writes the toy CIRR (the quickstart's size and seeds) with the version's frozen
@@ -24,6 +24,7 @@ from pathlib import Path
 
 from toyworld.benchmarks import ToyBenchmarkConfig
 from toyworld.cirr import CIRR_DESIGNS, CIRR_VERSIONS, write_cirr
+from toyworld.clip import ToyBackboneConfig
 from toyworld.pipeline import QuickstartConfig, prepare_backbone
 
 # Published CIRR test R@10, CLIP ViT-L/14 (Pic2Word's tables): the calibration target.
@@ -47,7 +48,9 @@ def parse_value(text: str):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("overrides", nargs="*", help="CirrDesign fields as key=value")
-    parser.add_argument("--version", default="cirr-2", choices=CIRR_VERSIONS)
+    parser.add_argument("--version", default=ToyBenchmarkConfig().cirr_version, choices=CIRR_VERSIONS)
+    parser.add_argument("--gap", type=float, default=ToyBackboneConfig().modality_gap,
+                        help="the toy CLIP's modality gap (backbone.modality_gap; 0: as trained)")
     parser.add_argument("--workdir", default="runs/calibrate-cirr")
     parser.add_argument("--sets", type=int, default=ToyBenchmarkConfig().cirr_sets)
     args = parser.parse_args()
@@ -63,7 +66,8 @@ def main() -> None:
     if not (folder / "captions" / "cap.rc2.val.json").is_file():
         write_cirr(folder, cfg, progress=False, design=design)
     written = time.perf_counter() - start
-    backbone, _, _ = prepare_backbone(QuickstartConfig(workdir=str(workdir)))
+    backbone, _, _ = prepare_backbone(QuickstartConfig(workdir=str(workdir),
+                                                       backbone=ToyBackboneConfig(modality_gap=args.gap)))
 
     from demind.eval.harness import evaluate
 
@@ -71,7 +75,7 @@ def main() -> None:
                        batch_size=256, progress=False)
     metrics = {m: {k: round(v, 1) for k, v in results["methods"][m].items() if k.startswith("R@")} for m in TARGET}
     r10 = {m: metrics[m]["R@10"] for m in TARGET}
-    record = {"version": args.version, "sets": args.sets, "design": dataclasses.asdict(design), "R@10": r10,
+    record = {"version": args.version, "sets": args.sets, "modality_gap": args.gap, "design": dataclasses.asdict(design), "R@10": r10,
               "meets_profile": meets_profile(r10), "metrics": metrics, "seconds": round(time.perf_counter() - start, 1),
               "write_seconds": round(written, 1)}
     with (workdir / "calibration.jsonl").open("a") as f:

@@ -14,6 +14,7 @@ are a plain open_clip state dict, so
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ import torch
 from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 
 from demind.backbone import quiet_random_init_notice, run_text_transformer
-from demind.config import setting, validate
+from demind.config import ConfigError, setting, validate
 from demind.errors import MissingInputError
 
 from . import towers  # noqa: F401  (registers the convnet with timm before open_clip builds it)
@@ -85,6 +86,11 @@ class ToyBackboneConfig:
     num_pair_probe_scenes: int = setting(600, ge=1)
     fused_adamw: bool = True       # same update, one kernel (optimizer step 33 -> 7.6 ms: benchmarks/bench_toy.py)
     log_every: int = setting(50, ge=1)
+    # The modality gap (toyworld.clip.add_modality_gap): text embeddings get one more dimension, held
+    # at this constant, that images never use, so a caption's cosines to all images crowd into a
+    # narrow band as real CLIP's do. Applied to the trained weights, so not part of the cache key.
+    # 0: the toy CLIP as trained. 50: calibrated on the toy CIRR's baselines (lab notes).
+    modality_gap: float = setting(50.0, ge=0)
     # use the weights shipped in toyworld/weights/ when this recipe has them (toyworld/shipped.py: the
     # default recipe's trained weights, checked bit for bit); false trains from scratch. Not in the key.
     shipped: bool = True
@@ -188,3 +194,43 @@ def encode_toy_images(model: torch.nn.Module, images: np.ndarray, batch: int = 2
     model.eval()
     return torch.cat([model.encode_image(images_to_tensor(images[i:i + batch]), normalize=True)
                       for i in range(0, len(images), batch)])
+
+
+
+def gap_model_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The open_clip model config of :func:`add_modality_gap`'s state: ``embed_dim`` + 1 and a text
+    projection with bias."""
+    out = json.loads(json.dumps(config))
+    out["embed_dim"] = config["embed_dim"] + 1
+    out["text_cfg"]["proj_bias"] = True
+    return out
+
+
+def add_modality_gap(state: dict[str, torch.Tensor], gap: float) -> dict[str, torch.Tensor]:
+    """The trained toy CLIP's state dict, extended by one embedding dimension (the modality gap).
+
+    Image embedding (D,) -> [e, 0]; text embedding x P (D,) -> [x P, gap]: the text projection
+    (W, D) becomes a Linear (D + 1, W) with bias (0, ..., 0, gap), the image projection gets a zero
+    output (a zero row of the convnet head's (D, C) Linear, a zero column of a ViT's (W, D) ``proj``).
+    Each text's norm then scales all its cosines to images by k = |x P| / sqrt(|x P|^2 + gap^2),
+    so every text->image ranking, every image-image similarity and every pair probe (two images, one
+    text) are unchanged, while the spread of a caption's cosines to images shrinks by k and
+    text-text cosines crowd toward 1: the two-cone geometry of real CLIP (Liang et al., "Mind the
+    Gap", 2022).
+    """
+    out = dict(state)
+    proj = out.pop("text_projection")                                  # (W, D)
+    width, dim = proj.shape
+    out["text_projection.weight"] = torch.cat([proj.T, proj.new_zeros(1, width)])   # (D + 1, W)
+    out["text_projection.bias"] = torch.cat([proj.new_zeros(dim), proj.new_full((1,), float(gap))])
+    if "visual.head.proj.weight" in out:                               # timm tower: Linear (D, C)
+        head = out["visual.head.proj.weight"]
+        out["visual.head.proj.weight"] = torch.cat([head, head.new_zeros(1, head.shape[1])])
+    elif "visual.proj" in out:                                         # ViT: (W, D)
+        head = out["visual.proj"]
+        out["visual.proj"] = torch.cat([head, head.new_zeros(head.shape[0], 1)], dim=1)
+    else:
+        raise ConfigError("backbone.modality_gap needs an image tower whose output projection is a timm head "
+                          "(visual.head.proj) or a ViT's visual.proj; this toy model has neither: set "
+                          "backbone.modality_gap=0")
+    return out

@@ -32,10 +32,12 @@ import open_clip
 import torch
 from safetensors.torch import load_file, save_file
 
+from demind.backbone import quiet_random_init_notice
 from demind.io import atomic_path, write_json_atomic
 from demind.training.store import StateFileError
 
-from .clip import ToyBackboneConfig, build_toy_model, image_side, model_config_path, model_name
+from .clip import (ToyBackboneConfig, add_modality_gap, build_toy_model, gap_model_config, image_side,
+                   model_config_path, model_name)
 from .clip_eval import _add_probe_reports, evaluate_toy_clip
 from .clip_train import train_toy_clip
 from .shipped import ShippedWeightsError, expand_shipped, shipped_path
@@ -54,7 +56,8 @@ def cache_key(cfg: ToyBackboneConfig) -> str:
     payload = {
         "model_config": json.loads(model_config_path(cfg.model_config).read_text()),
         "train": {k: v for k, v in asdict(cfg).items()
-                  if k not in ("model_config", "log_every", "num_pair_probe_scenes", "shipped")} | RETIRED_SETTINGS,
+                  if k not in ("model_config", "log_every", "num_pair_probe_scenes", "shipped", "modality_gap")}
+        | RETIRED_SETTINGS,
         "world": WORLD_VERSION,
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
@@ -153,3 +156,26 @@ def ensure_toy_backbone(cfg: ToyBackboneConfig | None = None, cache_dir: str | P
     write_json_atomic(report_path, report, indent=2)
     logger.info("toy CLIP held-out text->image recall: %s", json.dumps(recall))
     return weights, report
+
+
+
+def with_modality_gap(cfg: ToyBackboneConfig, weights: Path) -> tuple[Path, Path]:
+    """(weights, model config) of the toy CLIP that ``ensure_toy_backbone`` returned, with
+    ``cfg.modality_gap`` applied (:func:`toyworld.clip.add_modality_gap`): as trained when the gap is
+    0; else ``<stem>-gap<c>.safetensors`` and its model config ``<stem>-gap<c>-model.json`` next to
+    the trained weights, written once (atomically; the state is checked by loading it strictly into
+    that config) and reused."""
+    if not cfg.modality_gap:
+        return weights, model_config_path(cfg.model_config)
+    stem = f"{weights.stem}-gap{cfg.modality_gap:g}"
+    out, config = weights.with_name(f"{stem}.safetensors"), weights.with_name(f"{stem}-model.json")
+    if not (out.is_file() and config.is_file()):
+        base = json.loads(model_config_path(cfg.model_config).read_text())
+        write_json_atomic(config, gap_model_config(base), indent=2)
+        state = add_modality_gap(load_file(str(weights)), cfg.modality_gap)
+        with quiet_random_init_notice():
+            open_clip.create_model(model_name(config), pretrained=None).load_state_dict(state)  # strict
+        with atomic_path(out) as tmp:
+            save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
+        logger.info("toy CLIP with modality gap %g: %s", cfg.modality_gap, out)
+    return out, config

@@ -31,7 +31,7 @@ from demind.io import check_output_dir, write_json_atomic
 
 from .benchmarks import ToyBenchmarkConfig, write_benchmarks
 from .clip import ToyBackboneConfig, model_config_path
-from .clip_cache import ensure_toy_backbone
+from .clip_cache import ensure_toy_backbone, with_modality_gap
 from .intent_data import ToyShardConfig, write_toy_shards
 from .results import (cirr_targets, deo_paired, deo_touched, format_ablation_paired, format_deo, format_paired,
                       format_per_type, format_quickstart_table, load_cirr_truth_and_rankings, metrics_table,
@@ -114,11 +114,12 @@ def toy_backbone_config(model_config: str | Path, weights: str | Path):
 
 
 def prepare_backbone(cfg: QuickstartConfig):
-    """Train or reuse the toy CLIP; returns (FrozenCLIP, its report, log of its logit scale)."""
+    """Train or reuse the toy CLIP (with its modality gap); returns (FrozenCLIP, its report, log of its logit scale)."""
     from demind.backbone import FrozenCLIP
 
     weights, report = ensure_toy_backbone(cfg.backbone, Path(cfg.workdir) / "backbone", cfg.progress)
-    backbone = FrozenCLIP(toy_backbone_config(cfg.backbone.model_config, weights))
+    weights, model_config = with_modality_gap(cfg.backbone, weights)
+    backbone = FrozenCLIP(toy_backbone_config(model_config, weights))
     # De-MINDS uses the backbone's own (fixed) temperature, as with CLIP's trained 100.
     log_scale = float(backbone.model.logit_scale.detach().clamp(max=math.log(100)))
     return backbone, report, log_scale

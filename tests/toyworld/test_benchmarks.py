@@ -306,19 +306,24 @@ def torch_allclose(a, b) -> bool:
 
 
 @pytest.mark.slow
-def test_frozen_cirr2_baselines_with_the_shipped_toy_clip(tmp_path):
-    """The calibration record's frozen row, rerun: the three untrained baselines on the default toy
-    CIRR (300 sets) with the shipped toy CLIP (docs/lab-notes/calibrated-cirr.md)."""
+@pytest.mark.parametrize("version, gap, expected", [
+    ("cirr-3", 50.0, {"image-only": 31.0, "text-only": 56.5, "image+text": 50.7}),  # the default
+    ("cirr-2", 0.0, {"image-only": 24.8, "text-only": 52.5, "image+text": 63.7}),
+])
+def test_frozen_cirr_baselines_with_the_shipped_toy_clip(tmp_path, version, gap, expected):
+    """The calibration records' frozen rows, rerun: the three untrained baselines on the toy CIRR
+    (300 sets) with the shipped toy CLIP and its modality gap (docs/lab-notes/calibrated-cirr.md)."""
     from demind.eval.harness import evaluate
     from toyworld.cirr import write_cirr
+    from toyworld.clip import ToyBackboneConfig
     from toyworld.pipeline import QuickstartConfig, QuickstartRunConfig, prepare_backbone
 
-    cfg = ToyBenchmarkConfig()
-    assert cfg.cirr_version == "cirr-2"
+    assert (ToyBenchmarkConfig().cirr_version, ToyBackboneConfig().modality_gap) == ("cirr-3", 50.0)
+    cfg = ToyBenchmarkConfig(cirr_version=version)
     write_cirr(tmp_path / "cirr", cfg, progress=False)
-    backbone, _, _ = prepare_backbone(QuickstartConfig(workdir=str(tmp_path), run=QuickstartRunConfig(progress=False)))
-    methods = {"image-only": 24.8, "text-only": 52.5, "image+text": 63.7}
-    results = evaluate("cirr", tmp_path / "cirr", backbone=backbone, methods=list(methods), batch_size=256,
+    backbone, _, _ = prepare_backbone(QuickstartConfig(workdir=str(tmp_path), run=QuickstartRunConfig(progress=False),
+                                                       backbone=ToyBackboneConfig(modality_gap=gap)))
+    results = evaluate("cirr", tmp_path / "cirr", backbone=backbone, methods=list(expected), batch_size=256,
                        progress=False)
-    for method, expected in methods.items():
-        assert results["methods"][method]["R@10"] == pytest.approx(expected, abs=0.05)
+    for method, r10 in expected.items():
+        assert results["methods"][method]["R@10"] == pytest.approx(r10, abs=0.05)
