@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import csv
 import json
 from pathlib import Path
@@ -59,18 +61,20 @@ def test_cirr_sets_are_distinct_with_the_designed_distractors():
         assert cset.queries == [(0, 1), (4, 1)]
 
 
-def test_calibrated_cirr_sets_name_one_change_of_a_target_that_differs_more():
-    """cirr-2: the text is written from U = B + unnamed edits to T = U + the named edit, so it names one
+@pytest.mark.parametrize("version", ["cirr-2", "cirr-3"])
+def test_calibrated_cirr_sets_name_one_change_of_a_target_that_differs_more(version):
+    """cirr-2 and cirr-3 (the default: cirr-2 without gallery look-alikes): the text is written from U = B + unnamed edits to T = U + the named edit, so it names one
     change; B -> T also holds the unnamed ones (on other objects or the scene); the copies of the
     named change on the reference (N4, the gallery look-alikes) fit the text as the target does."""
     from toyworld.cirr import CIRR_DESIGNS, cirr_set
     from toyworld.texts import modification_text
 
-    design = CIRR_DESIGNS["cirr-2"]
-    assert SMALL.cirr_version == "cirr-2"
+    design = CIRR_DESIGNS[version]
+    assert SMALL.cirr_version == "cirr-3"
+    assert CIRR_DESIGNS["cirr-3"] == dataclasses.replace(CIRR_DESIGNS["cirr-2"], lookalikes=0)
     kinds = []
     for set_id in range(40):
-        cset, _ = cirr_set("cirr-2", set_id, 0.2)
+        cset, _ = cirr_set(version, set_id, 0.2)
         base, target, n1, n2, n3, n4 = cset.members
         (source, text_target), second = cset.texts
         assert text_target is target and second == (source, target)
