@@ -1,14 +1,15 @@
 """The toy CIRR's three untrained baselines for one generator design: the calibration tool.
 
-    PYTHONPATH=. python benchmarks/toy_cirr_calibrate.py                          # the frozen cirr-2
+    PYTHONPATH=. python benchmarks/toy_cirr_calibrate.py                          # the frozen cirr-3 (gap 50)
     PYTHONPATH=. python benchmarks/toy_cirr_calibrate.py --version cirr-1 --gap 0
     PYTHONPATH=. python benchmarks/toy_cirr_calibrate.py unnamed_edits=2 p_description=0.7
 
 Writes the toy CIRR (the quickstart's size and seeds) with the version's frozen
 :class:`toyworld.cirr.CirrDesign`, or with ``key=value`` overrides of it, evaluates Image-only,
-Text-only and Image+Text with the quickstart's toy CLIP (the shipped weights; no training of any
-method) through the evaluation harness, prints R@1/5/10/50 and whether R@10 meets the published CIRR
-profile, and appends one JSON line to ``<workdir>/calibration.jsonl``. The rule it serves is in
+Text-only and Image+Text with the quickstart's toy CLIP (the shipped weights, extended by the
+modality gap ``--gap``; no training of any method) through the evaluation harness, prints R@1/5/10/50
+and whether R@10 meets the published CIRR profile, and appends one JSON line to
+``<workdir>/calibration.jsonl``. The rule it serves is in
 ``docs/lab-notes/calibrated-cirr.md``.
 """
 
@@ -75,7 +76,8 @@ def main() -> None:
                        batch_size=256, progress=False)
     metrics = {m: {k: round(v, 1) for k, v in results["methods"][m].items() if k.startswith("R@")} for m in TARGET}
     r10 = {m: metrics[m]["R@10"] for m in TARGET}
-    record = {"version": args.version, "sets": args.sets, "modality_gap": args.gap, "design": dataclasses.asdict(design), "R@10": r10,
+    record = {"version": args.version, "sets": args.sets, "modality_gap": args.gap,
+              "design": dataclasses.asdict(design), "R@10": r10,
               "meets_profile": meets_profile(r10), "metrics": metrics, "seconds": round(time.perf_counter() - start, 1),
               "write_seconds": round(written, 1)}
     with (workdir / "calibration.jsonl").open("a") as f:

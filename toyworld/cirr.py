@@ -190,7 +190,7 @@ def copy_named_change(base: Scene, target: Scene, kind: str, oid: int) -> Scene 
 
 def build_cirr_set_v2(rng: random.Random, design: CirrDesign, implicit_share: float = 0.0,
                       family_base: Scene | None = None) -> CirrSet:
-    """``cirr-2``: B; U = B + ``design.unnamed_edits`` unnamed edits; T = U + the named edit e1 (on
+    """``cirr-2`` and ``cirr-3``: B; U = B + ``design.unnamed_edits`` unnamed edits; T = U + the named edit e1 (on
     object o); N1 = U + e1's kind with another outcome; N2 = T + a change of another kind; N3 = U +
     other unnamed edits (the second reference); N4 = B + another edit. Queries B -> T and N3 -> T,
     both texts written from U -> T, so they name e1 only and stay true of T. ``family_base``: B is

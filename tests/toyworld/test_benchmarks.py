@@ -63,7 +63,8 @@ def test_cirr_sets_are_distinct_with_the_designed_distractors():
 
 @pytest.mark.parametrize("version", ["cirr-2", "cirr-3"])
 def test_calibrated_cirr_sets_name_one_change_of_a_target_that_differs_more(version):
-    """cirr-2 and cirr-3 (the default: cirr-2 without gallery look-alikes): the text is written from U = B + unnamed edits to T = U + the named edit, so it names one
+    """cirr-2 and cirr-3 (the default: cirr-2 without gallery look-alikes): the text is written from
+    U = B + unnamed edits to T = U + the named edit, so it names one
     change; B -> T also holds the unnamed ones (on other objects or the scene); the copies of the
     named change on the reference (N4, the gallery look-alikes) fit the text as the target does."""
     from toyworld.cirr import CIRR_DESIGNS, cirr_set
