@@ -42,7 +42,8 @@ from demind.exclmm import load_exclmm  # noqa: E402
 from demind.exclmm.train import FEATURES_NAME, ExclMMConfig, train_exclmm  # noqa: E402
 from demind.logs import setup_logging  # noqa: E402
 from toyworld.benchmarks import ToyBenchmarkConfig, write_benchmarks  # noqa: E402
-from toyworld.clip import TOY_CLIP_CONFIG  # noqa: E402
+from toyworld.clip import TOY_CLIP_CONFIG, ToyBackboneConfig  # noqa: E402
+from toyworld.clip_cache import with_modality_gap  # noqa: E402
 
 log = logging.getLogger("exclmm_toy")
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,13 +57,23 @@ VARIANTS = {
 }
 
 
-def load_toy_backbone(folder: Path) -> FrozenCLIP:
-    reports = sorted(folder.glob("toy-clip-*.json"), key=lambda p: p.stat().st_mtime)  # newest last
+def toy_clip_report(folder: Path) -> dict:
+    """The newest finished toy CLIP's report in ``folder`` (a report names its ``weights``; the
+    modality gap's ``*-model.json`` configs beside them are not reports)."""
+    reports = [p for p in sorted(folder.glob("toy-clip-*.json"), key=lambda p: p.stat().st_mtime)  # newest last
+               if not p.name.endswith("-model.json")]
     if not reports:
         raise SystemExit(f"no trained toy CLIP in {folder} (a toy-clip-*.json report marks a finished one)")
-    report = json.loads(reports[-1].read_text())
+    return json.loads(reports[-1].read_text())
+
+
+def load_toy_backbone(folder: Path, gap: float) -> FrozenCLIP:
+    """The toy CLIP as the quickstart loads it: its trained weights, extended by the modality gap."""
+    report = toy_clip_report(folder)
     model_config = report.get("config", {}).get("model_config", TOY_CLIP_CONFIG)  # as it was trained
-    return FrozenCLIP(BackboneConfig(name=str(ROOT / model_config), pretrained=str(Path(report["weights"]))))
+    weights, config = with_modality_gap(ToyBackboneConfig(model_config=model_config, modality_gap=gap),
+                                        Path(report["weights"]))
+    return FrozenCLIP(BackboneConfig(name=str(config), pretrained=str(weights)))
 
 
 def per_query_ap(results: dict, method: str, truth: dict[str, list[str]], k: int = 5) -> dict[str, float]:
@@ -80,12 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default="runs/exclmm")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    p.add_argument("--gap", type=float, default=ToyBackboneConfig().modality_gap,
+                   help="the toy CLIP's modality gap (the quickstart's backbone.modality_gap)")
     args = p.parse_args(argv)
     setup_logging()
     torch.set_num_threads(1)
     work = Path(args.workdir)
     bench = write_benchmarks(work / "benchmarks", ToyBenchmarkConfig(), which=("exclcoco",))["exclcoco"]
-    backbone = load_toy_backbone(Path(args.backbone_dir))
+    backbone = load_toy_backbone(Path(args.backbone_dir), args.gap)
     test_root, train_root = bench / "test", bench / "train"
     data, _ = load_exclcoco(test_root)
     truth = {str(q["id"]): set(q["ground_truth"]) for q in data["queries"]}
@@ -128,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             log.info("%s seed %d: %s", variant, seed, res["methods"]["exclmm"])
     results["CLIP text-only"] = [clip["methods"]["text-only"]] * len(args.seeds)
     results["CLIP text-only + DEO"] = [clip["methods"]["text-only+deo"]] * len(args.seeds)
-    backbone_note = json.loads(sorted(Path(args.backbone_dir).glob("toy-clip-*.json"))[-1].read_text())
+    backbone_note = toy_clip_report(Path(args.backbone_dir))
     table = format_table(results, len(data["queries"]), len(data["images"]))
     table += f"\n\nbackbone: {backbone_note.get('weights')} (step {backbone_note.get('step', 'final')})"
     table += "\ntraining seconds per run (mean): " + ", ".join(

@@ -63,6 +63,8 @@ def source_config(quickstart: str | Path):
         raise NoiseBenchError(f"{results} is missing: pass a finished quickstart workdir "
                               f"(python pipelines/quickstart.py workdir=DIR)")
     saved = dict(json.loads(results.read_text())["config"])
+    # a quickstart from before the toy CLIP's modality gap ran without one
+    saved["backbone"] = {"modality_gap": 0.0, **saved.get("backbone", {})}
     sections = {"shards": ToyShardConfig, "toy_benchmarks": ToyBenchmarkConfig, "backbone": ToyBackboneConfig}
     for key, cls in sections.items():
         saved[key] = from_dict(cls, _known_fields(cls, saved.get(key, {})), prefix=f"{key}.")
@@ -75,7 +77,7 @@ def load_backbone(quickstart: str | Path, cfg) -> tuple[Any, float]:
     """The quickstart's trained toy CLIP (FrozenCLIP) and its logit scale, as the quickstart loads it
     (:func:`toyworld.pipeline.prepare_backbone`), but never training one: the weights must be there."""
     from demind.backbone import BackboneConfig, FrozenCLIP
-    from toyworld.clip_cache import cached_paths
+    from toyworld.clip_cache import cached_paths, with_modality_gap
 
     folder = Path(quickstart) / "backbone"
     weights, report = cached_paths(cfg.backbone, folder)
@@ -86,7 +88,8 @@ def load_backbone(quickstart: str | Path, cfg) -> tuple[Any, float]:
         if len(done) != 1:
             raise NoiseBenchError(f"{folder} holds {len(done)} finished toy CLIPs; expected the quickstart's one")
         weights = done[0]
-    backbone = FrozenCLIP(BackboneConfig(name=cfg.backbone.model_config, pretrained=str(weights)))
+    weights, model_config = with_modality_gap(cfg.backbone, weights)
+    backbone = FrozenCLIP(BackboneConfig(name=str(model_config), pretrained=str(weights)))
     log_scale = float(backbone.model.logit_scale.detach().clamp(max=math.log(100)))
     return backbone, log_scale
 

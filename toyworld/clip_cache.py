@@ -149,7 +149,8 @@ def ensure_toy_backbone(cfg: ToyBackboneConfig | None = None, cache_dir: str | P
     tokenizer = open_clip.get_tokenizer(model_name(cfg.model_config))
     recall = evaluate_toy_clip(model, tokenizer, image_side(model), cfg.num_eval_scenes, progress)
     report = {"weights": str(weights), "cache_key": cache_key(cfg), "world_version": WORLD_VERSION,
-              "config": json.loads(json.dumps(asdict(cfg))),  # as read back: tuples become lists
+              # as read back (tuples become lists); without the modality gap, which these weights do not hold
+              "config": {k: v for k, v in json.loads(json.dumps(asdict(cfg))).items() if k != "modality_gap"},
               "model_config": json.loads(model_config_path(cfg.model_config).read_text()),
               **log, "heldout_text_to_image": recall}
     report = _add_probe_reports(report, model, tokenizer, cfg)
