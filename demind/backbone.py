@@ -158,10 +158,18 @@ class BackboneWeightsError(DemindError, RuntimeError):
     """A pretrained tag whose weights open_clip could not fetch (no network, unknown tag)."""
 
 
-def weights_unavailable(error: RuntimeError, cfg: BackboneConfig, model_name: str) -> BackboneWeightsError | None:
+def weights_unavailable(error: Exception, cfg: BackboneConfig, model_name: str) -> BackboneWeightsError | None:
     """open_clip's download failure (or unknown tag) as one error naming the backbone and the fix;
-    None for any other RuntimeError, which keeps its traceback."""
+    None for any other error, which keeps its traceback.
+
+    open_clip >= 2.29 wraps a failed download in a RuntimeError ("Failed to download weights ...");
+    earlier releases let the downloader's OSError through, which is read the same way when
+    ``cfg.pretrained`` is one of the model's pretrained tags (not a local file)."""
     message = str(error)
+    if isinstance(error, OSError) and open_clip.get_pretrained_cfg(model_name, cfg.pretrained or ""):
+        message = f"Failed to download weights ({message})"
+    if message.startswith("Pretrained weights ("):  # releases before 2.29 word an unknown tag so
+        message = f"Pretrained value '{cfg.pretrained}' is not a known tag or valid file path"
     if not message.startswith(("Failed to download weights", "Pretrained value")):
         return None
     return BackboneWeightsError(
@@ -202,7 +210,7 @@ class FrozenCLIP(nn.Module):
                     model_name, pretrained=cfg.pretrained, precision=cfg.precision, device=device,
                     force_quick_gelu=self.activation == "quick_gelu",
                 )
-            except RuntimeError as e:
+            except (RuntimeError, OSError) as e:
                 raise weights_unavailable(e, cfg, model_name) or e
         check_built_text_tower(model, cfg.name)
         check_built_activation(model, self.activation, cfg)

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Declared floors are tested floors: install the *lowest* versions pyproject.toml admits of
-# open_clip_torch, transformers, accelerate and webdataset into a scratch virtual environment and
+# open_clip_torch, transformers, accelerate, webdataset, huggingface_hub and datasets into a scratch
+# virtual environment and
 # run the tests that exercise them (CLIP loading and the text tower, checkpoints and feature caches,
-# generation with the tiny LLaVA, the training smoke run, shards). Not part of CI: it installs
+# generation with the tiny LLaVA and its chat templates, the training smoke run, kill and resume,
+# DeepSpeed's refusal where it is not installed, shards, Hub publishing and hf-hub: loading). Not part of CI: it installs
 # old releases and takes several minutes.
 #
 #   bash scripts/compat.sh                       # the floors declared in pyproject.toml
@@ -36,6 +38,8 @@ OPEN_CLIP=${OPEN_CLIP:-$(floor open_clip_torch)}
 TRANSFORMERS=${TRANSFORMERS:-$(floor transformers)}
 ACCELERATE=${ACCELERATE:-$(floor accelerate)}
 WEBDATASET=${WEBDATASET:-$(floor webdataset)}
+HUB=${HUB:-$(floor huggingface_hub)}
+DATASETS=${DATASETS:-$(floor datasets)}
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 PY="$VENV/bin/python"
@@ -44,7 +48,7 @@ PY="$VENV/bin/python"
 # then the rest of what the tests import, at whatever version pip picks.
 "$PY" -m pip install -q torch==2.14.1 torchvision==0.29.1
 "$PY" -m pip install -q "open_clip_torch==$OPEN_CLIP" "transformers==$TRANSFORMERS" \
-    "accelerate==$ACCELERATE" "webdataset==$WEBDATASET" \
+    "accelerate==$ACCELERATE" "webdataset==$WEBDATASET" "huggingface_hub==$HUB" "datasets==$DATASETS" \
     timm safetensors pyyaml tqdm pillow numpy matplotlib tensorboard pot "pytest>=7"
 # The project itself without dependencies, so nothing above is upgraded behind our back; installed
 # (not only on PYTHONPATH) because the toy image tower is found through its entry point.
@@ -52,9 +56,10 @@ PY="$VENV/bin/python"
 
 echo "compat: $("$PY" - <<'EOF'
 from importlib.metadata import version
-print(", ".join(f"{p} {version(p)}" for p in ("torch", "open_clip_torch", "transformers", "accelerate", "webdataset")))
+print(", ".join(f"{p} {version(p)}" for p in ("torch", "open_clip_torch", "transformers", "accelerate", "webdataset", "huggingface_hub", "datasets")))
 EOF
 )"
 exec "$PY" -m pytest -q -p no:cacheprovider \
     tests/test_backbone.py tests/test_clip_loading.py tests/test_checkpoint.py tests/test_features.py tests/test_shard_format.py \
-    tests/test_data_gen.py tests/test_train.py "$@"
+    tests/test_data_gen.py tests/test_gen_memory.py tests/test_train.py tests/test_train_resume.py \
+    tests/test_deepspeed.py tests/test_hub.py "$@"

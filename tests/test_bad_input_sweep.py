@@ -13,6 +13,7 @@ runs (exit 0, or 1 where the command reports partial failure). The scripts come 
 
 from __future__ import annotations
 
+import errno
 import importlib
 import json
 import logging
@@ -243,7 +244,7 @@ ROWS: list[Row] = [
         lambda i: ["truncated.safetensors"]),
     Row("demind-index", "index.json truncated",
         lambda i: ["--images", str(i.gallery), "--index", str(damage(i.index("ix-trunc"), "index.json", b'{"form')),
-                   *ckpt(i)], lambda i: ["ix-trunc", "index.json", "rerun demind-index"]),
+                   *ckpt(i)], lambda i: ["ix-trunc", "index.json", "rebuilding the index"], expect="skip"),
     Row("demind-index", "index.json a list",
         lambda i: ["--images", str(i.gallery), "--index", str(damage(i.index("ix-list"), "index.json", b"[1, 2, 3]")),
                    *ckpt(i)], lambda i: ["ix-list", "index.json"]),
@@ -428,6 +429,23 @@ def unreadable(i: Inputs, name: str, text: str) -> Path:
     return path
 
 
+def deny_reading_locked_files(monkeypatch) -> None:
+    """Opening a ``locked*`` file (what :func:`unreadable` writes) raises the PermissionError a user
+    without read permission gets: as root, chmod 0 alone would not stop the read."""
+    import builtins
+    import io
+
+    real_open = io.open
+
+    def guarded_open(file, *args, **kwargs):
+        if isinstance(file, (str, os.PathLike)) and Path(file).name.startswith("locked"):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(io, "open", guarded_open)
+    monkeypatch.setattr(builtins, "open", guarded_open)
+
+
 def damage(folder: Path, name: str, content: bytes) -> Path:
     """Overwrite ``folder/name`` with ``content`` (a truncated or foreign file); returns the folder."""
     path = folder / name
@@ -487,9 +505,9 @@ def test_bad_input(row: Row, inputs: Inputs, capsys, caplog, monkeypatch):
         import demind.search.server as server
 
         monkeypatch.setattr(server, "start_server", lambda *a, **k: pytest.fail("the bad input was served"))
-    if row.unreadable and os.geteuid() == 0:
-        pytest.skip("root reads files without read permission")
     argv = row.argv(inputs)
+    if row.unreadable and os.geteuid() == 0:
+        deny_reading_locked_files(monkeypatch)  # root reads files without read permission
     capsys.readouterr()
     with caplog.at_level(logging.INFO):
         status = command_main(row.script)(argv)

@@ -124,6 +124,31 @@ def test_vit_b_32_openai_loads_with_quickgelu_through_open_clips_tag(tmp_path, m
     assert backbone.identity == {"name": "ViT-B-32", "pretrained": "openai", "activation": "quick_gelu"}
 
 
+class _Built(Exception):
+    """Raised by the stand-in for open_clip's builder once it has seen its arguments."""
+
+
+def test_vit_l_14_openai_asks_open_clip_for_quickgelu(monkeypatch):
+    """The paper's backbone, ``ViT-L-14`` + ``openai``, as FrozenCLIP asks open_clip to build it: with
+    force_quick_gelu (open_clip's own ViT-L-14 config is GELU). The builder is stopped before any
+    weights are made, so this runs in CI; the slow test above builds a whole tagged model."""
+    calls: list[dict] = []
+
+    def record(model_name, **kwargs):
+        calls.append({"model_name": model_name, **kwargs})
+        raise _Built
+
+    monkeypatch.setattr(open_clip, "create_model_and_transforms", record)
+    assert open_clip.get_model_config("ViT-L-14").get("quick_gelu", False) is False
+    for name in ("ViT-L-14", "ViT-B-32"):
+        with pytest.raises(_Built):
+            FrozenCLIP(BackboneConfig(name=name, pretrained="openai"))
+    with pytest.raises(_Built):
+        FrozenCLIP(BackboneConfig(name="ViT-L-14", pretrained="laion2b_s32b_b82k"))
+    assert [(c["model_name"], c["pretrained"], c["force_quick_gelu"]) for c in calls] == [
+        ("ViT-L-14", "openai", True), ("ViT-B-32", "openai", True), ("ViT-L-14", "laion2b_s32b_b82k", False)]
+
+
 def test_every_quickgelu_tag_open_clip_marks_follows_its_tag():
     # marked by open_clip >= 2.29; before that, the tags listed under the model's -quickgelu name
     marked = [(m, t) for m, t in open_clip.list_pretrained()

@@ -122,6 +122,27 @@ def test_run_device_cuda_without_a_gpu_is_refused(repo_root, tmp_path, monkeypat
         deepspeed_device(tiny_config(repo_root, tmp_path, "run.device=cuda"))
 
 
+def test_accelerate_setting_up_anything_but_deepspeed_is_refused_not_used(repo_root, tmp_path, monkeypatch):
+    """The launcher asked for DeepSpeed, but Accelerate came up as something else (as it did, silently,
+    as MULTI_CPU before): one DeepSpeedError naming what it set up, never a run without DeepSpeed."""
+    import accelerate
+    from accelerate.utils import DistributedType
+
+    from demind.training import accel
+
+    class NotDeepSpeed:  # stands in for Accelerator: what it set up is all setup() reads before refusing
+        distributed_type = DistributedType.MULTI_CPU
+
+        def __init__(self, **kwargs):
+            self.kwargs = kwargs
+
+    monkeypatch.setattr(accelerate, "Accelerator", NotDeepSpeed)
+    monkeypatch.setattr(accel, "deepspeed_device", lambda cfg: "cpu")  # DeepSpeed itself need not be installed
+    with pytest.raises(DeepSpeedError, match=r"asked for DeepSpeed but Accelerate set up .*MULTI_CPU.*"
+                                             r"configs/accelerate/deepspeed_zero2\.yaml"):
+        accel.setup(tiny_config(repo_root, tmp_path, "run.device=cpu"), deepspeed=True)
+
+
 # ------------------------------------------------------------------------------------------ slow
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -473,17 +474,38 @@ def test_a_truncated_part_is_named_by_search_and_repaired_by_index(gallery, tmp_
     assert torch.allclose(load_index(tmp_path / "idx").features, load_index(tmp_path / "fresh").features, atol=1e-6)
 
 
-@pytest.mark.parametrize("content, message", [
+DAMAGED_MANIFESTS = [
     ('{"format": "demind-index/1", "root', "is not valid JSON .*rerun demind-index"),
-    ("[1, 2, 3]", "not a demind index \\(a JSON list"),
     ('{"format": "demind-index/1", "root": "/x", "backbone_slug": "s", "precision": "fp32", "embed_dim": 4, '
-     '"images": {}, "unreadable": {}}', "key 'images' must be a JSON list"),
-])
-def test_a_damaged_index_json_gets_rebuild_advice(gallery, tmp_path, loaded, content, message):
+     '"images": {}, "unreadable": {}}', "key 'images' must be a JSON list.*rerun demind-index"),
+]
+
+
+@pytest.mark.parametrize("content, message", DAMAGED_MANIFESTS)
+def test_a_damaged_index_json_is_named_by_search_and_rebuilt_by_index(gallery, tmp_path, loaded, content, message,
+                                                                       caplog):
+    """The advice search gives (rerun demind-index) works: the rerun rebuilds the manifest, reusing
+    every stored embedding, and the index equals a fresh build."""
     backbone, _ = loaded
     build(gallery, tmp_path / "idx", backbone)
     (tmp_path / "idx" / "index.json").write_text(content)
     with pytest.raises(GalleryIndexError, match=message):
         load_index(tmp_path / "idx")
-    with pytest.raises(GalleryIndexError, match=message):
-        build(gallery, tmp_path / "idx", backbone)
+    with caplog.at_level(logging.WARNING):
+        stats = build(gallery, tmp_path / "idx", backbone)
+    assert "index.json" in caplog.text and "rebuilding the index" in caplog.text
+    assert stats.encoded == 0 and stats.cached == 7
+    build(gallery, tmp_path / "fresh", backbone)
+    rebuilt, fresh = load_index(tmp_path / "idx"), load_index(tmp_path / "fresh")
+    assert rebuilt.names == fresh.names and torch.equal(rebuilt.features, fresh.features)
+
+
+def test_an_index_json_that_is_not_a_demind_index_is_left_alone(gallery, tmp_path, loaded):
+    backbone, _ = loaded
+    folder = tmp_path / "idx"
+    folder.mkdir()
+    (folder / "index.json").write_text("[1, 2, 3]")
+    for act in (lambda: load_index(folder), lambda: build(gallery, folder, backbone)):
+        with pytest.raises(GalleryIndexError, match=r"not a demind index \(a JSON list.*choose another --index"):
+            act()
+    assert (folder / "index.json").read_text() == "[1, 2, 3]"

@@ -83,6 +83,18 @@ def test_bad_requests_get_a_message_and_the_server_keeps_serving(client, data, s
     assert client.post("/api/search", data={"gallery_name": "img1.png", "text": "red"}).status_code == 200
 
 
+def test_an_upload_over_the_body_limit_is_a_413_naming_the_limit(searcher):
+    from demind.search.server import ServerSettings
+
+    client = create_app(searcher, settings=ServerSettings(max_upload_mb=1)).test_client()
+    big = io.BytesIO(b"\x89PNG\r\n\x1a\n" + bytes(2 * 1024 * 1024))  # 2 MB, never decoded
+    response = client.post("/api/search", data={"image": (big, "big.png"), "text": "red"},
+                           content_type="multipart/form-data")
+    assert response.status_code == 413
+    assert response.get_json()["error"] == "the upload is larger than 1 MB; choose a smaller image"
+    assert client.post("/api/search", data={"gallery_name": "img1.png", "text": "red"}).status_code == 200
+
+
 def test_unexpected_failure_is_one_line_and_the_next_query_works(searcher, monkeypatch):
     client = create_app(searcher).test_client()
     real = searcher.search_with_details

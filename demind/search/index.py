@@ -46,6 +46,11 @@ class GalleryIndexError(DemindError, ValueError):
     """An index that cannot be used as asked (missing, unfinished, or another backbone's)."""
 
 
+class DamagedManifestError(GalleryIndexError):
+    """A demind index whose ``index.json`` is truncated or holds wrong-typed keys: ``demind-index``
+    rebuilds it (reusing the stored embeddings); searching it needs that rebuild first."""
+
+
 @dataclass
 class IndexBuildStats:
     """What one build or update did."""
@@ -189,22 +194,35 @@ def _read_manifest(index_dir: Path) -> dict | None:
     try:
         manifest = read_json(path, fix=_rebuild_advice(index_dir))
     except InputError as e:
-        raise GalleryIndexError(str(e)) from None
+        raise DamagedManifestError(str(e)) from None
     if not isinstance(manifest, dict):
+        # not ours to overwrite: someone else's index.json, or a file put there by hand
         raise GalleryIndexError(f"{path} is not a demind index (a JSON {type(manifest).__name__}, not an object); "
-                                + _rebuild_advice(index_dir))
+                                f"choose another --index folder, or delete {path} to build a new index there")
     if manifest.get("format") != INDEX_FORMAT:
         raise GalleryIndexError(f"{path} is not a demind index (format {manifest.get('format')!r}, "
                                 f"expected {INDEX_FORMAT!r})")
     root = manifest.get("root") if isinstance(manifest.get("root"), str) else None
     for key, kind in MANIFEST_TYPES.items():
         if not isinstance(manifest.get(key), kind):
-            raise GalleryIndexError(f"{path}: key {key!r} must be a JSON {kind.__name__}, got "
+            raise DamagedManifestError(f"{path}: key {key!r} must be a JSON {kind.__name__}, got "
                                     f"{type(manifest.get(key)).__name__}; " + _rebuild_advice(index_dir, root))
     if not all(isinstance(e, list) and len(e) == 2 and all(isinstance(x, str) for x in e) for e in manifest["images"]):
-        raise GalleryIndexError(f"{path}: key 'images' must list [name, key] pairs of strings; "
+        raise DamagedManifestError(f"{path}: key 'images' must list [name, key] pairs of strings; "
                                 + _rebuild_advice(index_dir, root))
     return manifest
+
+
+def _previous_manifest(index_dir: Path, images: Path) -> tuple[dict, bool]:
+    """(the last finished build's manifest, whether it was damaged). A damaged one is logged and
+    read as none: the build then starts afresh, reusing every stored embedding whose key matches."""
+    empty = {"images": [], "unreadable": {}, "root": None}
+    try:
+        return _read_manifest(index_dir) or empty, False
+    except DamagedManifestError as e:
+        log.warning("%s -- rebuilding the index from %s (stored embeddings are reused)",
+                    str(e).split("; rerun demind-index")[0], images)
+        return empty, True
 
 
 def build_index(
@@ -223,14 +241,15 @@ def build_index(
     matches); files that failed to decode before and have not changed are not retried.
     When files were removed or changed the parts are compacted so they hold only live entries.
     An index built from another folder is refused unless ``new_root`` (it would drop every
-    file only in the old folder). A damaged embedding part is deleted and its images encoded again.
+    file only in the old folder). A damaged embedding part is deleted and its images encoded again; a
+    damaged ``index.json`` is logged and rebuilt (:func:`_previous_manifest`).
     """
     start = time.perf_counter()
     images, index_dir = Path(images), Path(index_dir)
     if part_size < 1:
         raise GalleryIndexError(f"part_size must be at least 1 (images per saved part), got {part_size}")
     check_output_dir(index_dir)
-    previous = _read_manifest(index_dir) or {"images": [], "unreadable": {}, "root": None}
+    previous, damaged = _previous_manifest(index_dir, images)
     if previous["root"] and Path(previous["root"]) != images.resolve():
         if not new_root:
             raise GalleryIndexError(
@@ -262,7 +281,7 @@ def build_index(
     previous_keys = dict(previous["images"])
     stats.removed = sum(1 for name in previous_keys if name not in keys)
     dead = set(previous_keys.items()) - {(n, keys[n]) for n in names}  # removed, changed or now unreadable
-    if dead:
+    if dead or damaged:  # a damaged manifest no longer says what the parts hold: keep only the live entries
         # their entries would otherwise stay in the parts for ever (load ignores them: disk only)
         log.info("compacting %s: %d entries removed or superseded", index_dir, len(dead))
         cache.replace_all(ROLE, names, [keys[n] for n in names], stack_features(features, names), part_size)
