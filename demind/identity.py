@@ -6,8 +6,10 @@ made with and refuse another one; the identity never depends on a file's name or
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import logging
 import re
 from pathlib import Path
 from typing import Protocol
@@ -15,6 +17,8 @@ from typing import Protocol
 import open_clip
 import torch
 import torch.nn as nn
+
+logger = logging.getLogger(__name__)
 
 
 class ModelSpec(Protocol):
@@ -139,7 +143,21 @@ def canonical_identity(identity: dict[str, str | None]) -> dict[str, str | None]
         activation = implied_activation(str(out["name"]), out.get("pretrained"))
         if activation is not None:
             out["activation"] = activation
+            _warn_if_ambiguous(str(out["name"]), out.get("pretrained"), activation)
     return out
+
+
+@functools.lru_cache(maxsize=None)  # once per backbone and process: records are compared often
+def _warn_if_ambiguous(name: str, pretrained: str | None, activation: str) -> None:
+    """Warn where an old record cannot say which activation it ran: a QuickGELU tag on a GELU model
+    config (``ViT-L-14`` + ``openai``), which versions of this project on open_clip >= 2.29 built
+    with GELU."""
+    model_cfg = open_clip.get_model_config(name)
+    if activation == "quick_gelu" and model_cfg and config_activation(model_cfg) == "gelu":
+        logger.warning("a checkpoint or feature cache of %s:%s records no activation (written before demind "
+                       "recorded it); it is read as QuickGELU, what the weights were trained with, but if it "
+                       "was made on open_clip >= 2.29 it may have run GELU: re-export or rebuild it to be sure",
+                       name, pretrained)
 
 
 def same_backbone(a: dict[str, str | None], b: dict[str, str | None]) -> bool:
