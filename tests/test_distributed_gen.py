@@ -199,6 +199,40 @@ def test_worker_resources_and_count():
         worker_resources(cfg, {"CPU": 2.0}, None)
 
 
+def test_a_failed_shard_goes_to_another_worker_then_is_reported_after_its_tries():
+    """The driver's bookkeeping, without a cluster: a failed try puts the shard back at the queue's
+    front for a worker that has not failed it; after ``shard_attempts`` tries it is reported, with
+    every try's error, and the job goes on with the other shards."""
+    from collections import deque
+
+    from demind.gen.job import JobSummary
+    from demind.gen.plan import ShardTask
+    from demind.gen.ray_job import RayOptions, _Dispatch, _failed_try
+
+    class Bar:
+        done = 0
+
+        def update(self, n):
+            self.done += n
+
+    tasks = [ShardTask(shard_id=i, input_path=Path(f"{i:05d}.tar"), output=None, state="new") for i in range(3)]
+    state, summary, bar = _Dispatch(pending=deque(tasks)), JobSummary(), Bar()
+    options = RayOptions(workers=2, shard_attempts=3)
+    live = {0, 1}
+    first = state.next_task(0, live)
+    assert first.shard_id == 0
+    _failed_try(first, 0, "worker 0 died", state, summary, options, bar)
+    # worker 0 failed shard 0: it gets shard 1; worker 1 gets shard 0 back first
+    assert state.next_task(0, live).shard_id == 1
+    assert state.next_task(1, live).shard_id == 0
+    _failed_try(first, 1, "worker 1 died", state, summary, options, bar)
+    # every live worker has failed it now: any of them may try it again, and it is the last try
+    assert state.next_task(0, live).shard_id == 0
+    _failed_try(first, 0, "worker 0 died again", state, summary, options, bar)
+    assert summary.failed == {0: "3 tries: worker 0 died; worker 1 died; worker 0 died again"}
+    assert bar.done == 1 and [t.shard_id for t in state.pending] == [2]
+
+
 def test_without_ray_the_error_names_the_install_line(monkeypatch):
     from demind.config import MissingDependencyError
     from demind.gen.ray_job import import_ray
