@@ -249,22 +249,30 @@ def test_card_claims_no_numbers_without_results_and_refuses_another_models(smoke
     assert "model-index" in read_front_matter((out / "README.md").read_text())
 
 
-def test_upload_is_one_create_and_one_upload_folder_call(smoke_run, monkeypatch, capsys):
-    """The upload's wiring (the real call needs the network): what is sent and the URL printed."""
+def record_hub_api(monkeypatch) -> list[tuple[str, str, dict]]:
+    """Replace huggingface_hub.HfApi with one that records its create_repo and upload_folder calls
+    (name, repo id, keyword arguments plus the folder's ``files``); returns the record."""
     import huggingface_hub
 
-    calls = []
+    calls: list[tuple[str, str, dict]] = []
 
     class RecordingApi:
         def create_repo(self, repo_id, **kw):
             calls.append(("create_repo", repo_id, kw))
-            return f"https://huggingface.co/{repo_id}"
+            kind = "datasets/" if kw.get("repo_type") == "dataset" else ""
+            return f"https://huggingface.co/{kind}{repo_id}"
 
         def upload_folder(self, **kw):
             files = sorted(p.relative_to(kw["folder_path"]).as_posix() for p in Path(kw["folder_path"]).rglob("*") if p.is_file())
             calls.append(("upload_folder", kw["repo_id"], {**kw, "files": files}))
 
     monkeypatch.setattr(huggingface_hub, "HfApi", RecordingApi)
+    return calls
+
+
+def test_upload_is_one_create_and_one_upload_folder_call(smoke_run, monkeypatch, capsys):
+    """The upload's wiring (the real call needs the network): what is sent and the URL printed."""
+    calls = record_hub_api(monkeypatch)
     assert publish_main(["--checkpoint", str(smoke_run / "demind.safetensors"), "--repo", MODEL_REPO]) == 0
     (c_name, c_repo, c_kw), (u_name, u_repo, u_kw) = calls
     assert (c_name, c_repo, c_kw) == ("create_repo", MODEL_REPO, {"repo_type": "model", "private": False, "exist_ok": True})
@@ -333,25 +341,13 @@ def test_shard_upload_is_a_dataset_repository_without_partial_files(intent_shard
     and the card, never a partial ``.tmp`` file."""
     import fnmatch
 
-    import huggingface_hub
-
     folder = tmp_path / "shards"
     folder.mkdir()
     for p in intent_shards.iterdir():
         if p.is_file():
             (folder / p.name).write_bytes(p.read_bytes())
     (folder / "00009.tar.tmp").write_bytes(b"half a shard")  # a shard still being written
-    calls = []
-
-    class RecordingApi:
-        def create_repo(self, repo_id, **kw):
-            calls.append(("create_repo", repo_id, kw))
-            return f"https://huggingface.co/datasets/{repo_id}"
-
-        def upload_folder(self, **kw):
-            calls.append(("upload_folder", kw["repo_id"], kw))
-
-    monkeypatch.setattr(huggingface_hub, "HfApi", RecordingApi)
+    calls = record_hub_api(monkeypatch)
     repo = "demind-test/intent-shards"
     assert publish_main(["--shards", str(folder), "--repo", repo, "--repo-type", "dataset"]) == 0
     (c_name, c_repo, c_kw), (u_name, u_repo, u_kw) = calls
