@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from demind.errors import InputError, MissingInputError
+from demind.json_fields import check_entries
 
 INSTANCE_FIELDS = {"images": {"id": int, "file_name": str}, "annotations": {"image_id": int, "category_id": int},
                    "categories": {"id": int, "name": str}}
@@ -20,8 +21,6 @@ INSTANCE_FIELDS = {"images": {"id": int, "file_name": str}, "annotations": {"ima
 
 CAPTION_FIELDS = {"annotations": {"id": int, "image_id": int, "caption": str}}
 """What the ExclCOCO builder and ExclMM read of ``captions_{split}.json``."""
-
-_JSON_TYPE = {int: "an integer", str: "a string"}
 
 
 def load_coco(path: str | Path, fields: dict[str, dict[str, type]]) -> dict[str, Any]:
@@ -41,15 +40,5 @@ def load_coco(path: str | Path, fields: dict[str, dict[str, type]]) -> dict[str,
     if absent:
         raise InputError(f"{path} lacks the COCO key(s) {absent}; is it the right file?")
     for key, wanted in fields.items():
-        entries = data[key]
-        if not isinstance(entries, list):
-            raise InputError(f"{path}: {key!r} must be a list of objects, got a JSON {type(entries).__name__}")
-        for i, entry in enumerate(entries):
-            if not isinstance(entry, dict):
-                raise InputError(f"{path}: {key}[{i}] must be an object, got {json.dumps(entry)[:80]}")
-            for name, kind in wanted.items():
-                value = entry.get(name)
-                if not isinstance(value, kind) or isinstance(value, bool):
-                    got = "missing" if name not in entry else f"got {json.dumps(value)[:80]}"
-                    raise InputError(f"{path}: {key}[{i}].{name} must be {_JSON_TYPE[kind]} ({got})")
+        check_entries(data[key], wanted, f"{path}: {key}")
     return data

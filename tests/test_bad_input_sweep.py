@@ -22,6 +22,7 @@ import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -116,6 +117,41 @@ class Inputs:
         return folder
 
     @cached_property
+    def cirr(self) -> Path:
+        """A tiny CIRR root (rc2 layout): 6 images, 3 val queries."""
+        import numpy as np
+        from PIL import Image
+
+        root = self.folder("cirr-built")
+        names = [f"dev-{k}-a-img0" for k in range(6)]
+        for k, name in enumerate(names):
+            pixels = np.random.default_rng(k).integers(0, 256, (16, 16, 3), dtype=np.uint8)
+            (root / "dev").mkdir(exist_ok=True)
+            Image.fromarray(pixels).save(root / "dev" / f"{name}.png")
+        self.write("cirr-built/image_splits/split.rc2.val.json", json.dumps({n: f"./dev/{n}.png" for n in names}))
+        self.write("cirr-built/captions/cap.rc2.val.json", json.dumps([
+            {"pairid": k, "reference": names[k], "target_hard": names[k + 1], "caption": "make it red",
+             "img_set": {"id": k, "members": names}} for k in range(3)]))
+        return root
+
+    def benchmark_variant(self, built: Path, name: str, relpath: str, change: Callable[[Any], Any] | bytes) -> Path:
+        """A copy of the benchmark root ``built`` with the JSON file ``relpath`` changed: ``change`` maps
+        its parsed content to the new content, or is the new bytes (a truncated file)."""
+        import shutil
+
+        target = self.root / name
+        shutil.copytree(built, target)
+        path = target / relpath
+        path.write_bytes(change if isinstance(change, bytes) else json.dumps(change(json.loads(path.read_text()))).encode())
+        return target
+
+    @cached_property
+    def fashioniq(self) -> Path:
+        from test_eval_benchmarks import make_fashioniq
+
+        return make_fashioniq(self.folder("fiq-built"))
+
+    @cached_property
     def exclcoco_train(self) -> Path:
         from demind.exclcoco import ExclCocoConfig, build_exclcoco
 
@@ -161,6 +197,13 @@ def config_rows(script: str, extra: Callable[[Inputs], list[str]] = lambda i: []
         Row(script, "config section a scalar", lambda i: ["--config", str(i.write("scalar.yaml", "run: 5\n")),
                                                           *extra(i)], lambda i: ["scalar.yaml", "run"]),
     ]
+
+
+CIRR_CAPTIONS = "captions/cap.rc2.val.json"
+
+
+def slug(case: str) -> str:
+    return case.replace(" ", "-")
 
 
 def ckpt(i: Inputs) -> list[str]:
@@ -229,6 +272,40 @@ ROWS: list[Row] = [
     Row("demind-eval", "data root missing",
         lambda i: ["--benchmark", "cirr", "--data-root", str(i.root / "no-cirr"), "--out", str(i.root / "ev"),
                    *ckpt(i)], lambda i: ["no-cirr"]),
+    *[Row("demind-eval", f"CIRR {case}",
+          lambda i, case=case, rel=rel, change=change: [
+              "--benchmark", "cirr", "--data-root", str(i.benchmark_variant(i.cirr, f"cirr-{slug(case)}", rel, change)),
+              "--out", str(i.root / "ev"), *ckpt(i)],
+          lambda i, names=names: names)
+      for case, rel, change, names in [
+          ("captions truncated", CIRR_CAPTIONS, b'[{"pairid": 0, "refer', ["cap.rc2.val.json", "not valid JSON"]),
+          ("captions an object", CIRR_CAPTIONS, lambda d: {"queries": d}, ["cap.rc2.val.json must be a list"]),
+          ("entry not an object", CIRR_CAPTIONS, lambda d: [*d, 7], ["cap.rc2.val.json[3] must be an object"]),
+          ("entry without reference", CIRR_CAPTIONS, lambda d: [d[0], {k: v for k, v in d[1].items() if k != "reference"}],
+           ["cap.rc2.val.json[1].reference", "missing"]),
+          ("null caption", CIRR_CAPTIONS, lambda d: [{**d[0], "caption": None}, *d[1:]],
+           ["cap.rc2.val.json[0].caption", "got null"]),
+          ("string pairid", CIRR_CAPTIONS, lambda d: [{**d[0], "pairid": "0"}, *d[1:]], ["cap.rc2.val.json[0].pairid"]),
+          ("img_set without members", CIRR_CAPTIONS, lambda d: [*d[:2], {**d[2], "img_set": {"id": 2}}],
+           ["cap.rc2.val.json[2].img_set.members"]),
+          ("split a list", "image_splits/split.rc2.val.json", lambda d: list(d), ["split.rc2.val.json", "must be an object"]),
+          ("split path null", "image_splits/split.rc2.val.json", lambda d: {**d, next(iter(d)): None},
+           ["split.rc2.val.json", "must be a string"]),
+      ]],
+    *[Row("demind-eval", f"FashionIQ {case}",
+          lambda i, case=case, rel=rel, change=change: [
+              "--benchmark", "fashioniq", "--data-root",
+              str(i.benchmark_variant(i.fashioniq, f"fiq-{slug(case)}", rel, change)), "--out", str(i.root / "ev"),
+              *ckpt(i)],
+          lambda i, names=names: names)
+      for case, rel, change, names in [
+          ("captions an object", "captions/cap.shirt.val.json", lambda d: {"q": d}, ["cap.shirt.val.json must be a list"]),
+          ("candidate null", "captions/cap.shirt.val.json", lambda d: [{**d[0], "candidate": None}, *d[1:]],
+           ["cap.shirt.val.json[0].candidate", "got null"]),
+          ("one caption a number", "captions/cap.toptee.val.json", lambda d: [{**d[0], "captions": ["is red", 5]}, *d[1:]],
+           ["two captions (strings)"]),
+          ("split an object", "image_splits/split.dress.val.json", lambda d: {"ids": d}, ["split.dress.val.json"]),
+      ]],
     # ------------------------------------------------------------------ search
     *config_rows("demind-index"),
     Row("demind-index", "images missing", lambda i: ["--images", str(i.root / "no-images"), "--index",
@@ -303,7 +380,7 @@ ROWS: list[Row] = [
       for case, which, change, names in [
           ("string category_id", "instances", lambda d: d["annotations"][0].update(category_id="2"),
            ["instances_train.json", "annotations[0].category_id"]),
-          ("images a dict", "instances", lambda d: d.update(images={"1": "a.jpg"}), ["instances_train.json", "'images'"]),
+          ("images a dict", "instances", lambda d: d.update(images={"1": "a.jpg"}), ["instances_train.json", "images must be a list"]),
           ("annotation without image_id", "instances", lambda d: d["annotations"][1].pop("image_id"),
            ["instances_train.json", "annotations[1].image_id"]),
           ("null caption", "captions", lambda d: d["annotations"][2].update(caption=None),

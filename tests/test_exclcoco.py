@@ -119,7 +119,7 @@ _DROP = object()
 @pytest.mark.parametrize("which, change, message", [
     ("instances", lambda d: _set(d, "annotations", 0, "category_id", "2"),
      r"instances_val2017.json: annotations\[0\].category_id must be an integer \(got \"2\"\)"),
-    ("instances", lambda d: d.update(images={"1": "a.jpg"}), r"instances_val2017.json: 'images' must be a list"),
+    ("instances", lambda d: d.update(images={"1": "a.jpg"}), r"instances_val2017.json: images must be a list of objects, got a JSON object"),
     ("instances", lambda d: _set(d, "annotations", 1, "image_id", _DROP),
      r"instances_val2017.json: annotations\[1\].image_id must be an integer \(missing\)"),
     ("captions", lambda d: _set(d, "annotations", 2, "caption", None),

@@ -25,6 +25,7 @@ from demind.eval.structures import (
     require_dir,
     require_file,
 )
+from demind.json_fields import check_entries, check_object
 from demind.model import TEMPLATES, fill_template
 
 MAP_KS = (5, 10, 25, 50)
@@ -34,13 +35,21 @@ LAYOUT = """  DATA_ROOT/
     COCO2017_unlabeled/unlabeled2017/000000243611.jpg ..."""
 
 
+QUERY_FIELDS = {"id": int, "reference_img_id": int, "relative_caption": str}
+"""What each query of ``annotations/{split}.json`` must hold (``gt_img_ids`` too, in val)."""
+
+
 def read_circo(root: str | Path, split: str = "val", limit: int | None = None) -> BenchmarkData:
     """Read CIRCO ``split`` (``val`` or ``test``) under ``root``."""
     root = Path(root)
     if split not in ("val", "test"):
         raise InputError(f"CIRCO split must be 'val' or 'test', got {split!r}")
-    annotations = read_json(require_file(root / "annotations" / f"{split}.json", LAYOUT))
-    info = read_json(require_file(root / "COCO2017_unlabeled" / "annotations" / "image_info_unlabeled2017.json", LAYOUT))
+    annotations_path = require_file(root / "annotations" / f"{split}.json", LAYOUT)
+    fields = {**QUERY_FIELDS, "gt_img_ids": list} if split == "val" else QUERY_FIELDS
+    annotations = check_entries(read_json(annotations_path), fields, str(annotations_path))
+    info_path = require_file(root / "COCO2017_unlabeled" / "annotations" / "image_info_unlabeled2017.json", LAYOUT)
+    info = check_object(read_json(info_path), {"images": list}, str(info_path))
+    check_entries(info["images"], {"id": int, "file_name": str}, f"{info_path}: images")
     on_disk = index_image_folder(require_dir(root / "COCO2017_unlabeled" / "unlabeled2017", LAYOUT))
 
     stem_by_id = {int(im["id"]): canonical_name(im["file_name"]) for im in info["images"]}

@@ -23,6 +23,7 @@ from demind.eval.structures import (
     read_json,
     require_file,
 )
+from demind.json_fields import check_entries, check_object, check_string_map
 from demind.model import TEMPLATES, fill_template
 
 log = logging.getLogger(__name__)
@@ -48,14 +49,23 @@ def find_image_root(root: Path, relpaths: list[str]) -> Path:
     )
 
 
+CAPTION_FIELDS = {"pairid": int, "reference": str, "caption": str, "img_set": dict}
+"""What each entry of ``cap.rc2.{split}.json`` must hold (``target_hard`` too, where there is ground truth)."""
+
+
 def read_cirr(root: str | Path, split: str = "val", limit: int | None = None) -> BenchmarkData:
     """Read CIRR ``split`` (``val`` or ``test``/``test1``) from ``root``."""
     root = Path(root)
     if split not in SPLITS:
         raise InputError(f"CIRR split must be one of {sorted(SPLITS)}, got {split!r}")
     name = SPLITS[split]
-    captions = read_json(require_file(root / "captions" / f"cap.rc2.{name}.json", LAYOUT))
-    name_to_relpath: dict[str, str] = read_json(require_file(root / "image_splits" / f"split.rc2.{name}.json", LAYOUT))
+    captions_path = require_file(root / "captions" / f"cap.rc2.{name}.json", LAYOUT)
+    fields = CAPTION_FIELDS if name == "test1" else {**CAPTION_FIELDS, "target_hard": str}
+    captions = check_entries(read_json(captions_path), fields, str(captions_path))
+    for i, entry in enumerate(captions):
+        check_object(entry["img_set"], {"members": list}, f"{captions_path}[{i}].img_set")
+    split_path = require_file(root / "image_splits" / f"split.rc2.{name}.json", LAYOUT)
+    name_to_relpath: dict[str, str] = check_string_map(read_json(split_path), str(split_path))
     image_root = find_image_root(root, list(name_to_relpath.values()))
 
     gallery = [ImageRef(canonical_name(n), image_root / rel) for n, rel in name_to_relpath.items()]

@@ -34,6 +34,7 @@ from demind.eval.structures import (
     require_dir,
     require_file,
 )
+from demind.json_fields import check_entries
 from demind.model import fill_template
 
 log = logging.getLogger(__name__)
@@ -53,8 +54,8 @@ def join_captions(captions: list[str], order: str) -> str:
     """The two relative captions as one text, in the chosen order."""
     if order not in CAPTION_ORDERS:
         raise InputError(f"FashionIQ caption order must be one of {CAPTION_ORDERS}, got {order!r}")
-    if len(captions) != 2:
-        raise InputError(f"FashionIQ entries have two captions, got {captions!r}")
+    if len(captions) != 2 or not all(isinstance(c, str) for c in captions):
+        raise InputError(f"FashionIQ entries have two captions (strings), got {captions!r}")
     first, second = (captions[1], captions[0]) if order == "released" else (captions[0], captions[1])
     return f"{first.strip()} and {second.strip()}"
 
@@ -111,12 +112,21 @@ def read_fashioniq(
                          options={"caption_order": caption_order, "text_form": text_form, "template": TEMPLATE})
 
 
+CAPTION_FIELDS = {"candidate": str, "target": str, "captions": list}
+"""What each entry of ``cap.{category}.val.json`` must hold."""
+
+
 def _read_category(root: Path, category: str, images: dict[str, Path], order: str, text_form: str,
                    limit: int | None) -> QueryGroup:
-    entries = read_json(_captions_file(root, category))
+    captions_path = _captions_file(root, category)
+    entries = check_entries(read_json(captions_path), CAPTION_FIELDS, str(captions_path))
     if limit is not None:
         entries = entries[:limit]  # the first entries keep their file index as query id
-    split_ids = [str(i) for i in read_json(require_file(root / "image_splits" / f"split.{category}.val.json", LAYOUT))]
+    split_path = require_file(root / "image_splits" / f"split.{category}.val.json", LAYOUT)
+    split = read_json(split_path)
+    if not isinstance(split, list) or not all(isinstance(i, str) for i in split):
+        raise InputError(f"{split_path} must be a list of image ids (strings); re-download the annotation file")
+    split_ids = list(split)
     gallery = [ImageRef(i, images[i]) for i in split_ids if i in images]
     gallery_missing = [i for i in split_ids if i not in images]
     in_gallery = {g.name for g in gallery}
