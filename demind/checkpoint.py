@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from demind.backbone import BackboneConfig, FrozenCLIP, build_backbone, parse_backbone_spec, same_backbone
 from demind.identity import identity_difference
@@ -25,7 +24,7 @@ from demind.errors import DemindError
 from demind.hubref import is_hub_ref, resolve_hub_folder
 from demind.model import DeMinds, ModelConfig
 from demind.io import atomic_path
-from demind.tensor_files import read_format_metadata, tensors_sha256  # noqa: F401 (tensors_sha256 re-exported)
+from demind.tensor_files import load_safetensors_file, read_format_metadata, tensors_sha256  # noqa: F401 (tensors_sha256 re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -84,10 +83,7 @@ def read_checkpoint_metadata(path: str | Path) -> dict:
 def read_checked_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors, after checking their recorded sha256 and that they are finite."""
     meta = read_checkpoint_metadata(path)
-    try:
-        state = load_file(str(path))
-    except (SafetensorError, OSError, RuntimeError) as e:
-        raise CheckpointError(f"checkpoint {path} cannot be read ({e}); the file is truncated or corrupted") from None
+    state = load_safetensors_file(path, CheckpointError, "checkpoint")
     expected = meta.get(CHECKSUM_KEY)
     if expected is None:
         logger.warning("checkpoint %s has no tensor checksum (written before checksums were recorded); "

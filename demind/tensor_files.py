@@ -45,6 +45,20 @@ def read_format_metadata(path: str | Path, expected: str, error: type[Exception]
     return meta
 
 
+def load_safetensors_file(path: str | Path, error: type[Exception], what: str, fix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors file ``path`` (on the CPU), with one error.
+
+    A truncated or corrupted file raises ``error``: ``"{what} {path} is truncated or corrupted (...)"``,
+    then ``fix``."""
+    from safetensors.torch import load_file
+
+    tail = f"; {fix}" if fix else ""
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, RuntimeError) as e:
+        raise error(f"{what} {path} is truncated or corrupted ({e}){tail}") from None
+
+
 def load_torch_file(path: str | Path, error: type[Exception], what: str, fix: str = "") -> Any:
     """``torch.load(path)`` (tensors and plain containers only, onto the CPU) with one error.
 

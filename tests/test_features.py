@@ -165,6 +165,26 @@ def test_incomplete_cache_is_an_error_when_named_and_skipped_when_auto(repo_root
     assert cache is None and "decoding images instead" in caplog.text
 
 
+def test_a_damaged_cache_file_is_one_error_saying_how_to_rebuild_it(repo_root, tmp_path, capsys):
+    shards = tmp_path / "shards"
+    write_synthetic_shards(shards, num_shards=2, samples_per_shard=12)
+    build_cache(repo_root, shards)
+    part = next(shards.rglob("00000.safetensors"))
+    part.write_bytes(part.read_bytes()[:100])  # its done-marker json still says the shard is cached
+    args = ["--config", str(repo_root / "configs/train/smoke.yaml"), *overrides(repo_root, shards),
+            "optim.max_steps=2", f"run.output_dir={tmp_path / 'run'}", "run.progress=false"]
+    assert train.main(args) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert "Traceback" not in err and len(errors) == 1
+    assert "00000.safetensors is truncated or corrupted" in errors[0] and "rerun demind-features" in errors[0]
+    # doing what it says rebuilds that shard and training runs
+    part.unlink()
+    part.with_suffix(".json").unlink()
+    build_cache(repo_root, shards)
+    assert train.main(args) == 0
+
+
 def test_corrupt_image_is_skipped_and_counted_in_the_cache(repo_root, tmp_path):
     shards = tmp_path / "shards"
     shards.mkdir()

@@ -43,6 +43,7 @@ from demind.data import ReaderStats, read_tar_samples, with_pixels
 from demind.errors import DemindError
 from demind.io import check_output_dir, write_bytes_atomic
 from demind.shard_format import shard_name
+from demind.tensor_files import load_safetensors_file
 
 logger = logging.getLogger(__name__)
 
@@ -175,16 +176,21 @@ class ShardFeatureCache:
             logger.warning("%s; decoding images instead", message)
         return None
 
+    def _tensors(self, shard: str) -> dict[str, torch.Tensor]:
+        """The tensors of ``shard``'s cache; a damaged file is one FeatureCacheError saying how to rebuild it."""
+        tensors_path, index_path = cache_files(self.directory, shard)
+        return load_safetensors_file(tensors_path, FeatureCacheError, "feature cache",
+                                     f"delete it and {index_path.name}, then rerun demind-features (or "
+                                     f"python -m demind.features) to rebuild that shard")
+
     def samples(self, shard: str) -> Iterator[dict[str, Any]]:
         """Samples of ``shard`` in tar order: key, texts, image_emb (D,), teacher_emb (D,), rew_emb (D,)
         float32 and the GFQ fidelities fidelity_int, fidelity_rew (scalars)."""
-        from safetensors.torch import load_file
-
         tensors_path, index_path = cache_files(self.directory, shard)
         index = read_index(self.directory, shard)
         if index is None:
             raise FeatureCacheError(f"feature cache {index_path} disappeared during training")
-        tensors = load_file(str(tensors_path))
+        tensors = self._tensors(shard)
         image_emb = tensors["image_emb"].float()
         teacher_emb = tensors["teacher_emb"].float()
         rew_emb = tensors["rew_emb"].float()
@@ -198,11 +204,9 @@ class ShardFeatureCache:
 
     def fidelities(self, shards: list[str]) -> dict[str, torch.Tensor]:
         """GFQ fidelity of every sample of ``shards``, in shard then tar order: {"int": (N,), "rew": (N,)}."""
-        from safetensors.torch import load_file
-
         out: dict[str, list[torch.Tensor]] = {"int": [], "rew": []}
         for shard in shards:
-            tensors = load_file(str(cache_files(self.directory, shard)[0]))
+            tensors = self._tensors(shard)
             for kind in out:
                 out[kind].append(tensors[f"fidelity_{kind}"].float())
         return {kind: torch.cat(parts) if parts else torch.zeros(0) for kind, parts in out.items()}

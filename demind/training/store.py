@@ -28,12 +28,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from demind.errors import DemindError
 from demind.io import atomic_path
-from demind.tensor_files import read_format_metadata, tensors_sha256
+from demind.tensor_files import load_safetensors_file, read_format_metadata, tensors_sha256
 
 FORMAT = "demind-train-state/1"
 TREE_FORMAT = "demind-tree/1"
@@ -117,10 +116,7 @@ def load_tree(path: str | Path, kind: str = TREE_FORMAT, fix: str = "delete it a
     """
     path = Path(path)
     meta = _read_metadata(path, kind, fix)
-    try:
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError, RuntimeError) as e:
-        raise StateFileError(f"{path} is truncated or corrupted ({e}); {fix}") from None
+    tensors = load_safetensors_file(path, StateFileError, "state file", fix)
     if tensors_sha256(tensors) != meta.get("tensors_sha256"):
         raise StateFileError(f"{path} is corrupted (the sha256 of its tensors does not match the one saved); {fix}")
     try:
