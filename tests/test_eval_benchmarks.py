@@ -13,6 +13,7 @@ import pytest
 from PIL import Image
 
 from demind.config import ConfigError
+from demind.errors import InputError
 from demind.eval import evaluate, format_table, load_backbone_and_model
 from demind.eval.coco import build_coco_queries, coco_texts, read_coco
 from demind.eval.fashioniq import read_fashioniq
@@ -368,6 +369,27 @@ def test_circo_map_matches_the_rankings_and_test_submission_uses_ids(tmp_path, t
                     out_dir=tmp_path / "test", progress=False)
     submission = json.loads(Path(test["files"]["submissions"][0]).read_text())
     assert set(submission) == {"0"} and sorted(submission["0"]) == [11, 22, 33, 44, 55, 66]
+
+
+@pytest.mark.parametrize("relpath, change, message", [
+    ("annotations/val.json", lambda d: {"queries": d}, r"val\.json must be a list of objects, got a JSON object"),
+    ("annotations/val.json", lambda d: [{**d[0], "relative_caption": None}, d[1]],
+     r"val\.json\[0\]\.relative_caption must be a string \(got null\)"),
+    ("annotations/val.json", lambda d: [d[0], {k: v for k, v in d[1].items() if k != "gt_img_ids"}],
+     r"val\.json\[1\]\.gt_img_ids must be a list \(missing\)"),
+    ("annotations/val.json", lambda d: [{**d[0], "reference_img_id": "11"}, d[1]],
+     r"val\.json\[0\]\.reference_img_id must be an integer \(got \"11\"\)"),
+    ("COCO2017_unlabeled/annotations/image_info_unlabeled2017.json", lambda d: d["images"],
+     r"image_info_unlabeled2017\.json must be an object"),
+    ("COCO2017_unlabeled/annotations/image_info_unlabeled2017.json",
+     lambda d: {"images": [{"id": 11}, *d["images"][1:]]}, r"images\[0\]\.file_name must be a string \(missing\)"),
+])
+def test_malformed_circo_files_name_file_entry_and_field(tmp_path, relpath, change, message):
+    root = make_circo(tmp_path / "circo")
+    path = root / relpath
+    path.write_text(json.dumps(change(json.loads(path.read_text()))))
+    with pytest.raises(InputError, match=message):
+        read_benchmark("circo", root)
 
 
 # ------------------------------------------------------------------- layouts
