@@ -392,6 +392,21 @@ def test_malformed_circo_files_name_file_entry_and_field(tmp_path, relpath, chan
         read_benchmark("circo", root)
 
 
+@pytest.mark.parametrize("change, message", [
+    (lambda d: {**d, "images": {"1": "a.jpg"}}, r"images must be a list of objects, got a JSON object"),
+    (lambda d: {**d, "images": [{k: v for k, v in d["images"][0].items() if k != "width"}, *d["images"][1:]]},
+     r"images\[0\]\.width must be an integer \(missing\)"),
+    (lambda d: {**d, "annotations": [{**d["annotations"][0], "category_id": "2"}, *d["annotations"][1:]]},
+     r"annotations\[0\]\.category_id must be an integer \(got \"2\"\)"),
+])
+def test_malformed_coco_instances_name_file_entry_and_field(tmp_path, change, message):
+    root = make_coco(tmp_path)
+    path = root / "annotations" / "instances_val2017.json"
+    path.write_text(json.dumps(change(json.loads(path.read_text()))))
+    with pytest.raises(InputError, match=r"instances_val2017\.json: " + message):
+        read_benchmark("coco", root)
+
+
 # ------------------------------------------------------------------- layouts
 @pytest.mark.parametrize("benchmark_name, expected", [
     ("fashioniq", "images"),

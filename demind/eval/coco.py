@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from demind.coco_files import load_coco
 from demind.errors import InputError
 from demind.eval.structures import (
     BenchmarkData,
@@ -46,7 +47,6 @@ from demind.eval.structures import (
     QueryGroup,
     canonical_name,
     raise_if_missing,
-    read_json,
     require_dir,
     require_file,
 )
@@ -97,6 +97,12 @@ def coco_texts(query_class: str, others: tuple[str, ...], form: str) -> tuple[st
         return "a photo of *", "a photo"
     words = " and ".join(others)
     return f"a photo of * , {words}", f"a photo of {words}"
+
+
+QUERY_FIELDS = {"images": {"id": int, "file_name": str, "width": int, "height": int},
+                "annotations": {"image_id": int, "category_id": int, "bbox": list},
+                "categories": {"id": int, "name": str}}
+"""What :func:`build_coco_queries` reads of ``instances_val2017.json`` (key -> {field: JSON type})."""
 
 
 def build_coco_queries(instances: dict, seed: int = 0, min_area: float = 0.05, max_area: float = 0.5) -> list[CocoQuerySpec]:
@@ -187,7 +193,7 @@ def read_coco(
             notes.append(warning)
         source = {"source": "csv", "csv": str(csv_path), "crop_folder": crop_dir.name}
     else:
-        instances = read_json(require_file(root / "annotations" / "instances_val2017.json", LAYOUT))
+        instances = load_coco(require_file(root / "annotations" / "instances_val2017.json", LAYOUT), QUERY_FIELDS)
         specs = build_coco_queries(instances, seed, min_area, max_area)
         crop_dir = images_dir
         source = {"source": "instances", "seed": seed, "min_area": min_area, "max_area": max_area}
