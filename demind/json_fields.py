@@ -68,6 +68,6 @@ def check_string_map(data: Any, where: str) -> dict[str, str]:
 
 
 def _json_type(value: Any) -> str:
-    """The JSON name of a parsed value's type (``list`` -> ``array`` reads oddly; keep Python's)."""
+    """A parsed JSON value's type in words (``object``, ``list``, ``string``, ``number``, ...)."""
     return {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null"}.get(
         type(value), "number")

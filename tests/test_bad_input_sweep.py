@@ -123,11 +123,11 @@ class Inputs:
         from PIL import Image
 
         root = self.folder("cirr-built")
+        images = self.folder("cirr-built/dev")
         names = [f"dev-{k}-a-img0" for k in range(6)]
         for k, name in enumerate(names):
             pixels = np.random.default_rng(k).integers(0, 256, (16, 16, 3), dtype=np.uint8)
-            (root / "dev").mkdir(exist_ok=True)
-            Image.fromarray(pixels).save(root / "dev" / f"{name}.png")
+            Image.fromarray(pixels).save(images / f"{name}.png")
         self.write("cirr-built/image_splits/split.rc2.val.json", json.dumps({n: f"./dev/{n}.png" for n in names}))
         self.write("cirr-built/captions/cap.rc2.val.json", json.dumps([
             {"pairid": k, "reference": names[k], "target_hard": names[k + 1], "caption": "make it red",

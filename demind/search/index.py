@@ -220,8 +220,7 @@ def _previous_manifest(index_dir: Path, images: Path) -> tuple[dict, bool]:
     try:
         return _read_manifest(index_dir) or empty, False
     except DamagedManifestError as e:
-        log.warning("%s -- rebuilding the index from %s (stored embeddings are reused)",
-                    str(e).split("; rerun demind-index")[0], images)
+        log.warning("%s -- rebuilding the index from %s now (stored embeddings are reused)", e, images)
         return empty, True
 
 
