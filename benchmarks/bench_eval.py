@@ -24,9 +24,9 @@ import torch
 from PIL import Image
 
 from demind.backbone import build_backbone
-from demind.eval.image_cache import encode_image_refs
+from demind.retrieval import encode_image_refs
 from demind.backbone import parse_backbone_spec
-from demind.eval.structures import ImageRef
+from demind.retrieval import ImageRef
 from demind.model import TEMPLATES, DeMinds, ModelConfig, fill_template
 
 CAPTION = "show three bottles of soft drink on a wooden table instead of one"

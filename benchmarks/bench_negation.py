@@ -69,7 +69,7 @@ def methods_latency(model_config: str, batch: int, repeats: int) -> dict[str, fl
     from bench_eval import interleaved_medians
 
     from demind.backbone import BackboneConfig, FrozenCLIP
-    from demind.eval.methods import build_methods
+    from demind.retrieval import build_methods
     from demind.model import DeMinds, ModelConfig
 
     torch.manual_seed(0)

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from demind.backbone import BackboneConfig, FrozenCLIP
-from demind.eval.image_cache import backbone_cache_slug
+from demind.retrieval import backbone_cache_slug
 from demind.model import DeMinds, ModelConfig
 from demind.search.index import GalleryIndex, build_index
 from demind.search.query import Ranker, Searcher, SearchQuery

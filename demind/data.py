@@ -28,7 +28,6 @@ text embeddings instead and no image is read or decoded.
 
 from __future__ import annotations
 
-import io
 import logging
 import random
 from collections import Counter
@@ -41,7 +40,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from demind.config import setting
 from demind.errors import DemindError, InputError
-from demind.io import to_rgb
+from demind.imaging import decode_image
 from demind.shard_format import CAPTION_FIELD, IMAGE_FIELDS, INTENT_FIELD, REWRITTEN_FIELD
 from demind.targets import TargetSampling, sample_target_kind
 
@@ -186,11 +185,11 @@ def image_bytes(sample: dict[str, Any]) -> bytes | None:
 
 
 def decode_to_tensor(data: bytes, transform: Callable) -> torch.Tensor:
-    """JPEG/PNG bytes -> (3, H, W) float tensor through the backbone's eval transform."""
-    from PIL import Image
+    """JPEG/PNG bytes -> (3, H, W) float tensor through the backbone's eval transform.
 
-    with Image.open(io.BytesIO(data)) as img:
-        return transform(to_rgb(img))
+    Decoded as a viewer shows it (EXIF orientation applied), as generation saw it when it wrote
+    the descriptions (:func:`demind.imaging.decode_image`)."""
+    return transform(decode_image(data, orient=True))
 
 
 def read_tar_samples(shard: str, missing_text: str, stats: ReaderStats) -> Iterator[dict[str, Any]]:

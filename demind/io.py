@@ -16,7 +16,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from PIL import Image
 
 from demind.errors import InputError, MissingInputError, OutputLocationError
 
@@ -61,22 +60,6 @@ def write_json_atomic(path: str | Path, obj: Any, indent: int | None = None,
     return write_text_atomic(path, json.dumps(obj, indent=indent, default=default))
 
 
-# --------------------------------------------------------------------------- images
-
-ALPHA_MODES = ("RGBA", "RGBa", "LA", "La", "PA")
-
-
-def to_rgb(image: Image.Image) -> Image.Image:
-    """A decoded image as RGB, transparency composited on white (every image reader uses this).
-
-    Dropping the alpha channel would show whatever colour the file keeps under transparent
-    pixels (often black, sometimes a hidden drawing); a white background is what a viewer shows."""
-    if image.mode not in ALPHA_MODES and "transparency" not in image.info:
-        return image.convert("RGB")
-    rgba = image.convert("RGBA")
-    return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
-
-
 # --------------------------------------------------------------------------- output checks
 
 # errno values that mean "this output place is unusable", not "the program has a bug".
@@ -84,6 +67,15 @@ OUTPUT_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EROFS: "read-onl
                  errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
                  errno.EDQUOT: "disk quota exceeded", errno.ENOTDIR: "a part of the path is a file, not a folder",
                  errno.EISDIR: "it is a folder, not a file"}
+
+
+def read_json(path: str | Path, fix: str = "re-download the annotation file") -> Any:
+    """Parse a JSON file; a malformed one (truncated, not UTF-8) raises InputError naming the file and ``fix``."""
+    try:
+        with Path(path).open("r", encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{path} is not valid JSON ({e}); {fix}") from None
 
 
 def read_jsonl(path: str | Path, what: str = "file", bad_lines: list[tuple[int, str]] | None = None

@@ -18,7 +18,8 @@ from demind.eval import evaluate, format_table, load_backbone_and_model
 from demind.eval.coco import build_coco_queries, coco_texts, read_coco
 from demind.eval.fashioniq import read_fashioniq
 from demind.eval.harness import CocoOptions, FashionIQOptions, ReaderOptions, read_benchmark
-from demind.eval.structures import DataLayoutError, ImageReadError
+from demind.retrieval import ImageReadError
+from demind.eval.structures import DataLayoutError
 from demind.model import DeMinds, ModelConfig
 from helpers import TINY_CLIP, run_eval_command
 
@@ -235,8 +236,8 @@ def stripes_image(path: Path) -> tuple[float, float, float, float]:
 
 
 def test_query_regions_are_resized_to_the_square_or_centre_cropped_by_value(tmp_path, tiny_backbone):
-    from demind.eval.image_cache import ImageRefDataset, image_transforms
-    from demind.eval.structures import ImageRef
+    from demind.retrieval import ImageRefDataset, image_transforms
+    from demind.retrieval import ImageRef
 
     box = stripes_image(tmp_path / "stripes.png")
     refs = [ImageRef("q", tmp_path / "stripes.png", box, resize=mode) for mode in ("squash", "backbone")]
@@ -258,7 +259,7 @@ def test_query_regions_are_resized_to_the_square_or_centre_cropped_by_value(tmp_
 
 def test_squash_keeps_the_backbones_size_and_normalisation(tmp_path, tiny_backbone):
     """On a square image, straight resize and resize + centre-crop are the same operation."""
-    from demind.eval.image_cache import squash_preprocess
+    from demind.retrieval import squash_preprocess
 
     write_image(tmp_path / "square.png", (50, 50))
     image = Image.open(tmp_path / "square.png").convert("RGB")
@@ -266,7 +267,7 @@ def test_squash_keeps_the_backbones_size_and_normalisation(tmp_path, tiny_backbo
 
 
 def test_the_query_resize_mode_is_part_of_the_cache_key(tmp_path, tiny_backbone):
-    from demind.eval.structures import ImageRef
+    from demind.retrieval import ImageRef
 
     root = make_coco(tmp_path / "coco")
     assert read_coco(root).groups[0].queries[0].reference.resize == "squash"
@@ -457,8 +458,8 @@ def test_a_loaded_checkpoint_evaluates_like_the_model_and_train_mode_is_restored
 
 
 def test_feature_cache_keeps_finished_parts_after_a_crash_and_resumes(tmp_path, tiny_backbone):
-    from demind.eval.image_cache import ImageFeatureCache, encode_image_refs
-    from demind.eval.structures import ImageRef
+    from demind.retrieval import ImageFeatureCache, encode_image_refs
+    from demind.retrieval import ImageRef
 
     refs = []
     for i in range(10):

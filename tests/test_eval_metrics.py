@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from PIL import Image
 
 from demind.eval import metrics as M
-from demind.eval.masks import decode_segmentation, rle_counts_from_string, rle_to_mask
-from demind.eval.structures import ImageRef, canonical_name, load_image, strip_image_extension
+from demind.retrieval.masks import decode_segmentation, rle_counts_from_string, rle_to_mask
+from demind.retrieval import ImageRef, canonical_name, load_image, strip_image_extension
 
 
 def random_unit(n: int, d: int = 16, seed: int = 0) -> torch.Tensor:

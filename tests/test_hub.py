@@ -225,7 +225,7 @@ def test_model_card_front_matter_parses_and_its_table_is_the_runs_results(smoke_
     assert len(rows) == len(results["methods"]) >= 2
     expected_table = markdown_table(results)
     assert "\n".join(table) in expected_table and header[0] == "Method"
-    from demind.eval.methods import method_label
+    from demind.retrieval import method_label
 
     for method, values in results["methods"].items():
         assert rows[method_label(method)] == [round(v, 2) for v in values.values()]

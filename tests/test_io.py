@@ -41,7 +41,7 @@ def _transparent_png(path, mode="RGBA"):
 
 @pytest.mark.parametrize("mode", ["RGBA", "P"])
 def test_every_image_reader_composites_transparency_on_white(tmp_path, mode):
-    from demind.eval.structures import ImageRef, load_image
+    from demind.retrieval import ImageRef, load_image
     from demind.gen.reader import decode_and_shrink
     from demind.search.query import read_query_image
 

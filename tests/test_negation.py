@@ -209,7 +209,7 @@ TEXTS = ["a cat without a hat", "a blue cat", "remove the dog"]
 
 
 def test_text_only_deo_by_hand(tiny_backbone):
-    from demind.eval.methods import build_methods, parse_method_names
+    from demind.retrieval import build_methods, parse_method_names
 
     deo, base = build_methods(parse_method_names("text-only+deo,text-only", False), tiny_backbone, None)
     ref = torch.randn(3, tiny_backbone.embed_dim)
@@ -227,7 +227,7 @@ def test_text_only_deo_by_hand(tiny_backbone):
 
 @pytest.mark.parametrize("name", ["demind", "mapping-only", "image+text"])
 def test_composed_deo_uses_the_reference_with_the_positive_prompt(name, tiny_backbone, deo_model):
-    from demind.eval.methods import build_methods
+    from demind.retrieval import build_methods
     from demind.negation.deo import DEOConfig
 
     deo, base = build_methods([f"{name}+deo", name], tiny_backbone, deo_model, deo=DEOConfig(normalise=False))
@@ -247,7 +247,7 @@ def test_composed_deo_uses_the_reference_with_the_positive_prompt(name, tiny_bac
 
 
 def test_deo_method_names_are_checked(tiny_backbone):
-    from demind.eval.methods import DEOMethod, ImageOnly, parse_method_names
+    from demind.retrieval import DEOMethod, ImageOnly, parse_method_names
     from demind.negation.deo import DEOConfig
 
     assert parse_method_names("text-only+deo,image+text+deo-adam", False) == ["text-only+deo", "image+text+deo-adam"]
@@ -274,7 +274,7 @@ def test_report_cli(tmp_path, capsys):
 
 def test_adam_variant_runs_inside_no_grad(tiny_backbone):
     """The harness embeds under torch.no_grad(); the Adam solver must still get gradients."""
-    from demind.eval.methods import build_methods
+    from demind.retrieval import build_methods
 
     deo, base = build_methods(["text-only+deo-adam", "text-only"], tiny_backbone, None)
     ref = torch.randn(3, tiny_backbone.embed_dim)

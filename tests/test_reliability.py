@@ -298,7 +298,7 @@ def test_finding7_smoke_checkpoint_on_a_random_backbone_evaluates(tmp_path):
     try:
         from demind.checkpoint import load_backbone_and_model
     except ImportError:  # before the library/command split
-        from demind.eval.methods import load_backbone_and_model
+        from demind.retrieval import load_backbone_and_model
     from demind.model import DeMinds, ModelConfig
 
     torch.manual_seed(123)  # whatever the trainer's global seed ...

@@ -114,7 +114,7 @@ def test_rerun_encodes_only_new_and_changed_files_and_drops_removed_ones(gallery
 
 def test_a_killed_build_resumes_from_its_finished_parts(gallery, tmp_path, loaded, monkeypatch):
     backbone, _ = loaded
-    import demind.eval.image_cache as image_cache
+    import demind.retrieval.cache as image_cache
 
     real, calls = image_cache._encode_chunk, []
 
@@ -163,7 +163,7 @@ def test_an_index_of_another_backbone_is_refused_naming_both(gallery, tmp_path, 
 
 def oracle_searcher(features: torch.Tensor, names: list[str], loaded, ranker: str = "exact") -> Searcher:
     """A searcher over a hand-made index, so the expected ranking is known exactly."""
-    from demind.eval.image_cache import backbone_cache_slug
+    from demind.retrieval import backbone_cache_slug
     from demind.search.index import GalleryIndex
 
     backbone, model = loaded

@@ -81,7 +81,7 @@ def deo_paired(ranked: dict[str, dict[str, list[str]]], targets: dict[str, set[s
     "X+deo" -> "AP@k" (per-query AP, mAP benchmarks) or "R@k" (hit) -> {"only_deo", "only_base", "p"}.
     ``only_*``: queries where that side is strictly better (AP) or alone in hitting (recall)."""
     from demind.eval.metrics import paired_ap, paired_hits, sign_test_p
-    from demind.eval.methods import split_deo_name
+    from demind.retrieval import split_deo_name
 
     out: dict[str, dict[str, dict[str, float]]] = {}
     for method in ranked:
@@ -100,7 +100,7 @@ def deo_touched(captions: list[dict[str, Any]], ranked: dict[str, dict[str, list
     """How many toy-CIRR captions the rule decomposer flags (DEO changes only those queries),
     and, per ``+deo`` method, how many UNflagged queries got a ranking different from the
     base method's (0 by construction: their embedding is the base query, bit for bit)."""
-    from demind.eval.methods import split_deo_name
+    from demind.retrieval import split_deo_name
     from demind.negation.decompose import RuleDecomposer
 
     decomposed = RuleDecomposer().decompose([e["caption"] for e in captions])

@@ -17,7 +17,7 @@ from demind.cli.common import Flag, config_parser, run_config_command
 from demind.cli.search import BackboneChoice
 from demind.config import RunOptions, resolve_device, setting
 from demind.eval.harness import BENCHMARKS, CocoOptions, FashionIQOptions
-from demind.eval.methods import METHODS
+from demind.retrieval import METHODS
 
 
 @dataclass

@@ -30,7 +30,7 @@ from demind.backbone import PRECISIONS
 from demind.checkpoint import load_backbone_and_model
 from demind.cli.common import Flag, config_parser, run_config_command
 from demind.config import RunOptions, resolve_device, setting
-from demind.eval.methods import METHODS
+from demind.retrieval import METHODS
 from demind.io import check_output_file, read_jsonl, write_json_atomic
 from demind.search.index import load_index
 from demind.search.query import (DEFAULT_METHOD, DEFAULT_TEMPLATE, RANKERS, SearchError, Searcher, SearchQuery,

@@ -11,17 +11,21 @@ Command line: ``demind-eval --help`` or ``python -m demind.eval --help`` (:mod:`
 """
 
 from demind.checkpoint import load_backbone_and_model
-from demind.eval.harness import BENCHMARKS, ReaderOptions, evaluate, read_benchmark
-from demind.eval.methods import METHODS
-from demind.eval.reports import format_table, markdown_table
+from demind.eval.exclcoco import load_exclcoco
+from demind.eval.harness import BENCHMARKS, CocoOptions, ReaderOptions, evaluate, read_benchmark
+from demind.eval.reports import TITLES, format_table, markdown_table
+from demind.retrieval import METHODS
 
 __all__ = [
     "BENCHMARKS",
     "METHODS",
+    "TITLES",
+    "CocoOptions",
     "ReaderOptions",
     "evaluate",
     "format_table",
     "load_backbone_and_model",
+    "load_exclcoco",
     "markdown_table",
     "read_benchmark",
 ]

@@ -13,18 +13,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from demind.errors import InputError
-from demind.eval.structures import (
-    BenchmarkData,
-    DataLayoutError,
-    ImageRef,
-    Query,
-    QueryGroup,
-    canonical_name,
-    index_image_folder,
-    read_json,
-    require_dir,
-    require_file,
-)
+from demind.retrieval import ImageRef, Query, canonical_name
+from demind.io import read_json
+from demind.eval.structures import (BenchmarkData, DataLayoutError, QueryGroup, index_image_folder, require_dir,
+                                    require_file)
 from demind.json_fields import check_entries, check_object
 from demind.model import TEMPLATES, fill_template
 

@@ -12,17 +12,9 @@ import logging
 from pathlib import Path
 
 from demind.errors import InputError
-from demind.eval.structures import (
-    BenchmarkData,
-    DataLayoutError,
-    ImageRef,
-    Query,
-    QueryGroup,
-    canonical_name,
-    raise_if_missing,
-    read_json,
-    require_file,
-)
+from demind.retrieval import ImageRef, Query, canonical_name
+from demind.io import read_json
+from demind.eval.structures import BenchmarkData, DataLayoutError, QueryGroup, raise_if_missing, require_file
 from demind.json_fields import check_entries, check_object, check_string_map
 from demind.model import TEMPLATES, fill_template
 

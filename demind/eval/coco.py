@@ -7,7 +7,7 @@ Two sources of queries:
   of the image within ``[min_area, max_area]`` is drawn with ``random.Random(seed)`` (images
   in ascending id order); its background is masked white with its instance mask and the box
   is cropped -> reference image. The image's other classes -> text. Masks are decoded by
-  :mod:`demind.eval.masks` (no pycocotools needed).
+  :mod:`demind.retrieval.masks` (no pycocotools needed).
   Pic2Word's ``prepare_data.py`` compares the *pixel* box area with 0.05, i.e. it has no real
   lower bound; ours is a fraction (default 5%), so the built set differs from theirs. To
   evaluate on their exact list, read their CSV.
@@ -40,22 +40,14 @@ from typing import Any
 
 from demind.coco_files import load_coco
 from demind.errors import InputError
-from demind.eval.structures import (
-    BenchmarkData,
-    ImageRef,
-    Query,
-    QueryGroup,
-    canonical_name,
-    raise_if_missing,
-    require_dir,
-    require_file,
-)
+from demind.retrieval import ImageRef, Query, canonical_name
+from demind.eval.structures import BenchmarkData, QueryGroup, raise_if_missing, require_dir, require_file
 from demind.model import PLACEHOLDER
 
 log = logging.getLogger(__name__)
 
 PROMPT_FORMS = ("released", "trimmed", "prose")
-# query-crop option -> ImageRef.resize (see demind.eval.structures.RESIZE_MODES)
+# query-crop option -> ImageRef.resize (see demind.retrieval.refs.RESIZE_MODES)
 QUERY_RESIZES = {"released": "squash", "center-crop": "backbone"}
 RECALL_KS = (1, 5, 10)
 CSV_HEADER = ["id", "query_regions", "query_class", "classes"]

@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from demind.errors import InputError
-from demind.eval.structures import (BenchmarkData, ImageRef, Query, QueryGroup, check_query_file, raise_if_missing,
-                                     read_json, require_file)
+from demind.retrieval import ImageRef, Query
+from demind.io import read_json
+from demind.eval.structures import BenchmarkData, QueryGroup, check_query_file, raise_if_missing, require_file
 from demind.model import TEMPLATES, fill_template
 
 FORMAT = "demind-toy-exclusion/1"

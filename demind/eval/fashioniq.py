@@ -24,16 +24,9 @@ import logging
 from pathlib import Path
 
 from demind.errors import InputError
-from demind.eval.structures import (
-    BenchmarkData,
-    ImageRef,
-    Query,
-    QueryGroup,
-    index_image_folder,
-    read_json,
-    require_dir,
-    require_file,
-)
+from demind.retrieval import ImageRef, Query
+from demind.io import read_json
+from demind.eval.structures import BenchmarkData, QueryGroup, index_image_folder, require_dir, require_file
 from demind.json_fields import check_entries
 from demind.model import fill_template
 

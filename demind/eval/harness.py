@@ -29,11 +29,12 @@ from demind.eval.coco import PROMPT_FORMS, QUERY_RESIZES, read_coco
 from demind.eval.exclcoco import read_exclcoco
 from demind.eval.exclusion import read_exclusion
 from demind.eval.fashioniq import CAPTION_ORDERS, TEXT_FORMS, read_fashioniq
-from demind.eval.image_cache import ImageFeatureCache, backbone_cache_slug, encode_image_refs, stack_features
+from demind.retrieval import ImageFeatureCache, backbone_cache_slug, encode_image_refs, stack_features
 from demind.eval.imagenet_r import read_imagenet_r
-from demind.eval.methods import RetrievalMethod, build_methods, parse_method_names
+from demind.retrieval import RetrievalMethod, build_methods, parse_method_names
 from demind.eval.reports import write_reports
-from demind.eval.structures import BenchmarkData, ImageRef, QueryGroup
+from demind.retrieval import ImageRef
+from demind.eval.structures import BenchmarkData, QueryGroup
 from demind.model import DeMinds
 
 log = logging.getLogger(__name__)

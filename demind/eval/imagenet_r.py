@@ -18,16 +18,8 @@ import logging
 from pathlib import Path
 
 from demind.errors import InputError
-from demind.eval.structures import (
-    BenchmarkData,
-    DataLayoutError,
-    ImageRef,
-    Query,
-    QueryGroup,
-    raise_if_missing,
-    require_file,
-    strip_image_extension,
-)
+from demind.retrieval import ImageRef, Query, strip_image_extension
+from demind.eval.structures import BenchmarkData, DataLayoutError, QueryGroup, raise_if_missing, require_file
 from demind.model import TEMPLATES, fill_template
 
 log = logging.getLogger(__name__)

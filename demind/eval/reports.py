@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from demind.errors import InputError
-from demind.eval.methods import method_label
+from demind.retrieval import method_label
 from demind.io import write_json_atomic, write_text_atomic
 
 TITLES = {

@@ -4,7 +4,7 @@
 ground-truth lists as flat values + offsets) and, as JSON in the same file, the vocabulary,
 image ids, backbone identity and training split (:func:`demind.training.store.save_tree`:
 no pickle, written atomically). Images go through the evaluation image cache
-(:mod:`demind.eval.image_cache`), so the harness reuses them.
+(:mod:`demind.retrieval.cache`), so the harness reuses them.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from demind.coco_files import CAPTION_FIELDS, load_coco
 from demind.errors import InputError, MissingInputError
 from demind.backbone import FrozenCLIP, same_backbone
-from demind.eval.exclcoco import load_exclcoco
-from demind.eval.image_cache import ImageFeatureCache, backbone_cache_slug, encode_image_refs
-from demind.eval.structures import ImageRef
+from demind.eval import load_exclcoco
+from demind.retrieval import ImageFeatureCache, backbone_cache_slug, encode_image_refs
+from demind.retrieval import ImageRef
 from demind.exclmm.model import words_of
 from demind.training.store import load_tree, save_tree
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from demind.errors import InputError, MissingInputError
-from demind.io import to_rgb
+from demind.imaging import decode_image
 
 PROMPT_ROOT = Path(__file__).resolve().parent / "exclusion_prompts"
 
@@ -38,7 +38,6 @@ def llm_query_writer(engine: Any, prompt_version: str = "v1", seed: int = 0, max
     exclude labels; per-request seed from (seed, query id). Outputs are cleaned and checked
     with data_gen's quality rules; a flagged output is None (the builder keeps the template).
     """
-    from PIL import Image
 
     from demind.gen.engines import GenRequest, request_seed
     from demind.gen.prompts import render, user_turn
@@ -52,8 +51,7 @@ def llm_query_writer(engine: Any, prompt_version: str = "v1", seed: int = 0, max
             path = Path(q["image_path"])
             if not path.is_file():
                 raise MissingInputError(f"image {path} of query {q['id']} does not exist (check --image-root)")
-            image = to_rgb(Image.open(path))
-            image.thumbnail((image_max_side, image_max_side))
+            image = decode_image(path, orient=True, max_side=image_max_side)
             text = (prompt.replace("{caption}", q["positive_query"]).replace("{include}", ", ".join(q["include"]))
                     .replace("{exclude}", q["exclude"]))
             rendered = render(engine.renderer, [user_turn(text, with_image=True)])

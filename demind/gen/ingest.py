@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from PIL import Image
-
 from demind.errors import DemindError
+from demind.imaging import decode_image
 from demind.io import check_output_dir
 from demind.shard_format import (CAPTION_FIELD, JSON_FIELD, ShardOutput, ShardWriter, sample_key, shard_files_in,
                                  stats_path)
@@ -162,12 +161,9 @@ def load_image_bytes(path: Path) -> tuple[bytes, str, tuple[int, int]]:
     if ext is None:
         raise ValueError(f"unsupported image type {path.suffix!r} (use {', '.join(sorted(_EXTENSIONS))})")
     data = path.read_bytes()
-    try:
-        with Image.open(path) as img:
-            img.load()  # full decode: a truncated file fails here, not later on the GPU node
-            size = img.size
-    except Exception as e:
-        raise ValueError(f"{type(e).__name__}: {e}") from None
+    # full decode: a truncated file fails here, not later on the GPU node; the size is the
+    # upright one, as the reader will decode it (EXIF orientation applied)
+    size = decode_image(data, orient=True).size
     return data, ext, size
 
 

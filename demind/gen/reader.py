@@ -7,7 +7,6 @@ Every unusable sample comes back as a :class:`SkippedSample` with a reason, neve
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import re
@@ -22,7 +21,7 @@ from webdataset.tariterators import base_plus_ext
 
 from demind.errors import DemindError
 
-from demind.io import to_rgb
+from demind.imaging import decode_image
 from demind.shard_format import CAPTION_FIELD, IMAGE_FIELDS, JSON_FIELD
 
 logger = logging.getLogger(__name__)
@@ -127,44 +126,9 @@ def iter_shard(path: Path, max_caption_chars: int = 2000) -> Iterator[RawSample 
 
 
 def decode_and_shrink(data: bytes, max_side: int) -> Image.Image:
-    """Decode to RGB and shrink (never enlarge) so that max(width, height) <= max_side.
+    """Decode to RGB as a viewer shows it (EXIF orientation applied) and shrink (never enlarge) so
+    that max(width, height) <= max_side (:func:`demind.imaging.decode_image`).
 
     Raises ValueError with the decoder's message when the bytes are not a readable image.
     """
-    try:
-        with Image.open(io.BytesIO(data)) as img:
-            if img.format == "JPEG" and max(img.size) >= 2 * max_side:
-                # decode a large JPEG at 1/2, 1/4 or 1/8 scale (never below the target): much cheaper
-                img.draft("RGB", _target_size(img.size, max_side))
-            img.load()
-            rgb = to_rgb(img)
-    except Exception as e:  # PIL raises many types (UnidentifiedImageError, OSError, SyntaxError, ...)
-        raise ValueError(decoder_message(e)) from None
-    return resize_longest_side(rgb, max_side)
-
-
-_OBJECT_REPR = re.compile(r"\s*<[\w.]+ object at 0x[0-9a-fA-F]+>")
-
-
-def decoder_message(exc: BaseException) -> str:
-    """``UnidentifiedImageError: cannot identify image file``: the decoder's message without the
-    in-memory file object's repr (``<_io.BytesIO object at 0x…>``), which tells a user nothing."""
-    text = _OBJECT_REPR.sub("", str(exc)).strip()
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def resize_longest_side(img: Image.Image, max_side: int) -> Image.Image:
-    """Shrink keeping the aspect ratio; this bounds LLaVA-NeXT's any-resolution image tokens."""
-    new_size = _target_size(img.size, max_side)
-    if new_size == img.size:
-        return img
-    return img.resize(new_size, Image.Resampling.BICUBIC)
-
-
-def _target_size(size: tuple[int, int], max_side: int) -> tuple[int, int]:
-    width, height = size
-    longest = max(width, height)
-    if longest <= max_side:
-        return size
-    scale = max_side / longest
-    return max(1, round(width * scale)), max(1, round(height * scale))
+    return decode_image(data, orient=True, max_side=max_side)

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from demind.eval.reports import TITLES, markdown_table
+from demind.eval import TITLES, markdown_table
 from demind.identity import same_backbone
 from demind.shard_format import INTENT_MEMBERS
 

@@ -4,7 +4,7 @@ Layout of an index folder::
 
     backbone.json            backbone identity, slug and precision (written first, checked on every rerun)
     embeddings/part-*.pt     names, per-file keys and (n, D) raw image features, atomic parts
-                             (the evaluation image cache, ``demind.eval.image_cache.ImageFeatureCache.at``)
+                             (the evaluation image cache, ``demind.retrieval.cache.ImageFeatureCache.at``)
     index.json               the file list in index order, unreadable files, counts (written last)
 
 Images are the image files under the folder and the image members of the uncompressed tar
@@ -29,8 +29,9 @@ import torch.nn.functional as F
 
 from demind.backbone import FrozenCLIP
 from demind.errors import DemindError, InputError
-from demind.eval.image_cache import DamagedPartError, ImageFeatureCache, backbone_cache_slug, encode_image_refs, stack_features
-from demind.eval.structures import IMAGE_EXTENSIONS, ImageRef, read_json
+from demind.retrieval import DamagedPartError, ImageFeatureCache, backbone_cache_slug, encode_image_refs, stack_features
+from demind.retrieval import IMAGE_EXTENSIONS, ImageRef
+from demind.io import read_json
 from demind.io import check_output_dir, write_json_atomic
 from demind.shard_format import IMAGE_FIELDS, SHARD_SUFFIX
 
@@ -92,7 +93,7 @@ class GalleryIndex:
         return self.root / self.members[name][0] if name in self.members else self.root / name
 
     def image_ref(self, name: str) -> ImageRef:
-        """What :func:`demind.eval.structures.load_image` reads to show an indexed image."""
+        """What :func:`demind.retrieval.load_image` reads to show an indexed image."""
         if name in self.members:
             shard, offset, length = self.members[name]
             return ImageRef(name=name, path=self.root / shard, span=(offset, length))

@@ -1,7 +1,7 @@
 """Composed queries against a gallery index: embed through the evaluation methods, rank.
 
 A query (reference image + modification text, through a template with one ``*``) is embedded
-by the same method classes the benchmarks use (``demind.eval.methods``), so a search and a
+by the same method classes the benchmarks use (``demind.retrieval.methods``), so a search and a
 benchmark run of one checkpoint score images identically. Ranking is an exact matrix product
 by default; FAISS (``pip install -e '.[search]'``) gives the same ranking with ``IndexFlatIP``
 and an approximate one with HNSW for large galleries.
@@ -15,7 +15,6 @@ rule decomposer reads the negative back (see :func:`with_negative_as_deo`).
 
 from __future__ import annotations
 
-import io
 import logging
 from collections.abc import Collection
 from dataclasses import asdict, dataclass, field, replace
@@ -28,11 +27,11 @@ from PIL import Image
 from demind.backbone import FrozenCLIP
 from demind.config import MissingDependencyError
 from demind.errors import DemindError
-from demind.eval import methods as registry
-from demind.eval.methods import (CHECKPOINT_METHODS, EXCLMM_METHODS, METHOD_LABELS, METHODS, ON_REQUEST_METHODS,
+from demind import retrieval as registry
+from demind.retrieval import (CHECKPOINT_METHODS, EXCLMM_METHODS, METHOD_LABELS, METHODS, ON_REQUEST_METHODS,
                                  build_methods, parse_method_names)
-from demind.eval.structures import ImageReadError, ImageRef, load_image
-from demind.io import to_rgb
+from demind.retrieval import ImageReadError, ImageRef, load_image
+from demind.imaging import ImageDecodeError, ImageTooLargeError, decode_image
 from demind.model import TEMPLATES, DeMinds, TemplateError, fill_template, template_field
 from demind.search.index import GalleryIndex, check_index_backbone
 
@@ -127,22 +126,18 @@ def read_query_image(image: str | Path | ImageRef | bytes, max_pixels: int = MAX
     names no server path and no Python exception."""
     if isinstance(image, (bytes, bytearray)):
         try:
-            with Image.open(io.BytesIO(image)) as img:
-                width, height = img.size
-                if width * height > max_pixels:
-                    raise SearchError(f"the uploaded reference image is {width} x {height} pixels "
-                                      f"({width * height / 1e6:.0f} megapixels); the limit is {max_pixels / 1e6:g} "
-                                      f"megapixels: upload a smaller image")
-                return to_rgb(img)
-        except Image.DecompressionBombError:  # beyond Pillow's own limit: refused by Image.open itself
-            raise SearchError(f"the uploaded reference image has more than {max_pixels / 1e6:g} megapixels; "
-                              f"upload a smaller image") from None
-        except (OSError, ValueError, SyntaxError) as e:
-            if isinstance(e, SearchError):
-                raise
-            raise SearchError("the uploaded reference image cannot be read as an image; upload a PNG, JPEG or "
-                              "WebP image") from None
-    ref = image if isinstance(image, ImageRef) else ImageRef(name=Path(image).name, path=Path(image))
+            return decode_image(image, orient=True, max_pixels=max_pixels)
+        except ImageTooLargeError as e:
+            if e.width is None:  # beyond Pillow's own limit: refused by Image.open itself
+                raise SearchError(f"the uploaded reference image has more than {max_pixels / 1e6:g} megapixels; "
+                                  f"upload a smaller image") from None
+            raise SearchError(f"the uploaded reference image is {e.width} x {e.height} pixels "
+                              f"({e.width * e.height / 1e6:.0f} megapixels); the limit is {max_pixels / 1e6:g} "
+                              f"megapixels: upload a smaller image") from None
+        except ImageDecodeError:
+            raise SearchError("the uploaded reference image cannot be read as an image; upload a PNG, JPEG, "
+                              "WebP or GIF image") from None
+    ref = image if isinstance(image, ImageRef) else ImageRef(name=Path(image).name, path=Path(image), orient=True)
     if not ref.path.is_file():
         raise SearchError(f"reference image {ref.path} does not exist")
     try:

@@ -36,7 +36,7 @@ from importlib import resources
 
 from demind.config import MissingDependencyError
 from demind.errors import DemindError
-from demind.eval.structures import ImageRef, load_image
+from demind.retrieval import ImageRef, load_image
 
 try:
     import waitress.server

@@ -280,7 +280,7 @@ def test_oracle_method_embeds_the_description_and_refuses_without_one(bench_root
 
     from demind.config import ConfigError
     from demind.eval.harness import evaluate, read_benchmark
-    from demind.eval.methods import Oracle, parse_method_names
+    from demind.retrieval import Oracle, parse_method_names
 
     assert "oracle" not in parse_method_names(None, have_model=True)  # asked for only
     queries = read_benchmark("cirr", bench_root / "cirr").groups[0].queries[:4]

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from demind.errors import InputError
 from demind.backbone import FrozenCLIP
 from demind.config import ConfigError
-from demind.eval.structures import Query
+from demind.retrieval.refs import Query
 from demind.model import PLACEHOLDER, DeMinds
 from demind.negation.decompose import Decomposer, RuleDecomposer
 from demind.negation.deo import DEOConfig, SubQueries, optimise

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from demind.backbone import FrozenCLIP
 from demind.errors import DemindError, InputError
-from demind.eval.structures import ImageReadError, ImageRef, load_image
+from demind.retrieval.refs import ImageReadError, ImageRef, load_image
 from demind.io import atomic_path
 from demind.tensor_files import load_torch_file
 
@@ -51,7 +51,7 @@ def squash_preprocess(backbone: FrozenCLIP) -> Callable:
 
 
 def image_transforms(backbone: FrozenCLIP) -> dict[str, Callable]:
-    """Resize mode (:data:`demind.eval.structures.RESIZE_MODES`) -> PIL image -> (3, H, W) tensor."""
+    """Resize mode (:data:`demind.retrieval.refs.RESIZE_MODES`) -> PIL image -> (3, H, W) tensor."""
     return {"backbone": backbone.preprocess, "squash": squash_preprocess(backbone)}
 
 
