@@ -80,9 +80,11 @@ def read_checkpoint_metadata(path: str | Path) -> dict:
     return {k: (v if k in ("format", CHECKSUM_KEY) else json.loads(v)) for k, v in raw.items()}
 
 
-def read_checked_tensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors, after checking their recorded sha256 and that they are finite."""
-    meta = read_checkpoint_metadata(path)
+def read_checked_tensors(path: str | Path, meta: dict | None = None) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors, after checking their recorded sha256 and that they are finite.
+
+    ``meta``: its metadata when the caller already read it (:func:`read_checkpoint_metadata`)."""
+    meta = meta if meta is not None else read_checkpoint_metadata(path)
     state = load_safetensors_file(path, CheckpointError, "checkpoint")
     expected = meta.get(CHECKSUM_KEY)
     if expected is None:
@@ -101,9 +103,11 @@ def checkpoint_backbone_config(path: str | Path) -> BackboneConfig:
     return from_dict(BackboneConfig, read_checkpoint_metadata(path)["backbone_config"])
 
 
-def load_checkpoint(path: str | Path, backbone: FrozenCLIP) -> DeMinds:
-    """Rebuild the model saved at ``path`` on ``backbone``; the backbone must be the one it was trained on."""
-    meta = read_checkpoint_metadata(path)
+def load_checkpoint(path: str | Path, backbone: FrozenCLIP, meta: dict | None = None) -> DeMinds:
+    """Rebuild the model saved at ``path`` on ``backbone``; the backbone must be the one it was trained on.
+
+    ``meta``: the checkpoint's metadata when the caller already read it (a load reads the header once)."""
+    meta = meta if meta is not None else read_checkpoint_metadata(path)
     if not same_backbone(meta["backbone_identity"], backbone.identity):
         raise CheckpointError(
             f"checkpoint {path} was trained on backbone {meta['backbone_identity']}, "
@@ -112,7 +116,7 @@ def load_checkpoint(path: str | Path, backbone: FrozenCLIP) -> DeMinds:
             f"{identity_difference(meta['backbone_identity'], backbone.identity)}); load the backbone it was trained on"
         )
     model = DeMinds(from_dict(ModelConfig, meta["model_config"]), backbone)
-    model.load_state_dict(read_checked_tensors(path))
+    model.load_state_dict(read_checked_tensors(path, meta))
     return model.to(backbone.device).eval()
 
 
@@ -143,10 +147,13 @@ def resolve_checkpoint(spec: str | Path) -> CheckpointSource:
     return CheckpointSource(file, folder)
 
 
-def source_backbone_config(source: CheckpointSource) -> BackboneConfig:
+def source_backbone_config(source: CheckpointSource, meta: dict | None = None) -> BackboneConfig:
     """The backbone config the checkpoint records; a published folder's copy of the model-config
-    JSON replaces the recorded path (its identity is by content, so the checks are unchanged)."""
-    cfg = checkpoint_backbone_config(source.file)
+    JSON replaces the recorded path (its identity is by content, so the checks are unchanged).
+
+    ``meta``: the checkpoint's metadata when the caller already read it."""
+    meta = meta if meta is not None else read_checkpoint_metadata(source.file)
+    cfg = from_dict(BackboneConfig, meta["backbone_config"])
     if source.folder is not None and cfg.name.endswith(".json"):
         copy = source.folder / BACKBONE_DIR / Path(cfg.name).name
         if copy.is_file():
@@ -177,13 +184,14 @@ def load_backbone_and_model(
         raise ConfigError("give a checkpoint (--checkpoint CKPT), or a backbone (--backbone NAME:TAG_OR_PATH) "
                           "for the backbone-only methods")
     source = resolve_checkpoint(checkpoint) if checkpoint is not None else None
+    meta = read_checkpoint_metadata(source.file) if source is not None else None  # the header, read once
     if not isinstance(backbone, FrozenCLIP):
         if backbone is not None:
             cfg = parse_backbone_spec(backbone, precision)
         else:
-            cfg = source_backbone_config(source)
+            cfg = source_backbone_config(source, meta)
             cfg.precision = precision
             cfg.grad_checkpointing = False  # loaded for inference: no gradients
         backbone = build_backbone(cfg, device=device)
-    model = load_checkpoint(source.file, backbone) if source is not None else None
+    model = load_checkpoint(source.file, backbone, meta) if source is not None else None
     return backbone, model

@@ -50,19 +50,19 @@ def setup(cfg: TrainConfig, *, deepspeed: bool = False):
     if deepspeed and accelerator.distributed_type != DistributedType.DEEPSPEED:
         raise DeepSpeedError(f"the launcher asked for DeepSpeed but Accelerate set up {accelerator.distributed_type}; "
                              f"launch with `accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml`")
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        configure_deepspeed(accelerator.state.deepspeed_plugin, cfg, accelerator.num_processes,
-                            micro_batch_size(cfg.optim, accelerator.num_processes))
     set_seed(cfg.run.seed)
     return accelerator
 
 
-def prepare_model(accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
-    """``accelerator.prepare(model, optimizer)``; under DeepSpeed the scalar parameters are held as
+def prepare_model(accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainConfig,
+                  micro_batch: int):
+    """``accelerator.prepare(model, optimizer)``; under DeepSpeed its config is filled from ``cfg`` and
+    ``micro_batch`` (the start-up's one :func:`micro_batch_size`) and the scalar parameters are held as
     (1,) first (:func:`demind.training.zero.hold_scalars_as_vectors`)."""
     from accelerate.utils import DistributedType
 
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        configure_deepspeed(accelerator.state.deepspeed_plugin, cfg, accelerator.num_processes, micro_batch)
         hold_scalars_as_vectors(model)
     return accelerator.prepare(model, optimizer)
 

@@ -27,9 +27,12 @@ def find_feature_cache(data: DataConfig, shards: list[str], backbone: FrozenCLIP
     return ShardFeatureCache.find(data.features, shards, cache_identity(backbone), required=True)
 
 
-def build_data(cfg: TrainConfig, accelerator, backbone: FrozenCLIP, state: TrainState):
+def build_data(cfg: TrainConfig, accelerator, backbone: FrozenCLIP, state: TrainState,
+               micro_batch: int | None = None):
     """Per-process DataLoader, positioned after the data a resumed run already consumed.
 
+    ``micro_batch``: the per-process batch :func:`demind.training.loop.train` derived once at
+    start-up (None: derived here from ``cfg.optim``, for callers outside a training start-up).
     Returns (loader, cache or None).
     """
     shards = resolve_shards(cfg.data.shards)
@@ -38,7 +41,8 @@ def build_data(cfg: TrainConfig, accelerator, backbone: FrozenCLIP, state: Train
     start = dict(state.resumed_positions[rank]) if state.resumed_positions is not None else {}
     # A stream that cannot continue exactly restarts on fresh seeds rather than repeating data.
     seed = cfg.run.seed if (start or state.step == 0) else cfg.run.seed + state.step
-    spec = StreamSpec(shards=shards, batch_size=micro_batch_size(cfg.optim, world), seed=seed, rank=rank,
+    batch_size = micro_batch if micro_batch is not None else micro_batch_size(cfg.optim, world)
+    spec = StreamSpec(shards=shards, batch_size=batch_size, seed=seed, rank=rank,
                       world_size=world, shuffle_buffer=cfg.data.shuffle_buffer,
                       shards_per_group=cfg.data.shards_per_group, resample=cfg.data.resample,
                       missing_text=cfg.data.missing_text, targets=cfg.data.targets, start=start)

@@ -38,9 +38,9 @@ def build_modules(cfg: TrainConfig, device: torch.device) -> tuple[FrozenCLIP, D
     return backbone, model
 
 
-def describe_run(cfg: TrainConfig, accelerator, model: DeMinds, cache: ShardFeatureCache | None, state: TrainState) -> None:
-    """Derived quantities, printed once at start-up."""
-    micro = micro_batch_size(cfg.optim, accelerator.num_processes)
+def describe_run(cfg: TrainConfig, accelerator, model: DeMinds, cache: ShardFeatureCache | None, state: TrainState,
+                 micro: int) -> None:
+    """Derived quantities, printed once at start-up (``micro``: the per-process batch of one forward pass)."""
     ds_config = getattr(accelerator, "deepspeed_config", None)  # set by prepare() under DeepSpeed
     precision = (f"DeepSpeed ZeRO-{ds_config['zero_optimization'].get('stage')} {deepspeed_precision(ds_config)} weights"
                  if ds_config else f"mixed precision {accelerator.mixed_precision}")
@@ -72,16 +72,18 @@ def train(cfg: TrainConfig, *, deepspeed: bool = False) -> Path:
     if accelerator.is_main_process:  # a checkpoint holds the weights and AdamW's two moments
         check_output_dir(run_dir, need_bytes=3 * sum(p.numel() * p.element_size() for p in model.parameters()
                                                      if p.requires_grad))
+    # derived once here and passed on (DeepSpeed's config, the data stream, the start-up lines)
+    micro = micro_batch_size(cfg.optim, accelerator.num_processes)
     optimizer = build_optimizer(cfg.optim, model)
     scheduler = build_scheduler(cfg.optim, optimizer)
-    model, optimizer = prepare_model(accelerator, model, optimizer)
+    model, optimizer = prepare_model(accelerator, model, optimizer, cfg, micro)
     accelerator.register_for_checkpointing(scheduler)
     state = resume_state(accelerator, cfg)
     if accelerator.is_main_process:
         save_config(cfg, run_dir / "config.yaml")
         trim_metrics(run_dir, state.step)
-    loader, cache = build_data(cfg, accelerator, backbone, state)
-    describe_run(cfg, accelerator, accelerator.unwrap_model(model), cache, state)
+    loader, cache = build_data(cfg, accelerator, backbone, state, micro_batch=micro)
+    describe_run(cfg, accelerator, accelerator.unwrap_model(model), cache, state, micro)
     if available_trackers(cfg.run.trackers):
         accelerator.init_trackers("demind", config=tracker_config(cfg))
     train_steps(cfg, accelerator, model, optimizer, scheduler, loader, backbone, state)
