@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from demind.exclcoco import ExclCocoConfig, build_exclcoco
-from demind.synthetic import write_synthetic_coco  # noqa: E402
+from benchmarks.synthetic import write_synthetic_coco  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,8 +6,9 @@
 * :func:`write_synthetic_coco` — a COCO-format split (instances + captions, COCO's 80 names) for
   the ExclCOCO builder's tests and its val2017-sized run-time benchmark.
 
-Shipped because ``benchmarks/`` builds its inputs with them; nothing else under ``demind/``
-imports this module.
+Benchmark and test support, not part of the library: ``benchmarks/`` builds its inputs with
+these and the tests import them as ``benchmarks.synthetic`` (the repository root is on the
+tests' import path: pyproject's pytest ``pythonpath``). Nothing under ``demind/`` imports it.
 """
 
 from __future__ import annotations

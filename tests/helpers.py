@@ -1,8 +1,9 @@
 """Test-only constants and builders, shared by the test files (``from helpers import ...``;
 ``tests/`` is on the import path through ``pythonpath`` in pyproject's pytest section).
 
-Nothing here ships: builders that shipped code also uses (synthetic shards, the tiny LLaVA-NeXT,
-COCO-format data) live in the package (:mod:`demind.synthetic`, :mod:`demind.gen.tiny_llava`).
+Nothing here ships: builders that the benchmarks also use live beside them (synthetic shards and
+COCO-format data: :mod:`benchmarks.synthetic`) or in the package (the tiny LLaVA-NeXT of the CPU
+smoke config: :mod:`demind.gen.tiny_llava`).
 """
 
 from __future__ import annotations

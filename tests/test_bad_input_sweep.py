@@ -101,7 +101,7 @@ class Inputs:
 
     @cached_property
     def coco(self) -> tuple[Path, Path, Path]:
-        from demind.synthetic import write_synthetic_coco
+        from benchmarks.synthetic import write_synthetic_coco
 
         return write_synthetic_coco(self.root / "coco", 24, split="train", seed=5, write_images=True)
 
@@ -475,7 +475,7 @@ STATE = "trainer_state.json"
 
 
 def shards(i: Inputs) -> Path:
-    from demind.synthetic import write_synthetic_shards
+    from benchmarks.synthetic import write_synthetic_shards
 
     folder = i.root / "shards"
     if not folder.is_dir():

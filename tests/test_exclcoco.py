@@ -9,7 +9,7 @@ import pytest
 
 from demind.eval.exclcoco import read_exclcoco
 from demind.exclcoco import ExclCocoConfig, build_exclcoco, singular
-from demind.synthetic import write_synthetic_coco
+from benchmarks.synthetic import write_synthetic_coco
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from demind.hub.cards import read_front_matter
 from demind.hub.publish import CARD_MARKER, CardOptions, PublishError, publish_checkpoint
 from demind.hubref import HubError, HubRef, parse_hub_ref
 from demind.shard_format import INTENT_MEMBERS, resolve_shards
-from demind.synthetic import write_synthetic_shards
+from benchmarks.synthetic import write_synthetic_shards
 from helpers import REPO_ROOT, TINY_CLIP, run_eval_command
 from test_data_gen import base_argv, make_sample, write_input_shard
 from test_eval_benchmarks import make_fashioniq
