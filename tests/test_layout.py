@@ -5,7 +5,8 @@ that folder exists.  Imports count wherever they are written: at the top, inside
 under ``if __name__ == "__main__":``.
 
 * Only the command-line package ``demind/cli/`` and ``toyworld/cli/`` import ``argparse``
-  and read ``sys.argv`` or the environment.
+  and read ``sys.argv`` or the environment; and the toy world's research probes
+  ``toyworld/lab/`` (``python -m toyworld.lab.NAME`` scripts), which nothing imports.
 * Nothing imports ``demind.cli`` except the command line itself and ``__main__.py`` modules:
   those are ``python -m`` entry points that only call a command's ``main`` and that nothing
   imports, so they cannot close a circle.
@@ -22,6 +23,10 @@ under ``if __name__ == "__main__":``.
   tested and replaced with only what lies below it.  Within a package, a module does not import
   names from its own package's ``__init__`` (which imports the module back); it imports the
   submodule that defines them.
+* A package's public names are its ``__init__`` face: outside the command line, no module imports
+  another package's modules (``demind.eval.harness`` from ``demind.search``); it imports the face
+  (``from demind.eval import evaluate``). ``demind/cli/`` wires the commands and may reach inside.
+* Image decoding (``Image.open``) lives in one module, :mod:`demind.imaging`.
 * No module is longer than ``MAX_LINES`` lines: past that a module holds more than one
   responsibility and is split by them.
 """
@@ -163,10 +168,15 @@ def in_cli(name: str) -> bool:
     return name == "demind.cli" or name.startswith("demind.cli.") or name == "toyworld.cli" or name.startswith("toyworld.cli.")
 
 
+def in_lab(name: str) -> bool:
+    """The toy world's research probes: scripts that parse their own arguments, imported by nothing."""
+    return name == "toyworld.lab" or name.startswith("toyworld.lab.")
+
+
 def test_only_the_command_line_parses_arguments_or_reads_the_environment():
     offences = []
     for name, (_, tree) in MODULES.items():
-        if in_cli(name):
+        if in_cli(name) or in_lab(name):
             continue
         for node in ast.walk(tree):
             if isinstance(node, ast.Import) and any(a.name == "argparse" for a in node.names):
@@ -201,6 +211,14 @@ def test_entry_points_only_call_a_command_main():
                 for module, names in imports), f"{path} should only import sys and a command's main"
 
 
+def test_nothing_imports_the_toy_worlds_research_probes():
+    # what lets them parse arguments: like the command line, they sit on top of everything
+    graph = import_graph()
+    offences = [f"{name} -> {target}" for name, targets in graph.items() if not in_lab(name)
+                for target in targets if in_lab(target)]
+    assert offences == []
+
+
 def test_the_library_never_imports_the_toy_world():
     offences = [f"{name} imports {target}" for name, (path, tree) in MODULES.items() if name.startswith("demind")
                 for target in imported_modules(tree, name, path.name == "__init__.py")
@@ -228,6 +246,56 @@ def test_no_module_imports_names_from_its_own_package_init():
                 if names:
                     offences.append(f"{name}:{node.lineno} imports {names} from {base}")
     assert offences == []
+
+
+def package_of(name: str) -> str | None:
+    """The top-level package of ``demind`` a module belongs to (``demind.eval.harness`` -> ``demind.eval``),
+    or None for a top-level module of ``demind`` and for modules outside it."""
+    parts = name.split(".")
+    if parts[0] != "demind" or len(parts) < 2:
+        return None
+    package = ".".join(parts[:2])
+    return package if MODULES.get(package, (Path(),))[0].name == "__init__.py" else None
+
+
+def private_imports(graph: dict[str, set[str]], packages: set[str]) -> list[str]:
+    """Imports of another package's modules (not its face) from outside the command line."""
+    offences = []
+    for name, targets in graph.items():
+        if in_cli(name) or is_entry_point(name):
+            continue
+        for target in targets:
+            package = ".".join(target.split(".")[:2])
+            if package in packages and target != package and not (name == package or name.startswith(package + ".")):
+                offences.append(f"{name} -> {target}")
+    return sorted(offences)
+
+
+def test_packages_are_imported_through_their_face():
+    packages = {p for p in map(package_of, MODULES) if p is not None}
+    assert {"demind.eval", "demind.retrieval", "demind.search"} <= packages
+    offences = private_imports(import_graph(), packages)
+    assert offences == [], "import the package's face (its __init__) instead: " + "; ".join(offences)
+
+
+def test_private_imports_on_a_hand_made_graph():
+    graph = {"demind.search.index": {"demind.eval.structures", "demind.retrieval", "demind.search.manifest"},
+             "demind.cli.evaluate": {"demind.eval.harness"}, "demind.eval.__main__": {"demind.cli.evaluate"}}
+    assert private_imports(graph, {"demind.eval", "demind.retrieval", "demind.search", "demind.cli"}) == [
+        "demind.search.index -> demind.eval.structures"]
+
+
+def test_image_decoding_lives_in_one_module():
+    decoders = set()
+    for name, (_, tree) in MODULES.items():
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr == "open" and isinstance(node.value, ast.Name)
+                    and node.value.id == "Image"):
+                decoders.add(name)
+            elif isinstance(node, ast.ImportFrom) and node.module == "PIL.Image" and any(
+                    a.name == "open" for a in node.names):
+                decoders.add(name)
+    assert decoders == {"demind.imaging"}
 
 
 def test_no_module_is_longer_than_the_limit():

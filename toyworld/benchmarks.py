@@ -65,7 +65,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from demind.config import setting
-from demind.eval.exclusion import FORMAT
+from demind.eval import EXCLUSION_FORMAT as FORMAT
 from demind.io import atomic_path, write_json_atomic, write_text_atomic
 
 # CirrSet and build_cirr_set are re-exported: the CIRR generator lived here before toyworld/cirr.py

@@ -34,7 +34,7 @@ from safetensors.torch import load_file, save_file
 
 from demind.backbone import quiet_random_init_notice
 from demind.io import atomic_path, write_json_atomic
-from demind.training.store import StateFileError
+from demind.training import StateFileError
 
 from .clip import (ToyBackboneConfig, add_modality_gap, build_toy_model, gap_model_config, image_side,
                    model_config_path, model_name)

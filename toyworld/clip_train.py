@@ -22,10 +22,8 @@ import torch
 from open_clip.loss import ClipLoss
 from tqdm import tqdm
 
-from demind.training.finite import check_finite_terms
-from demind.training.metrics_log import step_line, term_parts
-from demind.training.optim import build_adamw, build_lr_scheduler
-from demind.training.store import load_train_state, restore_train_state, save_train_state
+from demind.training import (build_adamw, build_lr_scheduler, check_finite_terms, load_train_state,
+                             restore_train_state, save_train_state, step_line, term_parts)
 
 from .clip import (TAG_VALUES, ToyBackboneConfig, attribute_targets, build_toy_model, encode_text_trimmed,
                    encode_toy_images, images_to_tensor, tag_columns)

@@ -179,7 +179,7 @@ def write_search_files(cfg: QuickstartConfig, exports: dict[int, Path]) -> Path:
     """``<workdir>/search.json`` (:mod:`demind.search.manifest`): what ``demind-serve --quickstart``
     serves: the De-MINDS export of the lowest seed, the toy CIRR dev images as the gallery, and
     where their index goes."""
-    from demind.search.manifest import write_search_manifest
+    from demind.search import write_search_manifest
 
     workdir = Path(cfg.workdir)
     return write_search_manifest(workdir, exports[min(exports)], workdir / "benchmarks" / "cirr" / "dev",
@@ -190,7 +190,7 @@ def evaluate_run(cfg: QuickstartConfig, backbone, export: Path, variant: str, se
                  methods: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     """Every benchmark for one trained model; returns benchmark -> results dict."""
     from demind.checkpoint import load_backbone_and_model
-    from demind.eval.harness import CocoOptions, ReaderOptions, evaluate
+    from demind.eval import CocoOptions, ReaderOptions, evaluate
 
     backbone, model = load_backbone_and_model(export, backbone)
     bench_root = Path(cfg.workdir) / "benchmarks"

@@ -38,7 +38,7 @@ def paired_recall(ranked_a: dict[str, list[str]], ranked_b: dict[str, list[str]]
                   ks: tuple[int, ...], names: tuple[str, str]) -> dict[str, dict[str, float]]:
     """Two rankings of the same queries at each K: "R@k" -> {"only_<a>", "only_<b>", "p"}, the queries
     only one side hits and the exact sign-test p; ``names`` = (a, b)."""
-    from demind.eval.metrics import paired_hits, sign_test_p
+    from demind.eval import paired_hits, sign_test_p
 
     out = {}
     for k in ks:
@@ -80,7 +80,7 @@ def deo_paired(ranked: dict[str, dict[str, list[str]]], targets: dict[str, set[s
     """Every ``X+deo`` method against its base X on the same queries:
     "X+deo" -> "AP@k" (per-query AP, mAP benchmarks) or "R@k" (hit) -> {"only_deo", "only_base", "p"}.
     ``only_*``: queries where that side is strictly better (AP) or alone in hitting (recall)."""
-    from demind.eval.metrics import paired_ap, paired_hits, sign_test_p
+    from demind.eval import paired_ap, paired_hits, sign_test_p
     from demind.retrieval import split_deo_name
 
     out: dict[str, dict[str, dict[str, float]]] = {}
@@ -101,7 +101,7 @@ def deo_touched(captions: list[dict[str, Any]], ranked: dict[str, dict[str, list
     and, per ``+deo`` method, how many UNflagged queries got a ranking different from the
     base method's (0 by construction: their embedding is the base query, bit for bit)."""
     from demind.retrieval import split_deo_name
-    from demind.negation.decompose import RuleDecomposer
+    from demind.negation import RuleDecomposer
 
     decomposed = RuleDecomposer().decompose([e["caption"] for e in captions])
     flagged = {str(e["pairid"]) for e, d in zip(captions, decomposed) if d.has_negation}

@@ -12,12 +12,15 @@ Command line: ``demind-eval --help`` or ``python -m demind.eval --help`` (:mod:`
 
 from demind.checkpoint import load_backbone_and_model
 from demind.eval.exclcoco import load_exclcoco
+from demind.eval.exclusion import FORMAT as EXCLUSION_FORMAT
 from demind.eval.harness import BENCHMARKS, CocoOptions, ReaderOptions, evaluate, read_benchmark
+from demind.eval.metrics import paired_ap, paired_hits, sign_test_p
 from demind.eval.reports import TITLES, format_table, markdown_table
 from demind.retrieval import METHODS
 
 __all__ = [
     "BENCHMARKS",
+    "EXCLUSION_FORMAT",
     "METHODS",
     "TITLES",
     "CocoOptions",
@@ -27,5 +30,8 @@ __all__ = [
     "load_backbone_and_model",
     "load_exclcoco",
     "markdown_table",
+    "paired_ap",
+    "paired_hits",
+    "sign_test_p",
     "read_benchmark",
 ]

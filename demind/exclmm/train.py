@@ -36,10 +36,9 @@ from demind.exclmm import losses as L
 from demind.exclmm.features import FEATURES_NAME, prepare_features
 from demind.exclmm.model import ExclMM
 from demind.seeding import derive_seed
-from demind.training.finite import check_finite_terms
-from demind.training.metrics_log import LogWindow, append_metrics, step_line, term_parts, trim_metrics
-from demind.training.optim import build_adamw, build_lr_scheduler
-from demind.training.store import load_train_state, restore_train_state, save_train_state
+from demind.training import (LogWindow, append_metrics, build_adamw, build_lr_scheduler, check_finite_terms,
+                             load_train_state, restore_train_state, save_train_state, step_line, term_parts,
+                             trim_metrics)
 
 log = logging.getLogger(__name__)
 

@@ -29,8 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from demind.errors import InputError, MissingInputError
-from demind.gen.engines.base import Engine, GenRequest, request_seed
-from demind.gen.prompts import render, user_turn
+from demind.gen import Engine, GenRequest, render, request_seed, user_turn
 from demind.io import write_json_atomic
 from demind.negation.decompose import Decomposer, Decomposition, RuleDecomposer, strip_determiner, unchanged
 

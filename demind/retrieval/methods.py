@@ -28,8 +28,7 @@ from demind.backbone import FrozenCLIP
 from demind.config import ConfigError
 from demind.retrieval.refs import Query
 from demind.model import PLACEHOLDER, DeMinds
-from demind.negation.decompose import Decomposer, RuleDecomposer
-from demind.negation.deo import DEOConfig, SubQueries, optimise
+from demind.negation import DEOConfig, Decomposer, RuleDecomposer, SubQueries, optimise
 
 METHOD_LABELS = {
     "image-only": "Image-only",

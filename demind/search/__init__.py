@@ -1,0 +1,8 @@
+"""Search over a user's own images: the index (:mod:`.index`), queries and rankers (:mod:`.query`),
+the page and API (:mod:`.server`, needs the ``search`` extra), the runs manifest the page lists
+(:mod:`.manifest`). Other packages import this face; ``demind/cli`` wires the commands.
+"""
+
+from demind.search.manifest import write_search_manifest
+
+__all__ = ["write_search_manifest"]

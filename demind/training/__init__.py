@@ -30,17 +30,19 @@ from demind.training.accel import make_gather, micro_batch_size, setup
 from demind.training.batches import batch_embeddings, build_data, find_feature_cache
 from demind.training.config import LossConfig, OptimConfig, RunConfig, TrainConfig, load_train_config
 from demind.training.loop import EXPORT_NAME, build_modules, train
-from demind.training.metrics_log import LOSS_TERMS
+from demind.training.metrics_log import LOSS_TERMS, LogWindow, append_metrics, step_line, term_parts, trim_metrics
 from demind.training.finite import check_finite_terms
 from demind.training.optim import (build_adamw, build_lr_scheduler, build_optimizer, build_scheduler, lr_factor,
                                    warmup_cosine)
 from demind.training.state import ResumeError, TrainState, latest_checkpoint
 from demind.training.step import NonFiniteLossError, check_finite, compute_losses
-from demind.training.store import StateFileError, load_train_state, restore_train_state, save_train_state
+from demind.training.store import (StateFileError, load_train_state, load_tree, restore_train_state, save_train_state,
+                                   save_tree)
 
 __all__ = ["TrainConfig", "OptimConfig", "LossConfig", "RunConfig", "DataConfig", "TrainState", "train",
            "load_train_config", "build_modules", "build_data", "find_feature_cache", "batch_embeddings",
            "build_optimizer", "build_scheduler", "lr_factor", "setup", "micro_batch_size", "make_gather",
            "compute_losses", "check_finite", "latest_checkpoint", "EXPORT_NAME", "LOSS_TERMS",
            "NonFiniteLossError", "ResumeError", "build_adamw", "build_lr_scheduler", "warmup_cosine",
-           "check_finite_terms", "save_train_state", "load_train_state", "restore_train_state", "StateFileError"]
+           "check_finite_terms", "save_train_state", "load_train_state", "restore_train_state", "StateFileError",
+           "LogWindow", "append_metrics", "step_line", "term_parts", "trim_metrics", "load_tree", "save_tree"]
