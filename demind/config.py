@@ -337,6 +337,41 @@ def _has_key(data: Any, key: str) -> bool:
     return True
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader that refuses a mapping repeating a key (PyYAML keeps the last value
+    silently: a config edited twice would run with whichever copy came later)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise ConfigError(f"key {key!r} appears twice (lines {seen[key]} and {line}); keep one of them",
+                                  key=str(key))
+            if isinstance(key, typing.Hashable):
+                seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml_file(path: str | Path, what: str = "config file") -> Any:
+    """Parse a YAML file a user wrote: not UTF-8, not YAML or a repeated key is a ConfigError
+    naming the file (and the key and lines) and the fix; OSError of opening it is the caller's."""
+    path = Path(path)
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} {path} is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1]!r}); "
+                          "save it as UTF-8 (your editor's encoding setting) and run again") from None
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 -- a SafeLoader subclass
+    except ConfigError as e:
+        raise ConfigError(f"{what} {path}: {e}", key=e.key) from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{what} {path} is not valid YAML: {e}") from None
+
+
 def load_config(cls: type[T], path: str | Path | None = None,
                 overrides: list[str | tuple[str, Any]] | None = None) -> T:
     """Defaults of ``cls``, updated by the YAML file at ``path``, then by dotted ``overrides``;
@@ -350,10 +385,7 @@ def load_config(cls: type[T], path: str | Path | None = None,
         if not path.is_file():
             raise ConfigError(f"config file {path} " + ("is a folder; give the YAML file" if path.is_dir()
                                                           else "does not exist"))
-        try:
-            loaded = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        loaded = read_yaml_file(path, "config file") or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
         data = loaded

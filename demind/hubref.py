@@ -27,7 +27,7 @@ REPO_TYPES = ("model", "dataset")
 INSTALL_HINT = "pip install -e '.[hub]' (huggingface_hub, datasets)"
 
 _PART = r"[A-Za-z0-9][A-Za-z0-9._-]*"
-_REF = re.compile(rf"^(?P<repo>{_PART}/{_PART})(?P<sub>(/{_PART})*)/?(@(?P<rev>[^@\s]+))?$")
+_REF = re.compile(rf"^(?P<repo>{_PART}/{_PART})(?P<sub>(/{_PART})*)/?(@(?P<rev>[^@]+))?$")
 
 
 class HubError(DemindError, OSError):
@@ -61,7 +61,30 @@ def parse_hub_ref(spec: str, setting: str) -> HubRef:
     if match is None:
         raise HubError(f"{setting}={spec!r} is not a Hub reference; write {HUB_PREFIX}ORG/NAME, "
                        f"{HUB_PREFIX}ORG/NAME@REVISION or {HUB_PREFIX}ORG/NAME/SUBFOLDER@REVISION")
-    return HubRef(match["repo"], match["rev"], match["sub"].strip("/"))
+    revision = match["rev"]
+    if revision is not None and (problem := revision_problem(revision)):
+        raise HubError(f"{setting}={spec!r}: the revision after '@' {problem}; give a branch, tag or commit "
+                       f"of the repository, e.g. {HUB_PREFIX}{match['repo']}@main or @v1.0 or @refs/pr/1")
+    return HubRef(match["repo"], revision, match["sub"].strip("/"))
+
+
+_REV_FORBIDDEN = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]")
+
+
+def revision_problem(revision: str) -> str | None:
+    """Why ``revision`` is not a git ref name or commit (git-check-ref-format's rules), or None.
+
+    huggingface_hub joins the revision into cache paths: a leading ``/`` or a ``..`` would
+    point it at a folder outside the cache, so these are refused here, naming the setting."""
+    if revision.startswith("/") or revision.endswith("/") or "//" in revision:
+        return "starts or ends with '/' or holds '//'"
+    if ".." in revision or "@{" in revision:
+        return "holds '..' or '@{'"
+    if bad := _REV_FORBIDDEN.search(revision):
+        return f"holds the character {bad.group()!r} (no spaces, control characters or ~^:?*[\\)"
+    if any(part.startswith(".") or part.endswith(".lock") for part in revision.split("/")):
+        return "has a part starting with '.' or ending in '.lock'"
+    return None
 
 
 def import_hub():

@@ -11,6 +11,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
+import resource
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
@@ -66,7 +68,28 @@ def write_json_atomic(path: str | Path, obj: Any, indent: int | None = None,
 OUTPUT_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EROFS: "read-only file system",
                  errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
                  errno.EDQUOT: "disk quota exceeded", errno.ENOTDIR: "a part of the path is a file, not a folder",
-                 errno.EISDIR: "it is a folder, not a file"}
+                 errno.EISDIR: "it is a folder, not a file",
+                 errno.EFBIG: "file too large for this file system or for the shell's file-size limit "
+                              "(ulimit -f; FAT32 holds at most 4 GiB per file)"}
+_OS_ERROR_IN_TEXT = re.compile(r"\(os error (\d+)\)")  # how Rust writers (safetensors) report the errno
+
+
+def _hidden_errno(path: Path, exc: BaseException) -> int | None:
+    """The errno of a writer that hides it: safetensors keeps it in its text (``os error 27``);
+    torch.save says ``unexpected pos`` when a write stopped short, which at the file-size limit
+    (``ulimit -f``) is EFBIG: the partly written file then reaches that limit."""
+    found = _OS_ERROR_IN_TEXT.search(str(exc))
+    if found:
+        return int(found.group(1))
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        for candidate in (path, temp_path(path)):
+            try:
+                if candidate.is_file() and candidate.stat().st_size >= limit:
+                    return errno.EFBIG
+            except OSError:
+                continue
+    return None
 
 
 def read_json(path: str | Path, fix: str = "re-download the annotation file") -> Any:
@@ -125,12 +148,15 @@ def _human(n: float) -> str:
 def output_error(path: str | Path, exc: BaseException) -> OutputLocationError | None:
     """An :class:`OutputLocationError` naming ``path`` when ``exc`` means the output place is unusable.
 
-    Recognises OSError's ENOSPC/EROFS/EACCES/EPERM/EDQUOT, and writers that hide the errno
+    Recognises OSError's ENOSPC/EROFS/EACCES/EPERM/EDQUOT/EFBIG, and writers that hide the errno
+    (safetensors' ``os error N``, torch.save's ``unexpected pos`` at the file-size limit) or
     (torch.save reports ``basic_ios::clear: iostream error``) when the disk is (nearly) full.
     Returns None for anything else (a bug, which should keep its traceback)."""
     if isinstance(exc, OutputLocationError):
         return exc
     code = getattr(exc, "errno", None)
+    if code is None:
+        code = _hidden_errno(Path(path), exc)
     reason = OUTPUT_ERRNOS.get(code)
     if reason is None and code is None and isinstance(exc, (OSError, RuntimeError)):
         try:
@@ -140,6 +166,8 @@ def output_error(path: str | Path, exc: BaseException) -> OutputLocationError | 
             return None
     if reason is None:
         return None
+    if code == errno.EFBIG:
+        return OutputLocationError(f"cannot write {path}: {reason}; raise the limit or write to another file system")
     if code in (errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EROFS):
         return OutputLocationError(f"cannot write {path}: {reason}; choose another output location")
     try:
@@ -154,7 +182,7 @@ def reporting_output_errors(path: str | Path) -> Iterator[None]:
     """Turn a disk-full / read-only / permission failure inside the block into one OutputLocationError naming ``path``."""
     try:
         yield
-    except (OSError, RuntimeError) as exc:
+    except Exception as exc:  # noqa: BLE001 -- re-raised unless it names an unusable output place
         error = output_error(path, exc)
         if error is None or error is exc:
             raise

@@ -51,3 +51,49 @@ def test_every_image_reader_composites_transparency_on_white(tmp_path, mode):
         pixels = np.asarray(image)
         assert image.mode == "RGB"
         assert tuple(pixels[0, 0]) == (0, 0, 255) and tuple(pixels[0, 3]) == (255, 255, 255)
+
+
+# --------------------------------------------------------------------------- the file-size limit
+
+FSIZE_SCRIPT = r"""
+import resource, sys, torch
+resource.setrlimit(resource.RLIMIT_FSIZE, (20000, resource.RLIM_INFINITY))
+from demind.errors import OutputLocationError
+from demind.io import atomic_path, write_bytes_atomic
+from safetensors.torch import save_file
+out = sys.argv[1]
+writers = {
+    "bytes": lambda: write_bytes_atomic(out + "/a.bin", b"0" * 50000),
+}
+def torch_save():
+    with atomic_path(out + "/b.pt") as tmp:
+        torch.save(torch.zeros(100000), tmp)
+def safetensors_save():
+    with atomic_path(out + "/c.safetensors") as tmp:
+        save_file({"a": torch.zeros(100000)}, str(tmp))
+for name, write in (("bytes", writers["bytes"]), ("torch.save", torch_save), ("safetensors", safetensors_save)):
+    try:
+        write()
+        print(name, "WROTE")
+    except OutputLocationError as e:
+        print(name, "ONE-LINE", e)
+"""
+
+
+def test_a_write_over_the_file_size_limit_is_an_output_location_error(tmp_path):
+    """EFBIG (``ulimit -f``, FAT32's 4 GiB) from a plain write, torch.save (which says only
+    ``unexpected pos``) and safetensors (``os error 27``): each one OutputLocationError naming
+    the file and the limit; the old file and no temp file are left."""
+    import subprocess
+    import sys
+
+    (tmp_path / "a.bin").write_bytes(b"old")
+    proc = subprocess.run([sys.executable, "-c", FSIZE_SCRIPT, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120)
+    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for name, file in (("bytes", "a.bin"), ("torch.save", "b.pt"), ("safetensors", "c.safetensors")):
+        assert lines[name].startswith("ONE-LINE cannot write "), (name, lines[name], proc.stderr[-1500:])
+        assert file in lines[name] and "file too large" in lines[name] and "ulimit -f" in lines[name]
+    assert (tmp_path / "a.bin").read_bytes() == b"old"
+    assert not list(tmp_path.glob("*.tmp"))
