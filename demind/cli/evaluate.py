@@ -3,6 +3,8 @@
     demind-eval --benchmark cirr --data-root data/CIRR --checkpoint runs/demind/demind.safetensors \
         --split val --out runs/eval/cirr
     demind-eval --config my-eval.yaml fashioniq.caption_order=file run.device=cpu
+    demind-eval --benchmark cirr --data-root data/CIRR --out runs/eval/cirr-mllm --methods cirevl,osrcir \
+        engine.name=transformers engine.model=llava-hf/llava-v1.6-mistral-7b-hf rerank.k=20
 
 Loads the backbone and model (:func:`demind.checkpoint.load_backbone_and_model`), then runs
 :func:`demind.eval.evaluate`. Every setting is a key of :class:`EvalConfig` (``--help`` lists
@@ -16,6 +18,8 @@ from dataclasses import dataclass, field
 from demind.cli.common import Flag, config_parser, run_config_command
 from demind.cli.search import BackboneChoice
 from demind.config import RunOptions, resolve_device, setting
+from demind.describe.config import DescribeOptions, RerankOptions
+from demind.gen.config import EngineConfig
 from demind.eval.harness import BENCHMARKS, CocoOptions, FashionIQOptions
 from demind.retrieval import METHODS
 
@@ -33,7 +37,8 @@ class EvalConfig:
     split: str = setting("val", help="val, or test (CIRR test1, CIRCO test)")
     methods: str | None = setting(None, help=f"comma-separated subset of {','.join(METHODS)}, or a negation-aware "
                                              "variant BASE+deo / BASE+deo-adam (default: all base methods the "
-                                             "checkpoint/backbone allow, except oracle)")
+                                             "checkpoint/backbone allow, except oracle; the MLLM methods "
+                                             "cirevl, osrcir, demind+mllm need engine.model: docs/mllm.md)")
     cache_dir: str | None = setting(None, help="image-feature cache (default OUT/feature_cache); share it across runs")
     batch_size: int = setting(64, ge=1)
     num_workers: int = setting(4, ge=0, help="image-decoding workers")
@@ -41,6 +46,10 @@ class EvalConfig:
     backbone: BackboneChoice = field(default_factory=BackboneChoice)
     fashioniq: FashionIQOptions = field(default_factory=FashionIQOptions)
     coco: CocoOptions = field(default_factory=CocoOptions)
+    # MLLM methods (cirevl, osrcir, demind+mllm) and re-ranking: the generation engine's keys (docs/mllm.md)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    describe: DescribeOptions = field(default_factory=DescribeOptions)
+    rerank: RerankOptions = field(default_factory=RerankOptions)
     run: RunOptions = field(default_factory=RunOptions)
 
     def config_problems(self) -> list[tuple[str, str]]:
@@ -89,12 +98,35 @@ def evaluate_command(cfg: EvalConfig) -> int:
         cfg.benchmark, cfg.data_root, backbone=backbone, model=model, methods=cfg.methods, split=cfg.split,
         out_dir=cfg.out, cache_dir=cfg.cache_dir, options=reader_options(cfg), batch_size=cfg.batch_size,
         num_workers=cfg.num_workers, limit=cfg.limit, progress=cfg.run.progress, exclmm=exclmm,
+        mllm=mllm_setup(cfg),
     )
     print(format_table(results))
     print(f"results: {results['files']['results']}\ntable: {results['files']['table']}")
     for path in results["files"]["submissions"]:
         print(f"submission: {path}")
     return 0
+
+
+def mllm_setup(cfg: EvalConfig):
+    """The MLLM of the ``engine`` section when a method or ``rerank.k`` needs one (else None); the engine
+    itself is built only when an answer is missing from the store (a rerun loads no model)."""
+    from demind.retrieval import MLLM_METHODS, split_deo_name
+
+    names = [n.strip() for n in (cfg.methods or "").split(",") if n.strip()]
+    if cfg.rerank.k == 0 and not any(split_deo_name(n)[0] in MLLM_METHODS for n in names):
+        return None
+    from demind.describe import MLLMSetup
+    from demind.gen.config import SamplingConfig
+
+    def build():
+        from demind.gen.engines import build_engine, disable_loading_progress
+
+        if not cfg.run.progress:
+            disable_loading_progress()
+        sampling = SamplingConfig(temperature=cfg.describe.temperature, top_p=cfg.describe.top_p)
+        return build_engine(cfg.engine, sampling, device=cfg.run.device, seed=cfg.describe.seed)
+
+    return MLLMSetup(build, cfg.engine.model, cfg.engine.name, cfg.engine.dtype, cfg.describe, cfg.rerank)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,7 +31,7 @@ from demind.eval.exclusion import read_exclusion
 from demind.eval.fashioniq import CAPTION_ORDERS, TEXT_FORMS, read_fashioniq
 from demind.retrieval import ImageFeatureCache, backbone_cache_slug, encode_image_refs, stack_features
 from demind.eval.imagenet_r import read_imagenet_r
-from demind.retrieval import RetrievalMethod, build_methods, parse_method_names
+from demind.retrieval import RERANK_SUFFIX, RetrievalMethod, build_methods, parse_method_names
 from demind.eval.reports import write_reports
 from demind.retrieval import ImageRef
 from demind.eval.structures import BenchmarkData, QueryGroup
@@ -147,6 +147,7 @@ def evaluate(
     limit: int | None = None,
     progress: bool = True,
     exclmm: Any = None,
+    mllm: Any = None,
 ) -> dict[str, Any]:
     """Evaluate ``methods`` on one benchmark split; returns the results dict (values in percent).
 
@@ -158,6 +159,8 @@ def evaluate(
     out_dir: where results.json, rankings/, table.md and submission files go (None: nothing written).
     cache_dir: image-feature cache (default ``<out_dir>/feature_cache``; no cache without either).
     exclmm: a loaded ExclMM (:func:`demind.exclmm.load_exclmm`), for the ``exclmm`` method.
+    mllm: a :class:`demind.describe.MLLMSetup`, for ``cirevl``, ``osrcir``, ``demind+mllm`` and the
+        ``+rerank`` variants (``rerank.k``); its answers are kept under ``<cache_dir or out_dir>/descriptions``.
     """
     check_evaluation_arguments(options or ReaderOptions(), batch_size=batch_size, num_workers=num_workers, limit=limit)
     if backbone is None:
@@ -166,8 +169,9 @@ def evaluate(
                               "demind.checkpoint.load_backbone_and_model")
         backbone = model.backbone
     data = read_benchmark(benchmark, data_root, split, limit, options)
+    mllm_run = mllm.bind(data.benchmark, data.split, descriptions_root(cache_dir, out_dir)) if mllm else None
     method_objs = build_methods(parse_method_names(methods, model is not None, exclmm is not None), backbone, model,
-                                exclmm)
+                                exclmm, mllm=mllm_run)
     if cache_dir is None and out_dir is not None:
         cache_dir = Path(out_dir) / "feature_cache"
     for folder in (out_dir, cache_dir):  # before encoding: a read-only or full disk fails in seconds
@@ -190,12 +194,47 @@ def evaluate(
                                 data.has_ground_truth, batch_size, progress)
             for g in data.groups
         }
+    if mllm_run is not None:
+        add_rerank_variants(outcomes, mllm_run, data)
     if was_training:
         model.train()
     results = assemble_results(data, backbone, model, outcomes, encoding, limit)
+    if mllm_run is not None:
+        results["mllm"] = mllm_run.summary()
     if out_dir is not None:
         results["files"] = write_reports(Path(out_dir), results, data, outcomes)
     return results
+
+
+def descriptions_root(cache_dir: str | Path | None, out_dir: str | Path | None) -> Path | None:
+    """Where MLLM answers are kept: beside the image features (shared across runs), else in the output."""
+    folder = cache_dir if cache_dir is not None else out_dir
+    return Path(folder) / "descriptions" if folder is not None else None
+
+
+def add_rerank_variants(outcomes: dict[str, dict[str, "GroupOutcome"]], mllm_run: Any, data: BenchmarkData) -> None:
+    """``METHOD+rerank`` outcomes: each chosen method's top K re-ordered by the MLLM verifier."""
+    reranker = mllm_run.reranker()
+    if reranker is None:
+        return
+    for name in mllm_run.rerank_targets(list(outcomes)):
+        outcomes[name + RERANK_SUFFIX] = {g.name: rerank_group(reranker, outcomes[name][g.name], g,
+                                                               data.has_ground_truth) for g in data.groups}
+
+
+def rerank_group(reranker: Any, base: "GroupOutcome", group: QueryGroup, has_ground_truth: bool) -> "GroupOutcome":
+    """One group's re-ranked outcome: rankings past the top K and the subset top 3 are the base method's."""
+    started = time.perf_counter()
+    gallery = {ref.name: ref for ref in group.gallery}
+    rankings = reranker.rerank(group.queries, base.rankings, gallery)
+    seconds = time.perf_counter() - started
+    metrics: dict[str, float] = {}
+    if has_ground_truth and group.queries:
+        index = {n: i for i, n in enumerate(gallery)}
+        ranked = torch.tensor([[index[n] for n in rankings[q.qid]] for q in group.queries])
+        subset = [[index[n] for n in base.subset_rankings[q.qid]] for q in group.queries] if group.subset_ks else []
+        metrics = _group_metrics(group, ranked, _relevant_sets(group.queries, index, group.name), subset)
+    return GroupOutcome(metrics, rankings, dict(base.subset_rankings), seconds)
 
 
 def encode_benchmark_images(backbone: FrozenCLIP, data: BenchmarkData, cache: ImageFeatureCache | None,

@@ -7,7 +7,8 @@ into embeddings and compares them.
   gallery parts of the one embedding cache (:class:`ImageFeatureCache`, key rule in
   :mod:`demind.embedding_cache`);
 * :mod:`~demind.retrieval.methods` -- the method registry: how each method turns a query into an
-  embedding (``demind``, ``mapping-only``, the frozen baselines, ``exclmm``, ``+deo`` variants).
+  embedding (``demind``, ``mapping-only``, the frozen baselines, ``exclmm``, ``+deo`` variants;
+  the MLLM-description methods of :mod:`~demind.retrieval.mllm_methods`).
 
 Evaluation (:mod:`demind.eval`: benchmark readers, metrics, protocols, reports) and search
 (:mod:`demind.search`: index, CLI, page) both import this package's face, never each other's
@@ -22,11 +23,16 @@ from demind.retrieval.cache import (DamagedPartError, EncodeStats, ImageFeatureC
 from demind.retrieval.methods import (CHECKPOINT_METHODS, DEO_BASES, DEO_METHODS, EXCLMM_METHODS, METHOD_LABELS,
                                       METHODS, NEGATIVE_TEMPLATE, ON_REQUEST_METHODS, DEOMethod, DeMindsQuery,
                                       ImageOnly, ImagePlusText, MappingOnly, Oracle, RetrievalMethod, TextOnly,
-                                      build_methods, method_label, parse_method_names, split_deo_name)
+                                      RERANK_SUFFIX, build_methods, method_label, parse_method_names,
+                                      split_deo_name)
+from demind.retrieval.mllm_methods import (DESCRIBED_METHODS, HYBRID_METHOD, MLLM_METHODS, DescribedQuery,
+                                           HybridQuery, ensemble_embeddings)
 
 __all__ = [
     "CHECKPOINT_METHODS", "DEO_BASES", "DEO_METHODS", "EXCLMM_METHODS", "IMAGE_EXTENSIONS", "METHODS", "METHOD_LABELS",
     "NEGATIVE_TEMPLATE", "ON_REQUEST_METHODS", "RESIZE_MODES",
+    "DESCRIBED_METHODS", "HYBRID_METHOD", "MLLM_METHODS", "RERANK_SUFFIX", "DescribedQuery", "HybridQuery",
+    "ensemble_embeddings",
     "DEOMethod", "DamagedPartError", "DeMindsQuery", "EncodeStats", "ImageFeatureCache", "ImageOnly", "ImagePlusText",
     "ImageReadError", "ImageRef", "ImageRefDataset", "MappingOnly", "Oracle", "Query", "RetrievalMethod", "TextOnly",
     "backbone_cache_slug", "build_methods", "canonical_name", "encode_image_refs", "image_transforms", "load_image",

@@ -9,6 +9,8 @@
   gallery into its own space (``map_gallery``) and scores by dot product (its Eq. 18).
 * ``oracle`` (headroom check, only when asked for): the target's ground-truth description
   through the frozen text tower; needs benchmarks that carry one (the toy benchmarks).
+* ``cirevl``, ``osrcir``, ``demind+mllm`` (on request): an MLLM's target description at query
+  time, alone or mixed with De-MINDS's query (:mod:`demind.retrieval.mllm_methods`).
 * ``<method>+deo`` (text-only, image+text, mapping-only, demind): the base method's query
   refined by DEO for negation (:class:`DEOMethod`, :mod:`demind.negation`); ``+deo`` solves
   DEO exactly (closed form), ``+deo-adam`` runs the paper's 20 Adam steps.
@@ -26,66 +28,26 @@ import torch.nn.functional as F
 from demind.errors import InputError
 from demind.backbone import FrozenCLIP
 from demind.config import ConfigError
+from demind.retrieval.methods_base import METHOD_LABELS, RetrievalMethod
+from demind.retrieval.mllm_methods import HYBRID_METHOD, MLLM_METHODS, build_mllm_method
 from demind.retrieval.refs import Query
 from demind.model import PLACEHOLDER, DeMinds
 from demind.negation import DEOConfig, Decomposer, RuleDecomposer, SubQueries, optimise
 
-METHOD_LABELS = {
-    "image-only": "Image-only",
-    "text-only": "Text-only",
-    "image+text": "Image+Text",
-    "mapping-only": "Mapping only (Pic2Word-style)",
-    "demind": "De-MINDS",
-    "exclmm": "ExclMM",
-    "oracle": "Oracle (target's description)",
-}
 METHODS = tuple(METHOD_LABELS)
 EXCLMM_METHODS = ("exclmm",)
-CHECKPOINT_METHODS = ("mapping-only", "demind")
-ON_REQUEST_METHODS = ("oracle",)  # not in the default set: real benchmarks have no target descriptions
+CHECKPOINT_METHODS = ("mapping-only", "demind", HYBRID_METHOD)
+# not in the default set: real benchmarks have no target descriptions (oracle); an MLLM is a choice (docs/mllm.md)
+ON_REQUEST_METHODS = ("oracle", *MLLM_METHODS)
+RERANK_SUFFIX = "+rerank"  # a method's ranking with its top K re-ordered by an MLLM (demind.describe.rerank)
 # DEO variants: suffix -> solver mode (see demind.negation.deo)
 DEO_SUFFIXES = {"+deo": "exact", "+deo-adam": "adam"}
-DEO_BASES = ("text-only", "image+text", "mapping-only", "demind")
+DEO_BASES = ("text-only", "image+text", "mapping-only", "demind", HYBRID_METHOD)
 DEO_METHODS = tuple(f"{b}{s}" for b in DEO_BASES for s in DEO_SUFFIXES)
 # Negatives are encoded as text with this template: the prefix every composed query starts
 # with ("a photo of * , ...") and CLIP's standard prompt, so the negative sits where the
 # queries' texts do; no article, since a negative may be plural or a mass noun ("people").
 NEGATIVE_TEMPLATE = "a photo of {neg}"
-
-
-class RetrievalMethod:
-    """Base: ``embed(ref_features (B, D) raw, prompts, texts) -> (B, D)`` normalised queries.
-
-    ``language``: which argument carries the user's words ("prompts": the template with the
-    ``*`` placeholder; "texts": plain text; None: no words), the one DEO decomposes.
-    """
-
-    name = ""
-    language: str | None = None
-
-    def __init__(self, backbone: FrozenCLIP) -> None:
-        self.backbone = backbone
-
-    @property
-    def label(self) -> str:
-        return METHOD_LABELS[self.name]
-
-    def embed(self, ref_features: torch.Tensor, prompts: list[str], texts: list[str]) -> torch.Tensor:
-        raise NotImplementedError
-
-    def map_gallery(self, gallery: torch.Tensor) -> torch.Tensor:
-        """(N, D) normalised gallery features -> what ``embed``'s queries are scored against."""
-        return gallery
-    def query_texts(self, queries: list[Query]) -> list[str]:
-        """The ``texts`` given to :meth:`embed` for these queries (the baselines' text)."""
-        return [q.text for q in queries]
-
-    def _text_embeddings(self, texts: list[str]) -> torch.Tensor:
-        """(B, D) normalised text embeddings; repeated texts (ImageNet-R domains) are encoded once."""
-        unique = list(dict.fromkeys(texts))
-        pooled = F.normalize(self.backbone.encode_text(unique).pooled, dim=-1)
-        row = {t: i for i, t in enumerate(unique)}
-        return pooled[torch.tensor([row[t] for t in texts], device=pooled.device)]
 
 
 class ImageOnly(RetrievalMethod):
@@ -203,7 +165,10 @@ def parse_method_names(spec: str | list[str] | tuple[str, ...] | None, have_mode
 
 
 def method_label(name: str) -> str:
-    """Display name: "demind+deo" -> "De-MINDS + DEO"; unknown names are shown as they are."""
+    """Display name: "demind+deo" -> "De-MINDS + DEO"; "osrcir+rerank" -> "OSrCIR (...) + MLLM re-rank";
+    unknown names are shown as they are."""
+    if name.endswith(RERANK_SUFFIX):
+        return method_label(name[: -len(RERANK_SUFFIX)]) + " + MLLM re-rank"
     base, mode = split_deo_name(name)
     label = METHOD_LABELS.get(base, base)
     return label if mode is None else f"{label} + DEO" + (" (Adam)" if mode == "adam" else "")
@@ -218,22 +183,26 @@ def split_deo_name(name: str) -> tuple[str, str | None]:
 
 
 def build_methods(names: list[str], backbone: FrozenCLIP, model: DeMinds | None, exclmm=None,
-                  decomposer: Decomposer | None = None, deo: DEOConfig | None = None) -> list[RetrievalMethod]:
+                  decomposer: Decomposer | None = None, deo: DEOConfig | None = None,
+                  mllm=None) -> list[RetrievalMethod]:
     """Method objects for ``names`` (see :func:`parse_method_names`); ``exclmm`` a loaded ExclMM.
 
     ``+deo`` methods use ``decomposer`` (default: the rule decomposer) and ``deo`` (default:
     :class:`DEOConfig()`); the name's suffix sets the mode (``+deo`` exact, ``+deo-adam`` Adam).
+    ``mllm``: a :class:`demind.describe.MLLMRun`, for ``cirevl``, ``osrcir`` and ``demind+mllm``.
     """
     simple = {"image-only": ImageOnly, "text-only": TextOnly, "image+text": ImagePlusText, "oracle": Oracle}
     methods: list[RetrievalMethod] = []
     for name in names:
         base_name, mode = split_deo_name(name)
         if mode is not None:
-            base = build_methods([base_name], backbone, model)[0]
+            base = build_methods([base_name], backbone, model, mllm=mllm)[0]
             cfg = replace(deo, mode=mode) if deo is not None else DEOConfig(mode=mode)  # the name decides the mode
             methods.append(DEOMethod(base, decomposer or RuleDecomposer(), cfg, suffix=name[len(base_name):]))
         elif name in simple:
             methods.append(simple[name](backbone))
+        elif name in MLLM_METHODS:
+            methods.append(build_mllm_method(name, backbone, model, mllm))
         elif name == "exclmm":
             if exclmm is None:
                 raise ConfigError("method 'exclmm' needs a trained ExclMM (--exclmm)")

@@ -1,0 +1,47 @@
+"""The ``describe`` and ``rerank`` sections of ``demind-eval``'s config (the engine section is
+:class:`demind.gen.config.EngineConfig`, the same ``engine.name`` / ``engine.model`` keys as generation)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from demind.config import setting
+
+DESCRIBERS = ("cirevl", "osrcir")
+
+
+@dataclass
+class DescribeOptions:
+    """How the MLLM describers (methods ``cirevl``, ``osrcir``, ``demind+mllm``) run."""
+
+    prompts: str = setting("v1", help="describer prompt version (demind/gen/prompts/describe/<version>) or a folder")
+    samples: int = setting(1, ge=1, help="descriptions per query; > 1 is an LDRE-style ensemble (needs temperature > 0)")
+    temperature: float = setting(0.0, ge=0, help="sampling temperature (0 = greedy)")
+    top_p: float = setting(0.9, gt=0, le=1)
+    max_tokens: int = setting(320, ge=1, help="OSrCIR's reasoning + description, in tokens")
+    caption_max_tokens: int = setting(80, ge=1, help="CIReVL's reference caption")
+    rewrite_max_tokens: int = setting(80, ge=1, help="CIReVL's rewritten description")
+    image_max_side: int = setting(672, ge=1, help="reference images are shrunk to this longest side (LLaVA-1.6: 672)")
+    chunk: int = setting(64, ge=1, help="queries per stored part (a kill loses at most one part's work)")
+    seed: int = setting(0, ge=0, help="every request's seed derives from (seed, query id, stage, sample)")
+    ensemble_tau: float = setting(0.05, gt=0, help="ensemble weights: softmax(consensus / tau), see docs/mllm.md")
+    hybrid_weight: float = setting(0.5, ge=0, le=1, help="demind+mllm: (1 - w) De-MINDS query + w description")
+    hybrid_describer: str = setting("osrcir", choices=DESCRIBERS, help="the describer demind+mllm uses")
+    store: str | None = setting(None, help="descriptions store root (default CACHE_DIR/descriptions, else "
+                                           "OUT/descriptions)")
+
+    def config_problems(self) -> list[tuple[str, str]]:
+        if self.samples > 1 and self.temperature == 0:
+            return [("samples", f"= {self.samples} needs describe.temperature > 0 (greedy samples are identical)")]
+        return []
+
+
+@dataclass
+class RerankOptions:
+    """MLLM re-ranking of a method's top K (variants ``METHOD+rerank``; off while k = 0)."""
+
+    k: int = setting(0, ge=0, le=50, help="candidates re-scored per query (0 = off; at most the 50 ranked)")
+    methods: str | None = setting(None, help="comma-separated methods to re-rank (default: every method run)")
+    batch_size: int = setting(8, ge=1, help="(query, candidate) pairs per forward pass")
+    yes: str = setting("yes", help="the answer word whose log-probability scores a match")
+    no: str = setting("no", help="the answer word scored against it")

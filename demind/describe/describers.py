@@ -1,0 +1,256 @@
+"""Describers: (reference image, modification text) -> target description(s), through a data_gen engine.
+
+* :class:`CIReVLDescriber` (CIReVL, ICLR'24): the MLLM captions the reference, then the same
+  model, text only, rewrites the caption with the modification.
+* :class:`OSrCIRDescriber` (OSrCIR, CVPR'25): one call with the image and the modification, a
+  reflective chain of thought (reference, intent, reflection, target), the description parsed
+  from the answer (:mod:`demind.describe.parse`).
+
+``describe.samples`` > 1 draws several descriptions per query (seeds per sample; LDRE's
+ensemble, weighted by the method: :mod:`demind.retrieval.mllm_methods`). Every answer is kept in
+a :class:`~demind.describe.store.RecordStore` chunk by chunk; the engine is built only when a
+query has no stored answer (:class:`LazyEngine`). An answer without a parsable description is
+counted, logged, and replaced by the modification text alone (:func:`modification_text`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from PIL import Image
+
+from demind.describe.config import DescribeOptions
+from demind.describe.parse import parse_description
+from demind.describe.store import RecordStore
+from demind.errors import InputError, MissingInputError
+from demind.gen import Engine, GenRequest, render, request_seed, user_turn
+from demind.model import PLACEHOLDER
+from demind.retrieval import Query, load_image
+
+log = logging.getLogger(__name__)
+
+# beside the generation prompts (demind/gen/prompts/<version>/), versioned the same way
+DESCRIBE_PROMPT_ROOT = Path(__file__).resolve().parents[1] / "gen" / "prompts" / "describe"
+PROMPT_FILES = {"caption": (), "rewrite": ("{caption}", "{modification}"), "osrcir": ("{modification}",),
+                "verify": ("{modification}",)}
+
+
+@dataclass(frozen=True)
+class DescriberPrompts:
+    """One version of the describer prompts; ``sha``: short hash of all four texts."""
+
+    version: str
+    sha: str
+    caption: str
+    rewrite: str
+    osrcir: str
+    verify: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.version}@{self.sha}"
+
+
+def load_describer_prompts(version: str = "v1") -> DescriberPrompts:
+    """``demind/gen/prompts/describe/<version>/`` (or a folder path) with caption, rewrite, osrcir, verify.txt."""
+    folder = Path(version) if Path(version).is_dir() else DESCRIBE_PROMPT_ROOT / version
+    if not folder.is_dir():
+        available = sorted(p.name for p in DESCRIBE_PROMPT_ROOT.iterdir() if p.is_dir())
+        raise MissingInputError(f"describer prompt version {version!r} not found: no folder {folder}; available: "
+                                f"{available} (or pass describe.prompts=/path/to/folder)")
+    texts = {}
+    for name, fields in PROMPT_FILES.items():
+        path = folder / f"{name}.txt"
+        if not path.is_file():
+            raise MissingInputError(f"prompt file {path} is missing; a describer prompt set needs "
+                                    f"{', '.join(n + '.txt' for n in PROMPT_FILES)}")
+        texts[name] = path.read_text(encoding="utf-8").strip()
+        for f in fields:
+            if texts[name].count(f) != 1:
+                raise InputError(f"prompt file {path} must contain {f} exactly once")
+    digest = hashlib.sha256("\x00".join(texts[n] for n in PROMPT_FILES).encode()).hexdigest()[:12]
+    return DescriberPrompts(version=folder.name, sha=digest, **texts)
+
+
+def fill(template: str, **values: str) -> str:
+    """``{name}`` fields replaced (str.replace, not format: user texts may hold braces)."""
+    for name, value in values.items():
+        template = template.replace("{" + name + "}", value)
+    return template
+
+
+def modification_text(query: Query) -> str:
+    """The words of the request: ``query.text``, without a ``a photo of * ,`` template head where the
+    benchmark's baseline text carries the whole prompt (FashionIQ's released protocol)."""
+    text = query.text
+    if PLACEHOLDER in text:
+        text = text.split(PLACEHOLDER, 1)[1].lstrip(" ,")
+    return text.strip() or query.text
+
+
+class LazyEngine:
+    """Builds the engine on first use: a run whose answers are all stored never loads the model."""
+
+    def __init__(self, factory: Callable[[], Engine]) -> None:
+        self.factory = factory
+        self._engine: Engine | None = None
+
+    @property
+    def loaded(self) -> bool:
+        return self._engine is not None
+
+    def get(self) -> Engine:
+        if self._engine is None:
+            self._engine = self.factory()
+        return self._engine
+
+
+def shrink(image: Image.Image, max_side: int) -> Image.Image:
+    """``image`` with its longest side at most ``max_side`` (aspect kept)."""
+    if max(image.size) > max_side:
+        image = image.copy()
+        image.thumbnail((max_side, max_side))
+    return image
+
+
+class Describer:
+    """Base: stored answers first, the engine for the rest, fallback counted (see the module docstring)."""
+
+    kind = ""
+
+    def __init__(self, engine: LazyEngine, prompts: DescriberPrompts, options: DescribeOptions,
+                 store: RecordStore) -> None:
+        self.engine = engine
+        self.prompts = prompts
+        self.options = options
+        self.store = store
+        self.generated = 0  # records answered by the model in this process
+        self._told: set[str] = set()  # record ids whose fallback was already logged
+
+    def describe(self, queries: list[Query]) -> list[list[str]]:
+        """Per query, ``options.samples`` descriptions (the modification text where the answer had none)."""
+        samples = range(self.options.samples)
+        missing = [(q, s) for q in queries for s in samples if self.record_id(q, s) not in self.store]
+        chunk = self.options.chunk * self.options.samples
+        for start in range(0, len(missing), chunk):
+            part = missing[start:start + chunk]
+            records = self._answer(part)
+            self.store.add(records)
+            self.generated += len(records)
+            log.info("%s: %d of %d descriptions generated (%s)", self.kind, start + len(part), len(missing),
+                     self.store.folder)
+        out = []
+        for q in queries:
+            out.append([self._description(q, self.store.records[self.record_id(q, s)]) for s in samples])
+        return out
+
+    def _description(self, query: Query, record: dict[str, Any]) -> str:
+        if record["description"] is not None:
+            return record["description"]
+        rid = self.record_id(query, record["sample"])
+        if rid not in self._told:
+            self._told.add(rid)
+            log.warning("%s: query %s has no parsable target description (%s; answer %r); the modification text "
+                        "alone stands in", self.kind, query.qid, record["status"], record["raw"][:120])
+        return modification_text(query)
+
+    def summary(self) -> dict[str, Any]:
+        """Counts over every stored record: parsed, truncated-but-kept, fallbacks by reason."""
+        status = Counter(r["status"] for r in self.store.records.values())
+        fallback = {k: v for k, v in status.items() if k not in ("ok", "truncated")}
+        return {"records": len(self.store), "generated_now": self.generated, "parsed": status["ok"],
+                "truncated_kept": status["truncated"], "fallback": sum(fallback.values()),
+                "fallback_reasons": fallback, "store": str(self.store.folder), "prompts": self.prompts.id,
+                "model_loaded": self.engine.loaded}
+
+    @staticmethod
+    def record_id(query: Query, sample: int) -> str:
+        return f"{query.qid}#{sample}"
+
+    def _seed(self, key: str, stage: str, sample: int) -> int:
+        return request_seed(self.options.seed, key, stage, sample)
+
+    def _images(self, queries: list[Query]) -> dict[str, Image.Image]:
+        """Each distinct reference decoded once, shrunk to ``describe.image_max_side``."""
+        out: dict[str, Image.Image] = {}
+        for q in queries:
+            if q.reference.name not in out:
+                out[q.reference.name] = shrink(load_image(q.reference), self.options.image_max_side)
+        return out
+
+    def _answer(self, part: list[tuple[Query, int]]) -> dict[str, dict[str, Any]]:
+        raise NotImplementedError
+
+    @staticmethod
+    def _record(query: Query, sample: int, raw: str, finish: str, require_label: bool,
+                **extra: Any) -> dict[str, Any]:
+        parsed = parse_description(raw, truncated=finish == "length", require_label=require_label)
+        return {"qid": query.qid, "sample": sample, "reference": query.reference.name,
+                "modification": modification_text(query), **extra, "raw": raw, "finish_reason": finish,
+                "description": parsed.description, "status": parsed.status}
+
+
+class OSrCIRDescriber(Describer):
+    """One image + modification call; the description after the last ``Target description:`` label."""
+
+    kind = "osrcir"
+
+    def _answer(self, part):
+        engine = self.engine.get()
+        images = self._images([q for q, _ in part])
+        requests = [GenRequest(prompt=render(engine.renderer, [user_turn(
+                        fill(self.prompts.osrcir, modification=modification_text(q)), with_image=True)]),
+                        image=images[q.reference.name], seed=self._seed(q.qid, "osrcir", s),
+                        max_new_tokens=self.options.max_tokens) for q, s in part]
+        results = engine.generate(requests)
+        return {self.record_id(q, s): self._record(q, s, r.text, r.finish_reason, require_label=True)
+                for (q, s), r in zip(part, results)}
+
+
+class CIReVLDescriber(Describer):
+    """Caption the reference (image call), then rewrite it with the modification (text-only call)."""
+
+    kind = "cirevl"
+
+    def _answer(self, part):
+        engine = self.engine.get()
+        images = self._images([q for q, _ in part])
+        # one caption per (reference, sample): CIRR references recur across queries
+        caption_keys = list(dict.fromkeys((q.reference.name, s) for q, s in part))
+        caption_prompt = render(engine.renderer, [user_turn(self.prompts.caption, with_image=True)])
+        results = engine.generate([GenRequest(prompt=caption_prompt, image=images[name],
+                                              seed=self._seed(name, "caption", s),
+                                              max_new_tokens=self.options.caption_max_tokens)
+                                   for name, s in caption_keys])
+        captions = {}
+        for key, r in zip(caption_keys, results):
+            parsed = parse_description(r.text, truncated=r.finish_reason == "length", require_label=False)
+            captions[key] = (r.text, parsed.description)
+        records: dict[str, dict[str, Any]] = {}
+        to_rewrite = []
+        for q, s in part:
+            raw_caption, caption = captions[(q.reference.name, s)]
+            if caption is None:  # nothing to rewrite: the query falls back, its caption answer kept
+                records[self.record_id(q, s)] = {
+                    **self._record(q, s, raw_caption, "stop", require_label=False, caption_raw=raw_caption,
+                                   caption=None), "description": None, "status": "caption-empty"}
+            else:
+                to_rewrite.append((q, s, raw_caption, caption))
+        if to_rewrite:
+            requests = [GenRequest(prompt=render(engine.renderer, [user_turn(
+                            fill(self.prompts.rewrite, caption=caption, modification=modification_text(q)),
+                            with_image=False)]),
+                            image=None, seed=self._seed(q.qid, "rewrite", s),
+                            max_new_tokens=self.options.rewrite_max_tokens) for q, s, _, caption in to_rewrite]
+            for (q, s, raw_caption, caption), r in zip(to_rewrite, engine.generate(requests)):
+                records[self.record_id(q, s)] = self._record(q, s, r.text, r.finish_reason, require_label=False,
+                                                             caption_raw=raw_caption, caption=caption)
+        return records
+
+
+DESCRIBER_CLASSES = {"cirevl": CIReVLDescriber, "osrcir": OSrCIRDescriber}

@@ -1,0 +1,61 @@
+"""The base of every retrieval method and the display names (the registry: :mod:`demind.retrieval.methods`).
+
+Its own module so that method families in other modules (:mod:`demind.retrieval.mllm_methods`)
+subclass it without an import cycle with the registry that builds them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from demind.backbone import FrozenCLIP
+from demind.retrieval.refs import Query
+
+METHOD_LABELS = {
+    "image-only": "Image-only",
+    "text-only": "Text-only",
+    "image+text": "Image+Text",
+    "mapping-only": "Mapping only (Pic2Word-style)",
+    "demind": "De-MINDS",
+    "exclmm": "ExclMM",
+    "oracle": "Oracle (target's description)",
+    "cirevl": "CIReVL (MLLM caption + rewrite)",
+    "osrcir": "OSrCIR (MLLM reflective CoT)",
+    "demind+mllm": "De-MINDS + MLLM description",
+}
+
+
+class RetrievalMethod:
+    """Base: ``embed(ref_features (B, D) raw, prompts, texts) -> (B, D)`` normalised queries.
+
+    ``language``: which argument carries the user's words ("prompts": the template with the
+    ``*`` placeholder; "texts": plain text; None: no words), the one DEO decomposes.
+    """
+
+    name = ""
+    language: str | None = None
+
+    def __init__(self, backbone: FrozenCLIP) -> None:
+        self.backbone = backbone
+
+    @property
+    def label(self) -> str:
+        return METHOD_LABELS[self.name]
+
+    def embed(self, ref_features: torch.Tensor, prompts: list[str], texts: list[str]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def map_gallery(self, gallery: torch.Tensor) -> torch.Tensor:
+        """(N, D) normalised gallery features -> what ``embed``'s queries are scored against."""
+        return gallery
+    def query_texts(self, queries: list[Query]) -> list[str]:
+        """The ``texts`` given to :meth:`embed` for these queries (the baselines' text)."""
+        return [q.text for q in queries]
+
+    def _text_embeddings(self, texts: list[str]) -> torch.Tensor:
+        """(B, D) normalised text embeddings; repeated texts (ImageNet-R domains) are encoded once."""
+        unique = list(dict.fromkeys(texts))
+        pooled = F.normalize(self.backbone.encode_text(unique).pooled, dim=-1)
+        row = {t: i for i, t in enumerate(unique)}
+        return pooled[torch.tensor([row[t] for t in texts], device=pooled.device)]
