@@ -1,0 +1,151 @@
+"""The MLLM methods end to end through ``demind-eval`` with the tiny random LLaVA-NeXT on the transformers
+engine: a CIRR layout cut from the vendored real annotation files, a kill in the middle resumed, a rerun
+that loads no model, re-ranking, and CIRR test1 submissions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from demind.backbone import BackboneConfig, FrozenCLIP
+from demind.checkpoint import save_checkpoint
+from demind.cli.evaluate import main as evaluate_main
+from demind.gen.tiny_llava import build_tiny_llava_next
+from demind.model import DeMinds, ModelConfig
+from helpers import FIXTURES, TINY_CLIP
+
+N_QUERIES = {"val": 6, "test1": 4}
+
+
+@pytest.fixture(autouse=True)
+def restore_torch_threads():
+    """engine.cpu_threads=1 sets torch's threads for the process; give other modules theirs back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def small_cirr(tmp_path_factory) -> Path:
+    """CIRR's official layout holding the first queries of the real val and test1 files and only the
+    images they name (8x8 random PNGs)."""
+    root = tmp_path_factory.mktemp("cirr")
+    rng = np.random.default_rng(0)
+    for split, n in N_QUERIES.items():
+        captions = json.loads((FIXTURES / "cirr" / "captions" / f"cap.rc2.{split}.json").read_text())[:n]
+        paths = json.loads((FIXTURES / "cirr" / "image_splits" / f"split.rc2.{split}.json").read_text())
+        names = {c["reference"] for c in captions} | {m for c in captions for m in c["img_set"]["members"]}
+        names |= {c["target_hard"] for c in captions if "target_hard" in c}
+        (root / "captions").mkdir(exist_ok=True)
+        (root / "image_splits").mkdir(exist_ok=True)
+        (root / "captions" / f"cap.rc2.{split}.json").write_text(json.dumps(captions))
+        (root / "image_splits" / f"split.rc2.{split}.json").write_text(json.dumps({n: paths[n] for n in names}))
+        for name in names:
+            path = root / paths[name]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(path)
+    return root
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tiny_backbone) -> Path:
+    folder = tmp_path_factory.mktemp("ckpt")
+    weights = folder / "tiny-clip-weights.pt"
+    torch.save(tiny_backbone.model.state_dict(), weights)
+    backbone = FrozenCLIP(BackboneConfig(name=str(TINY_CLIP), pretrained=str(weights)))
+    torch.manual_seed(0)
+    model = DeMinds(ModelConfig(num_queries=2, num_blocks=1, num_heads=4, mapping_hidden=16, gate_init=0.5), backbone)
+    return save_checkpoint(folder / "tiny.safetensors", model)
+
+
+@pytest.fixture(scope="module")
+def tiny_llava(tmp_path_factory) -> Path:
+    return build_tiny_llava_next(tmp_path_factory.mktemp("tiny-llava"))
+
+
+def argv(root, ckpt, llava, out, *extra):
+    return ["--benchmark", "cirr", "--data-root", str(root), "--checkpoint", str(ckpt), "--out", str(out),
+            "--num-workers", "0", "--methods", "text-only,cirevl,osrcir", "run.progress=false", "run.device=cpu",
+            "engine.name=transformers", f"engine.model={llava}", "engine.dtype=float32", "engine.cpu_threads=1",
+            "engine.batch_size=4", "describe.max_tokens=12", "describe.caption_max_tokens=8",
+            "describe.rewrite_max_tokens=8", "describe.chunk=2", "describe.image_max_side=32", *extra]
+
+
+def read_results(out: Path) -> dict:
+    return json.loads((out / "results.json").read_text())
+
+
+def rankings(out: Path) -> dict:
+    return {p.stem: json.loads(p.read_text()) for p in (out / "rankings").glob("*.json")}
+
+
+def test_kill_resume_rerun_without_model_and_rerank(small_cirr, checkpoint, tiny_llava, tmp_path, monkeypatch):
+    from demind.gen.engines.transformers_engine import TransformersEngine
+
+    out = tmp_path / "val"
+    real_generate = TransformersEngine.generate
+    calls = {"n": 0}
+
+    def dying_generate(self, requests):
+        calls["n"] += 1
+        if calls["n"] == 4:  # cirevl's first chunk (caption + rewrite) and its second caption call are done
+            raise RuntimeError("killed")
+        return real_generate(self, requests)
+
+    monkeypatch.setattr(TransformersEngine, "generate", dying_generate)
+    with pytest.raises(RuntimeError, match="killed"):
+        evaluate_main(argv(small_cirr, checkpoint, tiny_llava, out))
+    kept = sorted((out / "descriptions" / "cirr-val" / "cirevl").rglob("part-*.json"))
+    assert len(kept) == 1 and len(json.loads(kept[0].read_text())["records"]) == 2
+
+    monkeypatch.setattr(TransformersEngine, "generate", real_generate)
+    rerank = ("rerank.k=3", "rerank.yes=dog", "rerank.no=cat", "rerank.methods=osrcir,text-only")
+    assert evaluate_main(argv(small_cirr, checkpoint, tiny_llava, out, *rerank)) == 0
+    first = read_results(out)
+    n = N_QUERIES["val"]
+    assert set(first["methods"]) == {"text-only", "cirevl", "osrcir", "osrcir+rerank", "text-only+rerank"}
+    mllm = first["mllm"]
+    assert mllm["model_loaded"] is True
+    assert mllm["describers"]["cirevl"]["records"] == n and mllm["describers"]["cirevl"]["generated_now"] == n - 2
+    assert mllm["describers"]["osrcir"]["generated_now"] == n
+    # random words carry no "Target description:" label: every OSrCIR answer falls back, counted
+    osr = mllm["describers"]["osrcir"]
+    assert osr["fallback"] == n and osr["parsed"] == 0
+    ranks = rankings(out)
+    assert ranks["osrcir"] == ranks["text-only"]
+    assert mllm["rerank"]["pairs_stored"] == mllm["rerank"]["scored_now"] > 0
+    for base in ("osrcir", "text-only"):
+        for qid, names in ranks[base].items():
+            new = ranks[f"{base}+rerank"][qid]
+            assert sorted(new[:3]) == sorted(names[:3]) and new[3:] == names[3:]
+    records = [r for p in (out / "descriptions" / "cirr-val" / "cirevl").rglob("part-*.json")
+               for r in json.loads(p.read_text())["records"].values()]
+    assert all(r["raw"] and r["caption_raw"] for r in records)  # raw outputs kept, publishable as they are
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the MLLM was loaded although every answer is stored")
+
+    monkeypatch.setattr(TransformersEngine, "__init__", no_model)
+    assert evaluate_main(argv(small_cirr, checkpoint, tiny_llava, out, *rerank)) == 0
+    again = read_results(out)
+    assert again["methods"] == first["methods"] and rankings(out) == ranks
+    assert again["mllm"]["model_loaded"] is False
+    assert again["mllm"]["describers"]["osrcir"]["generated_now"] == 0
+
+
+def test_test1_writes_submissions_for_both_describers(small_cirr, checkpoint, tiny_llava, tmp_path):
+    out = tmp_path / "test1"
+    assert evaluate_main(argv(small_cirr, checkpoint, tiny_llava, out, "--split", "test1")) == 0
+    results = read_results(out)
+    pairids = {str(c["pairid"]) for c in json.loads((small_cirr / "captions" / "cap.rc2.test1.json").read_text())}
+    for method in ("cirevl", "osrcir"):
+        for metric in ("recall", "recall_subset"):
+            sub = json.loads((out / "submission" / f"cirr_test1_{method}_{metric}.json").read_text())
+            assert sub["version"] == "rc2" and sub["metric"] == metric
+            assert set(sub) - {"version", "metric"} == pairids
+    assert results["mllm"]["describers"]["cirevl"]["records"] == N_QUERIES["test1"]
