@@ -29,7 +29,7 @@ from demind.eval.coco import PROMPT_FORMS, QUERY_RESIZES, read_coco
 from demind.eval.exclcoco import read_exclcoco
 from demind.eval.exclusion import read_exclusion
 from demind.eval.fashioniq import CAPTION_ORDERS, TEXT_FORMS, read_fashioniq
-from demind.retrieval import ImageFeatureCache, backbone_cache_slug, encode_image_refs, stack_features
+from demind.retrieval import ImageFeatureCache, encode_image_refs, stack_features
 from demind.eval.imagenet_r import read_imagenet_r
 from demind.retrieval import RERANK_SUFFIX, RetrievalMethod, build_methods, parse_method_names
 from demind.eval.reports import write_reports
@@ -177,7 +177,7 @@ def evaluate(
     for folder in (out_dir, cache_dir):  # before encoding: a read-only or full disk fails in seconds
         if folder is not None:
             check_output_dir(folder)
-    cache = ImageFeatureCache(cache_dir, backbone_cache_slug(backbone), data.benchmark, data.split) if cache_dir else None
+    cache = ImageFeatureCache.for_backbone(cache_dir, backbone, data.benchmark, data.split) if cache_dir else None
     for note in data.notes:
         log.info(note)
 

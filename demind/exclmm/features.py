@@ -1,10 +1,12 @@
 """Frozen CLIP features of everything ExclMM training reads, computed once per run folder.
 
-``<output_dir>/features.safetensors`` holds the tensors (embeddings; the ragged word and
-ground-truth lists as flat values + offsets) and, as JSON in the same file, the vocabulary,
-image ids, backbone identity and training split (:func:`demind.training.store.save_tree`:
-no pickle, written atomically). Images go through the evaluation image cache
-(:mod:`demind.retrieval.cache`), so the harness reuses them.
+An entry of the one embedding cache (:mod:`demind.embedding_cache`): ``<output_dir>/features.safetensors``
+holds the tensors (embeddings; the ragged word and ground-truth lists as flat values + offsets) and
+``features.json`` (written last, the done-marker) the vocabulary, image ids, backbone identity
+(:func:`~demind.embedding_cache.cache_identity`) and training split. Images go through the
+evaluation image cache (:mod:`demind.retrieval.cache`, the same cache), so the harness reuses them.
+A features file of an earlier version (one safetensors file with its JSON inside,
+``demind-exclmm-features/1``) is still read.
 """
 
 from __future__ import annotations
@@ -18,17 +20,20 @@ import torch.nn.functional as F
 
 from demind.coco_files import CAPTION_FIELDS, load_coco
 from demind.errors import InputError, MissingInputError
-from demind.backbone import FrozenCLIP, same_backbone
+from demind.backbone import FrozenCLIP
+from demind.embedding_cache import (EmbeddingCacheError, backbone_mismatch, cache_identity, entry_paths, read_record,
+                                    read_tensors, stale_reason, write_entry)
 from demind.eval import load_exclcoco
-from demind.retrieval import ImageFeatureCache, backbone_cache_slug, encode_image_refs
+from demind.retrieval import ImageFeatureCache, encode_image_refs
 from demind.retrieval import ImageRef
 from demind.exclmm.model import words_of
-from demind.training.store import load_tree, save_tree
+from demind.training import load_tree
 
 log = logging.getLogger(__name__)
 
 FEATURES_NAME = "features.safetensors"
-FEATURES_FORMAT = "demind-exclmm-features/1"
+FEATURES_FORMAT = "demind-exclmm-features/2"  # /2: an entry of the one embedding cache
+LEGACY_FORMAT = "demind-exclmm-features/1"    # /1: one safetensors file through training.store
 FEATURES_FIX = "delete it and rerun: the features are recomputed"
 RAGGED = ("caption_words", "query_words", "query_truth")  # lists of int lists
 
@@ -47,14 +52,41 @@ def unpack_ragged(packed: dict[str, torch.Tensor]) -> list[list[int]]:
     return [values[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
 
 
+class ExclFeaturesError(EmbeddingCacheError):
+    """An ExclMM features file that cannot be read; the message says to delete it and rerun."""
+
+
 def save_features(path: Path, feats: dict[str, Any]) -> Path:
-    return save_tree(path, {k: pack_ragged(v) if k in RAGGED else v for k, v in feats.items()}, FEATURES_FORMAT)
+    """Write :func:`prepare_features`'s dict as one cache entry: tensors (ragged lists as
+    ``<name>.values`` / ``<name>.offsets``) in ``path``, everything else in its ``.json``, last."""
+    tensors, record = {}, {"format": FEATURES_FORMAT}
+    for key, value in feats.items():
+        if key in RAGGED:
+            tensors.update({f"{key}.{part}": t for part, t in pack_ragged(value).items()})
+        elif isinstance(value, torch.Tensor):
+            tensors[key] = value
+        else:
+            record[key] = value
+    write_entry(Path(path).with_suffix(""), tensors, record)
+    return Path(path)
 
 
 def load_features(path: str | Path) -> dict[str, Any]:
     """The dict :func:`prepare_features` returns, read from ``path`` (tensors on the CPU)."""
-    tree = load_tree(path, FEATURES_FORMAT, FEATURES_FIX)
-    return {k: unpack_ragged(v) if k in RAGGED else v for k, v in tree.items()}
+    path = Path(path)
+    record = read_record(entry_paths(path.with_suffix(""))[1], ExclFeaturesError, FEATURES_FIX)
+    if record is None:  # written before the one cache: the JSON lives inside the safetensors file
+        tree = load_tree(path, LEGACY_FORMAT, FEATURES_FIX)
+        return {k: unpack_ragged(v) if k in RAGGED else v for k, v in tree.items()}
+    tensors = read_tensors(path, ExclFeaturesError, "ExclMM features", FEATURES_FIX)
+    feats = {k: v for k, v in record.items() if k != "format"}
+    for key, value in tensors.items():
+        name, _, part = key.partition(".")
+        if part:
+            feats.setdefault(name, {})[part] = value
+        else:
+            feats[key] = value
+    return {k: unpack_ragged(v) if k in RAGGED else v for k, v in feats.items()}
 
 
 @torch.no_grad()
@@ -82,11 +114,15 @@ def prepare_features(data_cfg: Any, backbone: FrozenCLIP, run_dir: Path, progres
     ``queries`` (Q, D), ``query_words``, ``query_truth`` (lists of image rows), ``query_positive`` (Q,).
     """
     path = run_dir / FEATURES_NAME
+    identity = cache_identity(backbone)
     if path.is_file():
         feats = load_features(path)
-        if same_backbone(feats.get("backbone") or {}, backbone.identity) and feats.get("train") == data_cfg.train:
+        record = read_record(path.with_suffix(".json"), ExclFeaturesError, FEATURES_FIX) or {"format": LEGACY_FORMAT}
+        why = (stale_reason(record, (FEATURES_FORMAT, LEGACY_FORMAT)) or backbone_mismatch(feats.get("backbone"), identity)
+               or (None if feats.get("train") == data_cfg.train else f"was made for data.train={feats.get('train')}"))
+        if why is None:
             return feats
-        log.warning("%s was computed for another backbone or data set; recomputing", path)
+        log.warning("%s %s; recomputing", path, why)
     if not data_cfg.train:
         raise InputError("data.train is empty: give the ExclCOCO folder of the training split "
                          "(python -m demind.cli.build_exclcoco ...)")
@@ -94,7 +130,7 @@ def prepare_features(data_cfg: Any, backbone: FrozenCLIP, run_dir: Path, progres
     image_ids = list(files)
     row = {i: k for k, i in enumerate(image_ids)}
     cache_root = Path(data_cfg.cache_dir or run_dir / "feature_cache")
-    cache = ImageFeatureCache(cache_root, backbone_cache_slug(backbone), "exclcoco", data.get("split", "train"))
+    cache = ImageFeatureCache.for_backbone(cache_root, backbone, "exclcoco", data.get("split", "train"))
     refs = [ImageRef(i, p) for i, p in files.items()]
     raw, _ = encode_image_refs(backbone, refs, cache, "gallery", data_cfg.encode_batch_size, progress=progress,
                                desc="exclmm train images")
@@ -113,7 +149,7 @@ def prepare_features(data_cfg: Any, backbone: FrozenCLIP, run_dir: Path, progres
              len(queries), len(vocab))
     vindex = {w: k for k, w in enumerate(vocab)}
     feats = {
-        "backbone": backbone.identity, "train": data_cfg.train, "image_ids": image_ids, "images": images,
+        "backbone": identity, "train": data_cfg.train, "image_ids": image_ids, "images": images,
         "captions": encode_texts(backbone, caption_texts, bs),
         "caption_image": torch.tensor([row[str(c["image_id"])] for c in caps], dtype=torch.int64),
         "caption_words": word_index(caption_texts, vindex),

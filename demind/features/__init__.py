@@ -20,12 +20,14 @@ target description per step).  One cache per shard, two files:
   rebuilt, logged.
 
 The trainer reads one shard at a time (memory stays flat as shards grow), refuses a
-cache made with another backbone, and then reads and decodes no image.
+cache made with another backbone, and then reads and decodes no image. The key rule (folder
+:func:`cache_slug`), the identity refusal, the staleness check, the writer and the reader are the
+one embedding cache's (:mod:`demind.embedding_cache`), shared with evaluation galleries, the
+search index and ExclMM.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections import Counter
@@ -37,13 +39,11 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from tqdm import tqdm
 
-from demind.backbone import identity_slug
-from demind.identity import identity_difference
 from demind.data import ReaderStats, read_tar_samples, with_pixels
-from demind.errors import DemindError
-from demind.io import check_output_dir, write_bytes_atomic
+from demind.embedding_cache import (EmbeddingCacheError, cache_identity, cache_slug, check_backbone, read_record,
+                                    read_tensors, stale_reason, write_entry)
+from demind.io import check_output_dir
 from demind.shard_format import shard_name
-from demind.tensor_files import load_safetensors_file
 
 logger = logging.getLogger(__name__)
 
@@ -51,31 +51,20 @@ CACHE_FORMAT = "demind-feature-cache/2"  # /2: rew_emb and GFQ fidelity
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-class FeatureCacheError(DemindError, ValueError):
+class FeatureCacheError(EmbeddingCacheError):
     """A feature cache that does not fit the shards or the backbone."""
 
 
 OFF_VALUES = ("none", "null", "")
+REBUILD = ("point data.features at a cache of this backbone, rebuild it with python -m demind.features, "
+           "or set data.features=null to decode images")
+__all__ = ["CACHE_FORMAT", "FeatureCacheError", "ShardFeatureCache", "build_feature_cache", "cache_dir_for",
+           "cache_identity", "cache_slug", "check_identity", "default_cache_dir", "features_off"]
 
 
 def features_off(setting: str | None) -> bool:
     """True when ``data.features`` turns the cache off: null, or the strings none/null/'' (any case)."""
     return setting is None or str(setting).strip().lower() in OFF_VALUES
-def cache_identity(backbone: Any) -> dict[str, Any]:
-    """What a cache's features depend on: the backbone's identity and, unless fp32, the
-    precision its towers ran in, so a bf16 cache is never read by an fp32 run (or the
-    reverse). fp32 adds nothing, so caches written before precisions existed stay valid."""
-    identity = dict(backbone.identity)
-    if backbone.cfg.precision != "fp32":
-        identity["precision"] = backbone.cfg.precision
-    return identity
-
-
-def cache_slug(backbone: Any) -> str:
-    """Folder name of ``backbone``'s cache (its identity slug when fp32)."""
-    return identity_slug(cache_identity(backbone))
-
-
 def default_cache_dir(shards: list[str], identity_str: str) -> Path:
     """``<folder of the first shard>/features/<backbone identity>``."""
     return Path(shards[0]).parent / "features" / identity_str
@@ -97,22 +86,12 @@ def cache_files(directory: str | Path, shard: str) -> tuple[Path, Path]:
     return base.with_suffix(".safetensors"), base.with_suffix(".json")
 
 
-def _same_identity(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    from demind.backbone import same_backbone
-
-    return same_backbone(a, b)
-
-
 def read_index(directory: str | Path, shard: str) -> dict[str, Any] | None:
     """The done-marker json of a shard's cache, or None when the shard is not cached."""
     tensors, index = cache_files(directory, shard)
-    if not (index.is_file() and tensors.is_file()):
+    if not tensors.is_file():
         return None
-    try:
-        return json.loads(index.read_text())
-    except json.JSONDecodeError as exn:
-        raise FeatureCacheError(f"feature cache index {index} is not valid JSON ({exn}); delete it "
-                                f"and rerun python -m demind.features to rebuild that shard") from None
+    return read_record(index, FeatureCacheError, "delete it and rerun python -m demind.features to rebuild that shard")
 
 
 def shard_fingerprint(shard: str | Path) -> dict[str, Any]:
@@ -128,24 +107,15 @@ def shard_fingerprint(shard: str | Path) -> dict[str, Any]:
 
 
 def is_stale(index: dict[str, Any], shard: str) -> str | None:
-    """Why a shard's cache must be rebuilt (older format, rewritten shard), or None."""
-    if index.get("format") != CACHE_FORMAT:
-        return f"format {index.get('format')} is not {CACHE_FORMAT}"
-    if Path(shard).is_file() and index.get("shard_fingerprint") != shard_fingerprint(shard):
-        return "the shard was rewritten since it was cached"
-    return None
+    """Why a shard's cache must be rebuilt (older format, rewritten shard), or None
+    (:func:`demind.embedding_cache.stale_reason`)."""
+    return stale_reason(index, CACHE_FORMAT, shard_fingerprint(shard) if Path(shard).is_file() else None)
 
 
 def check_identity(index: dict[str, Any], identity: dict[str, Any], where: Path) -> None:
-    """Refuse a cache written by another backbone, naming both."""
-    cached = index.get("backbone")
-    if not _same_identity(cached or {}, identity):
-        raise FeatureCacheError(
-            f"feature cache {where} was made with backbone {cached} but this run uses {identity} "
-            f"(differs in {identity_difference(cached or {}, identity)}); "
-            f"point data.features at a cache of this backbone, rebuild it with "
-            f"python -m demind.features, or set data.features=null to decode images"
-        )
+    """Refuse a cache written by another backbone, naming both (the one refusal of
+    :func:`demind.embedding_cache.check_backbone`)."""
+    check_backbone(index.get("backbone"), identity, f"feature cache {where}", REBUILD, FeatureCacheError)
 
 
 class ShardFeatureCache:
@@ -179,9 +149,9 @@ class ShardFeatureCache:
     def _tensors(self, shard: str) -> dict[str, torch.Tensor]:
         """The tensors of ``shard``'s cache; a damaged file is one FeatureCacheError saying how to rebuild it."""
         tensors_path, index_path = cache_files(self.directory, shard)
-        return load_safetensors_file(tensors_path, FeatureCacheError, "feature cache",
-                                     f"delete it and {index_path.name}, then rerun demind-features (or "
-                                     f"python -m demind.features) to rebuild that shard")
+        return read_tensors(tensors_path, FeatureCacheError, "feature cache",
+                            f"delete it and {index_path.name}, then rerun demind-features (or "
+                            f"python -m demind.features) to rebuild that shard")
 
     def samples(self, shard: str) -> Iterator[dict[str, Any]]:
         """Samples of ``shard`` in tar order: key, texts, image_emb (D,), teacher_emb (D,), rew_emb (D,)
@@ -260,21 +230,18 @@ class ShardImageBatches(IterableDataset):
 
 def write_shard_cache(directory: Path, shard: str, identity: dict[str, Any], parts: dict[str, list],
                       counts: dict[str, int], dtype: torch.dtype) -> dict[str, Any]:
-    """Write one shard's tensors, then its index json (the done-marker)."""
-    from safetensors.torch import save
-
-    tensors_path, index_path = cache_files(directory, shard)
+    """Write one shard's tensors, then its index json (the done-marker): :func:`demind.embedding_cache.write_entry`."""
+    tensors_path, _ = cache_files(directory, shard)
     emb = {name: torch.cat(parts[name]) if parts[name] else torch.zeros(0, 0)
            for name in ("image_emb", "teacher_emb", "rew_emb")}
     # fidelity from the stored (possibly bf16) values, so it equals what a reader recomputes
     emb = {name: value.to(dtype) for name, value in emb.items()}
     fidelity, gfq = shard_fidelity(shard, emb)
-    write_bytes_atomic(tensors_path, save({**{k: v.contiguous() for k, v in emb.items()}, **fidelity}))
     index = dict(format=CACHE_FORMAT, backbone=identity, shard=str(shard), dtype=str(dtype).removeprefix("torch."),
                  shard_fingerprint=shard_fingerprint(shard), gfq=gfq,
                  num_samples=len(parts["keys"]), counts=counts, keys=parts["keys"],
                  original=parts["original"], rewritten=parts["rewritten"], intent=parts["intent"])
-    write_bytes_atomic(index_path, json.dumps(index).encode())
+    write_entry(tensors_path.with_suffix(""), {**emb, **fidelity}, index)
     return index
 
 

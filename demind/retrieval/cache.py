@@ -1,9 +1,10 @@
 """Image features for evaluation: batched encoding through the frozen backbone, cached on disk.
 
 The cache is a folder per (backbone identity and precision, benchmark, split, role):
-``<cache_dir>/<backbone>/<benchmark>/<split>/<role>/part-00000.pt``. Each part holds the
-names, per-image cache keys (file, crop, mask, resize mode) and (n, D) raw features of one
-chunk, written atomically (tmp file, then ``os.replace``) as soon as the chunk is encoded; a
+``<cache_dir>/<backbone>/<benchmark>/<split>/<role>/part-00000.{safetensors,json}``, entries of
+the one embedding cache (:mod:`demind.embedding_cache`: key rule, identity refusal, writer,
+reader). Each part holds the names, per-image cache keys (file, crop, mask, resize mode) and
+(n, D) raw features of one chunk, written atomically as soon as the chunk is encoded; a
 killed run keeps its finished parts, and a rerun encodes only what no part holds. The search index
 (``demind.search.index``) keeps its gallery embeddings in the same parts
 (:meth:`ImageFeatureCache.at`), skipping unreadable images (``on_unreadable="skip"``) and compacting
@@ -24,18 +25,19 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from demind.backbone import FrozenCLIP
-from demind.errors import DemindError, InputError
+from demind.embedding_cache import (EmbeddingCacheError, cache_identity, cache_slug, check_backbone,
+                                    legacy_image_slug, read_record, read_tensors, write_entry)
+from demind.errors import InputError
 from demind.retrieval.refs import ImageReadError, ImageRef, load_image
-from demind.io import atomic_path
 from demind.tensor_files import load_torch_file
 
 log = logging.getLogger(__name__)
 
 
 def backbone_cache_slug(backbone: FrozenCLIP) -> str:
-    """Cache folder name: the backbone's identity slug (which fingerprints random-init
-    weights) plus its precision (fp16 features differ)."""
-    return f"{backbone.identity_str}-{backbone.cfg.precision}"
+    """Cache folder name of ``backbone``'s features: the one key rule's
+    (:func:`demind.embedding_cache.cache_slug`; its identity slug, plus the precision unless fp32)."""
+    return cache_slug(backbone)
 
 
 def squash_preprocess(backbone: FrozenCLIP) -> Callable:
@@ -104,15 +106,17 @@ class EncodeStats:
         return {"images": self.images, "cached": self.cached, "encoded": self.encoded}
 
 
-class DamagedPartError(DemindError, ValueError):
+class DamagedPartError(EmbeddingCacheError):
     """A feature part that cannot be read (truncated by a full disk, or not a part at all)."""
 
 
 PART_KEYS = ("names", "keys", "features")
+PART_FORMAT = "demind-image-features/1"
 
 
 def read_part(part: Path) -> dict:
-    """One part file -> {"names", "keys", "features" (n, D)}; DamagedPartError naming it otherwise."""
+    """One legacy ``part-*.pt`` file (torch.save, written before the one cache) -> {"names", "keys",
+    "features" (n, D)}; DamagedPartError naming it otherwise."""
     data = load_torch_file(part, DamagedPartError, "feature part")
     if (not isinstance(data, dict) or any(k not in data for k in PART_KEYS)
             or not isinstance(data["features"], torch.Tensor)
@@ -121,76 +125,140 @@ def read_part(part: Path) -> dict:
     return data
 
 
+def _part_number(path: Path) -> int:
+    return int(path.name.split(".")[0].split("-")[1])
+
+
 class ImageFeatureCache:
-    """On-disk features for one backbone, benchmark and split, in atomic parts per role."""
+    """On-disk image features for one backbone, benchmark and split, in atomic parts per role.
+
+    A part is an entry of the one embedding cache (:mod:`demind.embedding_cache`):
+    ``part-NNNNN.safetensors`` holds exactly its (n, D) rows (``features``), ``part-NNNNN.json``
+    (written last) its format, backbone identity (:func:`~demind.embedding_cache.cache_identity`),
+    names and per-image keys. Parts written before (``part-NNNNN.pt``, torch.save) are still read.
+    ``rebuild`` is the advice a refusal ends with; ``error`` the class it raises.
+    """
 
     def __init__(self, root: str | Path, backbone_slug: str, benchmark: str, split: str) -> None:
         self.dir = Path(root) / backbone_slug / benchmark / split
+        self.rebuild = f"delete {self.dir} to encode its images again"
+        self.error: type[Exception] = EmbeddingCacheError
 
     @classmethod
-    def at(cls, directory: str | Path) -> "ImageFeatureCache":
+    def for_backbone(cls, root: str | Path, backbone: FrozenCLIP, benchmark: str, split: str) -> "ImageFeatureCache":
+        """The cache of ``backbone``'s features under ``root``: ``<root>/<cache_slug>/<benchmark>/<split>``
+        (the one key rule); a gallery encoded before the key rule, in ``<identity>-<precision>``, is read there."""
+        cache = cls(root, cache_slug(backbone), benchmark, split)
+        legacy = cls(root, legacy_image_slug(backbone), benchmark, split)
+        if not cache.dir.exists() and legacy.dir.is_dir():
+            log.info("reading image features encoded before the one cache key from %s", legacy.dir)
+            return legacy
+        return cache
+
+    @classmethod
+    def at(cls, directory: str | Path, rebuild: str | None = None,
+           error: type[Exception] = EmbeddingCacheError) -> "ImageFeatureCache":
         """A cache whose roles live directly under ``directory`` (the search index's folder)."""
         cache = cls.__new__(cls)
         cache.dir = Path(directory)
+        cache.rebuild = rebuild or f"delete {cache.dir} to encode its images again"
+        cache.error = error
         return cache
-
-    def parts(self, role: str) -> list[Path]:
-        """The role's part files, oldest first (later parts win on load)."""
-        return sorted(self._role_dir(role).glob("part-*.pt"))
 
     def _role_dir(self, role: str) -> Path:
         return self.dir / role
 
-    def load(self, role: str, drop_damaged: bool = False) -> dict[str, dict[str, torch.Tensor]]:
-        """name -> {cache key -> (D,) feature} over all parts; for a repeated key, later parts win.
-
-        A name can hold several keys (a COCO query crop under each resize mode), so switching
-        a reader option back and forth re-encodes nothing. A damaged part (truncated, say by a
-        full disk) raises :class:`DamagedPartError`; with ``drop_damaged`` (a writer, which
-        re-encodes what is missing) it is deleted with a warning instead.
-        """
-        found: dict[str, dict[str, torch.Tensor]] = {}
+    def parts(self, role: str) -> list[Path]:
+        """The role's part files (tensor files, records and legacy ``.pt`` parts), oldest first."""
         role_dir = self._role_dir(role)
-        if not role_dir.is_dir():
-            return found
-        for part in sorted(role_dir.glob("part-*.pt")):
+        files = [p for p in role_dir.glob("part-*") if p.suffix in (".pt", ".json", ".safetensors")] \
+            if role_dir.is_dir() else []
+        return sorted(files, key=lambda p: (_part_number(p), p.suffix))
+
+    def read_parts(self, role: str, drop_damaged: bool = False, identity: dict | None = None) -> list[dict]:
+        """Every finished part of ``role``, oldest first: {"names", "keys", "features" (n, D)}.
+
+        ``identity`` (a :func:`~demind.embedding_cache.cache_identity`): a part recorded with another
+        backbone is refused (:func:`~demind.embedding_cache.check_backbone`). A damaged part raises
+        :class:`DamagedPartError`; with ``drop_damaged`` (a writer, which re-encodes what is missing)
+        it is deleted with a warning instead, as is a tensor file whose record was never written.
+        """
+        out = []
+        for path in self.parts(role):
+            if path.suffix == ".safetensors":
+                if drop_damaged and not path.with_suffix(".json").is_file():
+                    path.unlink(missing_ok=True)  # a writer killed between the tensors and the record
+                continue
             try:
-                data = read_part(part)
+                out.append(self._read(path, identity))
             except DamagedPartError as e:
                 if not drop_damaged:
                     raise
                 log.warning("%s; deleting it (its images are encoded again)", e)
-                part.unlink()
-                continue
+                for stale in (path.with_suffix(".json"), path.with_suffix(".safetensors"), path):
+                    stale.unlink(missing_ok=True)
+        return out
+
+    def _read(self, path: Path, identity: dict | None) -> dict:
+        if path.suffix == ".pt":
+            return read_part(path)
+        record = read_record(path, DamagedPartError, "")
+        tensors_path = path.with_suffix(".safetensors")
+        if (record.get("format") != PART_FORMAT or not isinstance(record.get("names"), list)
+                or not isinstance(record.get("keys"), list) or len(record["names"]) != len(record["keys"])):
+            raise DamagedPartError(f"feature part {path} is not a part of names and keys")
+        if identity is not None and record.get("backbone") is not None:
+            check_backbone(record["backbone"], identity, f"image features {self.dir}", self.rebuild, self.error)
+        if not tensors_path.is_file():
+            raise DamagedPartError(f"feature part {tensors_path} is missing")
+        features = read_tensors(tensors_path, DamagedPartError, "feature part", "").get("features")
+        if features is None or features.ndim != 2 or len(features) != len(record["names"]):
+            raise DamagedPartError(f"feature part {tensors_path} does not hold the {len(record['names'])} rows "
+                                   f"its record lists")
+        return {"names": record["names"], "keys": record["keys"], "features": features}
+
+    def load(self, role: str, drop_damaged: bool = False,
+             identity: dict | None = None) -> dict[str, dict[str, torch.Tensor]]:
+        """name -> {cache key -> (D,) feature} over all parts; for a repeated key, later parts win.
+
+        A name can hold several keys (a COCO query crop under each resize mode), so switching
+        a reader option back and forth re-encodes nothing. ``drop_damaged`` and ``identity``: as
+        in :meth:`read_parts`.
+        """
+        found: dict[str, dict[str, torch.Tensor]] = {}
+        for data in self.read_parts(role, drop_damaged, identity):
             for name, key, feature in zip(data["names"], data["keys"], data["features"]):
                 found.setdefault(name, {})[key] = feature
         return found
 
-    def write_part(self, role: str, names: list[str], keys: list[str], features: torch.Tensor) -> Path:
-        """Write one chunk of (n, D) features atomically; returns the part's path."""
+    def write_part(self, role: str, names: list[str], keys: list[str], features: torch.Tensor,
+                   identity: dict | None = None) -> Path:
+        """Write one chunk of (n, D) features as a part of the one cache (exactly its rows); returns
+        the part's record (its done-marker)."""
         role_dir = self._role_dir(role)
         role_dir.mkdir(parents=True, exist_ok=True)
         # after the last existing part (not at their count): once old parts are removed by
         # replace_all, a count would sort a new part before older ones and lose "later wins"
         existing = self.parts(role)
-        index = int(existing[-1].stem.split("-")[1]) + 1 if existing else 0
-        path = role_dir / f"part-{index:05d}.pt"
-        with atomic_path(path) as tmp:
-            torch.save({"names": names, "keys": keys, "features": features.contiguous()}, tmp)
-        return path
+        index = _part_number(existing[-1]) + 1 if existing else 0
+        record = {"format": PART_FORMAT, "backbone": identity, "rows": len(names), "names": list(names),
+                  "keys": list(keys)}
+        return write_entry(role_dir / f"part-{index:05d}", {"features": features}, record)[1]
 
     def replace_all(self, role: str, names: list[str], keys: list[str], features: torch.Tensor,
-                    part_size: int = 4096) -> list[Path]:
+                    part_size: int = 4096, identity: dict | None = None) -> list[Path]:
         """Rewrite the role as exactly these (n, D) entries (drops removed or superseded ones).
 
-        New parts are written after the old ones before the old ones are deleted, so a kill at
-        any point leaves a cache that loads to the same entries (later parts win).
+        New parts are written after the old ones before the old ones are deleted (each record
+        before its tensors), so a kill at any point leaves a cache that loads to the same entries
+        (later parts win). Each part file holds only its own rows.
         """
         old = self.parts(role)
-        new = [self.write_part(role, names[i:i + part_size], keys[i:i + part_size], features[i:i + part_size])
+        new = [self.write_part(role, names[i:i + part_size], keys[i:i + part_size], features[i:i + part_size],
+                               identity)
                for i in range(0, len(names), part_size)]
-        for path in old:
-            path.unlink()
+        for path in sorted(old, key=lambda p: p.suffix != ".json"):
+            path.unlink(missing_ok=True)
         return new
 
 
@@ -232,7 +300,8 @@ def encode_image_refs(
         raise ValueError(f"on_unreadable must be 'raise' or 'skip', got {on_unreadable!r}")
     refs = unique_refs(refs)
     stats = EncodeStats(images=len(refs))
-    cached = cache.load(role, drop_damaged=True) if cache is not None else {}
+    identity = cache_identity(backbone)
+    cached = cache.load(role, drop_damaged=True, identity=identity) if cache is not None else {}
     features: dict[str, torch.Tensor] = {}
     todo = []
     for ref in refs:
@@ -252,7 +321,7 @@ def encode_image_refs(
             stats.unreadable[chunk[position].name] = error
         chunk = [r for i, r in enumerate(chunk) if i not in errors]
         if cache is not None and chunk:
-            cache.write_part(role, [r.name for r in chunk], [r.cache_key for r in chunk], chunk_features)
+            cache.write_part(role, [r.name for r in chunk], [r.cache_key for r in chunk], chunk_features, identity)
         features.update({r.name: f for r, f in zip(chunk, chunk_features)})
         stats.encoded += len(chunk)
         if len(todo) > part_size:

@@ -3,8 +3,10 @@
 Layout of an index folder::
 
     backbone.json            backbone identity, slug and precision (written first, checked on every rerun)
-    embeddings/part-*.pt     names, per-file keys and (n, D) raw image features, atomic parts
-                             (the evaluation image cache, ``demind.retrieval.cache.ImageFeatureCache.at``)
+    embeddings/part-*        (n, D) raw image features (.safetensors) with their names and per-file keys
+                             (.json, written last): entries of the one embedding cache
+                             (:mod:`demind.embedding_cache`, ``demind.retrieval.ImageFeatureCache.at``);
+                             an index written before holds ``part-*.pt`` files, still read
     index.json               the file list in index order, unreadable files, counts (written last)
 
 Images are the image files under the folder and the image members of the uncompressed tar
@@ -29,11 +31,13 @@ import torch.nn.functional as F
 
 from demind.backbone import FrozenCLIP
 from demind.errors import DemindError, InputError
-from demind.retrieval import DamagedPartError, ImageFeatureCache, backbone_cache_slug, encode_image_refs, stack_features
-from demind.retrieval import IMAGE_EXTENSIONS, ImageRef
+from demind.embedding_cache import cache_identity, cache_slug, check_backbone, with_precision
+from demind.retrieval import DamagedPartError, ImageFeatureCache, encode_image_refs, stack_features
+from demind.imaging import DECODABLE_EXTENSIONS
+from demind.retrieval import ImageRef
 from demind.io import read_json
 from demind.io import check_output_dir, write_json_atomic
-from demind.shard_format import IMAGE_FIELDS, SHARD_SUFFIX
+from demind.shard_format import SHARD_SUFFIX
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +66,13 @@ class IndexBuildStats:
     encoded: int = 0           # encoded by this run
     removed: int = 0           # in the previous index, gone from the folder
     unreadable: dict[str, str] = field(default_factory=dict)  # name -> reason, not in the index
+    skipped: dict[str, str] = field(default_factory=dict)  # files that are not images -> reason
     seconds: float = 0.0
     members: dict[str, tuple[str, int, int]] = field(default_factory=dict)  # shard member -> (shard, offset, length)
 
     def as_dict(self) -> dict:
         return {"images": self.images, "indexed": self.indexed, "cached": self.cached,
-                "encoded": self.encoded, "removed": self.removed, "unreadable": len(self.unreadable),
+                "encoded": self.encoded, "removed": self.removed, "unreadable": len(self.unreadable), "skipped": len(self.skipped),
                 "seconds": round(self.seconds, 2),
                 "encoded_per_s": round(self.encoded / self.seconds, 1) if self.seconds > 0 else None}
 
@@ -93,11 +98,12 @@ class GalleryIndex:
         return self.root / self.members[name][0] if name in self.members else self.root / name
 
     def image_ref(self, name: str) -> ImageRef:
-        """What :func:`demind.retrieval.load_image` reads to show an indexed image."""
+        """What :func:`demind.retrieval.load_image` reads to show an indexed image (upright, as it was
+        encoded: EXIF orientation applied)."""
         if name in self.members:
             shard, offset, length = self.members[name]
-            return ImageRef(name=name, path=self.root / shard, span=(offset, length))
-        return ImageRef(name=name, path=self.root / name)
+            return ImageRef(name=name, path=self.root / shard, span=(offset, length), orient=True)
+        return ImageRef(name=name, path=self.root / name, orient=True)
 
 
 def file_version(stat: os.stat_result) -> str:
@@ -105,13 +111,17 @@ def file_version(stat: os.stat_result) -> str:
     return f"{stat.st_size}-{stat.st_mtime_ns}"
 
 
-def list_gallery_images(folder: str | Path) -> tuple[list[ImageRef], dict[str, str]]:
+def list_gallery_images(folder: str | Path, skipped: dict[str, str] | None = None
+                        ) -> tuple[list[ImageRef], dict[str, str]]:
     """Every image under ``folder`` (recursive, sorted): files, and image members of ``*.tar`` shards.
 
     Returns (ImageRefs named by their path relative to ``folder`` (a shard member:
     ``shard.tar/member``), with ``version`` = size and mtime of the file or shard so the cache
-    key changes with it; {name: error} for shards that cannot be listed and files that cannot be
-    opened: dangling symbolic links, link loops).
+    key changes with it, decoded as a viewer shows them (EXIF orientation applied); {name: error}
+    for shards that cannot be listed and files that cannot be opened: dangling symbolic links,
+    link loops). Every other file (not an image the decoder reads,
+    :data:`demind.imaging.DECODABLE_EXTENSIONS`) is put in ``skipped`` as {name: reason}, so that
+    a build names and counts it.
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -122,39 +132,61 @@ def list_gallery_images(folder: str | Path) -> tuple[list[ImageRef], dict[str, s
         for filename in sorted(filenames):
             path = Path(dirpath) / filename
             name = path.relative_to(folder).as_posix()
+            extension = os.path.splitext(filename)[1].lower()
             if filename.endswith(SHARD_SUFFIX):
                 try:
                     refs.extend(list_shard_images(path, name))
                 except (tarfile.TarError, OSError) as e:
                     bad_shards[name] = f"cannot list shard {path}: {e}"
-            elif os.path.splitext(filename)[1].lower() in IMAGE_EXTENSIONS:
+            elif extension in DECODABLE_EXTENSIONS:
                 try:
                     version = file_version(path.stat())
                 except OSError as e:  # a dangling symbolic link, a link loop, a file gone meanwhile
                     bad_shards[name] = f"cannot read {path}: {e.strerror or e}"
                     continue
-                refs.append(ImageRef(name=name, path=path, version=version))
+                refs.append(ImageRef(name=name, path=path, version=version, orient=True))
+            elif skipped is not None:
+                skipped[name] = f"not an image file ({extension or 'no extension'})"
     return refs, bad_shards
 
 
 def list_shard_images(shard: Path, shard_name: str) -> list[ImageRef]:
     """The image members of one uncompressed tar shard, read in place by byte span (no unpacking).
 
-    A compressed shard (``.tar`` holding gzip) has no byte spans and raises tarfile.ReadError."""
+    A tar may hold two members of one name (``tar -r`` appends, extraction keeps the last):
+    the later ones are named ``NAME#2``, ``NAME#3``... (logged), so every entry's features are
+    those of the pixels its name shows. A compressed shard (``.tar`` holding gzip) has no byte
+    spans and raises tarfile.ReadError."""
     version = file_version(shard.stat())
-    refs = []
+    refs, seen = [], set()
     with tarfile.open(shard, "r:") as tar:  # "r:" = uncompressed only
         for member in tar:
-            if member.isfile() and member.name.rsplit(".", 1)[-1].lower() in IMAGE_FIELDS:
-                refs.append(ImageRef(name=f"{shard_name}/{member.name}", path=shard, version=version,
-                                     span=(member.offset_data, member.size)))
+            if not (member.isfile() and os.path.splitext(member.name)[1].lower() in DECODABLE_EXTENSIONS):
+                continue
+            name, copy = f"{shard_name}/{member.name}", 1
+            while name in seen:
+                copy += 1
+                name = f"{shard_name}/{member.name}#{copy}"
+            if copy > 1:
+                log.warning("shard %s holds another member named %s (at byte %d): indexed as %s", shard,
+                            member.name, member.offset, name)
+            seen.add(name)
+            refs.append(ImageRef(name=name, path=shard, version=version, span=(member.offset_data, member.size),
+                                 orient=True))
     return refs
 
 
 def backbone_record(backbone: FrozenCLIP) -> dict:
-    """What an index records about the backbone that encoded it."""
-    return {"identity": backbone.identity, "slug": backbone_cache_slug(backbone),
+    """What an index records about the backbone that encoded it: the one cache key
+    (:func:`~demind.embedding_cache.cache_identity`, its slug), the precision and the width."""
+    return {"identity": cache_identity(backbone), "slug": cache_slug(backbone),
             "precision": backbone.cfg.precision, "embed_dim": backbone.embed_dim}
+
+
+def recorded_identity(identity: dict | None, precision: str | None) -> dict:
+    """The cache identity an index records; indexes written before the one cache stored the
+    precision beside the identity (and a ``<identity>-<precision>`` slug): read the same way."""
+    return with_precision(identity if isinstance(identity, dict) else {}, precision)
 
 
 def _check_or_write_backbone(index_dir: Path, backbone: FrozenCLIP) -> None:
@@ -169,11 +201,9 @@ def _check_or_write_backbone(index_dir: Path, backbone: FrozenCLIP) -> None:
             raise GalleryIndexError(str(e)) from None
         if not isinstance(found, dict):
             raise GalleryIndexError(f"{path} is not a backbone record (a JSON object); delete {index_dir} to rebuild it")
-        if found.get("slug") != record["slug"]:
-            raise GalleryIndexError(
-                f"index {index_dir} was built with backbone {found.get('identity')} "
-                f"({found.get('precision')}), not {record['identity']} ({record['precision']}); "
-                f"give another --index folder, or delete {index_dir} to rebuild it")
+        check_backbone(recorded_identity(found.get("identity"), found.get("precision")), record["identity"],
+                       f"index {index_dir}", f"give another --index folder, or delete {index_dir} to rebuild it",
+                       GalleryIndexError)
         return
     write_json_atomic(path, record, indent=2)
 
@@ -259,8 +289,9 @@ def build_index(
         log.warning("index %s was built from %s; it now follows %s (files only in the old folder are dropped)",
                     index_dir, previous["root"], images.resolve())
     _check_or_write_backbone(index_dir, backbone)
-    refs, bad_shards = list_gallery_images(images)
-    stats = IndexBuildStats(images=len(refs))
+    skipped: dict[str, str] = {}
+    refs, bad_shards = list_gallery_images(images, skipped)
+    stats = IndexBuildStats(images=len(refs), skipped=skipped)
     stats.members = {r.name: (r.path.relative_to(images).as_posix(), *r.span) for r in refs if r.span}
 
     known_bad = previous["unreadable"]  # name -> [key, reason]; unchanged since it failed: not retried
@@ -268,7 +299,8 @@ def build_index(
     stats.unreadable = {name: known_bad[name][1] for name in sorted(still_bad)}
     todo = [r for r in refs if r.name not in still_bad]
 
-    cache = ImageFeatureCache.at(index_dir)
+    cache = ImageFeatureCache.at(index_dir, f"give another --index folder, or delete {index_dir} to rebuild it",
+                                 GalleryIndexError)
     features, encode_stats = encode_image_refs(backbone, todo, cache, ROLE, batch_size, num_workers, part_size,
                                                progress, desc="index images", on_unreadable="skip")
     stats.cached, stats.encoded = encode_stats.cached, encode_stats.encoded
@@ -284,7 +316,8 @@ def build_index(
     if dead or damaged:  # a damaged manifest no longer says what the parts hold: keep only the live entries
         # their entries would otherwise stay in the parts for ever (load ignores them: disk only)
         log.info("compacting %s: %d entries removed or superseded", index_dir, len(dead))
-        cache.replace_all(ROLE, names, [keys[n] for n in names], stack_features(features, names), part_size)
+        cache.replace_all(ROLE, names, [keys[n] for n in names], stack_features(features, names), part_size,
+                          cache_identity(backbone))
 
     record = backbone_record(backbone)
     write_json_atomic(index_dir / MANIFEST, {
@@ -335,9 +368,8 @@ def load_index(index_dir: str | Path, root: str | Path | None = None) -> Gallery
 
 
 def check_index_backbone(index: GalleryIndex, backbone: FrozenCLIP) -> None:
-    """Fail, naming both, when ``index`` was encoded by another backbone (or precision)."""
-    if index.backbone_slug != backbone_cache_slug(backbone):
-        raise GalleryIndexError(
-            f"index {index.directory} was built with backbone {index.backbone} ({index.precision}), but the "
-            f"checkpoint's backbone is {backbone.identity} ({backbone.cfg.precision}); rebuild the index with "
-            f"demind-index --images {index.root} --index NEW_DIR --checkpoint CKPT")
+    """Fail, naming both, when ``index`` was encoded by another backbone (or precision): the one
+    refusal of :func:`demind.embedding_cache.check_backbone`."""
+    check_backbone(recorded_identity(index.backbone, index.precision), cache_identity(backbone),
+                   f"index {index.directory}", f"the checkpoint's backbone differs: rebuild the index with "
+                   f"demind-index --images {index.root} --index NEW_DIR --checkpoint CKPT", GalleryIndexError)
