@@ -59,3 +59,183 @@ def test_git_refs_and_commits_stay_valid_revisions(revision):
     from demind.hubref import parse_hub_ref
 
     assert parse_hub_ref(f"hf-hub:a/b@{revision}", "checkpoint").revision == revision
+
+
+# --------------------------------------------------------------------------- photos as a viewer shows them
+
+
+def halves(width: int = 48, height: int = 24) -> np.ndarray:
+    """(height, width, 3) uint8: left half red, right half blue, a green top row (so every
+    rotation and flip is told apart)."""
+    pixels = np.zeros((height, width, 3), dtype=np.uint8)
+    pixels[:, : width // 2] = (255, 0, 0)
+    pixels[:, width // 2:] = (0, 0, 255)
+    pixels[:6] = (0, 255, 0)
+    return pixels
+
+
+def phone_jpeg(path: Path) -> Path:
+    """A JPEG stored as phones store portrait photos: landscape pixels, EXIF orientation 6
+    (a viewer rotates it 90 degrees clockwise)."""
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(halves()).save(path, quality=95, exif=exif)
+    return path
+
+
+def test_an_exif_rotated_jpeg_decodes_as_a_viewer_shows_it(tmp_path):
+    from demind.imaging import decode_image
+
+    path = phone_jpeg(tmp_path / "portrait.jpg")
+    upright = decode_image(path, orient=True)
+    assert upright.size == (24, 48)  # portrait, as shown
+    pixels = np.asarray(upright).astype(int)
+    # rotated clockwise: the green top row is now the right column, red (left) is now on top
+    assert pixels[5, 22, 1] > 180 and pixels[5, 22, 0] < 80, pixels[5, 22]
+    assert pixels[10, 10, 0] > 200 and pixels[40, 10, 2] > 200
+    assert decode_image(path, orient=False).size == (48, 24)  # benchmarks keep their protocol's decoding
+    assert decode_image(path.read_bytes(), orient=True).size == (24, 48)
+
+
+def test_a_16_bit_greyscale_png_is_scaled_not_clipped(tmp_path):
+    from demind.imaging import decode_image
+
+    grey8 = np.tile(np.arange(0, 256, dtype=np.uint16), (8, 1))  # 0..255 ramps
+    wide = Image.fromarray((grey8 * 257).astype(np.uint16))  # mode I;16
+    wide.save(tmp_path / "deep.png")
+    Image.fromarray(grey8.astype(np.uint8)).save(tmp_path / "eight.png")
+    reopened = Image.open(tmp_path / "deep.png")
+    assert reopened.mode in ("I;16", "I")  # a real 16-bit PNG, as Pillow opens it
+    deep = np.asarray(decode_image(tmp_path / "deep.png")).astype(int)
+    eight = np.asarray(decode_image(tmp_path / "eight.png")).astype(int)
+    assert abs(deep.mean() - eight.mean()) < 1.0, (deep.mean(), eight.mean())  # not ~251: scaled, not clipped
+    assert np.abs(deep - eight).max() <= 1
+
+
+def test_a_multi_frame_gif_gives_its_first_frame(tmp_path):
+    from demind.imaging import decode_image
+
+    frames = [Image.fromarray(np.full((8, 8, 3), c, dtype=np.uint8)) for c in ((255, 0, 0), (0, 0, 255))]
+    frames[0].save(tmp_path / "anim.gif", save_all=True, append_images=frames[1:])
+    assert tuple(np.asarray(decode_image(tmp_path / "anim.gif"))[4, 4]) == (255, 0, 0)
+
+
+# --------------------------------------------------------------------------- a folder of phone photos, indexed
+
+
+@pytest.fixture(scope="module")
+def tiny_backbone():
+    import torch
+
+    from demind.backbone import BackboneConfig, FrozenCLIP
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield FrozenCLIP(BackboneConfig(name=str(TINY_CLIP), pretrained=None, seed=3))
+    torch.set_num_threads(threads)
+
+
+def indexed_feature(index, name: str):
+    return index.features[index.names.index(name)]
+
+
+def test_the_index_encodes_and_shows_phone_photos_upright(tmp_path, tiny_backbone):
+    from demind.imaging import decode_image
+    from demind.retrieval import load_image
+    from demind.search.index import build_index, load_index
+
+    gallery = tmp_path / "photos"
+    phone_jpeg(gallery / "portrait.jpg")
+    decode_image(gallery / "portrait.jpg", orient=True).save(gallery / "upright.png")  # the same pixels, no EXIF
+    decode_image(gallery / "portrait.jpg", orient=False).save(gallery / "sideways.png")
+    build_index(gallery, tmp_path / "index", tiny_backbone, num_workers=0, progress=False)
+    index = load_index(tmp_path / "index")
+    portrait = indexed_feature(index, "portrait.jpg")
+    assert float(portrait @ indexed_feature(index, "upright.png")) > 0.99999
+    assert float(portrait @ indexed_feature(index, "sideways.png")) < 0.9999  # the test can tell them apart
+    assert load_image(index.image_ref("portrait.jpg")).size == (24, 48)  # the thumbnail is upright too
+
+
+def test_a_reference_photo_is_read_upright_from_a_path_and_from_an_upload(tmp_path):
+    from demind.search.query import read_query_image
+
+    path = phone_jpeg(tmp_path / "ref.jpg")
+    assert read_query_image(path).size == (24, 48)
+    assert read_query_image(path.read_bytes()).size == (24, 48)
+
+
+def test_every_file_of_an_indexed_folder_is_indexed_or_named_as_skipped(tmp_path, tiny_backbone, capsys):
+    """GIF and TIFF are decodable (the page takes GIF uploads): indexed. A caption file is named,
+    counted and given its reason; a GIF-only folder is not "0 images"."""
+    from demind.cli.index import run
+    from demind.cli.index import IndexConfig
+    from demind.search.index import build_index, load_index
+
+    gallery = tmp_path / "mixed"
+    gallery.mkdir()
+    rng = np.random.default_rng(0)
+    for name in ("a.gif", "b.tif", "c.TIFF", "d.png"):
+        Image.fromarray(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(gallery / name)
+    (gallery / "notes.txt").write_text("a caption")
+    (gallery / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42")
+    stats = build_index(gallery, tmp_path / "index", tiny_backbone, num_workers=0, progress=False)
+    assert sorted(load_index(tmp_path / "index").names) == ["a.gif", "b.tif", "c.TIFF", "d.png"]
+    assert stats.skipped == {"clip.mp4": "not an image file (.mp4)", "notes.txt": "not an image file (.txt)"}
+
+    import demind.cli.index as cli
+
+    cli_cfg = IndexConfig(images=str(gallery), index=str(tmp_path / "index-cli"))
+    cli_cfg.run.progress = False
+    cli_cfg.num_workers = 0
+    original = cli.load_model
+    cli.load_model = lambda cfg: (tiny_backbone, None)
+    try:
+        assert run(cli_cfg) == 0
+    finally:
+        cli.load_model = original
+    out = capsys.readouterr().out
+    assert "4 images" in out and "2 skipped" in out
+    assert "notes.txt: not an image file (.txt)" in out and "clip.mp4: not an image file (.mp4)" in out
+
+
+def tar_with_members(path: Path, members: list[tuple[str, bytes]]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def png_bytes(seed: int) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def test_a_repeated_member_name_in_a_shard_never_gives_disagreeing_entries(tmp_path, tiny_backbone):
+    """Two members named k0.png: each entry's features are those of the pixels its thumbnail
+    shows, and the names are unique (the second is renamed and the rename is said)."""
+    import torch
+
+    from demind.retrieval import load_image
+    from demind.search.index import build_index, load_index
+
+    gallery = tmp_path / "shards"
+    tar_with_members(gallery / "00000.tar", [("k0.png", png_bytes(1)), ("k0.txt", b"first"),
+                                             ("k0.png", png_bytes(2)), ("k1.png", png_bytes(3))])
+    build_index(gallery, tmp_path / "index", tiny_backbone, num_workers=0, progress=False)
+    index = load_index(tmp_path / "index")
+    assert len(index.names) == len(set(index.names)) == 3
+    for name in index.names:
+        shown = load_image(index.image_ref(name))
+        with torch.no_grad():
+            direct = torch.nn.functional.normalize(
+                tiny_backbone.encode_image(tiny_backbone.preprocess(shown).unsqueeze(0)), dim=-1)[0]
+        assert torch.allclose(indexed_feature(index, name), direct, atol=1e-5), name
+    firsts = [n for n in index.names if n.startswith("00000.tar/k0.png")]
+    assert len(firsts) == 2
+    assert not np.array_equal(np.asarray(load_image(index.image_ref(firsts[0]))),
+                              np.asarray(load_image(index.image_ref(firsts[1]))))

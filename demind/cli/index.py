@@ -4,17 +4,20 @@
 
 Rerunning the same command encodes only new or changed files (by size and modification time)
 and drops removed ones; a killed run resumes from its finished parts. Unreadable images are
-skipped, counted and listed in ``index.json``.
+skipped, counted and listed in ``index.json``; every other file that is not an image (a caption,
+a video) is named and counted as skipped, with its reason.
 """
 
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from dataclasses import dataclass
 
 from demind.cli.common import Flag, config_parser, run_config_command
 from demind.cli.search import MODEL_FLAGS, ModelOptions, load_model
 from demind.config import setting
+from demind.imaging import DECODABLE_EXTENSIONS
 from demind.search.index import build_index
 
 
@@ -51,12 +54,22 @@ def run(cfg: IndexConfig) -> int:
     s = stats.as_dict()
     rate = f" at {s['encoded_per_s']} images/s" if s["encoded"] else ""
     print(f"index {cfg.index}: {s['indexed']} images ({s['encoded']} encoded{rate}, {s['cached']} reused, "
-          f"{s['removed']} removed, {s['unreadable']} unreadable) in {s['seconds']} s")
-    for name, reason in list(stats.unreadable.items())[:5]:
-        print(f"  unreadable: {name}: {reason}")
-    if len(stats.unreadable) > 5:
-        print(f"  ... and {len(stats.unreadable) - 5} more (listed in {cfg.index}/index.json)")
+          f"{s['removed']} removed, {s['unreadable']} unreadable, {len(stats.skipped)} skipped) in {s['seconds']} s")
+    print_some("unreadable", stats.unreadable, f"listed in {cfg.index}/index.json")
+    if stats.skipped:
+        kinds = Counter(reason for reason in stats.skipped.values())
+        print(f"  skipped {len(stats.skipped)} file(s) that are not images the index reads "
+              f"({', '.join(DECODABLE_EXTENSIONS)}): " + ", ".join(f"{n} x {k}" for k, n in kinds.most_common()))
+        print_some("skipped", stats.skipped, "convert them to one of the formats above to index them")
     return 0
+
+
+def print_some(what: str, entries: dict[str, str], rest: str, shown: int = 10) -> None:
+    """The first ``shown`` of {name: reason}, one a line, then how many more and where they are."""
+    for name, reason in list(entries.items())[:shown]:
+        print(f"  {what}: {name}: {reason}")
+    if len(entries) > shown:
+        print(f"  ... and {len(entries) - shown} more {what} ({rest})")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -72,7 +72,7 @@ class IndexBuildStats:
 
     def as_dict(self) -> dict:
         return {"images": self.images, "indexed": self.indexed, "cached": self.cached,
-                "encoded": self.encoded, "removed": self.removed, "unreadable": len(self.unreadable), "skipped": len(self.skipped),
+                "encoded": self.encoded, "removed": self.removed, "unreadable": len(self.unreadable),
                 "seconds": round(self.seconds, 2),
                 "encoded_per_s": round(self.encoded / self.seconds, 1) if self.seconds > 0 else None}
 
