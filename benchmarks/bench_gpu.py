@@ -20,6 +20,8 @@ others still run):
   (random bf16 weights, built and saved once under ``--workdir``), 800x600 JPEGs, T_rew 65 /
   T_int 27 tokens, stage 1's prefix kept for stage 2 vs prefilled again; prompt tokens
   prefilled per image.
+* ``describe`` -- query-time MLLM reasoning (``demind.describe``) at the same shapes: OSrCIR and
+  CIReVL descriptions/s and re-ranking candidates/s (``benchmarks/bench_describers.py``'s ``measure``).
 
 Random weights: outputs run to their token limit and features are meaningless, which is what a
 throughput figure needs. Prints the table and writes JSON (``--json``).
@@ -50,7 +52,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks import gpu_models  # noqa: E402
 from benchmarks.bench_eval import gallery_throughput, query_latency  # noqa: E402
 
-SECTIONS = ("tower", "cache", "gallery", "query", "train", "gen")
+SECTIONS = ("tower", "cache", "gallery", "query", "train", "gen", "describe")
 # The speed goals on one H100, for the printed table.
 GOALS = {"cache": ">= 2,500 img/s", "query": "<= 1.2x at batch 1", "gen": ">= 6 img/s", "train": ">= 6,000 samples/s"}
 
@@ -236,8 +238,20 @@ def bench_gen(args: argparse.Namespace, work: Path) -> dict:
     return out
 
 
+# ----------------------------------------------------------------------------- describe (issue 41)
+def bench_describe(args: argparse.Namespace, work: Path) -> dict:
+    """OSrCIR / CIReVL descriptions/s and re-ranking candidates/s, LLaVA-1.6 7B shapes (random weights):
+    OSrCIR 160 output tokens (reasoning + description), CIReVL caption 60 + rewrite 40, K = 20."""
+    from benchmarks.bench_describers import measure
+
+    model_dir, build_s = gpu_models.build_llava(args.llava_dir or work / "llava", args.tiny, args.device)
+    tokens = {"osrcir": 6, "caption": 4, "rewrite": 4} if args.tiny else {"osrcir": 160, "caption": 60, "rewrite": 40}
+    queries, batch, k = (4, 2, 3) if args.tiny else (64, 32, 20)
+    return {"model_build_s": round(build_s, 1), **measure(model_dir, args.device, queries, batch, tokens, k)}
+
+
 RUNNERS = {"tower": bench_tower, "cache": bench_cache, "gallery": bench_gallery, "query": bench_query,
-           "train": bench_train, "gen": bench_gen}
+           "train": bench_train, "gen": bench_gen, "describe": bench_describe}
 
 
 # ----------------------------------------------------------------------------- report
@@ -263,6 +277,8 @@ def table(results: dict) -> list[tuple[str, str, str]]:
     per_precision = lambda r: ", ".join(f"{k} {v:,.0f}" for k, v in r["images_per_s"].items())  # noqa: E731
     add("gen", "generation, transformers engine, img/s (prefilled tokens/img)", lambda r: "; ".join(
         f"{k}: {v['images_per_s']} ({v['prefilled_tokens_per_image']:.0f})" for k, v in r.items() if isinstance(v, dict)))
+    add("describe", "query-time MLLM: OSrCIR / CIReVL descriptions/s, re-rank candidates/s", lambda r: (
+        f"{r['osrcir']['descriptions_per_s']} / {r['cirevl']['descriptions_per_s']}, {r['rerank']['candidates_per_s']}"))
     add("cache", "feature cache end to end, img/s", per_precision)
     add("tower", "image tower alone, img/s", per_precision)
     add("train", "training, batch 1024 cached, samples/s (peak GiB)", lambda r: "; ".join(

@@ -179,7 +179,10 @@ def test_unparseable_answers_are_counted_logged_and_fall_back(toy_cirr, toy_quer
     summary = results["mllm"]["describers"]["osrcir"]
     assert summary["fallback"] == len(bad) and summary["fallback_reasons"] == {"no-label": len(bad)}
     assert summary["parsed"] == len(toy_queries) - len(bad)
-    assert sum("no parsable target description" in r.message for r in caplog.records) == len(bad)
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum(f"{len(bad)} of {len(toy_queries)} answers have no parsable target description" in m
+               for m in messages) == 1
+    assert sum("no target description for query" in m for m in messages) == 3  # a few examples, not thousands
     assert results["methods"]["osrcir"] == results["methods"]["text-only"]  # the fallback is the modification text
 
 

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 # beside the generation prompts (demind/gen/prompts/<version>/), versioned the same way
 DESCRIBE_PROMPT_ROOT = Path(__file__).resolve().parents[1] / "gen" / "prompts" / "describe"
+LOGGED_EXAMPLES = 3  # unparsable answers shown in the log per call (all are counted and stored)
 PROMPT_FILES = {"caption": (), "rewrite": ("{caption}", "{modification}"), "osrcir": ("{modification}",),
                 "verify": ("{modification}",)}
 
@@ -144,20 +145,23 @@ class Describer:
             self.generated += len(records)
             log.info("%s: %d of %d descriptions generated (%s)", self.kind, start + len(part), len(missing),
                      self.store.folder)
-        out = []
-        for q in queries:
-            out.append([self._description(q, self.store.records[self.record_id(q, s)]) for s in samples])
+        out = [[self._description(q, self.store.records[self.record_id(q, s)]) for s in samples] for q in queries]
+        new = [(q, r) for q in queries for s in samples
+               if (r := self.store.records[self.record_id(q, s)])["description"] is None
+               and self.record_id(q, s) not in self._told]
+        if new:
+            self._told.update(self.record_id(q, r["sample"]) for q, r in new)
+            log.warning("%s: %d of %d answers have no parsable target description; the modification text alone "
+                        "stands in for them (counts by reason: results.json mllm.describers.%s.fallback_reasons)",
+                        self.kind, len(new), len(queries) * self.options.samples, self.kind)
+            for q, r in new[:LOGGED_EXAMPLES]:
+                log.warning("%s: no target description for query %s (%s): %r", self.kind, q.qid, r["status"],
+                            r["raw"][:160])
         return out
 
-    def _description(self, query: Query, record: dict[str, Any]) -> str:
-        if record["description"] is not None:
-            return record["description"]
-        rid = self.record_id(query, record["sample"])
-        if rid not in self._told:
-            self._told.add(rid)
-            log.warning("%s: query %s has no parsable target description (%s; answer %r); the modification text "
-                        "alone stands in", self.kind, query.qid, record["status"], record["raw"][:120])
-        return modification_text(query)
+    @staticmethod
+    def _description(query: Query, record: dict[str, Any]) -> str:
+        return record["description"] if record["description"] is not None else modification_text(query)
 
     def summary(self) -> dict[str, Any]:
         """Counts over every stored record: parsed, truncated-but-kept, fallbacks by reason."""
