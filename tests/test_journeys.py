@@ -239,3 +239,39 @@ def test_a_repeated_member_name_in_a_shard_never_gives_disagreeing_entries(tmp_p
     assert len(firsts) == 2
     assert not np.array_equal(np.asarray(load_image(index.image_ref(firsts[0]))),
                               np.asarray(load_image(index.image_ref(firsts[1]))))
+
+
+# --------------------------------------------------------------------------- the reference's copies
+
+
+def test_demind_search_leaves_out_pixel_copies_of_the_reference_and_says_so(tmp_path, tiny_backbone, capsys,
+                                                                             monkeypatch):
+    import shutil
+
+    import demind.cli.search as cli
+    from demind.search.index import build_index
+
+    gallery = tmp_path / "gallery"
+    gallery.mkdir()
+    for seed in range(4):
+        (gallery / f"img{seed}.png").write_bytes(png_bytes(seed))
+    shutil.copy(gallery / "img2.png", gallery / "holiday-copy.png")
+    reference = tmp_path / "elsewhere" / "ref.png"  # the user's own copy, outside the gallery
+    reference.parent.mkdir()
+    shutil.copy(gallery / "img2.png", reference)
+    build_index(gallery, tmp_path / "index", tiny_backbone, num_workers=0, progress=False)
+    monkeypatch.setattr(cli, "load_model", lambda cfg: (tiny_backbone, None))
+    base = ["--index", str(tmp_path / "index"), "--image", str(reference), "--method", "image-only", "-k", "5"]
+
+    assert cli.main([*base, "--out", str(tmp_path / "dropped.json")]) == 0
+    record = json.loads((tmp_path / "dropped.json").read_text())["queries"][0]
+    names = [h["name"] for h in record["results"]]
+    assert "img2.png" not in names and "holiday-copy.png" not in names and len(names) == 3
+    assert sorted(record["duplicates"]) == ["holiday-copy.png", "img2.png"]
+    out = capsys.readouterr().out
+    assert "left out 2 pixel copy(ies) of the reference" in out and "--keep-reference" in out
+
+    assert cli.main([*base, "--keep-reference", "--out", str(tmp_path / "kept.json")]) == 0
+    kept = json.loads((tmp_path / "kept.json").read_text())["queries"][0]
+    assert sorted(h["name"] for h in kept["results"][:2]) == ["holiday-copy.png", "img2.png"]
+    assert "duplicates" not in kept

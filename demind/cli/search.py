@@ -10,7 +10,9 @@ with ``text`` and optionally ``image`` (paths relative to the current folder), `
 image, an empty text) and a line that is not such an object (bad JSON, ``"text": null``, a
 wrong-typed key) are reported, counted and kept in the JSON with their error (naming the file,
 line and key); the others run. A query with a negative is recorded as it was searched: the
-method's ``+deo`` variant on "TEXT, without NEGATIVE".
+method's ``+deo`` variant on "TEXT, without NEGATIVE". The reference itself and gallery images
+whose pixels equal it (a copy under another name) are left out of the results and named, as the
+page does; ``--keep-reference`` keeps them.
 Exit status: 0, 1 when some queries could not be answered, 2 on an error (one line).
 
 This module also holds what demind-index and demind-serve share: the model settings
@@ -85,8 +87,9 @@ class SearchConfig(ModelOptions):
                                               "NEGATIVE' with the method's +deo variant")
     ranker: str = setting("exact", choices=RANKERS,
                           help="exact matrix product, or FAISS (pip install -e '.[search]')")
-    keep_reference: bool = setting(False, help="allow the reference image itself among the results when it is "
-                                               "in the gallery")
+    keep_reference: bool = setting(False, help="allow the reference image among the results: itself when it is "
+                                               "in the gallery, and its pixel copies under other names (left out "
+                                               "by default, as the page does)")
     out: str | None = setting(None, help="write the results as JSON here")
 
     def config_problems(self) -> list[tuple[str, str]]:
@@ -156,6 +159,7 @@ def answer(searcher: Searcher, query: SearchQuery, keep_reference: bool) -> dict
     or its error."""
     if query.image is not None and not keep_reference:
         query.exclude = searcher.gallery_name_of(query.image)
+        query.drop_duplicates = True  # as the page does: a copy of the reference is not a result
     negative = query.negative
     try:
         query = with_negative_as_deo(query)
@@ -171,9 +175,13 @@ def answer(searcher: Searcher, query: SearchQuery, keep_reference: bool) -> dict
         record["error"] = error
         return record
     try:
-        record["results"] = [h.as_dict() for h in searcher.search(query)]
+        outcome = searcher.search_with_details(query)
     except SearchError as e:
         record["error"] = str(e)
+        return record
+    record["results"] = [h.as_dict() for h in outcome.hits]
+    if outcome.duplicates:
+        record["duplicates"] = outcome.duplicates
     return record
 
 
@@ -188,6 +196,9 @@ def print_record(record: dict) -> None:
         return
     for hit in record["results"]:
         print(f"  {hit['rank']:>3}  {hit['score']:.4f}  {hit['name']}")
+    if record.get("duplicates"):
+        print(f"  left out {len(record['duplicates'])} pixel copy(ies) of the reference: "
+              f"{', '.join(record['duplicates'])} (--keep-reference keeps them)")
 
 
 def run(cfg: SearchConfig) -> int:
