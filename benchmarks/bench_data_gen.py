@@ -1,6 +1,6 @@
 """Benchmark of the generation job with the tiny random LLaVA-NeXT, on CPU.
 
-    PYTHONPATH=. python benchmarks/bench_data_gen.py --samples 64 --batch-size 8
+    python -m benchmarks.bench_data_gen --samples 64 --batch-size 8
 
 Measures, in one run:
 1. images/s of the transformers engine (both stages, the job's own IntentGenerator)
@@ -106,7 +106,7 @@ def time_overhead_parts(shard: Path, out_dir: Path, cfg: GenConfig, renderer) ->
             {"read": read, "decode_resize": decode, "prompt_render_2_stages": prompt, "write": write}.items()}
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=8)
@@ -183,8 +183,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(json.dumps(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

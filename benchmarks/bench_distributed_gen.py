@@ -1,6 +1,6 @@
 """Generation on a local Ray cluster: shards/s with 1 and 2 workers, and the scheduling cost per shard.
 
-    PYTHONPATH=. python benchmarks/bench_distributed_gen.py [--shards 16 --samples 24] [--workdir DIR]
+    python -m benchmarks.bench_distributed_gen [--shards 16 --samples 24] [--workdir DIR]
 
 Needs Ray (pip install -e '.[distributed]'). In one run, on one local Ray cluster, with the tiny
 random LLaVA-NeXT on the transformers engine (one torch thread per worker):
@@ -20,26 +20,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import ray  # noqa: E402
-
-from bench_data_gen import make_input_shard  # noqa: E402
-from demind.config import load_config  # noqa: E402
-from demind.gen.config import GenConfig  # noqa: E402
-from demind.gen.plan import make_plan  # noqa: E402
-from demind.gen.ray_job import RayOptions, run_plan_on_ray  # noqa: E402
-from demind.gen.tiny_llava import build_tiny_llava_next  # noqa: E402
+from benchmarks.bench_data_gen import make_input_shard
+from demind.config import load_config
+from demind.gen.config import GenConfig
+from demind.gen.plan import make_plan
+from demind.gen.tiny_llava import build_tiny_llava_next
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def timed_job(plan, cfg: GenConfig, workers: int, name: str) -> dict:
     """One job through ``run_plan_on_ray`` (fresh workers); its metrics plus the run's name."""
+    from demind.gen.ray_job import RayOptions, run_plan_on_ray  # Ray: an optional extra
+
     summary = run_plan_on_ray(plan, cfg, RayOptions(workers=workers), show_progress=False)
     assert not summary.failed and len(summary.finished) == len(plan.todo), summary.failed
     return {"name": name, "shards": len(summary.finished), **summary.metrics}
@@ -53,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default=None)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    import ray  # an optional extra ('.[distributed]'): imported only when the benchmark runs
+
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-distributed-gen-"))
     tiny = build_tiny_llava_next(work / "tiny-llava-next")
     for name, shards, samples in (("in", args.shards, args.samples), ("in1", args.empty_shards, 1)):
@@ -93,4 +91,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

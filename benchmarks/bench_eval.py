@@ -1,12 +1,13 @@
 """Evaluation-side timings: De-MINDS query latency vs the mapping-only (Pic2Word-style)
 query, and gallery encoding throughput.
 
-    PYTHONPATH=. python benchmarks/bench_eval.py --backbone ViT-B-32:none --device cpu
+    python -m benchmarks.bench_eval --backbone ViT-B-32:none --device cpu
 
 The paper reports 0.017 s (De-MINDS) vs 0.012 s (mapping only) per query on a GPU, a ratio
 of 1.42. Both queries here start from the same precomputed reference-image feature; the
 "end to end" rows add the reference image's encoding, which both methods share.
-Prints a table and writes JSON (``--json``). Timings, so never run in the test suite.
+Prints a table and writes JSON (``--json``). Timings: the test suite runs it only at a tiny size
+(tests/test_benchmarks_smoke.py), never for its numbers.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def gallery_throughput(backbone, n_images: int, size: int, batch_size: int, num_
         return n_images / (time.perf_counter() - start)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backbone", default="ViT-B-32:none", help="NAME:TAG (none = random init)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -114,8 +115,8 @@ def main(argv: list[str] | None = None) -> dict:
            "query_latency": rows, "gallery_images_per_s": throughput}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
-    return out
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

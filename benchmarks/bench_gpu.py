@@ -1,7 +1,7 @@
 """Every speed figure of the GPU table (BENCHMARKS.md) on one GPU, in one command, with random weights at the real shapes.
 
-    PYTHONPATH=. python benchmarks/bench_gpu.py --json bench_gpu.json          # one GPU, < 10 min
-    PYTHONPATH=. python benchmarks/bench_gpu.py --tiny --json bench_tiny.json  # CPU, tiny shapes (a test runs it)
+    python -m benchmarks.bench_gpu --json bench_gpu.json          # one GPU, < 10 min
+    python -m benchmarks.bench_gpu --tiny --json bench_tiny.json  # CPU, tiny shapes (a test runs it)
 
 Sections (``--only`` picks some; each runs on its own, an error is recorded in the JSON and the
 others still run):
@@ -36,7 +36,6 @@ import json
 import logging
 import os
 import statistics
-import sys
 import tempfile
 import time
 import traceback
@@ -46,12 +45,10 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from benchmarks import gpu_models
+from benchmarks.bench_eval import gallery_throughput, query_latency
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from benchmarks import gpu_models  # noqa: E402
-from benchmarks.bench_eval import gallery_throughput, query_latency  # noqa: E402
-
 SECTIONS = ("tower", "cache", "gallery", "query", "train", "gen", "describe")
 # The speed goals on one H100, for the printed table.
 GOALS = {"cache": ">= 2,500 img/s", "query": "<= 1.2x at batch 1", "gen": ">= 6 img/s", "train": ">= 6,000 samples/s"}
@@ -323,7 +320,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     results: dict[str, Any] = {
@@ -350,8 +347,8 @@ def main(argv: list[str] | None = None) -> dict:
     print("| what | measured | goal |\n| --- | --- | --- |")
     for what, measured, goal in table(results):
         print(f"| {what} | {measured} | {goal} |")
-    return results
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

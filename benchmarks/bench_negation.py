@@ -1,10 +1,10 @@
 """Negation (DEO) numbers: the optimisation's latency per query, and the quickstart's
 ``+deo`` results per seed.
 
-    PYTHONPATH=. python benchmarks/bench_negation.py --latency              # DEO solve time per query
-    PYTHONPATH=. python benchmarks/bench_negation.py --methods-latency      # whole +deo query vs base, toy CLIP
-    PYTHONPATH=. python benchmarks/bench_negation.py --workdir runs/quickstart  # toy tables per seed
-    PYTHONPATH=. python benchmarks/bench_negation.py --backbone-only toyworld/model_configs/toy-clip-cnn-text2.json:WEIGHTS.safetensors \
+    python -m benchmarks.bench_negation --latency              # DEO solve time per query
+    python -m benchmarks.bench_negation --methods-latency      # whole +deo query vs base, toy CLIP
+    python -m benchmarks.bench_negation --workdir runs/quickstart  # toy tables per seed
+    python -m benchmarks.bench_negation --backbone-only toyworld/model_configs/toy-clip-cnn-text2.json:WEIGHTS.safetensors \
         --benchmarks runs/quickstart/benchmarks --out runs/deo-bb               # Text-only / Image+Text +- DEO
 
 Latency: the time to turn (e_o, sub-query embeddings) into e_u, exact (closed form) vs the
@@ -15,7 +15,9 @@ evaluation) holds the whole +deo query time next to the base method's.
 Backbone-only: Text-only and Image+Text need no De-MINDS training, so their +deo rows (and
 paired tests) come from the toy CLIP alone, the same for every training seed.
 Toy tables: exclusion mAP@10 and toy CIRR R@10 per seed for every base and +deo method,
-mean ± std, and the paired counts. Timings, so never run in the test suite.
+mean ± std, and the paired counts. ``--json PATH`` writes the latency rows, the methods' latency
+and the backbone-only numbers there. Timings: the test suite runs it only at a tiny size
+(tests/test_benchmarks_smoke.py), never for its numbers.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks.bench_eval import interleaved_medians
+from demind.io import write_json_atomic
 from demind.negation.deo import DEOConfig, SubQueries, optimise
 
 
@@ -48,10 +52,10 @@ def time_solver(cfg: DEOConfig, batch: int, dim: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def latency_table(repeats: int) -> list[dict]:
+def latency_table(repeats: int, dims: tuple[int, ...] = (128, 768), batches: tuple[int, ...] = (1, 256)) -> list[dict]:
     rows = []
-    for dim in (128, 768):
-        for batch in (1, 256):
+    for dim in dims:
+        for batch in batches:
             exact = time_solver(DEOConfig(mode="exact"), batch, dim, repeats)
             adam = time_solver(DEOConfig(mode="adam", steps=20), batch, dim, repeats)
             rows.append({"dim": dim, "batch": batch, "exact_s_per_query": exact / batch,
@@ -63,11 +67,6 @@ def latency_table(repeats: int) -> list[dict]:
 def methods_latency(model_config: str, batch: int, repeats: int) -> dict[str, float]:
     """Seconds per query of each base method and its +deo variant on the toy CLIP architecture
     (random weights: timing does not depend on them), every query holding one negation."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_eval import interleaved_medians
-
     from demind.backbone import BackboneConfig, FrozenCLIP
     from demind.retrieval import build_methods
     from demind.model import DeMinds, ModelConfig
@@ -111,10 +110,11 @@ def toy_tables(workdir: Path) -> str:
     return "\n".join(lines)
 
 
-def backbone_only(spec: str, benchmarks: Path, out: Path) -> str:
-    """Text-only and Image+Text with and without DEO on the toy exclusion set and toy CIRR."""
+def backbone_only(spec: str, benchmarks: Path, out: Path, numbers: dict | None = None) -> str:
+    """Text-only and Image+Text with and without DEO on the toy exclusion set and toy CIRR (the
+    metrics also go into ``numbers[bench]`` when given)."""
     from demind.checkpoint import load_backbone_and_model
-    from demind.eval.harness import evaluate
+    from demind.eval import evaluate
     from toyworld.results import deo_paired, deo_touched
 
     backbone, _ = load_backbone_and_model(None, spec)
@@ -135,13 +135,15 @@ def backbone_only(spec: str, benchmarks: Path, out: Path) -> str:
             paired = deo_paired(ranked, targets, (10,), ap=False)
             lines.append(f"  toy CIRR touched: {deo_touched(captions, ranked)}")
         lines.append(f"{bench} {key}: " + ", ".join(f"{m} {results['methods'][m][key]:.1f}" for m in methods))
+        if numbers is not None:
+            numbers[bench] = {m: results["methods"][m][key] for m in methods}
         for m, v in paired.items():
             (k, c), = v.items()
             lines.append(f"  {m} vs base, {k}: better on {c['only_deo']}, worse on {c['only_base']} (p {c['p']:.2g})")
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--latency", action="store_true")
     p.add_argument("--repeats", type=int, default=21)
@@ -151,29 +153,39 @@ def main() -> None:
     p.add_argument("--backbone-only", help="NAME:WEIGHTS of a trained toy CLIP (Text-only / Image+Text +- DEO)")
     p.add_argument("--benchmarks", default="runs/quickstart/benchmarks", help="the quickstart's benchmarks folder")
     p.add_argument("--out", default="runs/deo-backbone-only", help="evaluation outputs (and feature cache)")
-    p.add_argument("--json", help="write the latency rows here")
+    p.add_argument("--json", help="write the numbers here (latency rows, methods' latency, backbone-only metrics)")
+    p.add_argument("--dims", default="128,768", help="embedding sizes of --latency")
+    p.add_argument("--batches", default="1,256", help="batch sizes of --latency")
+    p.add_argument("--methods-batches", default="1,64", help="batch sizes of --methods-latency")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (1: on a shared machine a spinning second thread costs more than it gives)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    numbers: dict = {}
     if args.latency:
-        rows = latency_table(args.repeats)
+        rows = latency_table(args.repeats, tuple(int(d) for d in args.dims.split(",")),
+                             tuple(int(b) for b in args.batches.split(",")))
+        numbers["latency"] = rows
         print(f"torch threads {torch.get_num_threads()}")
         print("D | batch | exact s/query | Adam-20 s/query | Adam / exact")
         for r in rows:
             print(f"{r['dim']} | {r['batch']} | {r['exact_s_per_query']:.2e} | {r['adam20_s_per_query']:.2e} | "
                   f"{r['adam_over_exact']:.0f}")
-        if args.json:
-            Path(args.json).write_text(json.dumps(rows, indent=1))
     if args.methods_latency:
-        for batch in (1, 64):
+        numbers["methods_latency_s_per_query"] = {}
+        for batch in (int(b) for b in args.methods_batches.split(",")):
             per_query = methods_latency(args.model_config, batch, args.repeats)
+            numbers["methods_latency_s_per_query"][str(batch)] = per_query
             print(f"batch {batch}, ms per query: " + ", ".join(f"{n} {1000 * v:.2f}" for n, v in per_query.items()))
     if args.backbone_only:
-        print(backbone_only(args.backbone_only, Path(args.benchmarks), Path(args.out)))
+        numbers["backbone_only"] = {}
+        print(backbone_only(args.backbone_only, Path(args.benchmarks), Path(args.out), numbers["backbone_only"]))
     if args.workdir:
         print(toy_tables(Path(args.workdir)))
+    if args.json:
+        write_json_atomic(args.json, numbers, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

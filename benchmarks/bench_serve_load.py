@@ -1,6 +1,6 @@
 """Load test of the search page as served (waitress, default limits): N clients for S seconds.
 
-    PYTHONPATH=. python benchmarks/bench_serve_load.py --clients 20 --seconds 30 --json runs/bench_serve_load.json
+    python -m benchmarks.bench_serve_load --clients 20 --seconds 30 --json runs/bench_serve_load.json
 
 A gallery of ``--images`` generated coloured squares is indexed with the toy CLIP architecture
 (random weights: the toy CLIP's compute) and a random De-MINDS; the server runs in this process
@@ -9,7 +9,8 @@ gallery filter, a thumbnail, a search from a gallery pick (De-MINDS, mapping-onl
 negative), and an upload search. Reported: requests by kind, errors (any status other than the
 expected one, or a connection failure), latency p50/p95 per kind, whether every repeat of a
 query returned the same ranking, peak worker threads, and resident memory at start, middle and
-end (flat memory: no leak per request). Timings, so never run in the test suite.
+end (flat memory: no leak per request). Timings: the test suite runs it only at a tiny size
+(tests/test_benchmarks_smoke.py), never for its numbers.
 """
 
 from __future__ import annotations
@@ -111,14 +112,14 @@ def client_loop(port: int, names: list[str], upload: bytes, stop: float, seed: i
                     log["rankings"][key].add(ranking)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--clients", type=int, default=20)
     p.add_argument("--seconds", type=float, default=30.0)
     p.add_argument("--images", type=int, default=300, help="generated gallery size")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--json", help="write the results here")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     backbone = FrozenCLIP(BackboneConfig(name=str(TOY_CLIP), pretrained=None))
@@ -148,7 +149,7 @@ def main() -> None:
         server.shutdown()
     times = log["times"]
     results = {
-        "command": "PYTHONPATH=. python benchmarks/bench_serve_load.py " + " ".join(sys.argv[1:]),
+        "command": "python -m benchmarks.bench_serve_load " + " ".join(sys.argv[1:] if argv is None else argv),
         "clients": args.clients, "seconds": args.seconds, "gallery": args.images, "cpus": os.cpu_count(),
         "load_avg": os.getloadavg(),
         "server": {"threads": settings.threads, "connection_limit": settings.connection_limit},
@@ -164,7 +165,8 @@ def main() -> None:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

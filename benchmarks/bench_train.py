@@ -1,6 +1,6 @@
 """Training throughput with vs without the frozen-feature cache, and peak memory as shards grow.
 
-    PYTHONPATH=. python benchmarks/bench_train.py --backbone ViT-B-32 --batch 16 --steps 6 --json out.json
+    python -m benchmarks.bench_train --backbone ViT-B-32 --batch 16 --steps 6 --json out.json
 
 1. Throughput: synthetic 256 px JPEG intent shards, the real trainer (demind.training.train)
    run twice on the same randomly initialised backbone, once decoding images and running the
@@ -10,7 +10,8 @@
 2. Memory: peak RSS of a training process (tiny backbone) that streams 2, 8, 32, ... shards
    once, with and without the cache; each size runs in a fresh subprocess.
 
-Prints a table and JSON. Timings: never part of the test suite.
+Prints a table and JSON. Timings: the test suite runs it only at a tiny size
+(tests/test_benchmarks_smoke.py), never for its numbers.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def memory(args: argparse.Namespace, work: Path) -> list[dict]:
                                     features="auto", small_model=True))
         steps = count * per_shard // batch  # one pass over all shards
         for mode, features in (("uncached", "null"), ("cached", "auto")):
-            cmd = [sys.executable, __file__, "--memory-child", str(shards), str(work / f"run_mem_{count}_{mode}"),
+            cmd = [sys.executable, "-m", "benchmarks.bench_train", "--memory-child", str(shards), str(work / f"run_mem_{count}_{mode}"),
                    features, str(batch), str(steps)]
             out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=True).stdout
             peak = json.loads(out.strip().splitlines()[-1])
@@ -158,4 +159,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,6 +1,6 @@
 """ExclMM vs CLIP text-only on the toy ExclCOCO, with the paper's cheap Table 2 ablations.
 
-    python benchmarks/exclmm_toy.py --backbone-dir runs/quickstart/backbone --workdir runs/exclmm --seeds 0 1 2
+    python -m benchmarks.exclmm_toy --backbone-dir runs/quickstart/backbone --workdir runs/exclmm --seeds 0 1 2
 
 Design (written before measuring):
 * Data: the toy ExclCOCO (toyworld/benchmarks.py, defaults: 3,000 train / 1,000 test images,
@@ -16,6 +16,9 @@ Design (written before measuring):
 * Metrics: the eight of the paper's Table 1 (demind/eval/metrics.py), mean ± std over seeds.
   Paired test vs CLIP on the same queries: sign test on per-query AP@5 (queries where the
   variant is better vs worse, ties dropped), per seed; we report the largest p of the 3 seeds.
+Writes ``<workdir>/table.md`` and ``<workdir>/results.json``. ``--bench KEY=VALUE`` changes the toy
+ExclCOCO (``ToyBenchmarkConfig``, e.g. ``exclcoco_test_images=40``) and ``--set KEY=VALUE`` the
+ExclMM recipe of every run (``configs/exclmm/toy.yaml``): a smaller run for a smoke test.
 """
 
 from __future__ import annotations
@@ -25,25 +28,21 @@ import json
 import logging
 import shutil
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from demind.backbone import BackboneConfig, FrozenCLIP  # noqa: E402
-from demind.config import load_config  # noqa: E402
-from demind.eval import metrics as M  # noqa: E402
-from demind.eval.exclcoco import load_exclcoco  # noqa: E402
-from demind.eval.harness import evaluate  # noqa: E402
-from demind.exclmm import load_exclmm  # noqa: E402
-from demind.exclmm.train import FEATURES_NAME, ExclMMConfig, train_exclmm  # noqa: E402
-from demind.logs import setup_logging  # noqa: E402
-from toyworld.benchmarks import ToyBenchmarkConfig, write_benchmarks  # noqa: E402
-from toyworld.clip import TOY_CLIP_CONFIG, ToyBackboneConfig  # noqa: E402
-from toyworld.clip_cache import with_modality_gap  # noqa: E402
+from demind.backbone import BackboneConfig, FrozenCLIP
+from demind.config import load_config
+from demind.eval import evaluate, load_exclcoco
+from demind.eval import metrics as M
+from demind.exclmm import load_exclmm
+from demind.exclmm.train import FEATURES_NAME, ExclMMConfig, train_exclmm
+from demind.logs import setup_logging
+from toyworld.benchmarks import ToyBenchmarkConfig, write_benchmarks
+from toyworld.clip import TOY_CLIP_CONFIG, ToyBackboneConfig
+from toyworld.clip_cache import with_modality_gap
 
 log = logging.getLogger("exclmm_toy")
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,17 +92,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", nargs="*", default=list(VARIANTS))
     p.add_argument("--gap", type=float, default=ToyBackboneConfig().modality_gap,
                    help="the toy CLIP's modality gap (the quickstart's backbone.modality_gap)")
+    p.add_argument("--bench", nargs="*", default=[], metavar="KEY=VALUE", help="ToyBenchmarkConfig overrides")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", dest="settings",
+                   help="ExclMMConfig overrides for every run (after the variant's)")
+    p.add_argument("--batch-size", type=int, default=256, help="evaluation batch size")
     args = p.parse_args(argv)
     setup_logging()
     torch.set_num_threads(1)
     work = Path(args.workdir)
-    bench = write_benchmarks(work / "benchmarks", ToyBenchmarkConfig(), which=("exclcoco",))["exclcoco"]
+    bench_cfg = load_config(ToyBenchmarkConfig, None, args.bench)
+    bench = write_benchmarks(work / "benchmarks", bench_cfg, which=("exclcoco",))["exclcoco"]
     backbone = load_toy_backbone(Path(args.backbone_dir), args.gap)
     test_root, train_root = bench / "test", bench / "train"
     data, _ = load_exclcoco(test_root)
     truth = {str(q["id"]): set(q["ground_truth"]) for q in data["queries"]}
     cache = work / "feature_cache"
-    common = dict(backbone=backbone, cache_dir=cache, batch_size=256, progress=False)
+    common = dict(backbone=backbone, cache_dir=cache, batch_size=args.batch_size, progress=False)
 
     results: dict[str, list[dict]] = {"random ranking": [random_ranking(data, seed) for seed in args.seeds],
                                       "CLIP text-only": []}
@@ -125,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_config(ExclMMConfig, ROOT / "configs/exclmm/toy.yaml", [
                 f"backbone.pretrained={backbone.cfg.pretrained}", f"data.train={train_root}",
                 f"data.cache_dir={cache}", f"run.output_dir={run}", f"run.seed={seed}", "run.progress=false",
-                *VARIANTS[variant]])
+                *VARIANTS[variant], *args.settings])
             started = time.perf_counter()
             export = train_exclmm(cfg, backbone)
             timings.setdefault(variant, []).append(time.perf_counter() - started)
@@ -184,4 +188,4 @@ def format_table(results: dict[str, list[dict]], n_queries: int, n_images: int) 
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,7 +1,7 @@
 """Noise detection on toy intent shards: GFQ fidelity vs a small-loss GMM detector (measurement a).
 
-    PYTHONPATH=. python benchmarks/noise_detection.py --quickstart runs/quickstart --out runs/noise_detection
-    PYTHONPATH=. python benchmarks/noise_detection.py --quickstart Q --out O --tiny     # a minute on a CPU
+    python -m benchmarks.noise_detection --quickstart runs/quickstart --out runs/noise_detection
+    python -m benchmarks.noise_detection --quickstart Q --out O --tiny     # a minute on a CPU
 
 For hard and easy noise at ``--rate``: toy intent shards with ground-truth labels
 (:mod:`toyworld.intent_data`), their feature cache with GFQ fidelity (pool = shard, K = 4,
@@ -31,12 +31,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks.noise_common import (TINY_TRAIN, NoiseBenchError, add_common_arguments, cell_config, group_name,  # noqa: E402
+from benchmarks.noise_common import (TINY_TRAIN, NoiseBenchError, add_common_arguments, cell_config, group_name,
                                      load_backbone, noisy_shards, parse_choices, parse_floats, source_config)
 
 logger = logging.getLogger("noise_detection")
@@ -208,4 +205,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

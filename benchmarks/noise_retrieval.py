@@ -1,7 +1,7 @@
 """Retrieval of De-MINDS trained on noisy descriptions, per training mode (measurement b).
 
-    PYTHONPATH=. python benchmarks/noise_retrieval.py --quickstart runs/quickstart --out runs/noise_retrieval
-    PYTHONPATH=. python benchmarks/noise_retrieval.py --quickstart Q --out O --tiny     # minutes on a CPU
+    python -m benchmarks.noise_retrieval --quickstart runs/quickstart --out runs/noise_retrieval
+    python -m benchmarks.noise_retrieval --quickstart Q --out O --tiny     # minutes on a CPU
 
 For every noise kind x rate x training mode x seed ("cell"): toy intent shards with that noise
 (:mod:`toyworld.intent_data`; rate 0 is the clean shards, shared by every kind), their feature
@@ -24,10 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.noise_common import (MODES, TINY_TRAIN, NoiseBenchError, add_common_arguments,  # noqa: E402
+from benchmarks.noise_common import (MODES, TINY_TRAIN, NoiseBenchError, add_common_arguments,
                                      cell_config, copy_benchmarks, group_name, load_backbone, noisy_shards, parse_choices, parse_floats,
                                      source_config)
 
@@ -208,4 +205,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

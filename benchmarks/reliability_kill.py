@@ -1,6 +1,6 @@
 """Kill-and-rerun check of the two long jobs (BENCHMARKS.md, "Reliability").
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/reliability_kill.py --data-gen-kills 6 --train-kills 6
+    OMP_NUM_THREADS=1 python -m benchmarks.reliability_kill --data-gen-kills 6 --train-kills 6
 
 data_gen: tiny random LLaVA-NeXT on CPU, 4 input shards x 12 samples; the job is started, sent
 SIGKILL after a random delay, restarted, ... ``--data-gen-kills`` times, then run to the end.
@@ -10,6 +10,7 @@ uninterrupted run's (texts are seeded per key, so they must).
 training: the smoke recipe on the tiny CLIP (40 steps, a checkpoint every 5); SIGKILL after a
 random delay ``--train-kills`` times (some land while a checkpoint is being written), then run
 to the end. Reports whether the exported weights are bit-identical to an uninterrupted run's.
+``--samples`` and ``--train-steps`` shrink both jobs (a smoke run); ``--json PATH`` writes the report.
 """
 
 from __future__ import annotations
@@ -64,26 +65,32 @@ def run_to_end(cmd: list[str], env: dict[str, str]) -> None:
     subprocess.run(cmd, cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
-def data_gen_check(work: Path, kills: int, rng: random.Random, env: dict[str, str]) -> dict:
+def input_sample(key: str, seed: int, caption: str) -> dict:
+    """One img2dataset-style sample (jpg, txt, json) as ``write_intent_shard`` takes it: a random
+    JPEG whose size follows the seed, as the data_gen tests' inputs."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 255, (30, 40 + seed, 3), dtype=np.uint8)
+    return {"key": key, "jpg": Image.fromarray(pixels), "txt": caption,
+            "json": {"key": key, "url": f"http://example.com/{key}.jpg", "caption": caption}}
+
+
+def data_gen_check(work: Path, kills: int, rng: random.Random, env: dict[str, str], per_shard: int) -> dict:
     import webdataset as wds
 
-    try:
-        from demind.gen.tiny_llava import build_tiny_llava_next
-    except ImportError:  # before the library/command split
-        from demind.gen.tiny_model import build_tiny_llava_next
-
-    sys.path.insert(0, str(REPO / "tests"))
-    from test_data_gen import make_sample, write_input_shard  # the tests' own input builder
+    from benchmarks.synthetic import write_intent_shard
+    from demind.gen.tiny_llava import build_tiny_llava_next
 
     tiny = build_tiny_llava_next(work / "tiny-llava")
     inp = work / "in"
     inp.mkdir()
     keys_in = []
     for shard in range(4):
-        samples = [make_sample(f"{shard:05d}{i:04d}", 10 * shard + i, f"a red dog {shard} {i} on the street")
-                   for i in range(12)]
-        keys_in += [s["__key__"] for s in samples]
-        write_input_shard(inp / f"{shard:05d}.tar", samples)
+        samples = [input_sample(f"{shard:05d}{i:04d}", 10 * shard + i, f"a red dog {shard} {i} on the street")
+                   for i in range(per_shard)]
+        keys_in += [s["key"] for s in samples]
+        write_intent_shard(inp / f"{shard:05d}.tar", samples)
 
     def cmd(out: Path) -> list[str]:
         return [sys.executable, "data_gen/run.py", "--input", str(inp), "--output", str(out), "--config",
@@ -115,21 +122,19 @@ def data_gen_check(work: Path, kills: int, rng: random.Random, env: dict[str, st
                 texts_equal_uninterrupted=sorted(got) == sorted(want), uninterrupted_s=round(clean_s, 1))
 
 
-def train_check(work: Path, kills: int, rng: random.Random, env: dict[str, str]) -> dict:
+def train_check(work: Path, kills: int, rng: random.Random, env: dict[str, str], per_shard: int, steps: int
+                ) -> dict:
     import torch
     from safetensors.torch import load_file
 
-    try:
-        from demind.synthetic import write_synthetic_shards
-    except ImportError:
-        from demind.data import write_synthetic_shards
+    from benchmarks.synthetic import write_synthetic_shards
 
     shards = work / "shards"
-    write_synthetic_shards(shards, num_shards=4, samples_per_shard=12)
+    write_synthetic_shards(shards, num_shards=4, samples_per_shard=per_shard)
 
     def cmd(run: Path) -> list[str]:
         return [sys.executable, "train.py", "--config", "configs/train/smoke.yaml", f"data.shards={shards}",
-                "data.features=null", f"run.output_dir={run}", "optim.max_steps=40", "optim.warmup_steps=4",
+                "data.features=null", f"run.output_dir={run}", f"optim.max_steps={steps}", "optim.warmup_steps=4",
                 "optim.global_batch_size=8", "run.save_every=5", "run.log_every=1", "run.keep_checkpoints=2",
                 "run.progress=false"]
 
@@ -162,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-gen-kills", type=int, default=6)
     parser.add_argument("--train-kills", type=int, default=6)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--samples", type=int, default=12, help="samples per input shard (4 shards, both jobs)")
+    parser.add_argument("--train-steps", type=int, default=40, help="training steps (a checkpoint every 5)")
+    parser.add_argument("--json", type=Path, help="write the report here")
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
@@ -169,12 +177,15 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         report = {}
         if args.data_gen_kills:
-            report["data_gen"] = data_gen_check(work, args.data_gen_kills, rng, env)
+            report["data_gen"] = data_gen_check(work, args.data_gen_kills, rng, env, args.samples)
         if args.train_kills:
-            report["training"] = train_check(work, args.train_kills, rng, env)
+            report["training"] = train_check(work, args.train_kills, rng, env, args.samples, args.train_steps)
     print(json.dumps(report, indent=1))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

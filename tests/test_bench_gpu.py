@@ -1,4 +1,5 @@
-"""benchmarks/bench_gpu.py at tiny shapes on the CPU, so the GPU benchmark command cannot rot."""
+"""benchmarks/bench_gpu.py (``python -m benchmarks.bench_gpu``) at tiny shapes on the CPU, so the GPU
+benchmark command cannot rot."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ def check_sections(results: dict, sections: list[str]) -> None:
 
 def test_bench_gpu_tiny_quick_sections(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    results = bench_gpu.main(["--tiny", "--only", "tower,cache,gallery,query,gen", "--query-modes", "eager",
-                              "--precisions", "fp32,amp_bf16", "--json", str(out)])
+    assert bench_gpu.main(["--tiny", "--only", "tower,cache,gallery,query,gen", "--query-modes", "eager",
+                           "--precisions", "fp32,amp_bf16", "--json", str(out)]) == 0
     results = json.loads(out.read_text())  # what a GPU run leaves behind
     check_sections(results, ["tower", "cache", "gallery", "query", "gen"])
     s = results["sections"]
@@ -32,7 +33,9 @@ def test_bench_gpu_tiny_quick_sections(tmp_path, capsys):
 @pytest.mark.slow
 def test_bench_gpu_tiny_every_section(tmp_path):
     """Every section, training (3 recipes) and the compiled query path included."""
-    results = bench_gpu.main(["--tiny", "--compile-backend", "aot_eager", "--json", str(tmp_path / "b.json")])
+    out = tmp_path / "b.json"
+    assert bench_gpu.main(["--tiny", "--compile-backend", "aot_eager", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
     check_sections(results, list(bench_gpu.SECTIONS))
     runs = results["sections"]["train"]["runs"]
     assert set(runs) == {"cc3m", "cc3m_checkpointing", "short"} and all(r["samples_per_s"] > 0 for r in runs.values())

@@ -1,11 +1,11 @@
-"""benchmarks/toy_clip_seeds.py: the toy CLIP over seeds, its probes and their mean ± std."""
+"""toyworld/lab/clip_seeds.py: the toy CLIP over seeds, its probes and their mean ± std."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 
-from benchmarks import toy_clip_seeds
+from toyworld.lab import clip_seeds as toy_clip_seeds
 from toyworld.clip import ToyBackboneConfig
 from toyworld.clip_cache import ensure_toy_backbone
 from toyworld.probes import PAIR_PROBE_ATTRIBUTES

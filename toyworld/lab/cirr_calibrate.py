@@ -1,15 +1,16 @@
 """The toy CIRR's three untrained baselines for one generator design: the calibration tool.
 
-    PYTHONPATH=. python benchmarks/toy_cirr_calibrate.py                          # the frozen cirr-3 (gap 50)
-    PYTHONPATH=. python benchmarks/toy_cirr_calibrate.py --version cirr-1 --gap 0
-    PYTHONPATH=. python benchmarks/toy_cirr_calibrate.py unnamed_edits=2 p_description=0.7
+    python -m toyworld.lab.cirr_calibrate                          # the frozen cirr-3 (gap 50)
+    python -m toyworld.lab.cirr_calibrate --version cirr-1 --gap 0
+    python -m toyworld.lab.cirr_calibrate unnamed_edits=2 p_description=0.7
 
 Writes the toy CIRR (the quickstart's size and seeds) with the version's frozen
 :class:`toyworld.cirr.CirrDesign`, or with ``key=value`` overrides of it, evaluates Image-only,
 Text-only and Image+Text with the quickstart's toy CLIP (the shipped weights, extended by the
 modality gap ``--gap``; no training of any method) through the evaluation harness, prints R@1/5/10/50
 and whether R@10 meets the published CIRR profile, and appends one JSON line to
-``<workdir>/calibration.jsonl``. The rule it serves is in
+``<workdir>/calibration.jsonl``. ``--backbone KEY=VALUE ...`` changes the toy CLIP's recipe
+(``ToyBackboneConfig``; another recipe is trained, not shipped). The rule it serves is in
 ``docs/lab-notes/calibrated-cirr.md``.
 """
 
@@ -23,6 +24,7 @@ import logging
 import time
 from pathlib import Path
 
+from demind.config import load_config
 from toyworld.benchmarks import ToyBenchmarkConfig
 from toyworld.cirr import CIRR_DESIGNS, CIRR_VERSIONS, write_cirr
 from toyworld.clip import ToyBackboneConfig
@@ -46,7 +48,7 @@ def parse_value(text: str):
         return text
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("overrides", nargs="*", help="CirrDesign fields as key=value")
     parser.add_argument("--version", default=ToyBenchmarkConfig().cirr_version, choices=CIRR_VERSIONS)
@@ -54,7 +56,10 @@ def main() -> None:
                         help="the toy CLIP's modality gap (backbone.modality_gap; 0: as trained)")
     parser.add_argument("--workdir", default="runs/calibrate-cirr")
     parser.add_argument("--sets", type=int, default=ToyBenchmarkConfig().cirr_sets)
-    args = parser.parse_args()
+    parser.add_argument("--backbone", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="ToyBackboneConfig overrides of the toy CLIP (default: the shipped one)")
+    parser.add_argument("--batch-size", type=int, default=256, help="evaluation batch size")
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     design = dataclasses.replace(CIRR_DESIGNS[args.version],
                                  **{k: tuple(v) if isinstance(v, list) else v for k, v in
@@ -67,13 +72,13 @@ def main() -> None:
     if not (folder / "captions" / "cap.rc2.val.json").is_file():
         write_cirr(folder, cfg, progress=False, design=design)
     written = time.perf_counter() - start
-    backbone, _, _ = prepare_backbone(QuickstartConfig(workdir=str(workdir),
-                                                       backbone=ToyBackboneConfig(modality_gap=args.gap)))
+    toy_clip = load_config(ToyBackboneConfig, None, [*args.backbone, ("modality_gap", args.gap)])
+    backbone, _, _ = prepare_backbone(QuickstartConfig(workdir=str(workdir), backbone=toy_clip))
 
-    from demind.eval.harness import evaluate
+    from demind.eval import evaluate
 
     results = evaluate("cirr", folder, backbone=backbone, methods=list(TARGET), cache_dir=folder / "cache",
-                       batch_size=256, progress=False)
+                       batch_size=args.batch_size, progress=False)
     metrics = {m: {k: round(v, 1) for k, v in results["methods"][m].items() if k.startswith("R@")} for m in TARGET}
     r10 = {m: metrics[m]["R@10"] for m in TARGET}
     record = {"version": args.version, "sets": args.sets, "modality_gap": args.gap,
@@ -83,7 +88,8 @@ def main() -> None:
     with (workdir / "calibration.jsonl").open("a") as f:
         f.write(json.dumps(record) + "\n")
     print(json.dumps(record))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,7 +1,7 @@
 """The default toy CLIP trained with several seeds: its pair probes, mean ± std.
 
-    PYTHONPATH=. python benchmarks/toy_clip_seeds.py --seeds 0 1 2 --out runs/toy_clip_seeds
-    PYTHONPATH=. python benchmarks/toy_clip_seeds.py --seeds 1 2 group_edits=[shape,size,position]
+    python -m toyworld.lab.clip_seeds --seeds 0 1 2 --out runs/toy_clip_seeds
+    python -m toyworld.lab.clip_seeds --seeds 1 2 group_edits=[shape,size,position]
 
 Trains (or reuses, keyed as the quickstart keys them) the toy CLIP of ``ToyBackboneConfig`` with each
 seed, ``key=value`` overrides applied to every seed, and reads each one's pair probes from its
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import statistics
 from pathlib import Path
@@ -54,13 +53,13 @@ def format_table(by_seed: dict[int, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--out", default="runs/toy_clip_seeds", help="cache of the toy CLIPs and the JSON result")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.add_argument("overrides", nargs="*", help="ToyBackboneConfig key=value, e.g. steps=600")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     base = load_config(ToyBackboneConfig, None, args.overrides)
     out = Path(args.out)
@@ -70,7 +69,8 @@ def main() -> None:
     write_json_atomic(out / "toy_clip_seeds.json", {"world_version": WORLD_VERSION, "overrides": args.overrides,
                                                     "config": dataclasses.asdict(base), "pair_probes": by_seed,
                                                     "table": table}, indent=2, default=str)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

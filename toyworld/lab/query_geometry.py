@@ -1,6 +1,6 @@
 """Where trained queries sit relative to the toy CLIP's modality gap, on the toy CIRR's queries.
 
-    PYTHONPATH=. python benchmarks/toy_query_geometry.py --cirr WORKDIR/benchmarks/cirr \\
+    python -m toyworld.lab.query_geometry --cirr WORKDIR/benchmarks/cirr \\
         --features WORKDIR/eval/feature_cache --checkpoints RUN_A/demind.safetensors RUN_B/demind.safetensors
 
 For each checkpoint (its backbone rebuilt from the checkpoint's own record) and for De-MINDS and
@@ -8,7 +8,7 @@ mapping-only of it, over the toy CIRR's queries: tanh(gate); the query's cosine 
 (the last embedding dimension, which only texts use: ``toyworld.clip.add_modality_gap``); the
 spread (std over the batch) of the query's cosines to the target *descriptions* (what the
 alignment loss compares it with) and to the target *images* (what retrieval compares it with).
-Prints a table and one JSON line per row. The reading it checks is in
+Prints a table and one JSON line per row (``--json PATH``: the rows as one JSON list). The reading it checks is in
 ``docs/lab-notes/calibrated-cirr.md``.
 """
 
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from demind.backbone import FrozenCLIP
 from demind.checkpoint import checkpoint_backbone_config, load_checkpoint
+from demind.io import write_json_atomic
 from demind.model import TEMPLATES
 
 
@@ -49,17 +50,19 @@ def geometry(model, queries: list[dict], gallery: dict[str, torch.Tensor], mappi
             "std_cos_to_target_images": to_image.std(dim=1).mean().item()}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cirr", required=True, type=Path, help="the toy CIRR folder (rc2 layout)")
     parser.add_argument("--features", required=True, type=Path, help="the evaluation's feature cache")
     parser.add_argument("--checkpoints", nargs="+", required=True, type=Path)
     parser.add_argument("--queries", type=int, default=256, help="the first N queries (one batch)")
-    args = parser.parse_args()
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    args = parser.parse_args(argv)
     queries = json.loads((args.cirr / "captions" / "cap.rc2.val.json").read_text())[: args.queries]
     gallery = gallery_features(args.features)
     print(f"{'checkpoint':<40} {'query':<13} {'tanh(gate)':>10} {'cos(q, gap axis)':>17} "
           f"{'std cos to texts':>17} {'std cos to images':>18}")
+    rows = []
     for path in args.checkpoints:
         model = load_checkpoint(path, FrozenCLIP(checkpoint_backbone_config(path)))
         gate = torch.tanh(model.gate).item() if model.cfg.fusion == "gate" else float("nan")
@@ -68,8 +71,12 @@ def main() -> None:
             name = "mapping-only" if mapping_only else "demind"
             print(f"{path.parent.name:<40} {name:<13} {gate:>10.3f} {row['gap_axis_cos']:>17.3f} "
                   f"{row['std_cos_to_descriptions']:>17.3f} {row['std_cos_to_target_images']:>18.3f}")
-            print(json.dumps({"checkpoint": str(path), "query": name, "tanh_gate": gate, **row}))
+            rows.append({"checkpoint": str(path), "query": name, "tanh_gate": gate, **row})
+            print(json.dumps(rows[-1]))
+    if args.json:
+        write_json_atomic(args.json, rows, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,7 +1,7 @@
 """De-MINDS training recipes on the toy CIRR, each against mapping-only of the same checkpoint and Image+Text.
 
-    PYTHONPATH=. python benchmarks/toy_recipes.py --recipes default gate-lr query-scale both --seeds 0 1 2
-    PYTHONPATH=. python benchmarks/toy_recipes.py --recipes gate-lr --seeds 0 1 2 --ablations
+    python -m toyworld.lab.recipes --recipes default gate-lr query-scale both --seeds 0 1 2
+    python -m toyworld.lab.recipes --recipes gate-lr --seeds 0 1 2 --ablations
 
 Each recipe is the quickstart (``toyworld.pipeline.run_quickstart``, toy CIRR only) with its training
 overrides in one shared workdir, so the shards, benchmark, toy CLIP and features are made once and
@@ -9,18 +9,22 @@ each recipe's runs are kept apart (their run folders carry a hash of the overrid
 recipe, R@10 mean ± std over seeds of De-MINDS, mapping-only and Image+Text, tanh(gate), and per seed
 the paired sign tests of De-MINDS vs mapping-only (same checkpoint) and vs Image+Text on the same
 queries (``toyworld.results.paired_vs_demind``); ``--ablations`` adds the Table 5 variants, each
-paired against the full model of its seed. Writes ``<workdir>/recipes.json``.
+paired against the full model of its seed. Writes ``<workdir>/recipes.json``. ``--set KEY=VALUE ...``
+changes the quickstart's settings (``QuickstartConfig``, e.g. ``backbone.steps=2``; a smaller world
+for a smoke run); ``train_overrides`` is the recipe's and is added to.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 from pathlib import Path
 
+from demind.config import load_config
 from demind.io import write_json_atomic
-from toyworld.pipeline import QuickstartConfig, QuickstartRunConfig, run_quickstart
+from toyworld.pipeline import QuickstartConfig, run_quickstart
 
 RECIPES: dict[str, list[str]] = {
     "default": [],
@@ -57,18 +61,22 @@ def format_recipe(name: str, result: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--ablations", action="store_true", help="also the Table 5 variants of each recipe")
     parser.add_argument("--workdir", default="runs/recipes")
-    args = parser.parse_args()
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", dest="settings",
+                        help="QuickstartConfig overrides, e.g. backbone.steps=2 (train_overrides: added to the recipe's)")
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     out_path = Path(args.workdir) / "recipes.json"
     for name in args.recipes:
-        cfg = QuickstartConfig(workdir=args.workdir, train_overrides=RECIPES[name], seeds=args.seeds,
-                               ablations=args.ablations, benchmarks=["cirr"], run=QuickstartRunConfig(progress=False))
+        base = load_config(QuickstartConfig, None, args.settings)
+        cfg = dataclasses.replace(base, workdir=args.workdir, train_overrides=[*base.train_overrides, *RECIPES[name]],
+                                  seeds=args.seeds, ablations=args.ablations, benchmarks=["cirr"],
+                                  run=dataclasses.replace(base.run, progress=False))
         key = name + (" +ablations" if args.ablations else "")
         result = recipe_summary(run_quickstart(cfg)) | {"seeds": args.seeds, "overrides": RECIPES[name]}
         # read just before writing: another invocation may have added its recipes meanwhile
@@ -76,7 +84,8 @@ def main() -> None:
         results[key] = result
         write_json_atomic(out_path, results, indent=1)
         print(format_recipe(key, result), flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
