@@ -235,7 +235,7 @@ def bench_gen(args: argparse.Namespace, work: Path) -> dict:
     return out
 
 
-# ----------------------------------------------------------------------------- describe (issue 41)
+# ----------------------------------------------------------------------------- describe
 def bench_describe(args: argparse.Namespace, work: Path) -> dict:
     """OSrCIR / CIReVL descriptions/s and re-ranking candidates/s, LLaVA-1.6 7B shapes (random weights):
     OSrCIR 160 output tokens (reasoning + description), CIReVL caption 60 + rewrite 40, K = 20."""
