@@ -9,8 +9,11 @@ never believable wrong results.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +26,7 @@ from demind.config import ConfigError, from_dict, to_dict
 from demind.errors import DemindError
 from demind.hubref import is_hub_ref, resolve_hub_folder
 from demind.model import DeMinds, ModelConfig
-from demind.io import atomic_path
+from demind.io import atomic_path, write_text_atomic
 from demind.tensor_files import load_safetensors_file, read_format_metadata, tensors_sha256  # noqa: F401 (tensors_sha256 re-exported)
 
 logger = logging.getLogger(__name__)
@@ -57,16 +60,98 @@ def save_checkpoint(path: str | Path, model: DeMinds) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     check_finite_tensors(state, f"refusing to save checkpoint {path}")
-    metadata = {
-        CHECKSUM_KEY: tensors_sha256(state),
-        "format": FORMAT,
-        "model_config": json.dumps(to_dict(model.cfg)),
-        "backbone_identity": json.dumps(model.backbone.identity),
-        "backbone_config": json.dumps(to_dict(model.backbone.cfg)),
-    }
+    meta = {"model_config": to_dict(model.cfg), "backbone_identity": model.backbone.identity,
+            "backbone_config": to_dict(model.backbone.cfg),
+            BACKBONE_FILES_KEY: backbone_files_record(model.backbone.cfg, path.parent)}
+    return write_checkpoint(path, state, meta)
+
+
+def write_checkpoint(path: str | Path, state: dict[str, torch.Tensor], meta: dict) -> Path:
+    """Write ``state`` with the decoded metadata ``meta`` (model_config, backbone_identity,
+    backbone_config and optionally the backbone files record) as a checkpoint, atomically."""
+    metadata = {CHECKSUM_KEY: tensors_sha256(state), "format": FORMAT,
+                **{k: json.dumps(meta[k]) for k in ("model_config", "backbone_identity", "backbone_config",
+                                                   BACKBONE_FILES_KEY) if meta.get(k) is not None}}
     with atomic_path(path) as tmp:
         save_file(state, str(tmp), metadata=metadata)
+    return Path(path)
+
+
+# --------------------------------------------------------------------------- the backbone's local files
+
+BACKBONE_FILES_KEY = "backbone_files"
+"""Metadata key: the backbone's local files relative to the checkpoint's folder, and the content
+of its model-config JSON, so a run folder that moved (or a re-cloned repository) still loads."""
+
+
+def _relative_to(path: str, folder: Path) -> str:
+    return Path(os.path.relpath(Path(path).resolve(), folder.resolve())).as_posix()
+
+
+def backbone_files_record(cfg: BackboneConfig, folder: Path) -> dict | None:
+    """{"name", "pretrained"}: the backbone's model-config JSON and weights file as paths relative
+    to ``folder`` (None where not a local file), and "model_config": the JSON's text. None when the
+    backbone has no local file (an open_clip name with a pretrained tag)."""
+    name = cfg.name if cfg.name.endswith(".json") and Path(cfg.name).is_file() else None
+    weights = cfg.pretrained if cfg.pretrained and Path(cfg.pretrained).is_file() else None
+    if name is None and weights is None:
+        return None
+    return {"name": _relative_to(name, folder) if name else None,
+            "pretrained": _relative_to(weights, folder) if weights else None,
+            "model_config": Path(name).read_text(encoding="utf-8") if name else None}
+
+
+def _find_local_file(recorded: str | None, relative: str | None, folder: Path) -> Path | None:
+    """The first existing file of: the path as recorded (a relative one read from the checkpoint's
+    folder first, then the current folder), the recorded relative path from the checkpoint's
+    folder, and a copy in the folder's backbone/ (what demind-publish writes)."""
+    candidates = []
+    for path in (recorded, relative):
+        if path:
+            candidates += [Path(path)] if Path(path).is_absolute() else [folder / path, Path(path)]
+    if recorded:
+        candidates.append(folder / BACKBONE_DIR / Path(recorded).name)
+    # absolute, links kept: a Hugging Face snapshot links NAME.json to a blob named by its hash,
+    # and open_clip registers a model config under its file name
+    return next((Path(os.path.abspath(c)) for c in candidates if c.is_file()), None)
+
+
+def _materialised_model_config(text: str, stem: str) -> Path:
+    """The model-config JSON a checkpoint carries, as a file open_clip can register (same name
+    and bytes, so the backbone's identity is unchanged)."""
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
+    path = Path(tempfile.gettempdir()) / "demind-model-configs" / digest / f"{stem}.json"
+    if not path.is_file():
+        write_text_atomic(path, text)
     return path
+
+
+def resolve_backbone_files(meta: dict, file: str | Path) -> BackboneConfig:
+    """The backbone config ``meta`` records, its local files found on this machine.
+
+    A model-config JSON and a weights file are looked for as recorded, relative to the
+    checkpoint ``file``'s folder, and in its ``backbone/`` (a published folder); a model config
+    that is nowhere is rebuilt from the copy the checkpoint carries. Identity checks are by
+    content, so a file found this way is still checked. A weights file that is nowhere is a
+    CheckpointError naming it and the fix."""
+    folder = Path(file).parent
+    cfg = from_dict(BackboneConfig, meta["backbone_config"])
+    files = meta.get(BACKBONE_FILES_KEY) or {}
+    if cfg.name.endswith(".json"):
+        found = _find_local_file(cfg.name, files.get("name"), folder)
+        if found is None and files.get("model_config"):
+            found = _materialised_model_config(files["model_config"], Path(cfg.name).stem)
+        cfg.name = str(found) if found is not None else cfg.name  # missing: the backbone names the file
+    if str(meta["backbone_identity"].get("pretrained") or "").startswith("sha256:"):
+        found = _find_local_file(cfg.pretrained, files.get("pretrained"), folder)
+        if found is None:
+            raise CheckpointError(
+                f"checkpoint {file} was trained on the backbone weights file {cfg.pretrained} "
+                f"({meta['backbone_identity']['pretrained']}), which is neither there nor beside the checkpoint "
+                f"(nor in its {BACKBONE_DIR}/); give --backbone NAME:PATH naming that file (its sha256 is checked), "
+                f"or load a folder written by demind-publish, which carries it")
+        cfg.pretrained = str(found)
+    return cfg
 
 
 def read_checkpoint_metadata(path: str | Path) -> dict:
@@ -99,8 +184,9 @@ def read_checked_tensors(path: str | Path, meta: dict | None = None) -> dict[str
 
 
 def checkpoint_backbone_config(path: str | Path) -> BackboneConfig:
-    """The backbone config the checkpoint was trained with (to rebuild it for evaluation)."""
-    return from_dict(BackboneConfig, read_checkpoint_metadata(path)["backbone_config"])
+    """The backbone config the checkpoint was trained with (to rebuild it for evaluation), its
+    local files found as :func:`resolve_backbone_files` does."""
+    return resolve_backbone_files(read_checkpoint_metadata(path), path)
 
 
 def load_checkpoint(path: str | Path, backbone: FrozenCLIP, meta: dict | None = None) -> DeMinds:
@@ -148,17 +234,13 @@ def resolve_checkpoint(spec: str | Path) -> CheckpointSource:
 
 
 def source_backbone_config(source: CheckpointSource, meta: dict | None = None) -> BackboneConfig:
-    """The backbone config the checkpoint records; a published folder's copy of the model-config
-    JSON replaces the recorded path (its identity is by content, so the checks are unchanged).
+    """The backbone config the checkpoint records, its local files found on this machine
+    (:func:`resolve_backbone_files`: as recorded, beside the checkpoint, in a published folder's
+    ``backbone/``, or the model config the checkpoint carries).
 
     ``meta``: the checkpoint's metadata when the caller already read it."""
     meta = meta if meta is not None else read_checkpoint_metadata(source.file)
-    cfg = from_dict(BackboneConfig, meta["backbone_config"])
-    if source.folder is not None and cfg.name.endswith(".json"):
-        copy = source.folder / BACKBONE_DIR / Path(cfg.name).name
-        if copy.is_file():
-            cfg.name = str(copy)
-    return cfg
+    return resolve_backbone_files(meta, source.file)
 
 
 def load_backbone_and_model(

@@ -275,3 +275,147 @@ def test_demind_search_leaves_out_pixel_copies_of_the_reference_and_says_so(tmp_
     kept = json.loads((tmp_path / "kept.json").read_text())["queries"][0]
     assert sorted(h["name"] for h in kept["results"][:2]) == ["holiday-copy.png", "img2.png"]
     assert "duplicates" not in kept
+
+
+# --------------------------------------------------------------------------- releases that travel and never destroy
+
+
+def local_backbone_checkpoint(root: Path, run: str = "run", seed: int = 0, config_yaml: bool = True) -> Path:
+    """A tiny De-MINDS checkpoint on a local backbone, as the quickstart's toy CLIP or a fine-tuned
+    CLIP is: the model-config JSON in ROOT/repo/configs/, the weights file in ROOT/work/, the run
+    folder ROOT/work/RUN (with its config.yaml)."""
+    import shutil
+
+    import torch
+
+    from demind.backbone import BackboneConfig, FrozenCLIP
+    from demind.checkpoint import save_checkpoint
+    from demind.model import DeMinds, ModelConfig
+
+    config = root / "repo" / "configs" / "my-clip.json"
+    weights = root / "work" / "my-clip-weights.pt"
+    if not weights.is_file():
+        config.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(TINY_CLIP, config)
+        weights.parent.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(0)
+        torch.save(FrozenCLIP(BackboneConfig(name=str(config), pretrained=None)).model.state_dict(), weights)
+    backbone = FrozenCLIP(BackboneConfig(name=str(config), pretrained=str(weights)))
+    torch.manual_seed(seed)
+    model = DeMinds(ModelConfig(num_queries=2, num_blocks=1, num_heads=4, mapping_hidden=16, gate_init=0.5), backbone)
+    path = save_checkpoint(root / "work" / run / "demind.safetensors", model)
+    if config_yaml:
+        (path.parent / "config.yaml").write_text(f"data:\n  shards: {root / 'shards'}\nrun:\n  seed: {seed}\n")
+    return path
+
+
+def queries_of(checkpoint) -> "torch.Tensor":
+    import torch
+
+    from demind.checkpoint import load_backbone_and_model
+
+    backbone, model = load_backbone_and_model(checkpoint)
+    images = torch.linspace(0, 1, 2 * 3 * 32 * 32).reshape(2, 3, 32, 32)
+    with torch.no_grad():
+        return model.query(backbone.encode_image(images), ["make it red", "without the hat"])
+
+
+def test_a_published_folder_is_self_contained_and_loads_after_the_backbone_files_are_gone(tmp_path):
+    import shutil
+
+    import torch
+
+    from demind.cli.publish import main as publish_main
+
+    checkpoint = local_backbone_checkpoint(tmp_path / "publisher")
+    before = queries_of(checkpoint)
+    assert publish_main(["--checkpoint", str(checkpoint), "--out", str(tmp_path / "publisher" / "release")]) == 0
+    release = tmp_path / "publisher" / "release"
+    files = sorted(p.relative_to(release).as_posix() for p in release.rglob("*") if p.is_file())
+    assert files == ["README.md", "backbone/my-clip-weights.pt", "backbone/my-clip.json", "config.json",
+                     "demind.safetensors", "training_config.yaml"]
+    for path in release.rglob("*"):  # no file holds a path of the publisher's machine
+        if path.is_file():
+            assert str(tmp_path).encode() not in path.read_bytes(), path
+    config = json.loads((release / "config.json").read_text())
+    assert config["backbone_config"]["name"] == "backbone/my-clip.json"
+    assert config["backbone_config"]["pretrained"] == "backbone/my-clip-weights.pt"
+
+    # another machine: the folder elsewhere, the publisher's backbone files gone
+    moved = shutil.move(str(release), str(tmp_path / "elsewhere" / "model"))
+    shutil.rmtree(tmp_path / "publisher")
+    assert torch.equal(queries_of(moved), before)
+
+
+def test_a_run_folder_loads_after_it_moved_and_the_repository_was_cloned_elsewhere(tmp_path):
+    import shutil
+
+    import torch
+
+    checkpoint = local_backbone_checkpoint(tmp_path / "a")
+    before = queries_of(checkpoint)
+    shutil.move(str(tmp_path / "a" / "work"), str(tmp_path / "b-work"))  # the run folder and its weights moved
+    shutil.rmtree(tmp_path / "a" / "repo")  # the model config's repository re-cloned elsewhere
+    assert torch.equal(queries_of(tmp_path / "b-work" / "run" / "demind.safetensors"), before)
+
+
+def test_publish_overwrite_never_replaces_another_runs_checkpoint(tmp_path, capsys):
+    from demind.cli.publish import main as publish_main
+
+    run_a = local_backbone_checkpoint(tmp_path, "runA", seed=1)
+    run_b = local_backbone_checkpoint(tmp_path, "runB", seed=2)
+    kept = {p.name: p.read_bytes() for p in run_b.parent.iterdir()}
+    assert publish_main(["--checkpoint", str(run_a), "--out", str(run_b.parent), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "not written by demind-publish" in err and "Traceback" not in err
+    assert {p.name: p.read_bytes() for p in run_b.parent.iterdir()} == kept
+
+
+def test_publish_overwrite_leaves_exactly_the_new_publishs_files(tmp_path, capsys):
+    from demind.cli.publish import main as publish_main
+
+    run_a = local_backbone_checkpoint(tmp_path, "runA", seed=1)
+    run_c = local_backbone_checkpoint(tmp_path, "runC", seed=3, config_yaml=False)
+    out = tmp_path / "release"
+    assert publish_main(["--checkpoint", str(run_a), "--out", str(out)]) == 0
+    assert (out / "training_config.yaml").is_file()
+    assert publish_main(["--checkpoint", str(run_c), "--out", str(out), "--overwrite"]) == 0
+    files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert "training_config.yaml" not in files  # the old publish's file is gone with it
+    assert sorted(json.loads((out / "config.json").read_text())["files"]) == files
+    assert not [p for p in tmp_path.iterdir() if ".publish-" in p.name]  # nothing left beside it
+    # a file added by hand is not demind-publish's: --overwrite refuses and changes nothing
+    (out / "my-notes.md").write_text("mine")
+    assert publish_main(["--checkpoint", str(run_a), "--out", str(out), "--overwrite"]) == 2
+    assert "my-notes.md" in capsys.readouterr().err and (out / "my-notes.md").read_text() == "mine"
+    assert not (out / "training_config.yaml").exists()
+
+
+def test_publish_names_a_file_out_and_takes_a_published_folder_as_checkpoint(tmp_path, capsys):
+    import torch
+
+    from demind.cli.publish import main as publish_main
+
+    checkpoint = local_backbone_checkpoint(tmp_path)
+    (tmp_path / "a-file").write_text("x")
+    assert publish_main(["--checkpoint", str(checkpoint), "--out", str(tmp_path / "a-file")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "--out" in err and "a-file" in err and "is a file" in err
+    assert publish_main(["--checkpoint", str(checkpoint), "--out", str(tmp_path / "first")]) == 0
+    assert publish_main(["--checkpoint", str(tmp_path / "first"), "--out", str(tmp_path / "second")]) == 0
+    assert torch.equal(queries_of(tmp_path / "second"), queries_of(checkpoint))
+
+
+def test_an_upload_with_the_hub_unreachable_is_one_line(tmp_path, capsys, monkeypatch):
+    import huggingface_hub.constants as constants
+
+    from demind.cli.publish import main as publish_main
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
+    checkpoint = local_backbone_checkpoint(tmp_path)
+    status = publish_main(["--checkpoint", str(checkpoint), "--repo", "demind-test/unreachable"])
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in err and err.count("error:") == 1, err[-2000:]
+    assert "cannot reach the Hugging Face Hub" in err and "demind-test/unreachable" in err

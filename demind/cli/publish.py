@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 from demind.cli.common import Flag, config_parser, run_config_command
 from demind.config import setting
@@ -25,7 +26,8 @@ DEFAULT_LICENSE = {"model": "apache-2.0", "dataset": "other"}
 
 @dataclass
 class PublishConfig:
-    checkpoint: str | None = setting(None, help="De-MINDS checkpoint to publish (a run's demind.safetensors)")
+    checkpoint: str | None = setting(None, help="De-MINDS checkpoint to publish (a run's demind.safetensors, a "
+                                               "folder demind-publish wrote, or hf-hub:ORG/NAME)")
     shards: str | None = setting(None, help="folder of intent shards (with their _stats.json) to publish")
     out: str | None = setting(None, help="write the folder (checkpoint) or the card (shards) here")
     repo: str | None = setting(None, help="ORG/NAME: upload to this Hub repository (created if missing)")
@@ -37,7 +39,8 @@ class PublishConfig:
     tags: list[str] = setting(default_factory=list, help="extra card tags")
     datasets: list[str] = setting(default_factory=list, help="Hub datasets the model was trained on (ORG/NAME)")
     private: bool = setting(False, help="create the repository as private")
-    overwrite: bool = setting(False, help="replace a folder demind-publish wrote before at --out")
+    overwrite: bool = setting(False, help="replace a folder demind-publish wrote before at --out (refused when it "
+                                          "holds any file demind-publish did not write; built beside, then swapped)")
 
     def kind(self) -> str:
         return "dataset" if self.shards else "model"
@@ -84,10 +87,13 @@ def publish_command(cfg: PublishConfig) -> int:
             print(f"uploaded {cfg.shards} to {url}")
         return 0
     with tempfile.TemporaryDirectory(prefix="demind-publish-") as staging:
-        folder = publish_checkpoint(cfg.checkpoint, cfg.out or staging, card, cfg.results, cfg.overwrite)
-        print(f"published folder: {folder}")
+        # without --out the folder is built in a temporary place, uploaded, then removed
+        folder = publish_checkpoint(cfg.checkpoint, cfg.out or Path(staging) / "folder", card, cfg.results,
+                                    cfg.overwrite)
+        if cfg.out:
+            print(f"published folder: {folder}")
         if cfg.repo:
-            print(f"uploaded {folder} to {upload(folder, cfg.repo, kind, private=cfg.private)}")
+            print(f"uploaded {folder if cfg.out else 'the folder'} to {upload(folder, cfg.repo, kind, private=cfg.private)}")
     return 0
 
 

@@ -97,8 +97,10 @@ def _backbone_lines(meta: dict[str, Any]) -> list[str]:
         lines.append(f"- The backbone has random weights drawn from seed {cfg.get('seed')} (a smoke test, not a "
                      "usable retrieval model); the loader draws the same weights and checks their fingerprint.")
     elif str(identity.get("pretrained", "")).startswith("sha256:"):
-        lines.append("- The backbone's weights were a local file (not published here): load with "
-                     "`backbone=NAME:PATH` naming the same file; its sha256 is checked.")
+        lines.append(f"- The backbone's weights are a local file, published in this folder as `{tag}` (the loader "
+                     "finds it there and checks its sha256).")
+    if str(cfg["name"]).endswith(".json"):
+        lines.append(f"- The backbone's open_clip model config is published in this folder as `{cfg['name']}`.")
     return lines
 
 

@@ -1,16 +1,21 @@
 """``demind-publish``'s work: a checkpoint's Hub-layout folder, a shard folder's dataset card, the upload.
 
-A published checkpoint folder (what ``--checkpoint FOLDER`` and ``hf-hub:ORG/NAME`` read)::
+A published checkpoint folder (what ``--checkpoint FOLDER`` and ``hf-hub:ORG/NAME`` read) is
+self-contained: it loads on any machine, after any move::
 
-    demind.safetensors        the checkpoint, byte for byte (its tensors' sha256 checked first)
-    config.json               format, model config, backbone config and identity, file list
+    demind.safetensors        the checkpoint's tensors (sha256 checked first), its backbone paths
+                              rewritten relative to the folder
+    config.json               format, model config, backbone config and identity, the file list
+                              (what ``--overwrite`` may replace: :mod:`demind.hub.folders`)
     README.md                 the model card (demind.hub.cards.model_card)
     backbone/NAME.json        the backbone's open_clip model-config JSON, when the backbone is one
+    backbone/WEIGHTS          the backbone's weights file, when it is a local file (a fine-tuned or
+                              toy CLIP); a pretrained tag is fetched by open_clip as usual
     training_config.yaml      the run's resolved training config, when the run folder has one
     results/BENCH-SPLIT.json  each results.json of demind-eval that evaluated this checkpoint
 
-Absolute paths in the copied configs and results are cut (``without_local_paths``): a published
-folder does not show the publisher's disk.
+Every path a file of the folder records is relative to it; absolute paths in the copied configs
+and results are cut (``without_local_paths``): a published folder does not show the publisher's disk.
 
 Intent shards are published where they lie: the dataset card is written as the shard folder's
 ``README.md`` and the folder is uploaded with only its ``*.tar``, ``*_stats.json`` and card.
@@ -28,11 +33,14 @@ from typing import Any
 import yaml
 
 from demind.backbone import BackboneConfig
-from demind.checkpoint import BACKBONE_DIR, CHECKPOINT_FILE, read_checked_tensors, read_checkpoint_metadata
-from demind.errors import DemindError
+from demind.checkpoint import (BACKBONE_DIR, BACKBONE_FILES_KEY, CHECKPOINT_FILE, CheckpointSource,
+                               read_checked_tensors, read_checkpoint_metadata, resolve_backbone_files,
+                               resolve_checkpoint, write_checkpoint)
+from demind.config import to_dict
 from demind.hub.cards import dataset_card, model_card, results_problem
 from demind.hubref import HubError, import_hub, is_hub_ref, parse_hub_ref
-from demind.identity import backbone_identity
+from demind.hub.folders import CARD_MARKER, PUBLISHED_FILES_KEY, PublishError, building_beside, check_publish_target, swap_in
+from demind.identity import backbone_identity, file_sha256
 from demind.io import atomic_path, write_json_atomic, write_text_atomic
 from demind.shard_format import HUB_SHARD_FILES, SHARD_SUFFIX, ShardOutput, stats_path
 
@@ -42,12 +50,6 @@ CARD_FILE = "README.md"
 CONFIG_FILE = "config.json"
 TRAINING_CONFIG_FILE = "training_config.yaml"
 RESULTS_DIR = "results"
-CARD_MARKER = "<!-- written by demind-publish -->"
-"""Ends every card we write: a README.md without it is the user's and is never overwritten."""
-
-
-class PublishError(DemindError, ValueError):
-    """Something to publish that cannot be published as asked (the message says what to do)."""
 
 
 @dataclass
@@ -97,18 +99,6 @@ def checkpoint_evaluations(checkpoint: Path, meta: dict[str, Any], results: list
     return kept
 
 
-def _prepare_out(out: Path, overwrite: bool) -> None:
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise PublishError(f"output folder {out} is not empty; give an empty or new --out, or --overwrite "
-                               "to replace a folder demind-publish wrote")
-        if (out / CARD_FILE).is_file() and CARD_MARKER not in (out / CARD_FILE).read_text(encoding="utf-8"):
-            raise PublishError(f"--overwrite refused: {out / CARD_FILE} was not written by demind-publish; "
-                               "choose another --out")
-        shutil.rmtree(out / RESULTS_DIR, ignore_errors=True)  # results of an earlier publish may be stale
-    out.mkdir(parents=True, exist_ok=True)
-
-
 def without_local_paths(obj: Any, run_dir: Path) -> Any:
     """``obj`` (parsed YAML/JSON) with every absolute path replaced, so a published config does not
     show the publisher's disk: a path inside ``run_dir`` becomes relative to it, any other becomes
@@ -128,23 +118,32 @@ def _copy_file(src: Path, dest: Path) -> None:
         shutil.copyfile(src, tmp)
 
 
-def _copy_backbone_config(backbone_config: dict[str, Any], identity: dict[str, Any], out: Path) -> str | None:
-    """Copy the backbone's model-config JSON into ``out/backbone/`` after checking it is the one the
-    checkpoint records (identity ``STEM@SHA256[:12]``). Returns its path in the folder, or None."""
-    name = backbone_config["name"]
-    if not name.endswith(".json"):
-        return None
-    src = Path(name)
-    if not src.is_file():
-        raise PublishError(f"the checkpoint's backbone is the model config {name}, which is not on this disk; "
-                           "publish from where it is, since the folder must carry it")
-    now = backbone_identity(BackboneConfig(name=name, pretrained=None))["name"]
-    if identity.get("name") != now:
-        raise PublishError(f"the backbone model config {name} changed since training (its content is {now}, the "
-                           f"checkpoint records {identity.get('name')}); restore the file the run used")
-    rel = f"{BACKBONE_DIR}/{src.name}"
-    _copy_file(src, out / rel)
-    return rel
+def _copy_backbone_files(meta: dict[str, Any], source: Path, out: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Copy the backbone's local files (model-config JSON, weights file) into ``out/backbone/``
+    after checking they are the ones the checkpoint records (identity by content). Returns the
+    backbone config as the published checkpoint records it (paths relative to ``out``) and its
+    backbone files record."""
+    identity = meta["backbone_identity"]
+    cfg = resolve_backbone_files(meta, source)  # CheckpointError naming a weights file that is nowhere
+    published, files = to_dict(cfg), {"name": None, "pretrained": None, "model_config": None}
+    if cfg.name.endswith(".json"):
+        if not Path(cfg.name).is_file():
+            raise PublishError(f"the checkpoint's backbone is the model config {cfg.name}, which is not on this "
+                               "disk; publish from where it is, since the folder must carry it")
+        now = backbone_identity(BackboneConfig(name=cfg.name, pretrained=None))["name"]
+        if identity.get("name") != now:
+            raise PublishError(f"the backbone model config {cfg.name} changed since training (its content is {now}, "
+                               f"the checkpoint records {identity.get('name')}); restore the file the run used")
+        published["name"] = files["name"] = f"{BACKBONE_DIR}/{Path(meta['backbone_config']['name']).name}"
+        _copy_file(Path(cfg.name), out / published["name"])
+    if str(identity.get("pretrained") or "").startswith("sha256:"):
+        weights = Path(cfg.pretrained)
+        if f"sha256:{file_sha256(weights)[:16]}" != identity["pretrained"]:
+            raise PublishError(f"the backbone weights {weights} are not the ones the checkpoint was trained on "
+                               f"({identity['pretrained']}); restore the file the run used")
+        published["pretrained"] = files["pretrained"] = f"{BACKBONE_DIR}/{weights.name}"
+        _copy_file(weights, out / published["pretrained"])
+    return published, files
 
 
 def _results_name(res: dict[str, Any], taken: set[str]) -> str:
@@ -160,19 +159,34 @@ def publish_checkpoint(checkpoint: str | Path, out: str | Path, card: CardOption
                        results: list[str] | None = None, overwrite: bool = False) -> Path:
     """Write the Hub-layout folder of ``checkpoint`` into ``out`` (layout in the module docstring).
 
+    checkpoint: a checkpoint file, a folder demind-publish wrote, or ``hf-hub:ORG/NAME``.
     results: results.json files to put in the card (each must evaluate this checkpoint); None
-    finds them under the checkpoint's run folder. Returns ``out``.
+    finds them under the checkpoint's run folder. The folder is built beside ``out`` and swapped
+    in when complete; ``overwrite`` replaces a folder demind-publish wrote (nothing else). Returns ``out``.
     """
-    checkpoint, out = Path(checkpoint), Path(out)
-    meta = read_checkpoint_metadata(checkpoint)
-    read_checked_tensors(checkpoint)  # sha256 and finite check before anything is published
-    evaluations = checkpoint_evaluations(checkpoint, meta, results)
-    _prepare_out(out, overwrite)
-    _copy_file(checkpoint, out / CHECKPOINT_FILE)
-    backbone_file = _copy_backbone_config(meta["backbone_config"], meta["backbone_identity"], out)
+    out = Path(out)
+    check_publish_target(out, overwrite)
+    source = resolve_checkpoint(checkpoint)
+    meta = read_checkpoint_metadata(source.file)
+    state = read_checked_tensors(source.file, meta)  # sha256 and finite check before anything is published
+    evaluations = checkpoint_evaluations(source.file, meta, results)
+    with building_beside(out) as build:
+        _write_folder(build, source, meta, state, evaluations, card, out.name)
+        swap_in(build, out)
+    logger.info("published folder %s: checkpoint, backbone files, card, %d evaluation(s)", out, len(evaluations))
+    return out
+
+
+def _write_folder(out: Path, source: CheckpointSource, meta: dict[str, Any], state: dict,
+                  evaluations: list[tuple[Path, dict[str, Any]]], card: CardOptions, title: str) -> None:
+    """Every file of a published folder into the (new, empty) folder ``out``; the manifest
+    (config.json, listing them all) and the card last."""
+    backbone, files = _copy_backbone_files(meta, source.file, out)
+    published = {**meta, "backbone_config": backbone, BACKBONE_FILES_KEY: files}
+    write_checkpoint(out / CHECKPOINT_FILE, state, published)  # the same tensors; paths relative to the folder
     training = None
-    run_config = checkpoint.parent / "config.yaml"
-    run_dir = checkpoint.parent.resolve()
+    run_dir = source.file.parent.resolve()
+    run_config = source.file.parent / ("config.yaml" if source.folder is None else TRAINING_CONFIG_FILE)
     if run_config.is_file():
         training = without_local_paths(yaml.safe_load(run_config.read_text(encoding="utf-8")), run_dir)
         write_text_atomic(out / TRAINING_CONFIG_FILE, yaml.safe_dump(training, sort_keys=False))
@@ -186,17 +200,18 @@ def publish_checkpoint(checkpoint: str | Path, out: str | Path, card: CardOption
     shards = str((training or {}).get("data", {}).get("shards", ""))
     if is_hub_ref(shards):
         datasets.append(parse_hub_ref(shards, "data.shards").repo_id)
+    text = model_card(published, copied, name=card.title(title), repo=card.repo, license=card.license,
+                      tags=card.tags, datasets=list(dict.fromkeys(datasets)), training=training)
+    write_text_atomic(out / CARD_FILE, text + "\n" + CARD_MARKER + "\n")
+    written = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
     write_json_atomic(out / CONFIG_FILE, {
         "library_name": "demind", "format": meta["format"], "checkpoint": CHECKPOINT_FILE,
         "tensors_sha256": meta.get("tensors_sha256"), "model_config": meta["model_config"],
-        "backbone_config": meta["backbone_config"], "backbone_identity": meta["backbone_identity"],
-        "backbone_model_config": backbone_file, "results": [rel for rel, _ in copied],
-        "training_config": TRAINING_CONFIG_FILE if training is not None else None}, indent=2)
-    text = model_card(meta, copied, name=card.title(out.name), repo=card.repo, license=card.license,
-                      tags=card.tags, datasets=list(dict.fromkeys(datasets)), training=training)
-    write_text_atomic(out / CARD_FILE, text + "\n" + CARD_MARKER + "\n")
-    logger.info("published folder %s: checkpoint, card, %d evaluation(s)", out, len(copied))
-    return out
+        "backbone_config": backbone, "backbone_identity": meta["backbone_identity"],
+        "backbone_model_config": files["name"], "backbone_weights": files["pretrained"],
+        "results": [rel for rel, _ in copied],
+        "training_config": TRAINING_CONFIG_FILE if training is not None else None,
+        PUBLISHED_FILES_KEY: sorted([*written, CONFIG_FILE])}, indent=2)
 
 
 # --------------------------------------------------------------------------- intent shards
@@ -251,7 +266,28 @@ def upload(folder: str | Path, repo: str, repo_type: str, *, private: bool = Fal
                        "`hf auth login` or set HF_TOKEN to a token that can write to it") from None
     except errors.HFValidationError as e:
         raise HubError(f"--repo {repo!r} is not a valid repository id ({e}); give ORG/NAME") from None
+    except errors.LocalTokenNotFoundError:
+        raise HubError(f"uploading to {repo_type} repository {repo} needs a Hub token: log in with `hf auth login` "
+                       "or set HF_TOKEN to a token that can write to it") from None
+    except Exception as e:  # noqa: BLE001 -- only a failure to reach the Hub becomes one line
+        if not is_network_error(e):
+            raise
+        raise HubError(f"cannot reach the Hugging Face Hub to upload {folder} to {repo_type} repository {repo} "
+                       f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no answer'}); check the "
+                       "network connection (and HF_ENDPOINT, a proxy), then run the same command again") from None
     return str(url)
+
+
+NETWORK_MODULES = ("httpx", "httpcore", "requests", "urllib", "ssl", "socket")
+
+
+def is_network_error(exc: BaseException) -> bool:
+    """Whether ``exc`` says the Hub could not be reached: a connection, DNS, TLS or timeout failure
+    of the HTTP client huggingface_hub uses (httpx from 1.0, requests before), or the OS's."""
+    for kind in type(exc).__mro__:
+        if kind.__module__.split(".")[0].rstrip("0123456789") in NETWORK_MODULES:  # httpx2, urllib3 alike
+            return True
+    return isinstance(exc, (ConnectionError, TimeoutError))
 
 
 SHARD_UPLOAD_FILES = HUB_SHARD_FILES
