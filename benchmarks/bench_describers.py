@@ -72,15 +72,18 @@ def measure(model_dir: str | Path, device: str, queries: int, batch: int, tokens
             seconds = time.perf_counter() - start
             out[name] = {"descriptions_per_s": round(queries / seconds, 3), "seconds": round(seconds, 2)}
         # random-weight tokenizers (tiny and gpu_models' 7B) are word-level over the tiny words: no "yes"
-        rerank = RerankOptions(k=k, batch_size=batch, yes="dog", no="cat")
-        MLLMVerifier(lazy, prompts, rerank, MemoryStore(), image_max_side).score(warm[:1], [gallery])
-        verifier = MLLMVerifier(lazy, prompts, rerank, MemoryStore(), image_max_side)
-        start = time.perf_counter()
-        verifier.score(timed_qs, [gallery] * len(timed_qs))
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-        out["rerank"] = {"candidates_per_s": round(queries * k / seconds, 2), "seconds": round(seconds, 2)}
+        for reuse in (True, False):
+            rerank = RerankOptions(k=k, batch_size=batch, yes="dog", no="cat", prefix_reuse=reuse)
+            MLLMVerifier(lazy, prompts, rerank, MemoryStore(), image_max_side).score(warm[:1], [gallery])
+            verifier = MLLMVerifier(lazy, prompts, rerank, MemoryStore(), image_max_side)
+            start = time.perf_counter()
+            verifier.score(timed_qs, [gallery] * len(timed_qs))
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            out["rerank_" + ("prefix_reuse" if reuse else "full_prefill")] = {
+                "candidates_per_s": round(queries * k / seconds, 2), "seconds": round(seconds, 2),
+                "prompt_tokens_per_candidate": round(verifier.prefilled_tokens / (queries * k), 1)}
     return out
 
 

@@ -275,7 +275,8 @@ def table(results: dict) -> list[tuple[str, str, str]]:
     add("gen", "generation, transformers engine, img/s (prefilled tokens/img)", lambda r: "; ".join(
         f"{k}: {v['images_per_s']} ({v['prefilled_tokens_per_image']:.0f})" for k, v in r.items() if isinstance(v, dict)))
     add("describe", "query-time MLLM: OSrCIR / CIReVL descriptions/s, re-rank candidates/s", lambda r: (
-        f"{r['osrcir']['descriptions_per_s']} / {r['cirevl']['descriptions_per_s']}, {r['rerank']['candidates_per_s']}"))
+        f"{r['osrcir']['descriptions_per_s']} / {r['cirevl']['descriptions_per_s']}, "
+        f"{r['rerank_prefix_reuse']['candidates_per_s']} (full prefill {r['rerank_full_prefill']['candidates_per_s']})"))
     add("cache", "feature cache end to end, img/s", per_precision)
     add("tower", "image tower alone, img/s", per_precision)
     add("train", "training, batch 1024 cached, samples/s (peak GiB)", lambda r: "; ".join(

@@ -1,44 +1,56 @@
-"""Search timings: index build rate, query embedding latency, and ranking latency over a
-100,000-image gallery, exact matrix product vs FAISS (flat and HNSW).
+"""Search at scale: index build rate, query embedding latency, and, over synthetic CLIP-like
+galleries of each ``--gallery`` size, what opening the index costs (time, resident memory), each
+ranker's per-query latency against the bare matrix product, recall@10 of the approximate ones,
+whether float16 rows change rankings, and the bytes compaction writes.
 
-    PYTHONPATH=. python benchmarks/bench_search.py --images runs/quickstart/benchmarks/cirr/dev \\
-        --gallery 100000 --queries 200 --json runs/bench_search.json
+    .venv/bin/python -m benchmarks.bench_search --images runs/quickstart/benchmarks/cirr/dev \\
+        --gallery 100000,1000000 --queries 200 --json bench_search.json
 
-* Build rate: ``demind.search.index.build_index`` on the images of ``--images`` with the toy
-  CLIP architecture (toyworld/model_configs/toy-clip-cnn-text2.json, random weights: the same compute as the
-  trained toy CLIP), once from nothing and once as a rerun with nothing changed.
-* Query embedding: one De-MINDS query (toy recipe: 4 queries, 6 blocks) and one mapping-only
-  query, reference image encoding included, through ``Searcher.embed``.
-* Ranking: top-20 over ``--gallery`` synthetic L2-normalised embeddings (D = 128, the toy
-  CLIP; and D = 768, ViT-L-14) with ``Ranker`` exact / faiss-flat / faiss-hnsw, one query at a
-  time, p50 and p95 over ``--queries`` queries; HNSW recall@20 against exact.
-The gallery embeddings are synthetic because encoding 100,000 images on the shared build CPU
-would take longer than the measurement is worth; ranking cost does not depend on pixel content.
-Timings, so never run in the test suite.
+* Build rate: ``demind.search.index.build_index`` on the images of ``--images`` with the toy CLIP
+  architecture (random weights: the same compute as the trained toy CLIP), from nothing and as a
+  rerun with nothing changed.
+* Query embedding: one De-MINDS, mapping-only and Image+Text query through ``Searcher.embed``.
+* Per gallery size N (``--dim`` 512, ViT-B-32's width): a synthetic index written in the index's
+  own layout (float16 L2-normalised parts of 4,096 rows, names once in the manifest) from
+  *clustered* vectors like CLIP's (a shared direction, 2,000 clusters, per-row noise: unrelated
+  rows at cosine ~0.37, same-cluster rows ~0.74; isotropic random vectors are HNSW's worst case
+  and no gallery looks like them). Opening is timed in a fresh process (``open_s``, added RSS
+  after opening and after the first query, against the stored matrix's bytes). Rankers are
+  timed one query at a time (p50) and in batches of 32 (per query), against the bare product
+  ``rows @ q`` of the same rows held in memory as float32 (``bare_fp32``, what the issue calls the
+  plain matrix-vector product) and as float16 (``bare_fp16``). ``fp16`` compares the top 10 of
+  float16 rows with that of the float32 rows. ``compaction`` removes 1 % of the rows and
+  rewrites the parts (``ImageFeatureCache.replace_all``, what ``demind-index`` runs).
+Timings, so never run in the test suite (a tiny smoke row checks the script runs).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
-import sys
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from demind.backbone import BackboneConfig, FrozenCLIP
-from demind.retrieval import backbone_cache_slug
+from demind.embedding_cache import cache_slug
 from demind.model import DeMinds, ModelConfig
-from demind.search.index import GalleryIndex, build_index
-from demind.search.query import Ranker, Searcher, SearchQuery
+from demind.retrieval import ImageFeatureCache
+from demind.search.index import INDEX_FORMAT, MANIFEST, ROLE, GalleryIndex, build_index, load_index
+from demind.search.query import Ranker, Searcher, SearchQuery, build_hnsw_index, exact_top_k
 
 TOY_CLIP = Path(__file__).resolve().parents[1] / "toyworld" / "model_configs" / "toy-clip-cnn-text2.json"
 TEXT = "make the square red and the background green"
+PART_ROWS = 4096
+K = 10
 
 
 def percentiles(seconds: list[float]) -> dict[str, float]:
@@ -46,13 +58,32 @@ def percentiles(seconds: list[float]) -> dict[str, float]:
     return {"p50_ms": round(statistics.median(ms), 3), "p95_ms": round(ms[int(0.95 * (len(ms) - 1))], 3)}
 
 
+def timed(fn, repeats: int, warm: int = 2) -> list[float]:
+    for _ in range(warm):
+        fn()
+    out = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+# --------------------------------------------------------------------------- build and embed
+
+
 def bench_build(images: Path, backbone: FrozenCLIP, workers: int) -> dict:
     print(f"building an index of {images} ...", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        first = build_index(images, Path(tmp) / "index", backbone, batch_size=128, num_workers=workers,
-                            progress=False)
-        rerun = build_index(images, Path(tmp) / "index", backbone, batch_size=128, num_workers=workers,
-                            progress=False)
+        first = build_index(images, Path(tmp) / "index", backbone, batch_size=128, num_workers=workers, progress=False)
+        rerun = build_index(images, Path(tmp) / "index", backbone, batch_size=128, num_workers=workers, progress=False)
     return {"images": first.indexed, "build_s": round(first.seconds, 2),
             "images_per_s": round(first.indexed / first.seconds, 1),
             "rerun_unchanged_s": round(rerun.seconds, 2), "rerun_encoded": rerun.encoded}
@@ -63,58 +94,179 @@ def bench_embed(backbone: FrozenCLIP, reference: Path, repeats: int) -> dict:
     torch.manual_seed(0)
     model = DeMinds(ModelConfig(num_queries=4, num_blocks=6, num_heads=8, mapping_hidden=512), backbone).eval()
     index = GalleryIndex(Path("synthetic"), Path("."), ["a"], torch.ones(1, backbone.embed_dim) / backbone.embed_dim ** 0.5,
-                         backbone.identity, backbone_cache_slug(backbone), backbone.cfg.precision)
+                         backbone.identity, cache_slug(backbone), backbone.cfg.precision)
     searcher = Searcher(backbone, model, index)
     out = {}
     for method in ("demind", "mapping-only", "image+text"):
         query = SearchQuery(image=reference, text=TEXT, method=method)
-        for _ in range(3):
-            searcher.embed(query)
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            searcher.embed(query)
-            times.append(time.perf_counter() - start)
-        out[method] = percentiles(times)
+        out[method] = percentiles(timed(lambda: searcher.embed(query), repeats, warm=3))
     return out
 
 
-def bench_rank(n: int, dim: int, n_queries: int, kinds: tuple[str, ...], k: int = 20) -> dict:
-    print(f"ranking {n} x {dim} ...", flush=True)
-    generator = torch.Generator().manual_seed(0)
-    gallery = torch.nn.functional.normalize(torch.randn(n, dim, generator=generator), dim=-1)
-    queries = torch.nn.functional.normalize(torch.randn(n_queries, dim, generator=generator), dim=-1)
-    out, exact_rows = {}, None
-    for kind in kinds:
+# --------------------------------------------------------------------------- synthetic galleries
+
+
+def clustered(n: int, dim: int, seed: int, clusters: int = 2000) -> torch.Tensor:
+    """(n, dim) L2-normalised CLIP-like rows: 0.6 * a shared direction + 0.6 * one of ``clusters``
+    centres + noise of norm ~0.5 (the same centres and direction for every seed)."""
+    base = torch.Generator().manual_seed(12345)
+    shared = F.normalize(torch.randn(dim, generator=base), dim=0)
+    centres = F.normalize(torch.randn(clusters, dim, generator=base), dim=-1)
+    g = torch.Generator().manual_seed(seed)
+    pick = torch.randint(0, clusters, (n,), generator=g)
+    rows = 0.6 * shared + 0.6 * centres[pick] + 0.5 * torch.randn(n, dim, generator=g) / dim ** 0.5
+    return F.normalize(rows, dim=-1)
+
+
+def write_synthetic_index(folder: Path, n: int, dim: int) -> tuple[torch.Tensor, float]:
+    """An index folder in the layout ``build_index`` writes, of ``n`` clustered rows; returns the
+    float32 rows (before rounding to float16) and the seconds it took."""
+    start = time.perf_counter()
+    cache = ImageFeatureCache.at(folder, dtype=torch.float16, normalise=True)
+    identity = {"name": "synthetic", "pretrained": None}
+    parts, names, chunks = [], [], []
+    for first in range(0, n, PART_ROWS):
+        rows = clustered(min(PART_ROWS, n - first), dim, seed=first)
+        chunk_names = [f"img/{i:07d}.jpg" for i in range(first, first + len(rows))]
+        record = cache.write_part(ROLE, chunk_names, [f"{x}|{len(x)}" for x in chunk_names], cache.stored(rows), identity)
+        parts.append([record.stem, len(rows)])
+        names += chunk_names
+        chunks.append(rows)
+    manifest = {"format": INDEX_FORMAT, "root": str(folder), "backbone": identity, "backbone_slug": "synthetic",
+                "precision": "fp32", "embed_dim": dim, "dtype": "float16", "parts": parts, "images": names,
+                "members": {}, "unreadable": {}}
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    return torch.cat(chunks), time.perf_counter() - start
+
+
+def _open_probe(folder: str, query: list[float]) -> dict:
+    """In a fresh process: open the index, then rank one query (which reads every row)."""
+    torch.set_num_threads(1)
+    before = rss_mb()
+    start = time.perf_counter()
+    index = load_index(folder)
+    opened = time.perf_counter() - start
+    after_open = rss_mb()
+    start = time.perf_counter()
+    Ranker(index.blocks).top_k(torch.tensor([query]), K)
+    first_query = time.perf_counter() - start
+    return {"open_s": round(opened, 3), "added_rss_mb_after_open": round(after_open - before, 1),
+            "first_query_s": round(first_query, 3), "added_rss_mb_after_first_query": round(rss_mb() - before, 1)}
+
+
+def open_in_fresh_process(folder: Path, query: torch.Tensor) -> dict:
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_open_probe, (str(folder), query.tolist()))
+
+
+def overlap(a: torch.Tensor, b: torch.Tensor) -> list[float]:
+    return [len(set(x.tolist()) & set(y.tolist())) / a.shape[1] for x, y in zip(a, b)]
+
+
+def fp16_agreement(rows32: torch.Tensor, blocks: list[torch.Tensor], queries: torch.Tensor) -> dict:
+    """Top 10 of the float16 rows against that of the float32 rows: the overlap, and for rows in one
+    top 10 but not the other, how far (in float32 score) they are from the 10th score: only near-ties swap."""
+    s32, r32 = torch.topk(queries @ rows32.T, K, dim=1)
+    _, r16 = exact_top_k(blocks, queries, K)
+    shared = overlap(r32, r16)
+    gaps = []
+    for q, a, b, tenth in zip(queries, r32, r16, s32[:, -1]):
+        for row in set(a.tolist()) ^ set(b.tolist()):
+            gaps.append(abs(float(q @ rows32[row]) - float(tenth)))
+    return {"top10_overlap_mean": round(float(np.mean(shared)), 5), "top10_overlap_min": round(min(shared), 3),
+            "queries_with_a_swap": sum(1 for x in shared if x < 1), "max_swapped_score_gap": round(max(gaps, default=0.0), 6)}
+
+
+def bench_rankers(index, rows32: torch.Tensor, queries: torch.Tensor, repeats: int, hnsw: bool) -> dict:
+    q1 = [q[None] for q in queries[:repeats]]
+    out = {}
+    it = iter(range(10 ** 9))
+    bare32 = rows32.contiguous()
+    bare16 = torch.cat(index.blocks) if len(index.blocks) > 1 else index.blocks[0].clone()
+    out["bare_fp32"] = percentiles(timed(lambda: bare32 @ q1[next(it) % len(q1)][0], repeats))
+    out["bare_fp16"] = percentiles(timed(lambda: bare16 @ q1[next(it) % len(q1)][0].half(), repeats))
+    del bare16
+    for kind in ("exact", "faiss-flat"):
+        ranker = Ranker(index.blocks, kind)
+        out[kind] = percentiles(timed(lambda: ranker.top_k(q1[next(it) % len(q1)], K), repeats))
+        batch = queries[:32]
+        out[kind]["batch32_per_query_ms"] = round(
+            statistics.median(timed(lambda: ranker.top_k(batch, K), 3, warm=1)) * 1000 / len(batch), 3)
+        out[kind]["vs_bare_fp32"] = round(out["bare_fp32"]["p50_ms"] / out[kind]["p50_ms"], 3)
+        out[kind]["vs_bare_fp16"] = round(out["bare_fp16"]["p50_ms"] / out[kind]["p50_ms"], 3)
+    if hnsw:
+        out["faiss-hnsw"] = bench_hnsw(index.blocks, queries, repeats)
+    return out
+
+
+def bench_hnsw(blocks: list[torch.Tensor], queries: torch.Tensor, repeats: int) -> dict:
+    """recall@10 (against the exact top 10 of the same rows) and latency per HNSW setting."""
+    _, truth = exact_top_k(blocks, queries, K)
+    out = {}
+    for m, ef_construction in ((16, 40), (32, 80)):
         start = time.perf_counter()
-        ranker = Ranker(gallery, kind)
+        index = build_hnsw_index(blocks, m, 64, ef_construction)
         build_s = time.perf_counter() - start
-        for q in queries[:5]:
-            ranker.top_k(q[None], k)
-        times, rows = [], []
-        for q in queries:
-            start = time.perf_counter()
-            _, r = ranker.top_k(q[None], k)
-            times.append(time.perf_counter() - start)
-            rows.append(r[0].tolist())
-        if kind == "exact":
-            exact_rows = rows
-        recall = float(np.mean([len(set(a) & set(b)) / k for a, b in zip(rows, exact_rows)]))
-        out[kind] = {**percentiles(times), "build_s": round(build_s, 2), "recall_at_20_vs_exact": round(recall, 4)}
+        for ef_search in (32, 64, 128, 256):
+            index.hnsw.efSearch = ef_search
+            _, rows = index.search(queries.numpy(), K)
+            recall = float(np.mean(overlap(truth, torch.from_numpy(rows))))
+            it = iter(range(10 ** 9))
+            times = timed(lambda: index.search(queries[next(it) % len(queries)][None].numpy(), K), repeats)
+            out[f"M{m}-efC{ef_construction}-ef{ef_search}"] = {"recall_at_10": round(recall, 4),
+                                                              "build_s": round(build_s, 1), **percentiles(times)}
+        del index
     return out
 
 
-def main() -> None:
+def bench_compaction(folder: Path, index) -> dict:
+    """Remove 1 % of the rows and compact: bytes of the tensor files (and of every file) written
+    against the bytes of the remaining rows."""
+    keep = [i for i in range(len(index)) if i % 100 != 7]
+    rows = torch.cat(index.blocks)[keep]
+    names = [index.names[i] for i in keep]
+    cache = ImageFeatureCache.at(folder, dtype=torch.float16, normalise=True)
+    start = time.perf_counter()
+    cache.replace_all(ROLE, names, [f"{x}|{len(x)}" for x in names], rows, PART_ROWS, {"name": "synthetic"})
+    seconds = time.perf_counter() - start
+    tensors = sum(p.stat().st_size for p in (folder / ROLE).glob("*.safetensors"))
+    records = sum(p.stat().st_size for p in (folder / ROLE).glob("*.json"))
+    row_bytes = rows.numel() * rows.element_size()
+    return {"rows": len(keep), "row_bytes": row_bytes, "tensor_file_bytes": tensors, "record_bytes": records,
+            "tensor_files_over_rows": round(tensors / row_bytes, 4),
+            "all_part_files_over_rows": round((tensors + records) / row_bytes, 4), "seconds": round(seconds, 2)}
+
+
+def bench_gallery(n: int, dim: int, n_queries: int, hnsw: bool, work: Path) -> dict:
+    print(f"gallery of {n:,} x {dim} ...", flush=True)
+    folder = work / f"index-{n}"
+    rows32, write_s = write_synthetic_index(folder, n, dim)
+    queries = clustered(n_queries, dim, seed=10 ** 9)
+    out = {"write_s": round(write_s, 2), "matrix_mb_fp16": round(n * dim * 2 / 2 ** 20, 1),
+           "matrix_mb_fp32": round(n * dim * 4 / 2 ** 20, 1)}
+    out["open"] = open_in_fresh_process(folder, queries[0])
+    out["open"]["added_rss_after_first_query_over_fp16_matrix"] = round(
+        out["open"]["added_rss_mb_after_first_query"] / out["matrix_mb_fp16"], 3)
+    index = load_index(folder)
+    out["fp16"] = fp16_agreement(rows32, index.blocks, queries)
+    out["rankers"] = bench_rankers(index, rows32, queries, min(n_queries, 50), hnsw)
+    del rows32
+    out["compaction"] = bench_compaction(folder, index)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--images", required=True, help="folder of images to index (toy CIRR dev: 1,800 images)")
-    p.add_argument("--gallery", type=int, default=100_000)
+    p.add_argument("--gallery", default="100000", help="synthetic gallery sizes, comma-separated (e.g. 100000,1000000)")
+    p.add_argument("--dim", type=int, default=512, help="embedding width (512: ViT-B-32)")
     p.add_argument("--queries", type=int, default=200)
     p.add_argument("--workers", type=int, default=0, help="image-decoding workers for the build")
-    p.add_argument("--threads", type=int, default=1, help="torch and FAISS CPU threads (1: on the shared 2-core "
-                                                           "machine more threads only spin against other jobs)")
-    p.add_argument("--hnsw-dims", default="128", help="dimensions to time HNSW at (its build is slow on a CPU)")
+    p.add_argument("--threads", type=int, default=1, help="torch and FAISS CPU threads")
+    p.add_argument("--hnsw-dims", default="512", help="widths to time HNSW at (empty: none)")
+    p.add_argument("--hnsw-max", type=int, default=100_000, help="largest gallery to build HNSW for (slow on a CPU)")
     p.add_argument("--json", help="write the results here")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     import faiss
 
@@ -122,20 +274,23 @@ def main() -> None:
     hnsw_dims = {int(d) for d in args.hnsw_dims.split(",") if d}
     torch.manual_seed(0)
     backbone = FrozenCLIP(BackboneConfig(name=str(TOY_CLIP), pretrained=None))
-    reference = next(Path(args.images).glob("*.png"))
-    results = {"command": "PYTHONPATH=. python benchmarks/bench_search.py " + " ".join(sys.argv[1:]),
+    reference = next(p for p in sorted(Path(args.images).iterdir()) if p.suffix.lower() in (".png", ".jpg", ".jpeg"))
+    results = {"command": "python -m benchmarks.bench_search " + " ".join(argv if argv is not None else sys.argv[1:]),
                "load_before": os.getloadavg(), "threads": args.threads, "cpus": os.cpu_count(),
                "build": bench_build(Path(args.images), backbone, args.workers),
-               "embed": bench_embed(backbone, reference, repeats=50),
-               "rank": {f"{args.gallery}x{dim}": bench_rank(args.gallery, dim, args.queries,
-                                                           ("exact", "faiss-flat") + (("faiss-hnsw",) if dim in hnsw_dims else ()))
-                        for dim in (128, 768)},
-               "load_after": os.getloadavg()}
+               "embed": bench_embed(backbone, reference, repeats=50), "rank": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in (int(x) for x in args.gallery.split(",") if x):
+            hnsw = args.dim in hnsw_dims and n <= args.hnsw_max
+            results["rank"][f"{n}x{args.dim}"] = bench_gallery(n, args.dim, args.queries, hnsw, Path(tmp))
+            print(json.dumps(results["rank"][f"{n}x{args.dim}"], indent=1), flush=True)
+    results["load_after"] = os.getloadavg()
     print(json.dumps(results, indent=2))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

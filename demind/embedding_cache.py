@@ -54,7 +54,7 @@ def cache_identity(backbone: Any) -> dict[str, Any]:
 def with_precision(identity: dict[str, Any], precision: str | None) -> dict[str, Any]:
     """``identity`` with ``precision`` added unless fp32 (or unknown); how records that store the
     precision beside the identity (search indexes before the one cache) read as a cache identity."""
-    identity = dict(identity or {})
+    identity = dict(identity) if isinstance(identity, dict) else {}
     if precision and precision != FP32 and "precision" not in identity:
         identity["precision"] = precision
     return identity

@@ -125,25 +125,34 @@ def test_parts_and_indexes_written_before_the_one_cache_still_load(tmp_path, tin
     index_dir = tmp_path / "old-index"
     build_index(root, index_dir, tiny_backbone, part_size=3, progress=False)
     new = load_index(index_dir)
+    pairs = []
     for record_path in sorted((index_dir / "embeddings").glob("part-*.json")):
         record = json.loads(record_path.read_text())
         tensors = record_path.with_suffix(".safetensors")
-        features = map_tensor(tensors, "features", EmbeddingCacheError, "part", "")
-        torch.save({"names": record["names"], "keys": record["keys"], "features": features.clone()},
+        features = map_tensor(tensors, "features", EmbeddingCacheError, "part", "").float() * 3  # raw: not unit
+        torch.save({"names": record["names"], "keys": record["keys"], "features": features},
                    record_path.with_suffix(".pt"))
+        pairs += [[n, k] for n, k in zip(record["names"], record["keys"])]
         record_path.unlink()
         tensors.unlink()
     old_slug = legacy_image_slug(tiny_backbone)
     (index_dir / "backbone.json").write_text(json.dumps({"identity": tiny_backbone.identity, "slug": old_slug,
                                                          "precision": "fp32", "embed_dim": 32}))
     manifest = json.loads((index_dir / "index.json").read_text())
-    manifest.update(backbone=tiny_backbone.identity, backbone_slug=old_slug)
+    for key in ("parts", "dtype"):
+        del manifest[key]
+    manifest.update(format="demind-index/1", backbone=tiny_backbone.identity, backbone_slug=old_slug, images=pairs)
     (index_dir / "index.json").write_text(json.dumps(manifest))
     assert read_part(sorted((index_dir / "embeddings").glob("part-*.pt"))[0])["features"].shape == (3, 32)
     old = load_index(index_dir)
-    assert old.names == new.names and torch.allclose(old.features.float(), new.features.float())
+    assert old.names == new.names and torch.allclose(old.features, new.features, atol=1e-3)
     check_index_backbone(old, tiny_backbone)  # the same backbone: accepted
+    # the next build reuses every row and rewrites the index in the current layout
     assert build_index(root, index_dir, tiny_backbone, part_size=3, progress=False).encoded == 0
+    assert not list((index_dir / "embeddings").glob("*.pt"))
+    assert json.loads((index_dir / "index.json").read_text())["format"] == "demind-index/2"
+    rewritten = load_index(index_dir)
+    assert rewritten.names == new.names and torch.allclose(rewritten.features, new.features, atol=1e-3)
 
 
 def build_index_images(folder: Path, count: int, start: int = 0) -> None:

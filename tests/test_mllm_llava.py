@@ -149,3 +149,35 @@ def test_test1_writes_submissions_for_both_describers(small_cirr, checkpoint, ti
             assert sub["version"] == "rc2" and sub["metric"] == metric
             assert set(sub) - {"version", "metric"} == pairids
     assert results["mllm"]["describers"]["cirevl"]["records"] == N_QUERIES["test1"]
+
+
+def test_reranking_reuses_the_reference_prefix_with_equal_scores(tiny_llava, tmp_path):
+    """The reference part prefilled once per query and shared by its candidates (right-padded suffixes of
+    different image-token counts) scores as the full prompts do, with fewer prompt tokens run."""
+    from demind.describe import LazyEngine, MemoryStore, MLLMVerifier, RerankOptions, load_describer_prompts
+    from demind.gen.config import EngineConfig, SamplingConfig
+    from demind.gen.engines import build_engine
+    from demind.retrieval import ImageRef, Query
+
+    engine = build_engine(EngineConfig(name="transformers", model=str(tiny_llava), dtype="float32"),
+                          SamplingConfig(temperature=0.0), device="cpu")
+    rng = np.random.default_rng(1)
+    refs = []
+    for i, (w, h) in enumerate([(20, 30), (40, 20), (16, 16), (30, 60), (25, 25), (64, 16)]):
+        path = tmp_path / f"{i}.png"
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(path)
+        refs.append(ImageRef(str(i), path))
+    queries = [Query("q1", refs[0], "a photo of * , make it red", "make it red"),
+               Query("q2", refs[3], "a photo of * , two of them", "two of them")]
+    candidates = [refs[1:], refs[:3]]
+    runs = {}
+    for reuse in (True, False):
+        verifier = MLLMVerifier(LazyEngine(lambda: engine), load_describer_prompts(),
+                                RerankOptions(k=5, batch_size=3, yes="dog", no="cat", prefix_reuse=reuse), MemoryStore())
+        runs[reuse] = (verifier.score(queries, candidates), verifier.prefilled_tokens)
+    (with_reuse, tokens_reuse), (full, tokens_full) = runs[True], runs[False]
+    assert [len(s) for s in with_reuse] == [5, 3]
+    assert torch.allclose(torch.tensor(with_reuse[0]), torch.tensor(full[0]), atol=1e-4)
+    assert torch.allclose(torch.tensor(with_reuse[1]), torch.tensor(full[1]), atol=1e-4)
+    assert len(set(with_reuse[0])) > 1  # the candidates do get different scores
+    assert tokens_reuse < tokens_full

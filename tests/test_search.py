@@ -31,6 +31,14 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
+def same_rows(a, b, atol: float = 1e-3) -> bool:
+    """Two indexes hold the same names with the same rows (within float16 rounding), in any row order
+    (an index keeps its parts' order: a resumed or repaired build appends the re-encoded part)."""
+    rows_b = dict(zip(b.names, b.features))
+    return sorted(a.names) == sorted(b.names) and all(
+        torch.allclose(row, rows_b[name], atol=atol) for name, row in zip(a.names, a.features))
+
+
 def write_image(path: Path, seed: int, size: int = 16) -> Path:
     rng = np.random.default_rng(seed)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -84,8 +92,10 @@ def test_index_holds_every_image_and_matches_direct_encoding(gallery, tmp_path, 
     with torch.no_grad():
         pixels = backbone.preprocess(Image.open(gallery / "sub" / "deep.jpg").convert("RGB")).unsqueeze(0)
         direct = torch.nn.functional.normalize(backbone.encode_image(pixels), dim=-1)[0]
-    assert torch.allclose(index.features[6], direct, atol=1e-5)
-    assert torch.allclose(index.features.norm(dim=-1), torch.ones(7), atol=1e-5)
+    # stored as float16 (BENCHMARKS.md: rankings unchanged): equal within its rounding
+    assert index.blocks[0].dtype == torch.float16
+    assert torch.allclose(index.features[6], direct, atol=5e-4)
+    assert torch.allclose(index.features.norm(dim=-1), torch.ones(7), atol=1e-3)
 
 
 def test_rerun_encodes_only_new_and_changed_files_and_drops_removed_ones(gallery, tmp_path, loaded):
@@ -135,7 +145,7 @@ def test_a_killed_build_resumes_from_its_finished_parts(gallery, tmp_path, loade
     assert (stats.cached, stats.encoded, stats.indexed) == (3, 4, 7)
     fresh = build(gallery, tmp_path / "fresh", backbone)
     assert fresh.encoded == 7
-    assert torch.allclose(load_index(tmp_path / "index").features, load_index(tmp_path / "fresh").features, atol=1e-6)
+    assert same_rows(load_index(tmp_path / "index"), load_index(tmp_path / "fresh"))
 
 
 def test_corrupt_images_are_skipped_counted_and_not_retried_until_changed(gallery, tmp_path, loaded):
@@ -406,11 +416,11 @@ def test_image_members_of_tar_shards_are_indexed_in_place(gallery, tmp_path, loa
     with torch.no_grad():  # the member's feature is that of the same image as a file
         pixels = backbone.preprocess(Image.open(tmp_path / "src" / "k1.png").convert("RGB")).unsqueeze(0)
         direct = torch.nn.functional.normalize(backbone.encode_image(pixels), dim=-1)[0]
-    assert torch.allclose(index.features[index.names.index(member)], direct, atol=1e-5)
+    assert torch.allclose(index.features[index.names.index(member)], direct, atol=5e-4)  # float16 rows
     # a member can be the reference (picked from the gallery) and is read in place
     searcher = Searcher(backbone, model, index)
     hit = searcher.search(SearchQuery(image=index.image_ref(member), text="", method="image-only", k=1))[0]
-    assert hit.name == member and hit.score == pytest.approx(1.0, abs=1e-5)
+    assert hit.name == member and hit.score == pytest.approx(1.0, abs=1e-3)  # float16 rows
     # touching the shard re-encodes its members only
     os.utime(gallery / "shards" / "00000.tar", ns=(1, 2_000_000_000))
     again = build(gallery, tmp_path / "index", backbone)
@@ -471,13 +481,16 @@ def test_a_truncated_part_is_named_by_search_and_repaired_by_index(gallery, tmp_
     assert stats.encoded == 3 and stats.cached == 4  # only the damaged part's images again
     fresh = build(gallery, tmp_path / "fresh", backbone)
     assert fresh.encoded == 7
-    assert torch.allclose(load_index(tmp_path / "idx").features, load_index(tmp_path / "fresh").features, atol=1e-6)
+    assert same_rows(load_index(tmp_path / "idx"), load_index(tmp_path / "fresh"))
 
 
 DAMAGED_MANIFESTS = [
     ('{"format": "demind-index/1", "root', "is not valid JSON .*rerun demind-index"),
     ('{"format": "demind-index/1", "root": "/x", "backbone_slug": "s", "precision": "fp32", "embed_dim": 4, '
      '"images": {}, "unreadable": {}}', "key 'images' must be a JSON list.*rerun demind-index"),
+    ('{"format": "demind-index/2", "root": "/x", "backbone_slug": "s", "precision": "fp32", "embed_dim": 4, '
+     '"dtype": "float16", "parts": [["part-00000", 2]], "images": ["a"], "unreadable": {}}',
+     "'images' \\(names\\) and 'parts' .* do not match.*rerun demind-index"),
 ]
 
 

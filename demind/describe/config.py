@@ -43,5 +43,6 @@ class RerankOptions:
     k: int = setting(0, ge=0, le=50, help="candidates re-scored per query (0 = off; at most the 50 ranked)")
     methods: str | None = setting(None, help="comma-separated methods to re-rank (default: every method run)")
     batch_size: int = setting(8, ge=1, help="(query, candidate) pairs per forward pass")
+    prefix_reuse: bool = setting(True, help="prefill each query's reference part once for its K candidates")
     yes: str = setting("yes", help="the answer word whose log-probability scores a match")
     no: str = setting("no", help="the answer word scored against it")

@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 DESCRIBE_PROMPT_ROOT = Path(__file__).resolve().parents[1] / "gen" / "prompts" / "describe"
 LOGGED_EXAMPLES = 3  # unparsable answers shown in the log per call (all are counted and stored)
 PROMPT_FILES = {"caption": (), "rewrite": ("{caption}", "{modification}"), "osrcir": ("{modification}",),
-                "verify": ("{modification}",)}
+                "verify": ("{modification}", "{candidate}")}
 
 
 @dataclass(frozen=True)

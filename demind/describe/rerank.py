@@ -2,8 +2,10 @@
 pair, the top K is re-ordered by score, the rest of the ranking is kept as it was.
 
 :class:`MLLMVerifier` asks the model, with the reference and the candidate images in one user
-turn (``verify.txt``), whether the candidate shows what the user wants, and scores
-log p(yes) - log p(no) of the first answer token from one forward pass (no decoding). It needs
+turn (``verify.txt``: the reference, the modification, then ``{candidate}``, the candidate image, and
+the question), whether the candidate shows what the user wants, and scores log p(yes) - log p(no)
+of the first answer token from one forward pass (no decoding); the part before the candidate is
+prefilled once per query (``rerank.prefix_reuse``). It needs
 the model's logits, so it runs on the transformers engine (the vLLM engine's generate() does not
 return them here). Scores are stored like descriptions (:class:`RecordStore`, id
 ``<query>|<candidate>``), so a rerun re-ranks without loading the model.
@@ -11,6 +13,7 @@ return them here). Scores are stored like descriptions (:class:`RecordStore`, id
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any, Protocol
 
@@ -24,6 +27,13 @@ from demind.gen import render
 from demind.retrieval import ImageRef, Query, load_image
 
 log = logging.getLogger(__name__)
+
+CANDIDATE_FIELD = "{candidate}"  # where verify.txt puts the candidate image (after it: the question)
+
+
+def cache_argument(module: Any) -> str:
+    """The KV-cache argument of ``module.forward``: transformers 5 renamed ``past_key_values`` to ``cache``."""
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
 
 
 class Verifier(Protocol):
@@ -54,7 +64,14 @@ class Reranker:
 
 
 class MLLMVerifier:
-    """Yes/no log-probability of the MLLM on [reference, candidate] images (see the module docstring)."""
+    """Yes/no log-probability of the MLLM on [reference, candidate] images (see the module docstring).
+
+    ``rerank.prefix_reuse`` (default): per query, the prompt up to the candidate (system text, the
+    reference image's tokens, the modification) is prefilled once, and its KV cache is shared by the
+    query's K candidates, whose suffixes (candidate image + question) run in right-padded batches;
+    positions continue from the prefix, so the scores equal a full prefill's up to float rounding
+    (tested). Off: every (reference, candidate) prompt is prefilled whole, left-padded.
+    """
 
     def __init__(self, engine: LazyEngine, prompts: DescriberPrompts, options: RerankOptions, store: RecordStore,
                  image_max_side: int = 672) -> None:
@@ -64,17 +81,23 @@ class MLLMVerifier:
         self.store = store
         self.image_max_side = image_max_side
         self.generated = 0
+        self.prefilled_tokens = 0  # prompt tokens run through the model in this process (reuse shows here)
 
     def score(self, queries: list[Query], candidates: list[list[ImageRef]]) -> list[list[float]]:
-        pairs = [(q, c) for q, cands in zip(queries, candidates) for c in cands]
-        missing = list({self._id(q, c): (q, c) for q, c in pairs if self._id(q, c) not in self.store}.values())
-        chunk = 64 * self.options.batch_size
-        for start in range(0, len(missing), chunk):
-            part = missing[start:start + chunk]
-            scores = self._score_pairs(part)
-            self.store.add({self._id(q, c): {"qid": q.qid, "candidate": c.name, "score": s}
-                            for (q, c), s in zip(part, scores)})
-            self.generated += len(part)
+        pending = [(q, [c for c in {c.name: c for c in cands}.values() if self._id(q, c) not in self.store])
+                   for q, cands in zip(queries, candidates)]
+        pending = [(q, cands) for q, cands in pending if cands]
+        chunk: list[tuple[Query, list[ImageRef]]] = []
+        for i, item in enumerate(pending):  # stored in parts of about 64 queries: a kill loses one part
+            chunk.append(item)
+            if len(chunk) == 64 or i == len(pending) - 1:
+                records = {}
+                for q, cands in chunk:
+                    for c, s in zip(cands, self._score_query(q, cands)):
+                        records[self._id(q, c)] = {"qid": q.qid, "candidate": c.name, "score": s}
+                self.store.add(records)
+                self.generated += len(records)
+                chunk = []
         return [[self.store.records[self._id(q, c)]["score"] for c in cands] for q, cands in zip(queries, candidates)]
 
     @staticmethod
@@ -94,37 +117,92 @@ class MLLMVerifier:
                              f"token; pick two words that differ in their first token")
         return ids[0], ids[1]
 
-    @torch.inference_mode()
-    def _score_pairs(self, pairs: list[tuple[Query, ImageRef]]) -> list[float]:
+    def _model(self) -> tuple[Any, Any, Any]:
+        """(engine, model, processor); an engine without logits (vLLM here) is one clear error."""
         engine = self.engine.get()
         model, processor = getattr(engine, "model", None), getattr(engine, "processor", None)
-        if model is None or processor is None or not hasattr(model, "forward"):
+        if model is None or processor is None or not hasattr(model, "lm_head"):
             raise InputError(f"re-ranking reads the model's answer probabilities, which the {engine.name} engine does "
                              f"not return here: run it with engine.name=transformers")
+        return engine, model, processor
+
+    def _prompt(self, processor: Any, query: Query) -> str:
+        before, after = fill(self.prompts.verify, modification=modification_text(query)).split(CANDIDATE_FIELD)
+        return render(processor, [{"role": "user", "content": [
+            {"type": "image"}, {"type": "text", "text": before.strip()},
+            {"type": "image"}, {"type": "text", "text": after.strip()}]}])
+
+    @torch.inference_mode()
+    def _score_query(self, query: Query, candidates: list[ImageRef]) -> list[float]:
+        """One query's candidates, in batches of ``rerank.batch_size``."""
+        engine, model, processor = self._model()
         yes, no = self._answer_ids(processor.tokenizer)
-        images: dict[str, Any] = {}
-
-        def image(ref: ImageRef):
-            if ref.name not in images:
-                images[ref.name] = shrink(load_image(ref), self.image_max_side)
-            return images[ref.name]
-
+        reference = shrink(load_image(query.reference), self.image_max_side)
+        prompt = self._prompt(processor, query)
+        image_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+        prefix: tuple[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
         out: list[float] = []
-        for start in range(0, len(pairs), self.options.batch_size):
-            batch = pairs[start:start + self.options.batch_size]
-            texts = [render(processor, [{"role": "user", "content": [
-                        {"type": "image"}, {"type": "image"},
-                        {"type": "text", "text": fill(self.prompts.verify, modification=modification_text(q))}]}])
-                     for q, _ in batch]
-            flat = [im for q, c in batch for im in (image(q.reference), image(c))]
-            inputs = processor(images=flat, text=texts, return_tensors="pt", padding=True)
-            inputs = inputs.to(engine.device, dtype=engine.dtype)
-            # left padding (the engine sets it): the last position is every row's next-token prediction
-            logits = model(**inputs).logits[:, -1].float()
-            logp = torch.log_softmax(logits, dim=-1)
+        for start in range(0, len(candidates), self.options.batch_size):
+            batch = [shrink(load_image(c), self.image_max_side) for c in candidates[start:start + self.options.batch_size]]
+            inputs = processor(images=[im for c in batch for im in (reference, c)], text=[prompt] * len(batch),
+                               return_tensors="pt", padding=True)
+            if not self.options.prefix_reuse:
+                inputs = inputs.to(engine.device, dtype=engine.dtype)
+                hidden = model.model(**inputs).last_hidden_state[:, -1]  # left padding: the last position is real
+                self.prefilled_tokens += int(inputs["attention_mask"].sum())
+            else:
+                rows = [ids[mask.bool()] for ids, mask in zip(inputs["input_ids"], inputs["attention_mask"])]
+                if prefix is None:
+                    prefix = self._prefill(model, engine, rows[0], inputs, image_id)
+                hidden = self._suffixes(model, engine, rows, inputs, prefix)
+            logp = torch.log_softmax(model.lm_head(hidden).float(), dim=-1)
             out += (logp[:, yes] - logp[:, no]).cpu().tolist()
         return out
 
+    def _prefill(self, model: Any, engine: Any, ids: torch.Tensor, inputs: Any, image_id: int
+                 ) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """(prefix length n, per-layer (keys, values) of the prompt before the candidate image's tokens)."""
+        from transformers import DynamicCache
+
+        is_image = (ids == image_id).int()
+        starts = (((is_image[1:] - is_image[:-1]) == 1).nonzero().flatten() + 1).tolist()  # image-token runs
+        starts = [0] * int(is_image[0]) + starts
+        if len(starts) != 2:
+            raise ValueError(f"the verify prompt rendered {len(starts)} image blocks, expected 2 (reference, candidate)")
+        n = starts[1]  # everything before the candidate's image tokens
+        cache = DynamicCache()
+        model.model(input_ids=ids[None, :n].to(engine.device),
+                    pixel_values=inputs["pixel_values"][0:1].to(engine.device, dtype=engine.dtype),
+                    image_sizes=inputs["image_sizes"][0:1].to(engine.device), use_cache=True,
+                    **{cache_argument(model.model): cache})
+        self.prefilled_tokens += n
+        return n, [(layer.keys, layer.values) for layer in cache.layers]
+
+    def _suffixes(self, model: Any, engine: Any, rows: list[torch.Tensor], inputs: Any,
+                  prefix: tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]) -> torch.Tensor:
+        """(B, hidden) at each row's last token: the suffixes right-padded after the shared prefix."""
+        n, layers = prefix
+        suffixes = [r[n:] for r in rows]
+        width = max(len(s) for s in suffixes)
+        ids = torch.full((len(rows), width), engine.tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(len(rows), n + width, dtype=torch.long)
+        mask[:, :n] = 1
+        for i, s in enumerate(suffixes):
+            ids[i, : len(s)] = s
+            mask[i, n : n + len(s)] = 1
+        from transformers import DynamicCache
+
+        cache = DynamicCache(ddp_cache_data=[(k.expand(len(rows), -1, -1, -1).contiguous(),
+                                              v.expand(len(rows), -1, -1, -1).contiguous()) for k, v in layers])
+        hidden = model.model(input_ids=ids.to(engine.device), attention_mask=mask.to(engine.device),
+                             pixel_values=inputs["pixel_values"][1::2].to(engine.device, dtype=engine.dtype),
+                             image_sizes=inputs["image_sizes"][1::2].to(engine.device), use_cache=True,
+                             **{cache_argument(model.model): cache}).last_hidden_state
+        self.prefilled_tokens += sum(len(s) for s in suffixes)
+        last = torch.tensor([len(s) - 1 for s in suffixes], device=hidden.device)
+        return hidden[torch.arange(len(rows), device=hidden.device), last]
+
     def summary(self) -> dict[str, Any]:
         return {"k": self.options.k, "pairs_stored": len(self.store), "scored_now": self.generated,
+                "prefix_reuse": self.options.prefix_reuse, "prefilled_tokens": self.prefilled_tokens,
                 "store": str(self.store.folder), "model_loaded": self.engine.loaded}

@@ -139,6 +139,9 @@ class ImageFeatureCache:
     ``rebuild`` is the advice a refusal ends with; ``error`` the class it raises.
     """
 
+    dtype: torch.dtype | None = None  # stored as encoded (evaluation: float32, numbers unchanged)
+    normalise: bool = False
+
     def __init__(self, root: str | Path, backbone_slug: str, benchmark: str, split: str) -> None:
         self.dir = Path(root) / backbone_slug / benchmark / split
         self.rebuild = f"delete {self.dir} to encode its images again"
@@ -156,14 +159,32 @@ class ImageFeatureCache:
         return cache
 
     @classmethod
-    def at(cls, directory: str | Path, rebuild: str | None = None,
-           error: type[Exception] = EmbeddingCacheError) -> "ImageFeatureCache":
-        """A cache whose roles live directly under ``directory`` (the search index's folder)."""
+    def at(cls, directory: str | Path, rebuild: str | None = None, error: type[Exception] = EmbeddingCacheError,
+           dtype: torch.dtype | None = None, normalise: bool = False) -> "ImageFeatureCache":
+        """A cache whose roles live directly under ``directory`` (the search index's folder);
+        ``dtype`` / ``normalise``: the form rows are stored in (:meth:`stored`)."""
         cache = cls.__new__(cls)
         cache.dir = Path(directory)
         cache.rebuild = rebuild or f"delete {cache.dir} to encode its images again"
         cache.error = error
+        cache.dtype, cache.normalise = dtype, normalise
         return cache
+
+    def stored(self, features: torch.Tensor) -> torch.Tensor:
+        """(n, D) features in the form this cache stores: L2-normalised (in float32) if ``normalise``,
+        then cast to ``dtype``; unchanged for a cache of neither."""
+        if self.normalise:
+            features = torch.nn.functional.normalize(features.float(), dim=-1)
+        return features.to(self.dtype) if self.dtype is not None else features
+
+    def records(self, role: str) -> list[tuple[Path, dict]]:
+        """(record path, record) of every finished part of ``role`` in the one-cache format, oldest
+        first, without reading a tensor (legacy ``.pt`` parts are not listed)."""
+        out = []
+        for path in self.parts(role):
+            if path.suffix == ".json":
+                out.append((path, read_record(path, DamagedPartError, "")))
+        return out
 
     def _role_dir(self, role: str) -> Path:
         return self.dir / role
@@ -241,8 +262,9 @@ class ImageFeatureCache:
         # replace_all, a count would sort a new part before older ones and lose "later wins"
         existing = self.parts(role)
         index = _part_number(existing[-1]) + 1 if existing else 0
-        record = {"format": PART_FORMAT, "backbone": identity, "rows": len(names), "names": list(names),
-                  "keys": list(keys)}
+        record = {"format": PART_FORMAT, "backbone": identity, "rows": len(names),
+                  "dtype": str(features.dtype).removeprefix("torch."), "normalised": self.normalise,
+                  "names": list(names), "keys": list(keys)}
         return write_entry(role_dir / f"part-{index:05d}", {"features": features}, record)[1]
 
     def replace_all(self, role: str, names: list[str], keys: list[str], features: torch.Tensor,
@@ -289,7 +311,8 @@ def encode_image_refs(
 ) -> tuple[dict[str, torch.Tensor], EncodeStats]:
     """Raw (not normalised) image features for ``refs``, from the cache where possible.
 
-    Returns (name -> (D,) float32 feature, stats). Images missing from the cache are decoded
+    Returns (name -> (D,) feature, stats): float32 as encoded, or in the cache's stored form
+    (:meth:`ImageFeatureCache.stored`: the search index's normalised float16 rows). Images missing from the cache are decoded
     with ``backbone.preprocess`` (:func:`squash_preprocess` for ``resize="squash"``) in a
     DataLoader and encoded in batches of ``batch_size``; every ``part_size`` images are written
     to the cache as one part. ``on_unreadable``:
@@ -320,6 +343,8 @@ def encode_image_refs(
             log.warning("%s: skipping unreadable image: %s", desc, error)
             stats.unreadable[chunk[position].name] = error
         chunk = [r for i, r in enumerate(chunk) if i not in errors]
+        if cache is not None:
+            chunk_features = cache.stored(chunk_features)
         if cache is not None and chunk:
             cache.write_part(role, [r.name for r in chunk], [r.cache_key for r in chunk], chunk_features, identity)
         features.update({r.name: f for r, f in zip(chunk, chunk_features)})

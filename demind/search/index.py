@@ -3,11 +3,14 @@
 Layout of an index folder::
 
     backbone.json            backbone identity, slug and precision (written first, checked on every rerun)
-    embeddings/part-*        (n, D) raw image features (.safetensors) with their names and per-file keys
-                             (.json, written last): entries of the one embedding cache
-                             (:mod:`demind.embedding_cache`, ``demind.retrieval.ImageFeatureCache.at``);
-                             an index written before holds ``part-*.pt`` files, still read
-    index.json               the file list in index order, unreadable files, counts (written last)
+    embeddings/part-*        (n, D) L2-normalised rows, float16 (.safetensors, exactly the part's rows) and
+                             their names and per-file keys (.json, written last, read only by the builder):
+                             entries of the one embedding cache (:mod:`demind.embedding_cache`)
+    index.json               the parts in row order, the names once in row order, unreadable files
+                             (written last); search memory-maps the listed parts and reads no record
+
+An index of the earlier layout (``demind-index/1``: raw float32 ``part-*.pt``) still opens, and
+the next ``demind-index`` run rewrites it in this one.
 
 Images are the image files under the folder and the image members of the uncompressed tar
 shards under it (WebDataset / img2dataset shards, read in place: ``00000.tar/KEY.jpg``). A
@@ -31,7 +34,7 @@ import torch.nn.functional as F
 
 from demind.backbone import FrozenCLIP
 from demind.errors import DemindError, InputError
-from demind.embedding_cache import cache_identity, cache_slug, check_backbone, with_precision
+from demind.embedding_cache import cache_identity, cache_slug, check_backbone, map_tensor, with_precision
 from demind.retrieval import DamagedPartError, ImageFeatureCache, encode_image_refs, stack_features
 from demind.imaging import DECODABLE_EXTENSIONS
 from demind.retrieval import ImageRef
@@ -41,7 +44,10 @@ from demind.shard_format import SHARD_SUFFIX
 
 log = logging.getLogger(__name__)
 
-INDEX_FORMAT = "demind-index/1"
+INDEX_FORMAT = "demind-index/2"  # /2: names once, rows stored normalised (float16) in parts listed in order
+LEGACY_FORMAT = "demind-index/1"  # /1: [name, key] pairs, raw float32 parts found by key (still read)
+STORED_DTYPE = "float16"  # measured: top-10 unchanged within float16 rounding (BENCHMARKS.md, search)
+DTYPES = {"float16": torch.float16, "float32": torch.float32}
 MANIFEST = "index.json"
 BACKBONE_FILE = "backbone.json"
 ROLE = "embeddings"
@@ -79,19 +85,30 @@ class IndexBuildStats:
 
 @dataclass
 class GalleryIndex:
-    """A loaded index: ``features`` (N, D) L2-normalised float32 rows in the order of ``names``."""
+    """A loaded index: ``blocks``, its (n_i, D) L2-normalised rows (memory-mapped parts, float16 or
+    float32) whose concatenation is in the order of ``names``; one (N, D) tensor is taken as one block."""
 
     directory: Path
     root: Path
     names: list[str]
-    features: torch.Tensor
+    blocks: list[torch.Tensor] | torch.Tensor
     backbone: dict
     backbone_slug: str
     precision: str
     members: dict[str, tuple[str, int, int]] = field(default_factory=dict)  # shard member -> (shard, offset, length)
 
+    def __post_init__(self) -> None:
+        if isinstance(self.blocks, torch.Tensor):
+            self.blocks = [self.blocks]
+
     def __len__(self) -> int:
         return len(self.names)
+
+    @property
+    def features(self) -> torch.Tensor:
+        """(N, D) float32 copy of every row (for small galleries and tests; rankers read ``blocks``)."""
+        dim = self.blocks[0].shape[1] if self.blocks else 0
+        return torch.cat([b.float() for b in self.blocks]) if self.blocks else torch.zeros(0, dim)
 
     def path_of(self, name: str) -> Path:
         """The image file of an indexed name (for a shard member: its shard)."""
@@ -183,12 +200,6 @@ def backbone_record(backbone: FrozenCLIP) -> dict:
             "precision": backbone.cfg.precision, "embed_dim": backbone.embed_dim}
 
 
-def recorded_identity(identity: dict | None, precision: str | None) -> dict:
-    """The cache identity an index records; indexes written before the one cache stored the
-    precision beside the identity (and a ``<identity>-<precision>`` slug): read the same way."""
-    return with_precision(identity if isinstance(identity, dict) else {}, precision)
-
-
 def _check_or_write_backbone(index_dir: Path, backbone: FrozenCLIP) -> None:
     """The first build records the backbone; a rerun with another one is refused before any
     part is mixed in (features of two backbones are not comparable)."""
@@ -201,7 +212,7 @@ def _check_or_write_backbone(index_dir: Path, backbone: FrozenCLIP) -> None:
             raise GalleryIndexError(str(e)) from None
         if not isinstance(found, dict):
             raise GalleryIndexError(f"{path} is not a backbone record (a JSON object); delete {index_dir} to rebuild it")
-        check_backbone(recorded_identity(found.get("identity"), found.get("precision")), record["identity"],
+        check_backbone(with_precision(found.get("identity"), found.get("precision")), record["identity"],
                        f"index {index_dir}", f"give another --index folder, or delete {index_dir} to rebuild it",
                        GalleryIndexError)
         return
@@ -214,6 +225,7 @@ def _rebuild_advice(index_dir: Path, root: str | None = None) -> str:
 
 MANIFEST_TYPES = {"format": str, "root": str, "backbone_slug": str, "precision": str, "embed_dim": int,
                   "images": list, "unreadable": dict}
+V2_TYPES = {"parts": list, "dtype": str}
 
 
 def _read_manifest(index_dir: Path) -> dict | None:
@@ -230,17 +242,24 @@ def _read_manifest(index_dir: Path) -> dict | None:
         # not ours to overwrite: someone else's index.json, or a file put there by hand
         raise GalleryIndexError(f"{path} is not a demind index (a JSON {type(manifest).__name__}, not an object); "
                                 f"choose another --index folder, or delete {path} to build a new index there")
-    if manifest.get("format") != INDEX_FORMAT:
+    if manifest.get("format") not in (INDEX_FORMAT, LEGACY_FORMAT):
         raise GalleryIndexError(f"{path} is not a demind index (format {manifest.get('format')!r}, "
                                 f"expected {INDEX_FORMAT!r})")
     root = manifest.get("root") if isinstance(manifest.get("root"), str) else None
-    for key, kind in MANIFEST_TYPES.items():
+    legacy = manifest["format"] == LEGACY_FORMAT
+    for key, kind in {**MANIFEST_TYPES, **({} if legacy else V2_TYPES)}.items():
         if not isinstance(manifest.get(key), kind):
             raise DamagedManifestError(f"{path}: key {key!r} must be a JSON {kind.__name__}, got "
                                     f"{type(manifest.get(key)).__name__}; " + _rebuild_advice(index_dir, root))
-    if not all(isinstance(e, list) and len(e) == 2 and all(isinstance(x, str) for x in e) for e in manifest["images"]):
+    if legacy and not all(isinstance(e, list) and len(e) == 2 and all(isinstance(x, str) for x in e)
+                          for e in manifest["images"]):
         raise DamagedManifestError(f"{path}: key 'images' must list [name, key] pairs of strings; "
                                 + _rebuild_advice(index_dir, root))
+    if not legacy and not (all(isinstance(e, str) for e in manifest["images"]) and all(
+            isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], int)
+            for p in manifest["parts"]) and sum(p[1] for p in manifest["parts"]) == len(manifest["images"])):
+        raise DamagedManifestError(f"{path}: keys 'images' (names) and 'parts' ([part, rows] pairs) do not match; "
+                                   + _rebuild_advice(index_dir, root))
     return manifest
 
 
@@ -264,6 +283,7 @@ def build_index(
     part_size: int = 1024,
     progress: bool = True,
     new_root: bool = False,
+    dtype: str = STORED_DTYPE,
 ) -> IndexBuildStats:
     """Build or update the index of every image under ``images`` into ``index_dir``.
 
@@ -272,7 +292,9 @@ def build_index(
     When files were removed or changed the parts are compacted so they hold only live entries.
     An index built from another folder is refused unless ``new_root`` (it would drop every
     file only in the old folder). A damaged embedding part is deleted and its images encoded again; a
-    damaged ``index.json`` is logged and rebuilt (:func:`_previous_manifest`).
+    damaged ``index.json`` is logged and rebuilt (:func:`_previous_manifest`). Rows are stored
+    L2-normalised in ``dtype`` (an existing index keeps its own); an index of the earlier layout
+    is rewritten in this one.
     """
     start = time.perf_counter()
     images, index_dir = Path(images), Path(index_dir)
@@ -299,8 +321,11 @@ def build_index(
     stats.unreadable = {name: known_bad[name][1] for name in sorted(still_bad)}
     todo = [r for r in refs if r.name not in still_bad]
 
+    dtype = previous.get("dtype") or dtype  # an index keeps the form it was first stored in
+    if dtype not in DTYPES:
+        raise GalleryIndexError(f"index rows are stored as one of {', '.join(DTYPES)}, not {dtype!r}")
     cache = ImageFeatureCache.at(index_dir, f"give another --index folder, or delete {index_dir} to rebuild it",
-                                 GalleryIndexError)
+                                 GalleryIndexError, dtype=DTYPES[dtype], normalise=True)
     features, encode_stats = encode_image_refs(backbone, todo, cache, ROLE, batch_size, num_workers, part_size,
                                                progress, desc="index images", on_unreadable="skip")
     stats.cached, stats.encoded = encode_stats.cached, encode_stats.encoded
@@ -310,23 +335,28 @@ def build_index(
     names = [r.name for r in refs if r.name in features]
     stats.indexed = len(names)
 
-    previous_keys = dict(previous["images"])
-    stats.removed = sum(1 for name in previous_keys if name not in keys)
-    dead = set(previous_keys.items()) - {(n, keys[n]) for n in names}  # removed, changed or now unreadable
-    if dead or damaged:  # a damaged manifest no longer says what the parts hold: keep only the live entries
-        # their entries would otherwise stay in the parts for ever (load ignores them: disk only)
-        log.info("compacting %s: %d entries removed or superseded", index_dir, len(dead))
-        cache.replace_all(ROLE, names, [keys[n] for n in names], stack_features(features, names), part_size,
-                          cache_identity(backbone))
+    previous_names = [e[0] if isinstance(e, list) else e for e in previous["images"]]
+    stats.removed = sum(1 for name in previous_names if name not in keys)
+    parts = _live_parts(cache, {n: keys[n] for n in names})
+    if parts is None:  # removed, changed or unreadable entries, or rows not in the stored form: compact
+        # (their rows would otherwise stay in the parts for ever, and the parts must hold exactly the index)
+        log.info("compacting %s to its %d live entries", index_dir, len(names))
+        rows = [f if f.dtype == cache.dtype and f.dtype != torch.float32 else cache.stored(f[None])[0]
+                for f in (features[n] for n in names)]
+        cache.replace_all(ROLE, names, [keys[n] for n in names], torch.stack(rows) if rows else
+                          torch.zeros(0, backbone.embed_dim, dtype=cache.dtype), part_size, cache_identity(backbone))
+        parts = _live_parts(cache, {n: keys[n] for n in names})
+    order = [name for _, record in parts for name in record["names"]]
 
     record = backbone_record(backbone)
     write_json_atomic(index_dir / MANIFEST, {
         "format": INDEX_FORMAT,
         "root": str(images.resolve()),
         "backbone": record["identity"], "backbone_slug": record["slug"],
-        "precision": record["precision"], "embed_dim": record["embed_dim"],
-        "images": [[n, keys[n]] for n in names],
-        "members": {n: stats.members[n] for n in names if n in stats.members},
+        "precision": record["precision"], "embed_dim": record["embed_dim"], "dtype": dtype,
+        "parts": [[path.stem, record["rows"]] for path, record in parts],
+        "images": order,  # names once, in row order (keys: in the parts' records, for the next build)
+        "members": {n: stats.members[n] for n in order if n in stats.members},
         "unreadable": {n: [keys.get(n), reason] for n, reason in sorted(stats.unreadable.items())},
     })
     stats.seconds = time.perf_counter() - start
@@ -337,9 +367,10 @@ def build_index(
 
 
 def load_index(index_dir: str | Path, root: str | Path | None = None) -> GalleryIndex:
-    """Load a finished index; ``root`` overrides where its images live (a moved folder).
+    """Open a finished index; ``root`` overrides where its images live (a moved folder).
 
-    Returns a :class:`GalleryIndex` with (N, D) L2-normalised features in file-list order.
+    Returns a :class:`GalleryIndex` whose blocks are the parts' rows, memory-mapped (an index of
+    the earlier layout is read into one normalised float32 block).
     """
     index_dir = Path(index_dir)
     manifest = _read_manifest(index_dir)
@@ -348,6 +379,51 @@ def load_index(index_dir: str | Path, root: str | Path | None = None) -> Gallery
                 if (index_dir / ROLE).is_dir() else "")
         raise GalleryIndexError(f"no index at {index_dir}: {MANIFEST} is missing{hint}; "
                                 f"build one with demind-index --images DIR --index {index_dir} --checkpoint CKPT")
+    root = Path(root) if root else Path(manifest["root"])
+    if manifest["format"] == LEGACY_FORMAT:
+        names, blocks = _load_legacy_rows(index_dir, manifest)
+    else:
+        names, blocks = manifest["images"], _map_parts(index_dir, manifest)
+    return GalleryIndex(directory=index_dir, root=root, names=names, blocks=blocks, backbone=manifest["backbone"],
+                        backbone_slug=manifest["backbone_slug"], precision=manifest["precision"],
+                        members={n: tuple(v) for n, v in manifest.get("members", {}).items()})
+
+
+def _live_parts(cache: ImageFeatureCache, live: dict[str, str]) -> list[tuple[Path, dict]] | None:
+    """The parts' (record path, record) in order when they hold exactly the ``live`` {name: key}
+    entries, once each, in the cache's stored form; None when the parts must be compacted."""
+    if any(p.suffix == ".pt" for p in cache.parts(ROLE)):
+        return None  # the earlier layout: raw float32 rows, rewritten normalised
+    parts = cache.records(ROLE)
+    seen = 0
+    for _, record in parts:
+        if record.get("dtype") != str(cache.dtype).removeprefix("torch.") or not record.get("normalised"):
+            return None
+        for name, key in zip(record["names"], record["keys"]):
+            if live.get(name) != key:
+                return None
+        seen += len(record["names"])
+    return parts if seen == len(live) and len({n for _, r in parts for n in r["names"]}) == seen else None
+
+
+def _map_parts(index_dir: Path, manifest: dict) -> list[torch.Tensor]:
+    """Memory-map the rows of every part the manifest lists: no row is read until a query uses it."""
+    blocks = []
+    for stem, rows in manifest["parts"]:
+        path = index_dir / ROLE / f"{stem}.safetensors"
+        fix = f"{_rebuild_advice(index_dir, manifest['root'])} (only the damaged part's images are encoded again)"
+        if not path.is_file():
+            raise GalleryIndexError(f"index {index_dir} lacks its part {path.name}; {fix}")
+        block = map_tensor(path, "features", GalleryIndexError, f"index {index_dir}: feature part", fix)
+        if block.shape != (rows, manifest["embed_dim"]):
+            raise GalleryIndexError(f"index {index_dir}: part {path.name} holds {tuple(block.shape)} rows, "
+                                    f"not the ({rows}, {manifest['embed_dim']}) listed; {fix}")
+        blocks.append(block)
+    return blocks
+
+
+def _load_legacy_rows(index_dir: Path, manifest: dict) -> tuple[list[str], list[torch.Tensor]]:
+    """(names, [(N, D) normalised float32]) of an index of the earlier layout (raw rows found by key)."""
     try:
         stored = ImageFeatureCache.at(index_dir).load(ROLE)
     except DamagedPartError as e:
@@ -361,15 +437,12 @@ def load_index(index_dir: str | Path, root: str | Path | None = None) -> Gallery
     features = stack_features({name: stored[name][key] for name, key in manifest["images"]}, names)
     if not names:
         features = torch.zeros(0, manifest["embed_dim"])
-    return GalleryIndex(directory=index_dir, root=Path(root) if root else Path(manifest["root"]), names=names,
-                        features=F.normalize(features.float(), dim=-1), backbone=manifest["backbone"],
-                        backbone_slug=manifest["backbone_slug"], precision=manifest["precision"],
-                        members={n: tuple(v) for n, v in manifest.get("members", {}).items()})
+    return names, [F.normalize(features.float(), dim=-1)]
 
 
 def check_index_backbone(index: GalleryIndex, backbone: FrozenCLIP) -> None:
     """Fail, naming both, when ``index`` was encoded by another backbone (or precision): the one
     refusal of :func:`demind.embedding_cache.check_backbone`."""
-    check_backbone(recorded_identity(index.backbone, index.precision), cache_identity(backbone),
+    check_backbone(with_precision(index.backbone, index.precision), cache_identity(backbone),
                    f"index {index.directory}", f"the checkpoint's backbone differs: rebuild the index with "
                    f"demind-index --images {index.root} --index NEW_DIR --checkpoint CKPT", GalleryIndexError)
