@@ -29,10 +29,12 @@ from demind.model import TEMPLATES
 
 def gallery_features(features_root: Path) -> dict[str, torch.Tensor]:
     """name -> (D,) normalised gallery image embedding, from the evaluation's feature cache."""
+    from demind.retrieval import ImageFeatureCache
+
     out = {}
-    for part in sorted(features_root.rglob("cirr/val/gallery/part-*.pt")):
-        data = torch.load(part, weights_only=False)
-        out.update(zip(data["names"], F.normalize(data["features"].float(), dim=-1)))
+    for split_dir in sorted(features_root.rglob("cirr/val")):  # one folder per backbone, as the evaluation keys them
+        for data in ImageFeatureCache.at(split_dir).read_parts("gallery"):
+            out.update(zip(data["names"], F.normalize(data["features"].float(), dim=-1)))
     if not out:
         raise SystemExit(f"error: no CIRR gallery features under {features_root} (run the quickstart on it first)")
     return out

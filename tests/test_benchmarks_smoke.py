@@ -1,0 +1,461 @@
+"""Every script under ``benchmarks/`` and ``toyworld/lab/`` runs its ``main(argv)`` at a tiny size, on
+the CPU and offline, and leaves the numbers it exists for (a JSON file with the expected keys and
+finite values), so no measurement command rots between the sessions that run it for real.
+
+A script without a row here fails :func:`test_every_script_has_a_smoke_row`; the support modules
+(``SUPPORT``) are the only files of ``benchmarks/`` that are not scripts. The toy-world rows share
+one tiny quickstart workdir (``toy_world``), made by the ``toyworld.lab.recipes`` row's own run.
+The numbers are timings of tiny models on a shared machine: rows check that they are there, finite
+and ordered where the design says so (a kept prefix prefills fewer tokens), never their size.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from helpers import REPO_ROOT, TINY_CLIP, TINY_TOY_CLIP
+
+pytestmark = pytest.mark.usefixtures("one_thread_and_fresh_accelerator")
+
+# Files of benchmarks/ that are imported by the scripts and the tests, not run.
+SUPPORT = {
+    "__init__": "the package",
+    "synthetic": "synthetic shards and COCO-format data (benchmark and test support)",
+    "gpu_models": "random-weight models at the real shapes for bench_gpu",
+    "noise_common": "what noise_detection and noise_retrieval share",
+}
+# Scripts whose owner has yet to give them the one entry shape: their rows are expected to fail
+# (strict: a row that starts passing fails until its mark goes).
+NOT_YET: dict[str, str] = {}
+
+
+def scripts() -> list[str]:
+    """Module names of every script: benchmarks/*.py but the support modules, and toyworld/lab/*.py."""
+    bench = [f"benchmarks.{p.stem}" for p in sorted((REPO_ROOT / "benchmarks").glob("*.py")) if p.stem not in SUPPORT]
+    lab = [f"toyworld.lab.{p.stem}" for p in sorted((REPO_ROOT / "toyworld" / "lab").glob("*.py"))
+           if p.stem != "__init__"]
+    return bench + lab
+
+
+def module_path(name: str) -> Path:
+    return REPO_ROOT.joinpath(*name.split(".")).with_suffix(".py")
+
+
+def run(name: str, argv: list[str]) -> None:
+    """``python -m NAME ARGV`` in this process: its ``main`` must return 0."""
+    assert importlib.import_module(name).main([str(a) for a in argv]) == 0
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(Path(path).read_text())
+
+
+def numbers(obj: Any) -> list[float]:
+    """Every int or float inside a JSON value (booleans are not numbers here)."""
+    if isinstance(obj, bool):
+        return []
+    if isinstance(obj, (int, float)):
+        return [float(obj)]
+    if isinstance(obj, dict):
+        return [x for v in obj.values() for x in numbers(v)]
+    if isinstance(obj, (list, tuple)):
+        return [x for v in obj for x in numbers(v)]
+    return []
+
+
+def positive(obj: Any) -> None:
+    """``obj`` holds numbers and each is finite and > 0 (a rate, a time)."""
+    values = numbers(obj)
+    assert values and all(math.isfinite(v) and v > 0 for v in values), obj
+
+
+def percent(obj: Any) -> None:
+    """``obj`` holds numbers and each is a percentage (a recall, an accuracy)."""
+    values = numbers(obj)
+    assert values and all(0.0 <= v <= 100.0 for v in values), obj
+
+
+# --------------------------------------------------------------------------- the shared toy world
+# The tiny toy CLIP (the name matters: exclmm_toy finds a trained one by its toy-clip-*.json report)
+# and a quickstart small enough for a smoke run; cirr_calibrate and clip_seeds pass the same recipe,
+# so they reuse the toy CLIP the quickstart trained instead of training their own.
+TINY_BACKBONE = {"steps": 2, "batch_size": 8, "warmup_steps": 1, "num_train_images": 16, "num_eval_scenes": 10,
+                 "num_pair_probe_scenes": 4, "pretrain_steps": 2, "pretrain_first_steps": 1}
+TINY_BENCHMARKS = {"cirr_sets": 4, "imgnet_queries_per_class": 1, "imgnet_targets_per_domain": 1,
+                   "imgnet_distractors_per_class": 1, "coco_images": 4, "exclusion_queries": 2}
+TINY_TRAIN = ["optim.max_steps=2", "optim.warmup_steps=1", "optim.global_batch_size=8", "data.shuffle_buffer=8",
+              "data.shards_per_group=1", "model.num_blocks=1", "model.num_heads=4", "model.mapping_hidden=32",
+              "run.save_every=100"]
+
+
+def toy_clip_settings(model_config: Path, prefix: str = "") -> list[str]:
+    return [f"{prefix}model_config={model_config}"] + [f"{prefix}{k}={v}" for k, v in TINY_BACKBONE.items()]
+
+
+@pytest.fixture(scope="module")
+def toy_world(tmp_path_factory) -> Path:
+    """A tiny quickstart workdir (toy CLIP, toy benchmarks, one De-MINDS seed evaluated on the toy
+    CIRR), made by ``python -m toyworld.lab.recipes --recipes default --seeds 0``."""
+    root = tmp_path_factory.mktemp("toy_world")
+    model_config = root / "toy-clip-tiny.json"
+    model_config.write_text(json.dumps(TINY_TOY_CLIP))
+    settings = [*toy_clip_settings(model_config, "backbone."), *(f"toy_benchmarks.{k}={v}" for k, v in TINY_BENCHMARKS.items()),
+                "shards.num_samples=24", "shards.samples_per_shard=12", "eval_batch_size=32",
+                "train_overrides=[" + ",".join(TINY_TRAIN) + "]"]
+    run("toyworld.lab.recipes", ["--workdir", root / "w", "--recipes", "default", "--seeds", "0", "--set", *settings])
+    return root / "w"
+
+
+def toy_clip_weights(toy_world: Path) -> Path:
+    """The tiny toy CLIP as trained (without the modality gap's extra dimension)."""
+    (weights,) = [p for p in (toy_world / "backbone").glob("toy-clip-tiny-*.safetensors") if "-gap" not in p.name]
+    return weights
+
+
+# --------------------------------------------------------------------------- rows
+ROWS: dict[str, Callable[[Path, pytest.FixtureRequest], None]] = {}
+SLOW: set[str] = set()
+
+
+def row(name: str, slow: bool = False):
+    def register(fn):
+        ROWS[name] = fn
+        if slow:
+            SLOW.add(name)
+        return fn
+    return register
+
+
+@row("benchmarks.bench_channels_last")
+def _(tmp: Path, request) -> None:
+    run("benchmarks.bench_channels_last", ["--batch", 2, "--repeats", 1, "--threads", 1, "--json", tmp / "o.json"])
+    out = read_json(tmp / "o.json")
+    assert [r["layout"] for r in out["rows"]] == ["contiguous_format", "channels_last", "contiguous_format"]
+    positive([r["ms_forward_backward"] for r in out["rows"]])
+
+
+@row("benchmarks.bench_data_gen")
+def _(tmp: Path, request) -> None:
+    run("benchmarks.bench_data_gen", ["--samples", 4, "--batch-size", 2, "--repeats", 1, "--chunk-size", 2,
+                                      "--image-size", "64x48", "--json", tmp / "o.json"])
+    out = read_json(tmp / "o.json")
+    positive([out[k] for k in ("engine_images_per_s_batched", "engine_images_per_s_single", "job_images_per_s_prefetch0",
+                               "job_images_per_s_prefetch1", "prefix_cache_speedup")])
+    tokens = out["prefilled_tokens_per_image"]
+    assert 0 < tokens["batched"] < tokens["batched_no_prefix_cache"]  # the kept stage-1 prefix is not prefilled again
+    assert set(out["overhead_breakdown_ms_per_sample"]) == {"read", "decode_resize", "prompt_render_2_stages", "write"}
+
+
+@row("benchmarks.bench_describers")
+def _(tmp: Path, request) -> None:
+    run("benchmarks.bench_describers", ["--queries", 2, "--batch", 2, "--k", 2, "--json", tmp / "o.json"])
+    out = read_json(tmp / "o.json")
+    assert out["device"] == "cpu" and out["queries"] == 2
+    positive([out[name]["descriptions_per_s"] for name in ("osrcir", "cirevl")])
+    reuse, full = out["rerank_prefix_reuse"], out["rerank_full_prefill"]
+    positive([reuse["candidates_per_s"], full["candidates_per_s"]])
+    assert 0 < reuse["prompt_tokens_per_candidate"] <= full["prompt_tokens_per_candidate"]
+
+
+@row("benchmarks.bench_distributed_gen", slow=True)
+def _(tmp: Path, request) -> None:
+    pytest.importorskip("ray", reason="bench_distributed_gen needs the '.[distributed]' extra")
+    run("benchmarks.bench_distributed_gen", ["--shards", 2, "--samples", 2, "--empty-shards", 2, "--workdir", tmp / "w",
+                                             "--json", tmp / "o.json"])
+    out = read_json(tmp / "o.json")
+    assert [r["name"] for r in out["rows"]][1:] == ["1 worker", "2 workers", "1 worker", "2 workers"]
+    assert all(r["shards"] == 2 for r in out["rows"][1:])
+    positive([out["ratio_2_over_1"]] + [r["shards_per_s"] for r in out["rows"]])
+
+
+@row("benchmarks.bench_eval")
+def _(tmp: Path, request) -> None:
+    run("benchmarks.bench_eval", ["--backbone", f"{TINY_CLIP}:none", "--device", "cpu", "--batches", "1,2",
+                                  "--repeats", 1, "--images", 4, "--image-size", 32, "--batch-size", 2,
+                                  "--json", tmp / "o.json"])
+    out = read_json(tmp / "o.json")
+    assert set(out["query_latency"]) == {"1", "2"}
+    for r in out["query_latency"].values():
+        positive([r["demind_s"], r["mapping_s"], r["ratio"], r["image_encode_s"], r["end_to_end_ratio"]])
+    positive(out["gallery_images_per_s"])
+
+
+@row("benchmarks.bench_exclcoco")
+def _(tmp: Path, request) -> None:
+    run("benchmarks.bench_exclcoco", ["--images", 40, "--workdir", tmp / "w", "--json", tmp / "o.json"])
+    out = read_json(tmp / "o.json")
+    assert (out["images"], out["captions"], out["categories"]) == (40, 200, 80)  # 5 captions an image, COCO's 80
+    assert out["instances"] > 40 and out["queries"] > 0 and out["output_bytes"] > 0
+    assert math.isfinite(out["build_seconds"]) and out["build_seconds"] >= 0
+
+
+@row("benchmarks.bench_gpu")
+def _(tmp: Path, request) -> None:
+    # one cheap section; tests/test_bench_gpu.py runs the others
+    run("benchmarks.bench_gpu", ["--tiny", "--only", "tower", "--precisions", "fp32", "--json", tmp / "o.json"])
+    out = read_json(tmp / "o.json")
+    assert out["tiny"] is True and out["device"] == "cpu"
+    positive(out["sections"]["tower"]["images_per_s"]["fp32"])
+
+
+@row("benchmarks.bench_negation")
+def _(tmp: Path, request) -> None:
+    toy_world = request.getfixturevalue("toy_world")
+    (gap_model,) = (toy_world / "backbone").glob("toy-clip-tiny-*-gap50-model.json")
+    (gap_weights,) = (toy_world / "backbone").glob("toy-clip-tiny-*-gap50.safetensors")
+    run("benchmarks.bench_negation", ["--latency", "--methods-latency", "--repeats", 1, "--dims", 16, "--batches", "1,4",
+                                      "--methods-batches", 2, "--model-config", TINY_CLIP,
+                                      "--backbone-only", f"{gap_model}:{gap_weights}",
+                                      "--benchmarks", toy_world / "benchmarks", "--out", tmp / "bb",
+                                      "--json", tmp / "o.json"])
+    out = read_json(tmp / "o.json")
+    assert [(r["dim"], r["batch"]) for r in out["latency"]] == [(16, 1), (16, 4)]
+    positive([[r["exact_s_per_query"], r["adam20_s_per_query"]] for r in out["latency"]])
+    assert set(out["methods_latency_s_per_query"]["2"]) >= {"text-only", "text-only+deo", "demind", "demind+deo"}
+    positive(out["methods_latency_s_per_query"])
+    for bench in ("exclusion", "cirr"):
+        assert set(out["backbone_only"][bench]) == {"text-only", "text-only+deo", "image+text", "image+text+deo"}
+        percent(out["backbone_only"][bench])
+
+
+@row("benchmarks.bench_search")
+def _(tmp: Path, request) -> None:
+    from PIL import Image
+
+    (tmp / "images").mkdir()
+    for i in range(6):
+        Image.new("RGB", (32, 32), (40 * i, 100, 200 - 30 * i)).save(tmp / "images" / f"{i}.png")
+    run("benchmarks.bench_search", ["--images", tmp / "images", "--gallery", 64, "--queries", 2, "--hnsw-dims", "",
+                                    "--json", tmp / "o.json"])
+    out = read_json(tmp / "o.json")
+    assert {"build", "embed", "rank"} <= set(out)
+    assert all(math.isfinite(v) for v in numbers(out["rank"]))
+
+
+@row("benchmarks.bench_serve_load")
+def _(tmp: Path, request) -> None:
+    run("benchmarks.bench_serve_load", ["--clients", 2, "--seconds", 1, "--images", 8, "--json", tmp / "o.json"])
+    out = read_json(tmp / "o.json")
+    assert out["errors"] == 0 and out["first_errors"] == [] and out["rankings_consistent"] is True
+    assert set(out["requests"]) == {"info", "gallery", "thumb", "search", "upload"}
+    assert all(n > 0 for n in out["requests"].values())
+    positive([[v["p50"], v["p95"]] for v in out["latency_ms"].values()])
+
+
+@row("benchmarks.bench_text_trim")
+def _(tmp: Path, request) -> None:
+    run("benchmarks.bench_text_trim", ["--model", TINY_CLIP, "--batch", 4, "--repeats", 1, "--json", tmp / "o.json"])
+    out = read_json(tmp / "o.json")
+    assert len(out["rows"]) == 3  # CIRR-style prompts, the intention prompt, the training mix
+    positive([[r["full_ms"], r["trimmed_1_bucket_ms"], r["trimmed_buckets_ms"]] for r in out["rows"]])
+
+
+@row("benchmarks.bench_toy")
+def _(tmp: Path, request) -> None:
+    run("benchmarks.bench_toy", ["--steps", 1, "--render", 8, "--pool", 16, "--batch", 8, "--json", tmp / "o.json"])
+    out = read_json(tmp / "o.json")
+    assert set(out["steps"]) == {"foreach", "fused"} and out["render_scenes"] == 8
+    positive(out["steps"])
+    positive(out["render_s"])
+
+
+@row("benchmarks.bench_train")
+def _(tmp: Path, request) -> None:
+    run("benchmarks.bench_train", ["--backbone", TINY_CLIP, "--batch", 2, "--steps", 2, "--shard-counts", 1,
+                                   "--json", tmp / "o.json"])
+    out = read_json(tmp / "o.json")
+    t = out["throughput"]
+    positive([t["uncached_samples_per_s"], t["cached_samples_per_s"], t["ratio_cached_over_uncached"]])
+    assert [(r["shards"], r["mode"]) for r in out["memory"]] == [(1, "uncached"), (1, "cached")]
+    positive([r["peak_rss_mib"] for r in out["memory"]])
+
+
+@row("benchmarks.exclmm_toy")
+def _(tmp: Path, request) -> None:
+    toy_world = request.getfixturevalue("toy_world")
+    steps = [f"{phase}.{key}={value}" for phase in ("sae", "space", "query") for key, value in (("steps", 2), ("batch_size", 8))]
+    run("benchmarks.exclmm_toy", ["--backbone-dir", toy_world / "backbone", "--workdir", tmp / "w", "--seeds", 0,
+                                  "--variants", "ExclMM", "--batch-size", 32,
+                                  "--bench", "exclcoco_train_images=24", "exclcoco_test_images=12",
+                                  "--set", *steps, "run.log_every=1", "run.save_every=2"])
+    out = read_json(tmp / "w" / "results.json")["results"]
+    assert set(out) == {"random ranking", "CLIP text-only", "CLIP text-only + DEO", "ExclMM"}
+    for method, runs in out.items():
+        assert len(runs) == 1, method
+        percent({k: v for k, v in runs[0].items() if k != "_sign"})
+    better, worse, p = out["ExclMM"][0]["_sign"]  # the paired sign test against CLIP text-only
+    assert better >= 0 and worse >= 0 and 0 < p <= 1
+    assert "| ExclMM |" in (tmp / "w" / "table.md").read_text()
+
+
+@row("benchmarks.noise_detection", slow=True)
+def _(tmp: Path, request) -> None:
+    toy_world = request.getfixturevalue("toy_world")
+    run("benchmarks.noise_detection", ["--quickstart", toy_world, "--out", tmp / "o", "--tiny", "--kinds", "hard"])
+    results = read_json(tmp / "o" / "noise_detection.json")["runs"]["hard"]["results"]
+    for detector in ("gfq", "small-loss"):
+        m = results[detector]["either"]
+        assert 0 <= m["auroc"] <= 1 and 0 < m["noisy"] < m["samples"]
+
+
+@row("benchmarks.noise_retrieval", slow=True)
+def _(tmp: Path, request) -> None:
+    toy_world = request.getfixturevalue("toy_world")
+    run("benchmarks.noise_retrieval", ["--quickstart", toy_world, "--out", tmp / "o", "--tiny", "--kinds", "hard"])
+    saved = read_json(tmp / "o" / "results.json")
+    assert "clean/none/seed0" in saved["cells"] and "hard-0.50/conesep/seed0" in saved["cells"]
+    for cell in saved["cells"].values():
+        percent([cell["metrics"]["cirr:R@10"], cell["metrics"]["exclusion:mAP@10"]])
+
+
+@row("benchmarks.reliability_kill", slow=True)
+def _(tmp: Path, request) -> None:
+    run("benchmarks.reliability_kill", ["--data-gen-kills", 1, "--train-kills", 1, "--samples", 2, "--train-steps", 10,
+                                        "--json", tmp / "o.json"])
+    out = read_json(tmp / "o.json")
+    gen = out["data_gen"]
+    assert gen["keys_in"] == gen["keys_out"] == 8 and gen["duplicates"] == 0 and gen["missing"] == 0
+    assert gen["texts_equal_uninterrupted"] is True
+    assert out["training"]["final_weights_bit_identical"] is True
+
+
+@row("toyworld.lab.cirr_calibrate")
+def _(tmp: Path, request) -> None:
+    toy_world = request.getfixturevalue("toy_world")
+    model_config = toy_world.parent / "toy-clip-tiny.json"
+    # the quickstart's workdir: its toy CLIP (same recipe) is reused, not trained again
+    run("toyworld.lab.cirr_calibrate", ["--workdir", toy_world, "--sets", 4, "--batch-size", 32,
+                                        "--backbone", *toy_clip_settings(model_config)])
+    record = json.loads((toy_world / "calibration.jsonl").read_text().splitlines()[-1])
+    assert set(record["R@10"]) == {"image-only", "text-only", "image+text"} and record["sets"] == 4
+    percent(record["metrics"])
+    assert isinstance(record["meets_profile"], bool) and record["modality_gap"] == 50.0
+
+
+@row("toyworld.lab.clip_seeds")
+def _(tmp: Path, request) -> None:
+    from toyworld.probes import PAIR_PROBE_ATTRIBUTES
+
+    toy_world = request.getfixturevalue("toy_world")
+    model_config = toy_world.parent / "toy-clip-tiny.json"
+    # --out: the quickstart's workdir, so seed 0 is the toy CLIP it trained (read from its report)
+    run("toyworld.lab.clip_seeds", ["--seeds", 0, "--out", toy_world, "--quiet", *toy_clip_settings(model_config)])
+    out = read_json(toy_world / "toy_clip_seeds.json")
+    report = read_json(toy_clip_weights(toy_world).with_suffix(".json"))
+    assert {a: out["pair_probes"]["0"][a] for a in PAIR_PROBE_ATTRIBUTES} == report["pair_probes"]
+    percent(report["pair_probes"])
+
+
+@row("toyworld.lab.pair_probes")
+def _(tmp: Path, request) -> None:
+    from toyworld.probes import PAIR_PROBE_ATTRIBUTES
+
+    toy_world = request.getfixturevalue("toy_world")
+    run("toyworld.lab.pair_probes", ["--weights", toy_clip_weights(toy_world),
+                                     "--model-config", toy_world.parent / "toy-clip-tiny.json", "--scenes", 4,
+                                     "--ceiling-scenes", 10, "--breakdown", "--json", tmp / "o.json"])
+    out = read_json(tmp / "o.json")
+    assert set(out["pair_probes"]) == set(PAIR_PROBE_ATTRIBUTES) and out["scenes"] == 4
+    percent(out["pair_probes"])
+    assert set(out["breakdown"]) == set(PAIR_PROBE_ATTRIBUTES)
+    assert out["heldout_probe_ceiling_R@10"]
+
+
+@row("toyworld.lab.query_geometry")
+def _(tmp: Path, request) -> None:
+    toy_world = request.getfixturevalue("toy_world")
+    (checkpoint,) = toy_world.glob("train/*/demind-seed0*/demind.safetensors")
+    run("toyworld.lab.query_geometry", ["--cirr", toy_world / "benchmarks" / "cirr", "--features",
+                                        toy_world / "eval" / "feature_cache", "--checkpoints", checkpoint,
+                                        "--queries", 8, "--json", tmp / "o.json"])
+    rows = read_json(tmp / "o.json")
+    assert [r["query"] for r in rows] == ["demind", "mapping-only"]
+    for r in rows:
+        assert -1 <= r["gap_axis_cos"] <= 1 and -1 <= r["tanh_gate"] <= 1
+        assert 0 <= r["std_cos_to_descriptions"] < 2 and 0 <= r["std_cos_to_target_images"] < 2
+
+
+@row("toyworld.lab.recipes")
+def _(tmp: Path, request) -> None:
+    toy_world = request.getfixturevalue("toy_world")  # the fixture is this script's run
+    result = read_json(toy_world / "recipes.json")["default"]
+    assert result["seeds"] == [0] and result["overrides"] == []
+    assert {"demind", "mapping-only", "image+text", "image-only", "text-only"} <= set(result["R@10"])
+    percent(result["R@10"])
+    paired = result["paired_R@10"]["0"]
+    assert set(paired) == {"mapping-only", "image+text"} and all(0 < p["p"] <= 1 for p in paired.values())
+
+
+# --------------------------------------------------------------------------- tests
+def marks(name: str) -> list:
+    out = [pytest.mark.slow] if name in SLOW else []
+    if name in NOT_YET:
+        out.append(pytest.mark.xfail(reason=NOT_YET[name], strict=True))
+    return out
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=marks(n), id=n) for n in sorted(ROWS)])
+def test_script_runs_at_a_tiny_size(name, tmp_path, request):
+    ROWS[name](tmp_path, request)
+
+
+def test_every_script_has_a_smoke_row():
+    assert sorted(ROWS) == scripts(), "give each new script a row here (or list a support module in SUPPORT)"
+
+
+def entry_shape_problems(name: str) -> list[str]:
+    """What keeps a script from the one entry shape: ``def main(argv: list[str] | None = None) -> int``,
+    ``if __name__ == "__main__": raise SystemExit(main())`` at the end, no sys.path edits, no import from tests/."""
+    tree = ast.parse(module_path(name).read_text())
+    problems = []
+    mains = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"]
+    if not mains:
+        problems.append("no top-level main")
+    else:
+        args = mains[0].args
+        if [a.arg for a in args.args] != ["argv"] or len(args.defaults) != 1 or ast.unparse(mains[0].returns or ast.Constant(None)) != "int":
+            problems.append(f"main({', '.join(a.arg for a in args.args)}) is not main(argv=None) -> int")
+    guard = tree.body[-1]
+    if ast.unparse(guard) != "if __name__ == '__main__':\n    raise SystemExit(main())":
+        problems.append("the file does not end with: if __name__ == '__main__': raise SystemExit(main())")
+    test_modules = {p.stem for p in (REPO_ROOT / "tests").rglob("*.py")}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and ast.unparse(node) == "sys.path":
+            problems.append(f"line {node.lineno}: edits sys.path")
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            top = {a.name.split(".")[0] for a in node.names} if isinstance(node, ast.Import) else {(node.module or "").split(".")[0]}
+            if top & (test_modules | {"tests"}):
+                problems.append(f"line {node.lineno}: imports from tests/ ({', '.join(sorted(top))})")
+    return problems
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[m for m in marks(n) if m.name == "xfail"], id=n)
+                                  for n in scripts()])
+def test_each_script_has_the_one_entry_shape(name):
+    assert entry_shape_problems(name) == []
+
+
+@pytest.mark.parametrize("support", sorted(SUPPORT))
+def test_support_modules_edit_no_import_path(support):
+    text = (REPO_ROOT / "benchmarks" / f"{support}.py").read_text()
+    assert "sys.path" not in text
+
+
+def test_the_entry_shape_check_catches_a_script_of_the_old_shape(tmp_path, monkeypatch):
+    old = tmp_path / "benchmarks" / "old.py"
+    old.parent.mkdir()
+    old.write_text("import sys\nsys.path.insert(0, '..')\nfrom helpers import TINY_CLIP\n\n"
+                   "def main() -> None:\n    pass\n\nif __name__ == '__main__':\n    main()\n")
+    monkeypatch.setattr(f"{__name__}.REPO_ROOT", tmp_path)
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "helpers.py").write_text("")
+    assert sorted(entry_shape_problems("benchmarks.old")) == [
+        "line 2: edits sys.path", "line 3: imports from tests/ (helpers)", "main() is not main(argv=None) -> int",
+        "the file does not end with: if __name__ == '__main__': raise SystemExit(main())"]
