@@ -16,6 +16,7 @@ from demind.eval.harness import evaluate, read_benchmark
 from demind.gen import GenResult, request_seed
 from demind.retrieval import ensemble_embeddings
 from toyworld.benchmarks import ToyBenchmarkConfig
+from helpers import TINY_CLIP
 from toyworld.cirr import write_cirr
 
 
@@ -323,3 +324,27 @@ def test_rerank_options_and_store_key():
         validate(RerankOptions(k=51))
     with pytest.raises(ConfigError, match="temperature"):
         validate(DescribeOptions(samples=2))
+
+
+def test_modification_text_drops_a_template_head():
+    from demind.describe import modification_text
+    from demind.eval.fashioniq import fashioniq_texts
+    from demind.retrieval import ImageRef, Query
+
+    prompt, text = fashioniq_texts(["is red", "has long sleeves"], "released", "released")
+    assert text.startswith("a photo of * ,")
+    q = Query("dress:1", ImageRef("a", Path("a.png")), prompt, text)
+    assert modification_text(q) == "has long sleeves and is red"
+    plain = Query("1", ImageRef("a", Path("a.png")), "a photo of * , add a dog", "add a dog")
+    assert modification_text(plain) == "add a dog"
+
+
+def test_a_missing_prompt_version_is_one_error_line(toy_cirr, tmp_path, capsys):
+    from demind.cli.evaluate import main
+
+    argv = ["--benchmark", "cirr", "--data-root", str(toy_cirr), "--backbone", f"{TINY_CLIP}:none", "--out",
+            str(tmp_path / "out"), "--num-workers", "0", "--methods", "osrcir", "run.progress=false",
+            "engine.name=transformers", "engine.model=nowhere", "describe.prompts=v9"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "describer prompt version 'v9' not found" in err[0]
