@@ -95,3 +95,5 @@ class RunOptions:
 
     device: str = device_setting()
     progress: bool = setting(True, help="progress bars")
+    threads: int = setting(0, ge=0, help="torch CPU threads (0: torch's default, one per core); 1 keeps batch-1 "
+                                         "queries steady on a machine busy with other work (BENCHMARKS.md, search)")

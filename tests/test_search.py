@@ -522,3 +522,19 @@ def test_an_index_json_that_is_not_a_demind_index_is_left_alone(gallery, tmp_pat
         with pytest.raises(GalleryIndexError, match=r"not a demind index \(a JSON list.*choose another --index"):
             act()
     assert (folder / "index.json").read_text() == "[1, 2, 3]"
+
+
+def test_run_threads_is_applied_before_the_command_runs(gallery, tmp_path, tiny_checkpoint, monkeypatch):
+    """``run.threads`` (search, index, eval, serve): torch's thread count is set before any model code runs."""
+    import demind.search.index as index_module
+    from demind.cli.index import main as index_main
+
+    seen, real = [], index_module.build_index
+    monkeypatch.setattr(index_module, "build_index", lambda *a, **k: (seen.append(torch.get_num_threads()), real(*a, **k))[1])
+    before = torch.get_num_threads()
+    try:
+        assert index_main(["--images", str(gallery), "--index", str(tmp_path / "idx"), "--checkpoint",
+                           str(tiny_checkpoint), "run.progress=false", "--num-workers", "0", "run.threads=2"]) == 0
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [2] and before == 1

@@ -203,6 +203,15 @@ def load_command_config(cls: type[T], args: argparse.Namespace) -> T:
     return load_config(cls, args.config, [*from_flags, *overrides])
 
 
+def apply_threads(threads: int) -> None:
+    """``run.threads``: torch's CPU threads, set before the command runs its first tensor op (torch
+    starts its thread pool then); 0 leaves torch's default."""
+    if threads:
+        import torch  # only here: --help and config errors need no torch
+
+        torch.set_num_threads(threads)
+
+
 def run_config_command(cls: type[T], parser: argparse.ArgumentParser, body: Callable[[T], int],
                        argv: list[str] | None = None, *, log_level: int = logging.INFO,
                        log_packages: tuple[str, ...] = ()) -> int:
@@ -221,6 +230,8 @@ def run_config_command(cls: type[T], parser: argparse.ArgumentParser, body: Call
     args = parser.parse_intermixed_args(argv)
     setup_logging(log_level, log_packages)
     try:
-        return body(load_command_config(cls, args))
+        cfg = load_command_config(cls, args)
+        apply_threads(getattr(getattr(cfg, "run", None), "threads", 0))
+        return body(cfg)
     except KNOWN_ERRORS as e:
         return report_error(e, args)
