@@ -272,3 +272,37 @@ def test_stalled_clients_hold_no_threads_and_are_timed_out(searcher):  # noqa: F
         for s in stalled:
             s.close()
         server.shutdown()
+
+
+def test_the_printed_address_opens_with_a_base64_token(tmp_path, tiny_checkpoint, monkeypatch, capsys):  # noqa: F811
+    """``openssl rand -base64`` gives tokens with '+', '/' and '=': the address demind-serve prints
+    carries it URL-encoded, so opening that address is let in (not a 401 naming that address)."""
+    import urllib.parse
+
+    import demind.search.server as server_module
+    from demind.cli.serve import main as serve_main
+
+    apps = []
+
+    class Stopped:
+        port = 8124
+
+    def fake_start_server(app, host, port):
+        apps.append(app)
+        done = threading.Thread(target=lambda: None)
+        done.start()
+        return Stopped(), done
+
+    monkeypatch.setattr(server_module, "start_server", fake_start_server)
+    token = "a+b/c=d+/x9Q=="
+    for i in range(2):
+        write_image(tmp_path / "gallery" / f"g{i}.png", i)
+    assert serve_main(["--index", str(tmp_path / "idx"), "--images", str(tmp_path / "gallery"), "--checkpoint",
+                       str(tiny_checkpoint), "run.progress=false", "--host", "0.0.0.0", "--token", token]) == 0
+    address = capsys.readouterr().out.split("demind search: ")[1].split()[0]
+    url = urllib.parse.urlsplit(address)
+    assert urllib.parse.parse_qs(url.query)["token"] == [token]  # what a browser sends back
+    client = apps[-1].test_client()
+    landing = client.get(f"/?{url.query}", headers={"Host": "localhost"})
+    assert landing.status_code == 303
+    assert client.get("/api/info", headers={"Host": "localhost"}).status_code == 200  # the cookie carries it

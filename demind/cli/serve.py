@@ -19,6 +19,7 @@ import logging
 import os
 import secrets
 import sys
+import urllib.parse
 from dataclasses import dataclass
 
 from demind.cli.common import Flag, config_parser, run_config_command
@@ -110,7 +111,9 @@ def run(args: ServeConfig) -> int:
     server, thread = start_server(app, args.host, args.port)
     shown_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     shown_host = f"[{shown_host}]" if ":" in shown_host else shown_host  # an IPv6 address in a URL
-    address = f"http://{shown_host}:{server.port}/" + (f"?token={settings.token}" if settings.token else "")
+    # URL-encoded: a base64 token's '+' would arrive as a space, its '/' and '=' split the query
+    token = f"?token={urllib.parse.quote(settings.token, safe='')}" if settings.token else ""
+    address = f"http://{shown_host}:{server.port}/{token}"
     print(f"demind search: {address}  (waitress, {args.threads} threads; checkpoint {args.checkpoint}, "
           f"index {args.index}); Ctrl-C stops it", flush=True)
     try:
