@@ -429,3 +429,40 @@ def test_an_upload_with_the_hub_unreachable_is_one_line(tmp_path, capsys, monkey
     err = capsys.readouterr().err
     assert status == 2 and "Traceback" not in err and err.count("error:") == 1, err[-2000:]
     assert "cannot reach the Hugging Face Hub" in err and "demind-test/unreachable" in err
+
+
+# --------------------------------------------------------------------------- a GPU launch on a machine without one
+
+
+class FakeState:
+    def __init__(self, cpu: bool) -> None:
+        self._cpu = cpu
+
+
+class FakeAccelerator:
+    """What Accelerate sets up when ``multi_gpu.yaml`` starts 4 processes where torch sees no GPU."""
+
+    def __init__(self, *args, cpu: bool = False, **kwargs) -> None:
+        from accelerate.utils import DistributedType
+
+        self.distributed_type, self.num_processes = DistributedType.MULTI_CPU, 4
+        self.state = FakeState(cpu)
+
+
+def test_a_gpu_launch_on_a_machine_without_one_is_refused_naming_the_cpu_config(tmp_path, monkeypatch):
+    import accelerate
+
+    from demind.config import ConfigError, load_config
+    from demind.training.accel import CPU_LAUNCH_CONFIG, setup
+    from demind.training.config import TrainConfig
+
+    monkeypatch.setattr(accelerate, "Accelerator", FakeAccelerator)
+    cfg = load_config(TrainConfig, REPO_ROOT / "configs/train/smoke.yaml", [f"run.output_dir={tmp_path}",
+                                                                          "run.device=auto", "run.trackers=[]"])
+    with pytest.raises(ConfigError, match=r"started 4 processes for GPUs, but torch sees no GPU.*"
+                                          + CPU_LAUNCH_CONFIG.replace(".", r"\.") + r".*run\.device=cpu"):
+        setup(cfg)
+    assert (REPO_ROOT / CPU_LAUNCH_CONFIG).is_file()
+    cpu = load_config(TrainConfig, REPO_ROOT / "configs/train/smoke.yaml", [f"run.output_dir={tmp_path}",
+                                                                          "run.device=cpu", "run.trackers=[]"])
+    assert isinstance(setup(cpu), FakeAccelerator)  # asked for on purpose: several CPU processes train

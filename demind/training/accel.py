@@ -47,11 +47,32 @@ def setup(cfg: TrainConfig, *, deepspeed: bool = False):
         # The ablations that bypass the gate leave it without a gradient.
         kwargs_handlers=handlers,
     )
+    refuse_cpu_fallback(accelerator, cfg)
     if deepspeed and accelerator.distributed_type != DistributedType.DEEPSPEED:
         raise DeepSpeedError(f"the launcher asked for DeepSpeed but Accelerate set up {accelerator.distributed_type}; "
                              f"launch with `accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml`")
     set_seed(cfg.run.seed)
     return accelerator
+
+
+CPU_LAUNCH_CONFIG = "configs/accelerate/multi_cpu.yaml"
+
+
+def refuse_cpu_fallback(accelerator, cfg: TrainConfig) -> None:
+    """A launch that asked for GPUs (``multi_gpu.yaml``: several processes, no ``use_cpu``) on a
+    machine where torch sees none is refused: Accelerate would quietly train the processes on the
+    CPU (``MULTI_CPU``), hours slower than the run that was asked for. Several CPU processes are
+    asked for explicitly, with ``run.device=cpu`` (:data:`CPU_LAUNCH_CONFIG`)."""
+    from accelerate.utils import DistributedType
+
+    asked_cpu = cfg.run.device == "cpu" or bool(getattr(accelerator.state, "_cpu", False))
+    if accelerator.distributed_type == DistributedType.MULTI_CPU and not asked_cpu:
+        raise ConfigError(
+            f"the launcher started {accelerator.num_processes} processes for GPUs, but torch sees no GPU on this "
+            f"machine (CUDA available: {torch.cuda.is_available()}), so Accelerate would train them on the CPU "
+            f"instead; on a GPU machine check the driver and CUDA_VISIBLE_DEVICES, or to train CPU processes "
+            f"on purpose launch with `accelerate launch --config_file {CPU_LAUNCH_CONFIG} train.py ... "
+            f"run.device=cpu`", key="run.device")
 
 
 def prepare_model(accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainConfig,
