@@ -118,13 +118,15 @@ def test_second_run_reuses_the_gallery_cache_and_matches(val_run, cirr_root, tin
     assert "LIMITED RUN" in (tmp_path / "table.md").read_text()
 
 
-def check_cirr_submission(folder: Path, method: str, n_queries: int) -> None:
+def check_cirr_submission(folder: Path, method: str, n_queries: int, prefix: str = "") -> None:
     """The two official test-server files: rc2, the metric, top-50 of the split without the
     reference, and top-3 of img_set.members without the reference."""
     captions = {str(c["pairid"]): c for c in load_fixture("captions/cap.rc2.test1.json")[:n_queries]}
     split_names = set(load_fixture("image_splits/split.rc2.test1.json"))
-    recall = json.loads((folder / "submission" / f"cirr_test1_{method}_recall.json").read_text())
-    subset = json.loads((folder / "submission" / f"cirr_test1_{method}_recall_subset.json").read_text())
+    recall = json.loads((folder / "submission" / f"{prefix}cirr_test1_{method}_recall.json").read_text())
+    subset = json.loads((folder / "submission" / f"{prefix}cirr_test1_{method}_recall_subset.json").read_text())
+    if prefix:  # a --limit run: named and marked as partial (issue 38)
+        assert recall.pop("partial").startswith("PARTIAL") and subset.pop("partial").startswith("PARTIAL")
     assert (recall.pop("version"), recall.pop("metric")) == ("rc2", "recall")
     assert (subset.pop("version"), subset.pop("metric")) == ("rc2", "recall_subset")
     assert set(recall) == set(subset) == set(captions)
@@ -143,7 +145,7 @@ def test_test1_submission_files_are_valid(cirr_root, tiny_checkpoint, tmp_path):
     check_cirr_submission(tmp_path / "full", "image-only", 4148)
     run(cirr_root, tiny_checkpoint, tmp_path / "demind", "--split", "test", "--methods", "demind", "--limit", "300",
         "--cache-dir", str(tmp_path / "full" / "feature_cache"))
-    check_cirr_submission(tmp_path / "demind", "demind", 300)
+    check_cirr_submission(tmp_path / "demind", "demind", 300, prefix="partial-first300_")
 
 
 def test_missing_image_folder_names_the_expected_path(cirr_root, tiny_checkpoint, tmp_path, capsys):

@@ -466,3 +466,41 @@ def test_a_gpu_launch_on_a_machine_without_one_is_refused_naming_the_cpu_config(
     cpu = load_config(TrainConfig, REPO_ROOT / "configs/train/smoke.yaml", [f"run.output_dir={tmp_path}",
                                                                           "run.device=cpu", "run.trackers=[]"])
     assert isinstance(setup(cpu), FakeAccelerator)  # asked for on purpose: several CPU processes train
+
+
+# --------------------------------------------------------------------------- partial benchmark runs
+
+
+def tiny_cirr_test1(root: Path) -> Path:
+    names = [f"test1-{k}-0-img0" for k in range(6)]
+    (root / "test1").mkdir(parents=True)
+    for k, name in enumerate(names):
+        (root / "test1" / f"{name}.png").write_bytes(png_bytes(k))
+    (root / "image_splits").mkdir()
+    (root / "image_splits" / "split.rc2.test1.json").write_text(json.dumps({n: f"./test1/{n}.png" for n in names}))
+    (root / "captions").mkdir()
+    (root / "captions" / "cap.rc2.test1.json").write_text(json.dumps([
+        {"pairid": k, "reference": names[k], "caption": "make it red", "img_set": {"id": k, "members": names}}
+        for k in range(4)]))
+    return root
+
+
+@pytest.mark.parametrize("benchmark", ["cirr", "circo"])
+def test_a_limited_test_split_run_writes_no_file_that_looks_like_a_full_submission(benchmark, tmp_path):
+    from demind.cli.evaluate import main as evaluate_main
+    from test_eval_benchmarks import make_circo
+
+    root = tiny_cirr_test1(tmp_path / "cirr") if benchmark == "cirr" else make_circo(tmp_path / "circo")
+    checkpoint = local_backbone_checkpoint(tmp_path / "model")
+    out = tmp_path / "out"
+    assert evaluate_main(["--benchmark", benchmark, "--data-root", str(root), "--split", "test", "--checkpoint",
+                          str(checkpoint), "--methods", "demind", "--limit", "1", "--out", str(out),
+                          "--num-workers", "0", "run.progress=false"]) == 0
+    written = sorted(p.name for p in (out / "submission").iterdir())
+    usual = (["cirr_test1_demind_recall.json", "cirr_test1_demind_recall_subset.json"] if benchmark == "cirr"
+             else ["circo_test_demind.json"])
+    assert written == [f"partial-first1_{name}" for name in usual]
+    for name in written:
+        payload = json.loads((out / "submission" / name).read_text())
+        assert payload["partial"].startswith("PARTIAL: the first 1 queries only")
+    assert "partial-first" in (out / "table.md").read_text()

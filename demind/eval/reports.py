@@ -69,7 +69,10 @@ def _footnotes(results: dict) -> list[str]:
                          f"{counts['skip_reasons']}; {counts['gallery_missing']} gallery images missing")
     if results.get("limit") is not None:
         notes.append(f"LIMITED RUN: first {results['limit']} queries only (not comparable to published numbers)")
-    if not results["has_ground_truth"]:
+    if not results["has_ground_truth"] and results.get("limit") is not None:
+        notes.append("test split: no ground truth here; rankings written, and the submission files as "
+                     "partial-first*_...json (not test-server submissions: the run was limited)")
+    elif not results["has_ground_truth"]:
         notes.append("test split: no ground truth here; rankings and submission files written")
     return notes
 
@@ -111,7 +114,7 @@ def write_reports(out_dir: Path, results: dict, data, outcomes: dict) -> dict[st
     for method, by_group in outcomes.items():
         merged = {qid: names for o in by_group.values() for qid, names in o.rankings.items()}
         files["rankings"][method] = str(write_json_atomic(out_dir / "rankings" / f"{method}.json", merged))
-        files["submissions"] += _write_submissions(out_dir, data, method, by_group)
+        files["submissions"] += _write_submissions(out_dir, data, method, by_group, results.get("limit"))
     files["table"] = str(write_text_atomic(out_dir / "table.md", markdown_table(results)))
     files["results"] = str(out_dir / "results.json")
     results["files"] = files
@@ -119,15 +122,27 @@ def write_reports(out_dir: Path, results: dict, data, outcomes: dict) -> dict[st
     return files
 
 
-def _write_submissions(out_dir: Path, data, method: str, by_group: dict) -> list[str]:
+def partial_submission_note(limit: int) -> str:
+    """What a limited run's submission file says of itself (and why the test server refuses it)."""
+    return (f"PARTIAL: the first {limit} queries only (demind-eval --limit {limit}); not a test-server "
+            f"submission: run without --limit for one")
+
+
+def _write_submissions(out_dir: Path, data, method: str, by_group: dict, limit: int | None = None) -> list[str]:
+    """The test-server files of a CIRR test1 / CIRCO test run. A run with ``limit`` writes them as
+    ``partial-firstN_<usual name>`` holding a ``"partial"`` key (a file the server refuses), so that
+    no file that looks like a full submission holds N queries."""
     written = []
+    prefix = f"partial-first{limit}_" if limit is not None else ""
+    marker = {"partial": partial_submission_note(limit)} if limit is not None else {}
     if data.benchmark == "cirr" and data.split == "test1":
         outcome = by_group["all"]
         for metric, rankings in (("recall", outcome.rankings), ("recall_subset", outcome.subset_rankings)):
-            path = out_dir / "submission" / f"cirr_test1_{method}_{metric}.json"
-            written.append(str(write_json_atomic(path, cirr_submission(rankings, metric))))
+            path = out_dir / "submission" / f"{prefix}cirr_test1_{method}_{metric}.json"
+            written.append(str(write_json_atomic(path, {**marker, **cirr_submission(rankings, metric)})))
     if data.benchmark == "circo" and data.split == "test":
         ids = data.submission_ids
         payload = {qid: [ids[n] for n in names] for qid, names in by_group["all"].rankings.items()}
-        written.append(str(write_json_atomic(out_dir / "submission" / f"circo_test_{method}.json", payload)))
+        written.append(str(write_json_atomic(out_dir / "submission" / f"{prefix}circo_test_{method}.json",
+                                             {**marker, **payload})))
     return written
