@@ -13,6 +13,7 @@ runs (exit 0, or 1 where the command reports partial failure). The scripts come 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import importlib
 import json
@@ -176,6 +177,8 @@ class Row:
     expect: str = "error"
     codes: tuple[int, ...] = (0,)
     unreadable: bool = False  # a file without read permission: root reads it anyway, so skipped as root
+    patch: Callable[[Inputs, Any], None] | None = None  # (inputs, monkeypatch): the world the row needs
+    file_size_limit: int | None = None  # bytes: the command runs under `ulimit -f` (RLIMIT_FSIZE)
     id: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -196,6 +199,12 @@ def config_rows(script: str, extra: Callable[[Inputs], list[str]] = lambda i: []
             lambda i: ["list.yaml"]),
         Row(script, "config section a scalar", lambda i: ["--config", str(i.write("scalar.yaml", "run: 5\n")),
                                                           *extra(i)], lambda i: ["scalar.yaml", "run"]),
+        Row(script, "config not UTF-8 (another editor's Latin-1)",
+            lambda i: ["--config", str(i.write("latin1.yaml", b"run:\n  seed: 1  # r\xe9glage\n")), *extra(i)],
+            lambda i: ["latin1.yaml", "UTF-8"]),
+        Row(script, "config repeats a key", lambda i: ["--config", str(i.write("twice.yaml", "run:\n  seed: 1\n"
+                                                                                           "run:\n  seed: 2\n")),
+                                                       *extra(i)], lambda i: ["twice.yaml", "'run' appears twice"]),
     ]
 
 
@@ -553,6 +562,128 @@ def exclmm_args(i: Inputs, split: Path, run: Path | str) -> list[str]:
             f"data.train={split}", f"run.output_dir={i.root / run if isinstance(run, str) else run}"]
 
 
+# ------------------------------------------------------------------ journeys across boundaries (issue 38)
+
+
+def bad_revision(i: Inputs) -> list[str]:
+    return ["--checkpoint", "hf-hub:demind-test/smoke@/etc"]
+
+
+def mixed_gallery(i: Inputs) -> Path:
+    """A GIF, a TIFF and a caption file: the first two are indexed, the third named as skipped."""
+    import numpy as np
+    from PIL import Image
+
+    folder = i.folder("gallery-mixed")
+    for k, name in enumerate(("a.gif", "b.tif")):
+        Image.fromarray(np.random.default_rng(k).integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(folder / name)
+    (folder / "notes.txt").write_text("a caption")
+    return folder
+
+
+def repeated_member_shard(i: Inputs) -> Path:
+    import io
+    import tarfile
+
+    folder = i.folder("gallery-tar")
+    png = (i.gallery / "img0.png").read_bytes(), (i.gallery / "img1.png").read_bytes()
+    with tarfile.open(folder / "00000.tar", "w") as tar:
+        for data in png:
+            info = tarfile.TarInfo("k0.png")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return folder
+
+
+def another_runs_folder(i: Inputs) -> Path:
+    """A training run's folder: its checkpoint and config, no demind-publish files."""
+    import shutil
+
+    run = i.folder("run-b")
+    shutil.copy(i.checkpoint, run / "demind.safetensors")
+    (run / "config.yaml").write_text("run:\n  seed: 2\n")
+    return run
+
+
+def hub_unreachable(i: Inputs, monkeypatch) -> None:
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
+
+
+def no_gpu_for_a_gpu_launch(i: Inputs, monkeypatch) -> None:
+    """Accelerate as multi_gpu.yaml sets it up where torch sees no GPU: 4 MULTI_CPU processes."""
+    import accelerate
+    from accelerate.utils import DistributedType
+
+    class Launched:
+        def __init__(self, *args, cpu: bool = False, **kwargs) -> None:
+            self.distributed_type, self.num_processes = DistributedType.MULTI_CPU, 4
+            self.state = type("State", (), {"_cpu": cpu})()
+
+    monkeypatch.setattr(accelerate, "Accelerator", Launched)
+
+
+ROWS += [
+    *[Row(script, "checkpoint revision '/etc'", lambda i, extra=extra: [*extra(i), *bad_revision(i)],
+          lambda i: ["checkpoint", "revision after '@'"])
+      for script, extra in [
+          ("demind-eval", lambda i: ["--benchmark", "cirr", "--data-root", str(i.cirr), "--out", str(i.root / "ev")]),
+          ("demind-index", lambda i: ["--images", str(i.gallery), "--index", str(i.root / "ix-rev")]),
+          ("demind-search", lambda i: ["--index", str(i.index("sx-rev")), "--text", "red"]),
+          ("demind-serve", lambda i: ["--index", str(i.root / "ix")]),
+          ("demind-publish", lambda i: ["--out", str(i.root / "pub-rev")]),
+      ]],
+    Row("demind-index", "GIF, TIFF and a caption file",
+        lambda i: ["--images", str(mixed_gallery(i)), "--index", str(i.root / "ix-mixed"), "--num-workers", "0", *ckpt(i)],
+        lambda i: ["2 images", "1 skipped", "notes.txt: not an image file (.txt)"], expect="skip"),
+    Row("demind-index", "shard repeating a member name",
+        lambda i: ["--images", str(repeated_member_shard(i)), "--index", str(i.root / "ix-tar"), "--num-workers", "0",
+                   *ckpt(i)], lambda i: ["2 images", "another member named k0.png", "00000.tar/k0.png#2"],
+        expect="skip"),
+    Row("demind-index", "index over the file-size limit",
+        lambda i: ["--images", str(i.gallery), "--index", str(i.root / "ix-big"), "--num-workers", "0", *ckpt(i)],
+        lambda i: ["ix-big", "file too large", "ulimit -f"], file_size_limit=200),
+    Row("demind-search", "out over the file-size limit",
+        lambda i: ["--index", str(i.index("sx-big")), "--text", "red", "--method", "text-only", "--out",
+                   str(i.root / "big-results.json"), *ckpt(i)],
+        lambda i: ["big-results.json", "file too large", "ulimit -f"], file_size_limit=200),
+    Row("demind-publish", "out over the file-size limit",
+        lambda i: ["--checkpoint", str(i.checkpoint), "--out", str(i.root / "pub-big")],
+        lambda i: ["pub-big", "file too large", "ulimit -f"], file_size_limit=200),
+    Row("demind-publish", "overwrite another run's folder",
+        lambda i: ["--checkpoint", str(i.checkpoint), "--out", str(another_runs_folder(i)), "--overwrite"],
+        lambda i: ["run-b", "not written by demind-publish"]),
+    Row("demind-publish", "out is a file", lambda i: ["--checkpoint", str(i.checkpoint), "--out", str(i.a_file)],
+        lambda i: ["--out", "a-file.txt", "is a file"]),
+    Row("demind-publish", "upload with the Hub unreachable",
+        lambda i: ["--checkpoint", str(i.checkpoint), "--repo", "demind-test/unreachable"],
+        lambda i: ["cannot reach the Hugging Face Hub", "demind-test/unreachable"], patch=hub_unreachable),
+    Row("demind-train", "GPU launch on a machine without one",
+        lambda i: ["--config", str(REPO_ROOT / "configs/train/smoke.yaml"), f"data.shards={shards(i)}",
+                   f"run.output_dir={i.root / 'train-gpu'}", "run.device=auto"],
+        lambda i: ["no GPU", "configs/accelerate/multi_cpu.yaml", "run.device=cpu"], patch=no_gpu_for_a_gpu_launch),
+]
+
+
+@contextlib.contextmanager
+def file_size_limit(limit: int | None):
+    """Run the block as under ``ulimit -f`` (Python ignores SIGXFSZ: a write past it fails with EFBIG)."""
+    if limit is None:
+        yield
+        return
+    import resource
+
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, old[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
+
+
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> Inputs:
     return Inputs(tmp_path_factory.mktemp("sweep"))
@@ -585,8 +716,10 @@ def test_bad_input(row: Row, inputs: Inputs, capsys, caplog, monkeypatch):
     argv = row.argv(inputs)
     if row.unreadable and os.geteuid() == 0:
         deny_reading_locked_files(monkeypatch)  # root reads files without read permission
+    if row.patch is not None:
+        row.patch(inputs, monkeypatch)
     capsys.readouterr()
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO), file_size_limit(row.file_size_limit):
         status = command_main(row.script)(argv)
     captured = capsys.readouterr()
     names = row.names(inputs)
