@@ -47,7 +47,8 @@ KNOWN_ERRORS: tuple[type[BaseException], ...] = (
 TypeError or RuntimeError: raised by a bug, they keep their traceback."""
 
 USER_OS_ERRNOS = frozenset({errno.ENOENT, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR,
-                            errno.ELOOP, errno.ENAMETOOLONG, errno.EROFS, errno.ENOSPC})
+                            errno.ELOOP, errno.ENAMETOOLONG, errno.EROFS, errno.ENOSPC, errno.EDQUOT,
+                            errno.EFBIG})
 """OSError codes that describe the user's files (missing, unreadable, a folder for a file, a loop)."""
 
 
