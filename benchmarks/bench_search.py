@@ -89,10 +89,11 @@ def bench_build(images: Path, backbone: FrozenCLIP, workers: int) -> dict:
             "rerun_unchanged_s": round(rerun.seconds, 2), "rerun_encoded": rerun.encoded}
 
 
-def bench_embed(backbone: FrozenCLIP, reference: Path, repeats: int) -> dict:
+def bench_embed(backbone: FrozenCLIP, reference: Path, repeats: int, model_cfg: ModelConfig | None = None) -> dict:
     print("query embedding ...", flush=True)
     torch.manual_seed(0)
-    model = DeMinds(ModelConfig(num_queries=4, num_blocks=6, num_heads=8, mapping_hidden=512), backbone).eval()
+    model_cfg = model_cfg or ModelConfig(num_queries=4, num_blocks=6, num_heads=8, mapping_hidden=512)
+    model = DeMinds(model_cfg, backbone).eval()
     index = GalleryIndex(Path("synthetic"), Path("."), ["a"], torch.ones(1, backbone.embed_dim) / backbone.embed_dim ** 0.5,
                          backbone.identity, cache_slug(backbone), backbone.cfg.precision)
     searcher = Searcher(backbone, model, index)
@@ -100,6 +101,28 @@ def bench_embed(backbone: FrozenCLIP, reference: Path, repeats: int) -> dict:
     for method in ("demind", "mapping-only", "image+text"):
         query = SearchQuery(image=reference, text=TEXT, method=method)
         out[method] = percentiles(timed(lambda: searcher.embed(query), repeats, warm=3))
+    out["demind_over_mapping_only_p50"] = round(out["demind"]["p50_ms"] / out["mapping-only"]["p50_ms"], 3)
+    # the query's text side alone (the reference image's embedding given): what the two methods differ in
+    with torch.no_grad():
+        from PIL import Image
+
+        ref = backbone.encode_image(backbone.preprocess(Image.open(reference).convert("RGB")).unsqueeze(0))
+        prompt = "a photo of * , " + TEXT
+        for method in ("demind", "mapping-only"):
+            embed = searcher.method(method).embed
+            out[f"{method}_text_side"] = percentiles(timed(lambda: embed(ref, [prompt], [TEXT]), repeats, warm=3))
+    out["demind_over_mapping_only_text_side_p50"] = round(
+        out["demind_text_side"]["p50_ms"] / out["mapping-only_text_side"]["p50_ms"], 3)
+    return out
+
+
+def bench_embed_threads(backbone: FrozenCLIP, reference: Path, repeats: int, threads: list[int]) -> dict:
+    """Batch-1 query latency per torch thread count (what ``run.threads`` chooses)."""
+    before, out = torch.get_num_threads(), {}
+    for n in threads:
+        torch.set_num_threads(n)
+        out[str(n)] = bench_embed(backbone, reference, repeats)
+    torch.set_num_threads(before)
     return out
 
 
@@ -265,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch and FAISS CPU threads")
     p.add_argument("--hnsw-dims", default="512", help="widths to time HNSW at (empty: none)")
     p.add_argument("--hnsw-max", type=int, default=100_000, help="largest gallery to build HNSW for (slow on a CPU)")
+    p.add_argument("--embed-threads", default="", help="thread counts to time batch-1 query embedding at (e.g. 1,2)")
+    p.add_argument("--vit-b32", action="store_true", help="also time query embedding with a random-weight ViT-B-32 "
+                                                           "backbone (the issue's shapes; slow to build)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -279,6 +305,12 @@ def main(argv: list[str] | None = None) -> int:
                "load_before": os.getloadavg(), "threads": args.threads, "cpus": os.cpu_count(),
                "build": bench_build(Path(args.images), backbone, args.workers),
                "embed": bench_embed(backbone, reference, repeats=50), "rank": {}}
+    if args.embed_threads:
+        results["embed_threads"] = bench_embed_threads(backbone, reference, 30,
+                                                       [int(x) for x in args.embed_threads.split(",")])
+    if args.vit_b32:
+        vit = FrozenCLIP(BackboneConfig(name="ViT-B-32", pretrained=None))
+        results["embed_vit_b32"] = bench_embed(vit, reference, 30, ModelConfig())
     with tempfile.TemporaryDirectory() as tmp:
         for n in (int(x) for x in args.gallery.split(",") if x):
             hnsw = args.dim in hnsw_dims and n <= args.hnsw_max
