@@ -149,6 +149,10 @@ def test_published_folder_loads_with_the_same_query_embeddings(smoke_run, tmp_pa
         assert str(smoke_run) not in text and str(tmp_path) not in text, name
     assert str(smoke_run) in (smoke_run / "config.yaml").read_text() + (smoke_run / "eval/fashioniq/results.json").read_text()
 
+    # the folder publishes again as it is: the same files, its evaluation kept
+    assert publish_main(["--checkpoint", str(out), "--out", str(tmp_path / "again")]) == 0
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["files"] == config["files"]
+
     backbone, _ = load_backbone_and_model(out)
     assert backbone.cfg.name == str(out / "backbone" / "tiny-clip.json")  # the folder's own copy
     assert torch.equal(query_embeddings(out), query_embeddings(checkpoint))

@@ -165,6 +165,14 @@ def test_a_reference_photo_is_read_upright_from_a_path_and_from_an_upload(tmp_pa
     assert read_query_image(path.read_bytes()).size == (24, 48)
 
 
+def test_generation_inputs_and_training_shards_read_phone_photos_upright(tmp_path):
+    from demind.gen.reader import decode_and_shrink
+
+    data = phone_jpeg(tmp_path / "ref.jpg").read_bytes()
+    assert decode_and_shrink(data, 64).size == (24, 48)
+    assert decode_and_shrink(data, 24).size == (12, 24)  # shrunk after rotation: the long side is the height
+
+
 def test_every_file_of_an_indexed_folder_is_indexed_or_named_as_skipped(tmp_path, tiny_backbone, capsys):
     """GIF and TIFF are decodable (the page takes GIF uploads): indexed. A caption file is named,
     counted and given its reason; a GIF-only folder is not "0 images"."""
@@ -414,6 +422,8 @@ def test_publish_names_a_file_out_and_takes_a_published_folder_as_checkpoint(tmp
     assert publish_main(["--checkpoint", str(checkpoint), "--out", str(tmp_path / "first")]) == 0
     assert publish_main(["--checkpoint", str(tmp_path / "first"), "--out", str(tmp_path / "second")]) == 0
     assert torch.equal(queries_of(tmp_path / "second"), queries_of(checkpoint))
+    first, second = (json.loads((tmp_path / f / "config.json").read_text()) for f in ("first", "second"))
+    assert second["files"] == first["files"] and second["backbone_config"] == first["backbone_config"]
 
 
 def test_an_upload_with_the_hub_unreachable_is_one_line(tmp_path, capsys, monkeypatch):

@@ -69,8 +69,11 @@ class CardOptions:
 
 
 def find_run_results(checkpoint: Path) -> list[Path]:
-    """Every ``results.json`` under the checkpoint's run folder (``demind-eval --out RUN/eval/...``)."""
-    return sorted(checkpoint.parent.rglob("results.json"))
+    """Every ``results.json`` under the checkpoint's run folder (``demind-eval --out RUN/eval/...``),
+    and a published folder's ``results/*.json`` (publishing a published folder again keeps them)."""
+    published = sorted((checkpoint.parent / RESULTS_DIR).glob("*.json")) if (
+        checkpoint.parent / CONFIG_FILE).is_file() else []
+    return sorted(checkpoint.parent.rglob("results.json")) + published
 
 
 def checkpoint_evaluations(checkpoint: Path, meta: dict[str, Any], results: list[str] | None
