@@ -97,3 +97,18 @@ class RunOptions:
     progress: bool = setting(True, help="progress bars")
     threads: int = setting(0, ge=0, help="torch CPU threads (0: torch's default, one per core); 1 keeps batch-1 "
                                          "queries steady on a machine busy with other work (BENCHMARKS.md, search)")
+
+
+def resolve_workers(requested: int) -> int:
+    """An encoding DataLoader's worker count: ``requested``, at most the CPUs this process may use.
+
+    More decoding workers than cores only contend (torch warns about it on every run); the results
+    do not depend on the count. The training stream is not capped here: there the worker count
+    splits the shards between readers and is part of what a resumed run must match."""
+    import os
+
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        cpus = os.cpu_count() or 1
+    return max(0, min(requested, cpus))

@@ -248,12 +248,12 @@ def cirr_set(version: str, set_id: int, implicit_share: float, design: CirrDesig
 def write_cirr(folder: Path, cfg: Any, progress: bool = True, design: CirrDesign | None = None) -> None:
     """The toy CIRR of ``cfg`` (a ``ToyBenchmarkConfig``: ``cirr_sets``, ``cirr_version``,
     ``cirr_implicit_share``, ``image_size``) into ``folder`` in CIRR's rc2 layout."""
-    from tqdm import tqdm
+    from demind.logs import progress_bar
 
     design = design or CIRR_DESIGNS[cfg.cirr_version]
     captions, split = [], {}
     pairid = 0
-    for set_id in tqdm(range(cfg.cirr_sets), desc="toy CIRR", unit="set", disable=not progress):
+    for set_id in progress_bar(range(cfg.cirr_sets), desc="toy CIRR", unit="set", disable=not progress):
         cset, rng = cirr_set(cfg.cirr_version, set_id, cfg.cirr_implicit_share, design)
         order = list(range(len(cset.members)))
         rng.shuffle(order)  # members listed in a random order, as CIRR's sets

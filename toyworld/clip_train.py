@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 from open_clip.loss import ClipLoss
-from tqdm import tqdm
+from demind.logs import progress_bar
 
 from demind.training import (build_adamw, build_lr_scheduler, check_finite_terms, load_train_state,
                              restore_train_state, save_train_state, step_line, term_parts)
@@ -126,7 +126,7 @@ def train_toy_clip(cfg: ToyBackboneConfig, progress: bool = True, state_path: Pa
         model.train()
     loss_fn = ClipLoss()
     start = time.perf_counter() - earlier
-    bar = tqdm(range(first_step, total), desc="toy CLIP", unit="step", disable=not progress,
+    bar = progress_bar(range(first_step, total), lines=False, desc="toy CLIP", unit="step", disable=not progress,
                initial=first_step, total=total)
     for step in bar:
         if step == cfg.pretrain_steps and step > first_step:  # image pre-training just ended

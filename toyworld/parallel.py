@@ -12,7 +12,7 @@ import os
 from concurrent.futures import ProcessPoolExecutor
 from typing import Callable, Iterable, Iterator, TypeVar
 
-from tqdm import tqdm
+from demind.logs import progress_bar
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -34,7 +34,7 @@ def parallel_map(fn: Callable[[T], R], items: Iterable[T], workers: int | None =
     """
     items = list(items)
     workers = min(workers or default_workers(), len(items))
-    bar = tqdm(total=len(items), desc=desc, unit=unit, disable=not progress or not items, leave=False)
+    bar = progress_bar(total=len(items), desc=desc, unit=unit, disable=not progress or not items, leave=False)
     with bar:
         if workers <= 1:
             for item in items:

@@ -37,7 +37,8 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
-from tqdm import tqdm
+from demind.logs import progress_bar
+from demind.settings import resolve_workers
 
 from demind.data import ReaderStats, read_tar_samples, with_pixels
 from demind.embedding_cache import (EmbeddingCacheError, cache_identity, cache_slug, check_backbone, read_record,
@@ -300,9 +301,9 @@ def build_feature_cache(shards: list[str], directory: str | Path, backbone: Any,
     parts_by_shard: dict[str, dict[str, list]] = {}
     # Workers decode whole shards in parallel; pinned batches copy to the GPU asynchronously.
     loader = DataLoader(ShardImageBatches(todo, backbone.preprocess, batch_size, missing_text),
-                        batch_size=None, num_workers=min(num_workers, len(todo)),
+                        batch_size=None, num_workers=min(resolve_workers(num_workers), len(todo)),
                         pin_memory=torch.device(device).type == "cuda")
-    bar = tqdm(total=len(todo), desc="feature cache", unit="shard", disable=not progress)
+    bar = progress_bar(total=len(todo), desc="feature cache", unit="shard", disable=not progress)
     for batch in loader:
         parts = parts_by_shard.setdefault(batch["shard"], dict(
             keys=[], original=[], rewritten=[], intent=[], image_emb=[], teacher_emb=[], rew_emb=[],

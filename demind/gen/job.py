@@ -20,6 +20,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from demind.logs import progress_bar
+
 from demind.config import resolve_device, to_dict
 from demind.gen.config import GenConfig
 from demind.gen.engines.base import Engine
@@ -270,7 +272,7 @@ def process_shard(task: ShardTask, generator: IntentGenerator, cfg: GenConfig, s
     stats = ShardStats()
     engine_s0 = generator.engine_seconds
     start = time.perf_counter()
-    bar = tqdm(total=expected_samples(task.input_path), desc=f"shard {task.input_path.name}", unit="img",
+    bar = progress_bar(total=expected_samples(task.input_path), desc=f"shard {task.input_path.name}", unit="img",
                leave=False, disable=not show_progress)
     with bar, ShardWriter(task.output.tar) as writer:  # committed at the end, abandoned on an exception
         samples = iter_shard(task.input_path, cfg.io.max_caption_chars)
@@ -394,7 +396,7 @@ def run_plan(plan: JobPlan, cfg: GenConfig, engine: Engine, prompts: PromptSet, 
     todo = plan.todo
     expected = [expected_samples(t.input_path) for t in todo]
     total = sum(expected) if None not in expected else None  # known when img2dataset stats sit beside the tars
-    with tqdm(total=total, desc=f"all {len(todo)} shard(s)", unit="img", disable=not show_progress) as overall:
+    with progress_bar(total=total, desc=f"all {len(todo)} shard(s)", unit="img", disable=not show_progress) as overall:
         for task in todo:
             summary.add(run_shard(task, generator, cfg, show_progress, overall, scorer))
     return summary

@@ -25,6 +25,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from demind.logs import progress_bar
+
 from demind.config import MissingDependencyError
 from demind.errors import DemindError
 from demind.gen.config import GenConfig
@@ -188,7 +190,7 @@ def _drive(ray, state: _Dispatch, summary: JobSummary, options: RayOptions, show
     """Hand shards to free workers until none waits or is in flight; one progress bar for the job."""
     workers = state.workers
     live = set(range(len(workers)))
-    bar = tqdm(total=len(state.pending), desc="shards", unit="shard", disable=not show_progress)
+    bar = progress_bar(total=len(state.pending), desc="shards", unit="shard", disable=not show_progress)
     written, t0, last_news = 0, time.perf_counter(), time.perf_counter()
     with bar:
         while state.pending or state.running:

@@ -22,7 +22,8 @@ import open_clip
 import torch
 from open_clip.transform import PreprocessCfg, image_transform_v2, merge_preprocess_dict
 from torch.utils.data import DataLoader, Dataset
-from tqdm.auto import tqdm
+from demind.logs import progress_bar
+from demind.settings import resolve_workers
 
 from demind.backbone import FrozenCLIP
 from demind.embedding_cache import (EmbeddingCacheError, cache_identity, cache_slug, check_backbone,
@@ -359,13 +360,14 @@ def _encode_chunk(backbone: FrozenCLIP, refs: list[ImageRef], batch_size: int, n
                   skip_unreadable: bool = False) -> tuple[torch.Tensor, dict[int, str]]:
     """(n_readable, D) float32 CPU features for one chunk, and {position in chunk: error} of
     the unreadable images (always empty unless ``skip_unreadable``)."""
+    num_workers = resolve_workers(num_workers)  # no more decoding workers than cores
     loader = DataLoader(ImageRefDataset(refs, image_transforms(backbone), skip_unreadable), batch_size=batch_size,
                         num_workers=num_workers, shuffle=False, pin_memory=backbone.device.type == "cuda",
                         prefetch_factor=4 if num_workers > 0 else None,
                         collate_fn=_collate_skipping if skip_unreadable else None)
     # Decoding runs in worker processes; pinned batches copy to the GPU asynchronously.
     out, errors = [], {}
-    with tqdm(total=total, initial=done, unit="img", desc=desc, disable=not progress, leave=False) as bar:
+    with progress_bar(total=total, initial=done, unit="img", desc=desc, disable=not progress, leave=False) as bar:
         for batch_start, batch in zip(range(0, len(refs), batch_size), loader):
             if skip_unreadable:
                 images, _, batch_errors = batch

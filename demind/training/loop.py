@@ -16,6 +16,7 @@ from demind.training.accel import available_trackers, micro_batch_size, prepare_
 from demind.training.batches import build_data
 from demind.training.config import TrainConfig
 from demind.training.metrics_log import trim_metrics
+from demind.training.plot import plot_training
 from demind.training.optim import build_optimizer, build_scheduler
 from demind.training.state import TrainState, resume_state
 from demind.training.step import train_steps
@@ -94,6 +95,9 @@ def train(cfg: TrainConfig, *, deepspeed: bool = False) -> Path:
         save_checkpoint(export, accelerator.unwrap_model(model))
         accelerator.print(f"exported {export} (step {state.step}, {state.samples_seen:,} samples"
                           + (f"; {dict(state.counts)}" if state.counts else "") + ")")
+        plot = plot_training(run_dir / "metrics.jsonl")
+        if plot is not None:
+            accelerator.print(f"training curves: {plot}")
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return export

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from tqdm import tqdm
+from demind.logs import progress_bar
 
 from demind.backbone import FrozenCLIP
 from demind.fidelity import gfq_fidelity
@@ -114,7 +114,7 @@ def train_steps(cfg: TrainConfig, accelerator, model, optimizer, scheduler, load
     model.train()
     window = LogWindow.restore(state.log_window)
     batches = iter(loader)
-    with tqdm(total=cfg.optim.max_steps, initial=state.step, desc="train", unit="step",
+    with progress_bar(lines=False, total=cfg.optim.max_steps, initial=state.step, desc="train", unit="step",
               disable=not (accelerator.is_local_main_process and cfg.run.progress)) as bar:
         while state.step < cfg.optim.max_steps:
             train_one_step(cfg, accelerator, model, optimizer, scheduler, batches, backbone, state, window, gather)
