@@ -626,6 +626,20 @@ def no_gpu_for_a_gpu_launch(i: Inputs, monkeypatch) -> None:
     monkeypatch.setattr(accelerate, "Accelerator", Launched)
 
 
+def no_gpu_each_process_alone(i: Inputs, monkeypatch) -> None:
+    """The same launch where Accelerate gives each of the 2 processes (WORLD_SIZE=2) a run of its own."""
+    import accelerate
+    from accelerate.utils import DistributedType
+
+    class Alone:
+        def __init__(self, *args, cpu: bool = False, **kwargs) -> None:
+            self.distributed_type, self.num_processes = DistributedType.NO, 1
+            self.state = type("State", (), {"_cpu": cpu})()
+
+    monkeypatch.setattr(accelerate, "Accelerator", Alone)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+
 ROWS += [
     *[Row(script, "checkpoint revision '/etc'", lambda i, extra=extra: [*extra(i), *bad_revision(i)],
           lambda i: ["checkpoint", "revision after '@'"])
@@ -665,6 +679,10 @@ ROWS += [
         lambda i: ["--config", str(REPO_ROOT / "configs/train/smoke.yaml"), f"data.shards={shards(i)}",
                    f"run.output_dir={i.root / 'train-gpu'}", "run.device=auto"],
         lambda i: ["no GPU", "configs/accelerate/multi_cpu.yaml", "run.device=cpu"], patch=no_gpu_for_a_gpu_launch),
+    Row("demind-train", "GPU launch whose processes would each train alone",
+        lambda i: ["--config", str(REPO_ROOT / "configs/train/smoke.yaml"), f"data.shards={shards(i)}",
+                   f"run.output_dir={i.root / 'train-alone'}", "run.device=auto"],
+        lambda i: ["started 2 processes", "configs/accelerate/multi_cpu.yaml"], patch=no_gpu_each_process_alone),
 ]
 
 

@@ -478,6 +478,34 @@ def test_a_gpu_launch_on_a_machine_without_one_is_refused_naming_the_cpu_config(
     assert isinstance(setup(cpu), FakeAccelerator)  # asked for on purpose: several CPU processes train
 
 
+class LoneAccelerator(FakeAccelerator):
+    """What Accelerate 1.x sets up instead in each process of such a launch: one process alone."""
+
+    def __init__(self, *args, cpu: bool = False, **kwargs) -> None:
+        from accelerate.utils import DistributedType
+
+        super().__init__(cpu=cpu)
+        self.distributed_type, self.num_processes = DistributedType.NO, 1
+
+
+def test_a_gpu_launch_whose_processes_each_train_alone_is_refused(tmp_path, monkeypatch):
+    """`accelerate launch --config_file multi_gpu.yaml` (WORLD_SIZE=2, read by demind-train) where
+    Accelerate gives each process a run of its own, all writing one folder (measured here: the real
+    launch on this CPU machine printed "processes 1 (DistributedType.NO, cpu)" twice, before)."""
+    import accelerate
+
+    from demind.config import ConfigError, load_config
+    from demind.training.accel import setup
+    from demind.training.config import TrainConfig
+
+    monkeypatch.setattr(accelerate, "Accelerator", LoneAccelerator)
+    cfg = load_config(TrainConfig, REPO_ROOT / "configs/train/smoke.yaml", [f"run.output_dir={tmp_path}",
+                                                                          "run.device=auto", "run.trackers=[]"])
+    with pytest.raises(ConfigError, match=r"started 2 processes for GPUs.*DistributedType\.NO, 1 process"):
+        setup(cfg, launched_processes=2)
+    assert isinstance(setup(cfg), LoneAccelerator)  # one process, as launched: nothing to refuse
+
+
 # --------------------------------------------------------------------------- partial benchmark runs
 
 

@@ -24,7 +24,9 @@ def train_command(cfg: TrainConfig) -> int:
 
     # `accelerate launch` with a DeepSpeed config (or --use_deepspeed) says so in this variable;
     # the trainer then uses DeepSpeed or refuses, never falls back.
-    path = train(cfg, deepspeed=os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true")
+    # WORLD_SIZE: the processes the launcher started (a GPU launch Accelerate cannot honour is refused)
+    path = train(cfg, deepspeed=os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true",
+                 launched_processes=int(os.environ.get("WORLD_SIZE", "1") or 1))
     print(f"checkpoint: {path}")
     return 0
 

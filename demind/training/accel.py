@@ -16,12 +16,15 @@ from demind.training.zero import DeepSpeedError, configure_deepspeed, deepspeed_
 logger = logging.getLogger(__name__)
 
 
-def setup(cfg: TrainConfig, *, deepspeed: bool = False):
+def setup(cfg: TrainConfig, *, deepspeed: bool = False, launched_processes: int = 1):
     """Create the Accelerator (precision, accumulation, trackers) and seed everything.
 
     ``deepspeed``: the launcher asked for DeepSpeed (``accelerate launch`` with a DeepSpeed
     config; the command reads that request). DeepSpeed's engine then trains, with its config
     filled from ``cfg`` (:mod:`demind.training.zero`), or a one-line error says why it cannot.
+    ``launched_processes``: how many processes the launcher started (its ``WORLD_SIZE``, read by
+    the command); a GPU launch that Accelerate cannot give GPUs is refused
+    (:func:`refuse_cpu_fallback`).
     """
     from accelerate import Accelerator, DistributedDataParallelKwargs, InitProcessGroupKwargs
     from accelerate.utils import DistributedType, ProjectConfiguration, set_seed
@@ -47,7 +50,7 @@ def setup(cfg: TrainConfig, *, deepspeed: bool = False):
         # The ablations that bypass the gate leave it without a gradient.
         kwargs_handlers=handlers,
     )
-    refuse_cpu_fallback(accelerator, cfg)
+    refuse_cpu_fallback(accelerator, cfg, launched_processes)
     if deepspeed and accelerator.distributed_type != DistributedType.DEEPSPEED:
         raise DeepSpeedError(f"the launcher asked for DeepSpeed but Accelerate set up {accelerator.distributed_type}; "
                              f"launch with `accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml`")
@@ -58,21 +61,25 @@ def setup(cfg: TrainConfig, *, deepspeed: bool = False):
 CPU_LAUNCH_CONFIG = "configs/accelerate/multi_cpu.yaml"
 
 
-def refuse_cpu_fallback(accelerator, cfg: TrainConfig) -> None:
+def refuse_cpu_fallback(accelerator, cfg: TrainConfig, launched_processes: int = 1) -> None:
     """A launch that asked for GPUs (``multi_gpu.yaml``: several processes, no ``use_cpu``) on a
-    machine where torch sees none is refused: Accelerate would quietly train the processes on the
-    CPU (``MULTI_CPU``), hours slower than the run that was asked for. Several CPU processes are
-    asked for explicitly, with ``run.device=cpu`` (:data:`CPU_LAUNCH_CONFIG`)."""
+    machine where torch sees none is refused. Depending on its version, Accelerate would quietly
+    train the processes together on the CPU (``MULTI_CPU``) or each one alone (``NO``, one process
+    each, all writing one run folder), instead of the run that was asked for. Several CPU processes
+    are asked for explicitly, with ``run.device=cpu`` (:data:`CPU_LAUNCH_CONFIG`)."""
     from accelerate.utils import DistributedType
 
     asked_cpu = cfg.run.device == "cpu" or bool(getattr(accelerator.state, "_cpu", False))
-    if accelerator.distributed_type == DistributedType.MULTI_CPU and not asked_cpu:
+    fell_back = (accelerator.distributed_type == DistributedType.MULTI_CPU
+                 or (launched_processes > 1 and accelerator.num_processes != launched_processes))
+    if fell_back and not asked_cpu:
+        started = max(launched_processes, accelerator.num_processes)
         raise ConfigError(
-            f"the launcher started {accelerator.num_processes} processes for GPUs, but torch sees no GPU on this "
-            f"machine (CUDA available: {torch.cuda.is_available()}), so Accelerate would train them on the CPU "
-            f"instead; on a GPU machine check the driver and CUDA_VISIBLE_DEVICES, or to train CPU processes "
-            f"on purpose launch with `accelerate launch --config_file {CPU_LAUNCH_CONFIG} train.py ... "
-            f"run.device=cpu`", key="run.device")
+            f"the launcher started {started} processes for GPUs, but torch sees no GPU on this machine (CUDA "
+            f"available: {torch.cuda.is_available()}), so Accelerate would train them on the CPU instead "
+            f"({accelerator.distributed_type}, {accelerator.num_processes} process(es) each); on a GPU machine "
+            f"check the driver and CUDA_VISIBLE_DEVICES, or to train CPU processes on purpose launch with "
+            f"`accelerate launch --config_file {CPU_LAUNCH_CONFIG} train.py ... run.device=cpu`", key="run.device")
 
 
 def prepare_model(accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainConfig,

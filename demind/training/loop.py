@@ -57,14 +57,14 @@ def describe_run(cfg: TrainConfig, accelerator, model: DeMinds, cache: ShardFeat
         accelerator.print(line)
 
 
-def train(cfg: TrainConfig, *, deepspeed: bool = False) -> Path:
+def train(cfg: TrainConfig, *, deepspeed: bool = False, launched_processes: int = 1) -> Path:
     """Train (or resume) the run described by ``cfg``; returns the exported checkpoint path.
 
     Call it in every process (``accelerate launch``); only the main process writes files.
     ``deepspeed``: the launcher asked for DeepSpeed; it then trains, or the run is refused (see
     :func:`demind.training.accel.setup`).
     """
-    accelerator = setup(cfg, deepspeed=deepspeed)
+    accelerator = setup(cfg, deepspeed=deepspeed, launched_processes=launched_processes)  # see setup
     run_dir = Path(cfg.run.output_dir)
     if accelerator.is_main_process:
         check_output_dir(run_dir)  # read-only or missing permissions: fail now, not at the first checkpoint
