@@ -23,7 +23,10 @@ import torch.nn as nn
 
 from demind.errors import DemindError, InputError, MissingInputError
 from demind.config import ConfigError, setting, validate
+from demind.hubref import hub_unreachable
 from demind.plugins import require_timm_model
+from demind.schema import PRECISION_NAMES, BackboneConfig  # noqa: F401 (the section lives without torch)
+from demind.templates import PLACEHOLDER  # noqa: F401
 # identity and text-tower helpers live in their own modules; also importable from here, where callers found them
 from demind.identity import (  # noqa: F401
     backbone_identity, canonical_identity, config_activation, file_sha256, identity_slug, same_backbone,
@@ -34,7 +37,6 @@ from demind.text_tower import (  # noqa: F401
 
 log = logging.getLogger(__name__)
 
-PLACEHOLDER = "*"
 # open_clip's precision names -> the autocast dtype the towers run under (None: no autocast).
 PRECISIONS: dict[str, torch.dtype | None] = {
     "fp32": None, "fp16": None, "bf16": None, "pure_fp16": None, "pure_bf16": None,
@@ -42,33 +44,6 @@ PRECISIONS: dict[str, torch.dtype | None] = {
 }
 
 
-@dataclass
-class BackboneConfig:
-    """Which CLIP to load.
-
-    name: an open_clip model name (``ViT-L-14``) or the path of an open_clip model-config
-        JSON (``configs/model/tiny-clip.json``) for custom architectures.
-    pretrained: an open_clip pretrained tag (``openai``), the path of a local checkpoint
-        file, or ``None`` for random initialisation (tests, toy worlds).
-    text_buckets: the texts of a batch are sorted by length and run through the text
-        transformer in up to this many groups, each cut after its own longest text, when
-        that saves at least 30 % of the padded positions. Exact under CLIP's causal mask;
-        1 pads every text to the batch's longest.
-    seed: the seed of a random initialisation (``pretrained: null``): the same config gives
-        the same weights in training, feature caching and evaluation, so a smoke checkpoint
-        trained on a random backbone evaluates on a rebuilt one.
-    precision: open_clip's precision names. ``fp32``; ``fp16`` / ``bf16`` (weights in half
-        precision, LayerNorms as open_clip keeps them); ``pure_fp16`` / ``pure_bf16`` (every
-        weight in half precision); ``amp`` / ``amp_bf16`` (fp32 weights, the towers run under
-        fp16 / bf16 autocast). Inputs are cast to the tower's dtype; outputs are float32.
-    """
-
-    name: str = "ViT-L-14"
-    pretrained: str | None = "openai"
-    precision: str = setting("fp32", choices=PRECISIONS)
-    grad_checkpointing: bool = False
-    text_buckets: int = setting(4, ge=1)
-    seed: int = setting(0, ge=0)
 
 
 class TextOutput(NamedTuple):
@@ -173,9 +148,40 @@ def weights_unavailable(error: Exception, cfg: BackboneConfig, model_name: str) 
     if not message.startswith(("Failed to download weights", "Pretrained value")):
         return None
     return BackboneWeightsError(
-        f"backbone {cfg.name}:{cfg.pretrained}: {message.splitlines()[0]}. Check the network, or put the weights "
-        f"in the Hugging Face cache and set HF_HUB_OFFLINE=1, or give a local weights file as backbone.pretrained "
-        f"(tags of this model: open_clip.list_pretrained_tags_by_model({model_name!r}))")
+        f"backbone {cfg.name}:{cfg.pretrained}: {message.splitlines()[0]}. {offline_fix(model_name)}")
+
+
+def offline_fix(model_name: str) -> str:
+    """What to do when a backbone's weights cannot be downloaded (the end of every such error)."""
+    return (f"Check the network, or put the weights in the Hugging Face cache and set HF_HUB_OFFLINE=1, or give "
+            f"a local weights file as backbone.pretrained (tags of this model: "
+            f"open_clip.list_pretrained_tags_by_model({model_name!r}))")
+
+
+def weights_out_of_reach(cfg: BackboneConfig, model_name: str) -> BackboneWeightsError | None:
+    """A pretrained tag whose weights (on the Hugging Face Hub) are not in the local cache while the
+    Hub cannot be reached: one error, in seconds, before the model is built. None when the weights
+    are a local file, are cached, come from elsewhere, or the Hub answers (open_clip downloads)."""
+    if not cfg.pretrained or Path(cfg.pretrained).exists():
+        return None
+    source = (open_clip.get_pretrained_cfg(model_name, cfg.pretrained) or {}).get("hf_hub", "")
+    if not source:
+        return None  # an unknown tag (open_clip names it) or a plain URL
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    repo_id, filename = source.rstrip("/").rsplit("/", 1) if not source.endswith("/") else (source.rstrip("/"), "")
+    names = [filename] if filename else ["open_clip_model.safetensors", "open_clip_pytorch_model.bin"]
+    if filename.endswith((".bin", ".pth")):
+        names.insert(0, filename[:-4] + ".safetensors")  # open_clip prefers the safetensors twin
+    if any(isinstance(try_to_load_from_cache(repo_id, name), str) for name in names):
+        return None
+    reason = hub_unreachable()
+    if reason is None:
+        return None
+    return BackboneWeightsError(f"backbone {cfg.name}:{cfg.pretrained}: Failed to download weights: {repo_id} is not "
+                                f"in the Hugging Face cache and {reason}. {offline_fix(model_name)}")
 
 
 class FrozenCLIP(nn.Module):
@@ -197,6 +203,8 @@ class FrozenCLIP(nn.Module):
             )
         model_cfg = open_clip.get_model_config(model_name)
         check_text_tower(model_cfg, cfg.name)  # before any weights are built or downloaded
+        if out_of_reach := weights_out_of_reach(cfg, model_name):  # no network: now, not after minutes of retries
+            raise out_of_reach
         self.activation = backbone_activation(model_name, model_cfg, cfg.pretrained)
         with contextlib.ExitStack() as stack:
             if not cfg.pretrained:

@@ -42,41 +42,16 @@ from demind.config import setting
 from demind.errors import DemindError, InputError
 from demind.imaging import decode_image
 from demind.shard_format import CAPTION_FIELD, IMAGE_FIELDS, INTENT_FIELD, REWRITTEN_FIELD
+from demind.schema import MISSING_TEXT_CHOICES, DataConfig  # noqa: F401 (the section lives without torch)
 from demind.targets import TargetSampling, sample_target_kind
 
 logger = logging.getLogger(__name__)
 
-MISSING_TEXT_CHOICES = ("error", "original")
 MAX_CONSECUTIVE_SKIPS = 1000  # this many unusable samples in a row: the data is broken, stop
 
 
 class ShardFormatError(DemindError, ValueError):
     """An intent shard that lacks a field the trainer needs."""
-
-
-@dataclass
-class DataConfig:
-    """Where the intent shards are and how they are streamed."""
-
-    shards: str = "shards/cc3m"
-    """A folder of ``*.tar`` files, or a brace pattern such as
-    ``shards/cc3m/{00000..00331}.tar`` (several patterns joined by ``::``)."""
-    features: str | None = "auto"
-    """Frozen-feature cache folder.  ``auto``: ``<shard folder>/features/<backbone>``,
-    used when it holds every shard; a path: must hold every shard; null or none: never
-    (see demind.features.features_off)."""
-    shuffle_buffer: int = setting(1000, ge=1)
-    shards_per_group: int = setting(4, ge=1)
-    resample: bool = True
-    """Draw shard groups with replacement (endless, the usual multi-epoch setting);
-    false walks the shards epoch by epoch, each epoch a fresh permutation."""
-    num_workers: int = setting(4, ge=0)
-    missing_text: str = setting("error", choices=MISSING_TEXT_CHOICES)
-    """What a sample without ``rew.txt``/``int.txt`` does: ``error`` stops with the
-    shard's name; ``original`` uses the original caption instead and counts it."""
-    targets: TargetSampling = field(default_factory=TargetSampling)
-    cache_batch_size: int = setting(256, ge=1)
-    cache_dtype: str = setting("float32", choices=("float32", "float16", "bfloat16"))
 
 
 # --------------------------------------------------------------------------- shard groups

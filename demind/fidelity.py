@@ -44,10 +44,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from demind.schema import GFQ_PAIRINGS, GFQ_THRESHOLD  # noqa: F401 (K and omega; read by NoiseConfig)
+
 logger = logging.getLogger(__name__)
 
-GFQ_PAIRINGS = 4   # K
-GFQ_THRESHOLD = 0.5  # omega
 MIN_TAU = 1e-4  # well above float32 rounding of cosines
 TEXT_KINDS = ("int", "rew")  # T_int and T_rew; T_ori is the web alt-text, not written by the MLLM
 

@@ -87,6 +87,32 @@ def revision_problem(revision: str) -> str | None:
     return None
 
 
+PROBE_TIMEOUT_S = 3.0  # a reachable Hub answers a TCP connect in well under a second
+
+
+def hub_unreachable(timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
+    """Why a download from the Hub cannot start now, or None: offline mode (``HF_HUB_OFFLINE=1``, as
+    huggingface_hub read it) or no TCP connection to its endpoint (``HF_ENDPOINT``, default
+    huggingface.co) within ``timeout_s``. Asked before a download, so that a machine without network
+    fails in seconds with one line instead of 30-60 s of retry warnings."""
+    try:
+        from huggingface_hub import constants
+    except ImportError:
+        return None  # nothing to download with; the caller names the missing package
+    if constants.HF_HUB_OFFLINE:
+        return "offline mode is on (HF_HUB_OFFLINE=1)"
+    import socket
+    from urllib.parse import urlsplit
+
+    endpoint = urlsplit(constants.ENDPOINT)
+    host, port = endpoint.hostname or "huggingface.co", endpoint.port or (80 if endpoint.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as e:
+        return f"{host}:{port} cannot be reached ({e.strerror or e})"
+    return None
+
+
 def import_hub():
     """huggingface_hub, or a MissingDependencyError saying how to install it."""
     try:
@@ -113,9 +139,11 @@ def snapshot_folder(ref: HubRef, repo_type: str, setting: str,
     if patterns is not None and ref.subfolder:
         patterns = [f"{ref.subfolder}/{p}" for p in patterns]
     where = f"{setting}={str(ref)!r} ({repo_type} repository {ref.repo_id}, revision {ref.revision or 'main'})"
+    # without network, read the cache only (huggingface_hub would retry for a minute first)
+    cache_only = hub_unreachable() is not None
     try:
         root = Path(hub.snapshot_download(ref.repo_id, repo_type=repo_type, revision=ref.revision,
-                                          allow_patterns=patterns))
+                                          allow_patterns=patterns, local_files_only=cache_only))
     except errors.GatedRepoError:
         raise HubError(f"{where} is gated: accept its terms on the Hub and log in (hf auth login)") from None
     except errors.RepositoryNotFoundError:
@@ -124,9 +152,9 @@ def snapshot_folder(ref: HubRef, repo_type: str, setting: str,
     except errors.RevisionNotFoundError:
         raise HubError(f"{where}: no such revision; give a branch, tag or commit of the repository") from None
     except errors.LocalEntryNotFoundError:
-        raise HubError(f"{where} is not (completely) in the Hugging Face cache and the Hub cannot be reached "
-                       f"(offline, HF_HUB_OFFLINE=1?): download it once while online, or point HF_HUB_CACHE at "
-                       f"a cache that holds it") from None
+        reason = hub_unreachable() or "the Hub cannot be reached"
+        raise HubError(f"{where} is not (completely) in the Hugging Face cache and {reason}: download it once "
+                       f"while online, or point HF_HUB_CACHE at a cache that holds it") from None
     except errors.HfHubHTTPError as e:
         raise HubError(f"{where}: the Hub answered {e}") from None
     except errors.HFValidationError as e:

@@ -17,8 +17,6 @@ trainable; the backbone is held but not registered, so state_dict() holds our we
 from __future__ import annotations
 
 import math
-import string
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -28,50 +26,13 @@ import torch.nn.functional as F
 from demind.backbone import PLACEHOLDER, FrozenCLIP
 from demind.config import ConfigError, setting, validate
 from demind.errors import DemindError, InputError
+# the config section and the templates live in torch-free modules (read by --help and config checks);
+# importable from here, where callers found them
+from demind.schema import FUSIONS, QUERY_SCALES, ModelConfig, heads_problem  # noqa: F401
+from demind.templates import (  # noqa: F401
+    MAX_TEMPLATE_CHARS, TEMPLATE_FIELDS, TEMPLATES, TemplateError, fill_template, template_field)
 
-TEMPLATES = {
-    "cirr": "a photo of * , {text}",
-    "domain": "a {domain} of *",
-    "objects": "a photo of * , {objects}",
-}
-FUSIONS = ("gate", "add", "intent_only")
-# How the refined queries X^n enter the frozen text tower: as the blocks leave them (the paper does
-# not say), or each rescaled to the mean norm of the token-embedding table (the scale the tower's
-# first layer was trained on), keeping its direction.
-QUERY_SCALES = ("none", "token_norm")
 QUERY_MODES = ("eager", "compile", "cudagraphs")
-
-
-@dataclass
-class ModelConfig:
-    """De-MINDS hyper-parameters (paper defaults). ``fusion`` selects the Table 5 ablations:
-    ``gate`` (the method), ``add`` (w/o gate: t_cls + t*), ``intent_only`` (w/o global feature: t*)."""
-
-    num_queries: int = setting(4, ge=1)
-    num_blocks: int = setting(6, ge=1)
-    num_heads: int = setting(8, ge=1)  # must divide the backbone's text width (checked with the backbone)
-    ff_mult: int = setting(4, ge=1)
-    mapping_hidden: int = setting(512, ge=1)
-    mapping_dropout: float = setting(0.1, ge=0, lt=1)
-    gate_init: float = 0.0
-    fusion: str = setting("gate", choices=FUSIONS)
-    template: str = setting(TEMPLATES["cirr"], help="training prompt: one '*' and '{text}'")
-    learnable_temperature: bool = False
-    init_logit_scale: float = math.log(100.0)  # CLIP's trained value; used unless learnable
-    # ConeSep's NBL (training.noise.mode=conesep): learnable negative prompt tokens; 0 = none.
-    # Used in training only; queries never read them.
-    negative_tokens: int = setting(0, ge=0)
-    query_scale: str = setting("none", choices=QUERY_SCALES)
-
-    def config_problems(self) -> list[tuple[str, str]]:
-        try:
-            ok = template_field(self.template) == "text"
-        except TemplateError:
-            ok = False
-        if not ok:
-            return [("template", f"= {self.template!r} must hold one {PLACEHOLDER!r} and '{{text}}' (no other "
-                                 f"fields, format specs or conversions)")]
-        return []
 
 
 class ComposeOutput(NamedTuple):
@@ -81,81 +42,6 @@ class ComposeOutput(NamedTuple):
     t_hat: torch.Tensor
     t_cls: torch.Tensor
     t_star: torch.Tensor
-
-
-TEMPLATE_FIELDS = ("text", "domain", "objects")  # the fields the templates above fill
-MAX_TEMPLATE_CHARS = 1000  # a prompt is cut to CLIP's 77 tokens anyway
-
-
-class TemplateError(DemindError, ValueError):
-    """A query template that is not ``literal text + one '*' + one plain {field}``; the message says why."""
-
-
-def _template_parts(template: str) -> list[tuple[str, str | None]]:
-    """``"a {domain} of *"`` -> ``[("a ", "domain"), (" of *", None)]``: literal text and plain field names.
-
-    Only bare names from :data:`TEMPLATE_FIELDS` are fields: a format spec (``{text:>100000000}``
-    would pad to 100 MB), a conversion (``{text!r}``), attribute or index access
-    (``{text.__class__}``, ``{text[0]}``) and positional fields (``{}``, ``{0}``) are refused, so
-    filling a template costs no more than joining its parts."""
-    if not isinstance(template, str):
-        raise TemplateError(f"the template must be a text such as {TEMPLATES['cirr']!r}, got {type(template).__name__}")
-    shown = template if len(template) <= 80 else template[:77] + "..."
-    if len(template) > MAX_TEMPLATE_CHARS:
-        raise TemplateError(f"the template is {len(template):,} characters; at most {MAX_TEMPLATE_CHARS:,} are "
-                            f"allowed, e.g. {TEMPLATES['cirr']!r}")
-    try:
-        parsed = list(string.Formatter().parse(template))
-    except ValueError:  # an unmatched '{' or '}'
-        raise TemplateError(f"template {shown!r} has an unmatched '{{' or '}}'; write a literal brace as "
-                            f"'{{{{' or '}}}}', e.g. {TEMPLATES['cirr']!r}") from None
-    parts: list[tuple[str, str | None]] = []
-    for literal, name, spec, conversion in parsed:
-        if name is None:
-            parts.append((literal, None))
-            continue
-        field = "{" + name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
-        if conversion or spec:
-            problem = "a conversion" if conversion else "a format spec"
-            raise TemplateError(f"template {shown!r}: field {field[:40]} has {problem}; fields are plain names "
-                                f"such as '{{text}}'")
-        if name not in TEMPLATE_FIELDS:
-            raise TemplateError(f"template {shown!r}: field {field[:40]} is not one of "
-                                f"{', '.join('{' + f + '}' for f in TEMPLATE_FIELDS)} (no positional fields, "
-                                f"attribute or index access)")
-        parts.append((literal, name))
-    return parts
-
-
-def template_field(template: str) -> str:
-    """The one ``{field}`` a query template takes: ``"a {domain} of *"`` -> ``"domain"``.
-
-    TemplateError when the template holds not exactly one ``*`` and one plain field (see
-    :func:`_template_parts`)."""
-    fields = {name for _, name in _template_parts(template) if name}
-    if len(fields) != 1 or template.count(PLACEHOLDER) != 1:
-        shown = template if len(template) <= 80 else template[:77] + "..."
-        raise TemplateError(f"a query template needs one {PLACEHOLDER!r} (the reference image's pseudo-word) and "
-                            f"one field such as '{{text}}', got {shown!r}")
-    return fields.pop()
-
-
-def fill_template(template: str, **fields: str) -> str:
-    """``fill_template("a photo of * , {text}", text="red")`` -> ``"a photo of * , red"``.
-
-    The parts are joined, never ``str.format``-ed, so a template cannot pad, convert or reach
-    into attributes (TemplateError instead). A ``*`` inside a field value would be read as a
-    placeholder; it becomes a space.
-    """
-    clean = {k: " ".join(str(v).replace(PLACEHOLDER, " ").split()) for k, v in fields.items()}
-    out = []
-    for literal, name in _template_parts(template):
-        out.append(literal)
-        if name is not None:
-            if name not in clean:
-                raise TemplateError(f"template field {{{name}}} has no value; give {name}=...")
-            out.append(clean[name])
-    return "".join(out)
 
 
 class MappingNetwork(nn.Module):
@@ -222,15 +108,6 @@ class IntentionModule(nn.Module):
         for block in self.blocks:
             queries = block(queries, words, pad)
         return queries
-
-
-def heads_problem(num_heads: int, width: int) -> str | None:
-    """Why ``num_heads`` cannot split the text width W into equal heads (None when it can): the one
-    wording of the rule, read by TrainConfig at load and by DeMinds for a config built in code."""
-    if num_heads >= 1 and width % num_heads == 0:
-        return None
-    divisors = [d for d in (1, 2, 4, 8, 16, 32) if width % d == 0]
-    return f"= {num_heads} must divide the backbone's text width {width}; choose one of {divisors}"
 
 
 def check_heads_divide_width(num_heads: int, width: int) -> None:

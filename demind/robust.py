@@ -66,37 +66,11 @@ import torch.nn.functional as F
 from demind.errors import InputError
 from demind.config import setting
 from demind.fidelity import GFQ_PAIRINGS, GFQ_THRESHOLD
+from demind.schema import NOISE_MODES, NoiseConfig  # noqa: F401 (the section lives without torch)
 from demind.losses import Gather, demind_losses
 from demind.model import ComposeOutput
 
-NOISE_MODES = ("none", "filter", "downweight", "conesep")
 SIGLIP_SCALE, SIGLIP_BIAS = 10.0, -10.0
-
-
-@dataclass
-class NoiseConfig:
-    """``training.noise``: how the trainer treats descriptions GFQ scores as noisy (see the module docstring)."""
-
-    mode: str = setting("none", choices=NOISE_MODES)
-    omega: float = setting(GFQ_THRESHOLD, gt=0, lt=1)  # F below omega: noisy
-    pairings: int = setting(GFQ_PAIRINGS, ge=1)  # K random pairings of GFQ's noise boundary (per batch)
-    gamma: float = setting(0.7, ge=0, le=1)  # soft labels Y = gamma P* + (1 - gamma) L
-    kappa: float = setting(0.5, ge=0)  # weight of L_ul
-    zeta: float = setting(0.5, ge=0)  # weight of L_intra
-    nu: float = setting(0.5, ge=0)  # weight of the orthogonality hinge inside L_intra
-    warmup_steps: int = setting(0, ge=0)  # optimizer steps before L_ul joins
-    sinkhorn_reg: float = setting(0.05, gt=0)  # entropic regularisation of the OT (costs lie in [0, 2])
-    sinkhorn_iters: int = setting(1000, ge=1)
-
-    def config_problems(self) -> list[tuple[str, str]]:
-        """conesep's OT solver is POT (an optional dependency): missing, it is named at load time,
-        not after the warm-up."""
-        import importlib.util
-
-        if self.mode == "conesep" and importlib.util.find_spec("ot") is None:
-            return [("mode", "= 'conesep' needs POT for the Sinkhorn solver: pip install pot "
-                             "(or pip install -e '.[robust]')")]
-        return []
 
 
 # --------------------------------------------------------------------------- fidelity per term

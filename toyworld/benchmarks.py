@@ -65,7 +65,6 @@ from PIL import Image
 from tqdm import tqdm
 
 from demind.config import setting
-from demind.eval import EXCLUSION_FORMAT as FORMAT
 from demind.io import atomic_path, write_json_atomic, write_text_atomic
 
 # CirrSet and build_cirr_set are re-exported: the CIRR generator lived here before toyworld/cirr.py
@@ -81,7 +80,6 @@ from .world import (
 logger = logging.getLogger(__name__)
 
 BENCHMARKS = ("cirr", "imgnet", "coco", "exclusion", "exclcoco")
-EXCLUSION_FORMAT = FORMAT  # documented in demind.eval.exclusion
 REAL_DISTRACTOR_OFFSET = 6000  # Pic2Word's list labels real distractors class + 6000
 # In the done-marker: 2 added the optional ``target_description`` (the oracle method's text) to
 # toy CIRR and exclusion queries; folders written before are rewritten (same images).
@@ -110,6 +108,14 @@ class ToyBenchmarkConfig:
     # the toy CIRR generator (toyworld/cirr.py): cirr-3, with the toy CLIP's modality gap, meets real
     # CIRR's baseline profile; cirr-1 and cirr-2 kept for comparisons
     cirr_version: str = setting("cirr-3", choices=CIRR_VERSIONS)
+
+
+def exclusion_format() -> int:
+    """The exclusion-file format demind.eval reads (imported here, not at the top: the evaluation
+    package loads torch, and the toy commands' --help must not)."""
+    from demind.eval import EXCLUSION_FORMAT
+
+    return EXCLUSION_FORMAT
 
 
 def _write_json(path: Path, data: Any) -> None:
@@ -259,7 +265,7 @@ def write_exclusion(folder: Path, cfg: ToyBenchmarkConfig, progress: bool = True
             and _shows(s, ex.shape, ex.colour))
         queries.append(spec)
     _write_json(folder / "exclusion.json", {
-        "format": EXCLUSION_FORMAT,
+        "format": exclusion_format(),
         "description": ("Negation queries: retrieve images showing the kept objects but NOT the excluded one. "
                         "'text' is a text-only query; 'modification' is applied to 'reference' (composed). "
                         "positives/hard_negatives are computed from the scene specs over the whole gallery."),

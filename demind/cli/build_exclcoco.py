@@ -26,7 +26,7 @@ class BuildExclCocoConfig(ExclCocoConfig):
 
     annotations: str | None = setting(None, help="folder with instances_{split}.json and captions_{split}.json "
                                                  "(required)")
-    split: str = "val2017"
+    split: str = setting("val2017", help="COCO split name in the annotation file names, e.g. val2017 or train2017")
     images: str | None = setting(None, help="folder of the split's images, file_name is relative to it (required)")
     out: str | None = setting(None, help="output folder for exclcoco.json (required)")
     llm_config: str | None = setting(None, help="data_gen YAML (engine, sampling, run sections) for "

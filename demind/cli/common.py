@@ -20,7 +20,9 @@ import dataclasses
 import errno
 import logging
 import os
+import shutil
 import sys
+import textwrap
 import traceback
 import typing
 from collections.abc import Callable
@@ -138,15 +140,31 @@ def _format_default(value: Any) -> str:
     return '""' if value == "" else str(value)
 
 
-def config_keys_help(cls: type) -> str:
-    """Every config key of ``cls`` with its default and help text, one per line, for ``--help``."""
+def config_keys_help(cls: type, columns: int | None = None) -> str:
+    """Every config key of ``cls`` with its default and help text, for ``--help``: one line per key
+    when it fits ``columns`` (the terminal's width), else the text wrapped beneath its key."""
     rows = config_keys(cls)
-    width = max(len(f"{k} = {_format_default(d)}") for k, d, _ in rows)
+    columns = columns or shutil.get_terminal_size((100, 24)).columns
+    width = min(max(len(f"{k} = {_format_default(d)}") for k, d, _ in rows), 40)
     lines = ["config keys (KEY=VALUE overrides, or the same nesting in the --config YAML), with defaults:"]
     for key, default, text in rows:
         entry = f"{key} = {_format_default(default)}"
-        lines.append(f"  {entry:<{width}}  {text}".rstrip())
+        indent = " " * (4 + width)
+        if len(entry) > width:  # a long default: the text starts on the next line
+            lines.append(f"  {entry}")
+            lines += textwrap.wrap(text, columns - 1, initial_indent=indent, subsequent_indent=indent)
+            continue
+        wrapped = textwrap.wrap(text, max(columns - 1 - len(indent), 30)) or [""]
+        lines.append(f"  {entry:<{width}}  {wrapped[0]}".rstrip())
+        lines += [indent + line for line in wrapped[1:]]
     return "\n".join(lines)
+
+
+def flag_help(key: str, rows: dict[str, tuple[Any, str]]) -> str:
+    """A flag's help line: what its key does, then the key and its default (``--help`` lists the key below)."""
+    default, text = rows[key]
+    where = f"[{key}, default {_format_default(default)}]"
+    return f"{text} {where}" if text else where
 
 
 def config_parser(cls: type, prog: str, description: str, flags: dict[str, Flag] | None = None,
@@ -158,10 +176,11 @@ def config_parser(cls: type, prog: str, description: str, flags: dict[str, Flag]
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", metavar="FILE", help=config_help)
     optional_consts: dict[str, Any] = {}
+    rows = {key: (default, text) for key, default, text in config_keys(cls)}
     for name, flag in (flags or {}).items():
         tp = _leaf_type(cls, flag.key)
         kwargs: dict[str, Any] = {"dest": f"flag:{flag.key}", "default": argparse.SUPPRESS,
-                                  "help": f"= {flag.key}"}
+                                  "help": flag_help(flag.key, rows)}
         metavar = flag.key.rsplit(".", 1)[-1].upper()
         if flag.const is not NO_CONST or tp is bool:
             const = True if flag.const is NO_CONST else flag.const

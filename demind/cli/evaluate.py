@@ -20,8 +20,8 @@ from demind.cli.search import BackboneChoice
 from demind.config import RunOptions, resolve_device, setting
 from demind.describe.config import DescribeOptions, RerankOptions
 from demind.gen.config import EngineConfig
-from demind.eval.harness import BENCHMARKS, CocoOptions, FashionIQOptions
-from demind.retrieval import METHODS
+from demind.eval.options import BENCHMARKS, CocoOptions, FashionIQOptions
+from demind.retrieval.names import METHODS
 
 
 @dataclass
@@ -40,7 +40,7 @@ class EvalConfig:
                                              "checkpoint/backbone allow, except oracle; the MLLM methods "
                                              "cirevl, osrcir, demind+mllm need engine.model: docs/mllm.md)")
     cache_dir: str | None = setting(None, help="image-feature cache (default OUT/feature_cache); share it across runs")
-    batch_size: int = setting(64, ge=1)
+    batch_size: int = setting(64, ge=1, help="images per encoding batch")
     num_workers: int = setting(4, ge=0, help="image-decoding workers")
     limit: int | None = setting(None, ge=1, help="evaluate only the first N queries (smoke runs; flagged in outputs)")
     backbone: BackboneChoice = field(default_factory=BackboneChoice)

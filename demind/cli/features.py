@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 from demind.cli.common import Flag, config_parser, run_config_command
 from demind.config import resolve_device, setting
-from demind.features import features_off
 from demind.training.config import TrainConfig
 
 
@@ -35,6 +34,8 @@ class FeaturesConfig(TrainConfig):
     cache: CacheOutput = field(default_factory=CacheOutput)
 
     def config_problems(self) -> list[tuple[str, str]]:
+        from demind.features import features_off  # the cache module imports torch; --help must not
+
         problems = super().config_problems()
         if (str(self.data.shards).startswith("hf-hub:") and self.cache.out is None
                 and (features_off(self.data.features) or self.data.features == "auto")):

@@ -18,14 +18,13 @@ from demind.cli.common import Flag, config_parser, run_config_command
 from demind.cli.search import MODEL_FLAGS, ModelOptions, load_model
 from demind.config import setting
 from demind.imaging import DECODABLE_EXTENSIONS
-from demind.search.index import build_index
 
 
 @dataclass
 class IndexConfig(ModelOptions):
     images: str | None = setting(None, help="folder of images, searched recursively (required)")
     index: str | None = setting(None, help="index folder to create or update (required)")
-    batch_size: int = setting(64, ge=1)
+    batch_size: int = setting(64, ge=1, help="images per encoding batch")
     num_workers: int = setting(2, ge=0, help="image-decoding workers")
     part_size: int = setting(1024, ge=1, help="images per saved part (what a kill can lose)")
     new_folder: bool = setting(False, help="let an index built from another folder follow --images (drops the "
@@ -48,6 +47,8 @@ def build_parser():
 
 
 def run(cfg: IndexConfig) -> int:
+    from demind.search.index import build_index  # model code (torch): not for --help
+
     backbone, _ = load_model(cfg)
     stats = build_index(cfg.images, cfg.index, backbone, cfg.batch_size, cfg.num_workers, cfg.part_size,
                         progress=cfg.run.progress, new_root=cfg.new_folder)

@@ -26,17 +26,19 @@ import logging
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from demind.errors import InputError
-from demind.backbone import PRECISIONS
-from demind.checkpoint import load_backbone_and_model
 from demind.cli.common import Flag, config_parser, run_config_command
 from demind.config import RunOptions, resolve_device, setting
-from demind.retrieval import METHODS
+from demind.retrieval.names import METHODS
+from demind.schema import PRECISION_NAMES
 from demind.io import check_output_file, read_jsonl, write_json_atomic
-from demind.search.index import load_index
-from demind.search.query import (DEFAULT_METHOD, DEFAULT_TEMPLATE, RANKERS, SearchError, Searcher, SearchQuery,
-                                 with_negative_as_deo)
+from demind.search.names import DEFAULT_METHOD, DEFAULT_TEMPLATE, RANKERS
+
+# Model code (and torch) is imported inside the functions that run a search: --help must not load it.
+if TYPE_CHECKING:
+    from demind.search.query import Searcher, SearchQuery
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +49,7 @@ class BackboneChoice:
 
     spec: str | None = setting(None, help="NAME:TAG_OR_PATH, e.g. ViT-L-14:openai (backbone-only methods without a "
                                           "checkpoint, or to check the checkpoint's); NAME:none = random weights")
-    precision: str = setting("fp32", choices=tuple(PRECISIONS), help="open_clip precision; an index records it")
+    precision: str = setting("fp32", choices=PRECISION_NAMES, help="open_clip precision; an index records it")
 
 
 @dataclass
@@ -70,6 +72,8 @@ message, so the command prints it as one line."""
 
 def load_model(cfg: ModelOptions):
     """(backbone, model or None) as the config asks."""
+    from demind.checkpoint import load_backbone_and_model
+
     return load_backbone_and_model(cfg.checkpoint, cfg.backbone.spec, precision=cfg.backbone.precision,
                                    device=resolve_device(cfg.run.device))
 
@@ -128,6 +132,8 @@ def parse_query_line(row: object, where: str, defaults: SearchQuery, number: int
     k = row.get("k", defaults.k)
     if k < 1:
         raise InputError(f"{where}: key 'k' must be at least 1, got {k}")
+    from demind.search.query import SearchQuery
+
     return SearchQuery(image=row.get("image"), text=row["text"], method=row.get("method", defaults.method),
                        template=row.get("template", defaults.template), k=k,
                        negative=row.get("negative", defaults.negative), qid=str(row.get("id", number)))
@@ -160,6 +166,8 @@ def answer(searcher: Searcher, query: SearchQuery, keep_reference: bool) -> dict
     if query.image is not None and not keep_reference:
         query.exclude = searcher.gallery_name_of(query.image)
         query.drop_duplicates = True  # as the page does: a copy of the reference is not a result
+    from demind.search.query import SearchError, with_negative_as_deo
+
     negative = query.negative
     try:
         query = with_negative_as_deo(query)
@@ -202,6 +210,9 @@ def print_record(record: dict) -> None:
 
 
 def run(cfg: SearchConfig) -> int:
+    from demind.search.index import load_index
+    from demind.search.query import Searcher, SearchQuery
+
     defaults = SearchQuery(image=cfg.image, text=cfg.text or "", method=cfg.method, template=cfg.template,
                            k=cfg.k, negative=cfg.negative)
     if cfg.queries:

@@ -26,8 +26,7 @@ from demind.cli.common import Flag, config_parser, run_config_command
 from demind.cli.search import MODEL_FLAGS, ModelOptions, load_model
 from demind.config import setting
 from demind.errors import DemindError, InputError
-from demind.search.index import GalleryIndexError, build_index, load_index
-from demind.search.query import RANKERS, Searcher
+from demind.search.names import RANKERS
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +93,8 @@ def access_settings(args: ServeConfig):
 
 
 def run(args: ServeConfig) -> int:
+    from demind.search.index import GalleryIndexError, build_index, load_index  # model code: not for --help
+    from demind.search.query import Searcher
     from demind.search.server import create_app, start_server
 
     resolve_paths(args)

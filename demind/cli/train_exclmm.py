@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 
 from demind.cli.common import config_parser, run_config_command
-from demind.exclmm.train import ExclMMConfig
+from demind.exclmm.config import ExclMMConfig
 
 
 def build_parser():

@@ -12,13 +12,18 @@ this package sits above :mod:`demind.retrieval` (it reads its images and queries
 See docs/mllm.md.
 """
 
-from demind.describe.config import DESCRIBERS, DescribeOptions, RerankOptions
-from demind.describe.describers import (CIReVLDescriber, Describer, DescriberPrompts, LazyEngine, OSrCIRDescriber,
-                                        load_describer_prompts, modification_text)
-from demind.describe.parse import Parsed, parse_description
-from demind.describe.rerank import MLLMVerifier, Reranker, Verifier, rerank_ranking
-from demind.describe.session import MLLMRun, MLLMSetup
-from demind.describe.store import MemoryStore, RecordStore, model_identity
+# Resolved on first use: importing demind.describe.config (a command's --help) loads no engine or torch.
+from demind.lazy import lazy_exports
+
+__getattr__, __dir__ = lazy_exports(__name__, {
+    "demind.describe.config": ["DESCRIBERS", "DescribeOptions", "RerankOptions"],
+    "demind.describe.describers": ["CIReVLDescriber", "Describer", "DescriberPrompts", "LazyEngine",
+                                   "OSrCIRDescriber", "load_describer_prompts", "modification_text"],
+    "demind.describe.parse": ["Parsed", "parse_description"],
+    "demind.describe.rerank": ["MLLMVerifier", "Reranker", "Verifier", "rerank_ranking"],
+    "demind.describe.session": ["MLLMRun", "MLLMSetup"],
+    "demind.describe.store": ["MemoryStore", "RecordStore", "model_identity"],
+})
 
 __all__ = [
     "DESCRIBERS", "CIReVLDescriber", "DescribeOptions", "Describer", "DescriberPrompts", "LazyEngine", "MLLMRun",

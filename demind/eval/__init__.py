@@ -10,13 +10,19 @@ Library entry point::
 Command line: ``demind-eval --help`` or ``python -m demind.eval --help`` (:mod:`demind.cli.evaluate`).
 """
 
-from demind.checkpoint import load_backbone_and_model
-from demind.eval.exclcoco import load_exclcoco
-from demind.eval.exclusion import FORMAT as EXCLUSION_FORMAT
-from demind.eval.harness import BENCHMARKS, CocoOptions, ReaderOptions, evaluate, read_benchmark
-from demind.eval.metrics import paired_ap, paired_hits, sign_test_p
-from demind.eval.reports import TITLES, format_table, markdown_table
-from demind.retrieval import METHODS
+# Resolved on first use: importing demind.eval.options (demind-eval --help) loads no model code or torch.
+from demind.lazy import lazy_exports
+
+__getattr__, __dir__ = lazy_exports(__name__, {
+    "demind.checkpoint": ["load_backbone_and_model"],
+    "demind.eval.exclcoco": ["load_exclcoco"],
+    "demind.eval.exclusion": ["EXCLUSION_FORMAT"],
+    "demind.eval.options": ["BENCHMARKS", "CocoOptions"],
+    "demind.eval.harness": ["ReaderOptions", "evaluate", "read_benchmark"],
+    "demind.eval.metrics": ["paired_ap", "paired_hits", "sign_test_p"],
+    "demind.eval.reports": ["TITLES", "format_table", "markdown_table"],
+    "demind.retrieval.names": ["METHODS"],
+})
 
 __all__ = [
     "BENCHMARKS",

@@ -42,7 +42,7 @@ from demind.coco_files import load_coco
 from demind.errors import InputError
 from demind.retrieval import ImageRef, Query, canonical_name
 from demind.eval.structures import BenchmarkData, QueryGroup, raise_if_missing, require_dir, require_file
-from demind.model import PLACEHOLDER
+from demind.templates import PLACEHOLDER
 
 log = logging.getLogger(__name__)
 

@@ -30,9 +30,10 @@ from demind.errors import InputError
 from demind.retrieval import ImageRef, Query
 from demind.io import read_json
 from demind.eval.structures import BenchmarkData, QueryGroup, check_query_file, raise_if_missing, require_file
-from demind.model import TEMPLATES, fill_template
+from demind.templates import TEMPLATES, fill_template
 
 FORMAT = "demind-toy-exclusion/1"
+EXCLUSION_FORMAT = FORMAT  # the name demind.eval gives it
 MAP_KS = (1, 5, 10, 25)
 LAYOUT = """  DATA_ROOT/
     exclusion.json                  format demind-toy-exclusion/1 (see demind/eval/exclusion.py)

@@ -28,7 +28,7 @@ from demind.retrieval import ImageRef, Query
 from demind.io import read_json
 from demind.eval.structures import BenchmarkData, QueryGroup, index_image_folder, require_dir, require_file
 from demind.json_fields import check_entries
-from demind.model import fill_template
+from demind.templates import fill_template
 
 log = logging.getLogger(__name__)
 

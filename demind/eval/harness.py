@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from demind.backbone import FrozenCLIP
 from demind.config import ConfigError, Rule, config_problems, setting
 from demind.errors import InputError, NonFiniteError
 from demind.io import check_output_dir
+from demind.logs import progress_bar
 from demind.eval import metrics as M
 from demind.eval.circo import read_circo
 from demind.eval.cirr import read_cirr
@@ -35,41 +35,12 @@ from demind.retrieval import RERANK_SUFFIX, RetrievalMethod, build_methods, pars
 from demind.eval.reports import write_reports
 from demind.retrieval import ImageRef
 from demind.eval.structures import BenchmarkData, QueryGroup
+from demind.eval.options import BENCHMARKS, CocoOptions, FashionIQOptions  # noqa: F401 (torch-free; re-exported)
 from demind.model import DeMinds
 
 log = logging.getLogger(__name__)
 
-BENCHMARKS = ("cirr", "fashioniq", "coco", "imagenet-r", "circo", "exclusion", "exclcoco")
 RANKING_DEPTH = 50
-
-
-@dataclass
-class FashionIQOptions:
-    caption_order: str = setting("released", choices=CAPTION_ORDERS,
-                                 help="released: Pic2Word's '{caption2} and {caption1}'; file: file order")
-    text: str = setting("released", choices=TEXT_FORMS,
-                        help="Text-only/Image+Text text. released: the whole prompt 'a photo of * , {captions}', "
-                             "as Pic2Word; captions: the two captions only")
-
-
-@dataclass
-class CocoOptions:
-    csv: str | None = setting(None, help="read queries from a Pic2Word coco_eval.csv instead of building them")
-    prompt: str = setting("released", choices=PROMPT_FORMS,
-                          help="released: 'a photo of * and {query class} and {others}', with Pic2Word's dangling "
-                               "'and' when there are no others; trimmed: without it; prose: 'a photo of * , {obj1} "
-                               "and {obj2}'")
-    query_resize: str = setting("released", choices=tuple(QUERY_RESIZES),
-                                help="released: query region resized straight to the input square, no crop, as "
-                                     "Pic2Word; center-crop: the backbone's resize + centre-crop")
-    seed: int = setting(0, ge=0, help="seed of the COCO query draw")
-    min_area: float = setting(0.05, ge=0, le=1, help="smallest query box area, as a fraction of the image")
-    max_area: float = setting(0.5, ge=0, le=1, help="largest query box area, as a fraction of the image")
-
-    def config_problems(self) -> list[tuple[str, str]]:
-        if self.min_area >= self.max_area:
-            return [("min_area", f"= {self.min_area} must be below coco.max_area = {self.max_area}")]
-        return []
 
 
 @dataclass
@@ -288,7 +259,7 @@ def embed_queries(method: RetrievalMethod, ref_features: torch.Tensor, prompts: 
     out = []
     device = method.backbone.device
     starts = range(0, len(prompts), batch_size)
-    for start in tqdm(starts, desc=desc, disable=not progress, leave=False, unit="batch"):
+    for start in progress_bar(starts, desc=desc, disable=not progress, leave=False, unit="batch"):
         end = start + batch_size
         emb = method.embed(ref_features[start:end].to(device), prompts[start:end], texts[start:end]).float()
         bad = (~torch.isfinite(emb).all(dim=1)).nonzero().flatten().tolist()

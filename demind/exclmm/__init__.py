@@ -38,6 +38,9 @@ How we read the paper where it is ambiguous (written before measuring):
 * **Inference** (Eq. 18): rank the gallery by F_theta(query code) . E_v(image).
 """
 
-from demind.exclmm.model import ExclMM, load_exclmm, words_of
+from demind.lazy import lazy_exports
+
+# resolved on first use: importing demind.exclmm.config (the recipe) loads no torch
+__getattr__, __dir__ = lazy_exports(__name__, {"demind.exclmm.model": ["ExclMM", "load_exclmm", "words_of"]})
 
 __all__ = ["ExclMM", "load_exclmm", "words_of"]

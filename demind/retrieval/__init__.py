@@ -15,18 +15,24 @@ Evaluation (:mod:`demind.eval`: benchmark readers, metrics, protocols, reports) 
 modules.
 """
 
-from demind.retrieval.refs import (IMAGE_EXTENSIONS, RESIZE_MODES, ImageReadError, ImageRef, Query, canonical_name,
-                                   load_image, strip_image_extension)
-from demind.retrieval.cache import (DamagedPartError, EncodeStats, ImageFeatureCache, ImageRefDataset,
-                                    backbone_cache_slug, encode_image_refs, image_transforms, squash_preprocess,
-                                    stack_features)
-from demind.retrieval.methods import (CHECKPOINT_METHODS, DEO_BASES, DEO_METHODS, EXCLMM_METHODS, METHOD_LABELS,
-                                      METHODS, NEGATIVE_TEMPLATE, ON_REQUEST_METHODS, DEOMethod, DeMindsQuery,
-                                      ImageOnly, ImagePlusText, MappingOnly, Oracle, RetrievalMethod, TextOnly,
-                                      RERANK_SUFFIX, build_methods, method_label, parse_method_names,
-                                      split_deo_name)
-from demind.retrieval.mllm_methods import (DESCRIBED_METHODS, HYBRID_METHOD, MLLM_METHODS, DescribedQuery,
-                                           HybridQuery, ensemble_embeddings)
+# Resolved on first use: the method names (demind.retrieval.names) load no torch, so a command's
+# --help can list them; everything else imports its module (and torch) when first read.
+from demind.lazy import lazy_exports
+
+__getattr__, __dir__ = lazy_exports(__name__, {
+    "demind.retrieval.refs": ["IMAGE_EXTENSIONS", "RESIZE_MODES", "ImageReadError", "ImageRef", "Query",
+                              "canonical_name", "load_image", "strip_image_extension"],
+    "demind.retrieval.cache": ["DamagedPartError", "EncodeStats", "ImageFeatureCache", "ImageRefDataset",
+                               "backbone_cache_slug", "encode_image_refs", "image_transforms", "squash_preprocess",
+                               "stack_features"],
+    "demind.retrieval.names": ["CHECKPOINT_METHODS", "DEO_BASES", "DEO_METHODS", "EXCLMM_METHODS", "METHOD_LABELS",
+                               "METHODS", "ON_REQUEST_METHODS", "RERANK_SUFFIX", "DESCRIBED_METHODS",
+                               "HYBRID_METHOD", "MLLM_METHODS"],
+    "demind.retrieval.methods": ["NEGATIVE_TEMPLATE", "DEOMethod", "DeMindsQuery", "ImageOnly", "ImagePlusText",
+                                 "MappingOnly", "Oracle", "RetrievalMethod", "TextOnly", "build_methods",
+                                 "method_label", "parse_method_names", "split_deo_name"],
+    "demind.retrieval.mllm_methods": ["DescribedQuery", "HybridQuery", "ensemble_embeddings"],
+})
 
 __all__ = [
     "CHECKPOINT_METHODS", "DEO_BASES", "DEO_METHODS", "EXCLMM_METHODS", "IMAGE_EXTENSIONS", "METHODS", "METHOD_LABELS",

@@ -28,22 +28,15 @@ import torch.nn.functional as F
 from demind.errors import InputError
 from demind.backbone import FrozenCLIP
 from demind.config import ConfigError
-from demind.retrieval.methods_base import METHOD_LABELS, RetrievalMethod
-from demind.retrieval.mllm_methods import HYBRID_METHOD, MLLM_METHODS, build_mllm_method
+from demind.retrieval.methods_base import RetrievalMethod
+from demind.retrieval.mllm_methods import build_mllm_method
+from demind.retrieval.names import (  # noqa: F401 (the names live without torch; importable from here)
+    CHECKPOINT_METHODS, DEO_BASES, DEO_METHODS, DEO_SUFFIXES, EXCLMM_METHODS, HYBRID_METHOD, METHOD_LABELS, METHODS,
+    MLLM_METHODS, ON_REQUEST_METHODS, RERANK_SUFFIX)
 from demind.retrieval.refs import Query
 from demind.model import PLACEHOLDER, DeMinds
 from demind.negation import DEOConfig, Decomposer, RuleDecomposer, SubQueries, optimise
 
-METHODS = tuple(METHOD_LABELS)
-EXCLMM_METHODS = ("exclmm",)
-CHECKPOINT_METHODS = ("mapping-only", "demind", HYBRID_METHOD)
-# not in the default set: real benchmarks have no target descriptions (oracle); an MLLM is a choice (docs/mllm.md)
-ON_REQUEST_METHODS = ("oracle", *MLLM_METHODS)
-RERANK_SUFFIX = "+rerank"  # a method's ranking with its top K re-ordered by an MLLM (demind.describe.rerank)
-# DEO variants: suffix -> solver mode (see demind.negation.deo)
-DEO_SUFFIXES = {"+deo": "exact", "+deo-adam": "adam"}
-DEO_BASES = ("text-only", "image+text", "mapping-only", "demind", HYBRID_METHOD)
-DEO_METHODS = tuple(f"{b}{s}" for b in DEO_BASES for s in DEO_SUFFIXES)
 # Negatives are encoded as text with this template: the prefix every composed query starts
 # with ("a photo of * , ...") and CLIP's standard prompt, so the negative sits where the
 # queries' texts do; no article, since a negative may be plural or a mass noun ("people").

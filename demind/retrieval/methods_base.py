@@ -10,20 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from demind.backbone import FrozenCLIP
+from demind.retrieval.names import METHOD_LABELS  # noqa: F401 (the display names, torch-free)
 from demind.retrieval.refs import Query
 
-METHOD_LABELS = {
-    "image-only": "Image-only",
-    "text-only": "Text-only",
-    "image+text": "Image+Text",
-    "mapping-only": "Mapping only (Pic2Word-style)",
-    "demind": "De-MINDS",
-    "exclmm": "ExclMM",
-    "oracle": "Oracle (target's description)",
-    "cirevl": "CIReVL (MLLM caption + rewrite)",
-    "osrcir": "OSrCIR (MLLM reflective CoT)",
-    "demind+mllm": "De-MINDS + MLLM description",
-}
 
 
 class RetrievalMethod:

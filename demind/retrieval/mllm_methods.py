@@ -22,12 +22,10 @@ import torch.nn.functional as F
 
 from demind.config import ConfigError
 from demind.retrieval.methods_base import RetrievalMethod
+from demind.retrieval.names import DESCRIBED_METHODS, HYBRID_METHOD, MLLM_METHODS  # noqa: F401
 from demind.retrieval.refs import Query
 
 SEPARATOR = "\n"
-DESCRIBED_METHODS = ("cirevl", "osrcir")
-HYBRID_METHOD = "demind+mllm"
-MLLM_METHODS = DESCRIBED_METHODS + (HYBRID_METHOD,)
 
 
 def ensemble_embeddings(descriptions: torch.Tensor, tau: float) -> torch.Tensor:

@@ -25,19 +25,25 @@ The engine pieces every trainer shares (De-MINDS, ExclMM, the toy CLIP): ``optim
 no pickle; De-MINDS resumes through Accelerate's ``save_state`` instead, see ``state``).
 """
 
-from demind.data import DataConfig
-from demind.training.accel import make_gather, micro_batch_size, setup
-from demind.training.batches import batch_embeddings, build_data, find_feature_cache
-from demind.training.config import LossConfig, OptimConfig, RunConfig, TrainConfig, load_train_config
-from demind.training.loop import EXPORT_NAME, build_modules, train
-from demind.training.metrics_log import LOSS_TERMS, LogWindow, append_metrics, step_line, term_parts, trim_metrics
-from demind.training.finite import check_finite_terms
-from demind.training.optim import (build_adamw, build_lr_scheduler, build_optimizer, build_scheduler, lr_factor,
-                                   warmup_cosine)
-from demind.training.state import ResumeError, TrainState, latest_checkpoint
-from demind.training.step import NonFiniteLossError, check_finite, compute_losses
-from demind.training.store import (StateFileError, load_train_state, load_tree, restore_train_state, save_train_state,
-                                   save_tree)
+from demind.lazy import lazy_exports
+
+# names resolved on first use: importing demind.training.config (the schema) loads no trainer or torch
+__getattr__, __dir__ = lazy_exports(__name__, {
+    "demind.data": ["DataConfig"],
+    "demind.training.accel": ["make_gather", "micro_batch_size", "setup"],
+    "demind.training.batches": ["batch_embeddings", "build_data", "find_feature_cache"],
+    "demind.training.config": ["LossConfig", "OptimConfig", "RunConfig", "TrainConfig", "load_train_config"],
+    "demind.training.loop": ["EXPORT_NAME", "build_modules", "train"],
+    "demind.training.metrics_log": ["LOSS_TERMS", "LogWindow", "append_metrics", "step_line",
+                                     "term_parts", "trim_metrics"],
+    "demind.training.finite": ["check_finite_terms"],
+    "demind.training.optim": ["build_adamw", "build_lr_scheduler", "build_optimizer", "build_scheduler",
+                               "lr_factor", "warmup_cosine"],
+    "demind.training.state": ["ResumeError", "TrainState", "latest_checkpoint"],
+    "demind.training.step": ["NonFiniteLossError", "check_finite", "compute_losses"],
+    "demind.training.store": ["StateFileError", "load_train_state", "load_tree", "restore_train_state",
+                               "save_train_state", "save_tree"],
+})
 
 __all__ = ["TrainConfig", "OptimConfig", "LossConfig", "RunConfig", "DataConfig", "TrainState", "train",
            "load_train_config", "build_modules", "build_data", "find_feature_cache", "batch_embeddings",

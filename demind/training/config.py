@@ -9,11 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from demind.backbone import BackboneConfig, text_width
 from demind.config import device_setting, load_config, setting
-from demind.data import DataConfig
-from demind.model import ModelConfig, heads_problem
-from demind.robust import NoiseConfig
+# the sections without their torch-bound modules: --help and config checks load no torch
+from demind.schema import BackboneConfig, DataConfig, ModelConfig, NoiseConfig, heads_problem
 
 
 SCHEDULES = ("cosine", "constant")
@@ -83,6 +81,8 @@ class TrainConfig:
     def config_problems(self) -> list[tuple[str, str]]:
         """The model's attention heads must split the backbone's text width (read from its model config)."""
         problems = []
+        from demind.backbone import text_width  # open_clip's model configs (imports torch)
+
         width = text_width(self.backbone)
         heads_wrong = heads_problem(self.model.num_heads, width) if width is not None else None
         if heads_wrong and self.model.num_heads >= 1:  # below 1 the declared rule already says so

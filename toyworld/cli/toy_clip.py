@@ -16,7 +16,7 @@ from pathlib import Path
 
 from demind.cli.common import config_parser, run_config_command
 from demind.config import setting
-from toyworld.clip import ToyBackboneConfig
+from toyworld.clip_config import ToyBackboneConfig
 from toyworld.pipeline import QuickstartRunConfig
 
 # what the training log holds (toyworld.clip_train.train_toy_clip): shipped beside the weights
@@ -38,7 +38,7 @@ def toy_clip_command(cfg: ToyClipConfig) -> int:
     from safetensors.torch import load_file
 
     from demind.io import check_output_dir
-    from toyworld.clip import model_config_path
+    from toyworld.clip_config import model_config_path
     from toyworld.clip_cache import ensure_toy_backbone
     from toyworld.shipped import SHIPPED_DIR, initial_state, pack, shipped_path
 

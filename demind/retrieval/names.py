@@ -1,0 +1,35 @@
+"""The names of the retrieval methods: what a config, a query file or ``--help`` may say.
+
+Torch-free, so the commands list and check method names without loading a model; the registry
+that builds the methods (:mod:`demind.retrieval.methods`) and :mod:`demind.retrieval` re-export them.
+"""
+
+from __future__ import annotations
+
+METHOD_LABELS = {
+    "image-only": "Image-only",
+    "text-only": "Text-only",
+    "image+text": "Image+Text",
+    "mapping-only": "Mapping only (Pic2Word-style)",
+    "demind": "De-MINDS",
+    "exclmm": "ExclMM",
+    "oracle": "Oracle (target's description)",
+    "cirevl": "CIReVL (MLLM caption + rewrite)",
+    "osrcir": "OSrCIR (MLLM reflective CoT)",
+    "demind+mllm": "De-MINDS + MLLM description",
+}
+
+DESCRIBED_METHODS = ("cirevl", "osrcir")
+HYBRID_METHOD = "demind+mllm"
+MLLM_METHODS = DESCRIBED_METHODS + (HYBRID_METHOD,)
+
+METHODS = tuple(METHOD_LABELS)
+EXCLMM_METHODS = ("exclmm",)
+CHECKPOINT_METHODS = ("mapping-only", "demind", HYBRID_METHOD)
+# not in the default set: real benchmarks have no target descriptions (oracle); an MLLM is a choice (docs/mllm.md)
+ON_REQUEST_METHODS = ("oracle", *MLLM_METHODS)
+RERANK_SUFFIX = "+rerank"  # a method's ranking with its top K re-ordered by an MLLM (demind.describe.rerank)
+# DEO variants: suffix -> solver mode (see demind.negation.deo)
+DEO_SUFFIXES = {"+deo": "exact", "+deo-adam": "adam"}
+DEO_BASES = ("text-only", "image+text", "mapping-only", "demind", HYBRID_METHOD)
+DEO_METHODS = tuple(f"{b}{s}" for b in DEO_BASES for s in DEO_SUFFIXES)

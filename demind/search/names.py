@@ -1,0 +1,13 @@
+"""What a search query may name by default: the method, the template and the rankers.
+
+Torch-free, so ``demind-search --help`` / ``demind-serve --help`` list them without loading a
+model; re-exported by :mod:`demind.search.query`, which uses them.
+"""
+
+from __future__ import annotations
+
+from demind.templates import TEMPLATES
+
+DEFAULT_TEMPLATE = TEMPLATES["cirr"]
+DEFAULT_METHOD = "demind"
+RANKERS = ("exact", "faiss-flat", "faiss-hnsw")  # exact: one matrix product; faiss-*: the search extra
