@@ -91,3 +91,19 @@ def test_no_plot_without_steps_or_matplotlib(tmp_path, monkeypatch, caplog):
         assert plot_training(metrics) is None
     assert any("matplotlib is not installed" in r.getMessage() for r in caplog.records)
     assert not (tmp_path / "training.png").exists()
+
+
+def test_every_bar_is_made_by_progress_bar():
+    """A tqdm(...) built anywhere else would draw redraw-walls into log files again."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    makers = []
+    for path in [*root.glob("demind/**/*.py"), *root.glob("toyworld/**/*.py"), *root.glob("data_gen/*.py")]:
+        if path.name == "logs.py" and path.parent.name == "demind":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "tqdm":
+                makers.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert makers == []

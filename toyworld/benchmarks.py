@@ -62,7 +62,7 @@ from typing import Any, Callable
 
 import numpy as np
 from PIL import Image
-from tqdm import tqdm
+from demind.logs import progress_bar
 
 from demind.config import setting
 from demind.io import atomic_path, write_json_atomic, write_text_atomic
@@ -172,7 +172,7 @@ def write_imgnet(folder: Path, cfg: ToyBenchmarkConfig, progress: bool = True) -
             path = f"imgnet/real/{shape}/distractor_{i}.png"
             jobs.append((path, single_object_scene(rng, shape, "photo"), derive_seed("imgnet", path)))
             target_lines.append(f"{path} {c + REAL_DISTRACTOR_OFFSET} ")
-    for path, scene, seed in tqdm(jobs, desc="toy ImageNet-R", unit="img", disable=not progress):
+    for path, scene, seed in progress_bar(jobs, desc="toy ImageNet-R", unit="img", disable=not progress):
         save_png(render_scene(scene, seed, cfg.image_size).image, root / path)
     for name, lines in (("imgnet_real_query.txt", query_lines), ("imgnet_targets.txt", target_lines)):
         write_text_atomic(folder / name, "\n".join(lines) + "\n")
@@ -184,7 +184,7 @@ def write_coco(folder: Path, cfg: ToyBenchmarkConfig, progress: bool = True,
                min_area: float = 0.05, max_area: float = 0.5) -> None:
     rows = []
     area_img = cfg.image_size * cfg.image_size
-    for i in tqdm(range(cfg.coco_images), desc="toy COCO", unit="img", disable=not progress):
+    for i in progress_bar(range(cfg.coco_images), desc="toy COCO", unit="img", disable=not progress):
         rng = random.Random(stream_seed("coco", i))
         name = f"{i + 1:012d}.jpg"
         while True:
@@ -229,7 +229,7 @@ def write_exclusion(folder: Path, cfg: ToyBenchmarkConfig, progress: bool = True
     images: dict[str, str] = {}
     scenes: dict[str, Scene] = {}
     specs = []
-    for q in tqdm(range(cfg.exclusion_queries), desc="toy exclusion", unit="query", disable=not progress):
+    for q in progress_bar(range(cfg.exclusion_queries), desc="toy exclusion", unit="query", disable=not progress):
         rng = random.Random(stream_seed("exclusion", q))
         reference = sample_scene(rng, num_objects=rng.choice((2, 3)))
         excluded = rng.choice(reference.objects)
