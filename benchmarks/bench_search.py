@@ -45,7 +45,8 @@ from demind.embedding_cache import cache_slug
 from demind.model import DeMinds, ModelConfig
 from demind.retrieval import ImageFeatureCache
 from demind.search.index import INDEX_FORMAT, MANIFEST, ROLE, GalleryIndex, build_index, load_index
-from demind.search.query import Ranker, Searcher, SearchQuery, build_hnsw_index, exact_top_k
+from demind.search.query import Searcher, SearchQuery
+from demind.search.rankers import Ranker, build_hnsw_index, exact_top_k
 
 TOY_CLIP = Path(__file__).resolve().parents[1] / "toyworld" / "model_configs" / "toy-clip-cnn-text2.json"
 TEXT = "make the square red and the background green"

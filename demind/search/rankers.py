@@ -1,0 +1,181 @@
+"""Top-k inner-product search over an index's rows: exact (the default), FAISS flat (the same
+ranking by FAISS's kernel, over the same rows) and FAISS HNSW (approximate, for large galleries).
+
+An index's rows are L2-normalised blocks (its memory-mapped float16 parts, :mod:`demind.search.index`);
+no ranker joins them into one matrix, and only HNSW keeps a copy (its graph search reads its own
+float32 rows). Measured against the bare matrix product, and the HNSW settings chosen by recall@10
+on CLIP-like clustered vectors, in BENCHMARKS.md (search).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from demind.config import MissingDependencyError
+
+log = logging.getLogger(__name__)
+
+KINDS = ("exact", "faiss-flat", "faiss-hnsw")  # the search commands' RANKERS
+
+
+HNSW_M, HNSW_EF_CONSTRUCTION, HNSW_EF_SEARCH = 32, 80, 128  # chosen by recall@10 on clustered vectors (BENCHMARKS.md)
+CHUNK_ROWS = 8192  # rows converted to float32 at a time: a 16 MiB buffer that stays in cache
+
+
+def _float_chunks(blocks: list[torch.Tensor], chunk: int = CHUNK_ROWS):
+    """(offset, (n, D) float32 rows) over ``blocks``: float32 rows are passed as they are (no copy),
+    others converted a chunk at a time into one reused buffer."""
+    offset, buffer = 0, None
+    for block in blocks:
+        for start in range(0, len(block), chunk):
+            rows = block[start:start + chunk]
+            if rows.dtype != torch.float32:
+                if buffer is None:
+                    buffer = torch.empty(chunk, rows.shape[1])
+                rows = buffer[:len(rows)].copy_(rows)
+            yield offset + start, rows
+        offset += len(block)
+
+
+def exact_top_k(blocks: list[torch.Tensor], queries: torch.Tensor, k: int,
+                batch: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, D) queries against the rows of ``blocks`` -> (B, k) inner products and row indices, best first.
+
+    A row-major product (rows (n, D) @ queries (D, B)) over each chunk of rows in their stored
+    precision, converted to float32 a chunk at a time, written into one (N, B) score buffer; queries
+    in batches of ``batch``."""
+    total = sum(len(b) for b in blocks)
+    if len(queries) == 1 and blocks and all(b.dtype == torch.float16 for b in blocks):
+        found = _exact_top_k_fp16(blocks, queries[0].float(), k, total)
+        if found is not None:
+            return found
+    out_scores, out_rows = [], []
+    for first in range(0, len(queries), batch):
+        q = queries[first:first + batch].float().T.contiguous()
+        scores = torch.empty(total, q.shape[1])
+        for offset, rows in _float_chunks(blocks):
+            torch.mm(rows, q, out=scores[offset:offset + len(rows)])
+        top = torch.topk(scores, k, dim=0)
+        out_scores.append(top.values.T)
+        out_rows.append(top.indices.T)
+    return torch.cat(out_scores), torch.cat(out_rows)
+
+
+FP16_MARGIN = 2e-3  # > twice the error of a float16 product of unit vectors (output and query rounding)
+
+
+def _exact_top_k_fp16(blocks: list[torch.Tensor], query: torch.Tensor, k: int,
+                      total: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One (D,) query over float16 rows at the speed of torch's float16 matrix-vector product (it
+    reads half the bytes; it accumulates in float32 and rounds each score to float16): every row
+    within ``FP16_MARGIN`` of the k-th of those scores is rescored in float32, so the result is
+    that of the float32 product. None when too many rows tie (the caller takes the float32 path)."""
+    scores = torch.empty(total, dtype=torch.float16)
+    offset, q16 = 0, query.half()
+    for block in blocks:
+        torch.mv(block, q16, out=scores[offset:offset + len(block)])
+        offset += len(block)
+    kth = float(torch.topk(scores, k).values[-1])
+    candidates = torch.nonzero(scores.float() >= kth - FP16_MARGIN)[:, 0]
+    if len(candidates) > 1 << 16:
+        return None
+    starts = torch.tensor(np.cumsum([0] + [len(b) for b in blocks]))
+    which = torch.searchsorted(starts, candidates, right=True) - 1
+    rows = torch.empty(len(candidates), query.shape[0])
+    for block in torch.unique(which).tolist():
+        mask = which == block
+        rows[mask] = blocks[block][candidates[mask] - starts[block]].float()
+    top = torch.topk(rows @ query, k)
+    return top.values[None], candidates[top.indices][None]
+
+
+class Ranker:
+    """Top-k inner-product search over L2-normalised rows: one (N, D) tensor or the blocks of an index."""
+
+    def __init__(self, features: torch.Tensor | list[torch.Tensor], kind: str = "exact", hnsw_m: int = HNSW_M,
+                 ef_search: int = HNSW_EF_SEARCH, ef_construction: int = HNSW_EF_CONSTRUCTION) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"unknown ranker {kind!r}; choose from {', '.join(KINDS)}")
+        self.kind = kind
+        self.blocks = [features] if isinstance(features, torch.Tensor) else list(features)
+        self.size = sum(len(b) for b in self.blocks)
+        self.faiss_index = None
+        self.build_s, self.recall_at_10 = 0.0, 1.0  # what to expect of this ranker (exact ones: 1)
+        if kind == "faiss-hnsw":
+            start = time.perf_counter()
+            self.faiss_index = build_hnsw_index(self.blocks, hnsw_m, ef_search, ef_construction)
+            self.build_s = time.perf_counter() - start
+            self.recall_at_10 = self.measured_recall()
+            log.info("faiss-hnsw over %d rows (M %d, efConstruction %d, efSearch %d): built in %.1f s, recall@10 "
+                     "%.3f against exact search", self.size, hnsw_m, ef_construction, ef_search, self.build_s,
+                     self.recall_at_10)
+        elif kind == "faiss-flat":
+            faiss_module()  # the same exact result, by FAISS's kernel over the stored rows (no copy)
+
+    @property
+    def features(self) -> torch.Tensor:
+        """(N, D) float32 copy of every row (small galleries, tests)."""
+        return torch.cat([b.float() for b in self.blocks])
+
+    def measured_recall(self, n: int = 100, k: int = 10) -> float:
+        """recall@k of this ranker against exact search, on ``n`` queries made of the gallery (the
+        normalised mean of two random rows: near the gallery, as real queries are, but not in it)."""
+        if self.size < 2:
+            return 1.0
+        g = torch.Generator().manual_seed(0)
+        pick = torch.randint(0, self.size, (n, 2), generator=g)
+        starts = np.cumsum([0] + [len(b) for b in self.blocks])
+
+        def row(i: int) -> torch.Tensor:  # one row of the blocks, without joining them
+            block = int(np.searchsorted(starts, i, side="right")) - 1
+            return self.blocks[block][i - starts[block]].float()
+
+        queries = torch.nn.functional.normalize(torch.stack([row(a) + row(b) for a, b in pick.tolist()]), dim=-1)
+        k = min(k, self.size)
+        _, truth = exact_top_k(self.blocks, queries, k)
+        _, found = self.top_k(queries, k)
+        return sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(truth, found)) / (n * k)
+
+    def top_k(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, D) queries -> (B, k') scores and row indices, best first; k' = min(k, N)."""
+        k = min(k, self.size)
+        queries = queries.float().cpu()
+        if self.kind == "exact":
+            return exact_top_k(self.blocks, queries, k)
+        if self.kind == "faiss-hnsw":
+            scores, rows = self.faiss_index.search(queries.contiguous().numpy(), k)
+            return torch.from_numpy(scores), torch.from_numpy(rows).long()
+        faiss, found = faiss_module(), []
+        for offset, rows in _float_chunks(self.blocks, 1 << 16):
+            scores, index = faiss.knn(queries.contiguous().numpy(), rows.numpy(), min(k, len(rows)),
+                                      metric=faiss.METRIC_INNER_PRODUCT)
+            found.append((torch.from_numpy(scores), torch.from_numpy(index).long() + offset))
+        scores, rows = torch.cat([s for s, _ in found], 1), torch.cat([r for _, r in found], 1)
+        top = torch.topk(scores, k, dim=1)
+        return top.values, torch.gather(rows, 1, top.indices)
+
+
+def faiss_module():
+    try:
+        import faiss
+    except ImportError as e:
+        raise MissingDependencyError("rankers faiss-flat and faiss-hnsw need FAISS: pip install -e '.[search]' "
+                                     "(faiss-cpu)") from e
+    return faiss
+
+
+def build_hnsw_index(blocks: list[torch.Tensor], hnsw_m: int = HNSW_M, ef_search: int = HNSW_EF_SEARCH,
+                     ef_construction: int = HNSW_EF_CONSTRUCTION):
+    """FAISS HNSW (approximate inner product) over the rows of ``blocks``; it keeps its own float32
+    copy of the rows, which its graph search reads."""
+    faiss = faiss_module()
+    index = faiss.IndexHNSWFlat(blocks[0].shape[1] if blocks else 1, hnsw_m, faiss.METRIC_INNER_PRODUCT)
+    index.hnsw.efConstruction = ef_construction
+    index.hnsw.efSearch = ef_search
+    for _, rows in _float_chunks(blocks, 1 << 16):
+        index.add(np.ascontiguousarray(rows.numpy()))
+    return index
