@@ -34,12 +34,10 @@ from demind.imaging import ImageDecodeError, ImageTooLargeError, decode_image
 from demind.model import TEMPLATES, DeMinds, TemplateError, fill_template, template_field
 from demind.search.index import GalleryIndex, check_index_backbone
 from demind.search.rankers import Ranker, exact_top_k  # noqa: F401 (Ranker: importable from here, where it was)
+from demind.search.names import DEFAULT_METHOD, DEFAULT_TEMPLATE, RANKERS  # noqa: F401 (torch-free; re-exported)
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TEMPLATE = TEMPLATES["cirr"]
-DEFAULT_METHOD = "demind"
-RANKERS = ("exact", "faiss-flat", "faiss-hnsw")
 IMAGE_METHODS = ("image-only", "image+text", "mapping-only", "demind")  # need a reference image
 TEXT_METHODS = ("text-only", "image+text", "mapping-only", "demind")    # need a modification text
 PROMPT_METHODS = ("mapping-only", "demind")                              # fill the template
