@@ -116,6 +116,11 @@ def _find_local_file(recorded: str | None, relative: str | None, folder: Path) -
     return next((Path(os.path.abspath(c)) for c in candidates if c.is_file()), None)
 
 
+def _content_tag(path: Path) -> str:
+    """``@SHA256[:12]`` of a model-config JSON: how a backbone identity names its content."""
+    return "@" + hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+
+
 def _materialised_model_config(text: str, stem: str) -> Path:
     """The model-config JSON a checkpoint carries, as a file open_clip can register (same name
     and bytes, so the backbone's identity is unchanged)."""
@@ -139,7 +144,9 @@ def resolve_backbone_files(meta: dict, file: str | Path) -> BackboneConfig:
     files = meta.get(BACKBONE_FILES_KEY) or {}
     if cfg.name.endswith(".json"):
         found = _find_local_file(cfg.name, files.get("name"), folder)
-        if found is None and files.get("model_config"):
+        recorded = str(meta["backbone_identity"].get("name", ""))  # STEM@SHA256[:12] of the JSON's bytes
+        if files.get("model_config") and (found is None or not recorded.endswith(_content_tag(found))):
+            # gone, or edited since (a re-cloned repository): the copy the checkpoint carries
             found = _materialised_model_config(files["model_config"], Path(cfg.name).stem)
         cfg.name = str(found) if found is not None else cfg.name  # missing: the backbone names the file
     if str(meta["backbone_identity"].get("pretrained") or "").startswith("sha256:"):

@@ -377,6 +377,20 @@ def test_a_run_folder_loads_after_it_moved_and_the_repository_was_cloned_elsewhe
     assert torch.equal(queries_of(tmp_path / "b-work" / "run" / "demind.safetensors"), before)
 
 
+def test_a_run_folder_loads_when_its_model_config_was_edited_since(tmp_path):
+    """The repository's model config changed after training (another layer count, say): the
+    checkpoint's own copy of the config it was trained with is used, not the edited file."""
+    import torch
+
+    checkpoint = local_backbone_checkpoint(tmp_path)
+    before = queries_of(checkpoint)
+    config = tmp_path / "repo" / "configs" / "my-clip.json"
+    edited = json.loads(config.read_text())
+    edited["vision_cfg"]["layers"] = 2
+    config.write_text(json.dumps(edited))
+    assert torch.equal(queries_of(checkpoint), before)
+
+
 def test_publish_overwrite_never_replaces_another_runs_checkpoint(tmp_path, capsys):
     from demind.cli.publish import main as publish_main
 
