@@ -605,6 +605,26 @@ def another_runs_folder(i: Inputs) -> Path:
     return run
 
 
+def reference_copy(i: Inputs) -> Path:
+    """A copy of gallery image img1.png outside the gallery, as a user's own reference file."""
+    return i.write("elsewhere/my-ref.png", (i.gallery / "img1.png").read_bytes())
+
+
+def cirr_test1(i: Inputs) -> Path:
+    """The tiny CIRR's images as a test1 split (no targets): 3 queries."""
+    import shutil
+
+    root = i.root / "cirr-test1"
+    if not root.is_dir():
+        shutil.copytree(i.cirr, root)
+        names = json.loads((root / "image_splits/split.rc2.val.json").read_text())
+        (root / "image_splits/split.rc2.test1.json").write_text(json.dumps(names))
+        captions = json.loads((root / CIRR_CAPTIONS).read_text())
+        (root / "captions/cap.rc2.test1.json").write_text(json.dumps(
+            [{k: v for k, v in c.items() if k != "target_hard"} for c in captions]))
+    return root
+
+
 def hub_unreachable(i: Inputs, monkeypatch) -> None:
     import huggingface_hub.constants as constants
 
@@ -657,6 +677,15 @@ ROWS += [
         lambda i: ["--images", str(repeated_member_shard(i)), "--index", str(i.root / "ix-tar"), "--num-workers", "0",
                    *ckpt(i)], lambda i: ["2 images", "another member named k0.png", "00000.tar/k0.png#2"],
         expect="skip"),
+    Row("demind-search", "reference with a pixel copy in the gallery",
+        lambda i: ["--index", str(i.index("sx-copy")), "--image", str(reference_copy(i)), "--text", "red",
+                   "--method", "image-only", *ckpt(i)],
+        lambda i: ["left out 1 pixel copy(ies) of the reference: img1.png", "--keep-reference"], expect="skip"),
+    Row("demind-eval", "CIRR test1 with --limit",
+        lambda i: ["--benchmark", "cirr", "--data-root", str(cirr_test1(i)), "--split", "test", "--limit", "2",
+                   "--methods", "image-only", "--out", str(i.root / "ev-partial"), "--num-workers", "0",
+                   "run.progress=false", *ckpt(i)],
+        lambda i: ["partial-first2_cirr_test1_image-only_recall.json"], expect="skip"),
     Row("demind-index", "index over the file-size limit",
         lambda i: ["--images", str(i.gallery), "--index", str(i.root / "ix-big"), "--num-workers", "0", *ckpt(i)],
         lambda i: ["ix-big", "file too large", "ulimit -f"], file_size_limit=200),
