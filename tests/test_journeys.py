@@ -556,3 +556,19 @@ def test_a_limited_test_split_run_writes_no_file_that_looks_like_a_full_submissi
         payload = json.loads((out / "submission" / name).read_text())
         assert payload["partial"].startswith("PARTIAL: the first 1 queries only")
     assert "partial-first" in (out / "table.md").read_text()
+
+
+def test_overwrite_takes_a_folder_published_before_the_file_list_was_kept(tmp_path):
+    from demind.cli.publish import main as publish_main
+
+    checkpoint = local_backbone_checkpoint(tmp_path)
+    out = tmp_path / "release"
+    assert publish_main(["--checkpoint", str(checkpoint), "--out", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    del config["files"]  # as demind-publish wrote it before
+    (out / "config.json").write_text(json.dumps(config))
+    assert publish_main(["--checkpoint", str(checkpoint), "--out", str(out), "--overwrite"]) == 0
+    assert "files" in json.loads((out / "config.json").read_text())
+    (out / "README.md").write_text("# my own card\n")  # the user's card: not demind-publish's folder any more
+    assert publish_main(["--checkpoint", str(checkpoint), "--out", str(out), "--overwrite"]) == 2
+    assert (out / "README.md").read_text() == "# my own card\n"
