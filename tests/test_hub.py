@@ -258,8 +258,13 @@ def test_card_claims_no_numbers_without_results_and_refuses_another_models(smoke
 
 def record_hub_api(monkeypatch) -> list[tuple[str, str, dict]]:
     """Replace huggingface_hub.HfApi with one that records its create_repo and upload_folder calls
-    (name, repo id, keyword arguments plus the folder's ``files``); returns the record."""
+    (name, repo id, keyword arguments plus the folder's ``files``); returns the record. The Hub
+    counts as reachable (demind.hub.publish probes it before an upload)."""
     import huggingface_hub
+
+    import demind.hub.publish as publish
+
+    monkeypatch.setattr(publish, "hub_unreachable", lambda: None)
 
     calls: list[tuple[str, str, dict]] = []
 

@@ -448,11 +448,15 @@ def test_an_upload_with_the_hub_unreachable_is_one_line(tmp_path, capsys, monkey
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
     monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
+    import demind.hub.publish as publish
+
     checkpoint = local_backbone_checkpoint(tmp_path)
-    status = publish_main(["--checkpoint", str(checkpoint), "--repo", "demind-test/unreachable"])
-    err = capsys.readouterr().err
-    assert status == 2 and "Traceback" not in err and err.count("error:") == 1, err[-2000:]
-    assert "cannot reach the Hugging Face Hub" in err and "demind-test/unreachable" in err
+    for probe in ("before the upload", "the connection fails during it"):
+        status = publish_main(["--checkpoint", str(checkpoint), "--repo", "demind-test/unreachable"])
+        err = capsys.readouterr().err
+        assert status == 2 and "Traceback" not in err and err.count("error:") == 1, (probe, err[-2000:])
+        assert "cannot reach the Hugging Face Hub" in err and "demind-test/unreachable" in err
+        monkeypatch.setattr(publish, "hub_unreachable", lambda: None)  # the probe passes: httpx's error is caught
 
 
 # --------------------------------------------------------------------------- a GPU launch on a machine without one

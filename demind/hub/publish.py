@@ -38,7 +38,7 @@ from demind.checkpoint import (BACKBONE_DIR, BACKBONE_FILES_KEY, CHECKPOINT_FILE
                                resolve_checkpoint, write_checkpoint)
 from demind.config import to_dict
 from demind.hub.cards import dataset_card, model_card, results_problem
-from demind.hubref import HubError, import_hub, is_hub_ref, parse_hub_ref
+from demind.hubref import HubError, hub_unreachable, import_hub, is_hub_ref, parse_hub_ref
 from demind.hub.folders import CARD_MARKER, PUBLISHED_FILES_KEY, PublishError, building_beside, check_publish_target, swap_in
 from demind.identity import backbone_identity, file_sha256
 from demind.io import atomic_path, write_json_atomic, write_text_atomic
@@ -260,6 +260,11 @@ def upload(folder: str | Path, repo: str, repo_type: str, *, private: bool = Fal
     from huggingface_hub import errors
 
     api = hub.HfApi()
+    unreachable = hub_unreachable()  # no network: one line in seconds, not retries then a traceback
+    if unreachable:
+        raise HubError(f"cannot reach the Hugging Face Hub to upload {folder} to {repo_type} repository {repo} "
+                       f"({unreachable}); check the network connection (and HF_ENDPOINT, a proxy), then run the "
+                       "same command again")
     try:
         url = api.create_repo(repo, repo_type=repo_type, private=private, exist_ok=True)
         api.upload_folder(repo_id=repo, folder_path=str(folder), repo_type=repo_type,
