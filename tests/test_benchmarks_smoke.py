@@ -232,11 +232,13 @@ def _(tmp: Path, request) -> None:
     (tmp / "images").mkdir()
     for i in range(6):
         Image.new("RGB", (32, 32), (40 * i, 100, 200 - 30 * i)).save(tmp / "images" / f"{i}.png")
-    run("benchmarks.bench_search", ["--images", tmp / "images", "--gallery", 64, "--queries", 2, "--hnsw-dims", "",
-                                    "--json", tmp / "o.json"])
+    # 1024 x 32: a gallery whose matrix rounds to a non-zero size in MB (the script divides by it)
+    run("benchmarks.bench_search", ["--images", tmp / "images", "--gallery", 1024, "--dim", 32, "--queries", 2,
+                                    "--hnsw-dims", "", "--json", tmp / "o.json"])
     out = read_json(tmp / "o.json")
-    assert {"build", "embed", "rank"} <= set(out)
-    assert all(math.isfinite(v) for v in numbers(out["rank"]))
+    assert {"build", "embed", "rank"} <= set(out) and set(out["rank"]) == {"1024x32"}
+    assert numbers(out["build"]) and all(math.isfinite(v) for v in numbers(out["build"]))
+    assert numbers(out["rank"]) and all(math.isfinite(v) for v in numbers(out["rank"]))
 
 
 @row("benchmarks.bench_serve_load")
@@ -351,6 +353,21 @@ def _(tmp: Path, request) -> None:
     report = read_json(toy_clip_weights(toy_world).with_suffix(".json"))
     assert {a: out["pair_probes"]["0"][a] for a in PAIR_PROBE_ATTRIBUTES} == report["pair_probes"]
     percent(report["pair_probes"])
+
+
+@row("toyworld.lab.mllm_family")
+def _(tmp: Path, request) -> None:
+    toy_world = request.getfixturevalue("toy_world")
+    (checkpoint,) = toy_world.glob("train/*/demind-seed0*/demind.safetensors")
+    run("toyworld.lab.mllm_family", ["--workdir", toy_world, "--sets", 4, "--batch-size", 32, "--checkpoint", checkpoint,
+                                     "--backbone", *toy_clip_settings(toy_world.parent / "toy-clip-tiny.json"),
+                                     "--json", tmp / "o.json"])
+    rows = read_json(tmp / "o.json")
+    assert [r["noise"]["p_ignore"] for r in rows] == [0.0, 0.2, 0.4]  # the three noise levels
+    for r in rows:
+        assert set(r["R"]) == {"text-only", "image+text", "oracle", "osrcir", "cirevl", "demind", "demind+mllm"}
+        percent(r["R"])
+        assert r["queries"] > 0
 
 
 @row("toyworld.lab.pair_probes")

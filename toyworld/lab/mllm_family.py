@@ -8,7 +8,9 @@ Writes the quickstart's toy CIRR (default version and size), loads the quickstar
 shipped weights with its modality gap), and evaluates text-only, image+text, the oracle and
 ``osrcir`` / ``cirevl`` for each noise level (``ToyDescriberNoise``: p_ignore / p_drop / p_garble),
 plus ``demind`` and ``demind+mllm`` with ``--checkpoint`` (a De-MINDS trained on this toy CLIP).
-Prints one JSON line per noise level with R@1/5/10.
+Prints one JSON line per noise level with R@1/5/10 (``--json PATH``: the lines as one JSON list).
+``--sets`` and ``--backbone KEY=VALUE ...`` (``ToyBackboneConfig``) make a smaller toy CIRR and
+another toy CLIP recipe (a smoke run: tests/test_benchmarks_smoke.py).
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ import json
 import logging
 from pathlib import Path
 
+from demind.config import load_config
+from demind.io import write_json_atomic
 from toyworld.benchmarks import ToyBenchmarkConfig
+from toyworld.clip import ToyBackboneConfig
 from toyworld.cirr import write_cirr
 from toyworld.describer import ToyDescriberNoise, ToySceneEngine
 from toyworld.pipeline import QuickstartConfig, prepare_backbone
@@ -31,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", default="runs/mllm-family")
     parser.add_argument("--checkpoint", default=None, help="a De-MINDS checkpoint on the quickstart's toy CLIP")
     parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--sets", type=int, default=ToyBenchmarkConfig().cirr_sets, help="toy CIRR sets")
+    parser.add_argument("--backbone", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="ToyBackboneConfig overrides of the toy CLIP (default: the shipped one)")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     from demind.checkpoint import load_backbone_and_model
@@ -38,17 +47,19 @@ def main(argv: list[str] | None = None) -> int:
     from demind.eval import evaluate, read_benchmark
 
     workdir = Path(args.workdir)
-    cfg = ToyBenchmarkConfig()
-    folder = workdir / "cirr"
+    cfg = ToyBenchmarkConfig(cirr_sets=args.sets)
+    folder = workdir / ("cirr" if args.sets == ToyBenchmarkConfig().cirr_sets else f"cirr-{args.sets}-sets")
     if not (folder / "captions" / "cap.rc2.val.json").is_file():
         write_cirr(folder, cfg, progress=False)
-    backbone, _, _ = prepare_backbone(QuickstartConfig(workdir=str(workdir)))
+    toy_clip = load_config(ToyBackboneConfig, None, args.backbone)
+    backbone, _, _ = prepare_backbone(QuickstartConfig(workdir=str(workdir), backbone=toy_clip))
     model = None
     if args.checkpoint:
         _, model = load_backbone_and_model(args.checkpoint, backbone=backbone)
     queries = read_benchmark("cirr", folder).groups[0].queries
     methods = ["text-only", "image+text", "oracle", "osrcir", "cirevl"]
     methods += ["demind", "demind+mllm"] if model is not None else []
+    rows = []
     for levels in NOISE_LEVELS:
         noise = ToyDescriberNoise(*levels)
         engine = ToySceneEngine(queries, cfg.cirr_version, cfg.cirr_implicit_share, noise)
@@ -57,8 +68,11 @@ def main(argv: list[str] | None = None) -> int:
                            cache_dir=folder / "cache", batch_size=args.batch_size, progress=False)
         row = {m: {k: round(v, 1) for k, v in results["methods"][m].items() if k in ("R@1", "R@5", "R@10")}
                for m in methods}
-        print(json.dumps({"noise": dict(zip(("p_ignore", "p_drop", "p_garble"), levels)),
-                          "toy_outcomes": engine.outcomes, "queries": len(queries), "R": row}))
+        rows.append({"noise": dict(zip(("p_ignore", "p_drop", "p_garble"), levels)),
+                     "toy_outcomes": engine.outcomes, "queries": len(queries), "R": row})
+        print(json.dumps(rows[-1]))
+    if args.json:
+        write_json_atomic(args.json, rows, indent=1)
     return 0
 
 
