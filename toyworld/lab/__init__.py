@@ -7,6 +7,7 @@ here and in ``toyworld/cli/``); nothing in the toy world or the library imports 
 
 * :mod:`toyworld.lab.cirr_calibrate` — the toy CIRR's three untrained baselines for one design.
 * :mod:`toyworld.lab.clip_seeds` — the toy CLIP trained with several seeds: its pair probes, mean ± std.
+* :mod:`toyworld.lab.mllm_family` — the query-time MLLM family with the toy MLLM, per noise level.
 * :mod:`toyworld.lab.pair_probes` — pair probes of a saved toy CLIP, by style, objects and theme.
 * :mod:`toyworld.lab.query_geometry` — where trained queries sit relative to the modality gap.
 * :mod:`toyworld.lab.recipes` — De-MINDS training recipes through the quickstart, paired.
