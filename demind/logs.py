@@ -82,7 +82,8 @@ class ProgressLines:
         done = f"{self.n:,}" + (f"/{self.total:,} {self.unit} ({100.0 * self.n / self.total:.0f} %)"
                                 if self.total else f" {self.unit}")
         rate = self.n / elapsed
-        text = f"{self.desc}: {done}, {rate:,.1f} {self.unit}/s, {elapsed:.0f} s elapsed"
+        shown = f"{rate:,.1f}" if rate >= 1 else f"{rate:.2g}"  # slow steps: 0.035, not 0.0
+        text = f"{self.desc}: {done}, {shown} {self.unit}/s, {elapsed:.0f} s elapsed"
         if self.total and 0 < self.n < self.total and rate > 0:
             text += f", about {(self.total - self.n) / rate:.0f} s left"
         return text + (f" ({self.postfix})" if self.postfix else "")

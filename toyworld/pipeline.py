@@ -26,12 +26,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from demind.config import setting
+from demind.config import device_setting, resolve_device, setting
 from demind.io import check_output_dir, write_json_atomic
 
 from .benchmarks import ToyBenchmarkConfig, write_benchmarks
-from .clip import ToyBackboneConfig, model_config_path
-from .clip_cache import ensure_toy_backbone, with_modality_gap
+from .clip_config import ToyBackboneConfig, model_config_path
 from .intent_data import ToyShardConfig, write_toy_shards
 from .results import (cirr_targets, deo_paired, deo_touched, format_ablation_paired, format_deo, format_paired,
                       format_per_type, format_quickstart_table, load_cirr_truth_and_rankings, metrics_table,
@@ -66,31 +65,43 @@ BENCH_FOLDERS = {"cirr": "cirr", "imagenet-r": "imgnet", "coco": "coco", "exclus
 
 @dataclass
 class QuickstartRunConfig:
-    """The settings every command spells the same way."""
+    """The settings every command spells the same way (docs/commands.md)."""
 
-    progress: bool = True  # tqdm bars and per-step lines
+    seed: int | None = setting(None, ge=0, help="the seed of the one De-MINDS run, as seeds=[N] (seeds lists several)")
+    device: str = device_setting("cpu")  # the toy numbers in the docs are CPU runs
+    progress: bool = setting(True, help="progress bars on a terminal (a line per 10 % in a log file)")
 
 
 @dataclass
 class QuickstartConfig:
-    workdir: str = "runs/quickstart"
-    train_config: str = "configs/train/toy.yaml"
-    train_overrides: list[str] = field(default_factory=list)
-    seeds: list[int] = setting(default_factory=lambda: [0], ge=0)
-    ablations: bool = False          # also train and evaluate the Table 5 variants
+    workdir: str = setting("runs/quickstart", help="where every stage writes; a rerun reuses what is there")
+    train_config: str = setting("configs/train/toy.yaml", help="the De-MINDS training recipe")
+    train_overrides: list[str] = setting(
+        default_factory=list, help="training overrides, e.g. 'train_overrides=[optim.max_steps=500,optim.lr=1e-4]' "
+                                   "(a new set trains and evaluates a new run folder)")
+    seeds: list[int] = setting(default_factory=lambda: [0], ge=0, help="De-MINDS training seeds, e.g. [0,1,2]")
+    ablations: bool = setting(False, help="also train and evaluate the Table 5 variants")
     benchmarks: list[str] = setting(default_factory=lambda: ["cirr", "imagenet-r", "coco", "exclusion"],
-                                    choices=tuple(BENCH_FOLDERS))
-    eval_batch_size: int = setting(256, ge=1)
+                                    choices=tuple(BENCH_FOLDERS), help="toy benchmarks to evaluate on")
+    eval_batch_size: int = setting(256, ge=1, help="images per encoding batch in evaluation")
+    reevaluate: bool = setting(False, help="evaluate again although this run's results are there")
     run: QuickstartRunConfig = field(default_factory=QuickstartRunConfig)
     shards: ToyShardConfig = field(default_factory=ToyShardConfig)
     toy_benchmarks: ToyBenchmarkConfig = field(default_factory=ToyBenchmarkConfig)
     backbone: ToyBackboneConfig = field(default_factory=ToyBackboneConfig)
+
+    @property
+    def seed_list(self) -> list[int]:
+        """The De-MINDS seeds to run: ``run.seed`` alone when given, else ``seeds``."""
+        return [self.run.seed] if self.run.seed is not None else list(self.seeds)
 
     def config_problems(self) -> list[tuple[str, str]]:
         """Checks that need several fields, or a section that lives in a module without rules."""
         problems = []
         if not self.seeds:
             problems.append(("seeds", "needs at least one seed"))
+        if self.run.seed is not None and self.seeds not in ([0], [self.run.seed]):
+            problems.append(("run.seed", f"= {self.run.seed} and seeds = {self.seeds}: give one of them"))
         if not self.benchmarks:
             problems.append(("benchmarks", f"needs at least one of {', '.join(BENCH_FOLDERS)}"))
         for key in ("num_samples", "samples_per_shard", "image_size"):
@@ -117,9 +128,11 @@ def prepare_backbone(cfg: QuickstartConfig):
     """Train or reuse the toy CLIP (with its modality gap); returns (FrozenCLIP, its report, log of its logit scale)."""
     from demind.backbone import FrozenCLIP
 
+    from .clip_cache import ensure_toy_backbone, with_modality_gap
+
     weights, report = ensure_toy_backbone(cfg.backbone, Path(cfg.workdir) / "backbone", cfg.progress)
     weights, model_config = with_modality_gap(cfg.backbone, weights)
-    backbone = FrozenCLIP(toy_backbone_config(model_config, weights))
+    backbone = FrozenCLIP(toy_backbone_config(model_config, weights), device=resolve_device(cfg.run.device))
     # De-MINDS uses the backbone's own (fixed) temperature, as with CLIP's trained 100.
     log_scale = float(backbone.model.logit_scale.detach().clamp(max=math.log(100)))
     return backbone, report, log_scale
@@ -170,6 +183,7 @@ def train_variant(cfg: QuickstartConfig, backbone, variant: str, seed: int, log_
         f"backbone.name={backbone.cfg.name}", f"backbone.pretrained={backbone.cfg.pretrained}",
         f"data.shards={Path(cfg.workdir) / 'shards'}", f"run.output_dir={run_dir}", f"run.seed={seed}",
         f"model.init_logit_scale={log_scale}", f"run.progress={str(cfg.progress).lower()}",
+        f"run.device={cfg.run.device}",
         *variant_overrides(cfg, variant),
     ]
     return train(load_train_config(cfg.train_config, overrides))
@@ -186,6 +200,28 @@ def write_search_files(cfg: QuickstartConfig, exports: dict[int, Path]) -> Path:
                                  workdir / "search-index")
 
 
+STAMP_NAME = "quickstart-stamp.json"
+
+
+def evaluation_stamp(cfg: QuickstartConfig, export: Path, methods: list[str]) -> dict[str, Any]:
+    """What one benchmark's results were computed from: the checkpoint's bytes, the methods, the
+    toy benchmarks' recipe and world. Equal stamps: the stored results stand for a new evaluation."""
+    return {"checkpoint_sha256": hashlib.sha256(Path(export).read_bytes()).hexdigest(), "methods": list(methods),
+            "toy_benchmarks": asdict(cfg.toy_benchmarks), "world_version": WORLD_VERSION}
+
+
+def reusable_results(out_dir: Path, stamp: dict[str, Any]) -> dict[str, Any] | None:
+    """The results.json of an earlier evaluation with the same stamp, or None (evaluate again)."""
+    try:
+        if json.loads((out_dir / STAMP_NAME).read_text(encoding="utf-8")) != stamp:
+            return None
+        results = json.loads((out_dir / "results.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    logger.info("reusing the evaluation in %s (reevaluate=true evaluates again)", out_dir)
+    return results
+
+
 def evaluate_run(cfg: QuickstartConfig, backbone, export: Path, variant: str, seed: int,
                  methods: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     """Every benchmark for one trained model; returns benchmark -> results dict."""
@@ -199,10 +235,14 @@ def evaluate_run(cfg: QuickstartConfig, backbone, export: Path, variant: str, se
         root = bench_root / BENCH_FOLDERS[bench]
         options = ReaderOptions(coco=CocoOptions(csv=str(root / "coco_eval.csv"))) if bench == "coco" else None
         bench_methods = [m for m in methods if m != "oracle" or bench in ORACLE_BENCHMARKS]
-        results = evaluate(bench, root, backbone=backbone, model=model, methods=bench_methods,
-                           out_dir=Path(cfg.workdir) / "eval" / backbone.identity_str / run_name(cfg, variant, seed) / bench,
-                           cache_dir=Path(cfg.workdir) / "eval" / "feature_cache", options=options,
-                           batch_size=cfg.eval_batch_size, progress=cfg.progress)
+        out_dir = Path(cfg.workdir) / "eval" / backbone.identity_str / run_name(cfg, variant, seed) / bench
+        stamp = evaluation_stamp(cfg, export, bench_methods)
+        results = reusable_results(out_dir, stamp) if not cfg.reevaluate else None
+        if results is None:
+            results = evaluate(bench, root, backbone=backbone, model=model, methods=bench_methods, out_dir=out_dir,
+                               cache_dir=Path(cfg.workdir) / "eval" / "feature_cache", options=options,
+                               batch_size=cfg.eval_batch_size, progress=cfg.progress)
+            write_json_atomic(out_dir / STAMP_NAME, stamp)  # written last: the done marker of this evaluation
         if bench == "cirr":
             captions, ranked = load_cirr_truth_and_rankings(root, results["files"]["rankings"])
             results["per_type"] = recall_by_type(captions, ranked)
@@ -248,6 +288,25 @@ def trained_gate(export: Path) -> float:
     return math.tanh(float(read_checked_tensors(export)["gate"]))
 
 
+def search_example(workdir: Path) -> dict[str, str] | None:
+    """A query to try with demind-search: the first toy CIRR query's reference image and caption."""
+    try:
+        first = json.loads((workdir / "benchmarks" / "cirr" / "captions" / "cap.rc2.val.json").read_text())[0]
+    except (OSError, ValueError, IndexError):
+        return None
+    return {"image": str(workdir / "benchmarks" / "cirr" / "dev" / f"{first['reference']}.png"),
+            "text": first["caption"]}
+
+
+def training_curves(export: Path) -> Path | None:
+    """The loss / lr / gate plot beside the run's metrics.jsonl (drawn now for a run trained before
+    the trainer drew it)."""
+    from demind.training.plot import PLOT_NAME, plot_training
+
+    existing = export.parent / PLOT_NAME
+    return existing if existing.is_file() else plot_training(export.parent / "metrics.jsonl")
+
+
 def run_quickstart(cfg: QuickstartConfig) -> dict[str, Any]:
     """Run (or finish) the whole quickstart; returns the summary written to results.json."""
     workdir = check_output_dir(cfg.workdir)  # before any stage: a workdir under a file is one line
@@ -274,7 +333,7 @@ def run_quickstart(cfg: QuickstartConfig) -> dict[str, Any]:
     exports: dict[int, Path] = {}  # the full model's, per seed: what search serves
     for variant in variants:
         methods = ALL_METHODS if variant == "demind" else ("demind",)
-        for seed in cfg.seeds:
+        for seed in cfg.seed_list:
             export = timed("train", train_variant, cfg, backbone, variant, seed, log_scale)
             gates.setdefault(variant, {})[seed] = trained_gate(export)
             if variant == "demind":
@@ -288,6 +347,8 @@ def run_quickstart(cfg: QuickstartConfig) -> dict[str, Any]:
     deo = format_deo(runs)
     ablations = ablation_paired(cfg, runs)
     plot = plot_recall(rows, workdir / "recall_at_k.png")
+    checkpoint = exports[min(exports)] if exports else None
+    training_plot = training_curves(checkpoint) if checkpoint else None
     summary = {"world_version": WORLD_VERSION, "rows": rows, "table": table, "per_type_table": per_type,
                "paired_table": paired, "deo_table": deo, "ablation_table": format_ablation_paired(ablations),
                "ablation_paired": ablations,
@@ -298,7 +359,10 @@ def run_quickstart(cfg: QuickstartConfig) -> dict[str, Any]:
                               for bench in ("exclusion", "cirr") if bench in b}
                        for seed, b in runs.get("demind", {}).items()},
                "timings_s": timings,
-               "backbone": backbone_report, "config": asdict(cfg), "plot": str(plot) if plot else None}
+               "backbone": backbone_report, "config": asdict(cfg), "plot": str(plot) if plot else None,
+               "checkpoint": str(checkpoint) if checkpoint else None,
+               "training_plot": str(training_plot) if training_plot else None,
+               "search_example": search_example(workdir)}
     write_json_atomic(workdir / "results.json", summary, indent=2, default=str)
     write_search_files(cfg, exports)
     return summary

@@ -115,10 +115,33 @@ def test_quickstart_runs_every_stage_and_reuses_them(tmp_path, monkeypatch):
     def fail(*a, **k):
         raise AssertionError("should have been reused")
 
+    import demind.eval
+
     monkeypatch.setattr(clip_cache, "train_toy_clip", fail)
     monkeypatch.setattr(training, "train", fail)
+    monkeypatch.setattr(demind.eval, "evaluate", fail)  # the evaluation is reused too
     again = run_quickstart(cfg)
-    assert again["rows"]["demind"]["metrics"] == rows["demind"]["metrics"]
+    assert again["rows"] == rows and again["paired"] == summary["paired"] and again["deo"] == summary["deo"]
+    # what a user needs next: the checkpoint (and its training curves), a query to search with
+    assert again["checkpoint"] == str(exports[0]) == summary["checkpoint"]
+    assert again["training_plot"] == str(exports[0].parent / "training.png")
+    assert (exports[0].parent / "training.png").read_bytes()[:4] == b"\x89PNG"
+    example = again["search_example"]
+    assert (qs / "benchmarks" / "cirr" / "dev").joinpath(example["image"].rsplit("/", 1)[1]).is_file()
+    assert example["text"]
+
+    # asked to, it evaluates again; a retrained checkpoint (other bytes) is never served stale results
+    calls = []
+    monkeypatch.setattr(demind.eval, "evaluate", lambda *a, **k: calls.append(a[0]) or fail())
+    with pytest.raises(AssertionError, match="reused"):
+        run_quickstart(dataclasses.replace(cfg, reevaluate=True))
+    assert calls == ["cirr"]
+    from toyworld.pipeline import STAMP_NAME, reusable_results
+
+    stamp_file = next((qs / "eval").glob(f"*/demind-seed0*/cirr/{STAMP_NAME}"))
+    stamp = json.loads(stamp_file.read_text())
+    assert reusable_results(stamp_file.parent, stamp) is not None
+    assert reusable_results(stamp_file.parent, {**stamp, "checkpoint_sha256": "0" * 64}) is None
 
 
 def test_ablations_are_paired_against_the_full_model_of_their_seed(tmp_path):
@@ -172,6 +195,35 @@ def test_quickstart_command_prints_probes_ceilings_and_gate(monkeypatch, capsys)
     assert "shape 55.5  colour 94.7" in out and "600 held-out scenes" in out
     assert "2.0 / 10.0 / 20.0   (ceiling 30.0)" in out
     assert "tanh(gate) [demind]: seed 0 0.091" in out
+    assert "results:" in out and "try search:" not in out  # no checkpoint in this summary, no search commands
+
+
+def test_the_end_of_the_quickstart_names_the_checkpoint_and_the_search_commands():
+    from toyworld.cli.quickstart import next_steps
+
+    ckpt = "runs/qs/train/abc/demind-seed0/demind.safetensors"
+    text = next_steps(QuickstartConfig(workdir="runs/qs"), {
+        "checkpoint": ckpt, "plot": "runs/qs/recall_at_k.png", "training_plot": "runs/qs/train/abc/training.png",
+        "search_example": {"image": "runs/qs/benchmarks/cirr/dev/dev-0-1-img0.png", "text": "the circle's red"}})
+    assert f"checkpoint:      {ckpt}" in text and "training curves: runs/qs/train/abc/training.png" in text
+    assert "demind-serve --quickstart runs/qs" in text
+    assert f"demind-index --images runs/qs/benchmarks/cirr/dev --index runs/qs/search-index --checkpoint {ckpt}" in text
+    assert "--image runs/qs/benchmarks/cirr/dev/dev-0-1-img0.png --text 'the circle'\"'\"'s red'" in text
+
+
+def test_common_keys_and_training_overrides_are_accepted(tmp_path):
+    """run.seed / run.device as in every command; training overrides as a YAML list (docs/quickstart.md)."""
+    from demind.config import ConfigError, load_config
+
+    cfg = load_config(QuickstartConfig, None, ["run.seed=1", "run.device=cpu",
+                                               "train_overrides=[optim.max_steps=500,optim.lr=1e-4]"])
+    assert cfg.seed_list == [1] and cfg.run.device == "cpu"
+    assert cfg.train_overrides == ["optim.max_steps=500", "optim.lr=1e-4"]
+    assert load_config(QuickstartConfig, None, ["seeds=[0,1,2]"]).seed_list == [0, 1, 2]
+    with pytest.raises(ConfigError, match="run.seed"):
+        load_config(QuickstartConfig, None, ["run.seed=1", "seeds=[0,2]"])
+    with pytest.raises(ConfigError, match="run.device"):
+        load_config(QuickstartConfig, None, ["run.device=tpu"])
 
 
 def test_the_quickstart_checkpoint_loads_from_any_folder(tmp_path, monkeypatch):

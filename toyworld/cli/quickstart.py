@@ -2,18 +2,21 @@
 
     demind-quickstart                                 # one seed, all methods
     demind-quickstart seeds=[0,1,2] ablations=true
+    demind-quickstart run.seed=1 'train_overrides=[optim.max_steps=500,optim.lr=1e-4]'
     demind-quickstart --config my.yaml backbone.steps=600 workdir=runs/qs2 run.progress=false
 
 Generates the toy intent shards and benchmarks, trains (or reuses) the toy CLIP,
 caches frozen features, trains De-MINDS with the trainer's code, evaluates every method
 with the evaluation harness, prints the table and writes <workdir>/results.json,
 <workdir>/recall_at_k.png and <workdir>/search.json (for ``demind-serve --quickstart``).
-Everything is cached: a rerun only does what is missing.
+Everything is cached: a rerun only does what is missing (``reevaluate=true`` evaluates again).
+At the end it prints the checkpoint, the result files and the search commands to try.
 The work happens in :func:`toyworld.pipeline.run_quickstart`.
 """
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 from demind.cli.common import config_parser, run_config_command
@@ -43,8 +46,28 @@ def quickstart_command(cfg: QuickstartConfig) -> int:
     for variant, by_seed in summary["gate"].items():
         print(f"tanh(gate) [{variant}]: " + ", ".join(f"seed {s} {g:.3f}" for s, g in by_seed.items()))
     print("stage seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in summary["timings_s"].items()))
-    print(f"results: {Path(cfg.workdir) / 'results.json'}" + (f"\nplot: {summary['plot']}" if summary["plot"] else ""))
+    print()
+    print(next_steps(cfg, summary))
     return 0
+
+
+def next_steps(cfg: QuickstartConfig, summary: dict) -> str:
+    """The files a user opens next and the search commands to try on the trained model."""
+    workdir = Path(cfg.workdir)
+    rows = [("checkpoint", summary.get("checkpoint")), ("results", str(workdir / "results.json")),
+            ("recall plot", summary.get("plot")), ("training curves", summary.get("training_plot"))]
+    lines = ["files:"] + [f"  {name + ':':<17}{path}" for name, path in rows if path]
+    checkpoint, example = summary.get("checkpoint"), summary.get("search_example")
+    if checkpoint:
+        index = workdir / "search-index"
+        lines += ["try search:",
+                  f"  demind-serve --quickstart {workdir}      # the search page on http://127.0.0.1:8000/",
+                  f"  demind-index --images {workdir / 'benchmarks' / 'cirr' / 'dev'} --index {index} "
+                  f"--checkpoint {checkpoint}"]
+        if example:
+            lines.append(f"  demind-search --index {index} --checkpoint {checkpoint} --image {example['image']} "
+                         f"--text {shlex.quote(example['text'])}")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
