@@ -301,7 +301,7 @@ def search_example(workdir: Path) -> dict[str, str] | None:
 def training_curves(export: Path) -> Path | None:
     """The loss / lr / gate plot beside the run's metrics.jsonl (drawn now for a run trained before
     the trainer drew it)."""
-    from demind.training.plot import PLOT_NAME, plot_training
+    from demind.training import PLOT_NAME, plot_training
 
     existing = export.parent / PLOT_NAME
     return existing if existing.is_file() else plot_training(export.parent / "metrics.jsonl")

@@ -37,6 +37,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "demind.training.metrics_log": ["LOSS_TERMS", "LogWindow", "append_metrics", "step_line",
                                      "term_parts", "trim_metrics"],
     "demind.training.finite": ["check_finite_terms"],
+    "demind.training.plot": ["PLOT_NAME", "plot_training"],
     "demind.training.optim": ["build_adamw", "build_lr_scheduler", "build_optimizer", "build_scheduler",
                                "lr_factor", "warmup_cosine"],
     "demind.training.state": ["ResumeError", "TrainState", "latest_checkpoint"],
@@ -51,4 +52,5 @@ __all__ = ["TrainConfig", "OptimConfig", "LossConfig", "RunConfig", "DataConfig"
            "compute_losses", "check_finite", "latest_checkpoint", "EXPORT_NAME", "LOSS_TERMS",
            "NonFiniteLossError", "ResumeError", "build_adamw", "build_lr_scheduler", "warmup_cosine",
            "check_finite_terms", "save_train_state", "load_train_state", "restore_train_state", "StateFileError",
-           "LogWindow", "append_metrics", "step_line", "term_parts", "trim_metrics", "load_tree", "save_tree"]
+           "LogWindow", "append_metrics", "step_line", "term_parts", "trim_metrics", "load_tree", "save_tree",
+           "PLOT_NAME", "plot_training"]
