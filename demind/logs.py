@@ -42,18 +42,19 @@ def on_terminal(stream: Any = None) -> bool:
 
 class ProgressLines:
     """A tqdm stand-in for logs: one readable line at every ``every_percent`` of the total (or every
-    ``every_s`` seconds when the total is unknown or the steps are slow), and one when it closes.
+    ``every_s`` seconds when the total is unknown or the steps are slow), and one when it closes;
+    nothing for a loop done in under ``min_s`` seconds (a line per step of a 3-batch loop is noise).
     Offers the part of tqdm's interface the commands use: iteration, ``update``, ``set_postfix``,
     ``write``, ``close``, and use as a context manager."""
 
     def __init__(self, iterable: Iterable | None = None, total: float | None = None, desc: str = "",
                  unit: str = "it", initial: int = 0, every_percent: float = 10.0, every_s: float = 60.0,
-                 logger: logging.Logger | None = None, **_: Any) -> None:
+                 min_s: float = 5.0, logger: logging.Logger | None = None, **_: Any) -> None:
         if total is None and iterable is not None and hasattr(iterable, "__len__"):
             total = len(iterable)
         self.iterable, self.total, self.desc, self.unit = iterable, total, desc or "progress", unit
         self.n = self.last_n = initial
-        self.every_percent, self.every_s = every_percent, every_s
+        self.every_percent, self.every_s, self.min_s = every_percent, every_s, min_s
         self.start = self.last_t = time.monotonic()
         self.postfix = ""
         self.log = logger or logging.getLogger(LOGGER_NAME)
@@ -72,8 +73,11 @@ class ProgressLines:
         self.close()
 
     def _due(self) -> bool:
-        if time.monotonic() - self.last_t >= self.every_s:
+        now = time.monotonic()
+        if now - self.last_t >= self.every_s:
             return True
+        if now - self.last_t < self.min_s:
+            return False
         return bool(self.total) and (self.n - self.last_n) * 100.0 / self.total >= self.every_percent
 
     def line(self) -> str:
@@ -111,7 +115,7 @@ class ProgressLines:
         print(s, file=file or sys.stdout, end=end, flush=True)
 
     def close(self) -> None:
-        if not self.closed and self.n != self.last_n:
+        if not self.closed and self.n != self.last_n and time.monotonic() - self.start >= self.min_s:
             self.log.info("%s", self.line())
         self.closed = True
 

@@ -23,7 +23,7 @@ def test_a_log_file_gets_a_line_per_ten_percent_not_a_redraw_per_step(monkeypatc
     monkeypatch.setattr("sys.stderr", io.StringIO())  # a log file
     assert not on_terminal()
     with caplog.at_level(logging.INFO, logger="demind"):
-        bar = progress_bar(total=200, desc="encode", unit="img")
+        bar = progress_bar(total=200, desc="encode", unit="img", min_s=0)
         assert isinstance(bar, ProgressLines)
         with bar:
             for _ in range(200):
@@ -37,14 +37,32 @@ def test_a_log_file_gets_a_line_per_ten_percent_not_a_redraw_per_step(monkeypatc
 def test_iterating_logs_too_and_disable_and_lines_off_are_silent(monkeypatch, caplog):
     monkeypatch.setattr("sys.stderr", io.StringIO())
     with caplog.at_level(logging.INFO, logger="demind"):
-        assert list(progress_bar(range(4), desc="sets")) == [0, 1, 2, 3]
+        assert list(progress_bar(range(4), desc="sets", min_s=0)) == [0, 1, 2, 3]
         n = len(caplog.records)
         assert n == 4 and caplog.records[-1].getMessage().startswith("sets: 4/4 it (100 %)")
+        for _ in progress_bar(range(4), desc="done in a blink"):  # under min_s (5 s): no lines at all
+            pass
+        assert len(caplog.records) == n
         for _ in progress_bar(range(4), desc="quiet", disable=True):
             pass
         for _ in progress_bar(range(4), desc="training logs its own lines", lines=False):
             pass
         assert len(caplog.records) == n
+
+
+def test_slow_steps_get_a_line_at_ten_percent_after_five_seconds(monkeypatch, caplog):
+    import demind.logs as logs
+
+    clock = iter(range(0, 10_000, 3))  # every reading 3 s later
+    monkeypatch.setattr(logs.time, "monotonic", lambda: float(next(clock)))
+    monkeypatch.setattr("sys.stderr", io.StringIO())
+    with caplog.at_level(logging.INFO, logger="demind"):
+        with progress_bar(total=10, desc="train", unit="step") as bar:
+            for _ in range(10):
+                bar.update(1)
+    lines = [r.getMessage() for r in caplog.records]
+    # 3 s per step: a 10 % step is due only once 5 s have passed since the last line
+    assert [line.split(",")[0] for line in lines] == [f"train: {n}/10 step ({10 * n} %)" for n in (2, 4, 6, 8, 10)]
 
 
 def test_a_terminal_gets_tqdm(monkeypatch):
