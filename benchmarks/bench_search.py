@@ -270,7 +270,7 @@ def bench_gallery(n: int, dim: int, n_queries: int, hnsw: bool, work: Path) -> d
            "matrix_mb_fp32": round(n * dim * 4 / 2 ** 20, 1)}
     out["open"] = open_in_fresh_process(folder, queries[0])
     out["open"]["added_rss_after_first_query_over_fp16_matrix"] = round(
-        out["open"]["added_rss_mb_after_first_query"] / out["matrix_mb_fp16"], 3)
+        out["open"]["added_rss_mb_after_first_query"] / (n * dim * 2 / 2 ** 20), 3)  # not the rounded MiB
     index = load_index(folder)
     out["fp16"] = fp16_agreement(rows32, index.blocks, queries)
     out["rankers"] = bench_rankers(index, rows32, queries, min(n_queries, 50), hnsw)
