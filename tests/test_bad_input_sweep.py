@@ -562,7 +562,7 @@ def exclmm_args(i: Inputs, split: Path, run: Path | str) -> list[str]:
             f"data.train={split}", f"run.output_dir={i.root / run if isinstance(run, str) else run}"]
 
 
-# ------------------------------------------------------------------ journeys across boundaries (issue 38)
+# ------------------------------------------------------------------ journeys across boundaries
 
 
 def bad_revision(i: Inputs) -> list[str]:

@@ -166,7 +166,7 @@ def build_index_images(folder: Path, count: int, start: int = 0) -> None:
 
 
 def test_compaction_after_removing_files_writes_only_the_live_rows(tmp_path, tiny_backbone):
-    """Issue 40's defect: a part saved from a row slice held the whole matrix (10 parts: 10x the bytes)."""
+    """The old compaction defect: a part saved from a row slice held the whole matrix (10 parts: 10x the bytes)."""
     root = tmp_path / "images"
     build_index_images(root, 16)
     build_index(root, tmp_path / "idx", tiny_backbone, part_size=8, progress=False)

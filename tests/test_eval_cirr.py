@@ -125,7 +125,7 @@ def check_cirr_submission(folder: Path, method: str, n_queries: int, prefix: str
     split_names = set(load_fixture("image_splits/split.rc2.test1.json"))
     recall = json.loads((folder / "submission" / f"{prefix}cirr_test1_{method}_recall.json").read_text())
     subset = json.loads((folder / "submission" / f"{prefix}cirr_test1_{method}_recall_subset.json").read_text())
-    if prefix:  # a --limit run: named and marked as partial (issue 38)
+    if prefix:  # a --limit run: named and marked as partial
         assert recall.pop("partial").startswith("PARTIAL") and subset.pop("partial").startswith("PARTIAL")
     assert (recall.pop("version"), recall.pop("metric")) == ("rc2", "recall")
     assert (subset.pop("version"), subset.pop("metric")) == ("rc2", "recall_subset")

@@ -1,6 +1,6 @@
 """Journeys across boundaries, as a new user meets them: photos from a phone, a tar with a repeated
 name, a model published on one machine and loaded on another, an editor's config, a malformed
-reference. Each test is one case of issue 38 and failed on the code before it."""
+reference. Each test is one such case and failed on the code before it."""
 
 from __future__ import annotations
 
