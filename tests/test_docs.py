@@ -52,6 +52,8 @@ SUBSTITUTIONS = (
                  "real weights: a trained ViT-L/14 De-MINDS takes GPU-days; a random De-MINDS on the tiny "
                  "random CLIP (configs/model/tiny-clip.json) stands in"),
     Substitution("ref.jpg", "{image}", "data: the user's own photo; a generated 32x32 PNG stands in"),
+    Substitution("photos/", "{photos}/", "data: the user's own photos; 6 generated PNGs stand in"),
+    Substitution("captions.csv", "{captions}", "data: the user's caption file; one line per generated photo"),
     Substitution("data/CIRR", "{cirr}",
                  "data: CIRR's images are downloaded by hand under their licence; the vendored CIRR annotation "
                  "files (20 queries) with generated images stand in"),
@@ -280,7 +282,15 @@ def sandbox(tmp_path_factory) -> dict[str, str]:
     model = DeMinds(ModelConfig(num_queries=2, num_blocks=1, num_heads=4, mapping_hidden=16),
                     FrozenCLIP(BackboneConfig(name=str(TINY_CLIP), pretrained=None)))
     checkpoint = save_checkpoint(root / "tiny.safetensors", model)
-    return {"root": str(root), "checkpoint": str(checkpoint), "image": str(image), "cirr": str(tiny_cirr(root / "cirr"))}
+    photos = root / "photos"
+    photos.mkdir()
+    rng = np.random.default_rng(2)
+    for n in range(6):
+        Image.fromarray(rng.integers(0, 256, (24, 24, 3), dtype=np.uint8)).save(photos / f"photo{n}.png")
+    captions = root / "captions.csv"
+    captions.write_text("image,caption\n" + "".join(f"photo{n}.png,a photo number {n}\n" for n in range(6)))
+    return {"root": str(root), "checkpoint": str(checkpoint), "image": str(image), "cirr": str(tiny_cirr(root / "cirr")),
+            "photos": str(photos), "captions": str(captions)}
 
 
 def substituted(code: str, sandbox: dict[str, str]) -> str:
