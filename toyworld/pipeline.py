@@ -30,7 +30,7 @@ from demind.config import device_setting, resolve_device, setting
 from demind.io import check_output_dir, write_json_atomic
 
 from .benchmarks import ToyBenchmarkConfig, write_benchmarks
-from .clip_config import ToyBackboneConfig, model_config_path
+from .clip_config import PACKAGE_ROOT, ToyBackboneConfig, model_config_path
 from .intent_data import ToyShardConfig, write_toy_shards
 from .results import (cirr_targets, deo_paired, deo_touched, format_ablation_paired, format_deo, format_paired,
                       format_per_type, format_quickstart_table, load_cirr_truth_and_rankings, metrics_table,
@@ -169,6 +169,13 @@ def variant_overrides(cfg: QuickstartConfig, variant: str) -> list[str]:
     return [*VARIANTS[variant], *user]
 
 
+def repository_file(name: str) -> Path:
+    """``name`` from the current folder, else the repository's file of that name, so the quickstart's
+    default recipe (``configs/train/toy.yaml``) is found from any folder."""
+    path = Path(name)
+    return PACKAGE_ROOT / path if not path.is_file() and (PACKAGE_ROOT / path).is_file() else path
+
+
 def train_variant(cfg: QuickstartConfig, backbone, variant: str, seed: int, log_scale: float) -> Path:
     """Train one (variant, seed) run with the trainer's own code; reuse a finished export."""
     from demind.training import EXPORT_NAME, load_train_config, train
@@ -186,7 +193,7 @@ def train_variant(cfg: QuickstartConfig, backbone, variant: str, seed: int, log_
         f"run.device={cfg.run.device}",
         *variant_overrides(cfg, variant),
     ]
-    return train(load_train_config(cfg.train_config, overrides))
+    return train(load_train_config(repository_file(cfg.train_config), overrides))
 
 
 def write_search_files(cfg: QuickstartConfig, exports: dict[int, Path]) -> Path:

@@ -251,3 +251,13 @@ def test_the_quickstart_checkpoint_loads_from_any_folder(tmp_path, monkeypatch):
     loaded_backbone, loaded = load_backbone_and_model(checkpoint)
     assert loaded_backbone.identity == backbone.identity and loaded is not None
     assert model_config_path(TOY_CLIP_CONFIG).is_file()  # the shipped config, from outside the repository
+
+
+def test_the_default_recipe_is_found_from_any_folder(tmp_path, monkeypatch):
+    from toyworld.pipeline import repository_file
+
+    monkeypatch.chdir(tmp_path)
+    assert repository_file("configs/train/toy.yaml").is_file()
+    (tmp_path / "mine.yaml").write_text("optim: {lr: 1.0e-4}\n")
+    assert repository_file("mine.yaml") == tmp_path.joinpath("mine.yaml").relative_to(tmp_path)
+
