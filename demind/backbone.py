@@ -13,7 +13,6 @@ import contextlib
 import functools
 import logging
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
@@ -22,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from demind.errors import DemindError, InputError, MissingInputError
-from demind.config import ConfigError, setting, validate
+from demind.config import ConfigError, validate
 from demind.hubref import hub_unreachable
 from demind.plugins import require_timm_model
 from demind.schema import PRECISION_NAMES, BackboneConfig  # noqa: F401 (the section lives without torch)

@@ -16,7 +16,6 @@ trainable; the backbone is held but not registered, so state_dict() holds our we
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
@@ -24,8 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from demind.backbone import PLACEHOLDER, FrozenCLIP
-from demind.config import ConfigError, setting, validate
-from demind.errors import DemindError, InputError
+from demind.config import ConfigError, validate
+from demind.errors import InputError
 # the config section and the templates live in torch-free modules (read by --help and config checks);
 # importable from here, where callers found them
 from demind.schema import FUSIONS, QUERY_SCALES, ModelConfig, heads_problem  # noqa: F401

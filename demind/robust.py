@@ -58,14 +58,10 @@ work on each process's micro batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from demind.errors import InputError
-from demind.config import setting
-from demind.fidelity import GFQ_PAIRINGS, GFQ_THRESHOLD
 from demind.schema import NOISE_MODES, NoiseConfig  # noqa: F401 (the section lives without torch)
 from demind.losses import Gather, demind_losses
 from demind.model import ComposeOutput

@@ -16,7 +16,6 @@ A block without a marker, or a marker without a block, fails :func:`test_every_b
 
 from __future__ import annotations
 
-import argparse
 import ast
 import importlib
 import os

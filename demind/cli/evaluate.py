@@ -115,18 +115,9 @@ def mllm_setup(cfg: EvalConfig):
     names = [n.strip() for n in (cfg.methods or "").split(",") if n.strip()]
     if cfg.rerank.k == 0 and not any(split_deo_name(n)[0] in MLLM_METHODS for n in names):
         return None
-    from demind.describe import MLLMSetup
-    from demind.gen.config import SamplingConfig
+    from demind.cli.search import build_mllm_setup
 
-    def build():
-        from demind.gen.engines import build_engine, disable_loading_progress
-
-        if not cfg.run.progress:
-            disable_loading_progress()
-        sampling = SamplingConfig(temperature=cfg.describe.temperature, top_p=cfg.describe.top_p)
-        return build_engine(cfg.engine, sampling, device=cfg.run.device, seed=cfg.describe.seed)
-
-    return MLLMSetup(build, cfg.engine.model, cfg.engine.name, cfg.engine.dtype, cfg.describe, cfg.rerank)
+    return build_mllm_setup(cfg.engine, cfg.describe, cfg.rerank, cfg.run)
 
 
 def main(argv: list[str] | None = None) -> int:

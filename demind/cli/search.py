@@ -15,8 +15,12 @@ whose pixels equal it (a copy under another name) are left out of the results an
 page does; ``--keep-reference`` keeps them.
 Exit status: 0, 1 when some queries could not be answered, 2 on an error (one line).
 
-This module also holds what demind-index and demind-serve share: the model settings
-(:class:`ModelOptions`, their flags) and their loading.
+The MLLM methods (``cirevl``, ``osrcir``, ``demind+mllm``) and re-ranking (``METHOD+rerank`` with
+``rerank.k``) take the ``engine``, ``describe`` and ``rerank`` sections of demind-eval
+(``engine.name=transformers engine.model=DIR``); without ``engine.model`` they are refused.
+
+This module also holds what demind-index, demind-serve and demind-eval share: the model settings
+(:class:`ModelOptions`, their flags) and their loading, and the MLLM's (:func:`build_mllm_setup`).
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from typing import TYPE_CHECKING
 from demind.errors import InputError
 from demind.cli.common import Flag, config_parser, run_config_command
 from demind.config import RunOptions, resolve_device, setting
+from demind.describe.config import DescribeOptions, RerankOptions
+from demind.gen.config import EngineConfig
 from demind.retrieval.names import METHODS
 from demind.schema import PRECISION_NAMES
 from demind.io import check_output_file, read_jsonl, write_json_atomic
@@ -78,13 +84,58 @@ def load_model(cfg: ModelOptions):
                                    device=resolve_device(cfg.run.device))
 
 
+def build_mllm_setup(engine: EngineConfig, describe: DescribeOptions, rerank: RerankOptions, run: RunOptions):
+    """The :class:`demind.describe.MLLMSetup` of these config sections; the engine itself is built
+    only when an answer is missing from the stores (a rerun loads no model)."""
+    from demind.describe import MLLMSetup
+    from demind.gen.config import SamplingConfig
+
+    def build():
+        from demind.gen.engines import build_engine, disable_loading_progress
+
+        if not run.progress:
+            disable_loading_progress()
+        sampling = SamplingConfig(temperature=describe.temperature, top_p=describe.top_p)
+        return build_engine(engine, sampling, device=run.device, seed=describe.seed)
+
+    return MLLMSetup(build, engine.model, engine.name, engine.dtype, describe, rerank)
+
+
 @dataclass
-class SearchConfig(ModelOptions):
+class SearchEngineConfig(EngineConfig):
+    """demind-eval's engine section; here no model by default: the MLLM methods are a choice."""
+
+    model: str | None = setting(None, help="MLLM (llava-hf folder or hub id) for cirevl, osrcir, demind+mllm and "
+                                           "rerank.k (none: those methods are not offered)")
+
+
+@dataclass
+class QueryModelOptions(ModelOptions):
+    """demind-search's and demind-serve's models: the checkpoint and, optionally, an MLLM (docs/mllm.md)."""
+
+    engine: SearchEngineConfig = field(default_factory=SearchEngineConfig)
+    describe: DescribeOptions = field(default_factory=DescribeOptions)
+    rerank: RerankOptions = field(default_factory=RerankOptions)
+
+
+def search_mllm_setup(cfg: QueryModelOptions):
+    """The MLLM of ``engine.model`` (None without one; ``rerank.k`` without one is an InputError)."""
+    if cfg.engine.model is None:
+        if cfg.rerank.k > 0:
+            raise InputError("rerank.k re-ranks with a multimodal LLM: give engine.name=transformers "
+                             "engine.model=DIR (a llava-hf folder; see docs/mllm.md), or leave rerank.k at 0")
+        return None
+    return build_mllm_setup(cfg.engine, cfg.describe, cfg.rerank, cfg.run)
+
+
+@dataclass
+class SearchConfig(QueryModelOptions):
     index: str | None = setting(None, help="index folder written by demind-index (required)")
     image: str | None = setting(None, help="reference image")
     text: str | None = setting(None, help="modification text, e.g. 'make it red'")
     queries: str | None = setting(None, help="JSONL file of queries instead of image/text")
-    method: str = setting(DEFAULT_METHOD, help=f"one of {', '.join(METHODS)}")
+    method: str = setting(DEFAULT_METHOD, help=f"one of {', '.join(METHODS)}, BASE+deo, or METHOD+rerank "
+                                                f"(the MLLM methods and +rerank need engine.model)")
     template: str = setting(DEFAULT_TEMPLATE, help="prompt with one '*' and one field")
     k: int = setting(20, ge=1, help="results per query")
     negative: str | None = setting(None, help="what the results must not show: searched as 'TEXT, without "
@@ -188,6 +239,10 @@ def answer(searcher: Searcher, query: SearchQuery, keep_reference: bool) -> dict
         record["error"] = str(e)
         return record
     record["results"] = [h.as_dict() for h in outcome.hits]
+    if outcome.description is not None:
+        record["description"] = outcome.description
+    if outcome.reranked:
+        record["reranked"] = outcome.reranked
     if outcome.duplicates:
         record["duplicates"] = outcome.duplicates
     return record
@@ -202,11 +257,28 @@ def print_record(record: dict) -> None:
     if "error" in record:
         print(f"  error: {record['error']}")
         return
+    if "description" in record:
+        print(f"  MLLM description: {record['description']!r}")
+    if record.get("reranked"):
+        print(f"  the first {record['reranked']} re-ordered by the MLLM")
     for hit in record["results"]:
         print(f"  {hit['rank']:>3}  {hit['score']:.4f}  {hit['name']}")
     if record.get("duplicates"):
         print(f"  left out {len(record['duplicates'])} pixel copy(ies) of the reference: "
               f"{', '.join(record['duplicates'])} (--keep-reference keeps them)")
+
+
+def check_mllm_methods(methods: list[str], have_mllm: bool) -> None:
+    """One line, before any model loads, when every query names an MLLM method and there is no engine
+    (a query file mixing methods gets the error per query instead)."""
+    from demind.retrieval.names import MLLM_METHODS, RERANK_SUFFIX
+
+    def needs(m: str) -> bool:
+        return m.endswith(RERANK_SUFFIX) or m.split("+deo", 1)[0] in MLLM_METHODS
+
+    if not have_mllm and methods and all(needs(m) for m in methods):
+        raise InputError(f"method {methods[0]!r} runs a multimodal LLM: give engine.name=transformers "
+                         f"engine.model=DIR (a llava-hf folder; see docs/mllm.md)")
 
 
 def run(cfg: SearchConfig) -> int:
@@ -225,8 +297,10 @@ def run(cfg: SearchConfig) -> int:
         queries, skipped = [defaults], []
     if cfg.out:
         check_output_file(cfg.out)
+    mllm = search_mllm_setup(cfg)
+    check_mllm_methods([q.method for q in queries], mllm is not None)
     backbone, model = load_model(cfg)
-    searcher = Searcher(backbone, model, load_index(cfg.index), cfg.ranker)
+    searcher = Searcher(backbone, model, load_index(cfg.index), cfg.ranker, mllm=mllm)
     records = [answer(searcher, q, cfg.keep_reference) for q in queries] + skipped
     for record in records:
         print_record(record)

@@ -10,7 +10,9 @@ An index of another backbone than the checkpoint's does not stop the server: the
 what to do instead. Served by waitress (see demind/search/server.py). By default only this
 machine can connect; ``--host`` other than loopback prints a warning and requires an access
 token (``--token``, or the environment variable DEMIND_SERVE_TOKEN, or one generated and
-printed), which the printed address carries to the page.
+printed), which the printed address carries to the page. ``engine.name=transformers
+engine.model=DIR`` (demind-eval's engine section, docs/mllm.md) adds the MLLM methods and, with
+``rerank.k``, re-ranking; the MLLM loads once, on the first query that needs it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import urllib.parse
 from dataclasses import dataclass
 
 from demind.cli.common import Flag, config_parser, run_config_command
-from demind.cli.search import MODEL_FLAGS, ModelOptions, load_model
+from demind.cli.search import MODEL_FLAGS, QueryModelOptions, load_model, search_mllm_setup
 from demind.config import setting
 from demind.errors import DemindError, InputError
 from demind.search.names import RANKERS
@@ -32,7 +34,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class ServeConfig(ModelOptions):
+class ServeConfig(QueryModelOptions):
     quickstart: str | None = setting(None, help="serve the quickstart's model over its toy CIRR gallery from this "
                                                 "work folder (--quickstart alone: runs/quickstart)")
     index: str | None = setting(None, help="index folder (built by demind-index, or here from images)")
@@ -99,13 +101,14 @@ def run(args: ServeConfig) -> int:
 
     resolve_paths(args)
     settings = access_settings(args)
+    mllm = search_mllm_setup(args)  # the MLLM itself loads on the first query that needs it
     backbone, model = load_model(args)
     if args.images:
         stats = build_index(args.images, args.index, backbone, progress=args.run.progress)
         print(f"index {args.index}: {stats.indexed} images ({stats.encoded} encoded, {stats.cached} reused, "
               f"{len(stats.unreadable)} unreadable)")
     try:
-        app = create_app(Searcher(backbone, model, load_index(args.index), args.ranker), settings=settings)
+        app = create_app(Searcher(backbone, model, load_index(args.index), args.ranker, mllm=mllm), settings=settings)
     except GalleryIndexError as e:
         log.error("%s", e)  # the page shows it too; the server still starts
         app = create_app(None, problem=str(e), settings=settings)

@@ -18,17 +18,17 @@ from typing import Any
 import torch
 
 from demind.backbone import FrozenCLIP
-from demind.config import ConfigError, Rule, config_problems, setting
+from demind.config import ConfigError, Rule, config_problems
 from demind.errors import InputError, NonFiniteError
 from demind.io import check_output_dir
 from demind.logs import progress_bar
 from demind.eval import metrics as M
 from demind.eval.circo import read_circo
 from demind.eval.cirr import read_cirr
-from demind.eval.coco import PROMPT_FORMS, QUERY_RESIZES, read_coco
+from demind.eval.coco import read_coco
 from demind.eval.exclcoco import read_exclcoco
 from demind.eval.exclusion import read_exclusion
-from demind.eval.fashioniq import CAPTION_ORDERS, TEXT_FORMS, read_fashioniq
+from demind.eval.fashioniq import read_fashioniq
 from demind.retrieval import ImageFeatureCache, encode_image_refs, stack_features
 from demind.eval.imagenet_r import read_imagenet_r
 from demind.retrieval import RERANK_SUFFIX, RetrievalMethod, build_methods, parse_method_names

@@ -11,6 +11,11 @@ DEO's ``<method>+deo`` variants (``demind.negation``: automatic decomposition of
 dog") are offered too. An explicit negative text (``SearchQuery.negative``, ``--negative``) is
 handed to DEO: the text gains "without <negative>" and the method its ``+deo`` variant, so the
 rule decomposer reads the negative back (see :func:`with_negative_as_deo`).
+
+With an MLLM (``Searcher(..., mllm=MLLMSetup)``, :mod:`demind.search.mllm`) the query-time family
+is offered too: ``cirevl``, ``osrcir`` and ``demind+mllm`` (the description of the query, stored
+and reused, comes back with the results), and with ``rerank.k`` > 0 each method's ``+rerank``
+variant (its top K re-ordered by the MLLM). Without one they are refused in one line.
 """
 
 from __future__ import annotations
@@ -27,31 +32,37 @@ from PIL import Image
 from demind.backbone import FrozenCLIP
 from demind.errors import DemindError
 from demind import retrieval as registry
-from demind.retrieval import (CHECKPOINT_METHODS, EXCLMM_METHODS, METHOD_LABELS, METHODS, ON_REQUEST_METHODS,
-                                 build_methods, parse_method_names)
+from demind.retrieval import (CHECKPOINT_METHODS, EXCLMM_METHODS, METHOD_LABELS, METHODS, MLLM_METHODS,
+                              ON_REQUEST_METHODS, RERANK_SUFFIX, build_methods, parse_method_names)
 from demind.retrieval import ImageReadError, ImageRef, load_image
 from demind.imaging import ImageDecodeError, ImageTooLargeError, decode_image
-from demind.model import TEMPLATES, DeMinds, TemplateError, fill_template, template_field
+from demind.model import DeMinds, TemplateError, fill_template, template_field
 from demind.search.index import GalleryIndex, check_index_backbone
+from demind.search.mllm import SearchMLLM, split_rerank
 from demind.search.rankers import Ranker, exact_top_k  # noqa: F401 (Ranker: importable from here, where it was)
 from demind.search.names import DEFAULT_METHOD, DEFAULT_TEMPLATE, RANKERS  # noqa: F401 (torch-free; re-exported)
 
 log = logging.getLogger(__name__)
 
-IMAGE_METHODS = ("image-only", "image+text", "mapping-only", "demind")  # need a reference image
-TEXT_METHODS = ("text-only", "image+text", "mapping-only", "demind")    # need a modification text
-PROMPT_METHODS = ("mapping-only", "demind")                              # fill the template
+HYBRID = "demind+mllm"
+IMAGE_METHODS = ("image-only", "image+text", "mapping-only", "demind", *MLLM_METHODS)  # need a reference image
+TEXT_METHODS = ("text-only", "image+text", "mapping-only", "demind", *MLLM_METHODS)    # need a modification text
+PROMPT_METHODS = ("mapping-only", "demind", HYBRID)                                    # fill the template
 
 
 def base_method(name: str) -> str:
-    """``"demind+deo"`` -> ``"demind"``: what a DEO variant needs is what its base method needs."""
-    return name.split("+deo", 1)[0]
+    """``"demind+deo"`` -> ``"demind"``, ``"osrcir+rerank"`` -> ``"osrcir"``: what a variant needs is
+    what its base method needs."""
+    return split_rerank(name)[0].split("+deo", 1)[0]
 
 
 def method_label(name: str) -> str:
-    """The page's name of a method: ``"demind+deo-adam"`` -> ``"De-MINDS + DEO (adam)"``."""
-    base = base_method(name)
-    return METHOD_LABELS.get(base, base) + (f" + DEO ({name[len(base) + 5:] or 'exact'})" if name != base else "")
+    """The page's name of a method: ``"demind+deo-adam"`` -> ``"De-MINDS + DEO (adam)"``,
+    ``"osrcir+rerank"`` -> ``"OSrCIR (MLLM reflective CoT) + MLLM re-rank"``."""
+    plain, reranked = split_rerank(name)
+    base = base_method(plain)
+    label = METHOD_LABELS.get(base, base) + (f" + DEO ({plain[len(base) + 5:] or 'exact'})" if plain != base else "")
+    return label + (" + MLLM re-rank" if reranked else "")
 
 
 MAX_QUERY_PIXELS = 40_000_000  # an uploaded reference larger than this is refused before it is decoded
@@ -114,6 +125,8 @@ class SearchOutcome:
     text: str
     negative: str | None
     duplicates: list[str] = field(default_factory=list)
+    description: str | None = None  # the MLLM's target description(s) of this query (MLLM methods)
+    reranked: int = 0  # how many of the first results the MLLM re-ordered (``+rerank`` methods)
 
 
 def read_query_image(image: str | Path | ImageRef | bytes, max_pixels: int = MAX_QUERY_PIXELS) -> Image.Image:
@@ -162,45 +175,67 @@ def with_negative_as_deo(query: SearchQuery) -> SearchQuery:
     reads the negative back out). A query without a negative is returned unchanged."""
     if not (query.negative or "").strip():
         return query
-    base, mode = registry.split_deo_name(query.method)
+    method, reranked = split_rerank(query.method)
+    base, mode = registry.split_deo_name(method)
     if base not in registry.DEO_BASES:
-        raise SearchError(f"method {query.method!r} reads no text, so it cannot exclude {query.negative!r}; "
+        why = "has no DEO variant" if base in TEXT_METHODS else "reads no text"
+        raise SearchError(f"method {query.method!r} {why}, so it cannot exclude {query.negative!r}; "
                           f"use one of {', '.join(registry.DEO_BASES)}")
     negative = " ".join(query.negative.split())
     text = " ".join((query.text or "").split())
     text = f"{text}, without {negative}" if text else f"without {negative}"
-    return replace(query, method=query.method if mode else f"{base}+deo", text=text, negative=None)
+    method = method if mode else f"{base}+deo"
+    return replace(query, method=method + (RERANK_SUFFIX if reranked else ""), text=text, negative=None)
 
 
 class Searcher:
-    """Embeds composed queries with one checkpoint and ranks one index; both load once."""
+    """Embeds composed queries with one checkpoint and ranks one index; both load once.
+
+    ``mllm``: a :class:`demind.describe.MLLMSetup` (the ``engine`` / ``describe`` / ``rerank``
+    sections) for the MLLM methods and ``+rerank``; its engine is built on the first query that
+    needs an answer no store holds."""
 
     def __init__(self, backbone: FrozenCLIP, model: DeMinds | None, index: GalleryIndex,
-                 ranker: str = "exact") -> None:
+                 ranker: str = "exact", mllm=None) -> None:
         check_index_backbone(index, backbone)
         if ranker not in RANKERS:
             raise SearchError(f"unknown ranker {ranker!r}; choose from {', '.join(RANKERS)}")
         self.backbone, self.model, self.index = backbone, model, index
         self.ranker = Ranker(index.blocks, ranker)
+        self.mllm = SearchMLLM(mllm, index.directory.name, index.directory) if mllm is not None else None
         self.methods: dict[str, registry.RetrievalMethod] = {}  # built on first use
 
     def available_methods(self) -> list[str]:
-        """Every method of the registry this checkpoint allows, De-MINDS first (DEO variants last)."""
+        """Every method of the registry this checkpoint (and MLLM) allows, De-MINDS first, DEO variants
+        after the base methods, ``+rerank`` variants of the base methods last (``rerank.k`` > 0)."""
         names = [DEFAULT_METHOD] + [m for m in METHODS if m != DEFAULT_METHOD] + list(getattr(registry, "DEO_METHODS", ()))
         # ExclMM ranks in its own sparse space (the gallery must be mapped) and the oracle needs a
         # benchmark's ground-truth description: neither answers a user's query against this index.
-        names = [m for m in names if base_method(m) not in EXCLMM_METHODS + ON_REQUEST_METHODS]
-        return [m for m in names if self.model is not None or base_method(m) not in CHECKPOINT_METHODS]
+        offered = ON_REQUEST_METHODS if self.mllm is None else tuple(m for m in ON_REQUEST_METHODS
+                                                                      if m not in MLLM_METHODS)
+        names = [m for m in names if base_method(m) not in EXCLMM_METHODS + offered]
+        names = [m for m in names if self.model is not None or base_method(m) not in CHECKPOINT_METHODS]
+        if self.mllm is not None and self.mllm.rerank_k > 0:
+            names += [m + RERANK_SUFFIX for m in names if "+deo" not in m]
+        return names
 
     def method(self, name: str) -> registry.RetrievalMethod:
         if name not in self.methods:
-            self.methods[name] = build_methods([name], self.backbone, self.model)[0]
+            run = self.mllm.run if self.mllm is not None else None
+            self.methods[name] = build_methods([name], self.backbone, self.model, mllm=run)[0]
         return self.methods[name]
 
     def validate(self, query: SearchQuery) -> None:
         """SearchError for a query that cannot be answered, naming what to change."""
+        plain, reranked = split_rerank(query.method)
+        if (base_method(plain) in MLLM_METHODS or reranked) and self.mllm is None:
+            raise SearchError(f"method {query.method!r} runs a multimodal LLM and this search has none: start it "
+                              f"with engine.name=transformers engine.model=DIR (a llava-hf folder; see docs/mllm.md)")
+        if reranked and self.mllm.rerank_k == 0:
+            raise SearchError(f"method {query.method!r} re-ranks the top rerank.k results, and rerank.k is 0: "
+                              f"start the search with rerank.k=20 (for example)")
         try:
-            parse_method_names([query.method], have_model=self.model is not None)
+            parse_method_names([plain], have_model=self.model is not None)
         except ValueError as e:
             raise SearchError(str(e).replace("pass --checkpoint", "start with --checkpoint")) from None
         if query.method not in self.available_methods():  # e.g. the oracle: a benchmark's, not a user's
@@ -212,7 +247,7 @@ class Searcher:
         if len(query.text or "") > MAX_TEXT_CHARS:
             raise SearchError(f"the modification text is {len(query.text):,} characters; at most "
                               f"{MAX_TEXT_CHARS:,} are read (CLIP reads about 77 words): shorten it")
-        if base in IMAGE_METHODS and query.image is None:
+        if (base in IMAGE_METHODS or split_rerank(query.method)[1]) and query.image is None:
             raise SearchError(f"method {query.method!r} needs a reference image")
         if query.k < 1:
             raise SearchError(f"k must be at least 1, got {query.k}")
@@ -227,22 +262,35 @@ class Searcher:
         return self._embed(query)[0]
 
     @torch.no_grad()
-    def _embed(self, query: SearchQuery) -> tuple[torch.Tensor, Image.Image | None, torch.Tensor | None]:
+    def _embed(self, query: SearchQuery) -> tuple[torch.Tensor, Image.Image | None, torch.Tensor | None,
+                                                  registry.Query | None]:
         """(1, D) query embedding, the decoded reference image and its (1, D) image embedding (None
-        when the method reads no image)."""
+        when the method reads no image), and the MLLM's Query (None unless the method or a
+        re-ranking asks the MLLM)."""
         query = with_negative_as_deo(query)
         self.validate(query)
-        base = base_method(query.method)
+        plain, reranked = split_rerank(query.method)
+        base = base_method(plain)
         picture = None
-        if query.image is not None and base in IMAGE_METHODS:
+        if query.image is not None and (base in IMAGE_METHODS or reranked):
             picture = read_query_image(query.image)
+        if picture is not None and base in IMAGE_METHODS:
             ref = self.backbone.encode_image(self.backbone.preprocess(picture).unsqueeze(0))
         else:
             ref = torch.zeros(1, self.backbone.embed_dim, device=self.backbone.device)
         text = " ".join(query.text.split())
         prompt = build_prompt(query.template, text) if base in PROMPT_METHODS else text
-        embedding = self.method(query.method).embed(ref, [prompt], [text]).float().cpu()
-        return embedding, picture, (ref.float().cpu() if picture is not None else None)
+        method = self.method(plain)
+        asked = None
+        if self.mllm is not None and picture is not None and (base in MLLM_METHODS or reranked):
+            asked = self.mllm.query(query.image, picture, text, prompt)
+        texts = [text]
+        if base in MLLM_METHODS:  # the description(s) of the query, from the store or the MLLM
+            texts = getattr(method, "base", method).query_texts([asked])  # a +deo variant: its base describes
+        embedding = method.embed(ref, [prompt], texts).float().cpu()
+        if asked is not None and base in MLLM_METHODS:
+            asked = replace(asked, target_description=texts[0])
+        return embedding, picture, (ref.float().cpu() if base in IMAGE_METHODS and picture is not None else None), asked
 
     def duplicates_of(self, picture: Image.Image, image_embedding: torch.Tensor, candidates: int = 8) -> list[str]:
         """Gallery names whose pixels equal ``picture``'s: the rows nearest to its (1, D) image
@@ -271,22 +319,36 @@ class Searcher:
 
     def search_with_details(self, query: SearchQuery) -> SearchOutcome:
         """:meth:`search`, with what was searched: the method and text after an explicit negative
-        became DEO's, and the gallery copies of the reference left out (``query.drop_duplicates``)."""
+        became DEO's, the gallery copies of the reference left out (``query.drop_duplicates``), the
+        MLLM's description (MLLM methods) and how many results it re-ordered (``+rerank``)."""
         used = with_negative_as_deo(query)
-        q, picture, image_embedding = self._embed(used)
+        q, picture, image_embedding, asked = self._embed(used)
+        if image_embedding is None and picture is not None and query.drop_duplicates:
+            image_embedding = self.backbone.encode_image(self.backbone.preprocess(picture).unsqueeze(0)).float().cpu()
         duplicates = self.duplicates_of(picture, image_embedding) if query.drop_duplicates and picture else []
         excluded = query.excluded_names() | set(duplicates)
-        scores, rows = self.ranker.top_k(q, query.k + len(excluded))
-        hits = []
+        reranked = split_rerank(used.method)[1]
+        wanted = max(query.k, self.mllm.rerank_k) if reranked else query.k
+        scores, rows = self.ranker.top_k(q, wanted + len(excluded))
+        found: list[tuple[str, float]] = []
         for score, row in zip(scores[0].tolist(), rows[0].tolist()):
             if row < 0:  # FAISS pads with -1 when it finds fewer than k
                 continue
             name = self.index.names[row]
-            if name in excluded:
-                continue
-            hits.append(SearchHit(len(hits) + 1, name, round(float(score), 6), str(self.index.path_of(name))))
-            # (a shard member's path is its shard; the name says which member)
-        return SearchOutcome(hits[: query.k], used.method, used.text, query.negative, duplicates)
+            if name not in excluded:
+                found.append((name, round(float(score), 6)))
+        found = found[:wanted]
+        reordered = 0
+        if reranked and asked is not None and found:
+            names = [n for n, _ in found]
+            order = self.mllm.rerank(asked, names, {n: self.index.image_ref(n) for n in names})
+            score_of = dict(found)
+            found = [(n, score_of[n]) for n in order]  # each keeps its retrieval score; the order is the MLLM's
+            reordered = min(self.mllm.rerank_k, len(names))
+        hits = [SearchHit(i + 1, name, score, str(self.index.path_of(name)))  # a shard member's path is its shard
+                for i, (name, score) in enumerate(found[: query.k])]
+        description = asked.target_description if asked is not None else None
+        return SearchOutcome(hits, used.method, used.text, query.negative, duplicates, description, reordered)
 
     def gallery_name_of(self, path: str | Path) -> str | None:
         """The indexed name of ``path`` when the file lies in the indexed folder (to exclude it)."""

@@ -18,7 +18,9 @@ Safe by default (see :mod:`demind.search.guard`): only the allowed host names ar
 the token, an upload is limited in bytes and pixels, a query waits at most
 ``query_timeout_s`` for the model, and a template is plain text with one field.
 
-The index and the model are loaded once, before the app is built. Every bad request is
+The index and the model are loaded once, before the app is built; an MLLM (the searcher's
+``engine`` section) once, on the first query that needs it, under the same one-query lock.
+Its description of a query comes back as JSON text, which the page shows as text, never as HTML. Every bad request is
 answered with a JSON ``{"error": message}`` that the page shows, without server paths or
 Python exception names; an unexpected failure is logged with its traceback on the server and
 the page gets one line; the server keeps serving.
@@ -182,6 +184,7 @@ def create_app(searcher: Searcher | None, problem: str | None = None,
             "gallery_size": len(searcher.index),
             "index": searcher.index.directory.name,  # the folder's name: where it lies is the server's business
             "backbone": searcher.index.backbone,
+            "mllm": searcher.mllm.summary() if searcher.mllm is not None else None,
         })
 
     @app.get("/api/gallery")
@@ -225,6 +228,7 @@ def create_app(searcher: Searcher | None, problem: str | None = None,
             "results": [{"rank": h.rank, "name": h.name, "score": h.score} for h in outcome.hits],
             "method": outcome.method, "text": outcome.text, "negative": outcome.negative,
             "excluded": query.exclude, "duplicates": outcome.duplicates,
+            "description": outcome.description, "reranked": outcome.reranked,
             "elapsed_ms": round(elapsed * 1000, 1),
         })
 
