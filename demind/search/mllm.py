@@ -24,8 +24,7 @@ from typing import Any
 
 from PIL import Image
 
-from demind.retrieval import ImageRef, Query
-from demind.retrieval.names import RERANK_SUFFIX
+from demind.retrieval import RERANK_SUFFIX, ImageRef, Query
 
 log = logging.getLogger(__name__)
 
