@@ -237,6 +237,9 @@ class DEOMethod(RetrievalMethod):
     def label(self) -> str:
         return method_label(self.name)
 
+    def query_texts(self, queries: list[Query]) -> list[str]:
+        return self.base.query_texts(queries)  # demind+mllm+deo: the base's descriptions, not the bare text
+
     def embed(self, ref_features, prompts, texts):
         e_o = self.base.embed(ref_features, prompts, texts)
         words = prompts if self.language == "prompts" else texts
