@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from demind.describe import DescribeOptions, MLLMSetup, RerankOptions
+from demind.errors import DemindError
 from demind.gen import GenResult
 from demind.search.index import build_index, load_index
 from demind.search.query import SearchError, Searcher, SearchQuery
@@ -227,7 +228,9 @@ def test_demind_search_with_a_scripted_engine(tiny_checkpoint, index_dir, loaded
     # a second run: the description is read from the index's store, no engine is built
     assert search_cli(tiny_checkpoint, index_dir, "--image", reference, "--text", modification, "--method", "osrcir",
                       "engine.name=transformers", "engine.model=scripted-model", "--out", str(out)) == 0
-    assert built == ["scripted-model"] and json.loads(out.read_text())["queries"][0]["results"] == record["results"]
+    written = json.loads(out.read_text())
+    assert built == ["scripted-model"] and written["queries"][0]["results"] == record["results"]
+    assert written["mllm"] == {"model": "scripted-model", "engine": "transformers", "rerank_k": 0, "loaded": False}
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -366,3 +369,21 @@ def test_one_search_with_the_tiny_llava_through_the_transformers_engine(tiny_che
     assert rec["raw"] and rec["description"] in (None, record["description"])
     assert record["description"] == (rec["description"] or "make it red")
     assert seconds < 120
+
+
+def test_serve_takes_the_engine_sections_of_demind_eval():
+    from demind.cli import common, serve
+    from demind.cli.search import search_mllm_setup
+
+    def config(*extra):
+        args = serve.build_parser().parse_intermixed_args(["--index", "i", "--checkpoint", "c", *extra])
+        return common.load_command_config(serve.ServeConfig, args)
+
+    assert search_mllm_setup(config()) is None
+    setup = search_mllm_setup(config("engine.name=transformers", "engine.model=some/llava", "rerank.k=7",
+                                      "describe.hybrid_weight=0.25"))
+    assert (setup.model, setup.engine_name, setup.rerank.k, setup.describe.hybrid_weight) == \
+        ("some/llava", "transformers", 7, 0.25)
+    assert setup.engine.loaded is False  # nothing is loaded before a query needs it
+    with pytest.raises(DemindError, match="rerank.k re-ranks with a multimodal LLM"):
+        search_mllm_setup(config("rerank.k=7"))

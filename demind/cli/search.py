@@ -309,8 +309,9 @@ def run(cfg: SearchConfig) -> int:
         log.warning("%d of %d queries could not be answered (%d line(s) of the query file skipped; their "
                     "errors are above and in the JSON)", failed, len(records), len(skipped))
     if cfg.out:
-        write_json_atomic(cfg.out, {"index": str(cfg.index), "checkpoint": cfg.checkpoint,
-                                     "ranker": cfg.ranker, "queries": records}, indent=2)
+        mllm_summary = searcher.mllm.summary() if searcher.mllm is not None else None
+        write_json_atomic(cfg.out, {"index": str(cfg.index), "checkpoint": cfg.checkpoint, "ranker": cfg.ranker,
+                                     "mllm": mllm_summary, "queries": records}, indent=2)
         print(f"results: {cfg.out}")
     return 1 if failed else 0
 

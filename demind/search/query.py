@@ -286,7 +286,7 @@ class Searcher:
             asked = self.mllm.query(query.image, picture, text, prompt)
         texts = [text]
         if base in MLLM_METHODS:  # the description(s) of the query, from the store or the MLLM
-            texts = getattr(method, "base", method).query_texts([asked])  # a +deo variant: its base describes
+            texts = method.query_texts([asked])  # a +deo variant asks its base
         embedding = method.embed(ref, [prompt], texts).float().cpu()
         if asked is not None and base in MLLM_METHODS:
             asked = replace(asked, target_description=texts[0])
