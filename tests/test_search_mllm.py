@@ -387,3 +387,20 @@ def test_serve_takes_the_engine_sections_of_demind_eval():
     assert setup.engine.loaded is False  # nothing is loaded before a query needs it
     with pytest.raises(DemindError, match="rerank.k re-ranks with a multimodal LLM"):
         search_mllm_setup(config("rerank.k=7"))
+
+
+def test_an_mllm_that_cannot_load_is_one_line_on_the_page_and_the_server_keeps_serving(loaded, index_dir):
+    pytest.importorskip("flask", reason="flask not installed (optional extra 'search')")
+    from demind.errors import MissingInputError
+    from demind.search.server import create_app
+
+    def cannot_load():
+        raise MissingInputError("engine.model /secret/place/llava is not a folder or hub id; give a llava-hf folder")
+
+    setup = MLLMSetup(cannot_load, model="/secret/place/llava", engine_name="transformers")
+    client = create_app(searcher_with(loaded, index_dir, setup)).test_client()
+    answer = client.post("/api/search", data={"gallery_name": "img1.png", "text": "make it red", "method": "osrcir"})
+    assert answer.status_code == 400 and "not a folder or hub id" in answer.get_json()["error"]
+    assert "/secret/place" not in answer.get_json()["error"]
+    ok = client.post("/api/search", data={"gallery_name": "img1.png", "text": "make it red", "method": "demind"})
+    assert ok.status_code == 200 and len(ok.get_json()["results"]) == 9

@@ -1,5 +1,6 @@
 """Search over a user's own images: the index (:mod:`.index`), queries and rankers (:mod:`.query`),
-the page and API (:mod:`.server`, needs the ``search`` extra), the runs manifest the page lists
+the MLLM of the query-time methods and re-ranking (:mod:`.mllm`), the page and API (:mod:`.server`,
+needs the ``search`` extra), the runs manifest the page lists
 (:mod:`.manifest`). Other packages import this face; ``demind/cli`` wires the commands.
 """
 

@@ -237,6 +237,13 @@ def create_app(searcher: Searcher | None, problem: str | None = None,
     def bad_query(error):
         return failure(str(error), 400)
 
+    @app.errorhandler(DemindError)
+    def setup_problem(error):
+        # e.g. the MLLM of engine.model cannot be loaded, or re-ranking on an engine without logits:
+        # the server's configuration, told in its one line (paths cut) and logged
+        log.error("query failed: %s", error)
+        return failure(str(error), 400)
+
     @app.errorhandler(RequestEntityTooLarge)
     def too_large(error):
         if (request.content_length or 0) > settings.max_upload_mb * 1024 * 1024:
