@@ -24,12 +24,14 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
+from demind.config import setting
 from demind.gen import GenResult, request_seed
 from toyworld.cirr import cirr_set
 from toyworld.texts import full_description
-from toyworld.world import derive_seed
+from toyworld.world import WORLD_VERSION, derive_seed
 
 _NAME = re.compile(r"^dev-(\d+)-(\d+)-img0$")
 
@@ -45,6 +47,59 @@ class ToyDescriberNoise:
     def __post_init__(self) -> None:
         if min(self.p_ignore, self.p_drop, self.p_garble) < 0 or self.p_ignore + self.p_drop + self.p_garble > 1:
             raise ValueError(f"toy describer rates must be >= 0 and sum to at most 1: {self}")
+
+
+# The quickstart's toy MLLM methods (on the toy CIRR only: the other toy benchmarks have no scenes to read).
+FAMILY_METHODS = ("osrcir", "cirevl", "demind+mllm")
+
+
+@dataclass
+class ToyMLLMConfig:
+    """The quickstart's toy MLLM: whether it runs the query-time family, and its noise model.
+
+    The default level (p_ignore 0.2, p_drop 0.1, p_garble 0.05: about one answer in three goes wrong)
+    was chosen before the quickstart reported the family; docs/quickstart.md says why."""
+
+    family: bool = setting(True, help="also evaluate osrcir, cirevl and demind+mllm on the toy CIRR, "
+                                      "their descriptions from the toy MLLM (toyworld/describer.py)")
+    p_ignore: float = setting(0.2, ge=0, le=1, help="share of answers that ignore the change (describe the reference)")
+    p_drop: float = setting(0.1, ge=0, le=1, help="share of answers that leave one object of the target out")
+    p_garble: float = setting(0.05, ge=0, le=1, help="share of answers without a 'Target description:' label "
+                                                     "(the counted fallback to the modification text)")
+
+    @property
+    def noise(self) -> ToyDescriberNoise:
+        return ToyDescriberNoise(self.p_ignore, self.p_drop, self.p_garble)
+
+
+def toy_model_id(cirr_version: str, implicit_share: float, noise: ToyDescriberNoise) -> str:
+    """The toy MLLM's identity in the description stores: the world, the toy CIRR it reads and its noise
+    model (another level, version or world never reuses these answers)."""
+    return (f"toy-scenes_{WORLD_VERSION}_{cirr_version}_share{implicit_share}"
+            f"_ignore{noise.p_ignore}_drop{noise.p_drop}_garble{noise.p_garble}")
+
+
+def toy_mllm_setup(cirr_root: str | Path, cirr_version: str, implicit_share: float, noise: ToyDescriberNoise):
+    """An :class:`demind.describe.MLLMSetup` whose engine is the toy MLLM for the toy CIRR under
+    ``cirr_root``, built (reading the queries) only when a stored answer is missing."""
+    from demind.describe import MLLMSetup
+
+    def build() -> "ToySceneEngine":
+        from demind.eval import read_benchmark
+
+        return ToySceneEngine(read_benchmark("cirr", cirr_root).groups[0].queries, cirr_version, implicit_share, noise)
+
+    return MLLMSetup(build, model=toy_model_id(cirr_version, implicit_share, noise), engine_name=ToySceneEngine.name)
+
+
+def toy_outcomes(cirr_root: str | Path, cirr_version: str, implicit_share: float,
+                 noise: ToyDescriberNoise) -> dict[str, int]:
+    """How many of the toy CIRR's queries the toy MLLM answers right / ignoring the change / dropping an
+    object / garbled (one sample each; a drop on a one-object target stays right)."""
+    from demind.eval import read_benchmark
+
+    queries = read_benchmark("cirr", cirr_root).groups[0].queries
+    return dict(ToySceneEngine(queries, cirr_version, implicit_share, noise).outcomes)
 
 
 class _Renderer:
@@ -65,7 +120,7 @@ class ToySceneEngine:
     def __init__(self, queries: list[Any], cirr_version: str, implicit_share: float,
                  noise: ToyDescriberNoise = ToyDescriberNoise(), seed: int = 0, samples: int = 1) -> None:
         self.noise = noise
-        self.model_id = f"toy-scenes:{cirr_version}:{noise.p_ignore}/{noise.p_drop}/{noise.p_garble}"
+        self.model_id = toy_model_id(cirr_version, implicit_share, noise)
         self.outcomes: dict[str, int] = {"target": 0, "ignore": 0, "drop": 0, "garble": 0}
         self._sets: dict[int, Any] = {}
         self._version, self._share = cirr_version, implicit_share

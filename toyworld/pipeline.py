@@ -10,7 +10,9 @@
 5. every method through the evaluation harness (``demind.eval.harness.evaluate``), with
    per-modification-type recall on the toy CIRR (``implicit``: the themes); the
    negation-aware ``+deo`` variants (:mod:`demind.negation`) with a paired sign test against their base method on the
-   exclusion set and toy CIRR, and how many toy CIRR queries DEO touches;
+   exclusion set and toy CIRR, and how many toy CIRR queries DEO touches; the query-time MLLM family
+   (``osrcir``, ``cirevl``, ``demind+mllm``) on the toy CIRR, its descriptions from the toy MLLM
+   (:mod:`toyworld.describer`, noise model ``mllm.*``), stored and reused like the features;
 6. a paper-style table (mean ± std over seeds), ``results.json``, a recall@K plot
    (:mod:`toyworld.results`) and ``search.json``, what ``demind-serve --quickstart`` serves.
 """
@@ -31,9 +33,10 @@ from demind.io import check_output_dir, write_json_atomic
 
 from .benchmarks import ToyBenchmarkConfig, write_benchmarks
 from .clip_config import PACKAGE_ROOT, ToyBackboneConfig, model_config_path
+from .describer import FAMILY_METHODS, ToyMLLMConfig, toy_mllm_setup, toy_model_id, toy_outcomes
 from .intent_data import ToyShardConfig, write_toy_shards
-from .results import (cirr_targets, deo_paired, deo_touched, format_ablation_paired, format_deo, format_paired,
-                      format_per_type, format_quickstart_table, load_cirr_truth_and_rankings, metrics_table,
+from .results import (cirr_targets, deo_paired, deo_touched, family_paired, format_ablation_paired, format_deo,
+                      format_family_paired, format_paired, format_per_type, format_quickstart_table, load_cirr_truth_and_rankings, metrics_table,
                       paired_recall, paired_vs_demind, per_type_metrics, plot_recall, recall_by_type, summarise)
 from .world import WORLD_VERSION
 
@@ -89,6 +92,7 @@ class QuickstartConfig:
     shards: ToyShardConfig = field(default_factory=ToyShardConfig)
     toy_benchmarks: ToyBenchmarkConfig = field(default_factory=ToyBenchmarkConfig)
     backbone: ToyBackboneConfig = field(default_factory=ToyBackboneConfig)
+    mllm: ToyMLLMConfig = field(default_factory=ToyMLLMConfig)
 
     @property
     def seed_list(self) -> list[int]:
@@ -109,6 +113,8 @@ class QuickstartConfig:
                 problems.append((f"shards.{key}", f"= {getattr(self.shards, key)} must be >= 1"))
         if not 1 <= self.shards.jpeg_quality <= 100:
             problems.append(("shards.jpeg_quality", f"= {self.shards.jpeg_quality} must be in 1..100"))
+        if self.mllm.p_ignore + self.mllm.p_drop + self.mllm.p_garble > 1:
+            problems.append(("mllm.p_ignore", "+ mllm.p_drop + mllm.p_garble must sum to at most 1"))
         return problems
 
     @property
@@ -212,9 +218,41 @@ STAMP_NAME = "quickstart-stamp.json"
 
 def evaluation_stamp(cfg: QuickstartConfig, export: Path, methods: list[str]) -> dict[str, Any]:
     """What one benchmark's results were computed from: the checkpoint's bytes, the methods, the
-    toy benchmarks' recipe and world. Equal stamps: the stored results stand for a new evaluation."""
-    return {"checkpoint_sha256": hashlib.sha256(Path(export).read_bytes()).hexdigest(), "methods": list(methods),
-            "toy_benchmarks": asdict(cfg.toy_benchmarks), "world_version": WORLD_VERSION}
+    toy benchmarks' recipe and world (and the toy MLLM where the family ran). Equal stamps: the
+    stored results stand for a new evaluation."""
+    stamp = {"checkpoint_sha256": hashlib.sha256(Path(export).read_bytes()).hexdigest(), "methods": list(methods),
+             "toy_benchmarks": asdict(cfg.toy_benchmarks), "world_version": WORLD_VERSION}
+    if any(m in FAMILY_METHODS for m in methods):
+        stamp["toy_mllm"] = toy_mllm_identity(cfg)
+    return stamp
+
+
+def toy_mllm_identity(cfg: QuickstartConfig) -> dict[str, Any]:
+    """The toy MLLM's noise model and store identity (results.json ``toy_mllm``, the evaluation stamp)."""
+    noise = cfg.mllm.noise
+    tb = cfg.toy_benchmarks
+    return {"noise": asdict(noise), "model": toy_model_id(tb.cirr_version, tb.cirr_implicit_share, noise)}
+
+
+def describe_settings() -> dict[str, Any]:
+    """The describer settings the family ran with: demind-eval's ``describe`` defaults (the quickstart sets none)."""
+    from demind.describe import DescribeOptions
+
+    o = DescribeOptions()
+    return {k: getattr(o, k) for k in ("prompts", "samples", "temperature", "hybrid_weight", "hybrid_describer")}
+
+
+def family_summary(cfg: QuickstartConfig, runs: dict[str, dict[int, dict[str, dict[str, Any]]]]) -> dict[str, Any] | None:
+    """results.json ``toy_mllm``: the noise model and level, how the toy MLLM answered the toy CIRR's
+    queries, and per seed the describers' store counts (``model_loaded`` false: all answers reused)."""
+    by_seed = {seed: b["cirr"]["mllm"] for seed, b in runs.get("demind", {}).items() if "mllm" in b.get("cirr", {})}
+    if not by_seed:
+        return None
+    tb, root = cfg.toy_benchmarks, Path(cfg.workdir) / "benchmarks" / BENCH_FOLDERS["cirr"]
+    return {**toy_mllm_identity(cfg), "methods": list(FAMILY_METHODS),
+            "outcomes": toy_outcomes(root, tb.cirr_version, tb.cirr_implicit_share, cfg.mllm.noise),
+            "describe": describe_settings(),
+            "runs": by_seed}
 
 
 def reusable_results(out_dir: Path, stamp: dict[str, Any]) -> dict[str, Any] | None:
@@ -241,20 +279,26 @@ def evaluate_run(cfg: QuickstartConfig, backbone, export: Path, variant: str, se
     for bench in cfg.benchmarks:
         root = bench_root / BENCH_FOLDERS[bench]
         options = ReaderOptions(coco=CocoOptions(csv=str(root / "coco_eval.csv"))) if bench == "coco" else None
-        bench_methods = [m for m in methods if m != "oracle" or bench in ORACLE_BENCHMARKS]
+        bench_methods = [m for m in methods if (m != "oracle" or bench in ORACLE_BENCHMARKS)
+                         and (m not in FAMILY_METHODS or bench == "cirr")]  # the toy MLLM reads toy CIRR scenes
         out_dir = Path(cfg.workdir) / "eval" / backbone.identity_str / run_name(cfg, variant, seed) / bench
         stamp = evaluation_stamp(cfg, export, bench_methods)
         results = reusable_results(out_dir, stamp) if not cfg.reevaluate else None
         if results is None:
+            tb = cfg.toy_benchmarks
+            mllm = (toy_mllm_setup(root, tb.cirr_version, tb.cirr_implicit_share, cfg.mllm.noise)
+                    if "toy_mllm" in stamp else None)
             results = evaluate(bench, root, backbone=backbone, model=model, methods=bench_methods, out_dir=out_dir,
                                cache_dir=Path(cfg.workdir) / "eval" / "feature_cache", options=options,
-                               batch_size=cfg.eval_batch_size, progress=cfg.progress)
+                               batch_size=cfg.eval_batch_size, progress=cfg.progress, mllm=mllm)
             write_json_atomic(out_dir / STAMP_NAME, stamp)  # written last: the done marker of this evaluation
         if bench == "cirr":
             captions, ranked = load_cirr_truth_and_rankings(root, results["files"]["rankings"])
             results["per_type"] = recall_by_type(captions, ranked)
             if "demind" in methods:
                 results["paired"] = paired_vs_demind(captions, ranked)
+            if any(m in ranked for m in FAMILY_METHODS):
+                results["family_paired"] = family_paired(captions, ranked)
             results["deo_paired"] = deo_paired(ranked, cirr_targets(captions), (10,), ap=False)
             results["deo_touched"] = deo_touched(captions, ranked)
         if bench == "exclusion":
@@ -339,7 +383,8 @@ def run_quickstart(cfg: QuickstartConfig) -> dict[str, Any]:
     gates: dict[str, dict[int, float]] = {}
     exports: dict[int, Path] = {}  # the full model's, per seed: what search serves
     for variant in variants:
-        methods = ALL_METHODS if variant == "demind" else ("demind",)
+        family = FAMILY_METHODS if cfg.mllm.family else ()
+        methods = ALL_METHODS + family if variant == "demind" else ("demind",)
         for seed in cfg.seed_list:
             export = timed("train", train_variant, cfg, backbone, variant, seed, log_scale)
             gates.setdefault(variant, {})[seed] = trained_gate(export)
@@ -357,7 +402,7 @@ def run_quickstart(cfg: QuickstartConfig) -> dict[str, Any]:
     checkpoint = exports[min(exports)] if exports else None
     training_plot = training_curves(checkpoint) if checkpoint else None
     summary = {"world_version": WORLD_VERSION, "rows": rows, "table": table, "per_type_table": per_type,
-               "paired_table": paired, "deo_table": deo, "ablation_table": format_ablation_paired(ablations),
+               "paired_table": paired, "family_table": format_family_paired(runs), "deo_table": deo, "ablation_table": format_ablation_paired(ablations),
                "ablation_paired": ablations,
                "paired": {seed: b["cirr"].get("paired") for seed, b in runs.get("demind", {}).items() if "cirr" in b},
                "backbone_probes": backbone_report.get("pair_probes"),
@@ -365,7 +410,9 @@ def run_quickstart(cfg: QuickstartConfig) -> dict[str, Any]:
                "deo": {seed: {bench: {k: b[bench][k] for k in ("deo_paired", "deo_touched") if k in b[bench]}
                               for bench in ("exclusion", "cirr") if bench in b}
                        for seed, b in runs.get("demind", {}).items()},
-               "timings_s": timings,
+               "toy_mllm": family_summary(cfg, runs),
+               "family_paired": {seed: b["cirr"]["family_paired"] for seed, b in runs.get("demind", {}).items()
+                                 if "family_paired" in b.get("cirr", {})}, "timings_s": timings,
                "backbone": backbone_report, "config": asdict(cfg), "plot": str(plot) if plot else None,
                "checkpoint": str(checkpoint) if checkpoint else None,
                "training_plot": str(training_plot) if training_plot else None,

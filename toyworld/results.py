@@ -75,6 +75,33 @@ def paired_vs_demind(captions: list[dict[str, Any]], ranked: dict[str, dict[str,
             for other in ranked if other != "demind"}
 
 
+# the query-time family's own comparisons (De-MINDS against each is in ``paired``): the hybrid against the
+# description alone (what the trained query adds) and the one-call describer against the two-step one
+FAMILY_PAIRS = (("demind+mllm", "osrcir"), ("osrcir", "cirevl"))
+
+
+def family_paired(captions: list[dict[str, Any]], ranked: dict[str, dict[str, list[str]]], ks: tuple[int, ...] = (5, 10)
+                  ) -> dict[str, dict[str, dict[str, float]]]:
+    """"A vs B" -> "R@k" -> {"only_a", "only_b", "p"} for each pair of :data:`FAMILY_PAIRS` both ranked."""
+    targets = cirr_targets(captions)
+    return {f"{a} vs {b}": paired_recall(ranked[a], ranked[b], targets, ks, ("a", "b"))
+            for a, b in FAMILY_PAIRS if a in ranked and b in ranked}
+
+
+def format_family_paired(runs: dict[str, dict[int, dict[str, dict[str, Any]]]], k: int = 10) -> str:
+    """Per seed, the family's pairs on toy CIRR at R@k: discordant queries and p."""
+    lines = []
+    for seed, benches in sorted(runs.get("demind", {}).items()):
+        paired = benches.get("cirr", {}).get("family_paired")
+        if paired:
+            lines.append(f"  seed {seed}: " + ", ".join(f"{pair} {v[f'R@{k}']['only_a']}:{v[f'R@{k}']['only_b']} "
+                                                       f"(p {v[f'R@{k}']['p']:.2g})" for pair, v in paired.items()))
+    if not lines:
+        return ""
+    return (f"MLLM family, toy CIRR R@{k}, same queries: queries only the first hits : only the second hits "
+            "(exact sign-test p)\n" + "\n".join(lines))
+
+
 def deo_paired(ranked: dict[str, dict[str, list[str]]], targets: dict[str, set[str]], ks: tuple[int, ...],
                 ap: bool) -> dict[str, dict[str, dict[str, float]]]:
     """Every ``X+deo`` method against its base X on the same queries:
@@ -178,7 +205,8 @@ def summarise(runs: dict[str, dict[int, dict[str, dict[str, Any]]]]) -> dict[str
     rows: dict[str, dict[str, Any]] = {}
     for variant, by_seed in runs.items():
         seeds = sorted(by_seed)
-        methods = by_seed[seeds[0]][next(iter(by_seed[seeds[0]]))]["methods"].keys()
+        # every benchmark's methods, in order: the toy MLLM family runs on toy CIRR only
+        methods = list(dict.fromkeys(m for results in by_seed[seeds[0]].values() for m in results["methods"]))
         for method in methods:
             label = method if variant == "demind" else f"{method} [{variant}]"
             row: dict[str, Any] = {"variant": variant, "method": method, "seeds": seeds, "metrics": {}}
@@ -188,7 +216,7 @@ def summarise(runs: dict[str, dict[int, dict[str, dict[str, Any]]]]) -> dict[str
                 for key in keys:
                     values = [by_seed[s][bench]["methods"][method][key] for s in seeds]
                     row["metrics"][f"{bench}:{key}"] = mean_std(values)
-            if "cirr" in by_seed[seeds[0]]:
+            if method in by_seed[seeds[0]].get("cirr", {}).get("per_type", {}):
                 types = by_seed[seeds[0]]["cirr"]["per_type"][method]
                 row["per_type"] = {kind: {k: mean_std([by_seed[s]["cirr"]["per_type"][method][kind][k] for s in seeds])
                                           for k in ("R@1", "R@5", "R@10")} | {"n": types[kind]["n"]}

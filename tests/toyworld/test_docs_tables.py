@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from toyworld.cli.docs_tables import BEGIN, DOCUMENTS, END, NUMBERS, ROOT, VARIATION, main, render, table_numbers
+from toyworld.cli.docs_tables import (BEGIN, COMPACT, DOCUMENTS, END, FAMILY, NUMBERS, ROOT, VARIATION, main, render,
+                                      table_numbers)
 
 
 def documented() -> dict:
@@ -17,11 +18,26 @@ def documented() -> dict:
 
 
 def test_the_documents_show_the_recorded_numbers():
-    block = render(documented())
     for name in DOCUMENTS:
+        block = render(documented(), compact=name in COMPACT)
         text = (ROOT / name).read_text(encoding="utf-8")
         assert f"{BEGIN}\n{block}\n{END}" in text, f"{name}: run python -m toyworld.cli.docs_tables RESULTS"
-    assert f"within {VARIATION['recall_points']:g} recall point" in block
+        assert f"within {VARIATION['recall_points']:g} recall point" in block
+
+
+def test_the_family_rows_and_the_toy_mllm_noise_are_shown():
+    """The query-time family sits in both tables with the toy MLLM's noise level, from results.json."""
+    numbers = documented()
+    assert set(FAMILY) <= set(numbers["rows"]) and set(numbers["toy_mllm"]["noise"]) == {"p_ignore", "p_drop", "p_garble"}
+    noise = numbers["toy_mllm"]["noise"]
+    for compact in (False, True):
+        block = render(numbers, compact=compact)
+        assert f"p_ignore {noise['p_ignore']:g}" in block and f"p_garble {noise['p_garble']:g}" in block
+        assert "| OSrCIR" in block and "| De-MINDS + MLLM" in block
+    # without the family (mllm.family=false) the table is the trained and frozen rows alone
+    bare = {**numbers, "rows": {m: r for m, r in numbers["rows"].items() if m not in FAMILY}}
+    bare.pop("toy_mllm")
+    assert "OSrCIR" not in render(bare) and "toy MLLM" not in render(bare, compact=True)
 
 
 def fake_results(shift: float = 0.0) -> dict:
@@ -35,7 +51,8 @@ def fake_results(shift: float = 0.0) -> dict:
         if "paired_R@10" in cell:
             paired[method] = {"R@10": cell["paired_R@10"]}
     return {"world_version": numbers["world_version"], "rows": rows, "paired": {numbers["seed"]: paired},
-            "config": {"toy_benchmarks": {"cirr_version": numbers["cirr_version"]}}}
+            "config": {"toy_benchmarks": {"cirr_version": numbers["cirr_version"]}},
+            "toy_mllm": {**numbers["toy_mllm"], "model": "toy-scenes", "runs": {}}}
 
 
 def test_the_command_writes_checks_and_refuses(tmp_path, capsys):

@@ -60,11 +60,12 @@ def test_quickstart_runs_every_stage_and_reuses_them(tmp_path, monkeypatch):
     assert read_search_manifest(qs) == {"checkpoint": exports[0], "images": qs / "benchmarks" / "cirr" / "dev",
                                         "index": qs / "search-index"}
     rows = summary["rows"]
+    family = {"osrcir", "cirevl", "demind+mllm"}  # the query-time MLLM family, on toy CIRR only
     assert set(rows) == {"demind", "mapping-only", "image+text", "image-only", "text-only",
-                         "demind+deo", "mapping-only+deo", "image+text+deo", "text-only+deo", "oracle"}
+                         "demind+deo", "mapping-only+deo", "image+text+deo", "text-only+deo", "oracle"} | family
     for label, row in rows.items():
-        keys = ("cirr:R@1", "cirr:R@10", "exclusion:mAP@10") + (
-            () if label == "oracle" else ("imagenet-r:average/R@10", "coco:R@1"))  # descriptions: CIRR, exclusion
+        keys = ("cirr:R@1", "cirr:R@10") + (() if label in family else ("exclusion:mAP@10",)) + (
+            () if label == "oracle" or label in family else ("imagenet-r:average/R@10", "coco:R@1"))
         for key in keys:
             mean, std = row["metrics"][key]
             assert 0.0 <= mean <= 100.0 and std == 0.0
@@ -76,8 +77,8 @@ def test_quickstart_runs_every_stage_and_reuses_them(tmp_path, monkeypatch):
     assert saved["backbone_probes"] == summary["backbone"]["pair_probes"]
     for bench, key in (("cirr", "R@10"), ("exclusion", "mAP@10"), ("coco", "R@1")):
         for method in rows:
-            if method == "oracle" and bench == "coco":
-                assert "oracle" not in saved["metrics"][bench]
+            if (method == "oracle" and bench == "coco") or (method in family and bench != "cirr"):
+                assert method not in saved["metrics"][bench]
                 continue
             cell = saved["metrics"][bench][method][key]
             assert cell["mean"] == pytest.approx(rows[method]["metrics"][f"{bench}:{key}"][0])
@@ -95,6 +96,29 @@ def test_quickstart_runs_every_stage_and_reuses_them(tmp_path, monkeypatch):
             assert by_k[k]["only_demind"] - by_k[k]["only_other"] == round(diff * 8 / 100)
             assert 0.0 <= by_k[k]["p"] <= 1.0
     assert "sign-test" in summary["paired_table"]
+    assert all(f"{m} " in summary["paired_table"] for m in family) and "osrcir" in summary["table"]
+
+    # the family's own pairs: discordant counts differ exactly by the recall difference, as above
+    pairs = summary["family_paired"][0]
+    assert set(pairs) == {"demind+mllm vs osrcir", "osrcir vs cirevl"} and "MLLM family" in summary["family_table"]
+    for pair, by_k in pairs.items():
+        a, b = pair.split(" vs ")
+        for k in ("R@5", "R@10"):
+            diff = rows[a]["per_type"]["all"][k][0] - rows[b]["per_type"]["all"][k][0]
+            assert by_k[k]["only_a"] - by_k[k]["only_b"] == round(diff * 8 / 100) and 0.0 <= by_k[k]["p"] <= 1.0
+    assert saved["family_paired"]["0"] == json.loads(json.dumps(pairs))
+
+    # the toy MLLM's noise model and level are recorded; its answers were generated once and stored
+    toy = saved["toy_mllm"]
+    assert toy["noise"] == {"p_ignore": 0.2, "p_drop": 0.1, "p_garble": 0.05} == dataclasses.asdict(cfg.mllm.noise)
+    assert sum(toy["outcomes"].values()) == 8 and set(toy["outcomes"]) == {"target", "ignore", "drop", "garble"}
+    assert toy["methods"] == sorted(family, key=["osrcir", "cirevl", "demind+mllm"].index)
+    described = toy["runs"]["0"]
+    assert described["model"] == toy["model"] and described["model_loaded"] is True
+    assert {d: (v["records"], v["generated_now"]) for d, v in described["describers"].items()} == {
+        "osrcir": (8, 8), "cirevl": (8, 8)}
+    # osrcir falls back (to the modification text) exactly on the garbled answers
+    assert described["describers"]["osrcir"]["fallback"] == toy["outcomes"]["garble"]
 
     # DEO against its base: the exclusion set's queries all hold a cue, so the per-query AP
     # comparison covers them; on toy CIRR, queries without a cue keep the base ranking exactly.
@@ -130,7 +154,27 @@ def test_quickstart_runs_every_stage_and_reuses_them(tmp_path, monkeypatch):
     assert (qs / "benchmarks" / "cirr" / "dev").joinpath(example["image"].rsplit("/", 1)[1]).is_file()
     assert example["text"]
 
+    # evaluated again, the family reads its stored descriptions: no toy MLLM is built, same numbers
+    monkeypatch.undo()
+    import toyworld.describer as describer
+
+    built = []
+    monkeypatch.setattr(describer.ToySceneEngine, "generate", lambda self, r: built.append(r) or fail())
+    third = run_quickstart(dataclasses.replace(cfg, reevaluate=True))
+    assert built == [] and third["rows"] == rows and third["paired"] == summary["paired"]
+    for d in third["toy_mllm"]["runs"][0]["describers"].values():
+        assert (d["records"], d["generated_now"], d["model_loaded"]) == (8, 0, False)
+    assert third["toy_mllm"]["runs"][0]["model_loaded"] is False
+    # another noise level is another toy MLLM: the stored results and descriptions do not stand for it
+    from toyworld.pipeline import evaluation_stamp
+
+    noisier = dataclasses.replace(cfg, mllm=dataclasses.replace(cfg.mllm, p_ignore=0.4))
+    assert evaluation_stamp(noisier, exports[0], ["osrcir"]) != evaluation_stamp(cfg, exports[0], ["osrcir"])
+    assert evaluation_stamp(noisier, exports[0], ["demind"]) == evaluation_stamp(cfg, exports[0], ["demind"])
+
     # asked to, it evaluates again; a retrained checkpoint (other bytes) is never served stale results
+    monkeypatch.setattr(clip_cache, "train_toy_clip", fail)
+    monkeypatch.setattr(training, "train", fail)
     calls = []
     monkeypatch.setattr(demind.eval, "evaluate", lambda *a, **k: calls.append(a[0]) or fail())
     with pytest.raises(AssertionError, match="reused"):

@@ -19,12 +19,17 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCUMENTS = ("README.md", "docs/quickstart.md")
+COMPACT = ("README.md",)  # the README (at most 200 lines) gets the table and one line; docs/quickstart.md all of it
 NUMBERS = "docs/quickstart-table.json"
 BEGIN = "<!-- quickstart-table: written by `python -m toyworld.cli.docs_tables` from a results.json; edit there -->"
 END = "<!-- /quickstart-table -->"
 ROWS = (("demind", "De-MINDS"), ("mapping-only", "mapping-only (same checkpoint, no intention branch)"),
         ("image+text", "Image+Text"), ("image-only", "Image-only"), ("text-only", "Text-only"),
-        ("oracle", "oracle (the target's own description)"))
+        ("oracle", "oracle (the target's own description)"),
+        ("osrcir", "OSrCIR (toy MLLM's description)"), ("cirevl", "CIReVL (toy MLLM's caption + rewrite)"),
+        ("demind+mllm", "De-MINDS + MLLM (hybrid: half De-MINDS query, half OSrCIR description)"))
+# the query-time family: in the table when the results have them (mllm.family=true), with its noise model
+FAMILY = ("osrcir", "cirevl", "demind+mllm")
 # How far a fresh clone of the default quickstart lands from another machine's, measured: four
 # fresh-clone runs on 2-core machines (2026-11-25 and 2026-11-26) differed by at most 0.2 recall points
 # (mapping-only R@5 53.8 and 54.0) and 1 query in a paired count (5:5 and 4:5); training is
@@ -42,7 +47,12 @@ def table_numbers(results: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"world_version": results["world_version"], "seed": seed,
                            "cirr_version": results["config"]["toy_benchmarks"].get("cirr_version"),
                            "queries": rows["demind"]["per_type"]["all"]["n"], "rows": {}}
+    toy = results.get("toy_mllm")
+    if toy:
+        out["toy_mllm"] = {"noise": toy["noise"], "outcomes": toy["outcomes"]}
     for method, _ in ROWS:
+        if method in FAMILY and method not in rows:
+            continue
         row = rows[method]
         implicit = row["per_type"].get("implicit", {})
         cell = {"R@5": row["metrics"]["cirr:R@5"][0], "R@10": row["metrics"]["cirr:R@10"][0],
@@ -53,8 +63,9 @@ def table_numbers(results: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def render(numbers: dict[str, Any]) -> str:
-    """The markdown block between the markers: a line on the run, the table, the variation."""
+def render(numbers: dict[str, Any], compact: bool = False) -> str:
+    """The markdown block between the markers: a line on the run, the table, the toy MLLM's noise model,
+    the variation; ``compact``: the table, then the run, the noise level and the variation in one line."""
     rows = numbers["rows"]
     implicit_n = rows["demind"]["implicit_n"]
     best = {key: max(r[key] for m, r in rows.items() if m != "oracle" and r[key] is not None)
@@ -65,18 +76,40 @@ def render(numbers: dict[str, Any]) -> str:
         text = f"{value:.1f}"
         return f"**{text}**" if method != "oracle" and round(value, 1) == round(best[key], 1) else text
 
-    lines = [f"Toy CIRR `{numbers['cirr_version']}`, {numbers['queries']} queries, seed {numbers['seed']}, "
-             f"{numbers['world_version']}:", "",
-             f"| method | R@5 | R@10 | implicit intents R@10 ({implicit_n} queries) | paired R@10 vs De-MINDS "
+    run = (f"Toy CIRR `{numbers['cirr_version']}`, {numbers['queries']} queries, seed {numbers['seed']}, "
+           f"{numbers['world_version']}")
+    lines = [] if compact else [f"{run}:", ""]
+    lines += [f"| method | R@5 | R@10 | implicit intents R@10 ({implicit_n} queries) | paired R@10 vs De-MINDS "
              f"(only De-MINDS : only other) |", "| --- | ---: | ---: | ---: | --- |"]
     for method, label in ROWS:
+        if method not in rows:
+            continue
         pair = rows[method].get("paired_R@10")
         paired = f"{pair['only_demind']}:{pair['only_other']} (p {pair['p']:.2g})" if pair and method != "oracle" else ""
         lines.append(f"| {label} | {cell(method, 'R@5')} | {cell(method, 'R@10')} | {cell(method, 'implicit_R@10')} "
                      f"| {paired} |")
+    toy = numbers.get("toy_mllm")
+    if compact:
+        noise = (f" OSrCIR, CIReVL and the hybrid: the toy MLLM's descriptions at p_ignore {toy['noise']['p_ignore']:g}, "
+                 f"p_drop {toy['noise']['p_drop']:g}, p_garble {toy['noise']['p_garble']:g}." if toy else "")
+        lines += ["", f"{run}.{noise} Another machine lands within {VARIATION['recall_points']:g} recall point and "
+                      f"{VARIATION['paired_queries']} queries per paired count ([docs/quickstart.md](docs/quickstart.md)"
+                      f": {'the noise model, its level and ' if toy else ''}the variation, measured"
+                      f"{' before the family rows' if toy else ''})."]
+        return "\n".join(lines)
+    if toy:
+        noise, answers = toy["noise"], toy["outcomes"]
+        lines += ["", *textwrap.wrap(
+            f"OSrCIR and CIReVL embed a description from the toy MLLM (`toyworld/describer.py`; the hybrid adds "
+            f"it to the De-MINDS query), which reads the toy scenes and fails only as its noise model says: "
+            f"p_ignore {noise['p_ignore']:g} (the change not applied), p_drop {noise['p_drop']:g} (an object "
+            f"left out), p_garble {noise['p_garble']:g} (no parsable answer: the modification text instead). "
+            f"Of the {sum(answers.values())} answers {answers['target']} were right, {answers['ignore']} ignored "
+            f"the change, {answers['drop']} dropped an object, {answers['garble']} were garbled.", 100)]
     lines += ["", *textwrap.wrap(f"Another machine lands within {VARIATION['recall_points']:g} recall point and "
                                  f"{VARIATION['paired_queries']} queries per paired count (four fresh-clone runs on "
-                                 f"2-core machines differed by at most 0.2 points and 1 query).", 100)]
+                                 f"2-core machines differed by at most 0.2 points and 1 query)" + (
+                                     "; those runs had no toy MLLM rows." if toy else "."), 100)]
     return "\n".join(lines)
 
 
@@ -101,11 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, KeyError) as e:
         print(f"error: {args.results}: not a quickstart results.json ({e!r}); run the quickstart first", file=sys.stderr)
         return 2
-    block, root, stale = render(numbers), Path(args.root), []
+    root, stale = Path(args.root), []
     for name in DOCUMENTS:
         path = root / name
         text = path.read_text(encoding="utf-8")
-        new = replace_block(text, block, name)
+        new = replace_block(text, render(numbers, compact=name in COMPACT), name)
         if new != text:
             stale.append(name)
             if not args.check:

@@ -4,10 +4,11 @@
     demind-quickstart seeds=[0,1,2] ablations=true
     demind-quickstart run.seed=1 'train_overrides=[optim.max_steps=500,optim.lr=1e-4]'
     demind-quickstart --config my.yaml backbone.steps=600 workdir=runs/qs2 run.progress=false
+    demind-quickstart mllm.p_ignore=0.4 mllm.p_drop=0.2 mllm.p_garble=0.1   # a noisier toy MLLM
 
 Generates the toy intent shards and benchmarks, trains (or reuses) the toy CLIP,
 caches frozen features, trains De-MINDS with the trainer's code, evaluates every method
-with the evaluation harness, prints the table and writes <workdir>/results.json,
+with the evaluation harness (and the query-time MLLM family on the toy CIRR through the toy MLLM), prints the table and writes <workdir>/results.json,
 <workdir>/recall_at_k.png and <workdir>/search.json (for ``demind-serve --quickstart``).
 Everything is cached: a rerun only does what is missing (``reevaluate=true`` evaluates again).
 At the end it prints the checkpoint, the result files and the search commands to try.
@@ -37,7 +38,9 @@ def quickstart_command(cfg: QuickstartConfig) -> int:
     print()
     print(f"toy world {summary['world_version']}")
     print(summary["table"])
-    for table in ("per_type_table", "paired_table", "deo_table", "ablation_table"):
+    if summary.get("toy_mllm"):
+        print(toy_mllm_line(summary["toy_mllm"]))
+    for table in ("per_type_table", "paired_table", "family_table", "deo_table", "ablation_table"):
         if summary.get(table):
             print()
             print(summary[table])
@@ -49,6 +52,14 @@ def quickstart_command(cfg: QuickstartConfig) -> int:
     print()
     print(next_steps(cfg, summary))
     return 0
+
+
+def toy_mllm_line(toy: dict) -> str:
+    """The toy MLLM's noise model under the table: what the family's rows were described by."""
+    noise = ", ".join(f"{k} {v:g}" for k, v in toy["noise"].items())
+    answers = ", ".join(f"{k} {v}" for k, v in toy["outcomes"].items())
+    return (f"{', '.join(toy['methods'])}: toy CIRR only, descriptions from the toy MLLM (toyworld/describer.py) "
+            f"with {noise} (mllm.*); its answers: {answers}")
 
 
 def next_steps(cfg: QuickstartConfig, summary: dict) -> str:
