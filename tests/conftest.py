@@ -36,3 +36,20 @@ def one_thread_and_fresh_accelerator():
     torch.set_num_threads(threads)
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory, tiny_backbone) -> Path:
+    """A tiny De-MINDS checkpoint on a tiny backbone whose weights live in a file (so every
+    process rebuilds the same backbone, and the feature cache may be reused)."""
+    from demind.backbone import BackboneConfig, FrozenCLIP
+    from demind.checkpoint import save_checkpoint
+    from demind.model import DeMinds, ModelConfig
+
+    folder = tmp_path_factory.mktemp("ckpt")
+    weights = folder / "tiny-clip-weights.pt"
+    torch.save(tiny_backbone.model.state_dict(), weights)
+    backbone = FrozenCLIP(BackboneConfig(name=str(TINY_CLIP), pretrained=str(weights)))
+    torch.manual_seed(0)
+    model = DeMinds(ModelConfig(num_queries=2, num_blocks=1, num_heads=4, mapping_hidden=16, gate_init=0.5), backbone)
+    return save_checkpoint(folder / "tiny.safetensors", model)

@@ -14,11 +14,8 @@ import pytest
 import torch
 from PIL import Image
 
-from demind.backbone import BackboneConfig, FrozenCLIP
-from demind.checkpoint import save_checkpoint
 from demind.cli.evaluate import main as evaluate_main
-from demind.model import DeMinds, ModelConfig
-from helpers import FIXTURES, TINY_CLIP, run_eval_command
+from helpers import FIXTURES, run_eval_command
 
 CIRR_FIXTURES = FIXTURES / "cirr"
 
@@ -44,19 +41,6 @@ def cirr_root(tmp_path_factory) -> Path:
             path.parent.mkdir(parents=True, exist_ok=True)
             Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(path)
     return root
-
-
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory, tiny_backbone) -> Path:
-    """A tiny De-MINDS checkpoint on a tiny backbone whose weights live in a file (so every
-    process rebuilds the same backbone, and the feature cache may be reused)."""
-    folder = tmp_path_factory.mktemp("ckpt")
-    weights = folder / "tiny-clip-weights.pt"
-    torch.save(tiny_backbone.model.state_dict(), weights)
-    backbone = FrozenCLIP(BackboneConfig(name=str(TINY_CLIP), pretrained=str(weights)))
-    torch.manual_seed(0)
-    model = DeMinds(ModelConfig(num_queries=2, num_blocks=1, num_heads=4, mapping_hidden=16, gate_init=0.5), backbone)
-    return save_checkpoint(folder / "tiny.safetensors", model)
 
 
 def cirr_args(root: Path, ckpt: Path, out: Path, *extra: str) -> list[str]:

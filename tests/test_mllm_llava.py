@@ -12,12 +12,9 @@ import pytest
 import torch
 from PIL import Image
 
-from demind.backbone import BackboneConfig, FrozenCLIP
-from demind.checkpoint import save_checkpoint
 from demind.cli.evaluate import main as evaluate_main
 from demind.gen.tiny_llava import build_tiny_llava_next
-from demind.model import DeMinds, ModelConfig
-from helpers import FIXTURES, TINY_CLIP
+from helpers import FIXTURES
 
 N_QUERIES = {"val": 6, "test1": 4}
 
@@ -53,17 +50,6 @@ def small_cirr(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, tiny_backbone) -> Path:
-    folder = tmp_path_factory.mktemp("ckpt")
-    weights = folder / "tiny-clip-weights.pt"
-    torch.save(tiny_backbone.model.state_dict(), weights)
-    backbone = FrozenCLIP(BackboneConfig(name=str(TINY_CLIP), pretrained=str(weights)))
-    torch.manual_seed(0)
-    model = DeMinds(ModelConfig(num_queries=2, num_blocks=1, num_heads=4, mapping_hidden=16, gate_init=0.5), backbone)
-    return save_checkpoint(folder / "tiny.safetensors", model)
-
-
-@pytest.fixture(scope="module")
 def tiny_llava(tmp_path_factory) -> Path:
     return build_tiny_llava_next(tmp_path_factory.mktemp("tiny-llava"))
 
@@ -84,7 +70,7 @@ def rankings(out: Path) -> dict:
     return {p.stem: json.loads(p.read_text()) for p in (out / "rankings").glob("*.json")}
 
 
-def test_kill_resume_rerun_without_model_and_rerank(small_cirr, checkpoint, tiny_llava, tmp_path, monkeypatch):
+def test_kill_resume_rerun_without_model_and_rerank(small_cirr, tiny_checkpoint, tiny_llava, tmp_path, monkeypatch):
     from demind.gen.engines.transformers_engine import TransformersEngine
 
     out = tmp_path / "val"
@@ -99,13 +85,13 @@ def test_kill_resume_rerun_without_model_and_rerank(small_cirr, checkpoint, tiny
 
     monkeypatch.setattr(TransformersEngine, "generate", dying_generate)
     with pytest.raises(RuntimeError, match="killed"):
-        evaluate_main(argv(small_cirr, checkpoint, tiny_llava, out))
+        evaluate_main(argv(small_cirr, tiny_checkpoint, tiny_llava, out))
     kept = sorted((out / "descriptions" / "cirr-val" / "cirevl").rglob("part-*.json"))
     assert len(kept) == 1 and len(json.loads(kept[0].read_text())["records"]) == 2
 
     monkeypatch.setattr(TransformersEngine, "generate", real_generate)
     rerank = ("rerank.k=3", "rerank.yes=dog", "rerank.no=cat", "rerank.methods=osrcir,text-only")
-    assert evaluate_main(argv(small_cirr, checkpoint, tiny_llava, out, *rerank)) == 0
+    assert evaluate_main(argv(small_cirr, tiny_checkpoint, tiny_llava, out, *rerank)) == 0
     first = read_results(out)
     n = N_QUERIES["val"]
     assert set(first["methods"]) == {"text-only", "cirevl", "osrcir", "osrcir+rerank", "text-only+rerank"}
@@ -131,16 +117,16 @@ def test_kill_resume_rerun_without_model_and_rerank(small_cirr, checkpoint, tiny
         raise AssertionError("the MLLM was loaded although every answer is stored")
 
     monkeypatch.setattr(TransformersEngine, "__init__", no_model)
-    assert evaluate_main(argv(small_cirr, checkpoint, tiny_llava, out, *rerank)) == 0
+    assert evaluate_main(argv(small_cirr, tiny_checkpoint, tiny_llava, out, *rerank)) == 0
     again = read_results(out)
     assert again["methods"] == first["methods"] and rankings(out) == ranks
     assert again["mllm"]["model_loaded"] is False
     assert again["mllm"]["describers"]["osrcir"]["generated_now"] == 0
 
 
-def test_test1_writes_submissions_for_both_describers(small_cirr, checkpoint, tiny_llava, tmp_path):
+def test_test1_writes_submissions_for_both_describers(small_cirr, tiny_checkpoint, tiny_llava, tmp_path):
     out = tmp_path / "test1"
-    assert evaluate_main(argv(small_cirr, checkpoint, tiny_llava, out, "--split", "test1")) == 0
+    assert evaluate_main(argv(small_cirr, tiny_checkpoint, tiny_llava, out, "--split", "test1")) == 0
     results = read_results(out)
     pairids = {str(c["pairid"]) for c in json.loads((small_cirr / "captions" / "cap.rc2.test1.json").read_text())}
     for method in ("cirevl", "osrcir"):
