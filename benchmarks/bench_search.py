@@ -5,6 +5,7 @@ whether float16 rows change rankings, and the bytes compaction writes.
 
     .venv/bin/python -m benchmarks.bench_search --images runs/quickstart/benchmarks/cirr/dev \\
         --gallery 100000,1000000 --queries 200 --json bench_search.json
+    .venv/bin/python -m benchmarks.bench_search --ivf-only --gallery 100000 --queries 200   # the faiss-ivf nprobe sweep
 
 * Build rate: ``demind.search.index.build_index`` on the images of ``--images`` with the toy CLIP
   architecture (random weights: the same compute as the trained toy CLIP), from nothing and as a
@@ -46,7 +47,7 @@ from demind.model import DeMinds, ModelConfig
 from demind.retrieval import ImageFeatureCache
 from demind.search.index import INDEX_FORMAT, MANIFEST, ROLE, GalleryIndex, build_index, load_index
 from demind.search.query import Searcher, SearchQuery
-from demind.search.rankers import Ranker, build_hnsw_index, exact_top_k
+from demind.search.rankers import Ranker, build_hnsw_index, build_ivf_index, exact_top_k, gather_rows
 
 TOY_CLIP = Path(__file__).resolve().parents[1] / "toyworld" / "model_configs" / "toy-clip-cnn-text2.json"
 TEXT = "make the square red and the background green"
@@ -243,6 +244,47 @@ def bench_hnsw(blocks: list[torch.Tensor], queries: torch.Tensor, repeats: int) 
     return out
 
 
+def bench_ivf(blocks: list[torch.Tensor], queries: torch.Tensor, repeats: int) -> dict:
+    """recall@10 (against the exact top 10 of the same rows) and latency per IVF nprobe, nlist by
+    :func:`ivf_lists` (the ranker's). Two query sets: ``queries`` (new rows of the gallery's
+    clusters) and ``midpoint`` (the normalised mean of two random gallery rows, mostly of two
+    clusters: the queries ``Ranker.measured_recall`` and ``demind-index --measure-rankers`` use)."""
+    g = torch.Generator().manual_seed(1)
+    pick = torch.randint(0, sum(len(b) for b in blocks), (len(queries), 2), generator=g)
+    midpoint = F.normalize(gather_rows(blocks, pick[:, 0]) + gather_rows(blocks, pick[:, 1]), dim=-1)
+    truths = {name: exact_top_k(blocks, q, K)[1] for name, q in (("clustered", queries), ("midpoint", midpoint))}
+    start = time.perf_counter()
+    index = build_ivf_index(blocks)
+    out = {"nlist": index.nlist, "build_s": round(time.perf_counter() - start, 1)}
+    for nprobe in (1, 2, 4, 8, 16, 32, 64, 128):
+        index.nprobe = nprobe
+        row = {}
+        for name, q in (("clustered", queries), ("midpoint", midpoint)):
+            _, rows = index.search(q.numpy(), K)
+            row[f"recall_at_10_{name}"] = round(float(np.mean(overlap(truths[name], torch.from_numpy(rows)))), 4)
+        it = iter(range(10 ** 9))
+        times = timed(lambda: index.search(queries[next(it) % len(queries)][None].numpy(), K), repeats)
+        out[f"nprobe{nprobe}"] = {**row, **percentiles(times)}
+    return out
+
+
+def ivf_only(sizes: list[int], dim: int, n_queries: int, work: Path) -> dict:
+    """``--ivf-only``: the IVF sweep (and the exact ranker's latency, for scale) per gallery size."""
+    out = {}
+    for n in sizes:
+        print(f"IVF over {n:,} x {dim} ...", flush=True)
+        write_synthetic_index(work / f"index-{n}", n, dim)
+        index = load_index(work / f"index-{n}")
+        queries = clustered(n_queries, dim, seed=10 ** 9)
+        it = iter(range(10 ** 9))
+        exact = Ranker(index.blocks)
+        out[f"{n}x{dim}"] = {"exact": percentiles(timed(lambda: exact.top_k(queries[next(it) % n_queries][None], K),
+                                                        min(n_queries, 50))),
+                             "faiss-ivf": bench_ivf(index.blocks, queries, min(n_queries, 50))}
+        print(json.dumps(out[f"{n}x{dim}"], indent=1), flush=True)
+    return out
+
+
 def bench_compaction(folder: Path, index) -> dict:
     """Remove 1 % of the rows and compact: bytes of the tensor files (and of every file) written
     against the bytes of the remaining rows."""
@@ -281,7 +323,9 @@ def bench_gallery(n: int, dim: int, n_queries: int, hnsw: bool, work: Path) -> d
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--images", required=True, help="folder of images to index (toy CIRR dev: 1,800 images)")
+    p.add_argument("--images", help="folder of images to index (toy CIRR dev: 1,800 images; required but with "
+                                     "--ivf-only)")
+    p.add_argument("--ivf-only", action="store_true", help="only the faiss-ivf nprobe sweep at each --gallery size")
     p.add_argument("--gallery", default="100000", help="synthetic gallery sizes, comma-separated (e.g. 100000,1000000)")
     p.add_argument("--dim", type=int, default=512, help="embedding width (512: ViT-B-32)")
     p.add_argument("--queries", type=int, default=200)
@@ -299,10 +343,19 @@ def main(argv: list[str] | None = None) -> int:
 
     faiss.omp_set_num_threads(args.threads)
     hnsw_dims = {int(d) for d in args.hnsw_dims.split(",") if d}
+    command = "python -m benchmarks.bench_search " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.ivf_only:
+        sizes = [int(x) for x in args.gallery.split(",") if x]
+        with tempfile.TemporaryDirectory() as tmp:
+            results = {"command": command, "threads": args.threads, "load_before": os.getloadavg(),
+                       "ivf": ivf_only(sizes, args.dim, args.queries, Path(tmp)), "load_after": os.getloadavg()}
+        return write_results(results, args.json)
+    if not args.images:
+        p.error("--images is required (but with --ivf-only)")
     torch.manual_seed(0)
     backbone = FrozenCLIP(BackboneConfig(name=str(TOY_CLIP), pretrained=None))
     reference = next(p for p in sorted(Path(args.images).iterdir()) if p.suffix.lower() in (".png", ".jpg", ".jpeg"))
-    results = {"command": "python -m benchmarks.bench_search " + " ".join(argv if argv is not None else sys.argv[1:]),
+    results = {"command": command,
                "load_before": os.getloadavg(), "threads": args.threads, "cpus": os.cpu_count(),
                "build": bench_build(Path(args.images), backbone, args.workers),
                "embed": bench_embed(backbone, reference, repeats=50), "rank": {}}
@@ -318,10 +371,14 @@ def main(argv: list[str] | None = None) -> int:
             results["rank"][f"{n}x{args.dim}"] = bench_gallery(n, args.dim, args.queries, hnsw, Path(tmp))
             print(json.dumps(results["rank"][f"{n}x{args.dim}"], indent=1), flush=True)
     results["load_after"] = os.getloadavg()
+    return write_results(results, args.json)
+
+
+def write_results(results: dict, path: str | None) -> int:
     print(json.dumps(results, indent=2))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(results, indent=2))
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(results, indent=2))
     return 0
 
 

@@ -239,6 +239,10 @@ def _(tmp: Path, request) -> None:
     assert {"build", "embed", "rank"} <= set(out) and set(out["rank"]) == {"1024x32"}
     assert numbers(out["build"]) and all(math.isfinite(v) for v in numbers(out["build"]))
     assert numbers(out["rank"]) and all(math.isfinite(v) for v in numbers(out["rank"]))
+    run("benchmarks.bench_search", ["--ivf-only", "--gallery", 1024, "--dim", 32, "--queries", 4,
+                                    "--json", tmp / "i.json"])
+    ivf = read_json(tmp / "i.json")["ivf"]["1024x32"]["faiss-ivf"]
+    assert ivf["nlist"] == 26 and all(0 <= v["recall_at_10_midpoint"] <= 1 for k, v in ivf.items() if "nprobe" in k)
 
 
 @row("benchmarks.bench_serve_load")

@@ -27,6 +27,8 @@ class IndexConfig(ModelOptions):
     batch_size: int = setting(64, ge=1, help="images per encoding batch")
     num_workers: int = setting(2, ge=0, help="image-decoding workers")
     part_size: int = setting(1024, ge=1, help="images per saved part (what a kill can lose)")
+    measure_rankers: bool = setting(False, help="also build the approximate rankers (faiss-hnsw, faiss-ivf) over "
+                                                "the index and record their build time and recall@10 (costly)")
     new_folder: bool = setting(False, help="let an index built from another folder follow --images (drops the "
                                            "files only in the old folder)")
 
@@ -39,7 +41,8 @@ class IndexConfig(ModelOptions):
 
 
 FLAGS = {**MODEL_FLAGS, "--images": Flag("images"), "--index": Flag("index"), "--batch-size": Flag("batch_size"),
-         "--num-workers": Flag("num_workers"), "--part-size": Flag("part_size"), "--new-folder": Flag("new_folder")}
+         "--num-workers": Flag("num_workers"), "--part-size": Flag("part_size"), "--new-folder": Flag("new_folder"),
+         "--measure-rankers": Flag("measure_rankers")}
 
 
 def build_parser():
@@ -47,9 +50,11 @@ def build_parser():
 
 
 def run(cfg: IndexConfig) -> int:
-    from demind.search.index import build_index  # model code (torch): not for --help
+    from demind.search.expectations import describe, read_record, record_rankers
+    from demind.search.index import build_index, load_index  # model code (torch): not for --help
 
     backbone, _ = load_model(cfg)
+    previous = read_record(cfg.index)  # before the build rewrites index.json: kept while still current
     stats = build_index(cfg.images, cfg.index, backbone, cfg.batch_size, cfg.num_workers, cfg.part_size,
                         progress=cfg.run.progress, new_root=cfg.new_folder)
     s = stats.as_dict()
@@ -62,6 +67,10 @@ def run(cfg: IndexConfig) -> int:
         print(f"  skipped {len(stats.skipped)} file(s) that are not images the index reads "
               f"({', '.join(DECODABLE_EXTENSIONS)}): " + ", ".join(f"{n} x {k}" for k, n in kinds.most_common()))
         print_some("skipped", stats.skipped, "convert them to one of the formats above to index them")
+    rankers = record_rankers(load_index(cfg.index), cfg.measure_rankers, previous)
+    print(f"rankers on this index (recorded in {cfg.index}/index.json):")
+    for kind, entry in rankers.items():
+        print("  " + describe(kind, entry))
     return 0
 
 

@@ -141,7 +141,8 @@ class SearchConfig(QueryModelOptions):
     negative: str | None = setting(None, help="what the results must not show: searched as 'TEXT, without "
                                               "NEGATIVE' with the method's +deo variant")
     ranker: str = setting("exact", choices=RANKERS,
-                          help="exact matrix product, or FAISS (pip install -e '.[search]')")
+                          help="exact matrix product, or FAISS (pip install -e '.[search]'): faiss-flat (exact), "
+                               "faiss-hnsw / faiss-ivf (approximate; their recall@10 is printed)")
     keep_reference: bool = setting(False, help="allow the reference image among the results: itself when it is "
                                                "in the gallery, and its pixel copies under other names (left out "
                                                "by default, as the page does)")
@@ -282,6 +283,7 @@ def check_mllm_methods(methods: list[str], have_mllm: bool) -> None:
 
 
 def run(cfg: SearchConfig) -> int:
+    from demind.search.expectations import expectation_line
     from demind.search.index import load_index
     from demind.search.query import Searcher, SearchQuery
 
@@ -301,6 +303,7 @@ def run(cfg: SearchConfig) -> int:
     check_mllm_methods([q.method for q in queries], mllm is not None)
     backbone, model = load_model(cfg)
     searcher = Searcher(backbone, model, load_index(cfg.index), cfg.ranker, mllm=mllm)
+    print(expectation_line(searcher.expectation))
     records = [answer(searcher, q, cfg.keep_reference) for q in queries] + skipped
     for record in records:
         print_record(record)
@@ -311,7 +314,8 @@ def run(cfg: SearchConfig) -> int:
     if cfg.out:
         mllm_summary = searcher.mllm.summary() if searcher.mllm is not None else None
         write_json_atomic(cfg.out, {"index": str(cfg.index), "checkpoint": cfg.checkpoint, "ranker": cfg.ranker,
-                                     "mllm": mllm_summary, "queries": records}, indent=2)
+                                     "ranker_expectation": searcher.expectation, "mllm": mllm_summary,
+                                     "queries": records}, indent=2)
         print(f"results: {cfg.out}")
     return 1 if failed else 0
 

@@ -1,15 +1,18 @@
 """Top-k inner-product search over an index's rows: exact (the default), FAISS flat (the same
-ranking by FAISS's kernel, over the same rows) and FAISS HNSW (approximate, for large galleries).
+ranking by FAISS's kernel, over the same rows), FAISS HNSW (approximate, for large galleries) and
+FAISS IVF (approximate, inverted lists over float16 rows: builds far faster than HNSW and holds the
+rows once, at the index's own float16 size, for galleries beyond a memory-resident HNSW).
 
 An index's rows are L2-normalised blocks (its memory-mapped float16 parts, :mod:`demind.search.index`);
-no ranker joins them into one matrix, and only HNSW keeps a copy (its graph search reads its own
-float32 rows). Measured against the bare matrix product, and the HNSW settings chosen by recall@10
-on CLIP-like clustered vectors, in BENCHMARKS.md (search).
+no ranker joins them into one matrix, HNSW keeps a float32 copy (its graph search reads its own
+rows), IVF a float16 one in its lists. Measured against the bare matrix product, and the HNSW and
+IVF settings chosen by recall@10 on CLIP-like clustered vectors, in BENCHMARKS.md (search).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import numpy as np
@@ -19,10 +22,15 @@ from demind.config import MissingDependencyError
 
 log = logging.getLogger(__name__)
 
-KINDS = ("exact", "faiss-flat", "faiss-hnsw")  # the search commands' RANKERS
+KINDS = ("exact", "faiss-flat", "faiss-hnsw", "faiss-ivf")  # the search commands' RANKERS
+APPROXIMATE = ("faiss-hnsw", "faiss-ivf")  # the rest return exactly the exact top k
 
 
 HNSW_M, HNSW_EF_CONSTRUCTION, HNSW_EF_SEARCH = 32, 80, 128  # chosen by recall@10 on clustered vectors (BENCHMARKS.md)
+# nlist ~ 4 sqrt(N), at most N / 39 (FAISS's minimum of 39 training rows a list); nprobe chosen by
+# recall@10 >= 0.95 on clustered vectors at 100k rows (BENCHMARKS.md, search)
+IVF_LISTS_PER_SQRT_ROW, IVF_TRAIN_PER_LIST, IVF_NPROBE = 4, 39, 16
+IVF_MIN_LISTS = 16  # fewer rows than 16 lists of 39 (624): exact search instead, logged
 CHUNK_ROWS = 8192  # rows converted to float32 at a time: a 16 MiB buffer that stays in cache
 
 
@@ -97,7 +105,8 @@ class Ranker:
     """Top-k inner-product search over L2-normalised rows: one (N, D) tensor or the blocks of an index."""
 
     def __init__(self, features: torch.Tensor | list[torch.Tensor], kind: str = "exact", hnsw_m: int = HNSW_M,
-                 ef_search: int = HNSW_EF_SEARCH, ef_construction: int = HNSW_EF_CONSTRUCTION) -> None:
+                 ef_search: int = HNSW_EF_SEARCH, ef_construction: int = HNSW_EF_CONSTRUCTION,
+                 nprobe: int = IVF_NPROBE) -> None:
         if kind not in KINDS:
             raise ValueError(f"unknown ranker {kind!r}; choose from {', '.join(KINDS)}")
         self.kind = kind
@@ -105,14 +114,25 @@ class Ranker:
         self.size = sum(len(b) for b in self.blocks)
         self.faiss_index = None
         self.build_s, self.recall_at_10 = 0.0, 1.0  # what to expect of this ranker (exact ones: 1)
-        if kind == "faiss-hnsw":
+        self.settings: dict[str, int] = {}
+        self.fallback: str | None = None  # why an approximate ranker searches exactly instead
+        if kind == "faiss-ivf" and ivf_fallback(self.size):
+            self.fallback = ivf_fallback(self.size)
+            faiss_module()  # the user asked for FAISS: say so now, as on a large gallery
+            log.info("faiss-ivf over %d rows: %s; searching exactly instead (the same top k, recall 1)", self.size,
+                     self.fallback)
+        elif kind in APPROXIMATE:
             start = time.perf_counter()
-            self.faiss_index = build_hnsw_index(self.blocks, hnsw_m, ef_search, ef_construction)
+            if kind == "faiss-hnsw":
+                self.faiss_index = build_hnsw_index(self.blocks, hnsw_m, ef_search, ef_construction)
+                self.settings = {"M": hnsw_m, "efConstruction": ef_construction, "efSearch": ef_search}
+            else:
+                self.faiss_index = build_ivf_index(self.blocks, nprobe=nprobe)
+                self.settings = {"nlist": self.faiss_index.nlist, "nprobe": self.faiss_index.nprobe}
             self.build_s = time.perf_counter() - start
             self.recall_at_10 = self.measured_recall()
-            log.info("faiss-hnsw over %d rows (M %d, efConstruction %d, efSearch %d): built in %.1f s, recall@10 "
-                     "%.3f against exact search", self.size, hnsw_m, ef_construction, ef_search, self.build_s,
-                     self.recall_at_10)
+            log.info("%s over %d rows (%s): built in %.1f s, recall@10 %.3f against exact search", kind, self.size,
+                     ", ".join(f"{k} {v}" for k, v in self.settings.items()), self.build_s, self.recall_at_10)
         elif kind == "faiss-flat":
             faiss_module()  # the same exact result, by FAISS's kernel over the stored rows (no copy)
 
@@ -128,13 +148,8 @@ class Ranker:
             return 1.0
         g = torch.Generator().manual_seed(0)
         pick = torch.randint(0, self.size, (n, 2), generator=g)
-        starts = np.cumsum([0] + [len(b) for b in self.blocks])
-
-        def row(i: int) -> torch.Tensor:  # one row of the blocks, without joining them
-            block = int(np.searchsorted(starts, i, side="right")) - 1
-            return self.blocks[block][i - starts[block]].float()
-
-        queries = torch.nn.functional.normalize(torch.stack([row(a) + row(b) for a, b in pick.tolist()]), dim=-1)
+        queries = torch.nn.functional.normalize(gather_rows(self.blocks, pick[:, 0]) +
+                                                gather_rows(self.blocks, pick[:, 1]), dim=-1)
         k = min(k, self.size)
         _, truth = exact_top_k(self.blocks, queries, k)
         _, found = self.top_k(queries, k)
@@ -144,9 +159,9 @@ class Ranker:
         """(B, D) queries -> (B, k') scores and row indices, best first; k' = min(k, N)."""
         k = min(k, self.size)
         queries = queries.float().cpu()
-        if self.kind == "exact":
+        if self.kind == "exact" or self.fallback:
             return exact_top_k(self.blocks, queries, k)
-        if self.kind == "faiss-hnsw":
+        if self.kind in APPROXIMATE:
             scores, rows = self.faiss_index.search(queries.contiguous().numpy(), k)
             return torch.from_numpy(scores), torch.from_numpy(rows).long()
         faiss, found = faiss_module(), []
@@ -163,7 +178,8 @@ def faiss_module():
     try:
         import faiss
     except ImportError as e:
-        raise MissingDependencyError("rankers faiss-flat and faiss-hnsw need FAISS: pip install -e '.[search]' "
+        raise MissingDependencyError("rankers faiss-flat, faiss-hnsw and faiss-ivf need FAISS: "
+                                     "pip install -e '.[search]' "
                                      "(faiss-cpu)") from e
     return faiss
 
@@ -178,4 +194,51 @@ def build_hnsw_index(blocks: list[torch.Tensor], hnsw_m: int = HNSW_M, ef_search
     index.hnsw.efSearch = ef_search
     for _, rows in _float_chunks(blocks, 1 << 16):
         index.add(np.ascontiguousarray(rows.numpy()))
+    return index
+
+
+def gather_rows(blocks: list[torch.Tensor], indices: torch.Tensor) -> torch.Tensor:
+    """(n,) global row indices -> (n, D) float32 rows of ``blocks``, without joining the blocks."""
+    starts = torch.tensor(np.cumsum([0] + [len(b) for b in blocks]))
+    which = torch.searchsorted(starts, indices.contiguous(), right=True) - 1
+    out = torch.empty(len(indices), blocks[0].shape[1])
+    for block in torch.unique(which).tolist():
+        mask = which == block
+        out[mask] = blocks[block][indices[mask] - starts[block]].float()
+    return out
+
+
+def ivf_lists(rows: int) -> int:
+    """nlist for ``rows`` rows: ~4 sqrt(N), at most N / 39 so that k-means has FAISS's minimum of
+    training rows per list (0 for galleries too small to split)."""
+    return min(round(IVF_LISTS_PER_SQRT_ROW * math.sqrt(rows)), rows // IVF_TRAIN_PER_LIST)
+
+
+def ivf_fallback(rows: int) -> str | None:
+    """Why faiss-ivf searches ``rows`` rows exactly instead (too few to split into lists), else None."""
+    if ivf_lists(rows) >= IVF_MIN_LISTS:
+        return None
+    return f"{rows} rows are fewer than {IVF_MIN_LISTS} lists of {IVF_TRAIN_PER_LIST} training rows"
+
+
+def build_ivf_index(blocks: list[torch.Tensor], nlist: int | None = None, nprobe: int = IVF_NPROBE,
+                    train_per_list: int = 64):
+    """FAISS IVF (approximate inner product) over the rows of ``blocks``: ``nlist`` k-means lists
+    (default :func:`ivf_lists`) trained on up to ``train_per_list`` evenly spaced rows a list; rows
+    kept as float16 (scalar quantizer fp16: the index's stored values, so scores within a list are
+    those of exact search), ``nprobe`` lists read per query."""
+    faiss = faiss_module()
+    size = sum(len(b) for b in blocks)
+    nlist = nlist or ivf_lists(size)
+    if not 1 <= nlist <= size:
+        raise ValueError(f"an IVF index over {size} rows needs 1 to {size} lists, not {nlist}")
+    dim = blocks[0].shape[1]
+    quantizer = faiss.IndexFlatIP(dim)
+    index = faiss.IndexIVFScalarQuantizer(quantizer, dim, nlist, faiss.ScalarQuantizer.QT_fp16,
+                                          faiss.METRIC_INNER_PRODUCT)
+    sample = torch.linspace(0, size - 1, min(size, train_per_list * nlist)).round().long()
+    index.train(np.ascontiguousarray(gather_rows(blocks, sample).numpy()))
+    for _, rows in _float_chunks(blocks, 1 << 16):
+        index.add(np.ascontiguousarray(rows.numpy()))
+    index.nprobe = min(nprobe, nlist)
     return index

@@ -182,6 +182,7 @@ def create_app(searcher: Searcher | None, problem: str | None = None,
             "methods": [{"name": m, "label": method_label(m)} for m in searcher.available_methods()],
             "template": DEFAULT_TEMPLATE,
             "gallery_size": len(searcher.index),
+            "ranker": searcher.expectation,  # which ranker, and its recall@10 ("exact" or measured)
             "index": searcher.index.directory.name,  # the folder's name: where it lies is the server's business
             "backbone": searcher.index.backbone,
             "mllm": searcher.mllm.summary() if searcher.mllm is not None else None,
