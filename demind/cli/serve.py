@@ -97,6 +97,7 @@ def access_settings(args: ServeConfig):
 def run(args: ServeConfig) -> int:
     from demind.search.index import GalleryIndexError, build_index, load_index  # model code: not for --help
     from demind.search.query import Searcher
+    from demind.search.expectations import expectation_line
     from demind.search.server import create_app, start_server
 
     resolve_paths(args)
@@ -108,7 +109,9 @@ def run(args: ServeConfig) -> int:
         print(f"index {args.index}: {stats.indexed} images ({stats.encoded} encoded, {stats.cached} reused, "
               f"{len(stats.unreadable)} unreadable)")
     try:
-        app = create_app(Searcher(backbone, model, load_index(args.index), args.ranker, mllm=mllm), settings=settings)
+        searcher = Searcher(backbone, model, load_index(args.index), args.ranker, mllm=mllm)
+        print(expectation_line(searcher.expectation))  # /api/info returns the same under "ranker"
+        app = create_app(searcher, settings=settings)
     except GalleryIndexError as e:
         log.error("%s", e)  # the page shows it too; the server still starts
         app = create_app(None, problem=str(e), settings=settings)
