@@ -157,6 +157,28 @@ def test_the_index_encodes_and_shows_phone_photos_upright(tmp_path, tiny_backbon
     assert load_image(index.image_ref("portrait.jpg")).size == (24, 48)  # the thumbnail is upright too
 
 
+def test_an_index_moved_with_its_images_finds_them_and_one_moved_alone_keeps_the_recorded_folder(
+        tmp_path, tiny_backbone):
+    import shutil
+
+    from demind.retrieval import load_image
+    from demind.search.index import build_index, load_index
+
+    project = tmp_path / "project"
+    phone_jpeg(project / "photos" / "portrait.jpg")
+    build_index(project / "photos", project / "index", tiny_backbone, num_workers=0, progress=False)
+    assert "project" not in json.loads((project / "index" / "index.json").read_text())["root_relative"]
+    moved = tmp_path / "elsewhere" / "project"
+    shutil.move(str(project), str(moved))  # another machine: the recorded absolute folder is gone
+    index = load_index(moved / "index")
+    assert index.root == (moved / "photos").resolve()
+    assert load_image(index.image_ref("portrait.jpg")).size == (24, 48)
+    stats = build_index(moved / "photos", moved / "index", tiny_backbone, num_workers=0, progress=False)
+    assert (stats.cached, stats.encoded) == (1, 0)  # the moved pair updates as the same index, nothing re-encoded
+    shutil.move(str(moved / "index"), str(tmp_path / "index-alone"))  # the index alone: no folder beside it
+    assert load_index(tmp_path / "index-alone").root == (moved / "photos").resolve()  # the recorded absolute one
+
+
 def test_a_reference_photo_is_read_upright_from_a_path_and_from_an_upload(tmp_path):
     from demind.search.query import read_query_image
 

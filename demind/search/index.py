@@ -33,33 +33,22 @@ import torch
 import torch.nn.functional as F
 
 from demind.backbone import FrozenCLIP
-from demind.errors import DemindError, InputError
+from demind.errors import InputError
 from demind.embedding_cache import cache_identity, cache_slug, check_backbone, map_tensor, with_precision
-from demind.retrieval import DamagedPartError, ImageFeatureCache, encode_image_refs, stack_features
 from demind.imaging import DECODABLE_EXTENSIONS
-from demind.retrieval import ImageRef
-from demind.io import read_json
-from demind.io import check_output_dir, write_json_atomic
+from demind.io import check_output_dir, read_json, write_json_atomic
+from demind.retrieval import DamagedPartError, ImageFeatureCache, ImageRef, encode_image_refs, stack_features
+from demind.search.index_manifest import (INDEX_FORMAT, LEGACY_FORMAT, MANIFEST, DamagedManifestError,  # noqa: F401
+                                          GalleryIndexError, previous_manifest, read_manifest, rebuild_advice,
+                                          recorded_root)
 from demind.shard_format import SHARD_SUFFIX
 
 log = logging.getLogger(__name__)
 
-INDEX_FORMAT = "demind-index/2"  # /2: names once, rows stored normalised (float16) in parts listed in order
-LEGACY_FORMAT = "demind-index/1"  # /1: [name, key] pairs, raw float32 parts found by key (still read)
 STORED_DTYPE = "float16"  # measured: top-10 unchanged within float16 rounding (BENCHMARKS.md, search)
 DTYPES = {"float16": torch.float16, "float32": torch.float32}
-MANIFEST = "index.json"
 BACKBONE_FILE = "backbone.json"
 ROLE = "embeddings"
-
-
-class GalleryIndexError(DemindError, ValueError):
-    """An index that cannot be used as asked (missing, unfinished, or another backbone's)."""
-
-
-class DamagedManifestError(GalleryIndexError):
-    """A demind index whose ``index.json`` is truncated or holds wrong-typed keys: ``demind-index``
-    rebuilds it (reusing the stored embeddings); searching it needs that rebuild first."""
 
 
 @dataclass
@@ -219,61 +208,6 @@ def _check_or_write_backbone(index_dir: Path, backbone: FrozenCLIP) -> None:
     write_json_atomic(path, record, indent=2)
 
 
-def _rebuild_advice(index_dir: Path, root: str | None = None) -> str:
-    return f"rerun demind-index --images {root or 'DIR'} --index {index_dir} (with its --checkpoint) to rebuild it"
-
-
-MANIFEST_TYPES = {"format": str, "root": str, "backbone_slug": str, "precision": str, "embed_dim": int,
-                  "images": list, "unreadable": dict}
-V2_TYPES = {"parts": list, "dtype": str}
-
-
-def _read_manifest(index_dir: Path) -> dict | None:
-    """The finished build's ``index.json``, None when there is none; a damaged one is a
-    GalleryIndexError naming the file, the key and how to rebuild it."""
-    path = index_dir / MANIFEST
-    if not path.is_file():
-        return None
-    try:
-        manifest = read_json(path, fix=_rebuild_advice(index_dir))
-    except InputError as e:
-        raise DamagedManifestError(str(e)) from None
-    if not isinstance(manifest, dict):
-        # not ours to overwrite: someone else's index.json, or a file put there by hand
-        raise GalleryIndexError(f"{path} is not a demind index (a JSON {type(manifest).__name__}, not an object); "
-                                f"choose another --index folder, or delete {path} to build a new index there")
-    if manifest.get("format") not in (INDEX_FORMAT, LEGACY_FORMAT):
-        raise GalleryIndexError(f"{path} is not a demind index (format {manifest.get('format')!r}, "
-                                f"expected {INDEX_FORMAT!r})")
-    root = manifest.get("root") if isinstance(manifest.get("root"), str) else None
-    legacy = manifest["format"] == LEGACY_FORMAT
-    for key, kind in {**MANIFEST_TYPES, **({} if legacy else V2_TYPES)}.items():
-        if not isinstance(manifest.get(key), kind):
-            raise DamagedManifestError(f"{path}: key {key!r} must be a JSON {kind.__name__}, got "
-                                    f"{type(manifest.get(key)).__name__}; " + _rebuild_advice(index_dir, root))
-    if legacy and not all(isinstance(e, list) and len(e) == 2 and all(isinstance(x, str) for x in e)
-                          for e in manifest["images"]):
-        raise DamagedManifestError(f"{path}: key 'images' must list [name, key] pairs of strings; "
-                                + _rebuild_advice(index_dir, root))
-    if not legacy and not (all(isinstance(e, str) for e in manifest["images"]) and all(
-            isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], int)
-            for p in manifest["parts"]) and sum(p[1] for p in manifest["parts"]) == len(manifest["images"])):
-        raise DamagedManifestError(f"{path}: keys 'images' (names) and 'parts' ([part, rows] pairs) do not match; "
-                                   + _rebuild_advice(index_dir, root))
-    return manifest
-
-
-def _previous_manifest(index_dir: Path, images: Path) -> tuple[dict, bool]:
-    """(the last finished build's manifest, whether it was damaged). A damaged one is logged and
-    read as none: the build then starts afresh, reusing every stored embedding whose key matches."""
-    empty = {"images": [], "unreadable": {}, "root": None}
-    try:
-        return _read_manifest(index_dir) or empty, False
-    except DamagedManifestError as e:
-        log.warning("%s -- rebuilding the index from %s now (stored embeddings are reused)", e, images)
-        return empty, True
-
-
 def build_index(
     images: str | Path,
     index_dir: str | Path,
@@ -301,8 +235,8 @@ def build_index(
     if part_size < 1:
         raise GalleryIndexError(f"part_size must be at least 1 (images per saved part), got {part_size}")
     check_output_dir(index_dir)
-    previous, damaged = _previous_manifest(index_dir, images)
-    if previous["root"] and Path(previous["root"]) != images.resolve():
+    previous, damaged = previous_manifest(index_dir, images)
+    if previous["root"] and recorded_root(index_dir, previous) != images.resolve():
         if not new_root:
             raise GalleryIndexError(
                 f"index {index_dir} was built from {previous['root']}, not {images.resolve()}: following the new "
@@ -352,6 +286,9 @@ def build_index(
     write_json_atomic(index_dir / MANIFEST, {
         "format": INDEX_FORMAT,
         "root": str(images.resolve()),
+        # also relative to the index folder: an index moved together with its images (a project folder
+        # copied to another machine) still finds them; "root" serves an index moved on its own
+        "root_relative": os.path.relpath(images.resolve(), index_dir.resolve()),
         "backbone": record["identity"], "backbone_slug": record["slug"],
         "precision": record["precision"], "embed_dim": record["embed_dim"], "dtype": dtype,
         "parts": [[path.stem, record["rows"]] for path, record in parts],
@@ -373,13 +310,13 @@ def load_index(index_dir: str | Path, root: str | Path | None = None) -> Gallery
     the earlier layout is read into one normalised float32 block).
     """
     index_dir = Path(index_dir)
-    manifest = _read_manifest(index_dir)
+    manifest = read_manifest(index_dir)
     if manifest is None:
         hint = (" (it holds parts of an unfinished build: rerun demind-index to finish it)"
                 if (index_dir / ROLE).is_dir() else "")
         raise GalleryIndexError(f"no index at {index_dir}: {MANIFEST} is missing{hint}; "
                                 f"build one with demind-index --images DIR --index {index_dir} --checkpoint CKPT")
-    root = Path(root) if root else Path(manifest["root"])
+    root = Path(root) if root else recorded_root(index_dir, manifest)
     if manifest["format"] == LEGACY_FORMAT:
         names, blocks = _load_legacy_rows(index_dir, manifest)
     else:
@@ -411,7 +348,7 @@ def _map_parts(index_dir: Path, manifest: dict) -> list[torch.Tensor]:
     blocks = []
     for stem, rows in manifest["parts"]:
         path = index_dir / ROLE / f"{stem}.safetensors"
-        fix = f"{_rebuild_advice(index_dir, manifest['root'])} (only the damaged part's images are encoded again)"
+        fix = f"{rebuild_advice(index_dir, manifest['root'])} (only the damaged part's images are encoded again)"
         if not path.is_file():
             raise GalleryIndexError(f"index {index_dir} lacks its part {path.name}; {fix}")
         block = map_tensor(path, "features", GalleryIndexError, f"index {index_dir}: feature part", fix)
@@ -427,7 +364,7 @@ def _load_legacy_rows(index_dir: Path, manifest: dict) -> tuple[list[str], list[
     try:
         stored = ImageFeatureCache.at(index_dir).load(ROLE)
     except DamagedPartError as e:
-        raise GalleryIndexError(f"index {index_dir}: {e}; {_rebuild_advice(index_dir, manifest['root'])} "
+        raise GalleryIndexError(f"index {index_dir}: {e}; {rebuild_advice(index_dir, manifest['root'])} "
                                 f"(only the damaged part's images are encoded again)") from None
     names = [name for name, _ in manifest["images"]]
     stale = [name for name, key in manifest["images"] if key not in stored.get(name, {})]
