@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from demind.backbone import BackboneConfig, FrozenCLIP, build_backbone, parse_backbone_spec, same_backbone
-from demind.identity import identity_difference
+from demind.identity import canonical_identity, identity_difference
 from demind.config import ConfigError, from_dict, to_dict
 from demind.errors import DemindError
 from demind.hubref import is_hub_ref, resolve_hub_folder
@@ -85,7 +85,8 @@ of its model-config JSON, so a run folder that moved (or a re-cloned repository)
 
 
 def _relative_to(path: str, folder: Path) -> str:
-    return Path(os.path.relpath(Path(path).resolve(), folder.resolve())).as_posix()
+    # links kept (abspath, not resolve): a Hugging Face snapshot's file is a link to a blob named by hash
+    return Path(os.path.relpath(os.path.abspath(path), os.path.abspath(folder))).as_posix()
 
 
 def backbone_files_record(cfg: BackboneConfig, folder: Path) -> dict | None:
@@ -149,7 +150,7 @@ def resolve_backbone_files(meta: dict, file: str | Path) -> BackboneConfig:
             # gone, or edited since (a re-cloned repository): the copy the checkpoint carries
             found = _materialised_model_config(files["model_config"], Path(cfg.name).stem)
         cfg.name = str(found) if found is not None else cfg.name  # missing: the backbone names the file
-    if str(meta["backbone_identity"].get("pretrained") or "").startswith("sha256:"):
+    if str(canonical_identity(meta["backbone_identity"]).get("pretrained") or "").startswith("sha256:"):
         found = _find_local_file(cfg.pretrained, files.get("pretrained"), folder)
         if found is None:
             raise CheckpointError(

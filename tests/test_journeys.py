@@ -43,6 +43,16 @@ def test_a_yaml_config_repeating_a_key_is_refused_naming_key_file_and_lines(tmp_
         load_config(SearchConfig, config)
 
 
+def test_yaml_merge_keys_read_as_pyyaml_reads_them():
+    import yaml
+
+    from demind.config import _UniqueKeyLoader
+
+    text = "a: &a {k: 1, j: 2}\nb:\n  <<: *a\n  k: 3\n"  # a merged key overridden is no repeat
+    assert yaml.load(text, Loader=_UniqueKeyLoader) == yaml.safe_load(text) == {"a": {"k": 1, "j": 2},
+                                                                                "b": {"k": 3, "j": 2}}
+
+
 # --------------------------------------------------------------------------- malformed references
 
 
@@ -397,6 +407,24 @@ def test_a_run_folder_loads_after_it_moved_and_the_repository_was_cloned_elsewhe
     shutil.move(str(tmp_path / "a" / "work"), str(tmp_path / "b-work"))  # the run folder and its weights moved
     shutil.rmtree(tmp_path / "a" / "repo")  # the model config's repository re-cloned elsewhere
     assert torch.equal(queries_of(tmp_path / "b-work" / "run" / "demind.safetensors"), before)
+
+
+def test_a_run_folder_records_a_linked_model_config_by_its_link(tmp_path):
+    """A Hugging Face snapshot's files are links to blobs named by hash: the record keeps the link's
+    name (a .json), so the moved run folder still finds a model config, not an extensionless blob."""
+    import shutil
+
+    from demind.checkpoint import backbone_files_record
+    from demind.backbone import BackboneConfig
+
+    blob = tmp_path / "hf" / "blobs" / "3f2a9"
+    blob.parent.mkdir(parents=True)
+    shutil.copy(TINY_CLIP, blob)
+    link = tmp_path / "hf" / "snapshot" / "my-clip.json"
+    link.parent.mkdir(parents=True)
+    link.symlink_to(Path("..") / "blobs" / "3f2a9")
+    record = backbone_files_record(BackboneConfig(name=str(link), pretrained=None), tmp_path / "run")
+    assert record["name"] == "../hf/snapshot/my-clip.json"
 
 
 def test_a_run_folder_loads_when_its_model_config_was_edited_since(tmp_path):

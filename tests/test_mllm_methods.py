@@ -348,3 +348,15 @@ def test_a_missing_prompt_version_is_one_error_line(toy_cirr, tmp_path, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and "describer prompt version 'v9' not found" in err[0]
+
+
+def test_a_local_model_is_identified_by_content_and_name_not_by_place(tmp_path):
+    from demind.describe import model_identity
+
+    for place in ("a", "b"):
+        (tmp_path / place / "llava").mkdir(parents=True)
+        (tmp_path / place / "llava" / "config.json").write_text('{"model_type": "llava_next"}')
+        (tmp_path / place / "llava" / "model.safetensors").write_bytes(b"x" * 10)
+    a, b = model_identity(str(tmp_path / "a" / "llava")), model_identity(str(tmp_path / "b" / "llava"))
+    assert a == b and a["model"] == "llava" and str(tmp_path) not in json.dumps(a)
+    assert a["weights"] == [("model.safetensors", 10)]

@@ -32,16 +32,17 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 
 def model_identity(model: str) -> dict[str, Any]:
     """What identifies an MLLM without loading it: a hub id as given; a local folder by its
-    resolved path, the sha256 of its config.json and the names and sizes of its weight files
-    (hashing 15 GB of weights on every run would cost minutes; a retrained model of the same
-    architecture changes the sizes only rarely, so the folder's own name is part of the slug too)."""
+    name (never its place: a store moved to another machine, or the model moved, still matches),
+    the sha256 of its config.json and the names and sizes of its weight files (hashing 15 GB of
+    weights on every run would cost minutes; a retrained model of the same architecture changes
+    the sizes only rarely, so the folder's own name is part of the slug too)."""
     folder = Path(model)
     if not folder.is_dir():
         return {"model": model}
     config = folder / "config.json"
     weights = sorted((p.name, p.stat().st_size) for p in folder.iterdir()
                      if p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES))
-    return {"model": str(folder.resolve()),
+    return {"model": folder.resolve().name,
             "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else None,
             "weights": weights}
 

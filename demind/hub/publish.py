@@ -40,7 +40,7 @@ from demind.config import to_dict
 from demind.hub.cards import dataset_card, model_card, results_problem
 from demind.hubref import HubError, hub_unreachable, import_hub, is_hub_ref, parse_hub_ref
 from demind.hub.folders import CARD_MARKER, PUBLISHED_FILES_KEY, PublishError, building_beside, check_publish_target, swap_in
-from demind.identity import backbone_identity, file_sha256
+from demind.identity import backbone_identity, canonical_identity, file_sha256
 from demind.io import atomic_path, write_json_atomic, write_text_atomic
 from demind.shard_format import HUB_SHARD_FILES, SHARD_SUFFIX, ShardOutput, stats_path
 
@@ -126,7 +126,7 @@ def _copy_backbone_files(meta: dict[str, Any], source: Path, out: Path) -> tuple
     after checking they are the ones the checkpoint records (identity by content). Returns the
     backbone config as the published checkpoint records it (paths relative to ``out``) and its
     backbone files record."""
-    identity = meta["backbone_identity"]
+    identity = canonical_identity(meta["backbone_identity"])  # older records: file:NAME@sha256:HEX
     cfg = resolve_backbone_files(meta, source)  # CheckpointError naming a weights file that is nowhere
     published, files = to_dict(cfg), {"name": None, "pretrained": None, "model_config": None}
     if cfg.name.endswith(".json"):
