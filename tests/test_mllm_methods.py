@@ -360,3 +360,20 @@ def test_a_local_model_is_identified_by_content_and_name_not_by_place(tmp_path):
     a, b = model_identity(str(tmp_path / "a" / "llava")), model_identity(str(tmp_path / "b" / "llava"))
     assert a == b and a["model"] == "llava" and str(tmp_path) not in json.dumps(a)
     assert a["weights"] == [("model.safetensors", 10)]
+
+
+def test_rerank_settings_that_cannot_work_are_refused_before_any_model_or_method_runs(toy_cirr, tiny_backbone,
+                                                                                      tmp_path):
+    from demind.cli.search import build_mllm_setup
+    from demind.config import ConfigError, RunOptions
+    from demind.errors import InputError
+    from demind.gen.config import EngineConfig
+
+    with pytest.raises(InputError, match="engine.name=transformers"):  # vLLM returns no answer probabilities
+        build_mllm_setup(EngineConfig(name="vllm", model="m"), DescribeOptions(), RerankOptions(k=5), RunOptions())
+    engine = ScriptedEngine({})
+    setup = MLLMSetup(lambda: engine, model="scripted-model", engine_name="scripted",
+                      rerank=RerankOptions(k=5, methods="osrcir,image-only"))
+    with pytest.raises(ConfigError, match=r"rerank.methods names \['image-only'\]"):
+        run_eval(toy_cirr, tiny_backbone, "text-only,osrcir", setup, out=tmp_path)
+    assert engine.calls == 0  # refused before the describer ran

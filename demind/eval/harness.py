@@ -143,6 +143,8 @@ def evaluate(
     mllm_run = mllm.bind(data.benchmark, data.split, descriptions_root(cache_dir, out_dir)) if mllm else None
     method_objs = build_methods(parse_method_names(methods, model is not None, exclmm is not None), backbone, model,
                                 exclmm, mllm=mllm_run)
+    if mllm_run is not None and mllm_run.reranker() is not None:  # a typo in rerank.methods: now, not after the run
+        mllm_run.rerank_targets([m.name for m in method_objs])
     if cache_dir is None and out_dir is not None:
         cache_dir = Path(out_dir) / "feature_cache"
     for folder in (out_dir, cache_dir):  # before encoding: a read-only or full disk fails in seconds
