@@ -27,11 +27,9 @@ from demind.config import ConfigError, validate
 from demind.errors import InputError
 # the config section and the templates live in torch-free modules (read by --help and config checks);
 # importable from here, where callers found them
-from demind.schema import FUSIONS, QUERY_SCALES, ModelConfig, heads_problem  # noqa: F401
+from demind.schema import FUSIONS, QUERY_MODES, QUERY_SCALES, ModelConfig, heads_problem  # noqa: F401
 from demind.templates import (  # noqa: F401
     MAX_TEMPLATE_CHARS, TEMPLATE_FIELDS, TEMPLATES, TemplateError, fill_template, template_field)
-
-QUERY_MODES = ("eager", "compile", "cudagraphs")
 
 
 class ComposeOutput(NamedTuple):

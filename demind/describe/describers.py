@@ -28,6 +28,7 @@ from demind.describe.config import DescribeOptions
 from demind.describe.parse import parse_description
 from demind.describe.store import RecordStore
 from demind.errors import InputError, MissingInputError
+from demind.imaging import resize_longest_side
 from demind.gen import Engine, GenRequest, render, request_seed, user_turn
 from demind.model import PLACEHOLDER
 from demind.retrieval import Query, load_image
@@ -111,14 +112,6 @@ class LazyEngine:
         return self._engine
 
 
-def shrink(image: Image.Image, max_side: int) -> Image.Image:
-    """``image`` with its longest side at most ``max_side`` (aspect kept)."""
-    if max(image.size) > max_side:
-        image = image.copy()
-        image.thumbnail((max_side, max_side))
-    return image
-
-
 class Describer:
     """Base: stored answers first, the engine for the rest, fallback counted (see the module docstring)."""
 
@@ -184,7 +177,7 @@ class Describer:
         out: dict[str, Image.Image] = {}
         for q in queries:
             if q.reference.name not in out:
-                out[q.reference.name] = shrink(load_image(q.reference), self.options.image_max_side)
+                out[q.reference.name] = resize_longest_side(load_image(q.reference), self.options.image_max_side)
         return out
 
     def _answer(self, part: list[tuple[Query, int]]) -> dict[str, dict[str, Any]]:

@@ -20,8 +20,9 @@ from typing import Any, Protocol
 import torch
 
 from demind.describe.config import RerankOptions
-from demind.describe.describers import DescriberPrompts, LazyEngine, fill, modification_text, shrink
+from demind.describe.describers import DescriberPrompts, LazyEngine, fill, modification_text
 from demind.describe.store import RecordStore
+from demind.imaging import resize_longest_side
 from demind.errors import InputError
 from demind.gen import render
 from demind.retrieval import ImageRef, Query, load_image
@@ -137,13 +138,13 @@ class MLLMVerifier:
         """One query's candidates, in batches of ``rerank.batch_size``."""
         engine, model, processor = self._model()
         yes, no = self._answer_ids(processor.tokenizer)
-        reference = shrink(load_image(query.reference), self.image_max_side)
+        reference = resize_longest_side(load_image(query.reference), self.image_max_side)
         prompt = self._prompt(processor, query)
         image_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
         prefix: tuple[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
         out: list[float] = []
         for start in range(0, len(candidates), self.options.batch_size):
-            batch = [shrink(load_image(c), self.image_max_side) for c in candidates[start:start + self.options.batch_size]]
+            batch = [resize_longest_side(load_image(c), self.image_max_side) for c in candidates[start:start + self.options.batch_size]]
             inputs = processor(images=[im for c in batch for im in (reference, c)], text=[prompt] * len(batch),
                                return_tensors="pt", padding=True)
             if not self.options.prefix_reuse:

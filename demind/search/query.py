@@ -45,7 +45,7 @@ from demind.search.names import DEFAULT_METHOD, DEFAULT_TEMPLATE, RANKERS  # noq
 
 log = logging.getLogger(__name__)
 
-HYBRID = "demind+mllm"
+HYBRID = registry.HYBRID_METHOD
 IMAGE_METHODS = ("image-only", "image+text", "mapping-only", "demind", *MLLM_METHODS)  # need a reference image
 TEXT_METHODS = ("text-only", "image+text", "mapping-only", "demind", *MLLM_METHODS)    # need a modification text
 PROMPT_METHODS = ("mapping-only", "demind", HYBRID)                                    # fill the template

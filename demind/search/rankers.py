@@ -19,10 +19,11 @@ import numpy as np
 import torch
 
 from demind.config import MissingDependencyError
+from demind.search.names import RANKERS
 
 log = logging.getLogger(__name__)
 
-KINDS = ("exact", "faiss-flat", "faiss-hnsw", "faiss-ivf")  # the search commands' RANKERS
+KINDS = RANKERS  # the search commands' choices (search/names.py, torch-free for --help)
 APPROXIMATE = ("faiss-hnsw", "faiss-ivf")  # the rest return exactly the exact top k
 
 
@@ -91,13 +92,7 @@ def _exact_top_k_fp16(blocks: list[torch.Tensor], query: torch.Tensor, k: int,
     candidates = torch.nonzero(scores.float() >= kth - FP16_MARGIN)[:, 0]
     if len(candidates) > 1 << 16:
         return None
-    starts = torch.tensor(np.cumsum([0] + [len(b) for b in blocks]))
-    which = torch.searchsorted(starts, candidates, right=True) - 1
-    rows = torch.empty(len(candidates), query.shape[0])
-    for block in torch.unique(which).tolist():
-        mask = which == block
-        rows[mask] = blocks[block][candidates[mask] - starts[block]].float()
-    top = torch.topk(rows @ query, k)
+    top = torch.topk(gather_rows(blocks, candidates) @ query, k)
     return top.values[None], candidates[top.indices][None]
 
 
