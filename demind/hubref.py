@@ -102,10 +102,16 @@ def hub_unreachable(timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
     if constants.HF_HUB_OFFLINE:
         return "offline mode is on (HF_HUB_OFFLINE=1)"
     import socket
+    import urllib.request
     from urllib.parse import urlsplit
 
     endpoint = urlsplit(constants.ENDPOINT)
     host, port = endpoint.hostname or "huggingface.co", endpoint.port or (80 if endpoint.scheme == "http" else 443)
+    # behind a proxy (HTTPS_PROXY / HTTP_PROXY, as huggingface_hub's client uses them), the proxy is what must answer
+    proxy = urllib.request.getproxies().get(endpoint.scheme or "https")
+    if proxy and not urllib.request.proxy_bypass(host):
+        proxy_url = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+        host, port = proxy_url.hostname or host, proxy_url.port or (443 if proxy_url.scheme == "https" else 80)
     try:
         socket.create_connection((host, port), timeout=timeout_s).close()
     except OSError as e:
@@ -140,7 +146,8 @@ def snapshot_folder(ref: HubRef, repo_type: str, setting: str,
         patterns = [f"{ref.subfolder}/{p}" for p in patterns]
     where = f"{setting}={str(ref)!r} ({repo_type} repository {ref.repo_id}, revision {ref.revision or 'main'})"
     # without network, read the cache only (huggingface_hub would retry for a minute first)
-    cache_only = hub_unreachable() is not None
+    unreachable = hub_unreachable()
+    cache_only = unreachable is not None
     try:
         root = Path(hub.snapshot_download(ref.repo_id, repo_type=repo_type, revision=ref.revision,
                                           allow_patterns=patterns, local_files_only=cache_only))
@@ -152,7 +159,7 @@ def snapshot_folder(ref: HubRef, repo_type: str, setting: str,
     except errors.RevisionNotFoundError:
         raise HubError(f"{where}: no such revision; give a branch, tag or commit of the repository") from None
     except errors.LocalEntryNotFoundError:
-        reason = hub_unreachable() or "the Hub cannot be reached"
+        reason = unreachable or "the Hub cannot be reached"
         raise HubError(f"{where} is not (completely) in the Hugging Face cache and {reason}: download it once "
                        f"while online, or point HF_HUB_CACHE at a cache that holds it") from None
     except errors.HfHubHTTPError as e:

@@ -83,3 +83,21 @@ def test_a_hub_reference_without_network_reads_the_cache_only_and_says_why(monke
                                        r"reached"):
         resolve_hub_folder("hf-hub:demind-test/absent", "model", "--checkpoint")
     assert time.monotonic() - start < 10
+
+
+def test_behind_a_proxy_the_proxy_is_what_must_answer(monkeypatch):
+    """huggingface_hub downloads through HTTPS_PROXY / HTTP_PROXY: a network where only the proxy is
+    reachable is online (a direct connection to the endpoint would say it is not)."""
+    import socket
+
+    unreachable_endpoint(monkeypatch)
+    for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    assert "127.0.0.1:9" in hub_unreachable()
+    with socket.socket() as proxy:  # a local stand-in for the proxy: it accepts connections
+        proxy.bind(("127.0.0.1", 0))
+        proxy.listen(1)
+        monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{proxy.getsockname()[1]}")
+        assert hub_unreachable() is None
+        monkeypatch.setenv("no_proxy", "127.0.0.1")  # the endpoint bypasses the proxy: connected directly again
+        assert "127.0.0.1:9" in hub_unreachable()
