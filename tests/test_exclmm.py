@@ -140,3 +140,21 @@ def test_killed_run_resumes_to_the_same_weights(repo_root, train_split, tmp_path
     logged = [[{k: v for k, v in json.loads(line).items() if k != "rows_per_s"}
                for line in (run / "metrics.jsonl").read_text().splitlines()] for run in (reference, killed)]
     assert logged[0] == logged[1] and len(logged[0]) == 3 * 60 // 4
+
+
+def test_features_reused_from_their_record_and_recomputed_after_a_stop_before_it(train_split, tiny_backbone,
+                                                                                 tmp_path, monkeypatch):
+    import demind.exclmm.features as features
+    from demind.exclmm.config import ExclDataConfig
+
+    data = ExclDataConfig(train=str(train_split), encode_batch_size=64)
+    first = features.prepare_features(data, tiny_backbone, tmp_path, progress=False)
+    record = tmp_path / FEATURES_NAME.replace(".safetensors", ".json")
+    assert record.is_file()
+    monkeypatch.setattr(features, "encode_texts", lambda *a, **k: pytest.fail("recomputed although finished"))
+    again = features.prepare_features(data, tiny_backbone, tmp_path, progress=False)
+    assert torch.equal(again["images"], first["images"]) and again["vocab"] == first["vocab"]
+    monkeypatch.undo()
+    record.unlink()  # a run stopped after the tensors, before its done-marker
+    redone = features.prepare_features(data, tiny_backbone, tmp_path, progress=False)
+    assert record.is_file() and torch.equal(redone["word_vectors"], first["word_vectors"])

@@ -27,7 +27,7 @@ from demind.eval import load_exclcoco
 from demind.retrieval import ImageFeatureCache, encode_image_refs
 from demind.retrieval import ImageRef
 from demind.exclmm.model import words_of
-from demind.training import load_tree
+from demind.training import StateFileError, load_tree
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +71,16 @@ def save_features(path: Path, feats: dict[str, Any]) -> Path:
     return Path(path)
 
 
-def load_features(path: str | Path) -> dict[str, Any]:
-    """The dict :func:`prepare_features` returns, read from ``path`` (tensors on the CPU)."""
+def features_record(path: str | Path) -> dict[str, Any] | None:
+    """The json record of the features at ``path`` (the done-marker, written last), or None."""
+    return read_record(entry_paths(Path(path).with_suffix(""))[1], ExclFeaturesError, FEATURES_FIX)
+
+
+def load_features(path: str | Path, record: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The dict :func:`prepare_features` returns, read from ``path`` (tensors on the CPU);
+    ``record``: its json record when the caller already read it."""
     path = Path(path)
-    record = read_record(entry_paths(path.with_suffix(""))[1], ExclFeaturesError, FEATURES_FIX)
+    record = record if record is not None else features_record(path)
     if record is None:  # written before the one cache: the JSON lives inside the safetensors file
         tree = load_tree(path, LEGACY_FORMAT, FEATURES_FIX)
         return {k: unpack_ragged(v) if k in RAGGED else v for k, v in tree.items()}
@@ -102,6 +108,27 @@ def word_index(sentences: list[str], vocab: dict[str, int]) -> list[list[int]]:
     return [[vocab[w] for w in words_of(s) if w in vocab] for s in sentences]
 
 
+def _reusable(path: Path, identity: dict[str, Any], train: Any) -> tuple[str | None, dict[str, Any] | None]:
+    """(why the features at ``path`` must be recomputed, or None; the features when they are reusable).
+
+    Decided from the json record alone (the tensors are read only when they will be used); tensors
+    without a record are a run stopped before its done-marker, or the earlier single-file layout."""
+    record = features_record(path)
+    if record is None:
+        try:
+            feats = load_features(path, record)
+        except StateFileError:
+            return "has no record (a run stopped before writing it)", None
+        record = {"format": LEGACY_FORMAT, **{k: feats.get(k) for k in ("backbone", "train")}}
+    else:
+        feats = None
+    why = (stale_reason(record, (FEATURES_FORMAT, LEGACY_FORMAT)) or backbone_mismatch(record.get("backbone"), identity)
+           or (None if record.get("train") == train else f"was made for data.train={record.get('train')}"))
+    if why is None and feats is None:
+        feats = load_features(path, record)
+    return why, feats
+
+
 def prepare_features(data_cfg: Any, backbone: FrozenCLIP, run_dir: Path, progress: bool = True) -> dict[str, Any]:
     """Frozen CLIP features of everything training reads, computed once (``features.safetensors``).
 
@@ -116,10 +143,7 @@ def prepare_features(data_cfg: Any, backbone: FrozenCLIP, run_dir: Path, progres
     path = run_dir / FEATURES_NAME
     identity = cache_identity(backbone)
     if path.is_file():
-        feats = load_features(path)
-        record = read_record(path.with_suffix(".json"), ExclFeaturesError, FEATURES_FIX) or {"format": LEGACY_FORMAT}
-        why = (stale_reason(record, (FEATURES_FORMAT, LEGACY_FORMAT)) or backbone_mismatch(feats.get("backbone"), identity)
-               or (None if feats.get("train") == data_cfg.train else f"was made for data.train={feats.get('train')}"))
+        why, feats = _reusable(path, identity, data_cfg.train)
         if why is None:
             return feats
         log.warning("%s %s; recomputing", path, why)
