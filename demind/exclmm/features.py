@@ -112,13 +112,15 @@ def _reusable(path: Path, identity: dict[str, Any], train: Any) -> tuple[str | N
     """(why the features at ``path`` must be recomputed, or None; the features when they are reusable).
 
     Decided from the json record alone (the tensors are read only when they will be used); tensors
-    without a record are a run stopped before its done-marker, or the earlier single-file layout."""
+    without a record are a run stopped before its done-marker (recomputed), or the earlier single-file
+    layout; a damaged file is one error saying how to rebuild it."""
     record = features_record(path)
     if record is None:
         try:
             feats = load_features(path, record)
         except StateFileError:
-            return "has no record (a run stopped before writing it)", None
+            read_tensors(path, ExclFeaturesError, "ExclMM features", FEATURES_FIX)  # damaged: that error, as before
+            return "has no record (a run stopped before writing it)", None  # whole tensors, no done-marker
         record = {"format": LEGACY_FORMAT, **{k: feats.get(k) for k in ("backbone", "train")}}
     else:
         feats = None
