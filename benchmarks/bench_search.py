@@ -6,6 +6,7 @@ whether float16 rows change rankings, and the bytes compaction writes.
     .venv/bin/python -m benchmarks.bench_search --images runs/quickstart/benchmarks/cirr/dev \\
         --gallery 100000,1000000 --queries 200 --json bench_search.json
     .venv/bin/python -m benchmarks.bench_search --ivf-only --gallery 100000 --queries 200   # the faiss-ivf nprobe sweep
+    .venv/bin/python -m benchmarks.bench_search --hnsw-only --gallery 1000000 --queries 200  # the chosen HNSW setting
 
 * Build rate: ``demind.search.index.build_index`` on the images of ``--images`` with the toy CLIP
   architecture (random weights: the same compute as the trained toy CLIP), from nothing and as a
@@ -47,7 +48,8 @@ from demind.model import DeMinds, ModelConfig
 from demind.retrieval import ImageFeatureCache
 from demind.search.index import INDEX_FORMAT, MANIFEST, ROLE, GalleryIndex, build_index, load_index
 from demind.search.query import Searcher, SearchQuery
-from demind.search.rankers import Ranker, build_hnsw_index, build_ivf_index, exact_top_k, gather_rows
+from demind.search.rankers import (HNSW_EF_CONSTRUCTION, HNSW_M, Ranker, build_hnsw_index, build_ivf_index, exact_top_k,
+                                   gather_rows)
 
 TOY_CLIP = Path(__file__).resolve().parents[1] / "toyworld" / "model_configs" / "toy-clip-cnn-text2.json"
 TEXT = "make the square red and the background green"
@@ -224,24 +226,41 @@ def bench_rankers(index, rows32: torch.Tensor, queries: torch.Tensor, repeats: i
     return out
 
 
-def bench_hnsw(blocks: list[torch.Tensor], queries: torch.Tensor, repeats: int) -> dict:
-    """recall@10 (against the exact top 10 of the same rows) and latency per HNSW setting."""
-    _, truth = exact_top_k(blocks, queries, K)
+def bench_hnsw(blocks: list[torch.Tensor], queries: torch.Tensor, repeats: int,
+               settings: tuple[tuple[int, int], ...] = ((16, 40), (32, 80)), midpoints: bool = False) -> dict:
+    """recall@10 (against the exact top 10 of the same rows) and latency per HNSW setting (M,
+    efConstruction) and efSearch; with ``midpoints`` also on the midpoint query set (:func:`query_sets`)."""
+    sets = query_sets(blocks, queries) if midpoints else {"clustered": queries}
+    truths = {name: exact_top_k(blocks, q, K)[1] for name, q in sets.items()}
     out = {}
-    for m, ef_construction in ((16, 40), (32, 80)):
+    for m, ef_construction in settings:
         start = time.perf_counter()
         index = build_hnsw_index(blocks, m, 64, ef_construction)
         build_s = time.perf_counter() - start
+        print(f"HNSW M {m} efConstruction {ef_construction}: built in {build_s:.1f} s", flush=True)
         for ef_search in (32, 64, 128, 256):
             index.hnsw.efSearch = ef_search
-            _, rows = index.search(queries.numpy(), K)
-            recall = float(np.mean(overlap(truth, torch.from_numpy(rows))))
+            row = {}
+            for name, q in sets.items():
+                _, rows = index.search(q.numpy(), K)
+                key = "recall_at_10" if name == "clustered" else f"recall_at_10_{name}"
+                row[key] = round(float(np.mean(overlap(truths[name], torch.from_numpy(rows)))), 4)
             it = iter(range(10 ** 9))
             times = timed(lambda: index.search(queries[next(it) % len(queries)][None].numpy(), K), repeats)
-            out[f"M{m}-efC{ef_construction}-ef{ef_search}"] = {"recall_at_10": round(recall, 4),
-                                                              "build_s": round(build_s, 1), **percentiles(times)}
+            out[f"M{m}-efC{ef_construction}-ef{ef_search}"] = {**row, "build_s": round(build_s, 1),
+                                                              **percentiles(times)}
         del index
     return out
+
+
+def query_sets(blocks: list[torch.Tensor], queries: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``clustered``: ``queries`` (new rows of the gallery's clusters); ``midpoint``: the normalised
+    mean of two random gallery rows, mostly of two clusters (the queries ``Ranker.measured_recall``
+    and ``demind-index --measure-rankers`` use; harder for IVF, whose lists they straddle)."""
+    g = torch.Generator().manual_seed(1)
+    pick = torch.randint(0, sum(len(b) for b in blocks), (len(queries), 2), generator=g)
+    midpoint = F.normalize(gather_rows(blocks, pick[:, 0]) + gather_rows(blocks, pick[:, 1]), dim=-1)
+    return {"clustered": queries, "midpoint": midpoint}
 
 
 def bench_ivf(blocks: list[torch.Tensor], queries: torch.Tensor, repeats: int) -> dict:
@@ -249,17 +268,15 @@ def bench_ivf(blocks: list[torch.Tensor], queries: torch.Tensor, repeats: int) -
     :func:`ivf_lists` (the ranker's). Two query sets: ``queries`` (new rows of the gallery's
     clusters) and ``midpoint`` (the normalised mean of two random gallery rows, mostly of two
     clusters: the queries ``Ranker.measured_recall`` and ``demind-index --measure-rankers`` use)."""
-    g = torch.Generator().manual_seed(1)
-    pick = torch.randint(0, sum(len(b) for b in blocks), (len(queries), 2), generator=g)
-    midpoint = F.normalize(gather_rows(blocks, pick[:, 0]) + gather_rows(blocks, pick[:, 1]), dim=-1)
-    truths = {name: exact_top_k(blocks, q, K)[1] for name, q in (("clustered", queries), ("midpoint", midpoint))}
+    sets = query_sets(blocks, queries)
+    truths = {name: exact_top_k(blocks, q, K)[1] for name, q in sets.items()}
     start = time.perf_counter()
     index = build_ivf_index(blocks)
     out = {"nlist": index.nlist, "build_s": round(time.perf_counter() - start, 1)}
     for nprobe in (1, 2, 4, 8, 16, 32, 64, 128):
         index.nprobe = nprobe
         row = {}
-        for name, q in (("clustered", queries), ("midpoint", midpoint)):
+        for name, q in sets.items():
             _, rows = index.search(q.numpy(), K)
             row[f"recall_at_10_{name}"] = round(float(np.mean(overlap(truths[name], torch.from_numpy(rows)))), 4)
         it = iter(range(10 ** 9))
@@ -281,6 +298,25 @@ def ivf_only(sizes: list[int], dim: int, n_queries: int, work: Path) -> dict:
         out[f"{n}x{dim}"] = {"exact": percentiles(timed(lambda: exact.top_k(queries[next(it) % n_queries][None], K),
                                                         min(n_queries, 50))),
                              "faiss-ivf": bench_ivf(index.blocks, queries, min(n_queries, 50))}
+        print(json.dumps(out[f"{n}x{dim}"], indent=1), flush=True)
+    return out
+
+
+def hnsw_only(sizes: list[int], dim: int, n_queries: int, work: Path) -> dict:
+    """``--hnsw-only``: the chosen HNSW setting (``demind.search.rankers``) per gallery size, recall@10
+    on both query sets per efSearch (and the exact ranker's latency, for scale)."""
+    out = {}
+    for n in sizes:
+        print(f"HNSW over {n:,} x {dim} ...", flush=True)
+        write_synthetic_index(work / f"index-{n}", n, dim)
+        index = load_index(work / f"index-{n}")
+        queries = clustered(n_queries, dim, seed=10 ** 9)
+        it = iter(range(10 ** 9))
+        exact = Ranker(index.blocks)
+        out[f"{n}x{dim}"] = {"exact": percentiles(timed(lambda: exact.top_k(queries[next(it) % n_queries][None], K),
+                                                        min(n_queries, 50))),
+                             "faiss-hnsw": bench_hnsw(index.blocks, queries, min(n_queries, 50),
+                                                      ((HNSW_M, HNSW_EF_CONSTRUCTION),), midpoints=True)}
         print(json.dumps(out[f"{n}x{dim}"], indent=1), flush=True)
     return out
 
@@ -326,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--images", help="folder of images to index (toy CIRR dev: 1,800 images; required but with "
                                      "--ivf-only)")
     p.add_argument("--ivf-only", action="store_true", help="only the faiss-ivf nprobe sweep at each --gallery size")
+    p.add_argument("--hnsw-only", action="store_true", help="only the chosen faiss-hnsw setting's efSearch sweep at "
+                                                            "each --gallery size (about 30 min a build at 1M, one thread)")
     p.add_argument("--gallery", default="100000", help="synthetic gallery sizes, comma-separated (e.g. 100000,1000000)")
     p.add_argument("--dim", type=int, default=512, help="embedding width (512: ViT-B-32)")
     p.add_argument("--queries", type=int, default=200)
@@ -344,14 +382,15 @@ def main(argv: list[str] | None = None) -> int:
     faiss.omp_set_num_threads(args.threads)
     hnsw_dims = {int(d) for d in args.hnsw_dims.split(",") if d}
     command = "python -m benchmarks.bench_search " + " ".join(argv if argv is not None else sys.argv[1:])
-    if args.ivf_only:
+    if args.ivf_only or args.hnsw_only:
         sizes = [int(x) for x in args.gallery.split(",") if x]
+        sweep, key = (ivf_only, "ivf") if args.ivf_only else (hnsw_only, "hnsw")
         with tempfile.TemporaryDirectory() as tmp:
             results = {"command": command, "threads": args.threads, "load_before": os.getloadavg(),
-                       "ivf": ivf_only(sizes, args.dim, args.queries, Path(tmp)), "load_after": os.getloadavg()}
+                       key: sweep(sizes, args.dim, args.queries, Path(tmp)), "load_after": os.getloadavg()}
         return write_results(results, args.json)
     if not args.images:
-        p.error("--images is required (but with --ivf-only)")
+        p.error("--images is required (but with --ivf-only or --hnsw-only)")
     torch.manual_seed(0)
     backbone = FrozenCLIP(BackboneConfig(name=str(TOY_CLIP), pretrained=None))
     reference = next(p for p in sorted(Path(args.images).iterdir()) if p.suffix.lower() in (".png", ".jpg", ".jpeg"))
