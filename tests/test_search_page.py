@@ -12,6 +12,7 @@ import torch
 
 pytest.importorskip("flask", reason="flask not installed (optional extra 'search')")
 
+from demind.search.expectations import expectation_line  # noqa: E402
 from demind.search.index import build_index, load_index  # noqa: E402
 from demind.search.query import Searcher, SearchQuery  # noqa: E402
 from demind.search.server import create_app, start_server  # noqa: E402
@@ -154,6 +155,8 @@ def test_page_in_a_real_browser(browser, searcher, tmp_path):
         wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, "#gallery img.pick[data-name='img5.png']")))
         assert [o.get_attribute("value") for o in Select(browser.find_element(By.ID, "method")).options] == \
             searcher.available_methods()
+        # which ranker and what recall to expect: demind-serve's start-up line, shown as text
+        assert browser.find_element(By.ID, "ranker").text == expectation_line(searcher.expectation)
 
         # pick a reference from the gallery, type a text, choose a method, search
         browser.find_element(By.CSS_SELECTOR, "#gallery img[data-name='img5.png']").click()
@@ -241,6 +244,7 @@ def test_page_shows_an_index_of_another_backbone(browser):
         banner = WebDriverWait(browser, 60).until(EC.visibility_of_element_located((By.ID, "problem")))
         assert "checkpoint's backbone is B" in banner.text
         assert not browser.find_element(By.ID, "search").is_enabled()
+        assert not browser.find_element(By.ID, "ranker").is_displayed()  # no index: no ranker to speak of
     finally:
         server.shutdown()
 

@@ -39,7 +39,9 @@ class ServeConfig(QueryModelOptions):
                                                 "work folder (--quickstart alone: runs/quickstart)")
     index: str | None = setting(None, help="index folder (built by demind-index, or here from images)")
     images: str | None = setting(None, help="build or update the index from this folder first")
-    ranker: str = setting("exact", choices=RANKERS)
+    ranker: str = setting("exact", choices=RANKERS,
+                          help="how the gallery is ranked: exact matrix product, or FAISS (pip install -e "
+                               "'.[search]'); the start-up line and the page say which, and what recall@10 to expect")
     host: str = setting("127.0.0.1", help="127.0.0.1 serves this machine only; another address (0.0.0.0: every "
                                           "interface) needs a token")
     port: int = setting(8000, ge=0, le=65535, help="0: any free port")
@@ -110,7 +112,7 @@ def run(args: ServeConfig) -> int:
               f"{len(stats.unreadable)} unreadable)")
     try:
         searcher = Searcher(backbone, model, load_index(args.index), args.ranker, mllm=mllm)
-        print(expectation_line(searcher.expectation))  # /api/info returns the same under "ranker"
+        print(expectation_line(searcher.expectation))  # the page shows the same line (/api/info "ranker_line")
         app = create_app(searcher, settings=settings)
     except GalleryIndexError as e:
         log.error("%s", e)  # the page shows it too; the server still starts

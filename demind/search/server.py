@@ -47,6 +47,7 @@ try:
 except ImportError as e:  # an optional extra: say how to get it instead of a traceback
     raise MissingDependencyError(f"the search page needs Flask and waitress: pip install -e '.[search]' ({e})") from e
 from demind.search import guard
+from demind.search.expectations import expectation_line
 from demind.search.index import GalleryIndexError
 from demind.search.query import DEFAULT_TEMPLATE, SearchError, Searcher, SearchQuery, method_label
 
@@ -183,6 +184,7 @@ def create_app(searcher: Searcher | None, problem: str | None = None,
             "template": DEFAULT_TEMPLATE,
             "gallery_size": len(searcher.index),
             "ranker": searcher.expectation,  # which ranker, and its recall@10 ("exact" or measured)
+            "ranker_line": expectation_line(searcher.expectation),  # the line demind-serve printed; the page shows it
             "index": searcher.index.directory.name,  # the folder's name: where it lies is the server's business
             "backbone": searcher.index.backbone,
             "mllm": searcher.mllm.summary() if searcher.mllm is not None else None,
