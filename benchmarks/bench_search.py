@@ -7,6 +7,7 @@ whether float16 rows change rankings, and the bytes compaction writes.
         --gallery 100000,1000000 --queries 200 --json bench_search.json
     .venv/bin/python -m benchmarks.bench_search --ivf-only --gallery 100000 --queries 200   # the faiss-ivf nprobe sweep
     .venv/bin/python -m benchmarks.bench_search --hnsw-only --gallery 1000000 --queries 200  # the chosen HNSW setting
+    .venv/bin/python -m benchmarks.bench_search --ivfpq-only --gallery 100000 --queries 200  # faiss-ivfpq sweep
 
 * Build rate: ``demind.search.index.build_index`` on the images of ``--images`` with the toy CLIP
   architecture (random weights: the same compute as the trained toy CLIP), from nothing and as a
@@ -48,8 +49,8 @@ from demind.model import DeMinds, ModelConfig
 from demind.retrieval import ImageFeatureCache
 from demind.search.index import INDEX_FORMAT, MANIFEST, ROLE, GalleryIndex, build_index, load_index
 from demind.search.query import Searcher, SearchQuery
-from demind.search.rankers import (HNSW_EF_CONSTRUCTION, HNSW_M, Ranker, build_hnsw_index, build_ivf_index, exact_top_k,
-                                   gather_rows)
+from demind.search.rankers import (HNSW_EF_CONSTRUCTION, HNSW_M, Ranker, build_hnsw_index, build_ivf_index,
+                                   build_ivfpq_index, exact_top_k, faiss_module, gather_rows, resident_bytes)
 
 TOY_CLIP = Path(__file__).resolve().parents[1] / "toyworld" / "model_configs" / "toy-clip-cnn-text2.json"
 TEXT = "make the square red and the background green"
@@ -302,6 +303,57 @@ def ivf_only(sizes: list[int], dim: int, n_queries: int, work: Path) -> dict:
     return out
 
 
+IVFPQ_NPROBES, IVFPQ_SHORTLISTS = (4, 8, 16, 32, 64), (20, 50, 100, 200, 400)
+
+
+def bench_ivfpq(blocks: list[torch.Tensor], queries: torch.Tensor, repeats: int) -> dict:
+    """recall@10 against exact search (both :func:`query_sets`) and p50 latency of the faiss-ivfpq
+    ranker (codes, then the shortlist rescored from ``blocks``) per nprobe x shortlist; its build
+    seconds and resident bytes (codes + ids, and the whole serialised FAISS index) against the
+    float16 matrix's."""
+    sets = query_sets(blocks, queries)
+    truths = {name: exact_top_k(blocks, q, K)[1] for name, q in sets.items()}
+    start = time.perf_counter()
+    index = build_ivfpq_index(blocks)
+    build_s = time.perf_counter() - start
+    ranker = Ranker.from_faiss(blocks, "faiss-ivfpq", index, build_s, float("nan"))
+    held = resident_bytes(index)
+    matrix = sum(b.numel() for b in blocks) * 2
+    out = {"nlist": index.nlist, "m": ranker.settings["m"], "nbits": ranker.settings["nbits"],
+           "build_s": round(build_s, 1), "codes_bytes": held["codes"], "ids_bytes": held["ids"],
+           "serialised_bytes": int(faiss_module().serialize_index(index).size), "fp16_matrix_bytes": matrix,
+           "codes_and_ids_over_fp16_matrix": round((held["codes"] + held["ids"]) / matrix, 4)}
+    print(f"IVF-PQ nlist {index.nlist} m {out['m']} nbits {out['nbits']}: built in {build_s:.1f} s", flush=True)
+    for nprobe in IVFPQ_NPROBES:
+        index.nprobe = nprobe
+        for shortlist in IVFPQ_SHORTLISTS:
+            ranker.shortlist = shortlist
+            row = {}
+            for name, q in sets.items():
+                row[f"recall_at_10_{name}"] = round(float(np.mean(overlap(truths[name], ranker.top_k(q, K)[1]))), 4)
+            it = iter(range(10 ** 9))
+            times = timed(lambda: ranker.top_k(queries[next(it) % len(queries)][None], K), repeats)
+            out[f"nprobe{nprobe}-shortlist{shortlist}"] = {**row, **percentiles(times)}
+    return out
+
+
+def ivfpq_only(sizes: list[int], dim: int, n_queries: int, work: Path) -> dict:
+    """``--ivfpq-only``: the faiss-ivfpq sweep (and the exact ranker's latency, for scale) per gallery size."""
+    out = {}
+    for n in sizes:
+        print(f"IVF-PQ over {n:,} x {dim} ...", flush=True)
+        write_synthetic_index(work / f"index-{n}", n, dim)
+        index = load_index(work / f"index-{n}")
+        queries = clustered(n_queries, dim, seed=10 ** 9)
+        it = iter(range(10 ** 9))
+        exact = Ranker(index.blocks)
+        out[f"{n}x{dim}"] = {"exact": percentiles(timed(lambda: exact.top_k(queries[next(it) % n_queries][None], K),
+                                                        min(n_queries, 50))),
+                             "faiss-ivfpq": bench_ivfpq(index.blocks, queries, min(n_queries, 50))}
+        print(json.dumps(out[f"{n}x{dim}"], indent=1), flush=True)
+    return out
+
+
 def hnsw_only(sizes: list[int], dim: int, n_queries: int, work: Path) -> dict:
     """``--hnsw-only``: the chosen HNSW setting (``demind.search.rankers``) per gallery size, recall@10
     on both query sets per efSearch (and the exact ranker's latency, for scale)."""
@@ -360,8 +412,10 @@ def bench_gallery(n: int, dim: int, n_queries: int, hnsw: bool, work: Path) -> d
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--images", help="folder of images to index (toy CIRR dev: 1,800 images; required but with "
-                                     "--ivf-only)")
+                                     "--ivf-only, --ivfpq-only or --hnsw-only)")
     p.add_argument("--ivf-only", action="store_true", help="only the faiss-ivf nprobe sweep at each --gallery size")
+    p.add_argument("--ivfpq-only", action="store_true", help="only the faiss-ivfpq nprobe x shortlist sweep at each "
+                                                             "--gallery size")
     p.add_argument("--hnsw-only", action="store_true", help="only the chosen faiss-hnsw setting's efSearch sweep at "
                                                             "each --gallery size (about 30 min a build at 1M, one thread)")
     p.add_argument("--gallery", default="100000", help="synthetic gallery sizes, comma-separated (e.g. 100000,1000000)")
@@ -382,15 +436,16 @@ def main(argv: list[str] | None = None) -> int:
     faiss.omp_set_num_threads(args.threads)
     hnsw_dims = {int(d) for d in args.hnsw_dims.split(",") if d}
     command = "python -m benchmarks.bench_search " + " ".join(argv if argv is not None else sys.argv[1:])
-    if args.ivf_only or args.hnsw_only:
+    if args.ivf_only or args.ivfpq_only or args.hnsw_only:
         sizes = [int(x) for x in args.gallery.split(",") if x]
-        sweep, key = (ivf_only, "ivf") if args.ivf_only else (hnsw_only, "hnsw")
+        sweep, key = ((ivf_only, "ivf") if args.ivf_only else (ivfpq_only, "ivfpq") if args.ivfpq_only else
+                      (hnsw_only, "hnsw"))
         with tempfile.TemporaryDirectory() as tmp:
             results = {"command": command, "threads": args.threads, "load_before": os.getloadavg(),
                        key: sweep(sizes, args.dim, args.queries, Path(tmp)), "load_after": os.getloadavg()}
         return write_results(results, args.json)
     if not args.images:
-        p.error("--images is required (but with --ivf-only or --hnsw-only)")
+        p.error("--images is required (but with --ivf-only, --ivfpq-only or --hnsw-only)")
     torch.manual_seed(0)
     backbone = FrozenCLIP(BackboneConfig(name=str(TOY_CLIP), pretrained=None))
     reference = next(p for p in sorted(Path(args.images).iterdir()) if p.suffix.lower() in (".png", ".jpg", ".jpeg"))

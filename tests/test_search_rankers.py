@@ -1,6 +1,7 @@
-"""The approximate rankers and what each ranker is expected to give: faiss-ivf's recall against
-exact search on a clustered gallery and its exact fallback on tiny ones; the record demind-index
-writes (``--measure-rankers``) and what demind-search and the page's /api/info say about it."""
+"""The approximate rankers and what each ranker is expected to give: faiss-ivf's and faiss-ivfpq's
+recall against exact search on a clustered gallery (ivfpq's scores exact) and their exact fallback
+on tiny ones; the record demind-index writes (``--measure-rankers``) and what demind-search and the
+page's /api/info say about it. Saved rankers: tests/test_search_ranker_store.py."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import torch.nn.functional as F
 
 from demind.search.expectations import describe, read_record, record_rankers
 from demind.search.index import MANIFEST, load_index
-from demind.search.rankers import IVF_NPROBE, Ranker, exact_top_k, ivf_lists
+from demind.search.rankers import (IVF_NPROBE, IVFPQ_NPROBE, IVFPQ_SHORTLIST, Ranker, build_ivfpq_index,
+                                   default_settings, exact_top_k, ivf_lists, pq_bits, pq_subquantizers, resident_bytes)
 
 from test_search import gallery, loaded, one_torch_thread, tiny_checkpoint  # noqa: F401  (fixtures)
 
@@ -76,6 +78,59 @@ def test_ivf_on_a_tiny_gallery_searches_exactly_in_one_logged_line(caplog):
     assert ivf.faiss_index is None and ivf.recall_at_10 == 1.0
 
 
+def test_ivfpq_returns_exact_scores_and_reaches_the_stated_recall_on_a_clustered_gallery():
+    rows = clustered(6000, 64, seed=0).half()
+    blocks = [rows[:2500], rows[2500:]]
+    queries = clustered(100, 64, seed=1)
+    pq = Ranker(blocks, "faiss-ivfpq")
+    nlist = ivf_lists(6000)
+    # 64 / 8 = 8 sub-quantizers; 6000 training rows give 2^7 centroids FAISS's 39 rows each
+    assert pq.settings == {"nlist": nlist, "nprobe": IVFPQ_NPROBE, "m": 8, "nbits": 7, "shortlist": IVFPQ_SHORTLIST}
+    assert pq.settings == default_settings("faiss-ivfpq", 6000, 64) and pq.fallback is None
+    held = resident_bytes(pq.faiss_index)  # 8 codes of 7 bits = 7 bytes a row, and an 8-byte id
+    assert held == {"codes": 6000 * 7, "ids": 6000 * 8}
+    _, truth = exact_top_k(blocks, queries, 10)
+    scores, found = pq.top_k(queries, 10)
+    assert recall(found, truth) >= 0.95
+    # exact scores: each returned row's float32 product with the query (its stored float16 row)
+    assert torch.allclose(scores, torch.einsum("bd,bkd->bk", queries, rows.float()[found]), atol=1e-6, rtol=0)
+    assert torch.all(scores[:, :-1] >= scores[:, 1:])  # best first
+    # the codes' own (approximate) scores are not what it returns: the shortlist was rescored
+    codes_only = torch.from_numpy(pq.faiss_index.search(queries.numpy(), 10)[0])
+    assert (codes_only - scores).abs().max() > 1e-3
+    assert 0.9 <= pq.recall_at_10 <= 1 and pq.build_s > 0
+
+
+def test_ivfpq_takes_a_divisor_of_the_width_and_fewer_bits_on_few_rows():
+    assert [pq_subquantizers(d) for d in (512, 768, 64, 100, 17)] == [64, 96, 8, 10, 1]
+    assert [pq_bits(n) for n in (100, 624, 5000, 9984, 10 ** 6)] == [4, 4, 7, 8, 8]
+    rows = clustered(2000, 20, seed=5)  # 20 is not a multiple of 8: 2 sub-quantizers of 10 dims
+    index = build_ivfpq_index([rows])
+    assert index.pq.M == 2 and index.pq.nbits == 5 and index.ntotal == 2000
+
+
+def test_ivfpq_on_a_tiny_gallery_searches_exactly_in_one_logged_line(caplog):
+    rows = clustered(300, 16, seed=2)
+    with caplog.at_level(logging.INFO, logger="demind.search.rankers"):
+        pq = Ranker(rows, "faiss-ivfpq")
+    lines = [r.getMessage() for r in caplog.records if r.name == "demind.search.rankers"]
+    assert lines == ["faiss-ivfpq over 300 rows: 300 rows are fewer than 16 lists of 39 training rows; searching "
+                     "exactly instead (the same top k, recall 1)"]
+    queries = clustered(5, 16, seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(pq.top_k(queries, 10), Ranker(rows).top_k(queries, 10)))
+    assert pq.faiss_index is None and pq.recall_at_10 == 1.0 and pq.settings == {}
+
+
+def test_ivfpq_with_fewer_candidates_than_k_in_its_lists_answers_exactly():
+    rows = clustered(2000, 16, seed=6)
+    pq = Ranker(rows, "faiss-ivfpq")
+    pq.faiss_index.nprobe, pq.shortlist = 1, 0  # one list of ~2000 / nlist rows, asked for 200
+    queries = clustered(3, 16, seed=7)
+    scores, found = pq.top_k(queries, 200)
+    truth_scores, truth = exact_top_k([rows], queries, 200)
+    assert torch.equal(found, truth) and torch.allclose(scores, truth_scores)
+
+
 def synthetic_index(folder, rows: torch.Tensor):
     """An index folder in demind-index's layout holding ``rows`` (two parts)."""
     from demind.retrieval import ImageFeatureCache
@@ -100,7 +155,7 @@ def test_the_ranker_record_holds_each_rankers_measurement_and_is_dropped_when_st
     index = synthetic_index(tmp_path, clustered(3000, 32, seed=4, clusters=400))
     record = record_rankers(index, True, {})
     assert record["exact"] == record["faiss-flat"] == {"recall_at_10": "exact"}
-    for kind in ("faiss-hnsw", "faiss-ivf"):
+    for kind in ("faiss-hnsw", "faiss-ivf", "faiss-ivfpq"):
         entry = record[kind]
         again = Ranker(index.blocks, kind)  # the same build (one thread, seeded k-means): the same measurement
         assert 0 <= entry["recall_at_10"] <= 1 and entry["recall_at_10"] == again.recall_at_10
@@ -115,7 +170,7 @@ def test_the_ranker_record_holds_each_rankers_measurement_and_is_dropped_when_st
     manifest["parts"] = manifest["parts"][:1]  # other parts: the measurement is of another index
     (tmp_path / MANIFEST).write_text(json.dumps(manifest))
     stale = record_rankers(index, False, record)
-    assert stale["faiss-hnsw"] == stale["faiss-ivf"] == {"recall_at_10": None}
+    assert stale["faiss-hnsw"] == stale["faiss-ivf"] == stale["faiss-ivfpq"] == {"recall_at_10": None}
     assert describe("faiss-hnsw", stale["faiss-hnsw"]) == ("faiss-hnsw: not measured (demind-index "
                                                           "--measure-rankers measures it on this index)")
 
@@ -137,9 +192,11 @@ def test_index_prints_the_rankers_and_search_and_the_page_say_which_and_what_rec
     hnsw = record["faiss-hnsw"]
     assert 0 <= hnsw["recall_at_10"] <= 1 and hnsw["rows"] == 7
     assert "  " + describe("faiss-hnsw", hnsw) + "\n" in out
-    assert ("  faiss-ivf: exact top k (searches exactly: 7 rows are fewer than 16 lists of 39 training rows)"
-            in out and record["faiss-ivf"] == {"recall_at_10": "exact", "fallback": "7 rows are fewer than 16 "
-                                                                                   "lists of 39 training rows"})
+    for kind in ("faiss-ivf", "faiss-ivfpq"):
+        assert (f"  {kind}: exact top k (searches exactly: 7 rows are fewer than 16 lists of 39 training rows)"
+                in out and record[kind] == {"recall_at_10": "exact", "fallback": "7 rows are fewer than 16 "
+                                                                                "lists of 39 training rows"})
+    assert sorted(p.name for p in (tmp_path / "idx" / "rankers").iterdir()) == ["faiss-hnsw.faiss", "faiss-hnsw.json"]
     assert index_main(common) == 0 and read_record(tmp_path / "idx") == record  # kept: the same parts
     assert "  " + describe("faiss-hnsw", hnsw) + "\n" in capsys.readouterr().out
 
@@ -155,7 +212,8 @@ def test_index_prints_the_rankers_and_search_and_the_page_say_which_and_what_rec
     assert 0 <= said["recall_at_10"] <= 1
     assert capsys.readouterr().out.startswith(
         f"ranker faiss-hnsw: expect recall@10 {said['recall_at_10']:.3f} against exact search (measured on this "
-        f"index's rows as the ranker was built; demind-index recorded {hnsw['recall_at_10']:.3f})\n")
+        f"index's rows as the saved ranker faiss-hnsw.faiss was built; demind-index recorded "
+        f"{hnsw['recall_at_10']:.3f})\n")  # the one demind-index built and saved, loaded
 
 
 def test_the_page_says_which_ranker_and_what_recall(gallery, tmp_path, loaded):  # noqa: F811

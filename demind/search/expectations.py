@@ -1,11 +1,13 @@
 """What each ranker gives on one index, recorded in its ``index.json`` under ``"rankers"``.
 
 ``exact`` and ``faiss-flat`` return the exact top k ("exact"). The approximate rankers
-(``faiss-hnsw``, ``faiss-ivf``) are measured only when asked (``demind-index --measure-rankers``:
-building them is costly): their build time and recall@10 against exact search on queries made of
-this index's own rows (:meth:`demind.search.rankers.Ranker.measured_recall`). A measurement is kept
-by later runs while the index's parts and the ranker's settings are those it was measured on; any
-other is dropped (stale), never shown.
+(``faiss-hnsw``, ``faiss-ivf``, ``faiss-ivfpq``) are measured only when asked (``demind-index
+--measure-rankers``: building them is costly): their build time and recall@10 against exact search
+on queries made of this index's own rows (:meth:`demind.search.rankers.Ranker.measured_recall`);
+what is built is saved in the index folder (:mod:`demind.search.ranker_store`), so the next
+search or serve start loads it instead of building it. A measurement is kept by later runs while
+the index's parts and the ranker's settings are those it was measured on; any other is dropped
+(stale), never shown.
 """
 
 from __future__ import annotations
@@ -16,22 +18,13 @@ from pathlib import Path
 from demind.errors import InputError
 from demind.io import read_json, write_json_atomic
 from demind.search.index import MANIFEST, GalleryIndex
-from demind.search.rankers import (APPROXIMATE, HNSW_EF_CONSTRUCTION, HNSW_EF_SEARCH, HNSW_M, IVF_NPROBE, KINDS,
-                                   Ranker, ivf_fallback, ivf_lists)
+from demind.search.ranker_store import save_ranker
+from demind.search.rankers import APPROXIMATE, IVF_KINDS, KINDS, Ranker, default_settings, ivf_fallback
 
 log = logging.getLogger(__name__)
 
 RECORD_KEY = "rankers"
 EXACT = "exact"
-
-
-def default_settings(kind: str, rows: int) -> dict[str, int]:
-    """The settings a ranker of ``kind`` is built with over ``rows`` rows (what a measurement must match)."""
-    if kind == "faiss-hnsw":
-        return {"M": HNSW_M, "efConstruction": HNSW_EF_CONSTRUCTION, "efSearch": HNSW_EF_SEARCH}
-    if kind == "faiss-ivf" and not ivf_fallback(rows):
-        return {"nlist": ivf_lists(rows), "nprobe": min(IVF_NPROBE, ivf_lists(rows))}
-    return {}
 
 
 def _manifest(index_dir: str | Path) -> dict:
@@ -50,18 +43,24 @@ def read_record(index_dir: str | Path) -> dict:
     return record if isinstance(record, dict) else {}
 
 
-def _current(entry: object, kind: str, parts: list, rows: int) -> bool:
+def _width(index: GalleryIndex) -> int:
+    return index.blocks[0].shape[1] if index.blocks else 0
+
+
+def _current(entry: object, kind: str, parts: list, rows: int, dim: int) -> bool:
     """Whether a recorded measurement is of these parts with this ranker's settings."""
     return (isinstance(entry, dict) and entry.get("parts") == parts and isinstance(entry.get("recall_at_10"), float)
-            and entry.get("settings") == default_settings(kind, rows))
+            and entry.get("settings") == default_settings(kind, rows, dim))
 
 
 def measure(index: GalleryIndex, kind: str, parts: list) -> dict:
-    """Build ``kind`` over the index's rows; its record: recall@10 (against exact search), build
-    seconds, settings, the parts measured (or why it searches exactly)."""
+    """Build ``kind`` over the index's rows and save it in the index folder (the next search or
+    serve start loads it); its record: recall@10 (against exact search), build seconds, settings,
+    the parts measured (or why it searches exactly)."""
     ranker = Ranker(index.blocks, kind)
     if ranker.fallback:
         return {"recall_at_10": EXACT, "fallback": ranker.fallback}
+    save_ranker(ranker, index.directory)
     return {"recall_at_10": ranker.recall_at_10, "build_s": round(ranker.build_s, 2), "settings": ranker.settings,
             "rows": ranker.size, "parts": parts}
 
@@ -70,18 +69,18 @@ def record_rankers(index: GalleryIndex, measure_approximate: bool, previous: dic
     """{kind: entry} of every ranker on ``index``, written into its ``index.json`` and returned:
     "exact" for the exact ones; for the approximate ones a fresh measurement when
     ``measure_approximate``, else ``previous``'s when still current, else ``{"recall_at_10": None}``
-    (faiss-ivf on a gallery too small for it: "exact", with the reason)."""
+    (faiss-ivf and faiss-ivfpq on a gallery too small for them: "exact", with the reason)."""
     path = index.directory / MANIFEST
     manifest = read_json(path, fix="rerun demind-index")
     parts, rows, record = manifest.get("parts"), len(index), {}
     for kind in KINDS:
         if kind not in APPROXIMATE:
             record[kind] = {"recall_at_10": EXACT}
-        elif kind == "faiss-ivf" and ivf_fallback(rows):  # known without building anything
+        elif kind in IVF_KINDS and ivf_fallback(rows):  # known without building anything
             record[kind] = {"recall_at_10": EXACT, "fallback": ivf_fallback(rows)}
         elif measure_approximate:
             record[kind] = measure(index, kind, parts)
-        elif _current(previous.get(kind), kind, parts, rows):
+        elif _current(previous.get(kind), kind, parts, rows, _width(index)):
             record[kind] = previous[kind]
         else:
             record[kind] = {"recall_at_10": None}
@@ -106,14 +105,17 @@ def describe(kind: str, entry: dict | None) -> str:
 def expectation(ranker: Ranker, index: GalleryIndex) -> dict:
     """What a search with ``ranker`` over ``index`` gives: {"ranker", "recall_at_10": "exact" or the
     fraction, "source"}. An approximate ranker measured itself when it was built (the same
-    measurement as ``demind-index --measure-rankers``); the index's record is named beside it."""
+    measurement as ``demind-index --measure-rankers``; a saved one loaded: when it was built and
+    saved); the index's record is named beside it."""
     if ranker.kind not in APPROXIMATE or ranker.fallback:
         return {"ranker": ranker.kind, "recall_at_10": EXACT, "source": ranker.fallback or "exact search"}
     manifest = _manifest(index.directory)
     recorded = (manifest.get(RECORD_KEY) or {}).get(ranker.kind) if isinstance(manifest.get(RECORD_KEY), dict) else None
-    recorded = recorded if _current(recorded, ranker.kind, manifest.get("parts"), len(index)) else None
-    return {"ranker": ranker.kind, "recall_at_10": ranker.recall_at_10,
-            "source": "measured on this index's rows as the ranker was built",
+    recorded = recorded if _current(recorded, ranker.kind, manifest.get("parts"), len(index), _width(index)) else None
+    source = "measured on this index's rows as the ranker was built"
+    if ranker.saved_at is not None:
+        source = f"measured on this index's rows as the saved ranker {ranker.saved_at.name} was built"
+    return {"ranker": ranker.kind, "recall_at_10": ranker.recall_at_10, "source": source,
             "recorded_recall_at_10": recorded["recall_at_10"] if recorded else None}
 
 

@@ -40,6 +40,7 @@ from demind.model import DeMinds, TemplateError, fill_template, template_field
 from demind.search.index import GalleryIndex, check_index_backbone
 from demind.search.mllm import SearchMLLM, split_rerank
 from demind.search.expectations import expectation
+from demind.search.ranker_store import open_ranker
 from demind.search.rankers import Ranker, exact_top_k  # noqa: F401 (Ranker: importable from here, where it was)
 from demind.search.names import DEFAULT_METHOD, DEFAULT_TEMPLATE, RANKERS  # noqa: F401 (torch-free; re-exported)
 
@@ -202,7 +203,7 @@ class Searcher:
         if ranker not in RANKERS:
             raise SearchError(f"unknown ranker {ranker!r}; choose from {', '.join(RANKERS)}")
         self.backbone, self.model, self.index = backbone, model, index
-        self.ranker = Ranker(index.blocks, ranker)
+        self.ranker = open_ranker(index, ranker)  # a FAISS ranker saved in the index folder is loaded, not rebuilt
         self.expectation = expectation(self.ranker, index)  # which ranker, what recall@10 to expect
         self.mllm = SearchMLLM(mllm, index.directory.name, index.directory) if mllm is not None else None
         self.methods: dict[str, registry.RetrievalMethod] = {}  # built on first use

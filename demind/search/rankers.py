@@ -1,12 +1,16 @@
 """Top-k inner-product search over an index's rows: exact (the default), FAISS flat (the same
-ranking by FAISS's kernel, over the same rows), FAISS HNSW (approximate, for large galleries) and
+ranking by FAISS's kernel, over the same rows), FAISS HNSW (approximate, for large galleries),
 FAISS IVF (approximate, inverted lists over float16 rows: builds far faster than HNSW and holds the
-rows once, at the index's own float16 size, for galleries beyond a memory-resident HNSW).
+rows once, at the index's own float16 size, for galleries beyond a memory-resident HNSW) and FAISS
+IVF-PQ (approximate, for galleries whose matrix does not fit in memory: product-quantised codes of
+D/8 bytes a row in memory pick a shortlist, whose rows alone are read from the memory-mapped parts
+and rescored exactly in float32, so its scores are exact search's).
 
 An index's rows are L2-normalised blocks (its memory-mapped float16 parts, :mod:`demind.search.index`);
 no ranker joins them into one matrix, HNSW keeps a float32 copy (its graph search reads its own
-rows), IVF a float16 one in its lists. Measured against the bare matrix product, and the HNSW and
-IVF settings chosen by recall@10 on CLIP-like clustered vectors, in BENCHMARKS.md (search).
+rows), IVF a float16 one in its lists, IVF-PQ only codes. Measured against the bare matrix product,
+and the HNSW, IVF and IVF-PQ settings chosen by recall@10 on CLIP-like clustered vectors, in
+BENCHMARKS.md (search). A built FAISS ranker is saved beside its index (:mod:`.ranker_store`).
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from demind.search.names import RANKERS
 log = logging.getLogger(__name__)
 
 KINDS = RANKERS  # the search commands' choices (search/names.py, torch-free for --help)
-APPROXIMATE = ("faiss-hnsw", "faiss-ivf")  # the rest return exactly the exact top k
+APPROXIMATE = ("faiss-hnsw", "faiss-ivf", "faiss-ivfpq")  # the rest return exactly the exact top k
+IVF_KINDS = ("faiss-ivf", "faiss-ivfpq")  # inverted lists: too few rows to split -> exact search, logged
 
 
 HNSW_M, HNSW_EF_CONSTRUCTION, HNSW_EF_SEARCH = 32, 80, 128  # chosen by recall@10 on clustered vectors (BENCHMARKS.md)
@@ -32,6 +37,11 @@ HNSW_M, HNSW_EF_CONSTRUCTION, HNSW_EF_SEARCH = 32, 80, 128  # chosen by recall@1
 # recall@10 >= 0.95 on clustered vectors at 100k rows (BENCHMARKS.md, search)
 IVF_LISTS_PER_SQRT_ROW, IVF_TRAIN_PER_LIST, IVF_NPROBE = 4, 39, 16
 IVF_MIN_LISTS = 16  # fewer rows than 16 lists of 39 (624): exact search instead, logged
+# IVF-PQ: the IVF lists above, each row a code of m = D / 8 sub-quantizers of 8 bits (D / 8 bytes:
+# 64 at D = 512, 1/16 of its float16 row); nprobe lists read and a shortlist of candidates rescored
+# exactly. Rule fixed before measuring: the smallest shortlist, then nprobe, reaching recall@10 0.95 on
+# clustered and midpoint queries at 100k rows (100, 4), then one step up in each for margin (BENCHMARKS.md)
+IVFPQ_DIMS_PER_CODE, IVFPQ_BITS, IVFPQ_NPROBE, IVFPQ_SHORTLIST = 8, 8, 8, 200
 CHUNK_ROWS = 8192  # rows converted to float32 at a time: a 16 MiB buffer that stays in cache
 
 
@@ -101,7 +111,7 @@ class Ranker:
 
     def __init__(self, features: torch.Tensor | list[torch.Tensor], kind: str = "exact", hnsw_m: int = HNSW_M,
                  ef_search: int = HNSW_EF_SEARCH, ef_construction: int = HNSW_EF_CONSTRUCTION,
-                 nprobe: int = IVF_NPROBE) -> None:
+                 nprobe: int | None = None, shortlist: int = IVFPQ_SHORTLIST) -> None:
         if kind not in KINDS:
             raise ValueError(f"unknown ranker {kind!r}; choose from {', '.join(KINDS)}")
         self.kind = kind
@@ -110,26 +120,42 @@ class Ranker:
         self.faiss_index = None
         self.build_s, self.recall_at_10 = 0.0, 1.0  # what to expect of this ranker (exact ones: 1)
         self.settings: dict[str, int] = {}
+        self.shortlist = 0  # faiss-ivfpq: candidates rescored exactly per query
         self.fallback: str | None = None  # why an approximate ranker searches exactly instead
-        if kind == "faiss-ivf" and ivf_fallback(self.size):
+        self.saved_at = None  # the saved FAISS file it was loaded from (demind.search.ranker_store), if any
+        if kind in IVF_KINDS and ivf_fallback(self.size):
             self.fallback = ivf_fallback(self.size)
             faiss_module()  # the user asked for FAISS: say so now, as on a large gallery
-            log.info("faiss-ivf over %d rows: %s; searching exactly instead (the same top k, recall 1)", self.size,
+            log.info("%s over %d rows: %s; searching exactly instead (the same top k, recall 1)", kind, self.size,
                      self.fallback)
         elif kind in APPROXIMATE:
             start = time.perf_counter()
             if kind == "faiss-hnsw":
                 self.faiss_index = build_hnsw_index(self.blocks, hnsw_m, ef_search, ef_construction)
-                self.settings = {"M": hnsw_m, "efConstruction": ef_construction, "efSearch": ef_search}
+            elif kind == "faiss-ivf":
+                self.faiss_index = build_ivf_index(self.blocks, nprobe=nprobe or IVF_NPROBE)
             else:
-                self.faiss_index = build_ivf_index(self.blocks, nprobe=nprobe)
-                self.settings = {"nlist": self.faiss_index.nlist, "nprobe": self.faiss_index.nprobe}
+                self.faiss_index = build_ivfpq_index(self.blocks, nprobe=nprobe or IVFPQ_NPROBE)
+                self.shortlist = shortlist
+            self.settings = faiss_settings(kind, self.faiss_index, self.shortlist)
             self.build_s = time.perf_counter() - start
             self.recall_at_10 = self.measured_recall()
             log.info("%s over %d rows (%s): built in %.1f s, recall@10 %.3f against exact search", kind, self.size,
                      ", ".join(f"{k} {v}" for k, v in self.settings.items()), self.build_s, self.recall_at_10)
         elif kind == "faiss-flat":
             faiss_module()  # the same exact result, by FAISS's kernel over the stored rows (no copy)
+
+    @classmethod
+    def from_faiss(cls, features: torch.Tensor | list[torch.Tensor], kind: str, faiss_index, build_s: float,
+                   recall_at_10: float) -> "Ranker":
+        """An approximate ranker over ``features`` from an already built (saved) FAISS index of them:
+        nothing is built or measured; ``build_s`` and ``recall_at_10`` are those of its build."""
+        ranker = cls(features, "exact")
+        ranker.kind, ranker.faiss_index = kind, faiss_index
+        ranker.shortlist = IVFPQ_SHORTLIST if kind == "faiss-ivfpq" else 0
+        ranker.settings = faiss_settings(kind, faiss_index, ranker.shortlist)
+        ranker.build_s, ranker.recall_at_10 = build_s, recall_at_10
+        return ranker
 
     @property
     def features(self) -> torch.Tensor:
@@ -156,6 +182,8 @@ class Ranker:
         queries = queries.float().cpu()
         if self.kind == "exact" or self.fallback:
             return exact_top_k(self.blocks, queries, k)
+        if self.kind == "faiss-ivfpq":
+            return self._rescored_top_k(queries, k)
         if self.kind in APPROXIMATE:
             scores, rows = self.faiss_index.search(queries.contiguous().numpy(), k)
             return torch.from_numpy(scores), torch.from_numpy(rows).long()
@@ -169,11 +197,41 @@ class Ranker:
         return top.values, torch.gather(rows, 1, top.indices)
 
 
+    def _rescored_top_k(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """IVF-PQ: (B, D) queries -> the shortlist of max(k, shortlist) rows by their codes' scores,
+        those rows alone read from the blocks and rescored in float32 -> (B, k) exact scores, rows."""
+        wanted = max(k, self.shortlist)
+        _, ids = self.faiss_index.search(queries.contiguous().numpy(), wanted)
+        ids = torch.from_numpy(ids).long()  # (B, S); -1 where the lists read held fewer than S rows
+        valid = ids >= 0
+        rows = gather_rows(self.blocks, ids.clamp(min=0).flatten()).view(*ids.shape, -1)
+        scores = torch.einsum("bsd,bd->bs", rows, queries).masked_fill(~valid, float("-inf"))
+        top = torch.topk(scores, k, dim=1)
+        scores, found = top.values, torch.gather(ids, 1, top.indices)
+        short = torch.isinf(scores).any(dim=1)  # fewer than k candidates in the lists read: exact search
+        if short.any():
+            scores[short], found[short] = exact_top_k(self.blocks, queries[short], k)
+        return scores, found
+
+
+def faiss_settings(kind: str, faiss_index, shortlist: int = 0) -> dict[str, int]:
+    """The settings of a built FAISS ranker of ``kind``, read from its index (a saved one's too)."""
+    faiss = faiss_module()
+    if kind == "faiss-hnsw":
+        return {"M": faiss_index.hnsw.nb_neighbors(1), "efConstruction": faiss_index.hnsw.efConstruction,
+                "efSearch": faiss_index.hnsw.efSearch}
+    settings = {"nlist": faiss_index.nlist, "nprobe": faiss_index.nprobe}
+    if kind == "faiss-ivfpq":
+        pq = faiss.downcast_index(faiss_index).pq
+        settings.update(m=pq.M, nbits=pq.nbits, shortlist=shortlist)
+    return settings
+
+
 def faiss_module():
     try:
         import faiss
     except ImportError as e:
-        raise MissingDependencyError("rankers faiss-flat, faiss-hnsw and faiss-ivf need FAISS: "
+        raise MissingDependencyError("rankers faiss-flat, faiss-hnsw, faiss-ivf and faiss-ivfpq need FAISS: "
                                      "pip install -e '.[search]' "
                                      "(faiss-cpu)") from e
     return faiss
@@ -193,13 +251,20 @@ def build_hnsw_index(blocks: list[torch.Tensor], hnsw_m: int = HNSW_M, ef_search
 
 
 def gather_rows(blocks: list[torch.Tensor], indices: torch.Tensor) -> torch.Tensor:
-    """(n,) global row indices -> (n, D) float32 rows of ``blocks``, without joining the blocks."""
+    """(n,) global row indices -> (n, D) float32 rows of ``blocks``, without joining the blocks; only
+    those rows are read (of memory-mapped parts: their pages). One indexing per block touched, in
+    sorted order (a shortlist spread over hundreds of parts costs one step per part, not per row)."""
     starts = torch.tensor(np.cumsum([0] + [len(b) for b in blocks]))
-    which = torch.searchsorted(starts, indices.contiguous(), right=True) - 1
+    order = torch.argsort(indices)
+    ordered = indices[order]
+    which = torch.searchsorted(starts, ordered.contiguous(), right=True) - 1
+    touched, counts = torch.unique_consecutive(which, return_counts=True)
     out = torch.empty(len(indices), blocks[0].shape[1])
-    for block in torch.unique(which).tolist():
-        mask = which == block
-        out[mask] = blocks[block][indices[mask] - starts[block]].float()
+    first = 0
+    for block, count in zip(touched.tolist(), counts.tolist()):
+        local = ordered[first:first + count] - starts[block]
+        out[order[first:first + count]] = blocks[block][local].float()
+        first += count
     return out
 
 
@@ -209,8 +274,28 @@ def ivf_lists(rows: int) -> int:
     return min(round(IVF_LISTS_PER_SQRT_ROW * math.sqrt(rows)), rows // IVF_TRAIN_PER_LIST)
 
 
+def ivf_train_rows(rows: int, nlist: int, train_per_list: int = 64) -> torch.Tensor:
+    """The (n,) evenly spaced rows an IVF index over ``rows`` rows is trained on: ``train_per_list`` a list."""
+    return torch.linspace(0, rows - 1, min(rows, train_per_list * nlist)).round().long()
+
+
+def default_settings(kind: str, rows: int, dim: int) -> dict[str, int]:
+    """The settings a ranker of ``kind`` is built with over ``rows`` rows of width ``dim`` (what a
+    recorded measurement or a saved ranker must match); {} for the exact ones and the fallbacks."""
+    if kind == "faiss-hnsw":
+        return {"M": HNSW_M, "efConstruction": HNSW_EF_CONSTRUCTION, "efSearch": HNSW_EF_SEARCH}
+    if kind not in IVF_KINDS or ivf_fallback(rows):
+        return {}
+    nlist = ivf_lists(rows)
+    if kind == "faiss-ivf":
+        return {"nlist": nlist, "nprobe": min(IVF_NPROBE, nlist)}
+    return {"nlist": nlist, "nprobe": min(IVFPQ_NPROBE, nlist), "m": pq_subquantizers(dim),
+            "nbits": pq_bits(len(ivf_train_rows(rows, nlist))), "shortlist": IVFPQ_SHORTLIST}
+
+
 def ivf_fallback(rows: int) -> str | None:
-    """Why faiss-ivf searches ``rows`` rows exactly instead (too few to split into lists), else None."""
+    """Why faiss-ivf (and faiss-ivfpq) searches ``rows`` rows exactly instead (too few to split into
+    lists), else None."""
     if ivf_lists(rows) >= IVF_MIN_LISTS:
         return None
     return f"{rows} rows are fewer than {IVF_MIN_LISTS} lists of {IVF_TRAIN_PER_LIST} training rows"
@@ -231,9 +316,55 @@ def build_ivf_index(blocks: list[torch.Tensor], nlist: int | None = None, nprobe
     quantizer = faiss.IndexFlatIP(dim)
     index = faiss.IndexIVFScalarQuantizer(quantizer, dim, nlist, faiss.ScalarQuantizer.QT_fp16,
                                           faiss.METRIC_INNER_PRODUCT)
-    sample = torch.linspace(0, size - 1, min(size, train_per_list * nlist)).round().long()
+    sample = ivf_train_rows(size, nlist, train_per_list)
     index.train(np.ascontiguousarray(gather_rows(blocks, sample).numpy()))
     for _, rows in _float_chunks(blocks, 1 << 16):
         index.add(np.ascontiguousarray(rows.numpy()))
     index.nprobe = min(nprobe, nlist)
     return index
+
+
+def pq_subquantizers(dim: int) -> int:
+    """m for rows of width ``dim``: D / 8 sub-quantizers (8 dims each) when 8 divides D, else the
+    largest divisor of D below that (FAISS needs m to divide D; at least 1)."""
+    most = max(1, dim // IVFPQ_DIMS_PER_CODE)
+    return next(m for m in range(most, 0, -1) if dim % m == 0)
+
+
+def pq_bits(train_rows: int) -> int:
+    """Bits a sub-quantizer code: 8 (256 centroids), fewer when ``train_rows`` cannot give each of
+    them FAISS's minimum of 39 training rows (a small gallery; at least 4 bits, 16 centroids)."""
+    return max(4, min(IVFPQ_BITS, int(math.log2(max(train_rows, 1) / IVF_TRAIN_PER_LIST))))
+
+
+def build_ivfpq_index(blocks: list[torch.Tensor], nlist: int | None = None, nprobe: int = IVFPQ_NPROBE,
+                      train_per_list: int = 64):
+    """FAISS IVF-PQ (approximate inner product) over the rows of ``blocks``: the lists of
+    :func:`build_ivf_index`, each row kept as a product-quantised code of its residual
+    (:func:`pq_subquantizers` x :func:`pq_bits`: D / 8 bytes at 8 bits) and its 8-byte id, nothing
+    else; ``nprobe`` lists read per query. The ranker rescores the candidates from ``blocks``."""
+    faiss = faiss_module()
+    size = sum(len(b) for b in blocks)
+    nlist = nlist or ivf_lists(size)
+    if not 1 <= nlist <= size:
+        raise ValueError(f"an IVF-PQ index over {size} rows needs 1 to {size} lists, not {nlist}")
+    dim = blocks[0].shape[1]
+    sample = ivf_train_rows(size, nlist, train_per_list)
+    m, nbits = pq_subquantizers(dim), pq_bits(len(sample))
+    if dim % IVFPQ_DIMS_PER_CODE:
+        log.info("faiss-ivfpq: width %d is not a multiple of %d: %d sub-quantizers of %d dims", dim,
+                 IVFPQ_DIMS_PER_CODE, m, dim // m)
+    quantizer = faiss.IndexFlatIP(dim)  # kept alive by the index's Python wrapper
+    index = faiss.IndexIVFPQ(quantizer, dim, nlist, m, nbits, faiss.METRIC_INNER_PRODUCT)
+    index.train(np.ascontiguousarray(gather_rows(blocks, sample).numpy()))
+    for _, rows in _float_chunks(blocks, 1 << 16):
+        index.add(np.ascontiguousarray(rows.numpy()))
+    index.nprobe = min(nprobe, nlist)
+    return index
+
+
+def resident_bytes(faiss_index) -> dict[str, int]:
+    """What an IVF ranker holds per row in memory: its codes and ids ({"codes", "ids"} bytes)."""
+    faiss = faiss_module()
+    ivf = faiss.extract_index_ivf(faiss_index)
+    return {"codes": ivf.ntotal * ivf.code_size, "ids": ivf.ntotal * 8}
