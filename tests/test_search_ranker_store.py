@@ -153,12 +153,14 @@ def test_an_unwritable_index_folder_still_searches(tmp_path, builds, caplog, mon
 
 
 def test_measure_rankers_saves_what_it_builds_and_the_next_start_loads_it(tmp_path, builds, caplog):
-    from demind.search.expectations import expectation, record_rankers
+    from demind.search.expectations import describe, expectation, record_rankers
 
     index = synthetic_index(tmp_path, clustered(2000, 16, seed=1))
     record = record_rankers(index, True, {})
     assert builds == {"faiss-hnsw": 1, "faiss-ivf": 1, "faiss-ivfpq": 1}
     for kind in KINDS:
+        assert record[kind]["saved"] == f"rankers/{kind}.faiss"
+        assert describe(kind, record[kind]).endswith(f"; saved as rankers/{kind}.faiss)")
         saved = json.loads(saved_paths(tmp_path, kind)[1].read_text())
         assert saved["recall_at_10"] == record[kind]["recall_at_10"] and saved["settings"] == record[kind]["settings"]
         ranker = open_ranker(load_index(tmp_path), kind)  # what demind-search / demind-serve do at start

@@ -27,8 +27,9 @@ class IndexConfig(ModelOptions):
     batch_size: int = setting(64, ge=1, help="images per encoding batch")
     num_workers: int = setting(2, ge=0, help="image-decoding workers")
     part_size: int = setting(1024, ge=1, help="images per saved part (what a kill can lose)")
-    measure_rankers: bool = setting(False, help="also build the approximate rankers (faiss-hnsw, faiss-ivf) over "
-                                                "the index and record their build time and recall@10 (costly)")
+    measure_rankers: bool = setting(False, help="also build the approximate rankers (faiss-hnsw, faiss-ivf, "
+                                                "faiss-ivfpq) over the index, record their build time and recall@10 "
+                                                "and save them in it (search and serve then load them; costly)")
     new_folder: bool = setting(False, help="let an index built from another folder follow --images (drops the "
                                            "files only in the old folder)")
 

@@ -60,9 +60,12 @@ def measure(index: GalleryIndex, kind: str, parts: list) -> dict:
     ranker = Ranker(index.blocks, kind)
     if ranker.fallback:
         return {"recall_at_10": EXACT, "fallback": ranker.fallback}
-    save_ranker(ranker, index.directory)
-    return {"recall_at_10": ranker.recall_at_10, "build_s": round(ranker.build_s, 2), "settings": ranker.settings,
-            "rows": ranker.size, "parts": parts}
+    saved = save_ranker(ranker, index.directory)
+    entry = {"recall_at_10": ranker.recall_at_10, "build_s": round(ranker.build_s, 2), "settings": ranker.settings,
+             "rows": ranker.size, "parts": parts}
+    if saved is not None:  # where the next start loads it from (relative to the index folder)
+        entry["saved"] = saved.with_suffix(".faiss").relative_to(index.directory).as_posix()
+    return entry
 
 
 def record_rankers(index: GalleryIndex, measure_approximate: bool, previous: dict) -> dict:
@@ -97,8 +100,9 @@ def describe(kind: str, entry: dict | None) -> str:
         return f"{kind}: exact top k" + (f" (searches exactly: {entry['fallback']})" if entry.get("fallback") else "")
     if isinstance(recall, float):
         settings = ", ".join(f"{k} {v}" for k, v in entry.get("settings", {}).items())
+        saved = f"; saved as {entry['saved']}" if entry.get("saved") else ""
         return (f"{kind}: recall@10 {recall:.3f} against exact search (measured on this index's {entry.get('rows')} "
-                f"rows; built in {entry.get('build_s')} s; {settings})")
+                f"rows; built in {entry.get('build_s')} s; {settings}{saved})")
     return f"{kind}: not measured (demind-index --measure-rankers measures it on this index)"
 
 
