@@ -252,19 +252,27 @@ def build_hnsw_index(blocks: list[torch.Tensor], hnsw_m: int = HNSW_M, ef_search
 
 def gather_rows(blocks: list[torch.Tensor], indices: torch.Tensor) -> torch.Tensor:
     """(n,) global row indices -> (n, D) float32 rows of ``blocks``, without joining the blocks; only
-    those rows are read (of memory-mapped parts: their pages). One indexing per block touched, in
-    sorted order (a shortlist spread over hundreds of parts costs one step per part, not per row)."""
+    those rows are read (of memory-mapped parts: their pages). In sorted order, one ``index_select``
+    per block touched, in the blocks' own dtype (a shortlist spread over hundreds of parts costs one
+    small step per part, not per row), converted to float32 once."""
     starts = torch.tensor(np.cumsum([0] + [len(b) for b in blocks]))
     order = torch.argsort(indices)
     ordered = indices[order]
     which = torch.searchsorted(starts, ordered.contiguous(), right=True) - 1
+    local = ordered - starts[which]
     touched, counts = torch.unique_consecutive(which, return_counts=True)
-    out = torch.empty(len(indices), blocks[0].shape[1])
+    dtype = blocks[0].dtype if all(b.dtype == blocks[0].dtype for b in blocks) else torch.float32
+    got = torch.empty(len(indices), blocks[0].shape[1], dtype=dtype)
     first = 0
     for block, count in zip(touched.tolist(), counts.tolist()):
-        local = ordered[first:first + count] - starts[block]
-        out[order[first:first + count]] = blocks[block][local].float()
+        rows, at = blocks[block], local[first:first + count]
+        if rows.dtype == dtype:
+            torch.index_select(rows, 0, at, out=got[first:first + count])
+        else:
+            got[first:first + count] = rows[at].to(dtype)
         first += count
+    out = torch.empty(len(indices), blocks[0].shape[1])
+    out[order] = got.float()
     return out
 
 
