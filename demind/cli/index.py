@@ -10,6 +10,7 @@ a video) is named and counted as skipped, with its reason.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections import Counter
 from dataclasses import dataclass
@@ -32,18 +33,33 @@ class IndexConfig(ModelOptions):
                                                 "and save them in it (search and serve then load them; costly)")
     new_folder: bool = setting(False, help="let an index built from another folder follow --images (drops the "
                                            "files only in the old folder)")
+    distributor: str = setting("local", choices=("local", "ray"),
+                               help="'local': encode in this process; 'ray': on Ray workers, one backbone each, the "
+                                    "images read by every node at the same path (a shared filesystem; pip install "
+                                    "'demind[distributed]')")
+    workers: int = setting(0, ge=0, help="ray: backbones (Ray actors) to start; 0 = one per GPU of the cluster; "
+                                         "required without GPUs")
+    ray_address: str | None = setting(None, help="ray: the cluster to join (HOST:6379); "
+                                                 "default RAY_ADDRESS, else a local cluster on this machine")
+    shard_attempts: int = setting(3, ge=1, help="ray: tries of a unit (a tar shard, or --part-size files) whose "
+                                                "worker died or raised, each on another worker where one is free")
 
     def config_problems(self) -> list[tuple[str, str]]:
         problems = [(key, f"is required: give --{key} DIR") for key in ("images", "index") if getattr(self, key) is None]
         if not self.checkpoint and not self.backbone.spec:
             problems.append(("checkpoint", "is required: give --checkpoint CKPT (the index is encoded by its frozen "
                                            "backbone), or --backbone NAME:TAG"))
+        if self.distributor == "local":  # refused rather than ignored
+            problems += [(key, f"= {getattr(self, key)} applies to --distributor ray only; add --distributor ray")
+                         for key, unset in (("workers", 0), ("ray_address", None), ("shard_attempts", 3))
+                         if getattr(self, key) != unset]
         return problems
 
 
 FLAGS = {**MODEL_FLAGS, "--images": Flag("images"), "--index": Flag("index"), "--batch-size": Flag("batch_size"),
          "--num-workers": Flag("num_workers"), "--part-size": Flag("part_size"), "--new-folder": Flag("new_folder"),
-         "--measure-rankers": Flag("measure_rankers")}
+         "--measure-rankers": Flag("measure_rankers"), "--distributor": Flag("distributor"),
+         "--workers": Flag("workers"), "--ray-address": Flag("ray_address"), "--shard-attempts": Flag("shard_attempts")}
 
 
 def build_parser():
@@ -54,10 +70,19 @@ def run(cfg: IndexConfig) -> int:
     from demind.search.expectations import describe, read_record, record_rankers
     from demind.search.index import build_index, load_index  # model code (torch): not for --help
 
-    backbone, _ = load_model(cfg)
     previous = read_record(cfg.index)  # before the build rewrites index.json: kept while still current
-    stats = build_index(cfg.images, cfg.index, backbone, cfg.batch_size, cfg.num_workers, cfg.part_size,
-                        progress=cfg.run.progress, new_root=cfg.new_folder)
+    if cfg.distributor == "ray":
+        from demind.search.ray_index import UnitsFailedError
+
+        try:
+            stats = build_on_ray(cfg)
+        except UnitsFailedError as e:  # as demind-generate: exit 1 when units of the job failed
+            print(f"index {cfg.index} not finished: {e}")
+            return 1
+    else:
+        backbone, _ = load_model(cfg)
+        stats = build_index(cfg.images, cfg.index, backbone, cfg.batch_size, cfg.num_workers, cfg.part_size,
+                            progress=cfg.run.progress, new_root=cfg.new_folder)
     s = stats.as_dict()
     rate = f" at {s['encoded_per_s']} images/s" if s["encoded"] else ""
     print(f"index {cfg.index}: {s['indexed']} images ({s['encoded']} encoded{rate}, {s['cached']} reused, "
@@ -73,6 +98,23 @@ def run(cfg: IndexConfig) -> int:
     for kind, entry in rankers.items():
         print("  " + describe(kind, entry))
     return 0
+
+
+def build_on_ray(cfg: IndexConfig):
+    """The build with the images encoded on Ray workers (the backbones load there)."""
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    from demind.distributed import RayOptions
+    from demind.search.ray_index import BackboneSource, build_index_on_ray
+
+    options = RayOptions(workers=cfg.workers, address=cfg.ray_address or os.environ.get("RAY_ADDRESS") or None,
+                         shard_attempts=cfg.shard_attempts, name_prefix="demind-index")
+    print(f"encoding on Ray ({options.address or 'local cluster'})", flush=True)
+    source = BackboneSource(cfg.checkpoint, cfg.backbone.spec, cfg.backbone.precision)
+    with logging_redirect_tqdm():
+        return build_index_on_ray(cfg.images, cfg.index, source, options, cfg.batch_size, cfg.num_workers,
+                                  cfg.part_size, progress=cfg.run.progress, new_root=cfg.new_folder,
+                                  device=cfg.run.device)
 
 
 def print_some(what: str, entries: dict[str, str], rest: str, shown: int = 10) -> None:

@@ -17,7 +17,8 @@ shards under it (WebDataset / img2dataset shards, read in place: ``00000.tar/KEY
 file's key is its relative path, size and modification time (a shard member's: its shard's),
 so a rerun encodes only new or changed files and drops removed ones. Parts are written every ``part_size`` images; a killed
 build keeps them and the rerun resumes. ``index.json`` is the done-marker: a folder without it
-is an unfinished build that search refuses to load.
+is an unfinished build that search refuses to load. A gallery that outgrows one machine:
+:mod:`demind.search.ray_index` encodes the missing images on a Ray cluster into the same parts.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import tarfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -218,6 +220,7 @@ def build_index(
     progress: bool = True,
     new_root: bool = False,
     dtype: str = STORED_DTYPE,
+    encode_missing: Callable[[list[ImageRef], ImageFeatureCache], tuple[int, dict[str, str]]] | None = None,
 ) -> IndexBuildStats:
     """Build or update the index of every image under ``images`` into ``index_dir``.
 
@@ -229,6 +232,11 @@ def build_index(
     damaged ``index.json`` is logged and rebuilt (:func:`_previous_manifest`). Rows are stored
     L2-normalised in ``dtype`` (an existing index keeps its own); an index of the earlier layout
     is rewritten in this one.
+
+    ``encode_missing(refs, cache)`` (a distributed build, :mod:`demind.search.ray_index`) encodes
+    the images no finished part holds into parts of ``cache`` before the local pass, and returns
+    (images encoded, {name: why unreadable}); the local pass then finds them cached and only
+    assembles the index (and compacts, as always).
     """
     start = time.perf_counter()
     images, index_dir = Path(images), Path(index_dir)
@@ -260,9 +268,15 @@ def build_index(
         raise GalleryIndexError(f"index rows are stored as one of {', '.join(DTYPES)}, not {dtype!r}")
     cache = ImageFeatureCache.at(index_dir, f"give another --index folder, or delete {index_dir} to rebuild it",
                                  GalleryIndexError, dtype=DTYPES[dtype], normalise=True)
+    elsewhere = 0  # encoded by encode_missing: cache hits of the local pass
+    if encode_missing is not None:
+        held = _held_entries(cache, cache_identity(backbone))
+        elsewhere, unreadable = encode_missing([r for r in todo if (r.name, r.cache_key) not in held], cache)
+        stats.unreadable.update(unreadable)
+        todo = [r for r in todo if r.name not in unreadable]  # not decoded again here
     features, encode_stats = encode_image_refs(backbone, todo, cache, ROLE, batch_size, num_workers, part_size,
                                                progress, desc="index images", on_unreadable="skip")
-    stats.cached, stats.encoded = encode_stats.cached, encode_stats.encoded
+    stats.cached, stats.encoded = encode_stats.cached - elsewhere, encode_stats.encoded + elsewhere
     stats.unreadable.update(encode_stats.unreadable)
     stats.unreadable.update(bad_shards)  # retried on every run (listing a shard or a link is cheap)
     keys = {r.name: r.cache_key for r in refs}
@@ -324,6 +338,17 @@ def load_index(index_dir: str | Path, root: str | Path | None = None) -> Gallery
     return GalleryIndex(directory=index_dir, root=root, names=names, blocks=blocks, backbone=manifest["backbone"],
                         backbone_slug=manifest["backbone_slug"], precision=manifest["precision"],
                         members={n: tuple(v) for n, v in manifest.get("members", {}).items()})
+
+
+def _held_entries(cache: ImageFeatureCache, identity: dict) -> set[tuple[str, str]]:
+    """(name, key) of every entry a finished part records, read from the records alone (a damaged
+    record: the parts are read, and damaged ones deleted, first). A part whose tensors turn out
+    damaged counts here and is encoded again by the local pass."""
+    try:
+        records = [record for _, record in cache.records(ROLE)]
+    except DamagedPartError:
+        records = cache.read_parts(ROLE, drop_damaged=True, identity=identity)
+    return {(name, key) for record in records for name, key in zip(record["names"], record["keys"])}
 
 
 def _live_parts(cache: ImageFeatureCache, live: dict[str, str]) -> list[tuple[Path, dict]] | None:
