@@ -49,8 +49,9 @@ from demind.model import DeMinds, ModelConfig
 from demind.retrieval import ImageFeatureCache
 from demind.search.index import INDEX_FORMAT, MANIFEST, ROLE, GalleryIndex, build_index, load_index
 from demind.search.query import Searcher, SearchQuery
-from demind.search.rankers import (HNSW_EF_CONSTRUCTION, HNSW_M, Ranker, build_hnsw_index, build_ivf_index,
-                                   build_ivfpq_index, exact_top_k, faiss_module, gather_rows, resident_bytes)
+from demind.search.rankers import (HNSW_EF_CONSTRUCTION, HNSW_M, IVFPQ_NPROBE, Ranker, build_hnsw_index,
+                                   build_ivf_index, build_ivfpq_index, exact_top_k, faiss_module, gather_rows,
+                                   ivfpq_shortlist, resident_bytes)
 
 TOY_CLIP = Path(__file__).resolve().parents[1] / "toyworld" / "model_configs" / "toy-clip-cnn-text2.json"
 TEXT = "make the square red and the background green"
@@ -303,7 +304,7 @@ def ivf_only(sizes: list[int], dim: int, n_queries: int, work: Path) -> dict:
     return out
 
 
-IVFPQ_NPROBES, IVFPQ_SHORTLISTS = (4, 8, 16, 32, 64), (20, 50, 100, 200, 400)
+IVFPQ_NPROBES, IVFPQ_SHORTLISTS = (4, 8, 16, 32, 64), (20, 50, 100, 200, 400, 800)
 
 
 def bench_ivfpq(blocks: list[torch.Tensor], queries: torch.Tensor, repeats: int) -> dict:
@@ -324,16 +325,17 @@ def bench_ivfpq(blocks: list[torch.Tensor], queries: torch.Tensor, repeats: int)
            "serialised_bytes": int(faiss_module().serialize_index(index).size), "fp16_matrix_bytes": matrix,
            "codes_and_ids_over_fp16_matrix": round((held["codes"] + held["ids"]) / matrix, 4)}
     print(f"IVF-PQ nlist {index.nlist} m {out['m']} nbits {out['nbits']}: built in {build_s:.1f} s", flush=True)
-    for nprobe in IVFPQ_NPROBES:
-        index.nprobe = nprobe
-        for shortlist in IVFPQ_SHORTLISTS:
-            ranker.shortlist = shortlist
-            row = {}
-            for name, q in sets.items():
-                row[f"recall_at_10_{name}"] = round(float(np.mean(overlap(truths[name], ranker.top_k(q, K)[1]))), 4)
-            it = iter(range(10 ** 9))
-            times = timed(lambda: ranker.top_k(queries[next(it) % len(queries)][None], K), repeats)
-            out[f"nprobe{nprobe}-shortlist{shortlist}"] = {**row, **percentiles(times)}
+    chosen = (IVFPQ_NPROBE, ivfpq_shortlist(ranker.size))  # the ranker's default here
+    grid = [(nprobe, shortlist, f"nprobe{nprobe}-shortlist{shortlist}")
+            for nprobe in IVFPQ_NPROBES for shortlist in IVFPQ_SHORTLISTS]
+    for nprobe, shortlist, key in grid + [(*chosen, f"chosen-nprobe{chosen[0]}-shortlist{chosen[1]}")]:
+        index.nprobe, ranker.shortlist = nprobe, shortlist
+        row = {}
+        for name, q in sets.items():
+            row[f"recall_at_10_{name}"] = round(float(np.mean(overlap(truths[name], ranker.top_k(q, K)[1]))), 4)
+        it = iter(range(10 ** 9))
+        times = timed(lambda: ranker.top_k(queries[next(it) % len(queries)][None], K), repeats)
+        out[key] = {**row, **percentiles(times)}
     return out
 
 

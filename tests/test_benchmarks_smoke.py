@@ -243,6 +243,11 @@ def _(tmp: Path, request) -> None:
                                     "--json", tmp / "i.json"])
     ivf = read_json(tmp / "i.json")["ivf"]["1024x32"]["faiss-ivf"]
     assert ivf["nlist"] == 26 and all(0 <= v["recall_at_10_midpoint"] <= 1 for k, v in ivf.items() if "nprobe" in k)
+    run("benchmarks.bench_search", ["--ivfpq-only", "--gallery", 1024, "--dim", 32, "--queries", 4,
+                                    "--json", tmp / "p.json"])
+    pq = read_json(tmp / "p.json")["ivfpq"]["1024x32"]["faiss-ivfpq"]
+    settings = [v for v in pq.values() if isinstance(v, dict)]  # 4 codes of 4 bits a row: 2 bytes
+    assert pq["m"] == 4 and pq["codes_bytes"] == 1024 * 2 and all(0 <= v["recall_at_10_midpoint"] <= 1 for v in settings)
 
 
 @row("benchmarks.bench_serve_load")

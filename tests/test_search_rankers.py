@@ -14,8 +14,9 @@ import torch.nn.functional as F
 
 from demind.search.expectations import describe, read_record, record_rankers
 from demind.search.index import MANIFEST, load_index
-from demind.search.rankers import (IVF_NPROBE, IVFPQ_NPROBE, IVFPQ_SHORTLIST, Ranker, build_ivfpq_index,
-                                   default_settings, exact_top_k, ivf_lists, pq_bits, pq_subquantizers, resident_bytes)
+from demind.search.rankers import (IVF_NPROBE, IVFPQ_NPROBE, Ranker, build_ivfpq_index,
+                                   default_settings, exact_top_k, ivf_lists, ivfpq_shortlist, pq_bits,
+                                   pq_subquantizers, resident_bytes)
 
 from test_search import gallery, loaded, one_torch_thread, tiny_checkpoint  # noqa: F401  (fixtures)
 
@@ -85,7 +86,7 @@ def test_ivfpq_returns_exact_scores_and_reaches_the_stated_recall_on_a_clustered
     pq = Ranker(blocks, "faiss-ivfpq")
     nlist = ivf_lists(6000)
     # 64 / 8 = 8 sub-quantizers; 6000 training rows give 2^7 centroids FAISS's 39 rows each
-    assert pq.settings == {"nlist": nlist, "nprobe": IVFPQ_NPROBE, "m": 8, "nbits": 7, "shortlist": IVFPQ_SHORTLIST}
+    assert pq.settings == {"nlist": nlist, "nprobe": IVFPQ_NPROBE, "m": 8, "nbits": 7, "shortlist": 100}
     assert pq.settings == default_settings("faiss-ivfpq", 6000, 64) and pq.fallback is None
     held = resident_bytes(pq.faiss_index)  # 8 codes of 7 bits = 7 bytes a row, and an 8-byte id
     assert held == {"codes": 6000 * 7, "ids": 6000 * 8}
@@ -101,7 +102,8 @@ def test_ivfpq_returns_exact_scores_and_reaches_the_stated_recall_on_a_clustered
     assert 0.9 <= pq.recall_at_10 <= 1 and pq.build_s > 0
 
 
-def test_ivfpq_takes_a_divisor_of_the_width_and_fewer_bits_on_few_rows():
+def test_ivfpq_takes_a_divisor_of_the_width_fewer_bits_on_few_rows_and_a_shortlist_growing_with_rows():
+    assert [ivfpq_shortlist(n) for n in (6000, 100_000, 10 ** 6, 10 ** 7)] == [100, 253, 800, 2530]
     assert [pq_subquantizers(d) for d in (512, 768, 64, 100, 17)] == [64, 96, 8, 10, 1]
     assert [pq_bits(n) for n in (100, 624, 5000, 9984, 10 ** 6)] == [4, 4, 7, 8, 8]
     rows = clustered(2000, 20, seed=5)  # 20 is not a multiple of 8: 2 sub-quantizers of 10 dims

@@ -10,4 +10,5 @@ from demind.templates import TEMPLATES
 
 DEFAULT_TEMPLATE = TEMPLATES["cirr"]
 DEFAULT_METHOD = "demind"
-RANKERS = ("exact", "faiss-flat", "faiss-hnsw", "faiss-ivf", "faiss-ivfpq")  # exact: one matrix product; faiss-*: the search extra
+# exact: one matrix product; faiss-*: the search extra
+RANKERS = ("exact", "faiss-flat", "faiss-hnsw", "faiss-ivf", "faiss-ivfpq")

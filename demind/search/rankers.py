@@ -39,9 +39,11 @@ IVF_LISTS_PER_SQRT_ROW, IVF_TRAIN_PER_LIST, IVF_NPROBE = 4, 39, 16
 IVF_MIN_LISTS = 16  # fewer rows than 16 lists of 39 (624): exact search instead, logged
 # IVF-PQ: the IVF lists above, each row a code of m = D / 8 sub-quantizers of 8 bits (D / 8 bytes:
 # 64 at D = 512, 1/16 of its float16 row); nprobe lists read and a shortlist of candidates rescored
-# exactly. Rule fixed before measuring: the smallest shortlist, then nprobe, reaching recall@10 0.95 on
-# clustered and midpoint queries at 100k rows (100, 4), then one step up in each for margin (BENCHMARKS.md)
-IVFPQ_DIMS_PER_CODE, IVFPQ_BITS, IVFPQ_NPROBE, IVFPQ_SHORTLIST = 8, 8, 8, 200
+# exactly. Rule: the smallest shortlist, then nprobe, reaching recall@10 0.95 on clustered and midpoint
+# queries, one step up in each for margin. The shortlist needed grows with N (100 at 100k rows, 400 at
+# 1M: more rows within the codes' error of the 10th), so it is 0.8 sqrt(N), at least 100 (BENCHMARKS.md)
+IVFPQ_DIMS_PER_CODE, IVFPQ_BITS, IVFPQ_NPROBE = 8, 8, 8
+IVFPQ_SHORTLIST_PER_SQRT_ROW, IVFPQ_MIN_SHORTLIST = 0.8, 100
 CHUNK_ROWS = 8192  # rows converted to float32 at a time: a 16 MiB buffer that stays in cache
 
 
@@ -111,7 +113,7 @@ class Ranker:
 
     def __init__(self, features: torch.Tensor | list[torch.Tensor], kind: str = "exact", hnsw_m: int = HNSW_M,
                  ef_search: int = HNSW_EF_SEARCH, ef_construction: int = HNSW_EF_CONSTRUCTION,
-                 nprobe: int | None = None, shortlist: int = IVFPQ_SHORTLIST) -> None:
+                 nprobe: int | None = None, shortlist: int | None = None) -> None:
         if kind not in KINDS:
             raise ValueError(f"unknown ranker {kind!r}; choose from {', '.join(KINDS)}")
         self.kind = kind
@@ -136,7 +138,7 @@ class Ranker:
                 self.faiss_index = build_ivf_index(self.blocks, nprobe=nprobe or IVF_NPROBE)
             else:
                 self.faiss_index = build_ivfpq_index(self.blocks, nprobe=nprobe or IVFPQ_NPROBE)
-                self.shortlist = shortlist
+                self.shortlist = shortlist or ivfpq_shortlist(self.size)
             self.settings = faiss_settings(kind, self.faiss_index, self.shortlist)
             self.build_s = time.perf_counter() - start
             self.recall_at_10 = self.measured_recall()
@@ -152,7 +154,7 @@ class Ranker:
         nothing is built or measured; ``build_s`` and ``recall_at_10`` are those of its build."""
         ranker = cls(features, "exact")
         ranker.kind, ranker.faiss_index = kind, faiss_index
-        ranker.shortlist = IVFPQ_SHORTLIST if kind == "faiss-ivfpq" else 0
+        ranker.shortlist = ivfpq_shortlist(ranker.size) if kind == "faiss-ivfpq" else 0
         ranker.settings = faiss_settings(kind, faiss_index, ranker.shortlist)
         ranker.build_s, ranker.recall_at_10 = build_s, recall_at_10
         return ranker
@@ -298,7 +300,7 @@ def default_settings(kind: str, rows: int, dim: int) -> dict[str, int]:
     if kind == "faiss-ivf":
         return {"nlist": nlist, "nprobe": min(IVF_NPROBE, nlist)}
     return {"nlist": nlist, "nprobe": min(IVFPQ_NPROBE, nlist), "m": pq_subquantizers(dim),
-            "nbits": pq_bits(len(ivf_train_rows(rows, nlist))), "shortlist": IVFPQ_SHORTLIST}
+            "nbits": pq_bits(len(ivf_train_rows(rows, nlist))), "shortlist": ivfpq_shortlist(rows)}
 
 
 def ivf_fallback(rows: int) -> str | None:
@@ -330,6 +332,11 @@ def build_ivf_index(blocks: list[torch.Tensor], nlist: int | None = None, nprobe
         index.add(np.ascontiguousarray(rows.numpy()))
     index.nprobe = min(nprobe, nlist)
     return index
+
+
+def ivfpq_shortlist(rows: int) -> int:
+    """Candidates faiss-ivfpq rescores per query over ``rows`` rows: 0.8 sqrt(N), at least 100."""
+    return max(IVFPQ_MIN_SHORTLIST, round(IVFPQ_SHORTLIST_PER_SQRT_ROW * math.sqrt(rows)))
 
 
 def pq_subquantizers(dim: int) -> int:
