@@ -16,7 +16,8 @@ trainable; the backbone is held but not registered, so state_dict() holds our we
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import functools
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -250,7 +251,10 @@ class DeMinds(nn.Module):
         lengths are rounded up to multiples of 8, exact under the causal mask, so a handful
         of graphs cover every prompt). Weights and state_dict keys are unchanged; meant for
         inference (evaluation, serving), where the launch overhead of two text passes and
-        six blocks at batch 1 dominates on a GPU.
+        six blocks at batch 1 dominates on a GPU. On a CPU, ``compile`` with inductor also
+        freezes the weights (inference graphs take them as constants, prepacked for the
+        matrix kernels: batch-1 queries 1.5-1.7x faster, BENCHMARKS.md), so set the mode
+        after the weights are loaded; the first query of each new shape compiles (~30 s).
         """
         if mode not in QUERY_MODES:
             raise InputError(f"query mode must be one of {QUERY_MODES}, got {mode!r}")
@@ -259,6 +263,9 @@ class DeMinds(nn.Module):
             for module in (self.mapping, self.intention):
                 module._compiled_call_impl = None  # undo nn.Module.compile
             return
+        on_cpu = self.backbone.device.type == "cpu"
+        if backend == "inductor" and on_cpu:
+            check_cpp_compiler(mode)  # inductor writes C++ for the CPU: refuse now, not at the first query
         options: dict = {"backend": backend}
         if mode == "cudagraphs":
             options.update(mode="reduce-overhead", dynamic=False)
@@ -267,9 +274,41 @@ class DeMinds(nn.Module):
         self.backbone.compile_text_layers(options, length_multiple=8 if mode == "cudagraphs" else 1)
         self.mapping.compile(**options)
         self.intention.compile(**options)
+        if mode == "compile" and backend == "inductor" and on_cpu:
+            self.backbone.text_layers = with_frozen_weights(self.backbone.text_layers)
+            for module in (self.mapping, self.intention):
+                module._compiled_call_impl = with_frozen_weights(module._compiled_call_impl)
 
     def num_trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
+
+
+def with_frozen_weights(compiled: Callable) -> Callable:
+    """``compiled`` (a ``torch.compile`` result) called with inductor's weight freezing on.
+
+    Dynamo reads the setting when it traces a call (the first of each shape), so it is set
+    around every call rather than for the process: other code's compiles stay as they were.
+    Only graphs traced without gradients (queries under ``no_grad``) are frozen.
+    """
+    from torch._inductor import config as inductor_config
+
+    @functools.wraps(compiled)
+    def call(*args, **kwargs):
+        with inductor_config.patch(freezing=True):
+            return compiled(*args, **kwargs)
+
+    return call
+
+
+def check_cpp_compiler(mode: str) -> None:
+    """Raise :class:`InputError` when no C++ compiler is found (torch inductor's CPU code needs one)."""
+    from torch._inductor import cpp_builder
+
+    try:
+        cpp_builder.get_cpp_compiler()
+    except Exception as e:  # noqa: BLE001 - inductor raises several kinds; one line names the fix
+        raise InputError(f"query_mode={mode} on a CPU compiles C++ code and no C++ compiler was found ({e}): "
+                         "install one (e.g. apt install g++) or use query_mode=eager") from None
 
 
 def build_model(cfg: ModelConfig, backbone: FrozenCLIP) -> DeMinds:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from demind.settings import setting
+from demind.settings import QUERY_MODES, setting  # noqa: F401 - re-exported
 from demind.targets import TargetSampling
 from demind.templates import PLACEHOLDER, TEMPLATES, TemplateError, template_field
 
@@ -59,7 +59,6 @@ FUSIONS = ("gate", "add", "intent_only")
 # not say), or each rescaled to the mean norm of the token-embedding table (the scale the tower's
 # first layer was trained on), keeping its direction.
 QUERY_SCALES = ("none", "token_norm")
-QUERY_MODES = ("eager", "compile", "cudagraphs")
 
 
 @dataclass

@@ -99,6 +99,22 @@ class RunOptions:
                                          "queries steady on a machine busy with other work (BENCHMARKS.md, search)")
 
 
+# How De-MINDS queries run (DeMinds.set_query_mode): declared here, torch-free, for the run sections
+QUERY_MODES = ("eager", "compile", "cudagraphs")
+
+
+@dataclasses.dataclass
+class QueryRunOptions(RunOptions):
+    """The ``run`` section of the commands that compose queries with a checkpoint (eval, search, serve)."""
+
+    query_mode: str = setting("eager", choices=QUERY_MODES,
+                              help="how a checkpoint's queries run: eager; compile (torch.compile; on a CPU the "
+                                   "weights are frozen into the compiled code, batch-1 queries about 1.5x faster "
+                                   "after ~30 s of compiling per new shape, needs a C++ compiler); cudagraphs (a "
+                                   "GPU: CUDA graphs replay the launches). Embeddings equal eager's within float "
+                                   "rounding (BENCHMARKS.md, search)")
+
+
 def resolve_workers(requested: int) -> int:
     """An encoding DataLoader's worker count: ``requested``, at most the CPUs this process may use.
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from demind.cli.common import Flag, config_parser, run_config_command
+from demind.cli.common import Flag, apply_query_mode, config_parser, run_config_command
 from demind.cli.search import BackboneChoice
-from demind.config import RunOptions, resolve_device, setting
+from demind.config import QueryRunOptions, resolve_device, setting
 from demind.describe.config import DescribeOptions, RerankOptions
 from demind.gen.config import EngineConfig
 from demind.eval.options import BENCHMARKS, CocoOptions, FashionIQOptions
@@ -50,7 +50,7 @@ class EvalConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     describe: DescribeOptions = field(default_factory=DescribeOptions)
     rerank: RerankOptions = field(default_factory=RerankOptions)
-    run: RunOptions = field(default_factory=RunOptions)
+    run: QueryRunOptions = field(default_factory=QueryRunOptions)
 
     def config_problems(self) -> list[tuple[str, str]]:
         flags = {"benchmark": "--benchmark", "data_root": "--data-root", "out": "--out"}
@@ -89,6 +89,7 @@ def evaluate_command(cfg: EvalConfig) -> int:
 
     backbone, model = load_backbone_and_model(cfg.checkpoint, cfg.backbone.spec, precision=cfg.backbone.precision,
                                               device=resolve_device(cfg.run.device))
+    apply_query_mode(model, cfg.run.query_mode)
     exclmm = None
     if cfg.exclmm:
         from demind.exclmm import load_exclmm

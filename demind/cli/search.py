@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from demind.errors import InputError
-from demind.cli.common import Flag, config_parser, run_config_command
-from demind.config import RunOptions, resolve_device, setting
+from demind.cli.common import Flag, apply_query_mode, config_parser, run_config_command
+from demind.config import QueryRunOptions, RunOptions, resolve_device, setting
 from demind.describe.config import DescribeOptions, RerankOptions
 from demind.gen.config import EngineConfig
 from demind.retrieval.names import METHODS
@@ -80,8 +80,10 @@ def load_model(cfg: ModelOptions):
     """(backbone, model or None) as the config asks."""
     from demind.checkpoint import load_backbone_and_model
 
-    return load_backbone_and_model(cfg.checkpoint, cfg.backbone.spec, precision=cfg.backbone.precision,
-                                   device=resolve_device(cfg.run.device))
+    backbone, model = load_backbone_and_model(cfg.checkpoint, cfg.backbone.spec, precision=cfg.backbone.precision,
+                                              device=resolve_device(cfg.run.device))
+    apply_query_mode(model, getattr(cfg.run, "query_mode", "eager"))  # demind-index composes no query
+    return backbone, model
 
 
 def build_mllm_setup(engine: EngineConfig, describe: DescribeOptions, rerank: RerankOptions, run: RunOptions):
@@ -119,6 +121,7 @@ class QueryModelOptions(ModelOptions):
     engine: SearchEngineConfig = field(default_factory=SearchEngineConfig)
     describe: DescribeOptions = field(default_factory=DescribeOptions)
     rerank: RerankOptions = field(default_factory=RerankOptions)
+    run: QueryRunOptions = field(default_factory=QueryRunOptions)
 
 
 def search_mllm_setup(cfg: QueryModelOptions):
