@@ -80,6 +80,13 @@ def device_setting(default: str = "auto") -> Any:
                    help="auto = cuda when a GPU is visible, else cpu")
 
 
+def threads_setting() -> Any:
+    """``run.threads``: torch's CPU threads for the command, set before its first tensor op
+    (:func:`demind.cli.common.apply_threads`)."""
+    return setting(0, ge=0, help="torch CPU threads (0: torch's default, one per core); 1 keeps batch-1 "
+                                 "queries steady on a machine busy with other work (BENCHMARKS.md, search)")
+
+
 def resolve_device(name: str) -> str:
     """``run.device`` -> a torch device string: ``auto`` becomes ``cuda`` when a GPU is visible, else ``cpu``."""
     if name != "auto":
@@ -95,8 +102,7 @@ class RunOptions:
 
     device: str = device_setting()
     progress: bool = setting(True, help="progress bars")
-    threads: int = setting(0, ge=0, help="torch CPU threads (0: torch's default, one per core); 1 keeps batch-1 "
-                                         "queries steady on a machine busy with other work (BENCHMARKS.md, search)")
+    threads: int = threads_setting()
 
 
 # How De-MINDS queries run (DeMinds.set_query_mode): declared here, torch-free, for the run sections

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from demind.config import device_setting
+from demind.config import device_setting, threads_setting
 from demind.schema import BackboneConfig
 
 
@@ -71,6 +71,7 @@ class ExclRunConfig:
     log_every: int = 200
     save_every: int = 500
     progress: bool = True
+    threads: int = threads_setting()
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from demind.config import device_setting, load_config, setting
+from demind.config import device_setting, load_config, setting, threads_setting
 # the sections without their torch-bound modules: --help and config checks load no torch
 from demind.schema import BackboneConfig, DataConfig, ModelConfig, NoiseConfig, heads_problem
 
@@ -64,6 +64,7 @@ class RunConfig:
     resume: bool = True
     trackers: list[str] = field(default_factory=lambda: ["tensorboard"])  # used when installed
     progress: bool = setting(True, help="tqdm bar (the log line every run.log_every steps is printed either way)")
+    threads: int = threads_setting()  # per process under accelerate launch
 
 
 @dataclass

@@ -1,0 +1,31 @@
+"""``run.threads`` on every command that runs torch: listed by --help, applied before the command's
+body (torch starts its thread pools at the first tensor op)."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+COMMANDS = {  # module: (its main's body, an argv that passes config checks)
+    "demind.cli.train": ("train_command", []),
+    "demind.cli.train_exclmm": ("train_exclmm_command", []),
+    "demind.cli.features": ("features_command", []),
+    "demind.cli.evaluate": ("evaluate_command", ["--benchmark", "cirr", "--data-root", "d", "--out", "o"]),
+}
+
+
+@pytest.mark.parametrize("module_name", sorted(COMMANDS))
+def test_run_threads_is_set_before_the_body_runs(module_name, monkeypatch, capsys):
+    module = importlib.import_module(module_name)
+    body_name, argv = COMMANDS[module_name]
+    seen = []
+    monkeypatch.setattr(module, body_name, lambda cfg: (seen.append((torch.get_num_threads(), cfg.run.threads)), 0)[1])
+    before = torch.get_num_threads()
+    try:
+        assert module.main([*argv, "run.threads=3"]) == 0, capsys.readouterr().err
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [(3, 3)]
+    assert "run.threads" in module.build_parser().format_help()
