@@ -148,7 +148,8 @@ class SearchConfig(QueryModelOptions):
                                               "NEGATIVE' with the method's +deo variant")
     ranker: str = setting("exact", choices=RANKERS,
                           help="exact matrix product, or FAISS (pip install -e '.[search]'): faiss-flat (exact), "
-                               "faiss-hnsw / faiss-ivf (approximate; their recall@10 is printed)")
+                               "faiss-hnsw / faiss-ivf / faiss-ivfpq (approximate; their recall@10 is printed; "
+                               "built once, saved in the index folder)")
     keep_reference: bool = setting(False, help="allow the reference image among the results: itself when it is "
                                                "in the gallery, and its pixel copies under other names (left out "
                                                "by default, as the page does)")
