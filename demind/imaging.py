@@ -14,6 +14,10 @@ uploads all decode through :func:`decode_image`; nothing else in ``demind/`` cal
 * ``max_pixels``: refuse an image larger than this from its header, before decoding any pixel
   (the page's uploads).
 
+Whether ``orient`` changes an image at all is read from its header by
+:func:`orientation_changes_pixels` (a cache of features decoded without orientation stays valid
+for every image it does not change).
+
 Every mode reaches 8-bit RGB by scaling, not clipping: a 16-bit greyscale PNG (``I;16``) is
 divided down to 8 bits (Pillow's ``convert("RGB")`` clips it to near white); transparency is
 composited on white; a multi-frame file (GIF, TIFF, APNG) gives its first frame.
@@ -84,6 +88,60 @@ def decode_image(source: ImageSource, *, orient: bool = False, max_side: int | N
     except Exception as e:  # PIL raises many types (UnidentifiedImageError, OSError, SyntaxError, ...)
         raise ImageDecodeError(decoder_message(e)) from None
     return resize_longest_side(rgb, max_side) if max_side is not None else rgb
+
+
+# EXIF orientations that ``ImageOps.exif_transpose`` turns into a flip or rotation; any other value
+# (1 = normal, or a value outside 1..8) leaves the pixels as stored.
+TRANSPOSING_ORIENTATIONS = frozenset(range(2, 9))
+EXIF_ORIENTATION = 0x0112
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_PNG_METADATA = (b"eXIf", b"tEXt", b"zTXt", b"iTXt")  # where Pillow finds EXIF and XMP in a PNG
+
+
+def orientation_changes_pixels(source: ImageSource) -> bool:
+    """Whether ``decode_image(source, orient=True)`` may give other pixels than ``orient=False``.
+
+    True when the file's EXIF (or XMP) orientation is a flip or rotation (2..8); False when it has
+    no orientation or 1 (normal), which is what nearly every image holds, and then both decode to
+    the same pixels. (A TIFF is turned upright by Pillow itself, with or without ``orient``; True
+    for it too, as decoders before Pillow 13 did not.) Read from the header
+    alone (``Image.open`` is lazy): no pixel is decoded, except in a PNG whose metadata chunks
+    follow its pixel data, where Pillow finds them only by decoding. A source that cannot be
+    opened or parsed answers True, so that its caller takes the ordinary decode path, which
+    reports (or skips) it as it reports any unreadable image.
+    """
+    if isinstance(source, (bytes, bytearray)):
+        source = io.BytesIO(source)
+    try:
+        if isinstance(source, (str, Path)):
+            source = open(source, "rb")  # noqa: SIM115 -- closed by the with below
+        with source, Image.open(source) as img:
+            if img.format == "PNG" and not _png_metadata_after_pixels(source):
+                # PngImageFile.getexif decodes the image to look past its pixel data; every
+                # metadata chunk sits before it here, and Image.open has parsed those into info
+                exif = Image.Image.getexif(img)
+            else:
+                exif = img.getexif()
+            return exif.get(EXIF_ORIENTATION, 1) in TRANSPOSING_ORIENTATIONS
+    except Exception:  # PIL raises many types; OSError for a missing file: decoding will name it
+        return True
+
+
+def _png_metadata_after_pixels(file: BinaryIO) -> bool:
+    """Whether a PNG holds an EXIF or text chunk after its first IDAT (chunk headers read, data skipped)."""
+    file.seek(0)
+    if file.read(8) != _PNG_SIGNATURE:
+        return True  # not a plain PNG: let Pillow's own reading decide
+    after_pixels = False
+    while len(header := file.read(8)) == 8:
+        length, kind = int.from_bytes(header[:4], "big"), header[4:]
+        if kind == b"IEND":
+            return False
+        after_pixels = after_pixels or kind == b"IDAT"
+        if after_pixels and kind in _PNG_METADATA:
+            return True
+        file.seek(length + 4, io.SEEK_CUR)  # the data and its CRC
+    return False
 
 
 def to_rgb(image: Image.Image) -> Image.Image:

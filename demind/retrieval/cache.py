@@ -5,7 +5,9 @@ The cache is a folder per (backbone identity and precision, benchmark, split, ro
 the one embedding cache (:mod:`demind.embedding_cache`: key rule, identity refusal, writer,
 reader). Each part holds the names, per-image cache keys (file, crop, mask, resize mode) and
 (n, D) raw features of one chunk, written atomically as soon as the chunk is encoded; a
-killed run keeps its finished parts, and a rerun encodes only what no part holds. The search index
+killed run keeps its finished parts, and a rerun encodes only what no part holds (an entry written
+before EXIF orientation was applied is reused for every image whose orientation changes nothing:
+:meth:`ImageFeatureCache.adopt_unoriented`). The search index
 (``demind.search.index``) keeps its gallery embeddings in the same parts
 (:meth:`ImageFeatureCache.at`), skipping unreadable images (``on_unreadable="skip"``) and compacting
 parts when files change or go (:meth:`ImageFeatureCache.replace_all`).
@@ -29,7 +31,8 @@ from demind.backbone import FrozenCLIP
 from demind.embedding_cache import (EmbeddingCacheError, cache_identity, cache_slug, check_backbone,
                                     legacy_image_slug, read_record, read_tensors, write_entry)
 from demind.errors import InputError
-from demind.retrieval.refs import ImageReadError, ImageRef, load_image
+from demind.io import write_json_atomic
+from demind.retrieval.refs import ImageReadError, ImageRef, load_image, orientation_changes
 from demind.tensor_files import load_torch_file
 
 log = logging.getLogger(__name__)
@@ -268,6 +271,36 @@ class ImageFeatureCache:
                   "names": list(names), "keys": list(keys)}
         return write_entry(role_dir / f"part-{index:05d}", {"features": features}, record)[1]
 
+    def rekey(self, role: str, renames: dict[str, tuple[str, str]]) -> int:
+        """Record entries under new keys, ``renames`` = {name: (old key, new key)}, by rewriting
+        (atomically) only the records that hold one; no row is read or written. Returns how many
+        entries were renamed (an entry only in a legacy ``.pt`` part keeps its key)."""
+        renamed = 0
+        for path, record in self.records(role):
+            keys = [renames[name][1] if renames.get(name, ("",))[0] == key else key
+                    for name, key in zip(record["names"], record["keys"])]
+            changed = sum(a != b for a, b in zip(keys, record["keys"]))
+            if changed:
+                write_json_atomic(path, {**record, "keys": keys})
+                renamed += changed
+        return renamed
+
+    def adopt_unoriented(self, role: str, refs: list[ImageRef], holds: Callable[[str, str], bool]) -> list[ImageRef]:
+        """The ``refs`` (missing under their own key) whose feature cached before EXIF orientation
+        was applied still holds; their entries are recorded under their key, so the next lookup
+        reads no header.
+
+        That is an ``orient`` ref whose key without orientation is held (``holds(name, key)``) and
+        whose file has no orientation tag or 1 (:func:`~demind.retrieval.refs.orientation_changes`):
+        decoding it with orientation gives the very pixels that were encoded. An image stored
+        rotated (2..8) was encoded sideways and is encoded again."""
+        adopted = [r for r in refs if r.orient and holds(r.name, r.unoriented_key) and not orientation_changes(r)]
+        if adopted:
+            self.rekey(role, {r.name: (r.unoriented_key, r.cache_key) for r in adopted})
+            log.info("%s: %d images reused from before EXIF orientation was applied (no orientation tag)",
+                     self._role_dir(role), len(adopted))
+        return adopted
+
     def replace_all(self, role: str, names: list[str], keys: list[str], features: torch.Tensor,
                     part_size: int = 4096, identity: dict | None = None) -> list[Path]:
         """Rewrite the role as exactly these (n, D) entries (drops removed or superseded ones).
@@ -334,6 +367,10 @@ def encode_image_refs(
             features[ref.name] = hit
         else:
             todo.append(ref)
+    if cache is not None and todo:  # a cache written before EXIF orientation was applied
+        for ref in cache.adopt_unoriented(role, todo, lambda name, key: key in cached.get(name, {})):
+            features[ref.name] = cached[ref.name][ref.unoriented_key]
+        todo = [ref for ref in todo if ref.name not in features]
     stats.cached = len(features)
     log.info("%s: %d images, %d from cache, %d to encode", desc, len(refs), stats.cached, len(todo))
     for start in range(0, len(todo), part_size):

@@ -14,14 +14,14 @@ import io
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from PIL import Image
 
 from demind.errors import DemindError, InputError
-from demind.imaging import ImageDecodeError, decode_image
+from demind.imaging import ImageDecodeError, decode_image, orientation_changes_pixels
 from demind.retrieval.masks import decode_segmentation
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
@@ -100,6 +100,12 @@ class ImageRef:
             key += "|v=" + self.version
         return key
 
+    @property
+    def unoriented_key(self) -> str:
+        """The key of this image decoded without EXIF orientation (what every key was before
+        ``orient`` existed): its cached feature still holds when :func:`orientation_changes` is False."""
+        return replace(self, orient=False).cache_key
+
 
 @dataclass
 class Query:
@@ -146,6 +152,17 @@ def _span_bytes(path: Path, span: tuple[int, int]) -> io.BytesIO:
     if len(data) != length:
         raise OSError(f"{path} ends before the member at byte {offset} (length {length}): the shard was truncated")
     return io.BytesIO(data)
+
+
+def orientation_changes(ref: ImageRef) -> bool:
+    """Whether ``ref``'s EXIF orientation changes its pixels (read from the file's or the shard
+    member's header: :func:`demind.imaging.orientation_changes_pixels`); True for an image that
+    cannot be read, which then takes the ordinary decode path."""
+    try:
+        source = _span_bytes(ref.path, ref.span) if ref.span else ref.path
+    except OSError:
+        return True
+    return orientation_changes_pixels(source)
 
 
 def load_image(ref: ImageRef) -> Image.Image:

@@ -225,7 +225,9 @@ def build_index(
     """Build or update the index of every image under ``images`` into ``index_dir``.
 
     Only new or changed files are encoded (``encode_image_refs`` reuses every part whose key
-    matches); files that failed to decode before and have not changed are not retried.
+    matches, and an entry of an index built before EXIF orientation was applied for every image
+    stored upright: its record is rewritten, its row kept); files that failed to decode before
+    and have not changed are not retried.
     When files were removed or changed the parts are compacted so they hold only live entries.
     An index built from another folder is refused unless ``new_root`` (it would drop every
     file only in the old folder). A damaged embedding part is deleted and its images encoded again; a
@@ -271,7 +273,9 @@ def build_index(
     elsewhere = 0  # encoded by encode_missing: cache hits of the local pass
     if encode_missing is not None:
         held = _held_entries(cache, cache_identity(backbone))
-        elsewhere, unreadable = encode_missing([r for r in todo if (r.name, r.cache_key) not in held], cache)
+        missing = [r for r in todo if (r.name, r.cache_key) not in held]
+        adopted = {r.name for r in cache.adopt_unoriented(ROLE, missing, lambda name, key: (name, key) in held)}
+        elsewhere, unreadable = encode_missing([r for r in missing if r.name not in adopted], cache)
         stats.unreadable.update(unreadable)
         todo = [r for r in todo if r.name not in unreadable]  # not decoded again here
     features, encode_stats = encode_image_refs(backbone, todo, cache, ROLE, batch_size, num_workers, part_size,
