@@ -253,8 +253,9 @@ class DeMinds(nn.Module):
         inference (evaluation, serving), where the launch overhead of two text passes and
         six blocks at batch 1 dominates on a GPU. On a CPU, ``compile`` with inductor also
         freezes the weights (inference graphs take them as constants, prepacked for the
-        matrix kernels: batch-1 queries 1.5-1.7x faster, BENCHMARKS.md), so set the mode
-        after the weights are loaded; the first query of each new shape compiles (~30 s).
+        matrix kernels: ViT-B-32 batch-1 queries 1.8x faster, BENCHMARKS.md), so set the mode
+        after the weights are loaded; the first query compiles (about a minute on 2 CPU cores),
+        and the first of another batch size once more.
         """
         if mode not in QUERY_MODES:
             raise InputError(f"query mode must be one of {QUERY_MODES}, got {mode!r}")

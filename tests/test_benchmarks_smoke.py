@@ -225,6 +225,17 @@ def _(tmp: Path, request) -> None:
         percent(out["backbone_only"][bench])
 
 
+@row("benchmarks.bench_query")
+def _(tmp: Path, request) -> None:
+    run("benchmarks.bench_query", ["--tiny", "--modes", "eager", "--repeats", 2, "--json", tmp / "o.json"])
+    out = read_json(tmp / "o.json")
+    eager = out["modes"]["eager"]
+    positive([list(eager["p50_ms"].values()), list(out["anatomy"]["ms"].values())])
+    assert eager["demind_over_mapping_only"] == round(eager["p50_ms"]["demind"] / eager["p50_ms"]["mapping_only"], 3)
+    assert out["anatomy"]["intention_prompt_tokens"] == 4  # 2 queries + start and end of text
+    assert "max_abs_diff_from_eager" not in eager  # eager is the reference
+
+
 @row("benchmarks.bench_search")
 def _(tmp: Path, request) -> None:
     from PIL import Image
