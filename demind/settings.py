@@ -115,8 +115,9 @@ class QueryRunOptions(RunOptions):
 
     query_mode: str = setting("eager", choices=QUERY_MODES,
                               help="how a checkpoint's queries run: eager; compile (torch.compile; on a CPU the "
-                                   "weights are frozen into the compiled code: batch-1 queries about 1.8x faster "
-                                   "after the first, which compiles for about a minute; needs a C++ compiler); "
+                                   "weights are frozen into the compiled code: a batch-1 query's text side about "
+                                   "1.8x faster after the first, which compiles for about a minute; images are "
+                                   "encoded eagerly; needs a C++ compiler); "
                                    "cudagraphs (a "
                                    "GPU: CUDA graphs replay the launches). Embeddings equal eager's within float "
                                    "rounding (BENCHMARKS.md, search)")
