@@ -205,7 +205,7 @@ def test_index_prints_the_rankers_and_search_and_the_page_say_which_and_what_rec
     query = ["--index", str(tmp_path / "idx"), "--checkpoint", str(tiny_checkpoint), "--image",
              str(gallery / "img2.png"), "--text", "make it red", "-k", "3"]
     assert search_main([*query, "--out", str(tmp_path / "exact.json")]) == 0
-    assert capsys.readouterr().out.startswith("ranker exact: exact top k (exact search)\n")
+    assert capsys.readouterr().out.startswith("ranker exact: exact search (every result is in the true top k)\n")
     assert json.loads((tmp_path / "exact.json").read_text())["ranker_expectation"] == {
         "ranker": "exact", "recall_at_10": "exact", "source": "exact search"}
     assert search_main([*query, "--ranker", "faiss-hnsw", "--out", str(tmp_path / "hnsw.json")]) == 0

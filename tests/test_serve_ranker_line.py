@@ -71,7 +71,7 @@ def test_serve_prints_the_ranker_line_and_the_page_gets_the_same(kind, index_dir
     assert line in out and out.index(line) < next(i for i, o in enumerate(out) if o.startswith("demind search: "))
     assert line.startswith(f"ranker {kind}: ")
     if kind == "exact":
-        assert "exact top k" in line
+        assert line == "ranker exact: exact search (every result is in the true top k)"
     else:  # the recall this ranker measured of itself as it was built, to three places
         recall = searcher.ranker.recall_at_10
         assert isinstance(recall, float) and 0 <= recall <= 1

@@ -126,7 +126,10 @@ def expectation(ranker: Ranker, index: GalleryIndex) -> dict:
 def expectation_line(found: dict) -> str:
     """The one line the search commands print about their ranker."""
     if found["recall_at_10"] == EXACT:
-        return f"ranker {found['ranker']}: exact top k ({found['source']})"
+        if found["source"] == "exact search":
+            return f"ranker {found['ranker']}: exact search (every result is in the true top k)"
+        return (f"ranker {found['ranker']}: exact search here, {found['source']} (every result is in the "
+                f"true top k)")
     recorded = found.get("recorded_recall_at_10")
     return (f"ranker {found['ranker']}: expect recall@10 {found['recall_at_10']:.3f} against exact search "
             f"({found['source']}" + (f"; demind-index recorded {recorded:.3f})" if recorded is not None else ")"))
