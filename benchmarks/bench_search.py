@@ -230,7 +230,8 @@ def bench_rankers(index, rows32: torch.Tensor, queries: torch.Tensor, repeats: i
 
 
 def bench_hnsw(blocks: list[torch.Tensor], queries: torch.Tensor, repeats: int,
-               settings: tuple[tuple[int, int], ...] = ((16, 40), (32, 80)), midpoints: bool = False) -> dict:
+               settings: tuple[tuple[int, int], ...] = ((16, 40), (32, 80)), midpoints: bool = False,
+               ef_searches: tuple[int, ...] = (32, 64, 128, 256)) -> dict:
     """recall@10 (against the exact top 10 of the same rows) and latency per HNSW setting (M,
     efConstruction) and efSearch; with ``midpoints`` also on the midpoint query set (:func:`query_sets`)."""
     sets = query_sets(blocks, queries) if midpoints else {"clustered": queries}
@@ -241,7 +242,7 @@ def bench_hnsw(blocks: list[torch.Tensor], queries: torch.Tensor, repeats: int,
         index = build_hnsw_index(blocks, m, 64, ef_construction)
         build_s = time.perf_counter() - start
         print(f"HNSW M {m} efConstruction {ef_construction}: built in {build_s:.1f} s", flush=True)
-        for ef_search in (32, 64, 128, 256):
+        for ef_search in ef_searches:
             index.hnsw.efSearch = ef_search
             row = {}
             for name, q in sets.items():
@@ -376,7 +377,8 @@ def ivfpq_only(sizes: list[int], dim: int, n_queries: int, work: Path) -> dict:
     return out
 
 
-def hnsw_only(sizes: list[int], dim: int, n_queries: int, work: Path) -> dict:
+def hnsw_only(sizes: list[int], dim: int, n_queries: int, work: Path,
+              ef_searches: tuple[int, ...] = (32, 64, 128, 256)) -> dict:
     """``--hnsw-only``: the chosen HNSW setting (``demind.search.rankers``) per gallery size, recall@10
     on both query sets per efSearch (and the exact ranker's latency, for scale)."""
     out = {}
@@ -390,7 +392,8 @@ def hnsw_only(sizes: list[int], dim: int, n_queries: int, work: Path) -> dict:
         out[f"{n}x{dim}"] = {"exact": percentiles(timed(lambda: exact.top_k(queries[next(it) % n_queries][None], K),
                                                         min(n_queries, 50))),
                              "faiss-hnsw": bench_hnsw(index.blocks, queries, min(n_queries, 50),
-                                                      ((HNSW_M, HNSW_EF_CONSTRUCTION),), midpoints=True)}
+                                                      ((HNSW_M, HNSW_EF_CONSTRUCTION),), midpoints=True,
+                                                      ef_searches=ef_searches)}
         print(json.dumps(out[f"{n}x{dim}"], indent=1), flush=True)
     return out
 
@@ -440,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
                                                              "--gallery size")
     p.add_argument("--hnsw-only", action="store_true", help="only the chosen faiss-hnsw setting's efSearch sweep at "
                                                             "each --gallery size (about 30 min a build at 1M, one thread)")
+    p.add_argument("--ef-search", default="32,64,128,256", help="--hnsw-only: the efSearch values to measure")
     p.add_argument("--gallery", default="100000", help="synthetic gallery sizes, comma-separated (e.g. 100000,1000000)")
     p.add_argument("--dim", type=int, default=512, help="embedding width (512: ViT-B-32)")
     p.add_argument("--queries", type=int, default=200)
@@ -462,9 +466,10 @@ def main(argv: list[str] | None = None) -> int:
         sizes = [int(x) for x in args.gallery.split(",") if x]
         sweep, key = ((ivf_only, "ivf") if args.ivf_only else (ivfpq_only, "ivfpq") if args.ivfpq_only else
                       (hnsw_only, "hnsw"))
+        extra = {"ef_searches": tuple(int(x) for x in args.ef_search.split(","))} if args.hnsw_only else {}
         with tempfile.TemporaryDirectory() as tmp:
             results = {"command": command, "threads": args.threads, "load_before": os.getloadavg(),
-                       key: sweep(sizes, args.dim, args.queries, Path(tmp)), "load_after": os.getloadavg()}
+                       key: sweep(sizes, args.dim, args.queries, Path(tmp), **extra), "load_after": os.getloadavg()}
         return write_results(results, args.json)
     if not args.images:
         p.error("--images is required (but with --ivf-only, --ivfpq-only or --hnsw-only)")

@@ -260,6 +260,11 @@ def _(tmp: Path, request) -> None:
     settings = [v for k, v in pq.items() if "nprobe" in k]  # 4 codes of 4 bits a row: 2 bytes
     assert pq["m"] == 4 and pq["codes_bytes"] == 1024 * 2 and all(0 <= v["recall_at_10_midpoint"] <= 1 for v in settings)
     assert len(settings) == 31 and pq["saved"]["loaded_not_built"] is True  # a start loads what was saved
+    run("benchmarks.bench_search", ["--hnsw-only", "--gallery", 1024, "--dim", 32, "--queries", 4,
+                                    "--ef-search", "16,64", "--json", tmp / "h.json"])
+    hnsw = read_json(tmp / "h.json")["hnsw"]["1024x32"]["faiss-hnsw"]
+    assert set(hnsw) == {"M32-efC80-ef16", "M32-efC80-ef64"}
+    assert all(0 <= v[key] <= 1 for v in hnsw.values() for key in ("recall_at_10", "recall_at_10_midpoint"))
 
 
 @row("benchmarks.bench_serve_load")
