@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="the tests' tiny CLIP and a small De-MINDS (smoke run)")
     p.add_argument("--modes", default="eager,compile", help="query modes, comma-separated (eager first)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--precision", default="fp32", help="backbone.precision (e.g. amp_bf16)")
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
@@ -113,12 +114,12 @@ def main(argv: list[str] | None = None) -> int:
         name = str(Path(__file__).resolve().parent.parent / "configs" / "model" / "tiny-clip.json")
         model_cfg = ModelConfig(num_queries=2, num_blocks=1, num_heads=4, mapping_hidden=16)
     torch.manual_seed(0)
-    backbone = FrozenCLIP(BackboneConfig(name=name, pretrained=None))
+    backbone = FrozenCLIP(BackboneConfig(name=name, pretrained=None, precision=args.precision))
     model = DeMinds(model_cfg, backbone).eval()
     ref = torch.randn(1, backbone.embed_dim)
     command = "python -m benchmarks.bench_query " + " ".join(argv if argv is not None else sys.argv[1:])
     results: dict = {"command": command, "backbone": args.backbone if not args.tiny else "tiny",
-                     "threads": args.threads, "load_before": os.getloadavg(), "modes": {}}
+                     "threads": args.threads, "precision": args.precision, "load_before": os.getloadavg(), "modes": {}}
     with torch.no_grad():
         results["anatomy"] = anatomy(model, ref, args.repeats)
         eager = None
