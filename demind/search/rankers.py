@@ -33,6 +33,7 @@ IVF_KINDS = ("faiss-ivf", "faiss-ivfpq")  # inverted lists: too few rows to spli
 
 
 HNSW_M, HNSW_EF_CONSTRUCTION, HNSW_EF_SEARCH = 32, 80, 128  # chosen by recall@10 on clustered vectors (BENCHMARKS.md)
+HNSW_EF_ROWS = 100_000  # efSearch grows with the gallery: HNSW_EF_SEARCH per this many rows (hnsw_ef_search)
 # nlist ~ 4 sqrt(N), at most N / 39 (FAISS's minimum of 39 training rows a list); nprobe chosen by
 # recall@10 >= 0.95 on clustered vectors at 100k rows (BENCHMARKS.md, search)
 IVF_LISTS_PER_SQRT_ROW, IVF_TRAIN_PER_LIST, IVF_NPROBE = 4, 39, 16
@@ -112,7 +113,7 @@ class Ranker:
     """Top-k inner-product search over L2-normalised rows: one (N, D) tensor or the blocks of an index."""
 
     def __init__(self, features: torch.Tensor | list[torch.Tensor], kind: str = "exact", hnsw_m: int = HNSW_M,
-                 ef_search: int = HNSW_EF_SEARCH, ef_construction: int = HNSW_EF_CONSTRUCTION,
+                 ef_search: int | None = None, ef_construction: int = HNSW_EF_CONSTRUCTION,
                  nprobe: int | None = None, shortlist: int | None = None) -> None:
         if kind not in KINDS:
             raise ValueError(f"unknown ranker {kind!r}; choose from {', '.join(KINDS)}")
@@ -133,7 +134,8 @@ class Ranker:
         elif kind in APPROXIMATE:
             start = time.perf_counter()
             if kind == "faiss-hnsw":
-                self.faiss_index = build_hnsw_index(self.blocks, hnsw_m, ef_search, ef_construction)
+                self.faiss_index = build_hnsw_index(self.blocks, hnsw_m, ef_search or hnsw_ef_search(self.size),
+                                                    ef_construction)
             elif kind == "faiss-ivf":
                 self.faiss_index = build_ivf_index(self.blocks, nprobe=nprobe or IVF_NPROBE)
             else:
@@ -284,6 +286,14 @@ def ivf_lists(rows: int) -> int:
     return min(round(IVF_LISTS_PER_SQRT_ROW * math.sqrt(rows)), rows // IVF_TRAIN_PER_LIST)
 
 
+def hnsw_ef_search(rows: int) -> int:
+    """efSearch for ``rows`` rows: 128 per 100,000 rows, at least 128. Measured (BENCHMARKS.md, search):
+    queries between two clusters need a search that grows with the clusters; the smallest efSearch
+    reaching recall@10 0.95 on them was 128 at 100k (0.9985; 64: 0.905) and 1,024 at 1M (0.9925;
+    512: 0.727), so this rule gives 1,280 at 1M."""
+    return max(HNSW_EF_SEARCH, round(HNSW_EF_SEARCH * rows / HNSW_EF_ROWS))
+
+
 def ivf_train_rows(rows: int, nlist: int, train_per_list: int = 64) -> torch.Tensor:
     """The (n,) evenly spaced rows an IVF index over ``rows`` rows is trained on: ``train_per_list`` a list."""
     return torch.linspace(0, rows - 1, min(rows, train_per_list * nlist)).round().long()
@@ -293,7 +303,7 @@ def default_settings(kind: str, rows: int, dim: int) -> dict[str, int]:
     """The settings a ranker of ``kind`` is built with over ``rows`` rows of width ``dim`` (what a
     recorded measurement or a saved ranker must match); {} for the exact ones and the fallbacks."""
     if kind == "faiss-hnsw":
-        return {"M": HNSW_M, "efConstruction": HNSW_EF_CONSTRUCTION, "efSearch": HNSW_EF_SEARCH}
+        return {"M": HNSW_M, "efConstruction": HNSW_EF_CONSTRUCTION, "efSearch": hnsw_ef_search(rows)}
     if kind not in IVF_KINDS or ivf_fallback(rows):
         return {}
     nlist = ivf_lists(rows)
