@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -289,23 +290,6 @@ def bench_ivf(blocks: list[torch.Tensor], queries: torch.Tensor, repeats: int) -
     return out
 
 
-def ivf_only(sizes: list[int], dim: int, n_queries: int, work: Path) -> dict:
-    """``--ivf-only``: the IVF sweep (and the exact ranker's latency, for scale) per gallery size."""
-    out = {}
-    for n in sizes:
-        print(f"IVF over {n:,} x {dim} ...", flush=True)
-        write_synthetic_index(work / f"index-{n}", n, dim)
-        index = load_index(work / f"index-{n}")
-        queries = clustered(n_queries, dim, seed=10 ** 9)
-        it = iter(range(10 ** 9))
-        exact = Ranker(index.blocks)
-        out[f"{n}x{dim}"] = {"exact": percentiles(timed(lambda: exact.top_k(queries[next(it) % n_queries][None], K),
-                                                        min(n_queries, 50))),
-                             "faiss-ivf": bench_ivf(index.blocks, queries, min(n_queries, 50))}
-        print(json.dumps(out[f"{n}x{dim}"], indent=1), flush=True)
-    return out
-
-
 IVFPQ_NPROBES, IVFPQ_SHORTLISTS = (4, 8, 16, 32, 64), (20, 50, 100, 200, 400, 800)
 
 
@@ -358,44 +342,36 @@ def time_saved_ranker(folder: Path, faiss_index, build_s: float) -> dict:
             "loaded_not_built": ranker.saved_at is not None}
 
 
-def ivfpq_only(sizes: list[int], dim: int, n_queries: int, work: Path) -> dict:
-    """``--ivfpq-only``: the faiss-ivfpq sweep (and the exact ranker's latency, for scale) per gallery size."""
+def sweep_sizes(kind: str, measure: Callable, sizes: list[int], dim: int, n_queries: int, work: Path) -> dict:
+    """``--ivf-only`` / ``--ivfpq-only`` / ``--hnsw-only``: per gallery size, a synthetic index, the exact
+    ranker's latency (for scale) and ``measure(blocks, queries, repeats, folder)``, the ranker's sweep."""
     out = {}
     for n in sizes:
-        print(f"IVF-PQ over {n:,} x {dim} ...", flush=True)
-        write_synthetic_index(work / f"index-{n}", n, dim)
-        index = load_index(work / f"index-{n}")
+        print(f"{kind} over {n:,} x {dim} ...", flush=True)
+        folder = work / f"index-{n}"
+        write_synthetic_index(folder, n, dim)
+        index = load_index(folder)
         queries = clustered(n_queries, dim, seed=10 ** 9)
         it = iter(range(10 ** 9))
         exact = Ranker(index.blocks)
         out[f"{n}x{dim}"] = {"exact": percentiles(timed(lambda: exact.top_k(queries[next(it) % n_queries][None], K),
                                                         min(n_queries, 50))),
-                             "faiss-ivfpq": bench_ivfpq(index.blocks, queries, min(n_queries, 50))}
-        built = out[f"{n}x{dim}"]["faiss-ivfpq"]
-        built["saved"] = time_saved_ranker(work / f"index-{n}", built.pop("_index"), built["build_s"])
+                             kind: measure(index.blocks, queries, min(n_queries, 50), folder)}
         print(json.dumps(out[f"{n}x{dim}"], indent=1), flush=True)
     return out
 
 
-def hnsw_only(sizes: list[int], dim: int, n_queries: int, work: Path,
-              ef_searches: tuple[int, ...] = (32, 64, 128, 256)) -> dict:
-    """``--hnsw-only``: the chosen HNSW setting (``demind.search.rankers``) per gallery size, recall@10
-    on both query sets per efSearch (and the exact ranker's latency, for scale)."""
-    out = {}
-    for n in sizes:
-        print(f"HNSW over {n:,} x {dim} ...", flush=True)
-        write_synthetic_index(work / f"index-{n}", n, dim)
-        index = load_index(work / f"index-{n}")
-        queries = clustered(n_queries, dim, seed=10 ** 9)
-        it = iter(range(10 ** 9))
-        exact = Ranker(index.blocks)
-        out[f"{n}x{dim}"] = {"exact": percentiles(timed(lambda: exact.top_k(queries[next(it) % n_queries][None], K),
-                                                        min(n_queries, 50))),
-                             "faiss-hnsw": bench_hnsw(index.blocks, queries, min(n_queries, 50),
-                                                      ((HNSW_M, HNSW_EF_CONSTRUCTION),), midpoints=True,
-                                                      ef_searches=ef_searches)}
-        print(json.dumps(out[f"{n}x{dim}"], indent=1), flush=True)
-    return out
+def ivfpq_sweep(blocks: list[torch.Tensor], queries: torch.Tensor, repeats: int, folder: Path) -> dict:
+    """The faiss-ivfpq sweep, then the chosen ranker saved into ``folder`` and a start that loads it."""
+    built = bench_ivfpq(blocks, queries, repeats)
+    built["saved"] = time_saved_ranker(folder, built.pop("_index"), built["build_s"])
+    return built
+
+
+def hnsw_sweep(ef_searches: tuple[int, ...]) -> Callable:
+    """The chosen HNSW setting's efSearch sweep on both query sets."""
+    return lambda blocks, queries, repeats, folder: bench_hnsw(
+        blocks, queries, repeats, ((HNSW_M, HNSW_EF_CONSTRUCTION),), midpoints=True, ef_searches=ef_searches)
 
 
 def bench_compaction(folder: Path, index) -> dict:
@@ -464,12 +440,16 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m benchmarks.bench_search " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.ivf_only or args.ivfpq_only or args.hnsw_only:
         sizes = [int(x) for x in args.gallery.split(",") if x]
-        sweep, key = ((ivf_only, "ivf") if args.ivf_only else (ivfpq_only, "ivfpq") if args.ivfpq_only else
-                      (hnsw_only, "hnsw"))
-        extra = {"ef_searches": tuple(int(x) for x in args.ef_search.split(","))} if args.hnsw_only else {}
+        if args.ivf_only:
+            key, kind, measure = "ivf", "faiss-ivf", lambda blocks, queries, repeats, _: bench_ivf(blocks, queries, repeats)
+        elif args.ivfpq_only:
+            key, kind, measure = "ivfpq", "faiss-ivfpq", ivfpq_sweep
+        else:
+            key, kind, measure = "hnsw", "faiss-hnsw", hnsw_sweep(tuple(int(x) for x in args.ef_search.split(",")))
         with tempfile.TemporaryDirectory() as tmp:
             results = {"command": command, "threads": args.threads, "load_before": os.getloadavg(),
-                       key: sweep(sizes, args.dim, args.queries, Path(tmp), **extra), "load_after": os.getloadavg()}
+                       key: sweep_sizes(kind, measure, sizes, args.dim, args.queries, Path(tmp)),
+                       "load_after": os.getloadavg()}
         return write_results(results, args.json)
     if not args.images:
         p.error("--images is required (but with --ivf-only, --ivfpq-only or --hnsw-only)")
