@@ -105,6 +105,31 @@ class RunOptions:
     threads: int = threads_setting()
 
 
+@dataclasses.dataclass
+class DistributorOptions:
+    """Where a job's units of work run (``demind-generate``: input shards; ``demind-index``: a tar
+    shard's images, or a run of loose files): this process, or Ray workers each holding one model."""
+
+    distributor: str = setting("local", choices=("local", "ray"),
+                               help="'local': in this process; 'ray': on Ray workers, one model (engine or "
+                                    "backbone) each, every node reading the inputs at the same path (a shared "
+                                    "filesystem; pip install 'demind[distributed]')")
+    workers: int = setting(0, ge=0, help="ray: models (Ray actors) to start; 0 = one per GPU of the cluster "
+                                         "(tensor_parallel_size GPUs each for vLLM); required without GPUs")
+    ray_address: str | None = setting(None, help="ray: the cluster to join (HOST:6379); "
+                                                 "default RAY_ADDRESS, else a local cluster on this machine")
+    shard_attempts: int = setting(3, ge=1, help="ray: tries of a unit of work whose worker died or raised, each "
+                                                "on another worker where one is free; then it is reported as failed")
+
+    def distributor_problems(self) -> list[tuple[str, str]]:
+        """The Ray settings given without ``--distributor ray``: refused rather than ignored."""
+        if self.distributor != "local":
+            return []
+        return [(key, f"= {getattr(self, key)} applies to --distributor ray only; add --distributor ray")
+                for key, unset in (("workers", 0), ("ray_address", None), ("shard_attempts", 3))
+                if getattr(self, key) != unset]
+
+
 # How De-MINDS queries run (DeMinds.set_query_mode): declared here, torch-free, for the run sections
 QUERY_MODES = ("eager", "compile", "cudagraphs")
 

@@ -223,6 +223,11 @@ def load_command_config(cls: type[T], args: argparse.Namespace) -> T:
     return load_config(cls, args.config, [*from_flags, *overrides])
 
 
+# the flags of demind.settings.DistributorOptions (demind-generate, demind-index)
+DISTRIBUTOR_FLAGS = {"--distributor": Flag("distributor"), "--workers": Flag("workers"),
+                     "--ray-address": Flag("ray_address"), "--shard-attempts": Flag("shard_attempts")}
+
+
 def apply_threads(threads: int) -> None:
     """``run.threads``: torch's CPU threads, set before the command runs its first tensor op (torch
     starts its thread pool then); 0 leaves torch's default."""

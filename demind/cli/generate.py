@@ -17,13 +17,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from demind.cli.common import Flag, config_parser, run_config_command
-from demind.config import setting
+from demind.cli.common import DISTRIBUTOR_FLAGS, Flag, config_parser, run_config_command
+from demind.config import DistributorOptions, setting
 from demind.gen.config import GenConfig
 
 
 @dataclass
-class GenerateConfig(GenConfig):
+class GenerateConfig(GenConfig, DistributorOptions):
     """The generation recipe (engine, sampling, prompts, quality, io, run) plus this job's shards."""
 
     input: str | None = setting(None, help="folder of input .tar shards (img2dataset layout: KEY.jpg, KEY.txt, "
@@ -35,23 +35,10 @@ class GenerateConfig(GenConfig):
                                            "(default: every shard of input); give each process a disjoint range")
     overwrite: bool = setting(False, help="redo selected shards even if their stats file says they are done")
     dry_run: bool = setting(False, help="print the plan and exit without loading a model")
-    distributor: str = setting("local", choices=("local", "ray"),
-                               help="'local': the shards one after the other in this process; 'ray': on Ray "
-                                    "workers, one engine each (pip install 'demind[distributed]')")
-    workers: int = setting(0, ge=0, help="ray: engines (Ray actors) to start; 0 = one per GPU of the cluster "
-                                         "(tensor_parallel_size GPUs each for vLLM); required without GPUs")
-    ray_address: str | None = setting(None, help="ray: the cluster to join (HOST:6379); "
-                                                 "default RAY_ADDRESS, else a local cluster on this machine")
-    shard_attempts: int = setting(3, ge=1, help="ray: tries of a shard whose worker died or raised, each on "
-                                                "another worker where one is free; then it is reported as failed")
 
     def config_problems(self) -> list[tuple[str, str]]:
         problems = [(key, f"is required: give --{key} DIR") for key in ("input", "output") if getattr(self, key) is None]
-        if self.distributor == "local":  # refused rather than ignored: the local loop runs one engine
-            problems += [(key, f"= {getattr(self, key)} applies to --distributor ray only; add --distributor ray")
-                         for key, unset in (("workers", 0), ("ray_address", None), ("shard_attempts", 3))
-                         if getattr(self, key) != unset]
-        return problems
+        return problems + self.distributor_problems()
 
     def recipe(self) -> GenConfig:
         """The generation recipe alone: what each shard's stats record (not where this job read and wrote)."""
@@ -59,8 +46,7 @@ class GenerateConfig(GenConfig):
 
 
 FLAGS = {"--input": Flag("input"), "--output": Flag("output"), "--shard": Flag("shard"),
-         "--overwrite": Flag("overwrite"), "--dry-run": Flag("dry_run"), "--distributor": Flag("distributor"),
-         "--workers": Flag("workers"), "--ray-address": Flag("ray_address"), "--shard-attempts": Flag("shard_attempts")}
+         "--overwrite": Flag("overwrite"), "--dry-run": Flag("dry_run"), **DISTRIBUTOR_FLAGS}
 
 
 def build_parser():

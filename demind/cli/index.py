@@ -15,14 +15,14 @@ import sys
 from collections import Counter
 from dataclasses import dataclass
 
-from demind.cli.common import Flag, config_parser, run_config_command
+from demind.cli.common import DISTRIBUTOR_FLAGS, Flag, config_parser, run_config_command
 from demind.cli.search import MODEL_FLAGS, ModelOptions, load_model
-from demind.config import setting
+from demind.config import DistributorOptions, setting
 from demind.imaging import DECODABLE_EXTENSIONS
 
 
 @dataclass
-class IndexConfig(ModelOptions):
+class IndexConfig(ModelOptions, DistributorOptions):
     images: str | None = setting(None, help="folder of images, searched recursively (required)")
     index: str | None = setting(None, help="index folder to create or update (required)")
     batch_size: int = setting(64, ge=1, help="images per encoding batch")
@@ -33,33 +33,18 @@ class IndexConfig(ModelOptions):
                                                 "and save them in it (search and serve then load them; costly)")
     new_folder: bool = setting(False, help="let an index built from another folder follow --images (drops the "
                                            "files only in the old folder)")
-    distributor: str = setting("local", choices=("local", "ray"),
-                               help="'local': encode in this process; 'ray': on Ray workers, one backbone each, the "
-                                    "images read by every node at the same path (a shared filesystem; pip install "
-                                    "'demind[distributed]')")
-    workers: int = setting(0, ge=0, help="ray: backbones (Ray actors) to start; 0 = one per GPU of the cluster; "
-                                         "required without GPUs")
-    ray_address: str | None = setting(None, help="ray: the cluster to join (HOST:6379); "
-                                                 "default RAY_ADDRESS, else a local cluster on this machine")
-    shard_attempts: int = setting(3, ge=1, help="ray: tries of a unit (a tar shard, or --part-size files) whose "
-                                                "worker died or raised, each on another worker where one is free")
 
     def config_problems(self) -> list[tuple[str, str]]:
         problems = [(key, f"is required: give --{key} DIR") for key in ("images", "index") if getattr(self, key) is None]
         if not self.checkpoint and not self.backbone.spec:
             problems.append(("checkpoint", "is required: give --checkpoint CKPT (the index is encoded by its frozen "
                                            "backbone), or --backbone NAME:TAG"))
-        if self.distributor == "local":  # refused rather than ignored
-            problems += [(key, f"= {getattr(self, key)} applies to --distributor ray only; add --distributor ray")
-                         for key, unset in (("workers", 0), ("ray_address", None), ("shard_attempts", 3))
-                         if getattr(self, key) != unset]
-        return problems
+        return problems + self.distributor_problems()
 
 
 FLAGS = {**MODEL_FLAGS, "--images": Flag("images"), "--index": Flag("index"), "--batch-size": Flag("batch_size"),
          "--num-workers": Flag("num_workers"), "--part-size": Flag("part_size"), "--new-folder": Flag("new_folder"),
-         "--measure-rankers": Flag("measure_rankers"), "--distributor": Flag("distributor"),
-         "--workers": Flag("workers"), "--ray-address": Flag("ray_address"), "--shard-attempts": Flag("shard_attempts")}
+         "--measure-rankers": Flag("measure_rankers"), **DISTRIBUTOR_FLAGS}
 
 
 def build_parser():
