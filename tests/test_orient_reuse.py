@@ -28,16 +28,9 @@ from demind.imaging import decode_image, orientation_changes_pixels
 from demind.retrieval import ImageFeatureCache, ImageRef, encode_image_refs
 from demind.retrieval.refs import orientation_changes
 from demind.search.index import build_index, list_gallery_images, load_index
+from test_search import one_torch_thread  # noqa: F401  (module fixture: one torch thread)
 
 REUSED = "images reused from before EXIF orientation was applied (no orientation tag)"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def photo_bytes(seed: int, orientation: int | None = None, fmt: str = "JPEG", xmp: bytes | None = None) -> bytes:

@@ -13,14 +13,7 @@ import torch
 from PIL import Image
 
 from demind.cli.search import main as search_main
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+from test_search import one_torch_thread  # noqa: F401  (module fixture: one torch thread)
 
 
 def write_gallery(folder: Path, n: int = 5) -> Path:

@@ -15,17 +15,9 @@ from demind.search import ranker_store, rankers
 from demind.search.index import MANIFEST, load_index
 from demind.search.ranker_store import fingerprint, open_ranker, saved_paths
 
-from test_search_rankers import clustered, synthetic_index
+from test_search_rankers import clustered, one_faiss_thread, synthetic_index  # noqa: F401  (fixture)
 
 faiss = pytest.importorskip("faiss", reason="faiss-cpu not installed (optional extra 'search')")
-
-
-@pytest.fixture(autouse=True)
-def one_faiss_thread():
-    threads = faiss.omp_get_max_threads()
-    faiss.omp_set_num_threads(1)
-    yield
-    faiss.omp_set_num_threads(threads)
 
 
 @pytest.fixture
