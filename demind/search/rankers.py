@@ -328,19 +328,30 @@ def build_ivf_index(blocks: list[torch.Tensor], nlist: int | None = None, nprobe
     kept as float16 (scalar quantizer fp16: the index's stored values, so scores within a list are
     those of exact search), ``nprobe`` lists read per query."""
     faiss = faiss_module()
-    size = sum(len(b) for b in blocks)
-    nlist = nlist or ivf_lists(size)
-    if not 1 <= nlist <= size:
-        raise ValueError(f"an IVF index over {size} rows needs 1 to {size} lists, not {nlist}")
+    nlist, sample = ivf_plan(blocks, nlist, train_per_list)
     dim = blocks[0].shape[1]
     quantizer = faiss.IndexFlatIP(dim)
     index = faiss.IndexIVFScalarQuantizer(quantizer, dim, nlist, faiss.ScalarQuantizer.QT_fp16,
                                           faiss.METRIC_INNER_PRODUCT)
-    sample = ivf_train_rows(size, nlist, train_per_list)
+    return train_and_fill(index, blocks, sample, nprobe)
+
+
+def ivf_plan(blocks: list[torch.Tensor], nlist: int | None, train_per_list: int) -> tuple[int, torch.Tensor]:
+    """(nlist, the (n,) rows to train on) of an IVF index over ``blocks`` (nlist default: :func:`ivf_lists`)."""
+    size = sum(len(b) for b in blocks)
+    nlist = nlist or ivf_lists(size)
+    if not 1 <= nlist <= size:
+        raise ValueError(f"an IVF index over {size} rows needs 1 to {size} lists, not {nlist}")
+    return nlist, ivf_train_rows(size, nlist, train_per_list)
+
+
+def train_and_fill(index, blocks: list[torch.Tensor], sample: torch.Tensor, nprobe: int):
+    """Train a FAISS IVF ``index`` on the ``sample`` rows, add every row of ``blocks`` in float32
+    chunks, read ``nprobe`` lists a query; returns it."""
     index.train(np.ascontiguousarray(gather_rows(blocks, sample).numpy()))
     for _, rows in _float_chunks(blocks, 1 << 16):
         index.add(np.ascontiguousarray(rows.numpy()))
-    index.nprobe = min(nprobe, nlist)
+    index.nprobe = min(nprobe, index.nlist)
     return index
 
 
@@ -369,23 +380,15 @@ def build_ivfpq_index(blocks: list[torch.Tensor], nlist: int | None = None, npro
     (:func:`pq_subquantizers` x :func:`pq_bits`: D / 8 bytes at 8 bits) and its 8-byte id, nothing
     else; ``nprobe`` lists read per query. The ranker rescores the candidates from ``blocks``."""
     faiss = faiss_module()
-    size = sum(len(b) for b in blocks)
-    nlist = nlist or ivf_lists(size)
-    if not 1 <= nlist <= size:
-        raise ValueError(f"an IVF-PQ index over {size} rows needs 1 to {size} lists, not {nlist}")
+    nlist, sample = ivf_plan(blocks, nlist, train_per_list)
     dim = blocks[0].shape[1]
-    sample = ivf_train_rows(size, nlist, train_per_list)
     m, nbits = pq_subquantizers(dim), pq_bits(len(sample))
     if dim % IVFPQ_DIMS_PER_CODE:
         log.info("faiss-ivfpq: width %d is not a multiple of %d: %d sub-quantizers of %d dims", dim,
                  IVFPQ_DIMS_PER_CODE, m, dim // m)
     quantizer = faiss.IndexFlatIP(dim)  # kept alive by the index's Python wrapper
     index = faiss.IndexIVFPQ(quantizer, dim, nlist, m, nbits, faiss.METRIC_INNER_PRODUCT)
-    index.train(np.ascontiguousarray(gather_rows(blocks, sample).numpy()))
-    for _, rows in _float_chunks(blocks, 1 << 16):
-        index.add(np.ascontiguousarray(rows.numpy()))
-    index.nprobe = min(nprobe, nlist)
-    return index
+    return train_and_fill(index, blocks, sample, nprobe)
 
 
 def resident_bytes(faiss_index) -> dict[str, int]:
