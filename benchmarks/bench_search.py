@@ -30,6 +30,7 @@ Timings, so never run in the test suite (a tiny smoke row checks the script runs
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing
 import os
@@ -342,9 +343,42 @@ def time_saved_ranker(folder: Path, faiss_index, build_s: float) -> dict:
             "loaded_not_built": ranker.saved_at is not None}
 
 
-def sweep_sizes(kind: str, measure: Callable, sizes: list[int], dim: int, n_queries: int, work: Path) -> dict:
+def evict_parts(folder: Path) -> None:
+    """Drop the index's part files from the OS page cache (posix_fadvise DONTNEED): their next reads
+    come from the disk, as in a gallery larger than memory. Pages a live mapping has touched stay."""
+    for path in (folder / ROLE).glob("*.safetensors"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def cold_queries(folder: Path, queries: torch.Tensor, n: int) -> dict:
+    """p50 ms of one query whose rows come from the disk: per query the index and its ranker are
+    opened anew (the saved faiss-ivfpq ranker is loaded), the parts evicted, then the query timed;
+    ``n`` queries for faiss-ivfpq (it reads its shortlist's rows), 3 for exact (it reads every row)."""
+    out = {}
+    for kind, count in (("faiss-ivfpq", n), ("exact", 3)):
+        times = []
+        for query in queries[:count]:
+            gc.collect()  # the previous query's mappings go, so eviction can drop their pages
+            index = load_index(folder)
+            ranker = open_ranker(index, kind) if kind != "exact" else Ranker(index.blocks)
+            evict_parts(folder)
+            start = time.perf_counter()
+            ranker.top_k(query[None], K)
+            times.append(time.perf_counter() - start)
+            del ranker, index
+        out[kind] = percentiles(times)
+    return out
+
+
+def sweep_sizes(kind: str, measure: Callable, sizes: list[int], dim: int, n_queries: int, work: Path,
+                cold: int = 0) -> dict:
     """``--ivf-only`` / ``--ivfpq-only`` / ``--hnsw-only``: per gallery size, a synthetic index, the exact
-    ranker's latency (for scale) and ``measure(blocks, queries, repeats, folder)``, the ranker's sweep."""
+    ranker's latency (for scale) and ``measure(blocks, queries, repeats, folder)``, the ranker's sweep;
+    with ``cold`` (faiss-ivfpq) also :func:`cold_queries` once the sweep's mappings are gone."""
     out = {}
     for n in sizes:
         print(f"{kind} over {n:,} x {dim} ...", flush=True)
@@ -357,6 +391,9 @@ def sweep_sizes(kind: str, measure: Callable, sizes: list[int], dim: int, n_quer
         out[f"{n}x{dim}"] = {"exact": percentiles(timed(lambda: exact.top_k(queries[next(it) % n_queries][None], K),
                                                         min(n_queries, 50))),
                              kind: measure(index.blocks, queries, min(n_queries, 50), folder)}
+        if cold:
+            del index, exact
+            out[f"{n}x{dim}"]["cold"] = cold_queries(folder, queries, cold)
         print(json.dumps(out[f"{n}x{dim}"], indent=1), flush=True)
     return out
 
@@ -420,6 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hnsw-only", action="store_true", help="only the chosen faiss-hnsw setting's efSearch sweep at "
                                                             "each --gallery size (about 30 min a build at 1M, one thread)")
     p.add_argument("--ef-search", default="32,64,128,256", help="--hnsw-only: the efSearch values to measure")
+    p.add_argument("--cold", type=int, default=0, help="--ivfpq-only: also time this many queries whose rows come "
+                                                      "from the disk (parts evicted from the page cache), and 3 exact")
     p.add_argument("--gallery", default="100000", help="synthetic gallery sizes, comma-separated (e.g. 100000,1000000)")
     p.add_argument("--dim", type=int, default=512, help="embedding width (512: ViT-B-32)")
     p.add_argument("--queries", type=int, default=200)
@@ -448,7 +487,8 @@ def main(argv: list[str] | None = None) -> int:
             key, kind, measure = "hnsw", "faiss-hnsw", hnsw_sweep(tuple(int(x) for x in args.ef_search.split(",")))
         with tempfile.TemporaryDirectory() as tmp:
             results = {"command": command, "threads": args.threads, "load_before": os.getloadavg(),
-                       key: sweep_sizes(kind, measure, sizes, args.dim, args.queries, Path(tmp)),
+                       key: sweep_sizes(kind, measure, sizes, args.dim, args.queries, Path(tmp),
+                                        cold=args.cold if args.ivfpq_only else 0),
                        "load_after": os.getloadavg()}
         return write_results(results, args.json)
     if not args.images:

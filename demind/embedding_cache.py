@@ -155,6 +155,28 @@ def read_tensors(path: str | Path, error: type[Exception], what: str, fix: str) 
 SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": None, "F64": np.float64, "I64": np.int64}
 
 
+def advise_random_access(tensor: torch.Tensor) -> bool:
+    """Tell the OS that a memory-mapped ``tensor`` (:func:`map_tensor`) is read at scattered rows, so
+    a page fault reads its page and not the read-ahead window around it. Measured on rows evicted from
+    the page cache (BENCHMARKS.md, search): a 253-row shortlist of a 100k index 4.4x faster, but a
+    full scan 11x slower, so only a ranker that reads a few rows a query asks for it. Returns
+    whether the advice was taken (not on Windows; on memory that is not file-backed it changes nothing)."""
+    import ctypes
+    import mmap
+
+    if not hasattr(mmap, "MADV_RANDOM") or tensor.numel() == 0:
+        return False
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return False
+    page = mmap.PAGESIZE
+    start = tensor.data_ptr() // page * page
+    length = tensor.data_ptr() + tensor.numel() * tensor.element_size() - start
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), ctypes.c_int(mmap.MADV_RANDOM)) == 0
+
+
 def map_tensor(path: str | Path, name: str, error: type[Exception], what: str, fix: str) -> torch.Tensor:
     """Tensor ``name`` of a safetensors file, memory-mapped: no copy is read until rows are used, and
     the pages are the OS's file cache (shared between processes, dropped under memory pressure).

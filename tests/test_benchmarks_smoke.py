@@ -254,8 +254,11 @@ def _(tmp: Path, request) -> None:
                                     "--json", tmp / "i.json"])
     ivf = read_json(tmp / "i.json")["ivf"]["1024x32"]["faiss-ivf"]
     assert ivf["nlist"] == 26 and all(0 <= v["recall_at_10_midpoint"] <= 1 for k, v in ivf.items() if "nprobe" in k)
-    run("benchmarks.bench_search", ["--ivfpq-only", "--gallery", 1024, "--dim", 32, "--queries", 4,
+    run("benchmarks.bench_search", ["--ivfpq-only", "--gallery", 1024, "--dim", 32, "--queries", 4, "--cold", 2,
                                     "--json", tmp / "p.json"])
+    cold = read_json(tmp / "p.json")["ivfpq"]["1024x32"]["cold"]
+    assert set(cold) == {"faiss-ivfpq", "exact"}
+    positive([v["p50_ms"] for v in cold.values()])
     pq = read_json(tmp / "p.json")["ivfpq"]["1024x32"]["faiss-ivfpq"]
     settings = [v for k, v in pq.items() if "nprobe" in k]  # 4 codes of 4 bits a row: 2 bytes
     assert pq["m"] == 4 and pq["codes_bytes"] == 1024 * 2 and all(0 <= v["recall_at_10_midpoint"] <= 1 for v in settings)

@@ -199,3 +199,17 @@ def test_an_entry_holds_exactly_its_rows_and_a_damaged_one_is_one_error(tmp_path
     tensors.write_bytes(tensors.read_bytes()[:200])
     with pytest.raises(EmbeddingCacheError, match=r"part .*part\.safetensors is truncated or corrupted.*; rebuild"):
         map_tensor(tensors, "features", EmbeddingCacheError, "part", "rebuild")
+
+
+def test_random_access_advice_on_a_mapped_tensor_keeps_its_values(tmp_path):
+    """advise_random_access (faiss-ivfpq's mapped rows): taken by the OS on Linux, values unchanged."""
+    import sys
+
+    from demind.embedding_cache import advise_random_access
+
+    rows = torch.randn(300, 16)
+    write_entry(tmp_path / "part", {"features": rows}, {"rows": 300})
+    mapped = map_tensor(tmp_path / "part.safetensors", "features", EmbeddingCacheError, "part", "")
+    taken = advise_random_access(mapped)
+    assert taken if sys.platform.startswith("linux") else taken in (True, False)
+    assert torch.equal(mapped, rows) and advise_random_access(torch.zeros(0)) is False

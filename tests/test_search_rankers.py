@@ -245,3 +245,25 @@ def test_hnsw_search_width_grows_with_the_gallery():
     rows = torch.nn.functional.normalize(torch.randn(300, 8), dim=-1)
     ranker = Ranker(rows, "faiss-hnsw")
     assert ranker.settings["efSearch"] == ranker.faiss_index.hnsw.efSearch == 128
+
+
+def test_ivfpq_asks_the_os_for_no_read_ahead_on_its_mapped_rows(tmp_path, monkeypatch):
+    """faiss-ivfpq reads a shortlist of scattered rows a query: built or loaded, it advises its blocks'
+    mappings as randomly read (after the build's own scans); exact and the other rankers do not."""
+    import demind.search.rankers as rankers_module
+    from demind.search.ranker_store import open_ranker
+
+    advised = []
+    monkeypatch.setattr(rankers_module, "advise_random_access", lambda block: advised.append(block) or True)
+    synthetic_index(tmp_path, clustered(2000, 32, seed=0))
+    index = load_index(tmp_path)
+    for kind in ("exact", "faiss-ivf"):
+        Ranker(index.blocks, kind)
+    assert advised == []
+    built = open_ranker(index, "faiss-ivfpq")  # built, then saved
+    assert [b.data_ptr() for b in advised] == [b.data_ptr() for b in index.blocks] and built.saved_at is None
+    advised.clear()
+    loaded = open_ranker(load_index(tmp_path), "faiss-ivfpq")
+    assert loaded.saved_at is not None and len(advised) == len(loaded.blocks) == 2
+    queries = clustered(20, 32, seed=3)
+    assert torch.equal(built.top_k(queries, 10)[1], loaded.top_k(queries, 10)[1])

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from demind.config import MissingDependencyError
+from demind.embedding_cache import advise_random_access
 from demind.search.names import RANKERS
 
 log = logging.getLogger(__name__)
@@ -146,6 +147,7 @@ class Ranker:
             self.recall_at_10 = self.measured_recall()
             log.info("%s over %d rows (%s): built in %.1f s, recall@10 %.3f against exact search", kind, self.size,
                      ", ".join(f"{k} {v}" for k, v in self.settings.items()), self.build_s, self.recall_at_10)
+            self.advise_scattered_reads()
         elif kind == "faiss-flat":
             faiss_module()  # the same exact result, by FAISS's kernel over the stored rows (no copy)
 
@@ -159,7 +161,15 @@ class Ranker:
         ranker.shortlist = ivfpq_shortlist(ranker.size) if kind == "faiss-ivfpq" else 0
         ranker.settings = faiss_settings(kind, faiss_index, ranker.shortlist)
         ranker.build_s, ranker.recall_at_10 = build_s, recall_at_10
+        ranker.advise_scattered_reads()
         return ranker
+
+    def advise_scattered_reads(self) -> None:
+        """faiss-ivfpq reads only its shortlist's rows: no read-ahead around them on a cold page
+        (:func:`demind.embedding_cache.advise_random_access`; after the build, whose scans want it)."""
+        if self.kind == "faiss-ivfpq":
+            for block in self.blocks:
+                advise_random_access(block)
 
     @property
     def features(self) -> torch.Tensor:
