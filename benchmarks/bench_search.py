@@ -358,8 +358,13 @@ def cold_queries(folder: Path, queries: torch.Tensor, n: int) -> dict:
     """p50 ms of one query whose rows come from the disk: per query the index and its ranker are
     opened anew (the saved faiss-ivfpq ranker is loaded), the parts evicted, then the query timed;
     ``n`` queries for faiss-ivfpq (it reads its shortlist's rows), 3 for exact (it reads every row)."""
-    out = {}
-    for kind, count in (("faiss-ivfpq", n), ("exact", 3)):
+    import demind.search.rankers as rankers_module
+
+    out, advise = {}, rankers_module.advise_random_access
+    rows = (("faiss-ivfpq", n, advise), ("faiss-ivfpq with read-ahead", n, lambda block: False), ("exact", 3, advise))
+    for name, count, advice in rows:  # the second row: the OS's read-ahead kept (before the ranker advised)
+        kind = name.split(" ")[0]
+        rankers_module.advise_random_access = advice
         times = []
         for query in queries[:count]:
             gc.collect()  # the previous query's mappings go, so eviction can drop their pages
@@ -370,7 +375,8 @@ def cold_queries(folder: Path, queries: torch.Tensor, n: int) -> dict:
             ranker.top_k(query[None], K)
             times.append(time.perf_counter() - start)
             del ranker, index
-        out[kind] = percentiles(times)
+        out[name] = percentiles(times)
+    rankers_module.advise_random_access = advise
     return out
 
 
