@@ -29,3 +29,25 @@ def test_run_threads_is_set_before_the_body_runs(module_name, monkeypatch, capsy
         torch.set_num_threads(before)
     assert seen == [(3, 3)]
     assert "run.threads" in module.build_parser().format_help()
+
+
+def test_a_run_saved_before_run_threads_existed_resumes_without_a_changed_settings_line(tmp_path, caplog):
+    """A key added since a checkpoint was written, left at its default, is not reported as changed;
+    a setting that did change still is."""
+    import logging
+
+    from demind.config import to_dict
+    from demind.training.config import TrainConfig
+    from demind.training.state import check_resumable
+
+    cfg = TrainConfig()
+    saved = to_dict(cfg)
+    del saved["run"]["threads"]  # written before the key existed
+    with caplog.at_level(logging.WARNING, logger="demind.training.state"):
+        check_resumable(saved, cfg, tmp_path)
+    assert "changed settings" not in caplog.text
+    saved["run"]["log_every"] = cfg.run.log_every + 1
+    with caplog.at_level(logging.WARNING, logger="demind.training.state"):
+        check_resumable(saved, cfg, tmp_path)
+    assert f"run.log_every ({cfg.run.log_every + 1} -> {cfg.run.log_every})" in caplog.text
+    assert "run.threads" not in caplog.text

@@ -119,10 +119,20 @@ def check_resumable(saved: dict[str, Any], cfg: TrainConfig, where: Path) -> Non
                 f"cannot resume from {where}: {', '.join(diff)} differ from the checkpoint's config; "
                 f"use a new run.output_dir or set run.resume=false with an empty run folder"
             )
-    other = [d for s in ("backbone", "data", "optim", "loss", "noise", "run") for d in _diff(saved.get(s, {}), current[s], s)
+    # a key the checkpoint's config lacks (added since, e.g. run.threads) and left at its default is no change
+    defaults = to_dict(type(cfg)())
+    other = [d for s in ("backbone", "data", "optim", "loss", "noise", "run")
+             for d in _diff(_with_defaults(saved.get(s, {}), defaults[s]), current[s], s)
              if s != "backbone" or d.split(" ")[0] in SPEED_ONLY_KEYS]
     if other:
         logger.warning("resuming from %s with changed settings: %s", where, ", ".join(other))
+
+
+def _with_defaults(saved: Any, defaults: Any) -> Any:
+    """``saved`` with the keys it lacks taken from ``defaults`` (nested mappings merged)."""
+    if not (isinstance(saved, dict) and isinstance(defaults, dict)):
+        return saved
+    return {**defaults, **{k: _with_defaults(v, defaults.get(k)) for k, v in saved.items()}}
 
 
 def _diff(old: Any, new: Any, prefix: str) -> list[str]:
