@@ -280,6 +280,14 @@ class DeMinds(nn.Module):
             for module in (self.mapping, self.intention):
                 module._compiled_call_impl = with_frozen_weights(module._compiled_call_impl)
 
+    @torch.no_grad()
+    def warm_up(self) -> None:
+        """One batch-1 query of each kind (De-MINDS, mapping-only), so that a compiled query mode
+        compiles now (about a minute on a CPU) and not at a user's first query."""
+        reference = torch.zeros(1, self.backbone.embed_dim, device=self.backbone.device)
+        self.query(reference, ["warm up"])
+        self.query(reference, ["warm up"], mapping_only=True)
+
     def num_trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
 

@@ -14,6 +14,7 @@ from PIL import Image
 
 from demind.cli.search import main as search_main
 from test_search import one_torch_thread  # noqa: F401  (module fixture: one torch thread)
+from test_serve_ranker_line import index_dir, serve_without_serving  # noqa: F401  (fixture, helper)
 
 
 def write_gallery(folder: Path, n: int = 5) -> Path:
@@ -93,3 +94,20 @@ def test_compiled_search_ranks_as_eager_search(tmp_path, tiny_checkpoint, capsys
     assert [r["name"] for r in results["compile"]] == [r["name"] for r in results["eager"]]
     np.testing.assert_allclose([r["score"] for r in results["compile"]], [r["score"] for r in results["eager"]],
                                rtol=0, atol=1e-5)
+
+
+def test_serve_compiles_the_query_before_it_serves(monkeypatch, capsys, index_dir, tiny_checkpoint):
+    """demind-serve with a compiled query mode runs one warm-up query of each kind before the server
+    starts, so a user's first query does not outlast --timeout while it compiles."""
+    pytest.importorskip("flask", reason="flask not installed (optional extra 'search')")
+    from demind.model import DeMinds
+
+    events = []
+    monkeypatch.setattr(DeMinds, "set_query_mode", lambda self, mode, backend="inductor": events.append(mode))
+    real_warm_up = DeMinds.warm_up
+    monkeypatch.setattr(DeMinds, "warm_up", lambda self: (events.append("warm_up"), real_warm_up(self))[1])
+    serve_without_serving(monkeypatch, ["--index", str(index_dir), "--checkpoint", str(tiny_checkpoint),
+                                        "run.query_mode=compile", "run.progress=false"])
+    assert events == ["compile", "warm_up"]
+    out = capsys.readouterr().out
+    assert out.index("compiling the query (run.query_mode=compile") < out.index("demind search: ")

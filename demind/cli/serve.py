@@ -106,6 +106,10 @@ def run(args: ServeConfig) -> int:
     settings = access_settings(args)
     mllm = search_mllm_setup(args)  # the MLLM itself loads on the first query that needs it
     backbone, model = load_model(args)
+    if model is not None and args.run.query_mode != "eager":
+        # before serving: a compile on the first query would outlast the query timeout (--timeout)
+        print(f"compiling the query (run.query_mode={args.run.query_mode}; about a minute on a CPU) ...", flush=True)
+        model.warm_up()
     if args.images:
         stats = build_index(args.images, args.index, backbone, progress=args.run.progress)
         print(f"index {args.index}: {stats.indexed} images ({stats.encoded} encoded, {stats.cached} reused, "
