@@ -160,3 +160,23 @@ def test_measure_rankers_saves_what_it_builds_and_the_next_start_loads_it(tmp_pa
         assert said["recall_at_10"] == said["recorded_recall_at_10"] == record[kind]["recall_at_10"]
         assert said["source"] == f"measured on this index's rows as the saved ranker {kind}.faiss was built"
     assert builds == {"faiss-hnsw": 1, "faiss-ivf": 1, "faiss-ivfpq": 1}  # nothing built again
+
+
+def test_saved_rankers_of_an_earlier_index_state_are_removed(tmp_path, builds, caplog):
+    """After the index changed, its saved rankers can never load again: removed (with a line each);
+    the current ones stay."""
+    from demind.search.ranker_store import remove_stale_rankers
+
+    index = synthetic_index(tmp_path, clustered(2000, 16, seed=1))
+    for kind in ("faiss-ivf", "faiss-ivfpq"):
+        open_ranker(index, kind)
+    assert remove_stale_rankers(tmp_path) == []  # still current
+    grown = synthetic_index(tmp_path, clustered(2400, 16, seed=1))
+    open_ranker(grown, "faiss-ivf")  # rebuilt over the new parts: current again
+    with caplog.at_level(logging.INFO):
+        assert remove_stale_rankers(tmp_path) == ["faiss-ivfpq"]
+    (line,) = store_lines(caplog)
+    assert line.startswith(f"removed the saved ranker {saved_paths(tmp_path, 'faiss-ivfpq')[0]} (")
+    assert not any(p.exists() for p in saved_paths(tmp_path, "faiss-ivfpq"))
+    assert all(p.exists() for p in saved_paths(tmp_path, "faiss-ivf"))
+    assert builds["faiss-ivf"] == 2 and open_ranker(load_index(tmp_path), "faiss-ivf").saved_at is not None

@@ -54,6 +54,7 @@ def build_parser():
 def run(cfg: IndexConfig) -> int:
     from demind.search.expectations import describe, read_record, record_rankers
     from demind.search.index import build_index, load_index  # model code (torch): not for --help
+    from demind.search.ranker_store import remove_stale_rankers
 
     previous = read_record(cfg.index)  # before the build rewrites index.json: kept while still current
     if cfg.distributor == "ray":
@@ -78,6 +79,8 @@ def run(cfg: IndexConfig) -> int:
         print(f"  skipped {len(stats.skipped)} file(s) that are not images the index reads "
               f"({', '.join(DECODABLE_EXTENSIONS)}): " + ", ".join(f"{n} x {k}" for k, n in kinds.most_common()))
         print_some("skipped", stats.skipped, "convert them to one of the formats above to index them")
+    for kind in remove_stale_rankers(cfg.index):
+        print(f"  removed the saved {kind} ranker: the index changed (a search start builds it again)")
     rankers = record_rankers(load_index(cfg.index), cfg.measure_rankers, previous)
     print(f"rankers on this index (recorded in {cfg.index}/index.json):")
     for kind, entry in rankers.items():

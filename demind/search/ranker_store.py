@@ -131,6 +131,31 @@ def load_ranker(index: GalleryIndex, kind: str, built_over: dict | None = None) 
     return ranker
 
 
+def remove_stale_rankers(index_dir: str | Path) -> list[str]:
+    """Delete the saved rankers built over an earlier state of the index at ``index_dir`` (another
+    fingerprint: they can never be loaded again, and a 1M-row HNSW file is about 2 GB), each with
+    one log line. Returns the kinds removed. A record that cannot be read is left (a start says why)."""
+    current, removed = fingerprint(index_dir), []
+    folder = Path(index_dir) / FOLDER
+    if current is None or not folder.is_dir():
+        return removed
+    for record_path in sorted(folder.glob("*.json")):
+        try:
+            record = read_json(record_path, fix="")
+        except (InputError, OSError):
+            continue
+        if not isinstance(record, dict) or record.get("format") != FORMAT or record.get("index") == current:
+            continue
+        faiss_path = record_path.with_suffix(".faiss")
+        size = faiss_path.stat().st_size if faiss_path.is_file() else 0
+        record_path.unlink()  # the record first: a kill between leaves a file no record vouches for
+        faiss_path.unlink(missing_ok=True)
+        log.info("removed the saved ranker %s (%.1f MB): built over an earlier state of the index", faiss_path,
+                 size / 1e6)
+        removed.append(record_path.stem)
+    return removed
+
+
 def open_ranker(index: GalleryIndex, kind: str) -> Ranker:
     """The ``kind`` ranker over ``index``: its saved one when still current, else built (and saved
     for the next start). Exact rankers, and IVF ones over too few rows, are simply made."""
