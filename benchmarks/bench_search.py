@@ -357,12 +357,15 @@ def evict_parts(folder: Path) -> None:
 def cold_queries(folder: Path, queries: torch.Tensor, n: int) -> dict:
     """p50 ms of one query whose rows come from the disk: per query the index and its ranker are
     opened anew (the saved faiss-ivfpq ranker is loaded), the parts evicted, then the query timed;
-    ``n`` queries for faiss-ivfpq (it reads its shortlist's rows), 3 for exact (it reads every row)."""
+    ``n`` queries for faiss-ivfpq (it reads its shortlist's rows), 3 for exact (it reads every row).
+    Two rows check the choice of advice: faiss-ivfpq with the OS's read-ahead kept (as before the
+    ranker advised its rows), and exact with its rows advised as randomly read."""
     import demind.search.rankers as rankers_module
 
     out, advise = {}, rankers_module.advise_random_access
-    rows = (("faiss-ivfpq", n, advise), ("faiss-ivfpq with read-ahead", n, lambda block: False), ("exact", 3, advise))
-    for name, count, advice in rows:  # the second row: the OS's read-ahead kept (before the ranker advised)
+    rows = (("faiss-ivfpq", n, advise, False), ("faiss-ivfpq with read-ahead", n, lambda block: False, False),
+            ("exact", 3, advise, False), ("exact advised as randomly read", 3, advise, True))
+    for name, count, advice, advise_exact in rows:
         kind = name.split(" ")[0]
         rankers_module.advise_random_access = advice
         times = []
@@ -370,6 +373,8 @@ def cold_queries(folder: Path, queries: torch.Tensor, n: int) -> dict:
             gc.collect()  # the previous query's mappings go, so eviction can drop their pages
             index = load_index(folder)
             ranker = open_ranker(index, kind) if kind != "exact" else Ranker(index.blocks)
+            for block in index.blocks if advise_exact else ():
+                advise(block)
             evict_parts(folder)
             start = time.perf_counter()
             ranker.top_k(query[None], K)

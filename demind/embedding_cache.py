@@ -158,8 +158,8 @@ SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": None, "F64":
 def advise_random_access(tensor: torch.Tensor) -> bool:
     """Tell the OS that a memory-mapped ``tensor`` (:func:`map_tensor`) is read at scattered rows, so
     a page fault reads its page and not the read-ahead window around it. Measured on rows evicted from
-    the page cache (BENCHMARKS.md, search): a 253-row shortlist of a 100k index 4.4x faster, but a
-    full scan 11x slower, so only a ranker that reads a few rows a query asks for it. Returns
+    the page cache (BENCHMARKS.md, search): a faiss-ivfpq query 6.7x faster at 100k rows and 10.7x at 1M,
+    but a full scan 5.8x slower, so only a ranker that reads a few rows a query asks for it. Returns
     whether the advice was taken (not on Windows; on memory that is not file-backed it changes nothing)."""
     import ctypes
     import mmap

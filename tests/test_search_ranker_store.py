@@ -181,3 +181,19 @@ def test_saved_rankers_of_an_earlier_index_state_are_removed(tmp_path, builds, c
     assert not any(p.exists() for p in saved_paths(tmp_path, "faiss-ivfpq"))
     assert all(p.exists() for p in saved_paths(tmp_path, "faiss-ivf"))
     assert builds["faiss-ivf"] == 2 and open_ranker(load_index(tmp_path), "faiss-ivf").saved_at is not None
+
+
+def test_a_saved_ranker_still_loads_after_the_index_folder_is_moved(tmp_path, builds):
+    """The record names no path of this machine: an index copied elsewhere with its rankers/ folder
+    loads its saved ranker there instead of building it again."""
+    import shutil
+
+    synthetic_index(tmp_path / "here", clustered(2000, 16, seed=1))
+    built = open_ranker(load_index(tmp_path / "here"), "faiss-ivfpq")
+    shutil.move(tmp_path / "here", tmp_path / "elsewhere")
+    record = saved_paths(tmp_path / "elsewhere", "faiss-ivfpq")[1].read_text()
+    assert str(tmp_path) not in record
+    moved = open_ranker(load_index(tmp_path / "elsewhere"), "faiss-ivfpq")
+    assert moved.saved_at == saved_paths(tmp_path / "elsewhere", "faiss-ivfpq")[0] and builds["faiss-ivfpq"] == 1
+    queries = clustered(20, 16, seed=2)
+    assert torch.equal(moved.top_k(queries, 10)[1], built.top_k(queries, 10)[1])
