@@ -14,12 +14,8 @@ import pytest
 import torch
 from PIL import Image
 
-from demind.backbone import BackboneConfig, FrozenCLIP
-from demind.checkpoint import save_checkpoint
-from demind.model import DeMinds, ModelConfig
 from demind.search.index import GalleryIndexError, build_index, load_index
 from demind.search.query import Ranker, SearchError, Searcher, SearchQuery
-from helpers import TINY_CLIP
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -44,21 +40,6 @@ def write_image(path: Path, seed: int, size: int = 16) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(path)
     return path
-
-
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory) -> Path:
-    """A tiny De-MINDS checkpoint whose backbone weights live in a file, so every process
-    (the CLIs run in-process here) rebuilds the same backbone."""
-    folder = tmp_path_factory.mktemp("ckpt")
-    torch.manual_seed(0)
-    random_backbone = FrozenCLIP(BackboneConfig(name=str(TINY_CLIP), pretrained=None))
-    weights = folder / "tiny-clip-weights.pt"
-    torch.save(random_backbone.model.state_dict(), weights)
-    backbone = FrozenCLIP(BackboneConfig(name=str(TINY_CLIP), pretrained=str(weights)))
-    torch.manual_seed(0)
-    model = DeMinds(ModelConfig(num_queries=2, num_blocks=1, num_heads=4, mapping_hidden=16, gate_init=0.5), backbone)
-    return save_checkpoint(folder / "tiny.safetensors", model)
 
 
 @pytest.fixture(scope="module")

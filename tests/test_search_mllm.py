@@ -18,7 +18,7 @@ from demind.gen import GenResult
 from demind.search.index import build_index, load_index
 from demind.search.query import SearchError, Searcher, SearchQuery
 
-from test_search import one_torch_thread, tiny_checkpoint, write_image  # noqa: F401  (module fixtures)
+from test_search import one_torch_thread, write_image  # noqa: F401  (module fixtures)
 
 DESCRIPTIONS = ["a red circle on a white table", "two blue squares in the snow", "a green triangle beside a lamp",
                 "three yellow stars over a dark sea", "an orange cat asleep on a sofa"]

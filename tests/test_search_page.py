@@ -17,7 +17,7 @@ from demind.search.index import build_index, load_index  # noqa: E402
 from demind.search.query import Searcher, SearchQuery  # noqa: E402
 from demind.search.server import create_app, start_server  # noqa: E402
 
-from test_search import one_torch_thread, tiny_checkpoint, write_image  # noqa: E402,F401  (module fixtures)
+from test_search import one_torch_thread, write_image  # noqa: E402,F401  (module fixtures)
 
 
 @pytest.fixture(scope="module")

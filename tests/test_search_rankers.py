@@ -18,7 +18,7 @@ from demind.search.rankers import (IVF_NPROBE, IVFPQ_NPROBE, Ranker, build_ivfpq
                                    default_settings, exact_top_k, ivf_lists, ivfpq_shortlist, pq_bits,
                                    pq_subquantizers, resident_bytes)
 
-from test_search import gallery, loaded, one_torch_thread, tiny_checkpoint  # noqa: F401  (fixtures)
+from test_search import gallery, loaded, one_torch_thread  # noqa: F401  (fixtures)
 
 faiss = pytest.importorskip("faiss", reason="faiss-cpu not installed (optional extra 'search')")
 

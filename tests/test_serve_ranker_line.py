@@ -15,7 +15,7 @@ from demind.search.expectations import expectation_line  # noqa: E402
 from demind.search.index import build_index  # noqa: E402
 from demind.search.server import page_html  # noqa: E402
 
-from test_search import one_torch_thread, tiny_checkpoint, write_image  # noqa: E402,F401  (module fixtures)
+from test_search import one_torch_thread, write_image  # noqa: E402,F401  (module fixtures)
 
 
 @pytest.fixture(scope="module")

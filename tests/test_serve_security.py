@@ -25,7 +25,7 @@ from demind.search.guard import host_name, redact_paths, shorten  # noqa: E402
 from demind.search.query import SearchQuery  # noqa: E402
 from demind.search.server import ServerSettings, ServerSetupError, create_app, start_server  # noqa: E402
 
-from test_search import one_torch_thread, tiny_checkpoint, write_image  # noqa: E402,F401  (module fixtures)
+from test_search import one_torch_thread, write_image  # noqa: E402,F401  (module fixtures)
 from test_search_page import searcher  # noqa: E402,F401  (module fixture: 8 images, tiny checkpoint)
 
 GOOD = {"gallery_name": "img1.png", "text": "make it red", "method": "mapping-only", "k": "3"}
