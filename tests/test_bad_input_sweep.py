@@ -633,30 +633,27 @@ def hub_unreachable(i: Inputs, monkeypatch) -> None:
     monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
 
 
-def no_gpu_for_a_gpu_launch(i: Inputs, monkeypatch) -> None:
-    """Accelerate as multi_gpu.yaml sets it up where torch sees no GPU: 4 MULTI_CPU processes."""
+def fake_accelerator(monkeypatch, distributed_type: str, processes: int) -> None:
+    """accelerate.Accelerator replaced by one that reports ``distributed_type`` and ``processes``."""
     import accelerate
     from accelerate.utils import DistributedType
 
     class Launched:
         def __init__(self, *args, cpu: bool = False, **kwargs) -> None:
-            self.distributed_type, self.num_processes = DistributedType.MULTI_CPU, 4
+            self.distributed_type, self.num_processes = DistributedType[distributed_type], processes
             self.state = type("State", (), {"_cpu": cpu})()
 
     monkeypatch.setattr(accelerate, "Accelerator", Launched)
 
 
+def no_gpu_for_a_gpu_launch(i: Inputs, monkeypatch) -> None:
+    """Accelerate as multi_gpu.yaml sets it up where torch sees no GPU: 4 MULTI_CPU processes."""
+    fake_accelerator(monkeypatch, "MULTI_CPU", 4)
+
+
 def no_gpu_each_process_alone(i: Inputs, monkeypatch) -> None:
     """The same launch where Accelerate gives each of the 2 processes (WORLD_SIZE=2) a run of its own."""
-    import accelerate
-    from accelerate.utils import DistributedType
-
-    class Alone:
-        def __init__(self, *args, cpu: bool = False, **kwargs) -> None:
-            self.distributed_type, self.num_processes = DistributedType.NO, 1
-            self.state = type("State", (), {"_cpu": cpu})()
-
-    monkeypatch.setattr(accelerate, "Accelerator", Alone)
+    fake_accelerator(monkeypatch, "NO", 1)
     monkeypatch.setenv("WORLD_SIZE", "2")
 
 
