@@ -55,3 +55,17 @@ def kill_at_checkpoint(command: list[str], cwd: Path, env: dict[str, str], run: 
     assert marker.exists(), f"no checkpoint at step {step}; the command said:\n" + \
         proc.stderr.read().decode(errors="replace")[-3000:]
     return proc.returncode
+
+
+def write_cirr_layout(root: Path, split: str, folder: str, images: dict[str, bytes], captions: list[dict]) -> Path:
+    """CIRR's official layout under ``root``: ``folder``/NAME.png for each of ``images`` {name: bytes},
+    ``image_splits/split.rc2.SPLIT.json`` naming them, and ``captions/cap.rc2.SPLIT.json``."""
+    (root / folder).mkdir(parents=True)
+    for name, data in images.items():
+        (root / folder / f"{name}.png").write_bytes(data)
+    (root / "image_splits").mkdir()
+    (root / "image_splits" / f"split.rc2.{split}.json").write_text(
+        json.dumps({name: f"./{folder}/{name}.png" for name in images}))
+    (root / "captions").mkdir()
+    (root / "captions" / f"cap.rc2.{split}.json").write_text(json.dumps(captions))
+    return root

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from helpers import REPO_ROOT, TINY_CLIP
+from helpers import REPO_ROOT, TINY_CLIP, write_cirr_layout
 
 
 # --------------------------------------------------------------------------- configs from other editors
@@ -579,16 +579,9 @@ def test_a_gpu_launch_whose_processes_each_train_alone_is_refused(tmp_path, monk
 
 def tiny_cirr_test1(root: Path) -> Path:
     names = [f"test1-{k}-0-img0" for k in range(6)]
-    (root / "test1").mkdir(parents=True)
-    for k, name in enumerate(names):
-        (root / "test1" / f"{name}.png").write_bytes(png_bytes(k))
-    (root / "image_splits").mkdir()
-    (root / "image_splits" / "split.rc2.test1.json").write_text(json.dumps({n: f"./test1/{n}.png" for n in names}))
-    (root / "captions").mkdir()
-    (root / "captions" / "cap.rc2.test1.json").write_text(json.dumps([
+    return write_cirr_layout(root, "test1", "test1", {name: png_bytes(k) for k, name in enumerate(names)}, [
         {"pairid": k, "reference": names[k], "caption": "make it red", "img_set": {"id": k, "members": names}}
-        for k in range(4)]))
-    return root
+        for k in range(4)])
 
 
 @pytest.mark.parametrize("benchmark", ["cirr", "circo"])

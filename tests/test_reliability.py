@@ -28,7 +28,7 @@ import pytest
 import torch
 from PIL import Image
 
-from helpers import REPO_ROOT, TINY_CLIP
+from helpers import REPO_ROOT, TINY_CLIP, write_cirr_layout
 
 SMOKE = REPO_ROOT / "configs" / "train" / "smoke.yaml"
 
@@ -360,17 +360,11 @@ def test_finding8_random_init_notice_is_not_a_warning(caplog):
 
 def write_tiny_cirr(root: Path, long_caption: str) -> None:
     names = [f"dev-{i}-0-img0" for i in range(4)]
-    (root / "dev").mkdir(parents=True)
-    for i, name in enumerate(names):
-        (root / "dev" / f"{name}.png").write_bytes(png_bytes(i))
-    (root / "image_splits").mkdir()
-    (root / "image_splits" / "split.rc2.val.json").write_text(json.dumps({n: f"./dev/{n}.png" for n in names}))
     entries = [dict(pairid=i, reference=names[i], target_hard=names[(i + 1) % 4],
                     target_soft={names[(i + 1) % 4]: 1.0}, caption=caption,
                     img_set=dict(id=i, members=names, reference_rank=i, target_rank=(i + 1) % 4))
                for i, caption in enumerate(["make it red", long_caption])]
-    (root / "captions").mkdir()
-    (root / "captions" / "cap.rc2.val.json").write_text(json.dumps(entries))
+    write_cirr_layout(root, "val", "dev", {name: png_bytes(i) for i, name in enumerate(names)}, entries)
 
 
 def test_finding8_text_longer_than_the_context_is_counted_in_eval_results(tmp_path, tiny_backbone):
