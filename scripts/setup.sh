@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Set up (or update) the project's virtual environment in .venv. Safe to rerun.
+# `bash scripts/setup.sh --vllm` sets up .venv-vllm instead (vLLM's CPU build; see docs/generation.md).
 # torch/torchvision are pinned first: open_clip needs torchvision, and these two
 # releases install from local disk on the project's build machines.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# --vllm: (only) set up .venv-vllm, vLLM's CPU build beside the project (scripts/setup_vllm.sh)
+if [ "${1:-}" = "--vllm" ]; then exec bash scripts/setup_vllm.sh; fi
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
