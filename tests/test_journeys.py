@@ -584,19 +584,19 @@ def tiny_cirr_test1(root: Path) -> Path:
         for k in range(4)])
 
 
-@pytest.mark.parametrize("benchmark", ["cirr", "circo"])
-def test_a_limited_test_split_run_writes_no_file_that_looks_like_a_full_submission(benchmark, tmp_path):
+@pytest.mark.parametrize("bench_name", ["cirr", "circo"])
+def test_a_limited_test_split_run_writes_no_file_that_looks_like_a_full_submission(bench_name, tmp_path):
     from demind.cli.evaluate import main as evaluate_main
     from test_eval_benchmarks import make_circo
 
-    root = tiny_cirr_test1(tmp_path / "cirr") if benchmark == "cirr" else make_circo(tmp_path / "circo")
+    root = tiny_cirr_test1(tmp_path / "cirr") if bench_name == "cirr" else make_circo(tmp_path / "circo")
     checkpoint = local_backbone_checkpoint(tmp_path / "model")
     out = tmp_path / "out"
-    assert evaluate_main(["--benchmark", benchmark, "--data-root", str(root), "--split", "test", "--checkpoint",
+    assert evaluate_main(["--benchmark", bench_name, "--data-root", str(root), "--split", "test", "--checkpoint",
                           str(checkpoint), "--methods", "demind", "--limit", "1", "--out", str(out),
                           "--num-workers", "0", "run.progress=false"]) == 0
     written = sorted(p.name for p in (out / "submission").iterdir())
-    usual = (["cirr_test1_demind_recall.json", "cirr_test1_demind_recall_subset.json"] if benchmark == "cirr"
+    usual = (["cirr_test1_demind_recall.json", "cirr_test1_demind_recall_subset.json"] if bench_name == "cirr"
              else ["circo_test_demind.json"])
     assert written == [f"partial-first1_{name}" for name in usual]
     for name in written:
