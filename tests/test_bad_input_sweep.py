@@ -712,6 +712,36 @@ ROWS += [
 ]
 
 
+def offline_with_an_empty_hub_cache(i: Inputs, monkeypatch) -> None:
+    """HF_HUB_OFFLINE=1 with a Hugging Face cache that holds nothing (a Hub id must come from the cache)."""
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(i.folder("empty-hub-cache")))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+ENGINE_MODELS = {  # an engine.model that cannot be loaded -> (value, what the error line names)
+    "missing folder": (lambda i: str(i.root / "no-llava"), ["engine.model", "no-llava", "no such folder"]),
+    "empty folder": (lambda i: str(i.folder("empty-llava")), ["engine.model", "empty-llava", "config.json"]),
+    "Hub id not cached, offline": (lambda i: "demind-test/not-cached-llava",
+                                   ["engine.model", "demind-test/not-cached-llava", "HF_HUB_OFFLINE"]),
+}
+ENGINE_COMMANDS = {  # a command that loads the engine -> its other arguments
+    "demind-generate": lambda i: ["--config", str(REPO_ROOT / "configs/data_gen/tiny-cpu.yaml"), "--input",
+                                  str(shards(i)), "--output", str(i.root / "gen-engine")],
+    "demind-eval": lambda i: ["--benchmark", "cirr", "--data-root", str(i.cirr), "--out", str(i.root / "ev-engine"),
+                              "--methods", "osrcir", "--num-workers", "0", "run.progress=false",
+                              "engine.name=transformers", *ckpt(i)],
+    "demind-search": lambda i: ["--index", str(i.index(f"sx-engine-{len(list(i.root.glob('sx-engine-*')))}")),
+                                "--image", str(i.gallery / "img0.png"), "--text", "make it red", "--method", "osrcir",
+                                "run.progress=false", "engine.name=transformers", *ckpt(i)],
+}
+ROWS += [Row(script, f"engine.model {case}", lambda i, args=args, model=model: [*args(i), f"engine.model={model(i)}"],
+             lambda i, names=names: names, patch=offline_with_an_empty_hub_cache)
+         for script, args in ENGINE_COMMANDS.items() for case, (model, names) in ENGINE_MODELS.items()]
+
+
 @contextlib.contextmanager
 def file_size_limit(limit: int | None):
     """Run the block as under ``ulimit -f`` (Python ignores SIGXFSZ: a write past it fails with EFBIG)."""

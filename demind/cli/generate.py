@@ -60,6 +60,7 @@ def generate_command(job: GenerateConfig) -> int:
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     from demind.gen.engines import build_engine
+    from demind.gen.model_ref import check_engine_model
     from demind.gen.job import format_job_summary, run_plan
     from demind.gen.prompts import load_prompts
     from demind.gen.plan import format_plan, make_plan
@@ -76,6 +77,7 @@ def generate_command(job: GenerateConfig) -> int:
 
         disable_loading_progress()
     check_output_dir(job.output)  # before the model loads: a read-only or full disk fails in seconds
+    check_engine_model(cfg.engine.model)  # here too for Ray, whose workers load the model
     if job.distributor == "ray":
         summary = generate_on_ray(job, plan, cfg)
         print(format_job_summary(summary))

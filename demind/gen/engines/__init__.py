@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from demind.errors import InputError
+from demind.errors import DemindError, InputError
 from demind.gen.config import EngineConfig, SamplingConfig
+from demind.gen.model_ref import check_engine_model, engine_load_error
 from demind.gen.engines.base import Engine, GenRequest, GenResult, request_seed
 
 __all__ = ["Engine", "GenRequest", "GenResult", "build_engine", "disable_loading_progress", "request_seed"]
@@ -13,16 +14,24 @@ def build_engine(engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, *, devi
                  seed: int = 0) -> Engine:
     """Load the model named by ``engine_cfg`` on the chosen engine (vLLM is imported only here).
 
-    ``device`` (``run.device``) places the transformers engine; ``seed`` (``run.seed``) seeds vLLM."""
-    if engine_cfg.name == "transformers":
-        from demind.gen.engines.transformers_engine import TransformersEngine
+    ``device`` (``run.device``) places the transformers engine; ``seed`` (``run.seed``) seeds vLLM.
+    An ``engine.model`` that cannot be loaded is one :class:`~demind.gen.model_ref.EngineModelError`
+    naming it and the fix (checked before the engine's libraries are imported)."""
+    if engine_cfg.name not in ("transformers", "vllm"):
+        raise InputError(f"engine.name must be 'vllm' or 'transformers', got {engine_cfg.name!r}")
+    check_engine_model(engine_cfg.model)
+    try:
+        if engine_cfg.name == "transformers":
+            from demind.gen.engines.transformers_engine import TransformersEngine
 
-        return TransformersEngine(engine_cfg, sampling_cfg, device=device)
-    if engine_cfg.name == "vllm":
+            return TransformersEngine(engine_cfg, sampling_cfg, device=device)
         from demind.gen.engines.vllm_engine import VLLMEngine
 
         return VLLMEngine(engine_cfg, sampling_cfg, seed=seed)
-    raise InputError(f"engine.name must be 'vllm' or 'transformers', got {engine_cfg.name!r}")
+    except DemindError:
+        raise
+    except (OSError, ValueError) as e:  # transformers' "cannot find / cannot read the model's files"
+        raise engine_load_error(engine_cfg.model, engine_cfg.name, e) from e
 
 
 def disable_loading_progress() -> None:
