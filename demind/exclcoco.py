@@ -48,10 +48,13 @@ Output: ``OUT/exclcoco.json`` (format ``demind-exclcoco/1``), read by
                   "positive_query": "A dog and a person play with a frisbee.",
                   "query": "a photo of a dog and a frisbee without a person",
                   "include": ["dog", "frisbee"], "exclude": "person",
-                  "ground_truth": ["724", ...], "text_source": "template"}, ...]}
+                  "ground_truth": ["724", ...], "hard_negatives": ["139", ...],
+                  "text_source": "template"}, ...]}
 
 ``image_id`` is the positive image (the caption's own, showing every label); ``ground_truth``
-are image ids (strings, keys of ``images``), sorted.
+are image ids (strings, keys of ``images``), sorted; ``hard_negatives`` (optional for readers:
+files written before it lack it) the images with every include label *and* the exclude label,
+the positive image among them -- what the exclusion AUC ranks the ground truth against.
 """
 
 from __future__ import annotations
@@ -268,6 +271,14 @@ def ground_truth(include: list[str], exclude: str, images_with: dict[str, set[in
     return sorted(found - images_with.get(exclude, set()))
 
 
+def hard_negatives(include: list[str], exclude: str, images_with: dict[str, set[int]]) -> list[int]:
+    """Image ids whose label set holds every include label *and* the exclude label, sorted: the
+    images a method that ignores the exclusion cannot tell from the ground truth (the positive
+    image among them)."""
+    found = set.intersection(*(images_with.get(x, set()) for x in include))
+    return sorted(found & images_with.get(exclude, set()))
+
+
 def invert(labels: dict[int, frozenset[str]]) -> dict[str, set[int]]:
     """image id -> labels  =>  label -> image ids."""
     out: dict[str, set[int]] = defaultdict(set)
@@ -372,6 +383,7 @@ def build_exclcoco(instances_path: str | Path, captions_path: str | Path, out_di
         rng = pair.pop("_rng")
         pair["query"] = template_text(pair["include"], pair["exclude"], rng)
         pair["ground_truth"] = [str(i) for i in gt]
+        pair["hard_negatives"] = [str(i) for i in hard_negatives(pair["include"], pair["exclude"], images_with)]
         pair["text_source"] = "template"
         queries.append(pair)
     if cfg.max_queries and len(queries) > cfg.max_queries:

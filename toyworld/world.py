@@ -96,6 +96,8 @@ SEED_STREAMS = {
     "exclusion": 3_300_000_000,
     "exclcoco_train": 3_400_000_000,  # ExclMM's training split of the toy ExclCOCO
     "exclcoco_test": 3_500_000_000,
+    "exclinst_train": 3_600_000_000,  # the exclusion instrument (toyworld/exclusion_instrument.py)
+    "exclinst_test": 3_700_000_000,
 }
 
 

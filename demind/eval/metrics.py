@@ -163,6 +163,40 @@ def exclusion_metrics(relevance: torch.Tensor, n_relevant: torch.Tensor) -> dict
             "NDCG@5": ndcg[5], "NDCG@10": ndcg[10], "Hits@5": hits[5], "Hits@10": hits[10]}
 
 
+def pairwise_auc(positive: torch.Tensor, negative: torch.Tensor) -> float:
+    """P(score of a positive > score of a negative), ties counted 1/2 (the Mann-Whitney AUC).
+
+    positive: (P,), negative: (M,) scores. NaN when either is empty (no pair to compare).
+    """
+    if positive.numel() == 0 or negative.numel() == 0:
+        return float("nan")
+    diff = positive.reshape(-1, 1).double() - negative.reshape(1, -1).double()
+    return ((diff > 0).double().mean() + 0.5 * (diff == 0).double().mean()).item()
+
+
+def exclusion_aucs(scores: torch.Tensor, truth: Sequence[set[int] | frozenset[int]],
+                   hard: Sequence[set[int] | frozenset[int]]) -> dict[str, list[float]]:
+    """Per query, the two AUCs of an exclusion query ("A and B without C"):
+
+    * ``exclusion AUC``: among the images showing every included object, how often a ground-truth
+      image (no C) outscores a hard negative (with C) -- 0.5 for a method blind to the exclusion;
+    * ``inclusion AUC``: ground truth and hard negatives together (every included object) against
+      the rest of the gallery -- whether the method finds the included objects at all.
+
+    scores: (Q, N) query-gallery scores; truth, hard: per query, gallery indices (disjoint).
+    Returns name -> Q values (NaN where a set is empty).
+    """
+    excl, incl = [], []
+    for row, g, h in zip(scores, truth, hard):
+        g_idx, h_idx = torch.tensor(sorted(g), dtype=torch.long), torch.tensor(sorted(h), dtype=torch.long)
+        both = torch.zeros(row.shape[0], dtype=torch.bool)
+        both[g_idx] = True
+        both[h_idx] = True
+        excl.append(pairwise_auc(row[g_idx], row[h_idx]))
+        incl.append(pairwise_auc(row[both], row[~both]))
+    return {"exclusion AUC": excl, "inclusion AUC": incl}
+
+
 def rank_within_subsets(
     queries: torch.Tensor, gallery: torch.Tensor, subsets: Sequence[Sequence[int]]
 ) -> list[list[int]]:

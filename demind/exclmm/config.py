@@ -8,8 +8,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from demind.config import device_setting, threads_setting
+from demind.config import device_setting, setting, threads_setting
 from demind.schema import BackboneConfig
+
+
+CONTRASTIVE_FORMS = ("paper", "dot")
+IMAGE_MASKS = ("zc_or_top_t", "top_t")
+RECONSTRUCT_FROM = ("unmasked", "masked")
+TRIPLET_FORMS = ("paper", "gt-vs-positive")
+# what an export written before these options existed was trained with
+EARLIER_FORMS = {"space": {"contrastive": "dot", "image_mask": "top_t", "reconstruct": "masked"},
+                 "query": {"contrastive": "dot", "triplet": "gt-vs-positive", "triplet_margin": 1.0}}
+# the earlier variants in one override list (benchmarks, ablations)
+EARLIER_OVERRIDES = ["space.contrastive=dot", "space.image_mask=top_t", "space.reconstruct=masked",
+                     "query.contrastive=dot", "query.triplet=gt-vs-positive"]
+
+
+def form_of(cfg: dict, section: str, key: str) -> str:
+    """``cfg[section][key]`` of a config dict, or the earlier form for an export that predates it."""
+    return cfg[section].get(key, EARLIER_FORMS[section][key])
 
 
 @dataclass
@@ -40,6 +57,14 @@ class SpaceConfig:
     hidden: int = 1024
     top_t: int = 32                 # Top_t of the masks
     zc_mask: bool = True            # False: mask = Top_t only (the "without z_c" ablation)
+    # the paper's forms (defaults) beside the earlier variants; see demind/exclmm/__init__.py
+    contrastive: str = setting("paper", choices=CONTRASTIVE_FORMS,
+                               help="Eq. 12: paper = l2-normalised, symmetric; dot = unnormalised dot product")
+    image_mask: str = setting("zc_or_top_t", choices=IMAGE_MASKS,
+                              help="Eq. 8 in training: zc_or_top_t = the caption's z_c OR Top_t (paper); "
+                                   "top_t = Top_t alone. At retrieval an image has no caption: Top_t alone")
+    reconstruct: str = setting("unmasked", choices=RECONSTRUCT_FROM,
+                               help="Eq. 13's decoders read E^d (unmasked, paper) or the masked code")
     steps: int = 2000
     batch_size: int = 256
     lr: float = 1e-3
@@ -61,6 +86,12 @@ class QueryConfig:
     margin: float = 1.0             # sparse space (one active dimension's worth)
     clip_tau: float = 0.01          # clip space (cosine; CLIP's trained scale 100)
     clip_margin: float = 0.1
+    contrastive: str = setting("paper", choices=CONTRASTIVE_FORMS,
+                               help="Eq. 15: paper = l2-normalised, symmetric; dot = one direction, dot product")
+    triplet: str = setting("paper", choices=TRIPLET_FORMS,
+                           help="Eq. 16: paper = max(0, d(ip, exc_cp) - d(ip, exc_cx) + m), cosine distance, the "
+                                "positive query encoded; gt-vs-positive = max(0, m - s(q, gt) + s(q, ip))")
+    triplet_margin: float = 0.2     # m of the paper's Eq. 16 (a cosine distance; the paper gives no value)
 
 
 @dataclass

@@ -35,7 +35,9 @@ FEATURES_NAME = "features.safetensors"
 FEATURES_FORMAT = "demind-exclmm-features/2"  # /2: an entry of the one embedding cache
 LEGACY_FORMAT = "demind-exclmm-features/1"    # /1: one safetensors file through training.store
 FEATURES_FIX = "delete it and rerun: the features are recomputed"
-RAGGED = ("caption_words", "query_words", "query_truth")  # lists of int lists
+RAGGED = ("caption_words", "query_words", "positive_words", "query_truth")  # lists of int lists
+# what the current trainer reads: features written before a key was added are recomputed
+REQUIRED = ("positive_queries", "positive_words")
 
 
 def pack_ragged(lists: list[list[int]]) -> dict[str, torch.Tensor]:
@@ -128,6 +130,9 @@ def _reusable(path: Path, identity: dict[str, Any], train: Any) -> tuple[str | N
            or (None if record.get("train") == train else f"was made for data.train={record.get('train')}"))
     if why is None and feats is None:
         feats = load_features(path, record)
+    missing = [k for k in REQUIRED if feats is not None and k not in feats]
+    if why is None and missing:
+        why = f"lacks {', '.join(missing)} (written by an earlier version)"
     return why, feats
 
 
@@ -140,7 +145,8 @@ def prepare_features(data_cfg: Any, backbone: FrozenCLIP, run_dir: Path, progres
     Returns a dict: ``images`` (I, D) normalised, ``image_ids``; ``captions`` (C, D) and
     ``caption_image`` (C,) row of each caption's image, ``caption_words``; ``vocab`` (word list)
     and ``word_vectors`` (V, D) -- each word's pooled CLIP text embedding, alone, normalised;
-    ``queries`` (Q, D), ``query_words``, ``query_truth`` (lists of image rows), ``query_positive`` (Q,).
+    ``queries`` (Q, D), ``query_words``, ``query_truth`` (lists of image rows), ``query_positive`` (Q,);
+    ``positive_queries`` (Q, D) and ``positive_words``: each query's positive caption (Eq. 16's cp).
     """
     path = run_dir / FEATURES_NAME
     identity = cache_identity(backbone)
@@ -169,7 +175,8 @@ def prepare_features(data_cfg: Any, backbone: FrozenCLIP, run_dir: Path, progres
     caps = [c for c in load_coco(captions_path, CAPTION_FIELDS)["annotations"] if str(c["image_id"]) in row]
     caption_texts = [c["caption"].strip() for c in caps]
     queries = data["queries"]
-    vocab = sorted({w for s in caption_texts + [q["query"] for q in queries] for w in words_of(s)})
+    vocab = sorted({w for s in caption_texts + [t for q in queries for t in (q["query"], q["positive_query"])]
+                    for w in words_of(s)})
     bs = data_cfg.encode_batch_size
     log.info("exclmm features: %d images, %d captions, %d queries, %d words", len(image_ids), len(caps),
              len(queries), len(vocab))
@@ -182,6 +189,9 @@ def prepare_features(data_cfg: Any, backbone: FrozenCLIP, run_dir: Path, progres
         "vocab": vocab, "word_vectors": encode_texts(backbone, vocab, bs),
         "queries": encode_texts(backbone, [q["query"] for q in queries], bs),
         "query_words": word_index([q["query"] for q in queries], vindex),
+        # the positive query (the caption the exclusion query was made from): spar_cp of Eq. 16
+        "positive_queries": encode_texts(backbone, [q["positive_query"] for q in queries], bs),
+        "positive_words": word_index([q["positive_query"] for q in queries], vindex),
         "query_truth": [[row[i] for i in q["ground_truth"]] for q in queries],
         "query_positive": torch.tensor([row[q["image_id"]] for q in queries], dtype=torch.int64),
     }

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from demind.backbone import same_backbone
 from demind.errors import DemindError, InputError
+from demind.exclmm.config import form_of
 from demind.tensor_files import read_format_metadata
 
 
@@ -113,19 +114,29 @@ class SparseSpace(nn.Module):
         m = top_t_mask(h, self.top_t)
         return m | (z_c > 0) if z_c is not None else m
 
-    def encode_image(self, clip_image: torch.Tensor) -> torch.Tensor:
-        """(N, D) normalised CLIP image embeddings -> (N, d) sparse codes masked by Top_t (Eq. 10).
+    def image_code(self, clip_image: torch.Tensor) -> torch.Tensor:
+        """(N, D) normalised CLIP image embeddings -> (N, d) E_i^d, unmasked (Eq. 6)."""
+        return capped_relu(self.image_encoder(clip_image))
 
-        No caption code here, in training either: an image has none at retrieval time, and a
-        mask taken from the paired caption would hand the contrastive loss the answer (in our
-        first run, image and text codes aligned in training and not at all at inference).
+    def text_code(self, clip_text: torch.Tensor) -> torch.Tensor:
+        """(N, D) normalised CLIP text embeddings -> (N, d) E_c^d, unmasked (Eq. 7)."""
+        return capped_relu(self.text_encoder(clip_text))
+
+    def encode_image(self, clip_image: torch.Tensor, z_c: torch.Tensor | None = None) -> torch.Tensor:
+        """(N, D) normalised CLIP image embeddings -> (N, d) masked sparse codes (Eq. 10).
+
+        ``z_c``: the paired caption's code, for the paper's training mask ``z_c OR Top_t``
+        (``space.image_mask=zc_or_top_t``). At retrieval an image has no caption, so the gallery
+        is always Top_t alone; with ``top_t`` training does the same (a mask taken from the
+        paired caption can hand the contrastive loss the answer: in an early run, image and text
+        codes aligned in training and not at all at inference).
         """
-        h = capped_relu(self.image_encoder(clip_image))
-        return h * self.mask(h, None)
+        h = self.image_code(clip_image)
+        return h * self.mask(h, z_c)
 
     def encode_text(self, clip_text: torch.Tensor, z_c: torch.Tensor | None = None) -> torch.Tensor:
         """(N, D) normalised CLIP text embeddings -> (N, d) masked sparse codes (Eq. 11)."""
-        h = capped_relu(self.text_encoder(clip_text))
+        h = self.text_code(clip_text)
         return h * self.mask(h, z_c)
 
 
@@ -166,8 +177,9 @@ class ExclMM(nn.Module):
     """The trained model: SAE (word codes), sparse space, query encoder; config and backbone identity.
 
     Retrieval (Eq. 18): score(query, image) = F_theta(E_t(query) masked) . E_v(image) masked
-    (Top_t; images have no caption at inference). In the ``clip`` ablation: cosine of
-    F_theta(CLIP text) with the CLIP image embedding.
+    (Top_t; images have no caption at inference), both l2-normalised (a cosine) when stage 2
+    trained on normalised codes (``query.contrastive=paper``). In the ``clip`` ablation: cosine
+    of F_theta(CLIP text) with the CLIP image embedding.
     """
 
     def __init__(self, cfg: dict[str, Any], clip_dim: int, backbone_identity: dict[str, Any]) -> None:
@@ -188,6 +200,15 @@ class ExclMM(nn.Module):
     def uses_stage1(self) -> bool:
         return self.cfg["query"]["space"] == "sparse"
 
+    @property
+    def cosine_scores(self) -> bool:
+        """Whether retrieval scores are cosines: the paper's Eq. 15 trains on l2-normalised
+        codes, so Eq. 18 ranks by cosine; the ``dot`` form ranks by the dot product it trained on."""
+        return not self.uses_stage1 or form_of(self.cfg, "query", "contrastive") == "paper"
+
+    def _scored(self, x: torch.Tensor) -> torch.Tensor:
+        return F.normalize(x, dim=-1) if self.cosine_scores else x
+
     def phase_module(self, phase: str) -> nn.Module:
         return {"sae": self.sae, "space": self.space, "query": self.query_encoder}[phase]
 
@@ -203,7 +224,7 @@ class ExclMM(nn.Module):
     def encode_images(self, clip_images: torch.Tensor) -> torch.Tensor:
         """(N, D) CLIP image embeddings (any scale) -> (N, d) gallery codes (or (N, D) normalised)."""
         x = F.normalize(clip_images.float(), dim=-1)
-        return self.space.encode_image(x) if self.uses_stage1 else x
+        return self._scored(self.space.encode_image(x)) if self.uses_stage1 else x
 
     @torch.no_grad()
     def encode_queries(self, clip_texts: torch.Tensor, word_vectors: list[torch.Tensor] | None = None) -> torch.Tensor:
@@ -221,7 +242,7 @@ class ExclMM(nn.Module):
                 raise ValueError("this ExclMM uses the z_c mask: pass each query's word vectors")
             z_q = torch.stack([self.sae.encode(v.float()).mean(dim=0) if len(v) else
                                torch.zeros(self.cfg["sae"]["code_dim"], device=x.device) for v in word_vectors])
-        return self.query_encoder(self.space.encode_text(x, z_q))
+        return self._scored(self.query_encoder(self.space.encode_text(x, z_q)))
 
     def save(self, path: str | Path) -> Path:
         """Weights (safetensors) + config + backbone identity, written atomically."""

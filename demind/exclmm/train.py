@@ -102,20 +102,25 @@ def sae_loss(model: ExclMM, feats: dict[str, Any], rows: torch.Tensor, cfg: Excl
 
 
 def space_loss(model: ExclMM, feats: dict[str, Any], rows: torch.Tensor, cfg: ExclMMConfig) -> dict[str, torch.Tensor]:
+    """Stage 1, step 3: Eq. 12 (``space.contrastive``) + Eq. 13 (decoders read ``space.reconstruct``)."""
     text = feats["captions"][rows]
     image = feats["images"][feats["caption_image"][rows]]
     z_c = feats["caption_codes"][rows] if cfg.space.zc_mask else None
-    h_v = model.space.encode_image(image)
-    h_t = model.space.encode_text(text, z_c)
-    terms = {"con": L.contrastive_loss(h_v, h_t, cfg.space.tau),
-             "rec_v": L.reconstruction_loss(image, model.space.image_decoder(h_v)),
-             "rec_t": L.reconstruction_loss(text, model.space.text_decoder(h_t))}
+    e_v, e_t = model.space.image_code(image), model.space.text_code(text)
+    image_z = z_c if cfg.space.image_mask == "zc_or_top_t" else None
+    h_v, h_t = e_v * model.space.mask(e_v, image_z), e_t * model.space.mask(e_t, z_c)
+    contrast = L.normalised_contrastive_loss if cfg.space.contrastive == "paper" else L.contrastive_loss
+    rec_v, rec_t = (e_v, e_t) if cfg.space.reconstruct == "unmasked" else (h_v, h_t)
+    terms = {"con": contrast(h_v, h_t, cfg.space.tau),
+             "rec_v": L.reconstruction_loss(image, model.space.image_decoder(rec_v)),
+             "rec_t": L.reconstruction_loss(text, model.space.text_decoder(rec_t))}
     terms["loss"] = terms["con"] + cfg.space.w_reconstruction * (terms["rec_v"] + terms["rec_t"])
     return terms
 
 
 def query_loss(model: ExclMM, feats: dict[str, Any], rows: torch.Tensor, step: int,
                cfg: ExclMMConfig) -> dict[str, torch.Tensor]:
+    """Stage 2: lambda_c * L_c (Eq. 15, ``query.contrastive``) + (1 - lambda_c) * L_t (Eq. 16, ``query.triplet``)."""
     q = model.query_encoder(feats["query_inputs"][rows])
     gt = sample_truth(feats["query_truth"], rows, cfg.run.seed, step)
     gallery = feats["gallery_codes"]
@@ -124,10 +129,18 @@ def query_loss(model: ExclMM, feats: dict[str, Any], rows: torch.Tensor, step: i
                          for i in range(len(rows))])
     clip = cfg.query.space == "clip"
     tau, margin = (cfg.query.clip_tau, cfg.query.clip_margin) if clip else (cfg.query.tau, cfg.query.margin)
-    terms = {"con": L.query_contrastive_loss(q, gallery[gt], also, tau),
-             "tri": L.triplet_loss(q, gallery[gt], gallery[feats["query_positive"][rows]], margin)}
+    positive_images = gallery[feats["query_positive"][rows]]
+    if cfg.query.contrastive == "paper":
+        con = L.normalised_contrastive_loss(q, gallery[gt], tau, also)
+    else:
+        con = L.query_contrastive_loss(q, gallery[gt], also, tau)
+    if cfg.query.triplet == "paper":  # exc_cp: the positive caption through F_theta as well
+        positive_queries = model.query_encoder(feats["positive_inputs"][rows])
+        tri = L.paper_triplet_loss(positive_images, positive_queries, q, cfg.query.triplet_margin)
+    else:
+        tri = L.triplet_loss(q, gallery[gt], positive_images, margin)
     lam = cfg.query.lambda_c
-    terms["loss"] = lam * terms["con"] + (1 - lam) * terms["tri"]
+    terms = {"con": con, "tri": tri, "loss": lam * con + (1 - lam) * tri}
     return terms
 
 
@@ -280,8 +293,12 @@ def prepare_phase_inputs(model: ExclMM, feats: dict[str, Any], phase: str, cfg: 
         return
     if cfg.query.space == "clip":
         feats["query_inputs"], feats["gallery_codes"] = feats["queries"], feats["images"]
+        feats["positive_inputs"] = feats["positive_queries"]
         return
     word_codes = model.sae.encode(feats["word_vectors"])
     z_q = model.sentence_codes(word_codes, feats["query_words"]) if cfg.space.zc_mask else None
+    z_p = model.sentence_codes(word_codes, feats["positive_words"]) if cfg.space.zc_mask else None
     feats["query_inputs"] = model.space.encode_text(feats["queries"], z_q)
+    feats["positive_inputs"] = model.space.encode_text(feats["positive_queries"], z_p)  # spar_cp
+    # the gallery as at retrieval: Top_t alone (an image has no caption there)
     feats["gallery_codes"] = model.space.encode_image(feats["images"])
