@@ -86,7 +86,7 @@ def test_kill_resume_rerun_without_model_and_rerank(small_cirr, tiny_checkpoint,
     monkeypatch.setattr(TransformersEngine, "generate", dying_generate)
     with pytest.raises(RuntimeError, match="killed"):
         evaluate_main(argv(small_cirr, tiny_checkpoint, tiny_llava, out))
-    kept = sorted((out / "descriptions" / "cirr-val" / "cirevl").rglob("part-*.json"))
+    kept = sorted((out / "descriptions" / "cirevl").rglob("part-*.json"))
     assert len(kept) == 1 and len(json.loads(kept[0].read_text())["records"]) == 2
 
     monkeypatch.setattr(TransformersEngine, "generate", real_generate)
@@ -109,7 +109,7 @@ def test_kill_resume_rerun_without_model_and_rerank(small_cirr, tiny_checkpoint,
         for qid, names in ranks[base].items():
             new = ranks[f"{base}+rerank"][qid]
             assert sorted(new[:3]) == sorted(names[:3]) and new[3:] == names[3:]
-    records = [r for p in (out / "descriptions" / "cirr-val" / "cirevl").rglob("part-*.json")
+    records = [r for p in (out / "descriptions" / "cirevl").rglob("part-*.json")
                for r in json.loads(p.read_text())["records"].values()]
     assert all(r["raw"] and r["caption_raw"] for r in records)  # raw outputs kept, publishable as they are
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from demind.describe import (DescribeOptions, LazyEngine, MLLMSetup, OSrCIRDescriber, RecordStore, RerankOptions,
+from demind.describe import (AnswerStore, DescribeOptions, LazyEngine, MLLMSetup, OSrCIRDescriber, RerankOptions,
                              Reranker, load_describer_prompts, parse_description, rerank_ranking)
 from demind.eval.harness import evaluate, read_benchmark
 from demind.gen import GenResult, request_seed
@@ -191,11 +191,11 @@ def test_stored_descriptions_resume_after_a_kill_and_a_rerun_loads_no_model(toy_
     by_seed = answers(toy_queries, "osrcir", lambda q, s: f"Target description: {q.target_description}")
     prompts = load_describer_prompts()
     options = DescribeOptions(chunk=3)
-    store = lambda: RecordStore(tmp_path / "store", {"k": 1})  # noqa: E731
+    store = lambda settings={"k": 1}: AnswerStore(tmp_path / "store", "osrcir", settings=settings)  # noqa: E731
     dying = ScriptedEngine(by_seed, die_after=2)
     with pytest.raises(KeyboardInterrupt):
         OSrCIRDescriber(LazyEngine(lambda: dying), prompts, options, store()).describe(toy_queries)
-    assert len(list((tmp_path / "store").glob("part-*.json"))) == 2 and len(store()) == 6
+    assert len(list((tmp_path / "store" / "osrcir").glob("part-*.json"))) == 2 and len(store()) == 6
     resumed = ScriptedEngine(by_seed)
     first = OSrCIRDescriber(LazyEngine(lambda: resumed), prompts, options, store()).describe(toy_queries)
     assert resumed.requests == len(toy_queries) - 6  # only what no part held
@@ -205,10 +205,13 @@ def test_stored_descriptions_resume_after_a_kill_and_a_rerun_loads_no_model(toy_
 
     rerun = OSrCIRDescriber(LazyEngine(no_model), prompts, options, store())
     assert rerun.describe(toy_queries) == first == [[q.target_description] for q in toy_queries]
-    record = rerun.store.records[f"{toy_queries[0].qid}#0"]
+    record = rerun.store.records[rerun.keys(toy_queries[:1])[toy_queries[0].qid, 0]]
     assert record["raw"].startswith("Target description:") and record["status"] == "ok"
-    with pytest.raises(Exception, match="other settings"):
-        RecordStore(tmp_path / "store", {"k": 2})
+    assert record["qid"] == toy_queries[0].qid  # a label kept for reading
+    # other settings: other keys, so nothing stored answers them (and nothing is refused)
+    other = ScriptedEngine(by_seed)
+    OSrCIRDescriber(LazyEngine(lambda: other), prompts, options, store({"k": 2})).describe(toy_queries)
+    assert other.requests == len({(q.reference.name, q.text) for q in toy_queries})
 
 
 def test_ensemble_weights_the_consensus():
@@ -348,18 +351,6 @@ def test_a_missing_prompt_version_is_one_error_line(toy_cirr, tmp_path, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and "describer prompt version 'v9' not found" in err[0]
-
-
-def test_a_local_model_is_identified_by_content_and_name_not_by_place(tmp_path):
-    from demind.describe import model_identity
-
-    for place in ("a", "b"):
-        (tmp_path / place / "llava").mkdir(parents=True)
-        (tmp_path / place / "llava" / "config.json").write_text('{"model_type": "llava_next"}')
-        (tmp_path / place / "llava" / "model.safetensors").write_bytes(b"x" * 10)
-    a, b = model_identity(str(tmp_path / "a" / "llava")), model_identity(str(tmp_path / "b" / "llava"))
-    assert a == b and a["model"] == "llava" and str(tmp_path) not in json.dumps(a)
-    assert a["weights"] == [("model.safetensors", 10)]
 
 
 def test_rerank_settings_that_cannot_work_are_refused_before_any_model_or_method_runs(toy_cirr, tiny_backbone,

@@ -3,7 +3,8 @@ and MLLM re-ranking, on the data_gen engines (:mod:`demind.gen.engines`).
 
 * :mod:`~demind.describe.describers` -- (reference image, modification) -> target description(s);
 * :mod:`~demind.describe.parse` -- the description read out of a chain-of-thought answer;
-* :mod:`~demind.describe.store` -- descriptions and re-ranking scores as resumable, inspectable data;
+* :mod:`~demind.describe.store` -- the one rule of stored answers (descriptions, re-ranking scores):
+  keyed by the model's content, the image's pixels, the text, the prompt texts and the settings;
 * :mod:`~demind.describe.rerank` -- the yes/no verifier and the top-K re-ordering;
 * :mod:`~demind.describe.session` -- one engine, the describers and the re-ranker of a benchmark split.
 
@@ -22,12 +23,12 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "demind.describe.parse": ["Parsed", "parse_description"],
     "demind.describe.rerank": ["MLLMVerifier", "Reranker", "Verifier", "rerank_ranking"],
     "demind.describe.session": ["MLLMRun", "MLLMSetup"],
-    "demind.describe.store": ["MemoryStore", "RecordStore", "model_identity"],
+    "demind.describe.store": ["AnswerStore", "DigestMemo", "MemoryStore", "ModelIdentity", "pixel_digest"],
 })
 
 __all__ = [
-    "DESCRIBERS", "CIReVLDescriber", "DescribeOptions", "Describer", "DescriberPrompts", "LazyEngine", "MLLMRun",
-    "MLLMSetup", "MLLMVerifier", "MemoryStore", "OSrCIRDescriber", "Parsed", "RecordStore", "RerankOptions",
-    "Reranker", "Verifier", "load_describer_prompts", "model_identity", "modification_text", "parse_description",
-    "rerank_ranking",
+    "DESCRIBERS", "AnswerStore", "CIReVLDescriber", "DescribeOptions", "Describer", "DescriberPrompts", "DigestMemo",
+    "LazyEngine", "MLLMRun", "MLLMSetup", "MLLMVerifier", "MemoryStore", "ModelIdentity", "OSrCIRDescriber", "Parsed",
+    "RerankOptions", "Reranker", "Verifier", "load_describer_prompts", "modification_text", "parse_description",
+    "pixel_digest", "rerank_ranking",
 ]

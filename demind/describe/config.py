@@ -46,3 +46,13 @@ class RerankOptions:
     prefix_reuse: bool = setting(True, help="prefill each query's reference part once for its K candidates")
     yes: str = setting("yes", help="the answer word whose log-probability scores a match")
     no: str = setting("no", help="the answer word scored against it")
+
+    def config_problems(self) -> list[tuple[str, str]]:
+        problems = [(name, f"= {word!r} is empty: give the answer word (rerank.{name}=...)")
+                    for name, word in (("yes", self.yes), ("no", self.no)) if not word.strip()]
+        if not problems and self.yes.strip() == self.no.strip():
+            problems.append(("no", f"= {self.no!r} equals rerank.yes: give two different answer words"))
+        if self.methods is not None and not [n for n in self.methods.split(",") if n.strip()]:
+            problems.append(("methods", f"= {self.methods!r} names no method: name the methods to re-rank "
+                                        f"(rerank.methods=osrcir,demind), or leave it out to re-rank every method"))
+        return problems

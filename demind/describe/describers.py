@@ -8,9 +8,14 @@
 
 ``describe.samples`` > 1 draws several descriptions per query (seeds per sample; LDRE's
 ensemble, weighted by the method: :mod:`demind.retrieval.mllm_methods`). Every answer is kept in
-a :class:`~demind.describe.store.RecordStore` chunk by chunk; the engine is built only when a
-query has no stored answer (:class:`LazyEngine`). An answer without a parsable description is
-counted, logged, and replaced by the modification text alone (:func:`modification_text`).
+a :class:`~demind.describe.store.AnswerStore` chunk by chunk, keyed by what it depends on (the
+model's content, the reference's pixels, the modification text, the prompt texts, the settings);
+the engine is built only when a query has no stored answer (:class:`LazyEngine`). An answer without
+a parsable description is counted, logged, and replaced by the modification text alone
+(:func:`modification_text`).
+
+Seeds derive from (``describe.seed``, query id, stage, sample): with ``describe.temperature`` > 0
+a query asked again under another id finds the sample stored for the same content, a valid draw.
 """
 
 from __future__ import annotations
@@ -26,11 +31,11 @@ from PIL import Image
 
 from demind.describe.config import DescribeOptions
 from demind.describe.parse import parse_description
-from demind.describe.store import RecordStore
+from demind.describe.store import AnswerStore
 from demind.errors import InputError, MissingInputError
 from demind.imaging import resize_longest_side
 from demind.gen import Engine, GenRequest, render, request_seed, user_turn
-from demind.model import PLACEHOLDER
+from demind.model import PLACEHOLDER, TEMPLATES
 from demind.retrieval import Query, load_image
 
 log = logging.getLogger(__name__)
@@ -87,11 +92,13 @@ def fill(template: str, **values: str) -> str:
 
 
 def modification_text(query: Query) -> str:
-    """The words of the request: ``query.text``, without a ``a photo of * ,`` template head where the
-    benchmark's baseline text carries the whole prompt (FashionIQ's released protocol)."""
+    """The words of the request: ``query.text``, without the ``a photo of * ,`` template head where the
+    benchmark's baseline text is the whole prompt (FashionIQ's released protocol). Only that head goes:
+    a ``*`` in a user's own words ("replace the * logo") is part of the request."""
     text = query.text
-    if PLACEHOLDER in text:
-        text = text.split(PLACEHOLDER, 1)[1].lstrip(" ,")
+    head = TEMPLATES["cirr"].split(PLACEHOLDER, 1)[0] + PLACEHOLDER  # "a photo of *"
+    if text == query.prompt and text.startswith(head):
+        text = text[len(head):].lstrip(" ,")
     return text.strip() or query.text
 
 
@@ -118,36 +125,61 @@ class Describer:
     kind = ""
 
     def __init__(self, engine: LazyEngine, prompts: DescriberPrompts, options: DescribeOptions,
-                 store: RecordStore) -> None:
+                 store: AnswerStore) -> None:
         self.engine = engine
         self.prompts = prompts
         self.options = options
         self.store = store
         self.generated = 0  # records answered by the model in this process
-        self._told: set[str] = set()  # record ids whose fallback was already logged
+        self._told: set[str] = set()  # keys whose fallback was already logged
+
+    def keys(self, queries: list[Query]) -> dict[tuple[str, int], str]:
+        """(query id, sample) -> the answer's store key (:meth:`AnswerStore.key`)."""
+        return {(q.qid, s): self.store.key(image=self.store.memo.pixels(q.reference), text=modification_text(q),
+                                           sample=s)
+                for q in queries for s in range(self.options.samples)}
+
+    def _missing(self, queries: list[Query], keys: dict[tuple[str, int], str]) -> list[tuple[Query, int]]:
+        """(query, sample) pairs without a stored answer, one per key (equal content is asked once)."""
+        missing: dict[str, tuple[Query, int]] = {}
+        for q in queries:
+            for s in range(self.options.samples):
+                if keys[q.qid, s] not in self.store:
+                    missing.setdefault(keys[q.qid, s], (q, s))
+        return list(missing.values())
 
     def describe(self, queries: list[Query]) -> list[list[str]]:
         """Per query, ``options.samples`` descriptions (the modification text where the answer had none)."""
         samples = range(self.options.samples)
-        missing = [(q, s) for q in queries for s in samples if self.record_id(q, s) not in self.store]
+        keys = self.keys(queries)
+        missing = self._missing(queries, keys)
+        if missing and not self.store.model.from_weights:
+            self.engine.get()  # the model's files may arrive with it: key by their content before generating
+            self.store.model.settle()
+            keys = self.keys(queries)
+            missing = self._missing(queries, keys)
         chunk = self.options.chunk * self.options.samples
+        shared = self.store.ingredients()
         for start in range(0, len(missing), chunk):
             part = missing[start:start + chunk]
-            records = self._answer(part)
-            self.store.add(records)
-            self.generated += len(records)
+            answered = self._answer(part)
+            self.store.add({keys[q.qid, s]: {**record, "image_sha256": self.store.memo.pixels(q.reference), **shared}
+                            for (q, s), record in zip(part, answered)})
+            self.generated += len(answered)
             log.info("%s: %d of %d descriptions generated (%s)", self.kind, start + len(part), len(missing),
                      self.store.folder)
-        out = [[self._description(q, self.store.records[self.record_id(q, s)]) for s in samples] for q in queries]
-        new = [(q, r) for q in queries for s in samples
-               if (r := self.store.records[self.record_id(q, s)])["description"] is None
-               and self.record_id(q, s) not in self._told]
+        self.store.memo.save()
+        out = [[self._description(q, self.store.records[keys[q.qid, s]]) for s in samples] for q in queries]
+        new = [(q, keys[q.qid, s]) for q in queries for s in samples
+               if self.store.records[keys[q.qid, s]]["description"] is None and keys[q.qid, s] not in self._told]
+        new = list({key: (q, key) for q, key in new}.values())
         if new:
-            self._told.update(self.record_id(q, r["sample"]) for q, r in new)
+            self._told.update(key for _, key in new)
             log.warning("%s: %d of %d answers have no parsable target description; the modification text alone "
                         "stands in for them (counts by reason: results.json mllm.describers.%s.fallback_reasons)",
                         self.kind, len(new), len(queries) * self.options.samples, self.kind)
-            for q, r in new[:LOGGED_EXAMPLES]:
+            for q, key in new[:LOGGED_EXAMPLES]:
+                r = self.store.records[key]
                 log.warning("%s: no target description for query %s (%s): %r", self.kind, q.qid, r["status"],
                             r["raw"][:160])
         return out
@@ -162,25 +194,26 @@ class Describer:
         fallback = {k: v for k, v in status.items() if k not in ("ok", "truncated")}
         return {"records": len(self.store), "generated_now": self.generated, "parsed": status["ok"],
                 "truncated_kept": status["truncated"], "fallback": sum(fallback.values()),
-                "fallback_reasons": fallback, "store": str(self.store.folder), "prompts": self.prompts.id,
-                "model_loaded": self.engine.loaded}
-
-    @staticmethod
-    def record_id(query: Query, sample: int) -> str:
-        return f"{query.qid}#{sample}"
+                "fallback_reasons": fallback, "damaged": self.store.damaged, "store": str(self.store.folder),
+                "prompts": self.prompts.id, "model_loaded": self.engine.loaded}
 
     def _seed(self, key: str, stage: str, sample: int) -> int:
         return request_seed(self.options.seed, key, stage, sample)
 
     def _images(self, queries: list[Query]) -> dict[str, Image.Image]:
-        """Each distinct reference decoded once, shrunk to ``describe.image_max_side``."""
+        """Each distinct reference (by pixel digest) decoded once, shrunk to ``describe.image_max_side``."""
         out: dict[str, Image.Image] = {}
         for q in queries:
-            if q.reference.name not in out:
-                out[q.reference.name] = resize_longest_side(load_image(q.reference), self.options.image_max_side)
+            digest = self.store.memo.pixels(q.reference)
+            if digest not in out:
+                out[digest] = resize_longest_side(load_image(q.reference), self.options.image_max_side)
         return out
 
-    def _answer(self, part: list[tuple[Query, int]]) -> dict[str, dict[str, Any]]:
+    def _image(self, images: dict[str, Image.Image], query: Query) -> Image.Image:
+        return images[self.store.memo.pixels(query.reference)]
+
+    def _answer(self, part: list[tuple[Query, int]]) -> list[dict[str, Any]]:
+        """One record per (query, sample) of ``part``, in order."""
         raise NotImplementedError
 
     @staticmethod
@@ -202,11 +235,10 @@ class OSrCIRDescriber(Describer):
         images = self._images([q for q, _ in part])
         requests = [GenRequest(prompt=render(engine.renderer, [user_turn(
                         fill(self.prompts.osrcir, modification=modification_text(q)), with_image=True)]),
-                        image=images[q.reference.name], seed=self._seed(q.qid, "osrcir", s),
+                        image=self._image(images, q), seed=self._seed(q.qid, "osrcir", s),
                         max_new_tokens=self.options.max_tokens) for q, s in part]
         results = engine.generate(requests)
-        return {self.record_id(q, s): self._record(q, s, r.text, r.finish_reason, require_label=True)
-                for (q, s), r in zip(part, results)}
+        return [self._record(q, s, r.text, r.finish_reason, require_label=True) for (q, s), r in zip(part, results)]
 
 
 class CIReVLDescriber(Describer):
@@ -217,36 +249,37 @@ class CIReVLDescriber(Describer):
     def _answer(self, part):
         engine = self.engine.get()
         images = self._images([q for q, _ in part])
-        # one caption per (reference, sample): CIRR references recur across queries
-        caption_keys = list(dict.fromkeys((q.reference.name, s) for q, s in part))
+        # one caption per (reference pixels, sample): CIRR references recur across queries
+        first = {}
+        for q, s in part:
+            first.setdefault((self.store.memo.pixels(q.reference), s), q)
         caption_prompt = render(engine.renderer, [user_turn(self.prompts.caption, with_image=True)])
-        results = engine.generate([GenRequest(prompt=caption_prompt, image=images[name],
-                                              seed=self._seed(name, "caption", s),
+        results = engine.generate([GenRequest(prompt=caption_prompt, image=images[digest],
+                                              seed=self._seed(q.reference.name, "caption", s),
                                               max_new_tokens=self.options.caption_max_tokens)
-                                   for name, s in caption_keys])
+                                   for (digest, s), q in first.items()])
         captions = {}
-        for key, r in zip(caption_keys, results):
+        for key, r in zip(first, results):
             parsed = parse_description(r.text, truncated=r.finish_reason == "length", require_label=False)
             captions[key] = (r.text, parsed.description)
-        records: dict[str, dict[str, Any]] = {}
+        records: list[dict[str, Any] | None] = [None] * len(part)
         to_rewrite = []
-        for q, s in part:
-            raw_caption, caption = captions[(q.reference.name, s)]
+        for i, (q, s) in enumerate(part):
+            raw_caption, caption = captions[(self.store.memo.pixels(q.reference), s)]
             if caption is None:  # nothing to rewrite: the query falls back, its caption answer kept
-                records[self.record_id(q, s)] = {
-                    **self._record(q, s, raw_caption, "stop", require_label=False, caption_raw=raw_caption,
-                                   caption=None), "description": None, "status": "caption-empty"}
+                records[i] = {**self._record(q, s, raw_caption, "stop", require_label=False, caption_raw=raw_caption,
+                                             caption=None), "description": None, "status": "caption-empty"}
             else:
-                to_rewrite.append((q, s, raw_caption, caption))
+                to_rewrite.append((i, q, s, raw_caption, caption))
         if to_rewrite:
             requests = [GenRequest(prompt=render(engine.renderer, [user_turn(
                             fill(self.prompts.rewrite, caption=caption, modification=modification_text(q)),
                             with_image=False)]),
                             image=None, seed=self._seed(q.qid, "rewrite", s),
-                            max_new_tokens=self.options.rewrite_max_tokens) for q, s, _, caption in to_rewrite]
-            for (q, s, raw_caption, caption), r in zip(to_rewrite, engine.generate(requests)):
-                records[self.record_id(q, s)] = self._record(q, s, r.text, r.finish_reason, require_label=False,
-                                                             caption_raw=raw_caption, caption=caption)
+                            max_new_tokens=self.options.rewrite_max_tokens) for _, q, s, _, caption in to_rewrite]
+            for (i, q, s, raw_caption, caption), r in zip(to_rewrite, engine.generate(requests)):
+                records[i] = self._record(q, s, r.text, r.finish_reason, require_label=False,
+                                          caption_raw=raw_caption, caption=caption)
         return records
 
 

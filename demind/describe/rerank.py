@@ -7,8 +7,9 @@ the question), whether the candidate shows what the user wants, and scores log p
 of the first answer token from one forward pass (no decoding); the part before the candidate is
 prefilled once per query (``rerank.prefix_reuse``). It needs
 the model's logits, so it runs on the transformers engine (the vLLM engine's generate() does not
-return them here). Scores are stored like descriptions (:class:`RecordStore`, id
-``<query>|<candidate>``), so a rerun re-ranks without loading the model.
+return them here). Scores are stored like descriptions (:class:`AnswerStore`, kind ``verify``: the
+key adds the candidate's pixels to the reference's and the modification text), so a rerun re-ranks
+without loading the model.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 
 from demind.describe.config import RerankOptions
 from demind.describe.describers import DescriberPrompts, LazyEngine, fill, modification_text
-from demind.describe.store import RecordStore
+from demind.describe.store import AnswerStore
 from demind.imaging import resize_longest_side
 from demind.errors import InputError
 from demind.gen import render
@@ -74,7 +75,7 @@ class MLLMVerifier:
     (tested). Off: every (reference, candidate) prompt is prefilled whole, left-padded.
     """
 
-    def __init__(self, engine: LazyEngine, prompts: DescriberPrompts, options: RerankOptions, store: RecordStore,
+    def __init__(self, engine: LazyEngine, prompts: DescriberPrompts, options: RerankOptions, store: AnswerStore,
                  image_max_side: int = 672) -> None:
         self.engine = engine
         self.prompts = prompts
@@ -85,9 +86,14 @@ class MLLMVerifier:
         self.prefilled_tokens = 0  # prompt tokens run through the model in this process (reuse shows here)
 
     def score(self, queries: list[Query], candidates: list[list[ImageRef]]) -> list[list[float]]:
-        pending = [(q, [c for c in {c.name: c for c in cands}.values() if self._id(q, c) not in self.store])
-                   for q, cands in zip(queries, candidates)]
-        pending = [(q, cands) for q, cands in pending if cands]
+        keys = self._keys(queries, candidates)
+        pending = self._pending(queries, candidates, keys)
+        if pending and not self.store.model.from_weights:
+            self.engine.get()  # the model's files may arrive with it: key by their content before scoring
+            self.store.model.settle()
+            keys = self._keys(queries, candidates)
+            pending = self._pending(queries, candidates, keys)
+        shared = self.store.ingredients()
         chunk: list[tuple[Query, list[ImageRef]]] = []
         for i, item in enumerate(pending):  # stored in parts of about 64 queries: a kill loses one part
             chunk.append(item)
@@ -95,23 +101,60 @@ class MLLMVerifier:
                 records = {}
                 for q, cands in chunk:
                     for c, s in zip(cands, self._score_query(q, cands)):
-                        records[self._id(q, c)] = {"qid": q.qid, "candidate": c.name, "score": s}
+                        records[keys[q.qid, c.name]] = {"qid": q.qid, "candidate": c.name, "score": s,
+                                                        "modification": modification_text(q), **shared}
                 self.store.add(records)
                 self.generated += len(records)
                 chunk = []
-        return [[self.store.records[self._id(q, c)]["score"] for c in cands] for q, cands in zip(queries, candidates)]
+        self.store.memo.save()
+        return [[self.store.records[keys[q.qid, c.name]]["score"] for c in cands]
+                for q, cands in zip(queries, candidates)]
 
-    @staticmethod
-    def _id(query: Query, candidate: ImageRef) -> str:
-        return f"{query.qid}|{candidate.name}"
+    def _keys(self, queries: list[Query], candidates: list[list[ImageRef]]) -> dict[tuple[str, str], str]:
+        """(query id, candidate name) -> the score's store key: the reference's and the candidate's pixels,
+        the modification text, and the store's shared part (model content, verify.txt, settings)."""
+        pixels = self.store.memo.pixels
+        return {(q.qid, c.name): self.store.key(image=pixels(q.reference), text=modification_text(q),
+                                                candidate=pixels(c))
+                for q, cands in zip(queries, candidates) for c in cands}
+
+    def _pending(self, queries: list[Query], candidates: list[list[ImageRef]],
+                 keys: dict[tuple[str, str], str]) -> list[tuple[Query, list[ImageRef]]]:
+        """Per query, its distinct candidates without a stored score (an equal pair is scored once)."""
+        seen: set[str] = set()
+        pending = []
+        for q, cands in zip(queries, candidates):
+            todo = []
+            for c in {c.name: c for c in cands}.values():
+                key = keys[q.qid, c.name]
+                if key not in self.store and key not in seen:
+                    seen.add(key)
+                    todo.append(c)
+            if todo:
+                pending.append((q, todo))
+        return pending
+
+    def check_answer_words(self, model_folder: Any) -> None:
+        """Refuse answer words the model's tokenizer has no token for, reading only its tokenizer files
+        (no model) from ``model_folder``; without them (the files not here) the check waits for the model."""
+        if model_folder is None:
+            return
+        try:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(model_folder), local_files_only=True)
+        except Exception as e:  # noqa: BLE001 -- no tokenizer to read here: the check runs when the model loads
+            log.debug("rerank.yes/no: the tokenizer of %s cannot be read without the model (%s)", model_folder, e)
+            return
+        self._answer_ids(tokenizer)
 
     def _answer_ids(self, tokenizer: Any) -> tuple[int, int]:
         ids = []
-        for word in (self.options.yes, self.options.no):
+        for name, word in (("yes", self.options.yes), ("no", self.options.no)):
             tokens = tokenizer(word, add_special_tokens=False).input_ids
             if not tokens or tokens[0] == tokenizer.unk_token_id:
-                raise InputError(f"rerank.yes/no: the model's tokenizer has no token for {word!r}; name answer words "
-                                 f"it knows (rerank.yes=..., rerank.no=...)")
+                raise InputError(f"rerank.{name}={word!r}: the model's tokenizer has no token for it; name an answer "
+                                 f"word it knows (rerank.yes=..., rerank.no=...)")
             ids.append(tokens[0])
         if ids[0] == ids[1]:
             raise InputError(f"rerank.yes={self.options.yes!r} and rerank.no={self.options.no!r} start with the same "
@@ -205,5 +248,6 @@ class MLLMVerifier:
 
     def summary(self) -> dict[str, Any]:
         return {"k": self.options.k, "pairs_stored": len(self.store), "scored_now": self.generated,
+                "damaged": self.store.damaged,
                 "prefix_reuse": self.options.prefix_reuse, "prefilled_tokens": self.prefilled_tokens,
                 "store": str(self.store.folder), "model_loaded": self.engine.loaded}

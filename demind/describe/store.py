@@ -1,15 +1,42 @@
-"""Descriptions (and re-ranking scores) as data: a resumable store of MLLM answers.
+"""Stored MLLM answers, keyed by what they depend on: the one rule of the description, re-ranking and
+search stores.
 
-One folder per (benchmark split, describer, prompt version, model identity, settings):
+**The key** (:meth:`AnswerStore.key`) of an answer is the sha256 of everything the answer depends on:
 
-    <root>/<benchmark>-<split>/<kind>/<prompt version>@<sha12>/<model slug>-<settings hash>/
-        store.json          what produced the records (written first; checked on every open)
-        part-00000.json     {"format", "records": {id: record}}, one per finished chunk, atomic
+* the model's content: a digest of its files (weights, config, tokenizer, chat template; the
+  folder of ``engine.model``, or its snapshot in the Hugging Face cache) -- :class:`ModelIdentity`;
+* the reference image's pixels, decoded as the describer sees them before its resize
+  (:func:`pixel_digest`; a verifier score adds the candidate's pixels);
+* the modification text, the sample number, the prompt texts the kind uses (their content, not
+  their version's name) and the generation settings (engine, dtype, temperature, top_p, seed,
+  token limits, image size, answer words).
 
-A part is written (tmp file, then rename: :mod:`demind.io`) as soon as its chunk of queries is
-answered, so a killed evaluation keeps every finished part and a rerun asks the model only for
-ids no part holds; a rerun with nothing missing never loads the model. A record keeps the raw
-MLLM output with the parsed description, so the store can be inspected and published as is.
+Names are labels only: a benchmark, split, query id, index or folder name is kept in the record for
+reading, never in the key, so a renamed or copied index, a relabelled query or a moved model finds
+its answers, and a changed caption, image, prompt, setting or model is asked again.
+
+**Digests are remembered** as git remembers its index: a file's sha256 (and an image's pixel
+digest) by (path, size, mtime_ns) in ``<store>/digests.jsonl`` (:class:`DigestMemo`), so a 15 GB
+model is read once, not on every run.
+
+**Weights absent** (a store copied to a machine without the model): ``<store>/models/`` records
+which content identity answered for each model reference (hub id or folder path). When the files
+cannot be found, the identity recorded for the reference (the same string, else the same final
+name) keys the lookups, with one log line naming it; a rerun whose answers are all stored then
+loads no model and needs none. If an answer is missing the model is loaded, and the identity is
+read from its files again before anything is generated.
+
+**Layout** (docs/mllm.md shows it; tests/test_answer_store.py checks the docs against it)::
+
+    <store>/store.json                  {"format", "key"}: what the keys hold
+    <store>/models/<id16>-<ref8>.json   {"reference", "identity", "recorded"}
+    <store>/digests.jsonl               the digest memo (one JSON object a line, appended)
+    <store>/<kind>/part-<writer>-<n>.json   {"format", "records": {key: record}}; kind: cirevl, osrcir, verify
+
+A part is written atomically after each chunk; ``<writer>`` is unique to the process that wrote it,
+so two processes sharing a store (``demind-serve`` and ``demind-search`` on one index) never
+overwrite each other's parts. A damaged part (not JSON, not an object) or record (not an object,
+missing its fields) is not trusted: its answers are asked again, with one counted log line.
 """
 
 from __future__ import annotations
@@ -17,83 +44,301 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
+import os
 import re
+import secrets
+import time
 from pathlib import Path
 from typing import Any
 
-from demind.errors import InputError
-from demind.io import write_json_atomic
+from PIL import Image
+
+from demind.errors import InputError, OutputLocationError
+from demind.io import check_output_dir, reporting_output_errors, write_json_atomic
 
 log = logging.getLogger(__name__)
 
-STORE_FORMAT = "demind-descriptions/1"
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+STORE_FORMAT = "demind-answers/2"
+KEY_INGREDIENTS = ("kind", "model", "prompt", "settings", "image", "text", "sample", "candidate")
+KINDS = ("cirevl", "osrcir", "verify")
+REQUIRED_FIELDS = {"verify": ("score",), "osrcir": ("description", "status", "raw"),
+                   "cirevl": ("description", "status", "raw")}
+_DOC_NAMES = re.compile(r"^(README|LICENSE|NOTICE|USE_POLICY)|\.md$", re.IGNORECASE)
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
-def model_identity(model: str) -> dict[str, Any]:
-    """What identifies an MLLM without loading it: a hub id as given; a local folder by its
-    name (never its place: a store moved to another machine, or the model moved, still matches),
-    the sha256 of its config.json and the names and sizes of its weight files (hashing 15 GB of
-    weights on every run would cost minutes; a retrained model of the same architecture changes
-    the sizes only rarely, so the folder's own name is part of the slug too)."""
-    folder = Path(model)
-    if not folder.is_dir():
-        return {"model": model}
-    config = folder / "config.json"
-    weights = sorted((p.name, p.stat().st_size) for p in folder.iterdir()
-                     if p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES))
-    return {"model": folder.resolve().name,
-            "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else None,
-            "weights": weights}
+def _sha(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
 
 
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_")[:60] or "model"
+def pixel_digest(picture: Image.Image) -> str:
+    """sha256 of decoded pixels (mode and size included): the same image in another file, format or
+    folder has the same digest; a changed pixel changes it."""
+    digest = hashlib.sha256(f"{picture.mode}:{picture.size[0]}x{picture.size[1]}:".encode())
+    digest.update(picture.tobytes())
+    return digest.hexdigest()
 
 
-class RecordStore:
-    """Records by id in atomic parts under ``folder``; ``identity`` must match the stored one."""
+def text_digest(*texts: str) -> str:
+    """sha256 of prompt texts (a kind's prompt files, in order)."""
+    return hashlib.sha256("\x00".join(texts).encode()).hexdigest()
 
-    def __init__(self, folder: str | Path, identity: dict[str, Any]) -> None:
-        self.folder = Path(folder)
-        self.identity = identity
+
+# --------------------------------------------------------------------------- the digest memo
+
+
+class DigestMemo:
+    """File and pixel digests remembered by (path, size, mtime_ns), in memory and, with a ``path``,
+    appended to a JSON-lines file shared by every process using the store (a torn or foreign line
+    is ignored: the digest is computed again)."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path
+        self._known: dict[str, str] = {}
+        self._new: list[dict[str, Any]] = []
+        if path is not None and path.is_file():
+            for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+                try:
+                    entry = json.loads(line)
+                    self._known[entry["memo"]] = entry["sha256"]
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    continue
+
+    @staticmethod
+    def _memo_key(what: str, path: Path, extra: Any = None) -> str:
+        stat = path.stat()
+        return _sha([what, str(path.resolve()), stat.st_size, stat.st_mtime_ns, extra])
+
+    def _remember(self, memo: str, digest: str) -> str:
+        self._known[memo] = digest
+        self._new.append({"memo": memo, "sha256": digest})
+        return digest
+
+    def file(self, path: Path) -> str:
+        """sha256 of the file's bytes."""
+        from demind.identity import file_sha256
+
+        memo = self._memo_key("file", path)
+        return self._known.get(memo) or self._remember(memo, file_sha256(path))
+
+    def pixels(self, ref: Any) -> str:
+        """:func:`pixel_digest` of an :class:`~demind.retrieval.ImageRef` as :func:`demind.retrieval.load_image`
+        decodes it (orientation, mask and crop applied; the describers' resize is a setting)."""
+        from demind.retrieval import load_image
+
+        seg = _sha(ref.segmentation) if ref.segmentation is not None else None
+        try:
+            memo = self._memo_key("pixels", Path(ref.path), [ref.span, ref.box, seg, ref.orient])
+        except OSError:  # a missing or unreadable file: load_image's one error naming it
+            return pixel_digest(load_image(ref))
+        return self._known.get(memo) or self._remember(memo, pixel_digest(load_image(ref)))
+
+    def save(self) -> None:
+        """Append the digests computed since the last save (nothing without a path)."""
+        if self.path is None or not self._new:
+            return
+        lines = "".join(json.dumps(e) + "\n" for e in self._new)
+        with reporting_output_errors(self.path), self.path.open("a", encoding="utf-8") as f:
+            f.write(lines)
+        self._new = []
+
+
+# --------------------------------------------------------------------------- the model's identity
+
+
+def model_files(folder: Path) -> list[Path]:
+    """The files an MLLM's answers depend on: every file of its folder but documentation and dot-files."""
+    return sorted(p for p in folder.rglob("*") if p.is_file() and not _DOC_NAMES.search(p.name)
+                  and not any(part.startswith(".") for part in p.relative_to(folder).parts))
+
+
+def cached_hub_folder(reference: str) -> Path | None:
+    """The Hugging Face cache's snapshot of hub id ``reference`` (no network), or None."""
+    if Path(reference).exists() or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", reference):
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(reference, local_files_only=True))
+    except Exception:  # noqa: BLE001 -- not cached, malformed, or huggingface_hub missing: not present here
+        return None
+
+
+class ModelIdentity:
+    """The content identity of ``engine.model`` (see the module docstring): ``digest`` and ``source``
+    -- ``"weights"`` (its files, hashed), ``"store"`` (recorded for this reference: the files are
+    not on this machine) or ``"name"`` (no files found even after loading: keyed by the reference)."""
+
+    def __init__(self, reference: str, memo: DigestMemo, root: Path | None) -> None:
+        self.reference = reference
+        self.memo = memo
+        self.root = root
+        self.digest: str | None = None
+        self.source = ""
+
+    def folder(self) -> Path | None:
+        folder = Path(self.reference)
+        folder = folder if folder.is_dir() else cached_hub_folder(self.reference)
+        if folder is None or not any(p.suffix in _WEIGHT_SUFFIXES for p in folder.rglob("*")):
+            return None
+        return folder
+
+    def current(self) -> str:
+        """The identity that keys this run's answers (resolved once; :meth:`settle` after loading)."""
+        if self.digest is None:
+            if not self._from_weights():
+                recorded = self._recorded()
+                if recorded is not None:
+                    self.digest, self.source = recorded["identity"], "store"
+                    log.info("engine.model=%s: no model files on this machine; the answers stored for model "
+                             "identity %s (recorded for %s on %s) are used", self.reference, self.digest[:16],
+                             recorded.get("reference"), recorded.get("recorded"))
+                else:
+                    self.digest, self.source = f"name:{self.reference}", "name"
+        return self.digest
+
+    @property
+    def from_weights(self) -> bool:
+        self.current()
+        return self.source == "weights"
+
+    def settle(self) -> str:
+        """After the model loaded (its files may have just been downloaded): key by its content if found."""
+        if self.source not in ("weights", "memory") and not self._from_weights():
+            log.warning("engine.model=%s: its files cannot be found to key answers by their content (no folder, not "
+                        "in the Hugging Face cache); its answers are keyed by this name", self.reference)
+            self.digest, self.source = f"name:{self.reference}", "name"
+        return self.digest or ""
+
+    def _from_weights(self) -> bool:
+        folder = self.folder()
+        if folder is None:
+            return False
+        lines = [f"{p.relative_to(folder).as_posix()}\0{self.memo.file(p)}" for p in model_files(folder)]
+        self.digest, self.source = text_digest(*lines), "weights"
+        self.memo.save()
+        self._record()
+        return True
+
+    def _record(self) -> None:
+        if self.root is None:
+            return
+        path = self.root / "models" / f"{self.digest[:16]}-{text_digest(self.reference)[:8]}.json"
+        if not path.is_file():
+            write_json_atomic(path, {"format": STORE_FORMAT, "reference": self.reference, "identity": self.digest,
+                                     "recorded": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=1)
+
+    def _recorded(self) -> dict[str, Any] | None:
+        """The latest identity recorded for this reference: the same string, else the same final name."""
+        if self.root is None or not (self.root / "models").is_dir():
+            return None
+        records = []
+        for path in sorted((self.root / "models").glob("*.json")):
+            try:
+                record = json.loads(path.read_text(encoding="utf-8"))
+                if isinstance(record.get("identity"), str) and isinstance(record.get("reference"), str):
+                    records.append(record)
+            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+                log.warning("%s is damaged: ignored", path)
+        name = Path(self.reference).name
+        for match in (lambda r: r["reference"] == self.reference, lambda r: Path(r["reference"]).name == name):
+            found = [r for r in records if match(r)]
+            if found:
+                return max(found, key=lambda r: str(r.get("recorded", "")))
+        return None
+
+
+# --------------------------------------------------------------------------- the store
+
+
+def check_store_root(root: Path) -> Path:
+    """Refuse an unwritable store before any model loads: one error naming ``describe.store``."""
+    try:
+        return check_output_dir(root)
+    except OutputLocationError as e:
+        raise OutputLocationError(f"describe.store: {e}; MLLM answers are written there as they are generated: give "
+                                  f"describe.store=DIR, a folder this process can write") from None
+
+
+def _read_store_meta(root: Path) -> None:
+    meta = root / "store.json"
+    if not meta.is_file():
+        return
+    fix = f"delete {meta} (it is written again; the answers in the parts are kept)"
+    try:
+        stored = json.loads(meta.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{meta} is not JSON ({e}); {fix}") from None
+    if not isinstance(stored, dict) or stored.get("format") != STORE_FORMAT:
+        what = stored.get("format") if isinstance(stored, dict) else f"a JSON {type(stored).__name__}"
+        raise InputError(f"{meta} is not a {STORE_FORMAT} store ({what}); {fix}")
+
+
+class AnswerStore:
+    """The answers of one ``kind`` (``osrcir``, ``cirevl``, ``verify``) by key, under ``<root>/<kind>/``
+    (``root`` None: in memory only). ``model``, ``prompt`` and ``settings`` are the key's shared part."""
+
+    def __init__(self, root: str | Path | None, kind: str, model: ModelIdentity | None = None, prompt: str = "",
+                 settings: dict[str, Any] | None = None, memo: DigestMemo | None = None) -> None:
+        self.root = Path(root) if root is not None else None
+        self.kind = kind
+        self.folder = self.root / kind if self.root is not None else Path("<memory>")
+        self.memo = memo or DigestMemo(self.root / "digests.jsonl" if self.root is not None else None)
+        self.model = model or ModelIdentity("unknown", self.memo, None)
+        self.prompt = prompt
+        self.settings = settings or {}
         self.records: dict[str, dict[str, Any]] = {}
+        self.damaged = 0  # parts and records found damaged (their answers are asked again)
+        self._writer = f"{os.getpid()}{secrets.token_hex(4)}"
         self._next_part = 0
-        self._open()
+        if self.root is not None:
+            self._open()
 
-    @classmethod
-    def under(cls, root: str | Path, benchmark: str, split: str, kind: str, prompt_id: str,
-              model: dict[str, Any], settings: dict[str, Any]) -> "RecordStore":
-        """The store of one (benchmark split, kind, prompt, model, settings) under ``root``."""
-        identity = {"format": STORE_FORMAT, "benchmark": benchmark, "split": split, "kind": kind,
-                    "prompt": prompt_id, "model": model, "settings": settings}
-        digest = hashlib.sha256(json.dumps([model, settings], sort_keys=True).encode()).hexdigest()[:10]
-        name = f"{_slug(Path(str(model['model'])).name)}-{digest}"
-        return cls(Path(root) / f"{benchmark}-{split}" / kind / _slug(prompt_id) / name, identity)
+    def key(self, *, image: str, text: str = "", sample: int = 0, candidate: str | None = None) -> str:
+        """The key of one answer: sha256 of the ingredients (module docstring)."""
+        return _sha({"kind": self.kind, "model": self.model.current(), "prompt": self.prompt,
+                     "settings": self.settings, "image": image, "text": text, "sample": sample,
+                     "candidate": candidate})
+
+    def ingredients(self) -> dict[str, Any]:
+        """The key's shared part, as each record keeps it (readable; the key itself is its hash)."""
+        return {"model_identity": self.model.current(), "model": self.model.reference, "prompt_sha256": self.prompt,
+                "settings": self.settings}
 
     def _open(self) -> None:
-        meta = self.folder / "store.json"
-        if meta.is_file():
-            try:
-                stored = json.loads(meta.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as e:
-                raise InputError(f"{meta} is not JSON ({e}); delete the folder {self.folder} to rebuild it") from None
-            if stored != json.loads(json.dumps(self.identity)):
-                differ = sorted(k for k in set(stored) | set(self.identity) if stored.get(k) != self.identity.get(k))
-                raise InputError(f"{meta} was written for other settings ({', '.join(differ)} differ); delete "
-                                 f"{self.folder} or pass another describe.store")
-        parts = sorted(self.folder.glob("part-*.json"))
-        for part in parts:
-            try:
-                data = json.loads(part.read_text(encoding="utf-8"))
-                records = data["records"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                # parts are written atomically; a damaged one (copied half, edited) is redone, not trusted
-                log.warning("%s is damaged (%s): its records are asked again", part, e)
-                continue
-            self.records.update(records)
-        if parts:
-            self._next_part = max(int(p.stem.split("-")[1]) for p in parts) + 1
+        _read_store_meta(self.root)
+        for part in sorted(self.folder.glob("part-*.json")):
+            self._read_part(part)
+
+    def _read_part(self, part: Path) -> None:
+        try:
+            data = json.loads(part.read_text(encoding="utf-8"))
+            records = data["records"]
+            if not isinstance(records, dict):
+                raise TypeError(f"records is a JSON {type(records).__name__}")
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+            self.damaged += 1
+            log.warning("%s is damaged (%s: %s): its answers are asked again", part, type(e).__name__, e)
+            return
+        bad = 0
+        for key, record in records.items():
+            if self._valid(record):
+                self.records[key] = record
+            else:
+                bad += 1
+        if bad:
+            self.damaged += bad
+            log.warning("%s: %d of %d records are damaged (not an object, or missing %s): they are asked again",
+                        part, bad, len(records), "/".join(REQUIRED_FIELDS.get(self.kind, ())))
+
+    def _valid(self, record: Any) -> bool:
+        if not isinstance(record, dict) or any(f not in record for f in REQUIRED_FIELDS.get(self.kind, ())):
+            return False
+        if self.kind == "verify":
+            return isinstance(record["score"], (int, float)) and math.isfinite(record["score"])
+        return (record["description"] is None or isinstance(record["description"], str)) and \
+            isinstance(record["status"], str) and isinstance(record["raw"], str)
 
     def __contains__(self, key: str) -> bool:
         return key in self.records
@@ -102,26 +347,24 @@ class RecordStore:
         return len(self.records)
 
     def add(self, records: dict[str, dict[str, Any]]) -> None:
-        """Keep ``records`` and write them as the next part (atomically)."""
+        """Keep ``records`` (by key) and write them as this writer's next part (atomically)."""
         if not records:
             return
-        meta = self.folder / "store.json"
-        if not meta.is_file():
-            write_json_atomic(meta, self.identity, indent=1)
-        write_json_atomic(self.folder / f"part-{self._next_part:05d}.json",
-                          {"format": STORE_FORMAT, "records": records}, indent=1)
-        self._next_part += 1
+        if self.root is not None:
+            if not (self.root / "store.json").is_file():
+                write_json_atomic(self.root / "store.json", {"format": STORE_FORMAT, "key": list(KEY_INGREDIENTS)},
+                                  indent=1)
+            write_json_atomic(self.folder / f"part-{self._writer}-{self._next_part:05d}.json",
+                              {"format": STORE_FORMAT, "records": records}, indent=1)
+            self._next_part += 1
+            self.memo.save()
         self.records.update(records)
 
 
-class MemoryStore(RecordStore):
-    """A store that writes nothing (evaluate() without an output or cache folder)."""
+class MemoryStore(AnswerStore):
+    """A store that writes nothing (evaluate() without an output or cache folder, benchmarks)."""
 
-    def __init__(self, identity: dict[str, Any] | None = None) -> None:
-        self.folder = Path("<memory>")
-        self.identity = identity or {}
-        self.records = {}
-        self._next_part = 0
-
-    def add(self, records: dict[str, dict[str, Any]]) -> None:
-        self.records.update(records)
+    def __init__(self, kind: str = "answers", **rule: Any) -> None:
+        super().__init__(None, kind, **rule)
+        if "model" not in rule:  # no model named: answers live for this process only, keyed by no content
+            self.model.digest, self.model.source = "memory", "memory"

@@ -3,15 +3,16 @@
 
 The command line builds the same :class:`demind.describe.MLLMSetup` as ``demind-eval`` (the
 ``engine``, ``describe`` and ``rerank`` config sections); :class:`SearchMLLM` binds it once per
-process to the index (store ``<store root>/search-<index name>/...``), so the engine is built at
-most once and only when a description or a re-ranking score is missing (its
-:class:`~demind.describe.LazyEngine`).
+process to the index, so the engine is built at most once and only when a description or a
+re-ranking score is missing (its :class:`~demind.describe.LazyEngine`).
 
-A search query becomes a :class:`~demind.retrieval.Query` whose id is a hash of the reference's
-pixels and the modification text: the same image and words, uploaded again or picked from the
-gallery, find their stored description and ask the model nothing. Uploaded bytes are written to a
-private temporary folder for the describer to read (deleted with the process); the descriptions
-themselves are stored like a benchmark's (raw answer and parsed description, atomically).
+The answers are stored by the one rule of :mod:`demind.describe.store`: keyed by the model's
+content, the reference's pixels, the modification text, the prompt texts and the settings; the
+index's name is a label only (a copied or renamed index finds its answers). A search query becomes
+a :class:`~demind.retrieval.Query` whose id (a label) is a hash of the reference's pixels and the
+words. Uploaded bytes are written to a private temporary folder for the describer to read (deleted
+with the process). The store (``describe.store``, else ``<index>/descriptions``) must be writable:
+one error naming ``describe.store`` before any model loads.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 
 from PIL import Image
 
+from demind.describe.store import pixel_digest
 from demind.retrieval import RERANK_SUFFIX, ImageRef, Query
 
 log = logging.getLogger(__name__)
@@ -39,27 +41,16 @@ def split_rerank(name: str) -> tuple[str, bool]:
 
 
 def query_key(picture: Image.Image | None, text: str) -> str:
-    """The stored id of a search query: sha256 of the reference's decoded pixels (size and mode
-    included) and the modification text, 24 hex digits."""
-    digest = hashlib.sha256()
-    if picture is not None:
-        digest.update(f"{picture.mode}:{picture.size[0]}x{picture.size[1]}:".encode())
-        digest.update(picture.tobytes())
-    digest.update(b"\x00" + text.encode("utf-8"))
-    return digest.hexdigest()[:24]
+    """The id (a label) of a search query: sha256 of the reference's pixel digest and the
+    modification text, 24 hex digits."""
+    pixels = pixel_digest(picture) if picture is not None else ""
+    return hashlib.sha256(f"{pixels}\x00{text}".encode("utf-8")).hexdigest()[:24]
 
 
-def descriptions_root(store: str | None, index_directory: Path) -> Path | None:
-    """``describe.store`` if given, else ``<index>/descriptions``; None (answers kept in memory only,
-    with a warning) when that folder cannot be written."""
-    root = Path(store) if store else Path(index_directory) / "descriptions"
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        log.warning("cannot write MLLM descriptions under %s (%s): they are kept in memory only; give "
-                    "describe.store=DIR to keep them", root, e.strerror or e)
-        return None
-    return root
+def descriptions_root(store: str | None, index_directory: Path) -> Path:
+    """``describe.store`` if given, else ``<index>/descriptions`` (copied with the index); its
+    writability is checked when the setup is bound (:meth:`demind.describe.MLLMSetup.bind`)."""
+    return Path(store) if store else Path(index_directory) / "descriptions"
 
 
 class SearchMLLM:
@@ -68,6 +59,7 @@ class SearchMLLM:
     def __init__(self, setup: Any, index_name: str, index_directory: Path) -> None:
         self.setup = setup
         self.run = setup.bind(STORE_BENCHMARK, index_name, descriptions_root(setup.describe.store, index_directory))
+        self.run.reranker()  # answer words that cannot work: refused now, before any description
         self._uploads: tempfile.TemporaryDirectory | None = None
 
     @property
