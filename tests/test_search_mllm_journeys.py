@@ -62,3 +62,56 @@ def test_a_star_in_the_modification_text_reaches_the_describer_whole(loaded, ind
     text = "replace the * logo with a red heart"
     searcher.search(SearchQuery(image=searcher.index.path_of("img1.png"), text=text, method=method, k=3))
     assert any(text in prompt for prompt in engine.prompts), engine.prompts
+
+
+# ----------------------------------------------------------------------------- a negative with +rerank
+
+
+def test_a_negative_with_a_rerank_method_is_searched(loaded, index_dir):  # noqa: F811
+    searcher = searcher_with(loaded, index_dir, setup_with(RecordingEngine(), rerank_k=3, store=None))
+    verifier = KnowsNothing()
+    searcher.mllm.run._verifier = verifier  # the MLLM verifier's place
+    reference = searcher.index.path_of("img0.png")
+    outcome = searcher.search_with_details(SearchQuery(image=reference, text="make it red", method="demind+rerank",
+                                                       negative="the dog", k=5))
+    assert outcome.method == "demind+deo+rerank" and outcome.text == "make it red, without the dog"
+    assert outcome.negative == "the dog" and outcome.reranked == 3 and len(verifier.asked) == 1
+    deo = searcher.search(SearchQuery(image=reference, text="make it red", method="demind", negative="the dog", k=5))
+    assert verifier.asked[0] == [h.name for h in deo[:3]]  # the +deo ranking's top K is what was re-ranked
+    assert [h.name for h in outcome.hits] == [h.name for h in deo]  # equal scores keep their order
+
+
+def test_a_negative_with_rerank_on_the_command_line_and_the_page(tiny_checkpoint, index_dir, loaded, tmp_path,  # noqa: F811
+                                                                 monkeypatch):
+    import demind.describe.session as session
+
+    monkeypatch.setattr(session.MLLMRun, "reranker", lambda self: __import__("demind.describe.rerank", fromlist=[
+        "Reranker"]).Reranker(KnowsNothing(), self.setup.rerank.k))
+    import demind.gen.engines as engines
+
+    monkeypatch.setattr(engines, "build_engine", lambda *a, **k: RecordingEngine())
+    out = tmp_path / "results.json"
+    reference = str(index_dir.parent / "gallery" / "img3.png")
+    assert search_cli(tiny_checkpoint, index_dir, "--image", reference, "--text", "make it red", "--method",
+                      "demind+rerank", "--negative", "the dog", "engine.name=transformers",
+                      "engine.model=scripted-model", "rerank.k=3", "--out", str(out)) == 0
+    record = json.loads(out.read_text())["queries"][0]
+    assert "error" not in record and record["method"] == "demind+deo+rerank" and record["negative"] == "the dog"
+    assert record["reranked"] == 3 and len(record["results"]) == 9
+
+    pytest.importorskip("flask", reason="flask not installed (optional extra 'search')")
+    from demind.search.server import create_app
+
+    searcher = searcher_with(loaded, index_dir, setup_with(RecordingEngine(), rerank_k=3, store=None))
+    answer = create_app(searcher).test_client().post("/api/search", data={
+        "gallery_name": "img3.png", "text": "make it red", "method": "demind+rerank", "negative": "the dog"})
+    assert answer.status_code == 200, answer.get_json()
+    assert answer.get_json()["method"] == "demind+deo+rerank" and answer.get_json()["reranked"] == 3
+
+
+def test_a_negative_with_a_method_that_cannot_take_one_is_refused_in_the_users_words(loaded, index_dir):  # noqa: F811
+    searcher = searcher_with(loaded, index_dir, setup_with(RecordingEngine(), rerank_k=3, store=None))
+    with pytest.raises(SearchError) as e:
+        searcher.search(SearchQuery(image=searcher.index.path_of("img0.png"), text="make it red",
+                                    method="image-only+rerank", negative="the dog"))
+    assert "'image-only+rerank'" in str(e.value) and "+deo" not in str(e.value)

@@ -241,7 +241,9 @@ class Searcher:
             parse_method_names([plain], have_model=self.model is not None)
         except ValueError as e:
             raise SearchError(str(e).replace("pass --checkpoint", "start with --checkpoint")) from None
-        if query.method not in self.available_methods():  # e.g. the oracle: a benchmark's, not a user's
+        offered = self.available_methods()
+        # the page lists no +deo+rerank variant, but a negative turns METHOD+rerank into one: its base is what counts
+        if query.method not in offered and not (reranked and plain in offered):  # e.g. the oracle: a benchmark's
             raise SearchError(f"method {query.method!r} does not answer a query against a gallery index; choose "
                               f"one of {', '.join(self.available_methods())}")
         base = base_method(query.method)
