@@ -52,6 +52,8 @@ def test_ground_truth_matches_an_independent_predicate(fixture_coco, tmp_path):
         expected = sorted((i for i, have in labels.items()
                            if set(q["include"]) <= have and q["exclude"] not in have), key=int)
         assert q["ground_truth"] == expected, q["id"]
+        hard = sorted((i for i, have in labels.items() if set(q["include"]) | {q["exclude"]} <= have), key=int)
+        assert q["hard_negatives"] == hard and q["image_id"] in hard, q["id"]
         positive = labels[q["image_id"]]
         assert set(q["include"]) <= positive and q["exclude"] in positive  # the caption's image shows all
         assert q["image_id"] not in q["ground_truth"]

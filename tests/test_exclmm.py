@@ -45,6 +45,56 @@ def test_query_losses_by_hand():
     assert L.query_contrastive_loss(q, gt, also).item() == pytest.approx(expected)
 
 
+def test_paper_triplet_eq16_by_hand():
+    """Eq. 16: max(0, d(ip, exc_cp) - d(ip, exc_cx) + m), d = 1 - cos, mean over rows."""
+    ip = torch.tensor([[1.0, 0.0], [1.0, 0.0], [3.0, 4.0]])
+    cp = torch.tensor([[1.0, 1.0], [0.0, 1.0], [3.0, 4.0]])
+    cx = torch.tensor([[0.0, 2.0], [5.0, 0.0], [4.0, -3.0]])
+    # row 0: d(ip, cp) = 1 - 1/sqrt(2) = 0.29289, d(ip, cx) = 1 -> max(0, -0.70711 + 0.2) = 0
+    # row 1: d(ip, cp) = 1, d(ip, cx) = 0 -> 1 + 0.2 = 1.2
+    # row 2: d(ip, cp) = 0, d(ip, cx) = 1 - 0 = 1 -> max(0, -1 + 0.2) = 0;  with m = 1.5: 0.5
+    assert L.paper_triplet_loss(ip, cp, cx, margin=0.2).item() == pytest.approx(1.2 / 3, abs=1e-6)
+    assert L.paper_triplet_loss(ip, cp, cx, margin=1.5).item() == pytest.approx(
+        (max(0.0, 0.29289 - 1 + 1.5) + 2.5 + 0.5) / 3, abs=1e-4)
+    # cosine: scaling any embedding changes nothing
+    assert L.paper_triplet_loss(7 * ip, 0.1 * cp, 3 * cx, margin=0.2).item() == pytest.approx(1.2 / 3, abs=1e-6)
+    # both queries get gradient (the positive query is encoded, so F_theta learns from it too)
+    ip2 = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
+    cp_ = torch.tensor([[0.0, 1.0], [1.0, 1.0]], requires_grad=True)
+    cx_ = torch.tensor([[1.0, 1.0], [0.0, 1.0]], requires_grad=True)
+    # row 0: 1 - 0.29289 + 0.2 > 0 (gradient); row 1: 0.29289 - 1 + 0.2 < 0 (none)
+    L.paper_triplet_loss(ip2, cp_, cx_, margin=0.2).backward()
+    assert cp_.grad[0].abs().sum() > 0 and cx_.grad[0].abs().sum() > 0
+    assert cp_.grad[1].abs().sum() == 0 and cx_.grad[1].abs().sum() == 0
+
+
+def test_normalised_symmetric_contrastive_eq12_eq15_by_hand():
+    a = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    b = torch.tensor([[2.0, 0.0], [0.0, 3.0]])  # normalised: the identity, so logits = I at tau 1
+    expected = torch.log1p(torch.exp(torch.tensor(-1.0))).item()  # -log(e / (e + 1)) = 0.31326, both directions
+    assert L.normalised_contrastive_loss(a, b).item() == pytest.approx(expected)
+    assert L.normalised_contrastive_loss(a, b, tau=0.5).item() == pytest.approx(
+        torch.log1p(torch.exp(torch.tensor(-2.0))).item())
+    # a pair marked also-relevant leaves both denominators: only the own logit is left, loss 0
+    also = torch.tensor([[False, True], [True, False]])
+    assert L.normalised_contrastive_loss(a, b, also_relevant=also).item() == pytest.approx(0.0, abs=1e-6)
+    # asymmetric case: text 0 matches image 0 but image 1 is also close to text 0
+    a2 = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    logits = torch.nn.functional.normalize(a2, dim=-1) @ torch.nn.functional.normalize(b, dim=-1).T
+    rows = torch.nn.functional.cross_entropy(logits, torch.arange(2))
+    cols = torch.nn.functional.cross_entropy(logits.T, torch.arange(2))
+    assert L.normalised_contrastive_loss(a2, b).item() == pytest.approx(0.5 * (rows + cols).item())
+    assert rows.item() != pytest.approx(cols.item())  # the two directions differ: both are in the loss
+
+
+def test_earlier_forms_of_an_older_export():
+    from demind.exclmm.config import form_of
+
+    old = {"space": {"top_t": 16}, "query": {"space": "sparse"}}
+    assert form_of(old, "query", "triplet") == "gt-vs-positive" and form_of(old, "space", "image_mask") == "top_t"
+    assert form_of({"space": {}, "query": {"contrastive": "paper"}}, "query", "contrastive") == "paper"
+
+
 def test_masks_sentence_codes_and_identity_at_init():
     h = torch.tensor([[0.1, 0.9, 0.5, 0.0]])
     assert top_t_mask(h, 2).tolist() == [[False, True, True, False]]
@@ -102,6 +152,26 @@ def test_train_end_to_end_and_evaluate(repo_root, train_split, tmp_path, capsys)
     assert "written with another config (differs in ['seed'])" in capsys.readouterr().err
     with pytest.raises(ValueError, match="trained on backbone"):
         load_exclmm(export, {"name": "other"})
+
+
+def test_earlier_variants_train_and_score_by_dot_product(repo_root, train_split, tmp_path):
+    """The earlier variants (dot products, Top_t image mask, ground truth vs positive triplet) stay
+    selectable; the paper's form scores by cosine, the earlier one by dot product."""
+    from demind.exclmm import load_exclmm
+    from demind.exclmm.config import EARLIER_OVERRIDES
+
+    assert cli.main(smoke_args(repo_root, train_split, tmp_path / "old", *EARLIER_OVERRIDES)) == 0
+    model = load_exclmm(tmp_path / "old" / "exclmm.safetensors")
+    assert model.cfg["query"]["triplet"] == "gt-vs-positive" and not model.cosine_scores
+    codes = model.encode_images(torch.randn(3, model.sae.encoder.weight.shape[1]))
+    assert (codes >= 0).all()
+    model.cfg["query"]["contrastive"] = "paper"
+    assert model.cosine_scores
+    codes = model.encode_images(torch.randn(3, model.sae.encoder.weight.shape[1]))
+    assert torch.allclose(codes.norm(dim=-1), torch.ones(3), atol=1e-5) or (codes.norm(dim=-1) == 0).any()
+    feats = load_features(tmp_path / "old" / FEATURES_NAME)
+    assert feats["positive_queries"].shape == feats["queries"].shape  # Eq. 16's encoded positive caption
+    assert len(feats["positive_words"]) == len(feats["queries"])
 
 
 def test_bad_input_is_one_clear_line(repo_root, tmp_path, capsys):
