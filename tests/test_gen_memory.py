@@ -301,7 +301,7 @@ def test_vllm_chunk_runs_in_waves_that_its_cache_holds(tiny_folders, monkeypatch
     fake = SimpleNamespace(LLM=lambda **kw: LRUPrefixLLM(blocks=90, **kw), SamplingParams=dict, __version__="0.11.0")
     monkeypatch.setattr(vllm_engine, "import_vllm", lambda: fake)
     cfg = GenConfig()
-    cfg.engine.model, cfg.engine.chunk_size, cfg.engine.max_model_len = str(tiny_folders["tiny"]), 64, 4096
+    cfg.engine.model, cfg.engine.chunk_size, cfg.engine.max_model_len = str(tiny_folders["tiny"]), 64, 1024
     cfg.sampling.retries = 0
     engine = vllm_engine.VLLMEngine(cfg.engine, cfg.sampling)
     assert engine.prefix_capacity_tokens == 1440

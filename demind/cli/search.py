@@ -92,9 +92,6 @@ def build_mllm_setup(engine: EngineConfig, describe: DescribeOptions, rerank: Re
     from demind.describe import MLLMSetup
     from demind.gen.config import SamplingConfig
 
-    if rerank.k > 0 and engine.name != "transformers":  # before any model loads or any method runs
-        raise InputError(f"re-ranking (rerank.k={rerank.k}) reads the model's answer probabilities, which the "
-                         f"{engine.name} engine does not return here: run it with engine.name=transformers")
     def build():
         from demind.gen.engines import build_engine, disable_loading_progress
 

@@ -5,9 +5,10 @@ pair, the top K is re-ordered by score, the rest of the ranking is kept as it wa
 turn (``verify.txt``: the reference, the modification, then ``{candidate}``, the candidate image, and
 the question), whether the candidate shows what the user wants, and scores log p(yes) - log p(no)
 of the first answer token from one forward pass (no decoding); the part before the candidate is
-prefilled once per query (``rerank.prefix_reuse``). It needs
-the model's logits, so it runs on the transformers engine (the vLLM engine's generate() does not
-return them here). Scores are stored like descriptions (:class:`AnswerStore`, kind ``verify``: the
+prefilled once per query (``rerank.prefix_reuse``). On the transformers engine the score is
+read from the model's logits here; an engine that scores tokens itself (``score_next_token``: the vLLM
+engine, from vLLM's log-probabilities of the two answer tokens) is asked for the same two numbers, its
+prefix cache serving the shared part. Scores are stored like descriptions (:class:`AnswerStore`, kind ``verify``: the
 key adds the candidate's pixels to the reference's and the modification text), so a rerun re-ranks
 without loading the model.
 """
@@ -167,7 +168,7 @@ class MLLMVerifier:
         model, processor = getattr(engine, "model", None), getattr(engine, "processor", None)
         if model is None or processor is None or not hasattr(model, "lm_head"):
             raise InputError(f"re-ranking reads the model's answer probabilities, which the {engine.name} engine does "
-                             f"not return here: run it with engine.name=transformers")
+                             f"not return: run it with engine.name=transformers or engine.name=vllm")
         return engine, model, processor
 
     def _prompt(self, processor: Any, query: Query) -> str:
@@ -176,9 +177,26 @@ class MLLMVerifier:
             {"type": "image"}, {"type": "text", "text": before.strip()},
             {"type": "image"}, {"type": "text", "text": after.strip()}]}])
 
+    def _score_query_on_engine(self, engine: Any, query: Query, candidates: list[ImageRef]) -> list[float]:
+        """One query's candidates scored by the engine's ``score_next_token`` (vLLM), ``rerank.batch_size`` a call."""
+        processor = engine.renderer
+        yes, no = self._answer_ids(processor.tokenizer)
+        reference = resize_longest_side(load_image(query.reference), self.image_max_side)
+        prompt = self._prompt(processor, query)
+        out: list[float] = []
+        for start in range(0, len(candidates), self.options.batch_size):
+            batch = [resize_longest_side(load_image(c), self.image_max_side) for c in candidates[start:start + self.options.batch_size]]
+            scored = engine.score_next_token([(prompt, [reference, c]) for c in batch], [yes, no],
+                                             reuse_prefix=self.options.prefix_reuse)
+            self.prefilled_tokens += sum(s.prefilled_tokens for s in scored)
+            out += [s.logprobs[0] - s.logprobs[1] for s in scored]
+        return out
+
     @torch.inference_mode()
     def _score_query(self, query: Query, candidates: list[ImageRef]) -> list[float]:
         """One query's candidates, in batches of ``rerank.batch_size``."""
+        if hasattr(self.engine.get(), "score_next_token"):
+            return self._score_query_on_engine(self.engine.get(), query, candidates)
         engine, model, processor = self._model()
         yes, no = self._answer_ids(processor.tokenizer)
         reference = resize_longest_side(load_image(query.reference), self.image_max_side)

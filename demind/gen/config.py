@@ -35,12 +35,20 @@ class EngineConfig:
     batch_size: int = setting(8, ge=1)  # rows per generate() call
     cpu_threads: int = setting(0, ge=0)  # torch CPU threads for this process (0 = torch's default); 1 suits tiny models
     # Longest prompt + answer in tokens: vLLM's context length; both engines also size their first
-    # prefix wave with it (later waves use the longest stage-2 sequence seen).
-    max_model_len: int = setting(4096, ge=1)
-    # vLLM only
+    # prefix wave with it (later waves use the longest stage-2 sequence seen). 0 = the model's own
+    # (its text config's max_position_embeddings); a length above the model's is refused.
+    max_model_len: int = setting(0, ge=0)
+    # vLLM only (docs/generation.md, "Engine settings on a GPU and on vLLM's CPU build")
     tensor_parallel_size: int = setting(1, ge=1)
+    # GPU: the share of each GPU's memory vLLM may take (weights, activations, KV cache); the KV cache
+    # gets what is left. vLLM's CPU build is sized by kv_cache_gib instead (its share of host memory
+    # is not passed: vLLM refuses it whenever other processes hold memory).
     gpu_memory_utilization: float = setting(0.9, gt=0, le=1)
-    enforce_eager: bool = False
+    # GiB of KV cache (per GPU with tensor parallelism): vLLM's kv_cache_memory_bytes, on a GPU and
+    # on vLLM's CPU build alike. 0 = on a GPU, what gpu_memory_utilization leaves; on the CPU build,
+    # room for 64 sequences of max_model_len tokens, at most a quarter of the memory available.
+    kv_cache_gib: float = setting(0.0, ge=0)
+    enforce_eager: bool = False  # no CUDA graphs (GPU) / no torch.compile of the model (vLLM's CPU build)
 
 
 @dataclass

@@ -90,7 +90,9 @@ class IntentGenerator:
         self.cfg = cfg
         self.prompts = prompts
         self.engine_seconds = 0.0
-        self.waves = WavePlanner(getattr(engine, "prefix_capacity_tokens", None), cfg.engine.max_model_len)
+        # the engine's resolved context length (engine.max_model_len 0: the model's own)
+        self.waves = WavePlanner(getattr(engine, "prefix_capacity_tokens", None),
+                                 getattr(engine, "max_model_len", None) or cfg.engine.max_model_len)
 
     def generate(self, items: list[ChunkItem]) -> list[ChunkOutput]:
         """Both stages (or the single prompt) for every item, in order; in waves that the engine's

@@ -2,9 +2,13 @@
 
 It has the real architecture and processing path (CLIP vision tower, any-resolution image grid,
 Llama text model, chat template) at a size that runs in milliseconds; its text is random words.
-About 40k parameters, ~14 image tokens per image. ``demind/cli/make_tiny_model.py`` saves it for
+About 70k parameters, ~14 image tokens per image. ``demind/cli/make_tiny_model.py`` saves it for
 the smoke config ``configs/data_gen/tiny-cpu.yaml``; ``benchmarks/gpu_models.py`` reuses its
 tokenizer and chat template at real vocabulary sizes.
+
+The folder is in the layout of the llava-hf folders users download (:func:`to_llava_hf_layout`: the
+vision tower's weights under ``vision_tower.vision_model.*``), so that one folder loads in both engines:
+transformers and vLLM (whose CPU attention needs a head size of at least 32, hence the text model's 64 / 2).
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ def build_tiny_llava_next(output_dir: str | Path, seed: int = 0, chat_template: 
     """Build and save a random tiny LLaVA-NeXT and its processor (with ``chat_template``); returns ``output_dir``.
 
     Vision: CLIP, hidden 32, 2 layers, 16 px tiles of 8 px patches; grid pinpoints
-    16x16, 16x32, 32x16. Text: Llama, hidden 32, 1 layer, word-level vocabulary.
+    16x16, 16x32, 32x16. Text: Llama, hidden 64, 2 heads of 32, 1 layer, word-level vocabulary.
     """
     import torch
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaNextConfig, LlavaNextForConditionalGeneration
@@ -69,7 +73,7 @@ def build_tiny_llava_next(output_dir: str | Path, seed: int = 0, chat_template: 
     pinpoints = [[16, 16], [16, 32], [32, 16]]
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                               image_size=16, patch_size=8, projection_dim=32)
-    text = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+    text = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
                        num_key_value_heads=2, vocab_size=len(vocab), max_position_embeddings=1024,
                        bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"], pad_token_id=vocab["<pad>"])
     config = LlavaNextConfig(vision_config=vision, text_config=text, image_token_index=vocab["<image>"],
@@ -99,6 +103,43 @@ def save_llava_next(model: Any, tokenizer: Any, output_dir: str | Path, *, tile:
                                    num_additional_image_tokens=1)
     model.save_pretrained(output_dir)
     processor.save_pretrained(output_dir)
+    to_llava_hf_layout(output_dir)
     return Path(output_dir)
+
+
+# transformers 5 saves a CLIP vision tower without its ``vision_model.`` level; llava-hf checkpoints on
+# the Hub (converted by transformers' convert_llava_next_weights_to_hf.py) and vLLM's loader keep it.
+_SAVED_VISION, _HUB_VISION = "vision_tower.", "vision_tower.vision_model."
+
+
+def to_llava_hf_layout(folder: str | Path) -> None:
+    """Rename the weights of a saved LLaVA-NeXT ``folder`` to the names llava-hf folders use
+    (``vision_tower.embeddings.*`` -> ``vision_tower.vision_model.embeddings.*``), in every safetensors
+    file and in the shard index; names already in that layout are left as they are."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    rename = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            metadata = f.metadata() or {"format": "pt"}
+            tensors = {hub_weight_name(k): f.get_tensor(k) for k in f.keys()}
+            rename.update({k: hub_weight_name(k) for k in f.keys()})
+        save_file(tensors, str(path), metadata=metadata)
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text(encoding="utf-8"))
+        data["weight_map"] = {rename.get(k, k): v for k, v in data["weight_map"].items()}
+        index.write_text(json.dumps(data, indent=2), encoding="utf-8")
+
+
+def hub_weight_name(name: str) -> str:
+    """One saved weight name in llava-hf's layout (see :func:`to_llava_hf_layout`)."""
+    if name.startswith(_SAVED_VISION) and not name.startswith(_HUB_VISION):
+        return _HUB_VISION + name[len(_SAVED_VISION):]
+    return name
 
 

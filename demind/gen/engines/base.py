@@ -8,6 +8,8 @@ from typing import Any, Protocol
 
 from PIL import Image
 
+from demind.config import ConfigError
+
 
 @dataclass
 class GenRequest:
@@ -34,6 +36,15 @@ class GenResult:
     def __post_init__(self) -> None:
         if self.prefilled_tokens is None:
             self.prefilled_tokens = self.prompt_tokens
+
+
+@dataclass
+class TokenScores:
+    """Log-probabilities of chosen tokens as the first answer token of one prompt."""
+
+    logprobs: list[float]  # one per asked token id, in the order asked (log-softmax over the whole vocabulary)
+    prompt_tokens: int
+    prefilled_tokens: int  # prompt tokens computed (fewer where a prefix cache served the rest)
 
 
 class Engine(Protocol):
@@ -68,3 +79,26 @@ def request_seed(base_seed: int, key: str, stage: str, attempt: int) -> int:
     """
     digest = hashlib.sha256(f"{base_seed}:{key}:{stage}:{attempt}".encode()).digest()
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def model_context_length(model_config: Any) -> int | None:
+    """The context length a model was built for: its text config's ``max_position_embeddings``
+    (what vLLM takes as the default ``max_model_len`` too); None where the config has none."""
+    text = getattr(model_config, "text_config", None) or model_config
+    n = getattr(text, "max_position_embeddings", None)
+    return int(n) if n else None
+
+
+def resolve_max_model_len(requested: int, model_config: Any, model_id: str) -> int:
+    """``engine.max_model_len``: 0 -> the model's own context length; a length above it is refused
+    (ConfigError) before an engine starts. With no length in the config, 0 is refused too."""
+    own = model_context_length(model_config)
+    if requested == 0:
+        if own is None:
+            raise ConfigError(f"engine.max_model_len: {model_id}'s config states no context length "
+                              f"(max_position_embeddings); set engine.max_model_len")
+        return own
+    if own is not None and requested > own:
+        raise ConfigError(f"engine.max_model_len={requested} is above {model_id}'s context length of {own:,} tokens "
+                          f"(its max_position_embeddings): set engine.max_model_len={own} or less, or 0 for the model's")
+    return requested

