@@ -209,9 +209,21 @@ def load_checkpoint(path: str | Path, backbone: FrozenCLIP, meta: dict | None = 
             f"{backbone.cfg.pretrained}, seed {backbone.cfg.seed}; differs in "
             f"{identity_difference(meta['backbone_identity'], backbone.identity)}); load the backbone it was trained on"
         )
-    model = DeMinds(from_dict(ModelConfig, meta["model_config"]), backbone)
+    model = build_model(meta["model_config"], backbone)
     model.load_state_dict(read_checked_tensors(path, meta))
     return model.to(backbone.device).eval()
+
+
+def build_model(model_config: dict, backbone: FrozenCLIP):
+    """The untrained model a checkpoint's recorded config describes: De-MINDS, or a combiner trained on
+    triplets (``architecture: combiner``, :mod:`demind.triplets`)."""
+    from demind.triplets.combiner import is_combiner_config
+
+    if is_combiner_config(model_config):
+        from demind.triplets.combiner import Combiner, CombinerConfig
+
+        return Combiner(from_dict(CombinerConfig, model_config), backbone)
+    return DeMinds(from_dict(ModelConfig, model_config), backbone)
 
 
 @dataclass(frozen=True)

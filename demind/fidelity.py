@@ -31,7 +31,9 @@ Definitions (all cosines of L2-normalised frozen-CLIP embeddings, one text kind 
   of F equal those of s; omega only sets the operating point.
 
 No encoder runs here: everything is computed from embeddings the feature cache already
-holds (:mod:`demind.features`).
+holds (:mod:`demind.features`). :func:`composed_boundary` is the same boundary through a composition
+model (supervised training on triplets, :mod:`demind.triplets`): there the "pair" is a composed
+query and its target image, as in the paper.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -95,6 +97,26 @@ def noise_boundary(image_emb: torch.Tensor, text_emb: torch.Tensor, k: int = GFQ
     generator = generator if generator is not None else torch.Generator().manual_seed(0)
     fake, perms = draw_pairings(image_emb, text_emb.shape[0], k, generator)
     return boundary_from_pairings(fake, text_emb.to(fake.device), perms)
+
+
+def composed_boundary(compose: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], ref_emb: torch.Tensor,
+                      text_emb: torch.Tensor, target_emb: torch.Tensor, k: int = GFQ_PAIRINGS,
+                      generator: torch.Generator | None = None) -> NoiseBoundary:
+    """GFQ's boundary through a composition model, as ConeSep computes it (its Eq. 2): K pairings
+    of stand-in references and targets, each drawn like :func:`draw_pairings` from a Gaussian fitted
+    to the pool's reference (N, D) and target (N, D) image features, with the pool's texts (N, D) in a
+    random order; B = mean and tau = std of cos(compose(r_fake, t_perm), v_fake).
+
+    ``compose``: (M, D) images, (M, D) texts -> (M, D) composed queries (the model being trained;
+    called once on K * N rows). The caller decides on gradients (GFQ runs under ``no_grad``)."""
+    generator = generator if generator is not None else torch.Generator().manual_seed(0)
+    fake_refs, perms = draw_pairings(ref_emb, text_emb.shape[0], k, generator)
+    fake_targets, _ = draw_pairings(target_emb, text_emb.shape[0], k, generator)
+    texts = text_emb.to(fake_refs.device)[perms]  # (K, N, D)
+    composed = compose(fake_refs.flatten(0, 1), texts.flatten(0, 1))
+    sims = F.cosine_similarity(composed.float(), fake_targets.flatten(0, 1).to(composed.device), dim=-1)
+    tau = float(sims.std(unbiased=False)) if sims.numel() > 1 else 0.0
+    return NoiseBoundary(float(sims.mean()), max(tau, MIN_TAU))
 
 
 def fidelity_from_similarity(sims: torch.Tensor, boundary: NoiseBoundary) -> torch.Tensor:

@@ -32,6 +32,7 @@ from demind.eval.fashioniq import read_fashioniq
 from demind.retrieval import ImageFeatureCache, encode_image_refs, stack_features
 from demind.eval.imagenet_r import read_imagenet_r
 from demind.retrieval import RERANK_SUFFIX, RetrievalMethod, build_methods, parse_method_names
+from demind.retrieval.methods import checkpoint_kind
 from demind.eval.reports import write_reports
 from demind.retrieval import ImageRef
 from demind.eval.structures import BenchmarkData, QueryGroup
@@ -141,8 +142,8 @@ def evaluate(
         backbone = model.backbone
     data = read_benchmark(benchmark, data_root, split, limit, options)
     mllm_run = mllm.bind(data.benchmark, data.split, descriptions_root(cache_dir, out_dir)) if mllm else None
-    method_objs = build_methods(parse_method_names(methods, model is not None, exclmm is not None), backbone, model,
-                                exclmm, mllm=mllm_run)
+    names = parse_method_names(methods, model is not None, exclmm is not None, checkpoint_kind(model))
+    method_objs = build_methods(names, backbone, model, exclmm, mllm=mllm_run)
     if mllm_run is not None and mllm_run.reranker() is not None:  # a typo in rerank.methods: now, not after the run
         mllm_run.rerank_targets([m.name for m in method_objs])
     if cache_dir is None and out_dir is not None:

@@ -32,7 +32,7 @@ from demind.retrieval.methods_base import RetrievalMethod
 from demind.retrieval.mllm_methods import build_mllm_method
 from demind.retrieval.names import (  # noqa: F401 (the names live without torch; importable from here)
     CHECKPOINT_METHODS, DEO_BASES, DEO_METHODS, DEO_SUFFIXES, EXCLMM_METHODS, HYBRID_METHOD, METHOD_LABELS, METHODS,
-    MLLM_METHODS, ON_REQUEST_METHODS, RERANK_SUFFIX)
+    MLLM_METHODS, ON_REQUEST_METHODS, RERANK_SUFFIX, COMBINER_METHODS, unavailable_methods)
 from demind.retrieval.refs import Query
 from demind.model import PLACEHOLDER, DeMinds
 from demind.negation import DEOConfig, Decomposer, RuleDecomposer, SubQueries, optimise
@@ -109,6 +109,17 @@ class DeMindsQuery(TrainedMethod):
         return self.model.compose(ref_features, prompts).t_hat
 
 
+class CombinerQuery(TrainedMethod):
+    """A combiner trained on triplets (:mod:`demind.triplets`): f(reference feature, text feature)."""
+
+    name = "combiner"
+    language = "texts"
+
+    def embed(self, ref_features, prompts, texts):
+        text = self._text_embeddings(texts)
+        return self.model(ref_features.to(text.device), text)
+
+
 class ExclMMQuery(RetrievalMethod):
     """ExclMM: the query text through CLIP's text tower, its words' vectors for the z_q mask,
     the sparse text encoder and F_theta; the gallery through the sparse image encoder."""
@@ -138,20 +149,32 @@ class ExclMMQuery(RetrievalMethod):
         return self.exclmm.encode_images(gallery)
 
 
+def checkpoint_kind(model) -> str | None:
+    """"combiner" for a combiner trained on triplets, "demind" for a De-MINDS model, None for no model."""
+    if model is None:
+        return None
+    return "combiner" if getattr(getattr(model, "cfg", None), "architecture", None) == "combiner" else "demind"
+
+
 def parse_method_names(spec: str | list[str] | tuple[str, ...] | None, have_model: bool,
-                       have_exclmm: bool = False) -> list[str]:
-    """``"demind,image-only"`` -> names, validated. None -> all methods the inputs allow."""
+                       have_exclmm: bool = False, model_kind: str = "demind") -> list[str]:
+    """``"demind,image-only"`` -> names, validated. None -> all methods the inputs allow.
+    ``model_kind``: the loaded checkpoint's kind (:func:`checkpoint_kind`) when ``have_model``."""
+    blocked = unavailable_methods(model_kind if have_model else None)
     if spec is None:
-        defaults = [m for m in METHODS if m not in ON_REQUEST_METHODS]
-        names = defaults if have_model else [m for m in defaults if m not in CHECKPOINT_METHODS]
-        return [m for m in names if have_exclmm or m not in EXCLMM_METHODS]
+        defaults = [m for m in METHODS if m not in ON_REQUEST_METHODS and m not in blocked]
+        return [m for m in defaults if have_exclmm or m not in EXCLMM_METHODS]
     names = [n.strip() for n in (spec.split(",") if isinstance(spec, str) else spec) if n.strip()]
     unknown = [n for n in names if n not in METHODS and n not in DEO_METHODS]
     if unknown:
         raise ConfigError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS + DEO_METHODS)}")
-    needs_model = [n for n in names if split_deo_name(n)[0] in CHECKPOINT_METHODS]
+    needs_model = [n for n in names if split_deo_name(n)[0] in blocked]
     if needs_model and not have_model:
         raise ConfigError(f"method(s) {needs_model} need a trained model: pass --checkpoint CKPT")
+    if needs_model:
+        wanted = "a combiner trained on triplets (demind-train-triplets)" if model_kind == "demind" else \
+            "a De-MINDS checkpoint"
+        raise ConfigError(f"method(s) {needs_model} need {wanted}; the checkpoint given is a {model_kind} one")
     if "exclmm" in names and not have_exclmm:
         raise ConfigError("method 'exclmm' needs a trained ExclMM: pass --exclmm runs/exclmm/exclmm.safetensors")
     return names
@@ -200,6 +223,10 @@ def build_methods(names: list[str], backbone: FrozenCLIP, model: DeMinds | None,
             if exclmm is None:
                 raise ConfigError("method 'exclmm' needs a trained ExclMM (--exclmm)")
             methods.append(ExclMMQuery(backbone, exclmm))
+        elif name == "combiner":
+            if checkpoint_kind(model) != "combiner":
+                raise InputError("method 'combiner' needs a combiner checkpoint (demind-train-triplets)")
+            methods.append(CombinerQuery(backbone, model))
         elif model is None:
             raise InputError(f"method {name!r} needs a trained model (checkpoint)")
         else:

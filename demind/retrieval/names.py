@@ -17,6 +17,7 @@ METHOD_LABELS = {
     "cirevl": "CIReVL (MLLM caption + rewrite)",
     "osrcir": "OSrCIR (MLLM reflective CoT)",
     "demind+mllm": "De-MINDS + MLLM description",
+    "combiner": "Combiner (supervised on triplets)",
 }
 
 DESCRIBED_METHODS = ("cirevl", "osrcir")
@@ -26,6 +27,8 @@ MLLM_METHODS = DESCRIBED_METHODS + (HYBRID_METHOD,)
 METHODS = tuple(METHOD_LABELS)
 EXCLMM_METHODS = ("exclmm",)
 CHECKPOINT_METHODS = ("mapping-only", "demind", HYBRID_METHOD)
+# the method of a combiner checkpoint (demind-train-triplets): that checkpoint serves it and no other
+COMBINER_METHODS = ("combiner",)
 # not in the default set: real benchmarks have no target descriptions (oracle); an MLLM is a choice (docs/mllm.md)
 ON_REQUEST_METHODS = ("oracle", *MLLM_METHODS)
 RERANK_SUFFIX = "+rerank"  # a method's ranking with its top K re-ordered by an MLLM (demind.describe.rerank)
@@ -33,3 +36,11 @@ RERANK_SUFFIX = "+rerank"  # a method's ranking with its top K re-ordered by an 
 DEO_SUFFIXES = {"+deo": "exact", "+deo-adam": "adam"}
 DEO_BASES = ("text-only", "image+text", "mapping-only", "demind", HYBRID_METHOD)
 DEO_METHODS = tuple(f"{b}{s}" for b in DEO_BASES for s in DEO_SUFFIXES)
+
+
+def unavailable_methods(model_kind: str | None) -> tuple[str, ...]:
+    """The methods a loaded checkpoint of ``model_kind`` cannot serve: None (no checkpoint) -> every
+    checkpoint method; "demind" -> the combiner's; "combiner" -> De-MINDS's."""
+    if model_kind is None:
+        return CHECKPOINT_METHODS + COMBINER_METHODS
+    return CHECKPOINT_METHODS if model_kind == "combiner" else COMBINER_METHODS

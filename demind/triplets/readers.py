@@ -1,0 +1,175 @@
+"""Training triplets (reference image, modification text, target image) from three sources.
+
+* CIRR's training split in its official rc2 layout: ``captions/cap.rc2.train.json`` (entries
+  ``pairid``, ``reference``, ``target_hard``, ``caption``) and ``image_splits/split.rc2.train.json``
+  (name -> ``./train/NN/name.png``), images under DATA_ROOT or DATA_ROOT/img_raw (as the evaluation
+  reader, :mod:`demind.eval.cirr`). Every image must be present (an error naming the first missing).
+* FashionIQ's training split: ``captions/cap.{dress,shirt,toptee}.train.json`` (entries ``candidate``,
+  ``target``, ``captions: [c1, c2]``), images ``images/<id>.png|jpg``. The two captions are joined as
+  the evaluation reader joins them (:func:`demind.eval.fashioniq.fashioniq_texts`, same defaults), so
+  the model is trained on the text it is evaluated with. The dataset's dead links: a triplet whose
+  image is missing is skipped, counted and logged.
+* A user's own file, JSON lines (``.jsonl``) or CSV (``.csv``, a header row): ``reference``,
+  ``modification``, ``target`` (image paths relative to the file's folder, or absolute). Optional
+  ``hard_modification``: a wrong text naming the same kind of edit with another outcome (the toy
+  triplets carry it; hard noise injection needs it).
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from demind.errors import InputError
+from demind.eval.cirr import find_image_root
+from demind.eval.fashioniq import CATEGORIES, fashioniq_texts
+from demind.eval.structures import index_image_folder, raise_if_missing, require_dir, require_file
+from demind.io import read_json, read_jsonl
+from demind.json_fields import check_entries, check_string_map
+from demind.retrieval.refs import ImageRef
+from demind.triplets.config import SOURCES
+
+log = logging.getLogger(__name__)
+
+FILE_FIELDS = ("reference", "modification", "target")
+CIRR_LAYOUT = """  DATA_ROOT/
+    captions/cap.rc2.train.json
+    image_splits/split.rc2.train.json
+    train/NN/train-*.png                (or img_raw/train/...: the relative paths in the split file)"""
+FASHIONIQ_LAYOUT = """  DATA_ROOT/
+    captions/cap.{dress,shirt,toptee}.train.json
+    images/<id>.png or images/<id>.jpg"""
+
+
+@dataclass(frozen=True)
+class Triplet:
+    """One training triplet; ``hard_modification``: a same-kind wrong text (toy data), else None."""
+
+    qid: str
+    reference: ImageRef
+    modification: str
+    target: ImageRef
+    hard_modification: str | None = None
+
+
+@dataclass
+class TripletSet:
+    """The triplets of one source, and what was skipped (qid -> reason)."""
+
+    triplets: list[Triplet]
+    skipped: dict[str, str]
+    source: str
+
+
+def read_cirr_train(root: str | Path, limit: int | None = None) -> TripletSet:
+    """CIRR's training triplets (reference, caption, target_hard)."""
+    root = Path(root)
+    captions_path = require_file(root / "captions" / "cap.rc2.train.json", CIRR_LAYOUT)
+    fields = {"pairid": int, "reference": str, "target_hard": str, "caption": str}
+    entries = check_entries(read_json(captions_path), fields, str(captions_path))
+    split_path = require_file(root / "image_splits" / "split.rc2.train.json", CIRR_LAYOUT)
+    relpaths = check_string_map(read_json(split_path), str(split_path))
+    image_root = find_image_root(root, list(relpaths.values()))
+    entries = entries[:limit] if limit is not None else entries
+    unknown = [n for e in entries for n in (e["reference"], e["target_hard"]) if n not in relpaths]
+    if unknown:
+        raise InputError(f"{captions_path} names {len(unknown)} image(s) absent from {split_path}, e.g. {unknown[0]!r}")
+    refs = {n: ImageRef(n, image_root / relpaths[n]) for e in entries for n in (e["reference"], e["target_hard"])}
+    raise_if_missing([r.path for r in refs.values()], "CIRR train", CIRR_LAYOUT)
+    triplets = [Triplet(str(e["pairid"]), refs[e["reference"]], e["caption"], refs[e["target_hard"]])
+                for e in entries]
+    return TripletSet(triplets, {}, "cirr")
+
+
+def read_fashioniq_train(root: str | Path, categories: tuple[str, ...] = CATEGORIES, caption_order: str = "released",
+                         text_form: str = "released", limit: int | None = None) -> TripletSet:
+    """FashionIQ's training triplets of ``categories``; the text as :func:`fashioniq_texts` builds the
+    Text-only text for ``caption_order`` / ``text_form`` (default: ``demind-eval``'s defaults, so the
+    combiner is evaluated on the text form it was trained on). Triplets with a missing image are
+    skipped and counted."""
+    root = Path(root)
+    unknown = [c for c in categories if c not in CATEGORIES]
+    if unknown:
+        raise InputError(f"FashionIQ categories must be among {CATEGORIES}, got {unknown}")
+    images = index_image_folder(require_dir(root / "images", FASHIONIQ_LAYOUT))
+    triplets, skipped = [], {}
+    for category in categories:
+        path = require_file(root / "captions" / f"cap.{category}.train.json", FASHIONIQ_LAYOUT)
+        entries = check_entries(read_json(path), {"candidate": str, "target": str, "captions": list}, str(path))
+        for index, entry in enumerate(entries[:limit] if limit is not None else entries):
+            qid = f"{category}:{index}"
+            missing = [i for i in (entry["candidate"], entry["target"]) if i not in images]
+            if missing:
+                skipped[qid] = f"image {missing[0]} missing from images/"
+                continue
+            try:
+                text = fashioniq_texts(entry["captions"], caption_order, text_form)[1]
+            except InputError as e:
+                raise InputError(f"{path}[{index}]: {e}") from None
+            triplets.append(Triplet(qid, ImageRef(entry["candidate"], images[entry["candidate"]]), text,
+                                    ImageRef(entry["target"], images[entry["target"]])))
+    if skipped:
+        log.warning("FashionIQ train: skipped %d of %d triplets (missing images), e.g. %s",
+                    len(skipped), len(skipped) + len(triplets), next(iter(skipped.items())))
+    return TripletSet(triplets, skipped, "fashioniq")
+
+
+def _file_rows(path: Path) -> list[tuple[int, dict]]:
+    """(line number, row) of a .jsonl or .csv triplet file."""
+    if path.suffix == ".jsonl":
+        return read_jsonl(path, "triplet file")
+    if path.suffix == ".csv":
+        if not path.is_file():
+            raise InputError(f"triplet file {path} does not exist")
+        with path.open(newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            missing = [k for k in FILE_FIELDS if k not in (reader.fieldnames or [])]
+            if missing:
+                raise InputError(f"{path}: the header row must name the columns {', '.join(FILE_FIELDS)} "
+                                 f"(missing {', '.join(missing)}; got {reader.fieldnames})")
+            return [(reader.line_num, row) for row in reader]
+    raise InputError(f"triplet file {path} must end in .jsonl or .csv (columns {', '.join(FILE_FIELDS)})")
+
+
+def read_triplet_file(path: str | Path, limit: int | None = None) -> TripletSet:
+    """A user's triplets; every referenced image must exist (an error naming the file, line and image)."""
+    path = Path(path)
+    folder = path.parent
+    triplets, refs = [], {}
+    for line, row in _file_rows(path):
+        if not isinstance(row, dict):
+            raise InputError(f"{path}:{line}: a triplet must be an object with {', '.join(FILE_FIELDS)}")
+        for key in FILE_FIELDS:
+            if not isinstance(row.get(key), str) or not row[key].strip():
+                raise InputError(f"{path}:{line}: {key!r} must be a non-empty string (got {row.get(key)!r})")
+        images = []
+        for key in ("reference", "target"):
+            name = row[key]
+            if name not in refs:
+                image = Path(name) if Path(name).is_absolute() else folder / name
+                if not image.is_file():
+                    raise InputError(f"{path}:{line}: {key} image {image} does not exist (paths are relative "
+                                     f"to the triplet file's folder)")
+                refs[name] = ImageRef(name, image)
+            images.append(refs[name])
+        hard = row.get("hard_modification") or None
+        triplets.append(Triplet(str(row.get("id", line)), images[0], row["modification"], images[1], hard))
+        if limit is not None and len(triplets) >= limit:
+            break
+    if not triplets:
+        raise InputError(f"triplet file {path} holds no triplets")
+    return TripletSet(triplets, {}, "file")
+
+
+def read_triplets(source: str, path: str | Path, *, limit: int | None = None,
+                  categories: tuple[str, ...] = CATEGORIES) -> TripletSet:
+    """Dispatch on ``source`` (one of :data:`SOURCES`)."""
+    if source == "cirr":
+        return read_cirr_train(path, limit)
+    if source == "fashioniq":
+        return read_fashioniq_train(path, categories, limit=limit)
+    if source == "file":
+        return read_triplet_file(path, limit)
+    raise InputError(f"data.source must be one of {SOURCES}, got {source!r}")

@@ -1,0 +1,196 @@
+"""Supervised training on (reference, modification, target) triplets: ``demind-train-triplets``.
+
+A combiner (:mod:`demind.triplets.combiner`) over a frozen CLIP's cached features, InfoNCE against
+the target, under one of the noise modes of :mod:`demind.triplets.modes`. Accelerate places the model
+and optimizer (as in De-MINDS pretraining); the optimizer and schedule are the project's
+(:mod:`demind.training.optim`), the resumable state its one state file (:mod:`demind.training.store`):
+after every epoch ``state.safetensors`` holds model, optimizer, schedule, RNGs and the epoch, so a
+killed run rerun with the same command continues where it stopped and ends with the same weights.
+
+Outputs in ``run.output_dir``: ``combiner.safetensors`` (a checkpoint ``demind-eval --checkpoint``
+and ``demind-search`` load; method ``combiner``), ``metrics.jsonl`` (a line per epoch),
+``run.json`` (config, triplet and noise counts), ``detection.json`` (the mode's noise scores; AUROC
+against the injected noise). A finished run (``combiner.safetensors`` present) is left as is.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from demind.config import to_dict
+from demind.errors import InputError
+from demind.io import check_output_dir, write_json_atomic
+from demind.seeding import derive_seed
+from demind.training.finite import check_finite_terms
+from demind.training.metrics_log import append_metrics, trim_metrics
+from demind.training.optim import build_adamw, build_lr_scheduler
+from demind.training.store import load_train_state, restore_train_state, save_train_state
+from demind.triplets.combiner import Combiner
+from demind.triplets.config import TripletTrainConfig
+from demind.triplets.features import image_features, text_features
+from demind.triplets.modes import batch_loss, gmm_clean_probability, noise_scores, per_sample_losses
+from demind.triplets.noise import inject_noise
+from demind.triplets.readers import read_triplets
+
+log = logging.getLogger(__name__)
+
+EXPORT = "combiner.safetensors"
+STATE = "state.safetensors"
+
+
+@dataclass
+class TrainingData:
+    """Row-aligned training tensors (raw frozen features, (N, D) each) and the injected noise (N,) bool."""
+
+    reference: torch.Tensor
+    text: torch.Tensor
+    target: torch.Tensor
+    noisy: torch.Tensor
+
+
+def read_training_triplets(cfg: TripletTrainConfig) -> list:
+    """The configured triplets (read before any model is built: bad input fails in a second)."""
+    categories = tuple(c.strip() for c in cfg.data.categories.split(",") if c.strip())
+    triplets = read_triplets(cfg.data.source, cfg.data.path, limit=cfg.data.limit, categories=categories).triplets
+    if len(triplets) < cfg.optim.batch_size:
+        raise InputError(f"{cfg.data.path} gives {len(triplets)} triplets, fewer than optim.batch_size="
+                         f"{cfg.optim.batch_size}; lower the batch size")
+    return triplets
+
+
+def load_training_data(cfg: TripletTrainConfig, backbone, triplets: list | None = None) -> TrainingData:
+    """Inject the configured noise into the triplets' texts and look up (or encode) their features."""
+    triplets = triplets if triplets is not None else read_training_triplets(cfg)
+    texts, noisy = inject_noise([t.modification for t in triplets], [t.hard_modification for t in triplets],
+                                cfg.noise.rate, cfg.noise.kind)
+    cache_dir = cfg.data.cache_dir or str(Path(cfg.run.output_dir) / "feature_cache")
+    images = image_features(backbone, triplets, cache_dir, cfg.data.source, cfg.data.encode_batch_size,
+                            cfg.run.progress)
+    text = text_features(backbone, texts, cache_dir, cfg.data.encode_batch_size)
+    return TrainingData(images.reference, text, images.target, noisy)
+
+
+def auroc(scores: torch.Tensor, positive: torch.Tensor) -> float | None:
+    """Area under the ROC curve of ``scores`` for the ``positive`` (bool) rows, ties counted half
+    (the Mann-Whitney U statistic); None without both classes."""
+    pos, neg = scores[positive].double(), scores[~positive].double()
+    if pos.numel() == 0 or neg.numel() == 0:
+        return None
+    ranks = torch.empty_like(scores, dtype=torch.float64)
+    order = torch.argsort(scores.double())
+    sorted_scores = scores.double()[order]
+    ranks[order] = torch.arange(1, len(scores) + 1, dtype=torch.float64)
+    # average the ranks of ties
+    unique, inverse = torch.unique(sorted_scores, return_inverse=True)
+    sums = torch.zeros(len(unique), dtype=torch.float64).index_add_(0, inverse, ranks[order])
+    counts = torch.zeros(len(unique), dtype=torch.float64).index_add_(0, inverse, torch.ones_like(sorted_scores))
+    ranks[order] = (sums / counts)[inverse]
+    u = ranks[positive].sum() - pos.numel() * (pos.numel() + 1) / 2
+    return float(u / (pos.numel() * neg.numel()))
+
+
+def train_triplets(cfg: TripletTrainConfig, backbone=None, data: TrainingData | None = None) -> Path:
+    """Train (or resume, or leave a finished run as is); returns the checkpoint's path.
+
+    backbone: a loaded FrozenCLIP (default: built from ``cfg.backbone``); data: features already
+    loaded by :func:`load_training_data` (benchmarks share them across runs)."""
+    from accelerate import Accelerator
+
+    out = Path(cfg.run.output_dir)
+    export = out / EXPORT
+    if export.is_file():
+        log.info("%s exists: the run is finished (delete it to train again)", export)
+        return export
+    triplets = read_training_triplets(cfg) if data is None else None
+    check_output_dir(out)
+    accelerator = Accelerator(cpu=cfg.run.device == "cpu")
+    if accelerator.num_processes > 1:
+        raise InputError("demind-train-triplets runs as one process (a combiner on cached features trains in "
+                         "minutes on one device); launch it without several processes")
+    if backbone is None:
+        from demind.backbone import build_backbone
+
+        backbone = build_backbone(cfg.backbone, device=accelerator.device)
+    data = data if data is not None else load_training_data(cfg, backbone, triplets)
+    return _fit(cfg, backbone, data, accelerator, out)
+
+
+def _fit(cfg: TripletTrainConfig, backbone, data: TrainingData, accelerator, out: Path) -> Path:
+    device = accelerator.device
+    torch.manual_seed(cfg.run.seed)
+    model = Combiner(replace(cfg.model), backbone)  # a copy: the model fills in embed_dim
+    n, bs = data.reference.shape[0], cfg.optim.batch_size
+    steps_per_epoch = n // bs  # the last partial batch is dropped: a contrastive batch needs its size
+    optimizer = build_adamw(model.named_parameters(), cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+    scheduler = build_lr_scheduler(optimizer, 0, cfg.optim.epochs * steps_per_epoch)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    unwrapped = accelerator.unwrap_model(model)
+    ref, text, target = (t.to(device) for t in (data.reference, data.text, data.target))
+    scale = 1.0 / cfg.optim.temperature
+    state_path, start_epoch, step = out / STATE, 0, 0
+    if state_path.is_file():
+        state = load_train_state(state_path)
+        step = restore_train_state(state, modules={"model": unwrapped}, optimizer=optimizer, scheduler=scheduler)
+        start_epoch = int(state["extra"]["epoch"])
+        trim_metrics(out, step)
+        log.info("resuming %s at epoch %d of %d", out, start_epoch, cfg.optim.epochs)
+    else:
+        (out / "metrics.jsonl").unlink(missing_ok=True)
+    write_json_atomic(out / "run.json", {"config": to_dict(cfg), "triplets": n, "noisy": int(data.noisy.sum()),
+                                         "steps_per_epoch": steps_per_epoch}, indent=1)
+    model.train()
+    for epoch in range(start_epoch, cfg.optim.epochs):
+        started = time.perf_counter()
+        generator = torch.Generator().manual_seed(derive_seed(cfg.run.seed, "triplet-epoch", epoch))
+        order = torch.randperm(n, generator=generator)
+        after_warmup = epoch >= cfg.optim.warmup_epochs
+        clean = None
+        if after_warmup and cfg.robust.mode == "small-loss":
+            losses = per_sample_losses(unwrapped, ref, text, target, scale, bs, order)
+            clean = (gmm_clean_probability(losses, cfg.run.seed) >= cfg.robust.gmm_threshold).to(device)
+        sums: dict[str, float] = {}
+        for b in range(steps_per_epoch):
+            rows = order[b * bs : (b + 1) * bs].to(device)
+            terms = batch_loss(unwrapped, ref[rows], text[rows], target[rows], cfg.robust, scale,
+                               after_warmup=after_warmup, clean_prior=clean[rows] if clean is not None else None,
+                               generator=generator)
+            check_finite_terms({k: v for k, v in terms.items() if k != "kept"}, step, where="triplet training")
+            optimizer.zero_grad(set_to_none=True)
+            accelerator.backward(terms["loss"])
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            for k, v in terms.items():
+                sums[k] = sums.get(k, 0.0) + float(v.detach())
+        record = {"step": step, "epoch": epoch + 1, **{k: round(v / steps_per_epoch, 5) for k, v in sums.items()},
+                  "lr": scheduler.get_last_lr()[0], "seconds": round(time.perf_counter() - started, 3)}
+        append_metrics(out / "metrics.jsonl", record)
+        if (epoch + 1) % cfg.run.log_every == 0 or epoch + 1 == cfg.optim.epochs:
+            log.info("epoch %d/%d  loss %.4f  nce %.4f  kept %.3f  (%.1fs)", epoch + 1, cfg.optim.epochs,
+                     record["loss"], record["nce"], record["kept"], record["seconds"])
+        save_train_state(state_path, step=step, modules={"model": unwrapped}, optimizer=optimizer,
+                         scheduler=scheduler, extra={"epoch": epoch + 1})
+    unwrapped.eval()
+    if cfg.run.detection:
+        write_detection(out, unwrapped, ref, text, target, data.noisy, cfg, scale)
+    from demind.checkpoint import save_checkpoint
+
+    path = save_checkpoint(out / EXPORT, unwrapped)
+    state_path.unlink(missing_ok=True)  # the export is the finished run's record
+    return path
+
+
+def write_detection(out: Path, model, ref, text, target, noisy: torch.Tensor, cfg: TripletTrainConfig,
+                    scale: float) -> dict:
+    """``detection.json``: the mode's noise score of every triplet and its AUROC against ``noisy``."""
+    scores = noise_scores(model, ref, text, target, cfg.robust, scale, cfg.optim.batch_size, cfg.run.seed)
+    result = {"mode": cfg.robust.mode, "detector": {"none": "per-sample loss", "small-loss": "1 - GMM P(clean)"}
+              .get(cfg.robust.mode, "1 - GFQ fidelity"), "noisy": int(noisy.sum()), "triplets": len(noisy),
+              "auroc": auroc(scores, noisy.cpu()), "scores": [round(float(s), 5) for s in scores]}
+    write_json_atomic(out / "detection.json", result)
+    return result
