@@ -115,3 +115,53 @@ def test_a_negative_with_a_method_that_cannot_take_one_is_refused_in_the_users_w
         searcher.search(SearchQuery(image=searcher.index.path_of("img0.png"), text="make it red",
                                     method="image-only+rerank", negative="the dog"))
     assert "'image-only+rerank'" in str(e.value) and "+deo" not in str(e.value)
+
+
+# ----------------------------------------------------------------------------- a gallery file gone
+
+
+def test_a_gallery_file_deleted_after_indexing_fails_only_the_rerank_query_of_a_batch(tiny_checkpoint, index_dir,  # noqa: F811
+                                                                                      tmp_path, monkeypatch, capsys):
+    import demind.gen.engines as engines
+
+    monkeypatch.setattr(engines, "build_engine", lambda *a, **k: RecordingEngine())
+    gallery = index_dir.parent / "gallery"
+    reference = tmp_path / "my-ref.png"
+    reference.write_bytes((gallery / "img0.png").read_bytes())
+    for name in ("img1.png", "img2.png", "img3.png", "img4.png", "img5.png", "img6.png", "img7.png", "img8.png"):
+        (gallery / name).unlink()  # every top-3 list of 10 images holds one of these now
+    queries = tmp_path / "queries.jsonl"
+    queries.write_text("\n".join(json.dumps(q) for q in [
+        {"id": "plain", "image": str(reference), "text": "make it red"},
+        {"id": "reranked", "image": str(reference), "text": "make it red", "method": "demind+rerank"},
+        {"id": "words", "text": "a red square", "method": "text-only"}]) + "\n")
+    out = tmp_path / "results.json"
+    status = search_cli(tiny_checkpoint, index_dir, "--queries", str(queries), "--out", str(out),
+                        "engine.name=transformers", "engine.model=scripted-model", "rerank.k=3")
+    captured = capsys.readouterr()
+    assert status == 1 and "Traceback" not in captured.err, captured.err[-2000:]
+    records = {r["id"]: r for r in json.loads(out.read_text())["queries"]}
+    assert len(records["plain"]["results"]) == 9 and len(records["words"]["results"]) == 10  # 9: the copy left out
+    error = records["reranked"]["error"]
+    assert "results" not in records["reranked"] and "\n" not in error
+    assert "img" in error and "demind-index" in error and "remove it from the split" not in error
+
+
+def test_index_and_search_speak_of_the_index_not_of_a_benchmark_split(loaded, tmp_path, capsys, caplog):  # noqa: F811
+    from demind.search.index import build_index, load_index
+    from demind.search.query import Searcher
+
+    gallery = tmp_path / "photos"
+    for i in range(3):
+        write_image(gallery / f"img{i}.png", i, size=24)
+    (gallery / "broken.png").write_bytes(b"\x89PNG not really")
+    stats = build_index(gallery, tmp_path / "index", loaded[0], progress=False)
+    assert "broken.png" in stats.unreadable
+    why = stats.unreadable["broken.png"]
+    assert "split" not in why and "fix or remove the file" in why
+    searcher = Searcher(*loaded, load_index(tmp_path / "index"))
+    (gallery / "img1.png").unlink()
+    with pytest.raises(SearchError) as e:
+        searcher.search(SearchQuery(image=searcher.index.image_ref("img1.png"), text="make it red"))
+    assert "split" not in str(e.value) and "img1.png" in str(e.value)
+    assert "split" not in caplog.text and "fix or remove the file" in caplog.text

@@ -32,7 +32,8 @@ from demind.embedding_cache import (EmbeddingCacheError, cache_identity, cache_s
                                     legacy_image_slug, read_record, read_tensors, write_entry)
 from demind.errors import InputError
 from demind.io import write_json_atomic
-from demind.retrieval.refs import ImageReadError, ImageRef, load_image, orientation_changes
+from demind.retrieval.refs import (LEFT_OUT_ADVICE, ImageReadError, ImageRef, load_image, orientation_changes,
+                                   reword)
 from demind.tensor_files import load_torch_file
 
 log = logging.getLogger(__name__)
@@ -378,6 +379,7 @@ def encode_image_refs(
         chunk_features, errors = _encode_chunk(backbone, chunk, batch_size, num_workers, progress, desc, start,
                                                len(todo), skip_unreadable=on_unreadable == "skip")
         for position, error in errors.items():
+            error = reword(error, LEFT_OUT_ADVICE)  # a user's gallery, not a benchmark split
             log.warning("%s: skipping unreadable image: %s", desc, error)
             stats.unreadable[chunk[position].name] = error
         chunk = [r for i, r in enumerate(chunk) if i not in errors]

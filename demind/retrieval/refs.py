@@ -35,6 +35,21 @@ class ImageReadError(DemindError, OSError):
     """An image file exists but cannot be decoded."""
 
 
+BENCHMARK_ADVICE = "re-download or remove it from the split"
+"""What :func:`load_image`'s error tells a benchmark's reader; other readers say their own (:func:`reword`)."""
+
+
+LEFT_OUT_ADVICE = "fix or remove the file (it is left out until it changes)"
+"""What a skipped image of a user's gallery (a search index) tells its owner."""
+
+
+def reword(message: str, advice: str) -> str:
+    """An unreadable image's message (an :class:`ImageReadError`'s text, also as it comes back from a
+    DataLoader worker) with the benchmark's advice replaced by ``advice``: a search index or a search
+    query is not a benchmark split."""
+    return message.replace(BENCHMARK_ADVICE, advice)
+
+
 def canonical_name(path_or_name: str) -> str:
     """Image name without folder or image extension: ``./dev/dev-1-0-img0.png`` -> ``dev-1-0-img0``.
 
@@ -175,7 +190,7 @@ def load_image(ref: ImageRef) -> Image.Image:
     try:
         image = decode_image(_span_bytes(ref.path, ref.span) if ref.span else ref.path, orient=ref.orient)
     except (OSError, ImageDecodeError) as e:
-        raise ImageReadError(f"cannot read image {ref.path}: {e}; re-download or remove it from the split") from e
+        raise ImageReadError(f"cannot read image {ref.path}: {e}; {BENCHMARK_ADVICE}") from e
     if ref.segmentation is not None:
         mask = decode_segmentation(ref.segmentation, image.height, image.width)
         white = Image.new("RGB", image.size, (255, 255, 255))

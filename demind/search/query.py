@@ -35,6 +35,7 @@ from demind import retrieval as registry
 from demind.retrieval import (CHECKPOINT_METHODS, EXCLMM_METHODS, METHOD_LABELS, METHODS, MLLM_METHODS,
                               ON_REQUEST_METHODS, RERANK_SUFFIX, build_methods, parse_method_names)
 from demind.retrieval import ImageReadError, ImageRef, load_image
+from demind.retrieval.refs import reword
 from demind.imaging import ImageDecodeError, ImageTooLargeError, decode_image
 from demind.model import DeMinds, TemplateError, fill_template, template_field
 from demind.search.index import GalleryIndex, check_index_backbone
@@ -156,7 +157,7 @@ def read_query_image(image: str | Path | ImageRef | bytes, max_pixels: int = MAX
     try:
         return load_image(ref)
     except ImageReadError as e:
-        raise SearchError(str(e).replace("remove it from the split", "give another image")) from None
+        raise SearchError(reword(str(e), "give another image")) from None
 
 
 def build_prompt(template: str, text: str) -> str:
@@ -346,7 +347,12 @@ class Searcher:
         reordered = 0
         if reranked and asked is not None and found:
             names = [n for n, _ in found]
-            order = self.mllm.rerank(asked, names, {n: self.index.image_ref(n) for n in names})
+            try:
+                order = self.mllm.rerank(asked, names, {n: self.index.image_ref(n) for n in names})
+            except ImageReadError as e:  # the verifier reads the candidates' files: one gone fails this query
+                raise SearchError(reword(str(e), f"a gallery file changed or removed after indexing: update the "
+                                                 f"index with demind-index --images FOLDER --index "
+                                                 f"{self.index.directory.name}, or search without +rerank")) from None
             score_of = dict(found)
             found = [(n, score_of[n]) for n in order]  # each keeps its retrieval score; the order is the MLLM's
             reordered = min(self.mllm.rerank_k, len(names))
