@@ -153,18 +153,6 @@ def model_files(folder: Path) -> list[Path]:
                   and not any(part.startswith(".") for part in p.relative_to(folder).parts))
 
 
-def cached_hub_folder(reference: str) -> Path | None:
-    """The Hugging Face cache's snapshot of hub id ``reference`` (no network), or None."""
-    if Path(reference).exists() or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", reference):
-        return None
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(reference, local_files_only=True))
-    except Exception:  # noqa: BLE001 -- not cached, malformed, or huggingface_hub missing: not present here
-        return None
-
-
 class ModelIdentity:
     """The content identity of ``engine.model`` (see the module docstring): ``digest`` and ``source``
     -- ``"weights"`` (its files, hashed), ``"store"`` (recorded for this reference: the files are
@@ -178,8 +166,14 @@ class ModelIdentity:
         self.source = ""
 
     def folder(self) -> Path | None:
-        folder = Path(self.reference)
-        folder = folder if folder.is_dir() else cached_hub_folder(self.reference)
+        """Where the model's files lie here (its folder, or a Hub id's snapshot in the Hugging Face
+        cache: :func:`demind.gen.model_ref.local_model_folder`), with weights; else None."""
+        from demind.gen.model_ref import local_model_folder
+
+        try:
+            folder = local_model_folder(self.reference)
+        except Exception:  # noqa: BLE001 -- huggingface_hub missing or a cache it cannot read: not here
+            folder = None
         if folder is None or not any(p.suffix in _WEIGHT_SUFFIXES for p in folder.rglob("*")):
             return None
         return folder
