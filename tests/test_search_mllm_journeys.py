@@ -165,3 +165,95 @@ def test_index_and_search_speak_of_the_index_not_of_a_benchmark_split(loaded, tm
         searcher.search(SearchQuery(image=searcher.index.image_ref("img1.png"), text="make it red"))
     assert "split" not in str(e.value) and "img1.png" in str(e.value)
     assert "split" not in caplog.text and "fix or remove the file" in caplog.text
+
+
+# ----------------------------------------------------------------------------- demind-serve stopped
+
+SERVE_WITH_A_SCRIPTED_ENGINE = '''
+import sys
+import demind.gen.engines as engines
+from demind.gen import GenResult
+
+
+class Renderer:
+    chat_template = "scripted"
+
+    def apply_chat_template(self, conversation, **kwargs):
+        return " ".join(item.get("text", "<image>") for turn in conversation for item in turn["content"])
+
+
+class Scripted:
+    name = model_id = "scripted"
+    prefix_capacity_tokens = None
+    renderer = Renderer()
+
+    def generate(self, requests):
+        return [GenResult(text="Target description: a red square", finish_reason="stop", prompt_tokens=1,
+                          output_tokens=1) for _ in requests]
+
+    def count_tokens(self, texts):
+        return [len(t.split()) for t in texts]
+
+    def release_prefixes(self):
+        pass
+
+
+engines.build_engine = lambda *a, **k: Scripted()
+from demind.cli.serve import main
+
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+def multipart(fields: dict[str, str], image: bytes) -> tuple[bytes, str]:
+    boundary = "demind-test-boundary"
+    parts = [f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode()
+             for k, v in fields.items()]
+    parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="image"; filename="ref.png"\r\n'
+                 f'Content-Type: image/png\r\n\r\n'.encode() + image + b"\r\n")
+    return b"".join(parts) + f"--{boundary}--\r\n".encode(), f"multipart/form-data; boundary={boundary}"
+
+
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGINT"])
+def test_serve_removes_uploaded_references_when_stopped(tiny_checkpoint, index_dir, tmp_path, stop):  # noqa: F811
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from helpers import REPO_ROOT
+
+    script = tmp_path / "serve.py"
+    script.write_text(SERVE_WITH_A_SCRIPTED_ENGINE)
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {**os.environ, "TMPDIR": str(temp), "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, str(script), "--index", str(index_dir), "--checkpoint",
+                             str(tiny_checkpoint), "--port", "0", "run.progress=false", "run.device=cpu",
+                             "engine.name=transformers", "engine.model=scripted"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        address = None
+        deadline = time.time() + 180
+        while address is None and time.time() < deadline and proc.poll() is None:
+            line = proc.stdout.readline()
+            if line.startswith("demind search: "):
+                address = line.split()[2]
+        assert address, proc.stderr.read()[-2000:] if proc.poll() is not None else "no address printed"
+        body, kind = multipart({"text": "make it red", "method": "osrcir", "k": "3"},
+                               (index_dir.parent / "gallery" / "img2.png").read_bytes())
+        request = urllib.request.Request(address + "api/search", data=body, headers={"Content-Type": kind})
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            assert json.loads(answer.read())["description"] == "a red square"
+        uploads = list(temp.glob("demind-search-uploads-*"))
+        assert len(uploads) == 1 and list(uploads[0].glob("*.png"))  # the upload, as the describer read it
+        proc.send_signal(getattr(signal, stop))
+        status = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert status == 0, proc.stderr.read()[-2000:]
+    assert list(temp.glob("demind-search-uploads-*")) == []

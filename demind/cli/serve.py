@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import signal
 import sys
 import urllib.parse
 from dataclasses import dataclass
@@ -129,11 +130,19 @@ def run(args: ServeConfig) -> int:
     address = f"http://{shown_host}:{server.port}/{token}"
     print(f"demind search: {address}  (waitress, {args.threads} threads; checkpoint {args.checkpoint}, "
           f"index {args.index}); Ctrl-C stops it", flush=True)
+    # SIGTERM (a service manager, `kill`, a container stop) ends the server as Ctrl-C does: the
+    # uploads' temporary folder and every other clean-up run on the way out
+    signal.signal(signal.SIGTERM, stop_as_interrupt)
     try:
         thread.join()
     except KeyboardInterrupt:
         server.shutdown()
     return 0
+
+
+def stop_as_interrupt(signum: int, frame: object) -> None:
+    """A signal handler that raises KeyboardInterrupt in the main thread (where the server is joined)."""
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 
 
 def main(argv: list[str] | None = None) -> int:
