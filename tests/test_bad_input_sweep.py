@@ -741,6 +741,20 @@ ROWS += [Row(script, f"engine.model {case}", lambda i, args=args, model=model: [
              lambda i, names=names: names, patch=offline_with_an_empty_hub_cache)
          for script, args in ENGINE_COMMANDS.items() for case, (model, names) in ENGINE_MODELS.items()]
 
+MLLM_STORE_CASES = {  # the MLLM answer store and the re-ranking words -> (settings, what the error line names)
+    "describe.store under a file": (lambda i: [f"describe.store={i.a_file / 'store'}"],
+                                    ["describe.store", "a-file.txt"]),
+    "describe.store's store.json a list": (lambda i: [f"describe.store={i.write('store-list/store.json', '[1]').parent}"],
+                                           ["store-list", "store.json"]),
+    "rerank.methods names none": (lambda i: ["rerank.k=2", "rerank.methods=,"], ["rerank.methods"]),
+    "rerank.yes empty": (lambda i: ["rerank.k=2", "rerank.yes="], ["rerank.yes"]),
+}
+ROWS += [Row(script, case, lambda i, args=args, settings=settings: [*args(i), f"engine.model={i.root / 'no-llava'}",
+                                                                    *settings(i)],
+             lambda i, names=names: names)
+         for script, args in ENGINE_COMMANDS.items() if script != "demind-generate"
+         for case, (settings, names) in MLLM_STORE_CASES.items()]
+
 
 @contextlib.contextmanager
 def file_size_limit(limit: int | None):
