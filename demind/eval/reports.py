@@ -8,11 +8,15 @@ a markdown table shaped like the paper's tables, and test-server submission file
   ``..._recall_subset.json`` (``"metric": "recall_subset"``, top 3 of the subset).
 * CIRCO test: ``submission/circo_test_<method>.json`` (``{"<id>": [50 integer image ids]}``).
 
-Every file is written to a temporary name and renamed, so a crash never leaves half a file.
+Every file is written to a temporary name and renamed, so a crash never leaves half a file. A run
+into an ``--out`` that holds an earlier evaluation replaces it: results.json, table.md, and the
+rankings and submissions of methods this run did not evaluate are removed (logged), so every file
+there belongs to the run its results.json describes (:func:`remove_stale_outputs`).
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +32,8 @@ TITLES = {
     "circo": "CIRCO",
 }
 GROUP_LABELS = {"average": "Avg", "toptee": "TopTee"}
+
+log = logging.getLogger(__name__)
 
 
 def column_label(key: str) -> str:
@@ -119,7 +125,28 @@ def write_reports(out_dir: Path, results: dict, data, outcomes: dict) -> dict[st
     files["results"] = str(out_dir / "results.json")
     results["files"] = files
     write_json_atomic(out_dir / "results.json", results, indent=2)
+    remove_stale_outputs(out_dir, files)
     return files
+
+
+OUTPUT_FOLDERS = ("rankings", "submission")
+"""The folders of ``--out`` that hold only files demind-eval writes (one per method)."""
+
+
+def remove_stale_outputs(out_dir: Path, files: dict[str, Any]) -> list[Path]:
+    """Remove the ``rankings/*.json`` and ``submission/*.json`` that this run did not write: an earlier
+    evaluation's, into the same ``--out``, which no results.json lists any more. The folder then holds
+    one evaluation, the one its results.json describes; the feature cache and the MLLM answers beside
+    it stay (that reuse is why a run goes into the same ``--out`` again), and so does any other file."""
+    written = {Path(p).resolve() for p in [*files["rankings"].values(), *files["submissions"]]}
+    stale = sorted(p for folder in OUTPUT_FOLDERS if (out_dir / folder).is_dir()
+                   for p in (out_dir / folder).glob("*.json") if p.resolve() not in written)
+    for path in stale:
+        path.unlink()
+    if stale:
+        log.info("removed %d output file(s) of the previous evaluation in %s that this one did not write: %s",
+                 len(stale), out_dir, ", ".join(p.relative_to(out_dir).as_posix() for p in stale))
+    return stale
 
 
 def partial_submission_note(limit: int) -> str:
