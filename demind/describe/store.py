@@ -66,6 +66,7 @@ REQUIRED_FIELDS = {"verify": ("score",), "osrcir": ("description", "status", "ra
                    "cirevl": ("description", "status", "raw")}
 _DOC_NAMES = re.compile(r"^(README|LICENSE|NOTICE|USE_POLICY)|\.md$", re.IGNORECASE)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+LARGE_FILE = 1 << 28  # bytes: reading a file this large to hash it is said in the log
 
 
 def _sha(value: Any) -> str:
@@ -120,7 +121,13 @@ class DigestMemo:
         from demind.identity import file_sha256
 
         memo = self._memo_key("file", path)
-        return self._known.get(memo) or self._remember(memo, file_sha256(path))
+        if memo in self._known:
+            return self._known[memo]
+        size = path.stat().st_size
+        if size >= LARGE_FILE:
+            log.info("reading %s (%.1f GB) once to key stored answers by the model's content; its digest is "
+                     "remembered by size and modification time in %s", path, size / 1e9, self.path or "memory")
+        return self._remember(memo, file_sha256(path))
 
     def pixels(self, ref: Any) -> str:
         """:func:`pixel_digest` of an :class:`~demind.retrieval.ImageRef` as :func:`demind.retrieval.load_image`
