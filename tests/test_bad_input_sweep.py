@@ -712,6 +712,16 @@ ROWS += [
 ]
 
 
+def limited_results(i: Inputs) -> Path:
+    """The results.json of a demind-eval run of :attr:`Inputs.checkpoint` with --limit 1."""
+    out = i.root / "ev-limited"
+    if not (out / "results.json").is_file():
+        from demind.cli.evaluate import main
+
+        assert main(["--benchmark", "cirr", "--data-root", str(i.cirr), "--methods", "image-only", "--limit", "1",
+                     "--out", str(out), "--num-workers", "0", "run.progress=false", *ckpt(i)]) == 0
+    return out / "results.json"
+
 def offline_with_an_empty_hub_cache(i: Inputs, monkeypatch) -> None:
     """HF_HUB_OFFLINE=1 with a Hugging Face cache that holds nothing (a Hub id must come from the cache)."""
     import huggingface_hub.constants as constants
@@ -737,6 +747,9 @@ ENGINE_COMMANDS = {  # a command that loads the engine -> its other arguments
                                 "--image", str(i.gallery / "img0.png"), "--text", "make it red", "--method", "osrcir",
                                 "run.progress=false", "engine.name=transformers", *ckpt(i)],
 }
+ROWS += [Row("demind-publish", "results of a limited run",
+             lambda i: ["--checkpoint", str(i.checkpoint), "--out", str(i.root / "pub-limited"), "--results",
+                        str(limited_results(i))], lambda i: ["ev-limited", "results.json", "--limit 1"])]
 ROWS += [Row(script, f"engine.model {case}", lambda i, args=args, model=model: [*args(i), f"engine.model={model(i)}"],
              lambda i, names=names: names, patch=offline_with_an_empty_hub_cache)
          for script, args in ENGINE_COMMANDS.items() for case, (model, names) in ENGINE_MODELS.items()]

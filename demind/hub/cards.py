@@ -106,11 +106,12 @@ def _backbone_lines(meta: dict[str, Any]) -> list[str]:
 
 def model_card(meta: dict[str, Any], evaluations: list[tuple[str, dict[str, Any]]], *, name: str,
                repo: str | None, license: str, tags: list[str], datasets: list[str],
-               training: dict[str, Any] | None) -> str:
+               training: dict[str, Any] | None, left_out: list[str] = ()) -> str:
     """The model card of a checkpoint (``meta``: :func:`demind.checkpoint.read_checkpoint_metadata`).
 
     evaluations: (file name in the folder, parsed results.json) of this checkpoint's evaluations.
     training: the run's resolved training config (``config.yaml``), or None when absent.
+    left_out: one sentence per evaluation found and not reported (a limited run), said in the body.
     """
     backbone = meta["backbone_config"]
     front: dict[str, Any] = {"library_name": LIBRARY, "license": license,
@@ -139,8 +140,9 @@ def model_card(meta: dict[str, Any], evaluations: list[tuple[str, dict[str, Any]
         for file, res in evaluations:
             body += [markdown_table(res).rstrip(), "", f"(from `{file}`, written by `demind-eval`)", ""]
     else:
-        body += ["No `results.json` of `demind-eval` was found for this checkpoint, so this card reports no "
-                 "numbers. Evaluate it with `demind-eval` and publish again to add them.", ""]
+        body += ["No `results.json` of a full `demind-eval` run was found for this checkpoint, so this card "
+                 "reports no numbers. Evaluate it with `demind-eval` and publish again to add them.", ""]
+    body += [f"- {note}" for note in left_out] + ([""] if left_out else [])
     body += ["## How to load", "", "```python",
              "from demind.checkpoint import load_backbone_and_model", "",
              f'backbone, model = load_backbone_and_model("{ref}")  # rebuilds the recorded backbone, checks it',

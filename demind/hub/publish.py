@@ -77,12 +77,14 @@ def find_run_results(checkpoint: Path) -> list[Path]:
 
 
 def checkpoint_evaluations(checkpoint: Path, meta: dict[str, Any], results: list[str] | None
-                           ) -> list[tuple[Path, dict[str, Any]]]:
+                           ) -> tuple[list[tuple[Path, dict[str, Any]]], list[str]]:
     """The evaluations of this checkpoint: the ``results`` files given (each must be one), else the
-    run folder's ``results.json`` files that are (the others are skipped with a log line)."""
+    run folder's ``results.json`` files that are (the others are skipped with a log line); and the
+    card's notes on found evaluations left out because they are partial (``demind-eval --limit``:
+    never the model's result; one given by name is refused)."""
     explicit = results is not None
     found = [Path(p) for p in results] if explicit else find_run_results(checkpoint)
-    kept = []
+    kept, partial = [], []
     for path in found:
         try:
             parsed = json.loads(path.read_text(encoding="utf-8"))
@@ -98,8 +100,20 @@ def checkpoint_evaluations(checkpoint: Path, meta: dict[str, Any], results: list
         if problem:
             logger.info("skipping %s: %s", path, problem)
             continue
+        limit = parsed.get("limit")
+        if limit is not None and explicit:
+            raise PublishError(f"results {path} is a limited run (demind-eval --limit {limit}: the first {limit} "
+                               "queries only), not the model's result; evaluate without --limit and give that "
+                               "results.json")
+        if limit is not None:
+            shown = path.relative_to(checkpoint.parent).as_posix() if path.is_relative_to(checkpoint.parent) \
+                else path.name
+            logger.warning("not publishing %s as a result: a limited run (demind-eval --limit %s)", path, limit)
+            partial.append(f"`{shown}` is not reported: a limited run (`demind-eval --limit {limit}`, the first "
+                           f"{limit} queries only) measures no result of the model.")
+            continue
         kept.append((path, parsed))
-    return kept
+    return kept, partial
 
 
 def without_local_paths(obj: Any, run_dir: Path) -> Any:
@@ -172,18 +186,19 @@ def publish_checkpoint(checkpoint: str | Path, out: str | Path, card: CardOption
     source = resolve_checkpoint(checkpoint)
     meta = read_checkpoint_metadata(source.file)
     state = read_checked_tensors(source.file, meta)  # sha256 and finite check before anything is published
-    evaluations = checkpoint_evaluations(source.file, meta, results)
+    evaluations, partial = checkpoint_evaluations(source.file, meta, results)
     with building_beside(out) as build:
-        _write_folder(build, source, meta, state, evaluations, card, out.name)
+        _write_folder(build, source, meta, state, evaluations, card, out.name, partial)
         swap_in(build, out)
     logger.info("published folder %s: checkpoint, backbone files, card, %d evaluation(s)", out, len(evaluations))
     return out
 
 
 def _write_folder(out: Path, source: CheckpointSource, meta: dict[str, Any], state: dict,
-                  evaluations: list[tuple[Path, dict[str, Any]]], card: CardOptions, title: str) -> None:
+                  evaluations: list[tuple[Path, dict[str, Any]]], card: CardOptions, title: str,
+                  partial: list[str] = ()) -> None:
     """Every file of a published folder into the (new, empty) folder ``out``; the manifest
-    (config.json, listing them all) and the card last."""
+    (config.json, listing them all) and the card last (``partial``: its notes on evaluations left out)."""
     backbone, files = _copy_backbone_files(meta, source.file, out)
     published = {**meta, "backbone_config": backbone, BACKBONE_FILES_KEY: files}
     write_checkpoint(out / CHECKPOINT_FILE, state, published)  # the same tensors; paths relative to the folder
@@ -204,7 +219,8 @@ def _write_folder(out: Path, source: CheckpointSource, meta: dict[str, Any], sta
     if is_hub_ref(shards):
         datasets.append(parse_hub_ref(shards, "data.shards").repo_id)
     text = model_card(published, copied, name=card.title(title), repo=card.repo, license=card.license,
-                      tags=card.tags, datasets=list(dict.fromkeys(datasets)), training=training)
+                      tags=card.tags, datasets=list(dict.fromkeys(datasets)), training=training,
+                      left_out=list(partial))
     write_text_atomic(out / CARD_FILE, text + "\n" + CARD_MARKER + "\n")
     written = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
     write_json_atomic(out / CONFIG_FILE, {
