@@ -476,3 +476,30 @@ def test_the_documented_store_layout_is_the_written_one(tmp_path, monkeypatch):
             "image_sha256", "model", "model_identity", "prompt_sha256", "settings"} <= set(record)
     models = [json.loads(p.read_text()) for p in (world.store / "models").glob("*.json")]
     assert [m["reference"] for m in models] == [str(world.model)]
+
+
+def test_demind_eval_reruns_from_a_copied_store_without_the_model_on_the_machine(toy_cirr, tiny_llava, tmp_path,
+                                                                                  caplog):
+    """demind-eval with the tiny LLaVA-NeXT, then its store copied to "another machine" where the model's
+    folder is absent: the rerun loads no model, needs none, and names the stored model identity it used."""
+    from demind.cli.evaluate import main
+
+    model = Path(shutil.copytree(tiny_llava, tmp_path / "llava"))
+    llava = ["engine.dtype=float32", "engine.cpu_threads=1", "describe.max_tokens=6", "describe.image_max_side=32"]
+    out = tmp_path / "machine-a"
+    assert main(eval_argv(toy_cirr, out, f"engine.model={model}", *llava)) == 0
+    first = json.loads((out / "results.json").read_text())
+    assert first["mllm"]["model_loaded"] is True and first["mllm"]["model_identity_source"] == "weights"
+    store = Path(shutil.copytree(out / "descriptions", tmp_path / "machine-b" / "descriptions"))
+    shutil.rmtree(model)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="demind.describe"):
+        assert main(eval_argv(toy_cirr, tmp_path / "machine-b" / "out", f"engine.model={model}",
+                              f"describe.store={store}", *llava)) == 0
+    again = json.loads((tmp_path / "machine-b" / "out" / "results.json").read_text())
+    assert again["mllm"]["model_loaded"] is False and again["mllm"]["model_identity_source"] == "store"
+    assert again["mllm"]["model_identity"] == first["mllm"]["model_identity"]
+    assert again["mllm"]["describers"]["osrcir"]["generated_now"] == 0
+    assert again["methods"]["osrcir"] == first["methods"]["osrcir"]
+    assert any(first["mllm"]["model_identity"][:16] in r.getMessage() and "no model files" in r.getMessage()
+               for r in caplog.records)
