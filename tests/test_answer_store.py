@@ -503,3 +503,18 @@ def test_demind_eval_reruns_from_a_copied_store_without_the_model_on_the_machine
     assert again["methods"]["osrcir"] == first["methods"]["osrcir"]
     assert any(first["mllm"]["model_identity"][:16] in r.getMessage() and "no model files" in r.getMessage()
                for r in caplog.records)
+
+
+def test_search_applies_rerank_methods_or_refuses_them_at_start(loaded, index_dir):  # noqa: F811
+    from demind.config import ConfigError
+
+    def setup(methods):
+        return MLLMSetup(lambda: ScriptedEngine({}), model="scripted-model", engine_name="scripted",
+                         rerank=RerankOptions(k=3, methods=methods))
+
+    offered = searcher_with(loaded, index_dir, setup("osrcir,demind")).available_methods()
+    assert sorted(m for m in offered if m.endswith("+rerank")) == ["demind+rerank", "osrcir+rerank"]
+    everything = searcher_with(loaded, index_dir, setup(None)).available_methods()
+    assert {"demind+rerank", "osrcir+rerank", "cirevl+rerank", "text-only+rerank"} <= set(everything)
+    with pytest.raises(ConfigError, match=r"rerank.methods names \['exclmm'\]"):
+        searcher_with(loaded, index_dir, setup("exclmm"))

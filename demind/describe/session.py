@@ -106,7 +106,7 @@ class MLLMRun:
                               f"(rerank.methods={','.join(method_names[:2])}), or leave it out to re-rank every method")
         unknown = [n for n in names if n not in method_names]
         if unknown:
-            raise ConfigError(f"rerank.methods names {unknown}, which this run does not evaluate "
+            raise ConfigError(f"rerank.methods names {unknown}, which this run does not offer "
                               f"(methods: {', '.join(method_names)})")
         return names
 

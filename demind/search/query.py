@@ -208,6 +208,8 @@ class Searcher:
         self.expectation = expectation(self.ranker, index)  # which ranker, what recall@10 to expect
         self.mllm = SearchMLLM(mllm, index.directory.name, index.directory) if mllm is not None else None
         self.methods: dict[str, registry.RetrievalMethod] = {}  # built on first use
+        if self.mllm is not None:
+            self.available_methods()  # rerank.methods naming a method this search cannot offer: refused now
 
     def available_methods(self) -> list[str]:
         """Every method of the registry this checkpoint (and MLLM) allows, De-MINDS first, DEO variants
@@ -219,8 +221,8 @@ class Searcher:
                                                                       if m not in MLLM_METHODS)
         names = [m for m in names if base_method(m) not in EXCLMM_METHODS + offered]
         names = [m for m in names if self.model is not None or base_method(m) not in CHECKPOINT_METHODS]
-        if self.mllm is not None and self.mllm.rerank_k > 0:
-            names += [m + RERANK_SUFFIX for m in names if "+deo" not in m]
+        if self.mllm is not None and self.mllm.rerank_k > 0:  # rerank.methods, when given, picks the base methods
+            names += [m + RERANK_SUFFIX for m in self.mllm.run.rerank_targets([m for m in names if "+deo" not in m])]
         return names
 
     def method(self, name: str) -> registry.RetrievalMethod:
