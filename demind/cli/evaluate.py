@@ -38,7 +38,8 @@ class EvalConfig:
     methods: str | None = setting(None, help=f"comma-separated subset of {','.join(METHODS)}, or a negation-aware "
                                              "variant BASE+deo / BASE+deo-adam (default: all base methods the "
                                              "checkpoint/backbone allow, except oracle; the MLLM methods "
-                                             "cirevl, osrcir, demind+mllm need engine.model: docs/mllm.md)")
+                                             "cirevl, osrcir, demind+mllm need engine.model: docs/mllm.md); "
+                                             "METHOD+rerank re-ranks METHOD's top rerank.k with the MLLM")
     cache_dir: str | None = setting(None, help="image-feature cache (default OUT/feature_cache); share it across runs")
     batch_size: int = setting(64, ge=1, help="images per encoding batch")
     num_workers: int = setting(4, ge=0, help="image-decoding workers")
@@ -112,9 +113,10 @@ def mllm_setup(cfg: EvalConfig):
     """The MLLM of the ``engine`` section when a method or ``rerank.k`` needs one (else None); the engine
     itself is built only when an answer is missing from the store (a rerun loads no model)."""
     from demind.retrieval import MLLM_METHODS, split_deo_name
+    from demind.retrieval.names import split_rerank_requests
 
-    names = [n.strip() for n in (cfg.methods or "").split(",") if n.strip()]
-    if cfg.rerank.k == 0 and not any(split_deo_name(n)[0] in MLLM_METHODS for n in names):
+    names, reranked = split_rerank_requests([n.strip() for n in (cfg.methods or "").split(",") if n.strip()])
+    if cfg.rerank.k == 0 and not reranked and not any(split_deo_name(n)[0] in MLLM_METHODS for n in names):
         return None
     from demind.cli.search import build_mllm_setup
 

@@ -32,6 +32,7 @@ from demind.eval.fashioniq import read_fashioniq
 from demind.retrieval import ImageFeatureCache, encode_image_refs, stack_features
 from demind.eval.imagenet_r import read_imagenet_r
 from demind.retrieval import RERANK_SUFFIX, RetrievalMethod, build_methods, parse_method_names
+from demind.retrieval.names import split_rerank_requests
 from demind.retrieval.methods import checkpoint_kind
 from demind.eval.reports import write_reports
 from demind.retrieval import ImageRef
@@ -142,7 +143,9 @@ def evaluate(
         backbone = model.backbone
     data = read_benchmark(benchmark, data_root, split, limit, options)
     mllm_run = mllm.bind(data.benchmark, data.split, descriptions_root(cache_dir, out_dir)) if mllm else None
+    methods, rerank_asked = requested_methods(methods)  # "osrcir+rerank": osrcir runs, then is re-ranked
     names = parse_method_names(methods, model is not None, exclmm is not None, checkpoint_kind(model))
+    check_rerank_request(rerank_asked, mllm)
     method_objs = build_methods(names, backbone, model, exclmm, mllm=mllm_run)
     if mllm_run is not None and mllm_run.reranker() is not None:  # a typo in rerank.methods: now, not after the run
         mllm_run.rerank_targets([m.name for m in method_objs])
@@ -169,7 +172,7 @@ def evaluate(
             for g in data.groups
         }
     if mllm_run is not None:
-        add_rerank_variants(outcomes, mllm_run, data)
+        add_rerank_variants(outcomes, mllm_run, data, rerank_asked)
     if was_training:
         model.train()
     results = assemble_results(data, backbone, model, outcomes, encoding, limit)
@@ -186,12 +189,38 @@ def descriptions_root(cache_dir: str | Path | None, out_dir: str | Path | None) 
     return Path(folder) / "descriptions" if folder is not None else None
 
 
-def add_rerank_variants(outcomes: dict[str, dict[str, "GroupOutcome"]], mllm_run: Any, data: BenchmarkData) -> None:
-    """``METHOD+rerank`` outcomes: each chosen method's top K re-ordered by the MLLM verifier."""
+def requested_methods(methods: str | list[str] | None) -> tuple[str | list[str] | None, list[str]]:
+    """(the methods to run, those whose ``+rerank`` variant was named) of ``evaluate()``'s ``methods``."""
+    if methods is None:
+        return None, []
+    return split_rerank_requests([n.strip() for n in (methods.split(",") if isinstance(methods, str) else methods)
+                                  if n.strip()])
+
+
+def check_rerank_request(asked: list[str], mllm: Any) -> None:
+    """A named ``METHOD+rerank`` needs an MLLM and ``rerank.k`` > 0: one line naming them, before any work."""
+    if not asked:
+        return
+    named = f"{asked[0]}{RERANK_SUFFIX}"
+    if mllm is None:
+        raise ConfigError(f"method {named!r} re-ranks with a multimodal LLM: give engine.name=transformers "
+                          f"engine.model=DIR and rerank.k=20 (for example; see docs/mllm.md)")
+    if mllm.rerank.k == 0:
+        raise ConfigError(f"method {named!r} re-orders the top rerank.k results of {asked[0]}, and rerank.k is 0: "
+                          f"give rerank.k=20 (for example; at most 50)")
+
+
+def add_rerank_variants(outcomes: dict[str, dict[str, "GroupOutcome"]], mllm_run: Any, data: BenchmarkData,
+                        asked: list[str] = ()) -> None:
+    """``METHOD+rerank`` outcomes: each chosen method's top K re-ordered by the MLLM verifier. Chosen:
+    ``rerank.methods`` (default every method run) and the ``asked`` ones (named as ``METHOD+rerank``);
+    with names asked and no ``rerank.methods``, only those."""
     reranker = mllm_run.reranker()
     if reranker is None:
         return
-    for name in mllm_run.rerank_targets(list(outcomes)):
+    chosen = list(asked) if asked and mllm_run.setup.rerank.methods is None else \
+        list(dict.fromkeys([*mllm_run.rerank_targets(list(outcomes)), *asked]))
+    for name in chosen:
         outcomes[name + RERANK_SUFFIX] = {g.name: rerank_group(reranker, outcomes[name][g.name], g,
                                                                data.has_ground_truth) for g in data.groups}
 

@@ -44,3 +44,17 @@ def unavailable_methods(model_kind: str | None) -> tuple[str, ...]:
     if model_kind is None:
         return CHECKPOINT_METHODS + COMBINER_METHODS
     return CHECKPOINT_METHODS if model_kind == "combiner" else COMBINER_METHODS
+
+
+def split_rerank_requests(names: list[str]) -> tuple[list[str], list[str]]:
+    """Method names as a user lists them -> (the methods to run, those whose ``+rerank`` variant is
+    asked for): ``["image-only", "osrcir+rerank"]`` -> ``(["image-only", "osrcir"], ["osrcir"])``. A
+    ``+rerank`` variant is its method's ranking with the top ``rerank.k`` re-ordered by an MLLM, so its
+    method runs too."""
+    run, reranked = [], []
+    for name in names:
+        base = name[: -len(RERANK_SUFFIX)] if name.endswith(RERANK_SUFFIX) else name
+        if base != name:
+            reranked.append(base)
+        run.append(base)
+    return list(dict.fromkeys(run)), list(dict.fromkeys(reranked))
