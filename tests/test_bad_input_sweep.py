@@ -747,6 +747,10 @@ ENGINE_COMMANDS = {  # a command that loads the engine -> its other arguments
                                 "--image", str(i.gallery / "img0.png"), "--text", "make it red", "--method", "osrcir",
                                 "run.progress=false", "engine.name=transformers", *ckpt(i)],
 }
+ROWS += [Row("demind-eval", "METHOD+rerank without rerank.k",
+             lambda i: ["--benchmark", "cirr", "--data-root", str(i.cirr), "--out", str(i.root / "ev-rerank"),
+                        "--methods", "osrcir+rerank", "engine.name=transformers", *ckpt(i)],
+             lambda i: ["'osrcir+rerank'", "rerank.k"])]
 ROWS += [Row("demind-publish", "results of a limited run",
              lambda i: ["--checkpoint", str(i.checkpoint), "--out", str(i.root / "pub-limited"), "--results",
                         str(limited_results(i))], lambda i: ["ev-limited", "results.json", "--limit 1"])]
