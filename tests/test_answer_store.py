@@ -518,3 +518,15 @@ def test_search_applies_rerank_methods_or_refuses_them_at_start(loaded, index_di
     assert {"demind+rerank", "osrcir+rerank", "cirevl+rerank", "text-only+rerank"} <= set(everything)
     with pytest.raises(ConfigError, match=r"rerank.methods names \['exclmm'\]"):
         searcher_with(loaded, index_dir, setup("exclmm"))
+
+
+def test_results_count_the_answers_this_run_used_not_the_whole_shared_store(tmp_path):
+    world = World(tmp_path)
+    world.describe_requests()  # another split's answer in the shared store
+    other = query("q2", write_png(tmp_path / "images" / "two.png", seed=5), "make it red")
+    run = world.setup().bind("cirr", "test1", None)
+    describer = run.describer("osrcir")
+    describer.describe([other, other])
+    summary = describer.summary()
+    assert (summary["records"], summary["stored"], summary["generated_now"]) == (1, 2, 1)
+    assert summary["fallback"] == 1 and summary["fallback_reasons"] == {"no-label": 1}

@@ -132,6 +132,7 @@ class Describer:
         self.store = store
         self.generated = 0  # records answered by the model in this process
         self._told: set[str] = set()  # keys whose fallback was already logged
+        self._used: dict[tuple[str, int], str] = {}  # (query id, sample) -> key, of the answers handed out
 
     def keys(self, queries: list[Query]) -> dict[tuple[str, int], str]:
         """(query id, sample) -> the answer's store key (:meth:`AnswerStore.key`)."""
@@ -170,6 +171,7 @@ class Describer:
                      self.store.folder)
         self.store.memo.save()
         out = [[self._description(q, self.store.records[keys[q.qid, s]]) for s in samples] for q in queries]
+        self._used.update(keys)
         new = [(q, keys[q.qid, s]) for q in queries for s in samples
                if self.store.records[keys[q.qid, s]]["description"] is None and keys[q.qid, s] not in self._told]
         new = list({key: (q, key) for q, key in new}.values())
@@ -189,10 +191,12 @@ class Describer:
         return record["description"] if record["description"] is not None else modification_text(query)
 
     def summary(self) -> dict[str, Any]:
-        """Counts over every stored record: parsed, truncated-but-kept, fallbacks by reason."""
-        status = Counter(r["status"] for r in self.store.records.values())
+        """Counts over the answers this process used (``records``; ``stored``: all the store holds of this
+        kind, other runs' included): parsed, truncated-but-kept, fallbacks by reason."""
+        status = Counter(self.store.records[key]["status"] for key in self._used.values())
         fallback = {k: v for k, v in status.items() if k not in ("ok", "truncated")}
-        return {"records": len(self.store), "generated_now": self.generated, "parsed": status["ok"],
+        return {"records": len(self._used), "stored": len(self.store), "generated_now": self.generated,
+                "parsed": status["ok"],
                 "truncated_kept": status["truncated"], "fallback": sum(fallback.values()),
                 "fallback_reasons": fallback, "damaged": self.store.damaged, "store": str(self.store.folder),
                 "prompts": self.prompts.id, "model_loaded": self.engine.loaded}

@@ -85,6 +85,7 @@ class MLLMVerifier:
         self.image_max_side = image_max_side
         self.generated = 0
         self.prefilled_tokens = 0  # prompt tokens run through the model in this process (reuse shows here)
+        self._used: dict[tuple[str, str], str] = {}  # (query id, candidate) -> key, of the scores used
 
     def score(self, queries: list[Query], candidates: list[list[ImageRef]]) -> list[list[float]]:
         keys = self._keys(queries, candidates)
@@ -108,6 +109,7 @@ class MLLMVerifier:
                 self.generated += len(records)
                 chunk = []
         self.store.memo.save()
+        self._used.update(keys)
         return [[self.store.records[keys[q.qid, c.name]]["score"] for c in cands]
                 for q, cands in zip(queries, candidates)]
 
@@ -265,7 +267,8 @@ class MLLMVerifier:
         return hidden[torch.arange(len(rows), device=hidden.device), last]
 
     def summary(self) -> dict[str, Any]:
-        return {"k": self.options.k, "pairs_stored": len(self.store), "scored_now": self.generated,
+        return {"k": self.options.k, "pairs": len(self._used), "pairs_stored": len(self.store),
+                "scored_now": self.generated,
                 "damaged": self.store.damaged,
                 "prefix_reuse": self.options.prefix_reuse, "prefilled_tokens": self.prefilled_tokens,
                 "store": str(self.store.folder), "model_loaded": self.engine.loaded}
