@@ -13,6 +13,14 @@ Measures, in one run:
    and each step's cost timed alone.
 The tiny model makes the engine cheap, so (2) is the job's cost, not the model's.
 Prints a table and writes JSON to --json.
+
+    .venv-vllm/bin/python -m benchmarks.bench_data_gen --engines transformers,vllm --samples 64
+
+(in the venv of ``bash scripts/setup.sh --vllm``) instead compares the two engines on the same images:
+start-up seconds, images/s of both stages through the job's IntentGenerator (median of --repeats, after
+a warm-up), prompt tokens prefilled per image and stage-2 prefix hits. On a CPU with the tiny random
+model these are code-path figures (scheduling, prefix caching, per-request overhead of each engine),
+not a model's throughput, and vLLM's CPU build is not vLLM on a GPU.
 """
 
 from __future__ import annotations
@@ -106,6 +114,50 @@ def time_overhead_parts(shard: Path, out_dir: Path, cfg: GenConfig, renderer) ->
             {"read": read, "decode_resize": decode, "prompt_render_2_stages": prompt, "write": write}.items()}
 
 
+def compare_engines(items: list[ChunkItem], cfg: GenConfig, engines: list[str], repeats: int) -> dict[str, dict]:
+    """Per engine (built from ``cfg`` with ``engine.name`` set): start seconds, median images/s of both
+    stages over ``repeats`` after a warm-up, prompt tokens prefilled per image, stage-2 prefix hits."""
+    from demind.gen.engines import build_engine
+
+    results = {}
+    for name in engines:
+        cfg.engine.name = name
+        start = time.perf_counter()
+        engine = build_engine(cfg.engine, cfg.sampling, device=cfg.run.device, seed=cfg.run.seed)
+        started = time.perf_counter() - start
+        generator = IntentGenerator(engine, cfg, load_prompts("v1"))
+        generator.generate(items[: min(4, len(items))])  # warm-up (vLLM: its first batch shapes)
+        rates, outputs = [], []
+        for _ in range(repeats):
+            engine.release_prefixes()  # each repeat starts with an empty prefix cache, on both engines
+            if hasattr(engine, "llm"):
+                engine.llm.reset_prefix_cache()
+            start = time.perf_counter()
+            outputs = generator.generate(items)
+            rates.append(len(items) / (time.perf_counter() - start))
+        hits = sum(o.intent.prefilled_tokens < o.intent.prompt_tokens for o in outputs)
+        results[name] = {"start_s": round(started, 1), "images_per_s": round(statistics.median(rates), 2),
+                         "prefilled_tokens_per_image": round(sum(o.rewrite.prefilled_tokens + o.intent.prefilled_tokens
+                                                                 for o in outputs) / len(items), 1),
+                         "stage2_hits": f"{hits}/{len(outputs)}"}
+        if hasattr(engine, "llm"):  # vLLM: stop its engine process before the next engine starts
+            engine.llm.llm_engine.engine_core.shutdown()
+        del generator, engine
+    cfg.engine.name = "transformers"
+    return results
+
+
+def print_engine_comparison(results: dict[str, dict], samples: int) -> None:
+    print(f"code-path figures: tiny random LLaVA-NeXT on this CPU, {samples} images, both stages")
+    print(f"{'engine':<14} {'start s':>8} {'img/s':>8} {'prefill/img':>12} {'stage-2 hits':>13}")
+    for name, r in results.items():
+        print(f"{name:<14} {r['start_s']:>8.1f} {r['images_per_s']:>8.2f} {r['prefilled_tokens_per_image']:>12.1f} "
+              f"{r['stage2_hits']:>13}")
+    if {"transformers", "vllm"} <= set(results):
+        ratio = results["vllm"]["images_per_s"] / results["transformers"]["images_per_s"]
+        print(f"ratio vllm / transformers img/s: {ratio:.2f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=64)
@@ -115,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image-size", default="800x600", help="WxH of the synthetic JPEGs")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--engines", default=None,
+                        help="compare these engines instead (e.g. transformers,vllm; vllm needs .venv-vllm)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
@@ -132,6 +186,18 @@ def main(argv: list[str] | None = None) -> int:
         cfg.sampling.retries = 0  # equal work in both engine timings
         items = [ChunkItem(s.key, s.caption, decode_and_shrink(s.image_bytes, cfg.io.image_max_side))
                  for s in iter_shard(tmp / "in" / "00000.tar") if isinstance(s, RawSample)]
+
+        if args.engines:
+            cfg.engine.batch_size, cfg.engine.cpu_threads = args.batch_size, args.threads
+            compared = compare_engines(items, cfg, [e.strip() for e in args.engines.split(",")], args.repeats)
+            print_engine_comparison(compared, len(items))
+            result = {"samples": args.samples, "repeats": args.repeats, "image_size": args.image_size,
+                      "threads": args.threads, "batch_size": args.batch_size, "engines": compared,
+                      "note": "code-path figures: tiny random model on CPU, not a model's throughput"}
+            print(json.dumps(result))
+            if args.json:
+                Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+            return 0
 
         timed = time_engines(items, args.batch_size, cfg, args.repeats)
         batched, single, no_prefix = timed["batched"][0], timed["single"][0], timed["batched_no_prefix_cache"][0]
