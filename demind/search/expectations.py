@@ -19,7 +19,7 @@ from demind.errors import InputError
 from demind.io import read_json, write_json_atomic
 from demind.search.index import MANIFEST, GalleryIndex
 from demind.search.ranker_store import save_ranker
-from demind.search.rankers import APPROXIMATE, IVF_KINDS, KINDS, Ranker, default_settings, ivf_fallback
+from demind.search.rankers import APPROXIMATE, KINDS, Ranker, default_settings, exact_fallback
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +79,8 @@ def record_rankers(index: GalleryIndex, measure_approximate: bool, previous: dic
     for kind in KINDS:
         if kind not in APPROXIMATE:
             record[kind] = {"recall_at_10": EXACT}
-        elif kind in IVF_KINDS and ivf_fallback(rows):  # known without building anything
-            record[kind] = {"recall_at_10": EXACT, "fallback": ivf_fallback(rows)}
+        elif exact_fallback(kind, rows):  # known without building anything
+            record[kind] = {"recall_at_10": EXACT, "fallback": exact_fallback(kind, rows)}
         elif measure_approximate:
             record[kind] = measure(index, kind, parts)
         elif _current(previous.get(kind), kind, parts, rows, _width(index)):

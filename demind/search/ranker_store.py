@@ -27,7 +27,7 @@ from pathlib import Path
 from demind.errors import DemindError, InputError
 from demind.io import atomic_path, read_json, write_json_atomic
 from demind.search.index import MANIFEST, GalleryIndex
-from demind.search.rankers import APPROXIMATE, IVF_KINDS, Ranker, default_settings, faiss_module, ivf_fallback
+from demind.search.rankers import APPROXIMATE, Ranker, default_settings, exact_fallback, faiss_module
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ def remove_stale_rankers(index_dir: str | Path) -> list[str]:
 def open_ranker(index: GalleryIndex, kind: str) -> Ranker:
     """The ``kind`` ranker over ``index``: its saved one when still current, else built (and saved
     for the next start). Exact rankers, and IVF ones over too few rows, are simply made."""
-    if kind not in APPROXIMATE or (kind in IVF_KINDS and ivf_fallback(len(index))):
+    if kind not in APPROXIMATE or exact_fallback(kind, len(index)):
         return Ranker(index.blocks, kind)
     built_over = fingerprint(index.directory)
     ranker = load_ranker(index, kind, built_over)

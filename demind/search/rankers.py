@@ -127,8 +127,8 @@ class Ranker:
         self.shortlist = 0  # faiss-ivfpq: candidates rescored exactly per query
         self.fallback: str | None = None  # why an approximate ranker searches exactly instead
         self.saved_at = None  # the saved FAISS file it was loaded from (demind.search.ranker_store), if any
-        if kind in IVF_KINDS and ivf_fallback(self.size):
-            self.fallback = ivf_fallback(self.size)
+        if exact_fallback(kind, self.size):
+            self.fallback = exact_fallback(kind, self.size)
             faiss_module()  # the user asked for FAISS: say so now, as on a large gallery
             log.info("%s over %d rows: %s; searching exactly instead (the same top k, recall 1)", kind, self.size,
                      self.fallback)
@@ -321,6 +321,16 @@ def default_settings(kind: str, rows: int, dim: int) -> dict[str, int]:
         return {"nlist": nlist, "nprobe": min(IVF_NPROBE, nlist)}
     return {"nlist": nlist, "nprobe": min(IVFPQ_NPROBE, nlist), "m": pq_subquantizers(dim),
             "nbits": pq_bits(len(ivf_train_rows(rows, nlist))), "shortlist": ivfpq_shortlist(rows)}
+
+
+def exact_fallback(kind: str, rows: int) -> str | None:
+    """Why the approximate ranker ``kind`` searches ``rows`` rows exactly instead (builds nothing, claims
+    no measured recall), else None: an empty index, or too few rows for IVF's lists."""
+    if kind not in APPROXIMATE:
+        return None
+    if rows == 0:
+        return "the index holds no images (nothing to build)"
+    return ivf_fallback(rows) if kind in IVF_KINDS else None
 
 
 def ivf_fallback(rows: int) -> str | None:
