@@ -530,3 +530,18 @@ def test_results_count_the_answers_this_run_used_not_the_whole_shared_store(tmp_
     summary = describer.summary()
     assert (summary["records"], summary["stored"], summary["generated_now"]) == (1, 2, 1)
     assert summary["fallback"] == 1 and summary["fallback_reasons"] == {"no-label": 1}
+
+
+def test_without_the_files_the_identity_the_reference_last_had_answers(tmp_path):
+    world = World(tmp_path)
+    identities = []
+    for weights in (b"a" * 64, b"b" * 64, b"a" * 64):  # retrained, then the first weights put back
+        (world.model / "model.safetensors").write_bytes(weights)
+        run = world.setup().bind("cirr", "val", None)
+        run.describer("osrcir").describe(world.queries)
+        identities.append(run.summary()["model_identity"])
+    assert identities[0] == identities[2] != identities[1]
+    shutil.rmtree(world.model)
+    run = world.setup(factory=lambda: pytest.fail("the model was loaded")).bind("cirr", "val", None)
+    run.describer("osrcir").describe(world.queries)
+    assert run.summary()["model_identity"] == identities[2] and run.summary()["model_identity_source"] == "store"

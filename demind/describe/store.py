@@ -223,12 +223,15 @@ class ModelIdentity:
         return True
 
     def _record(self) -> None:
+        """(Re)write this reference's record of the identity its files have now: ``recorded`` is the last
+        time they were read, so the latest record of a reference is the content it last had."""
         if self.root is None:
             return
         path = self.root / "models" / f"{self.digest[:16]}-{text_digest(self.reference)[:8]}.json"
-        if not path.is_file():
-            write_json_atomic(path, {"format": STORE_FORMAT, "reference": self.reference, "identity": self.digest,
-                                     "recorded": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=1)
+        now = time.time_ns()
+        recorded = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now // 10**9)) + f".{now % 10**9:09d}Z"
+        write_json_atomic(path, {"format": STORE_FORMAT, "reference": self.reference, "identity": self.digest,
+                                 "recorded": recorded}, indent=1)
 
     def _recorded(self) -> dict[str, Any] | None:
         """The latest identity recorded for this reference: the same string, else the same final name."""
