@@ -67,3 +67,23 @@ def test_killed_run_resumes_to_the_same_weights(repo_root, tmp_path):
     ref_steps = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in steps] == list(range(1, TOTAL_STEPS + 1))
     assert [m["loss"] for m in steps] == pytest.approx([m["loss"] for m in ref_steps], rel=1e-5)
+
+
+def test_resuming_with_max_steps_below_the_checkpoints_step_is_refused(repo_root, tmp_path, capsys):
+    shards = tmp_path / "shards"
+    write_synthetic_shards(shards, num_shards=2, samples_per_shard=8)
+    run = tmp_path / "run"
+    args = ["--config", str(repo_root / "configs/train/smoke.yaml"), f"data.shards={shards}",
+            f"backbone.name={repo_root / 'configs/model/tiny-clip.json'}", f"run.output_dir={run}",
+            "optim.warmup_steps=1", "optim.global_batch_size=4", "run.save_every=4", "run.log_every=4",
+            "data.num_workers=0"]
+    assert train.main([*args, "optim.max_steps=4"]) == 0
+    exported = (run / "demind.safetensors").read_bytes()
+    capsys.readouterr()
+    assert train.main([*args, "optim.max_steps=2"]) == 2
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in captured.err, captured.err[-2000:]
+    assert "optim.max_steps=2" in errors[0] and "step 4" in errors[0] and "step_00000004" in errors[0]
+    assert "steps 4 -> 2" not in captured.out + captured.err
+    assert (run / "demind.safetensors").read_bytes() == exported  # no export claiming a step it is not

@@ -191,6 +191,11 @@ def resume_state(accelerator, cfg: TrainConfig) -> TrainState:
     except (ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
         raise ResumeError(f"cannot resume: {latest / STATE_NAME} is truncated or not a trainer state "
                           f"({type(e).__name__}: {e}); {fix}") from None
+    if saved["step"] > cfg.optim.max_steps:  # its weights are past the end asked for: no export can be that step
+        raise ResumeError(f"cannot resume {run_dir} with optim.max_steps={cfg.optim.max_steps}: its newest checkpoint "
+                          f"{latest.name} is at step {saved['step']}; give optim.max_steps={saved['step']} or more "
+                          f"(= {saved['step']}: export it as it is), or a new run.output_dir to train "
+                          f"{cfg.optim.max_steps} steps")
     same_readers = len(positions) == accelerator.num_processes and saved.get("num_workers") == cfg.data.num_workers
     if not same_readers:
         logger.warning("checkpoint %s was written by %d processes x %s workers, this run has %d x %d: the data "
