@@ -4,7 +4,7 @@ see the same tokens for the same request.
 
 These tests run in the venv ``bash scripts/setup.sh --vllm`` makes (``.ci/run`` runs them there)::
 
-    .venv-vllm/bin/python -m pytest -m vllm tests/test_vllm.py
+    .venv-vllm/bin/python -m pytest -m "vllm and not slow" tests/test_vllm.py   # as CI; -m vllm adds Ray
 
 Elsewhere (the project's .venv, a machine vLLM's CPU build does not run on) the module skips with one line
 saying why. A vLLM engine takes about 50 s to start on a CPU, so the in-process tests share one
@@ -192,6 +192,22 @@ def test_a_kill_mid_shard_resumes_with_nothing_lost_or_twice(shared_engines, tin
     other = tmp_path / "again"
     assert generate_main([*argv[:3], str(other), *argv[4:]]) == 0
     assert texts_by_key(other) == texts_by_key(out)
+
+
+@pytest.mark.slow  # ~2 min more (a Ray cluster and a second engine start): not in CI's run; -m "vllm and slow"
+def test_the_job_on_a_local_ray_worker_writes_what_a_local_run_writes(tiny, input_shards, tmp_path):
+    """--distributor ray: one Ray worker (an actor) holds the vLLM engine, whose own engine process it starts;
+    the intent shards are those of the same job run in one process, text for text."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    outputs = {}
+    for how, extra in (("local", []), ("ray", ["--distributor", "ray", "--workers", "1"])):
+        outputs[how] = tmp_path / how
+        done = subprocess.run([sys.executable, *documented_command(input_shards, outputs[how], tiny), *extra,
+                               "run.progress=false"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "ray: 1 worker(s)" in done.stdout
+    assert texts_by_key(outputs["ray"]) == texts_by_key(outputs["local"]) and len(texts_by_key(outputs["ray"])) == 7
 
 
 # ----------------------------------------------------------------------------- the same request on both engines
