@@ -1,0 +1,93 @@
+"""Engine settings that mean the same on the transformers engine, vLLM on a GPU and vLLM's CPU build,
+checked without vLLM: the context length from the model (a longer one refused in one line before any
+engine starts), what the vLLM engine hands ``vllm.LLM``, and the KV cache size on the CPU build."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from demind.config import ConfigError
+from demind.gen.config import EngineConfig, GenConfig
+from demind.gen.engines.base import model_context_length, resolve_max_model_len
+from demind.gen.engines.vllm_engine import GIB, cpu_kv_cache_bytes, transformers_only_settings, vllm_llm_kwargs
+from demind.gen.tiny_llava import build_tiny_llava_next
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_llava_next(tmp_path_factory.mktemp("tiny") / "tiny-llava-next")
+
+
+def test_context_length_is_the_models_unless_set_and_never_above_it():
+    config = SimpleNamespace(text_config=SimpleNamespace(max_position_embeddings=1024))
+    assert model_context_length(config) == 1024
+    assert resolve_max_model_len(0, config, "m") == 1024
+    assert resolve_max_model_len(512, config, "m") == 512
+    with pytest.raises(ConfigError, match=r"engine.max_model_len=4096 is above m's context length of 1,024 tokens"):
+        resolve_max_model_len(4096, config, "m")
+    no_length = SimpleNamespace(text_config=SimpleNamespace())
+    assert resolve_max_model_len(300, no_length, "m") == 300
+    with pytest.raises(ConfigError, match="states no context length"):
+        resolve_max_model_len(0, no_length, "m")
+
+
+def test_a_length_above_the_models_is_one_error_line_before_the_engine_loads(tiny, tmp_path, capsys, monkeypatch):
+    from demind.cli.generate import main as generate_main
+    from demind.gen.engines import transformers_engine
+    from test_data_gen import make_sample, write_input_shard
+
+    (tmp_path / "in").mkdir()
+    write_input_shard(tmp_path / "in" / "00000.tar", [make_sample("000000000", 0, "a red dog")])
+    loaded = []
+    real = transformers_engine.AutoModelForImageTextToText.from_pretrained
+    monkeypatch.setattr(transformers_engine.AutoModelForImageTextToText, "from_pretrained",
+                        lambda *a, **k: loaded.append(1) or real(*a, **k))
+    argv = ["--input", str(tmp_path / "in"), "--output", str(tmp_path / "out"), "--config",
+            "configs/data_gen/tiny-cpu.yaml", f"engine.model={tiny}", "engine.max_model_len=4096", "run.progress=false"]
+    assert generate_main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "engine.max_model_len=4096" in err[0]
+    assert "1,024 tokens" in err[0] and not loaded
+
+
+def test_vllm_gets_every_engine_setting_with_one_meaning_on_gpu_and_cpu():
+    cfg = EngineConfig(name="vllm", model="m", tensor_parallel_size=2, gpu_memory_utilization=0.8,
+                       enforce_eager=True, prefix_cache=False)
+    gpu = vllm_llm_kwargs(cfg, seed=3, max_model_len=2048, on_cpu=False, kv_cache_bytes=None)
+    assert gpu == {"model": "m", "dtype": "bfloat16", "tensor_parallel_size": 2, "max_model_len": 2048,
+                   "gpu_memory_utilization": 0.8, "enforce_eager": True, "enable_prefix_caching": False,
+                   "limit_mm_per_prompt": {"image": 2}, "seed": 3}
+    cpu = vllm_llm_kwargs(cfg, seed=3, max_model_len=2048, on_cpu=True, kv_cache_bytes=GIB // 4)
+    assert cpu["dtype"] == "float32" and cpu["kv_cache_memory_bytes"] == GIB // 4  # auto: as on transformers
+    cfg.dtype = "float16"
+    assert vllm_llm_kwargs(cfg, seed=0, max_model_len=8, on_cpu=True, kv_cache_bytes=1)["dtype"] == "float16"
+    # every key of the engine section is either passed to vLLM or one of the transformers engine's
+    passed = {"model", "dtype", "tensor_parallel_size", "max_model_len", "gpu_memory_utilization", "enforce_eager",
+              "prefix_cache", "kv_cache_gib"}
+    transformers_only = {"batch_size", "cpu_threads", "prefix_store_bytes", "prefix_store_fraction"}
+    assert set(EngineConfig.__dataclass_fields__) == passed | transformers_only | {"name", "chunk_size"}
+    assert transformers_only_settings(EngineConfig(cpu_threads=1)) == ["engine.cpu_threads=1"]
+
+
+def test_kv_cache_on_vllms_cpu_build():
+    per_token = 512  # the tiny model: 1 layer x 2 x 2 heads x 32 x 4 bytes
+    assert cpu_kv_cache_bytes(0.5, 1024, per_token, 100 * GIB) == GIB // 2  # engine.kv_cache_gib
+    assert cpu_kv_cache_bytes(0, 1024, per_token, 100 * GIB) == 64 * 1024 * per_token  # 64 sequences
+    assert cpu_kv_cache_bytes(0, 32768, 128 * 1024, 8 * GIB) == 2 * GIB  # at most a quarter of what is free
+
+
+def test_the_tiny_config_with_the_vllm_engine_needs_no_other_setting(tiny):
+    """tiny-cpu.yaml + engine.name=vllm: the context length resolves to the tiny model's 1,024 (the
+    earlier fixed 4096 was above it) and the tiny model's KV per token is what the CPU build sizes by."""
+    from demind.config import load_config
+    from demind.gen.memory import kv_bytes_per_token
+    from transformers import AutoConfig
+
+    cfg = load_config(GenConfig, "configs/data_gen/tiny-cpu.yaml", ["engine.name=vllm", f"engine.model={tiny}"])
+    model_config = AutoConfig.from_pretrained(tiny)
+    assert resolve_max_model_len(cfg.engine.max_model_len, model_config, str(tiny)) == 1024
+    assert kv_bytes_per_token(model_config, 4) == 512
+    assert json.loads((tiny / "config.json").read_text())["text_config"]["max_position_embeddings"] == 1024
