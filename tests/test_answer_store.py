@@ -545,3 +545,15 @@ def test_without_the_files_the_identity_the_reference_last_had_answers(tmp_path)
     run = world.setup(factory=lambda: pytest.fail("the model was loaded")).bind("cirr", "val", None)
     run.describer("osrcir").describe(world.queries)
     assert run.summary()["model_identity"] == identities[2] and run.summary()["model_identity_source"] == "store"
+
+
+def test_an_engine_without_files_keys_by_the_identity_its_setup_states(tmp_path, caplog):
+    world = World(tmp_path)
+    engine = ScriptedEngine({})
+    for name in ("toy-a", "toy-a", "toy-b"):
+        with caplog.at_level(logging.WARNING, logger="demind.describe"):
+            run = MLLMSetup(lambda: engine, model="toy", engine_name="toy", content_identity=name,
+                            describe=DescribeOptions(store=str(world.store))).bind("cirr", "val", None)
+            run.describer("osrcir").describe(world.queries)
+    assert engine.requests == 2 and run.summary()["model_identity_source"] == "given"
+    assert not [r for r in caplog.records if "keyed by this name" in r.getMessage()]

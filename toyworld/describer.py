@@ -89,7 +89,8 @@ def toy_mllm_setup(cirr_root: str | Path, cirr_version: str, implicit_share: flo
 
         return ToySceneEngine(read_benchmark("cirr", cirr_root).groups[0].queries, cirr_version, implicit_share, noise)
 
-    return MLLMSetup(build, model=toy_model_id(cirr_version, implicit_share, noise), engine_name=ToySceneEngine.name)
+    model = toy_model_id(cirr_version, implicit_share, noise)  # a program without files: its name is its content
+    return MLLMSetup(build, model=model, engine_name=ToySceneEngine.name, content_identity=model)
 
 
 def toy_outcomes(cirr_root: str | Path, cirr_version: str, implicit_share: float,

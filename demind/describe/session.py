@@ -23,7 +23,9 @@ from demind.gen import Engine
 @dataclass
 class MLLMSetup:
     """``engine_factory`` builds the engine (called at most once, only when an answer is missing);
-    ``model`` / ``engine_name`` / ``dtype`` identify it without loading it (the stores' key)."""
+    ``model`` (``engine.model``: its files' content keys the answers), ``engine_name`` and ``dtype``
+    identify it without loading it. ``content_identity``: the identity of an engine that has no model
+    files (a program such as the toy world's MLLM, whose name states everything its answers depend on)."""
 
     engine_factory: Callable[[], Engine]
     model: str
@@ -31,6 +33,7 @@ class MLLMSetup:
     dtype: str = "auto"
     describe: DescribeOptions = field(default_factory=DescribeOptions)
     rerank: RerankOptions = field(default_factory=RerankOptions)
+    content_identity: str | None = None
 
     def __post_init__(self) -> None:
         self.engine = LazyEngine(self.engine_factory)  # shared by every split this setup is bound to
@@ -55,6 +58,8 @@ class MLLMRun:
         self.prompts = load_describer_prompts(self.options.prompts)
         self.memo = DigestMemo(root / "digests.jsonl" if root is not None else None)
         self.model = ModelIdentity(setup.model, self.memo, root)
+        if setup.content_identity is not None:
+            self.model.digest, self.model.source = f"given:{setup.content_identity}", "given"
         self._describers: dict[str, Describer] = {}
         self._verifier: MLLMVerifier | None = None
 

@@ -163,7 +163,8 @@ def model_files(folder: Path) -> list[Path]:
 class ModelIdentity:
     """The content identity of ``engine.model`` (see the module docstring): ``digest`` and ``source``
     -- ``"weights"`` (its files, hashed), ``"store"`` (recorded for this reference: the files are
-    not on this machine) or ``"name"`` (no files found even after loading: keyed by the reference)."""
+    not on this machine), ``"name"`` (no files found even after loading: keyed by the reference) or
+    ``"given"`` (stated by the caller for an engine without files: :class:`demind.describe.MLLMSetup`)."""
 
     def __init__(self, reference: str, memo: DigestMemo, root: Path | None) -> None:
         self.reference = reference
@@ -206,7 +207,7 @@ class ModelIdentity:
 
     def settle(self) -> str:
         """After the model loaded (its files may have just been downloaded): key by its content if found."""
-        if self.source not in ("weights", "memory") and not self._from_weights():
+        if self.source not in ("weights", "memory", "given") and not self._from_weights():
             log.warning("engine.model=%s: its files cannot be found to key answers by their content (no folder, not "
                         "in the Hugging Face cache); its answers are keyed by this name", self.reference)
             self.digest, self.source = f"name:{self.reference}", "name"

@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     for levels in NOISE_LEVELS:
         noise = ToyDescriberNoise(*levels)
         engine = ToySceneEngine(queries, cfg.cirr_version, cfg.cirr_implicit_share, noise)
-        setup = MLLMSetup(lambda: engine, model=engine.model_id, engine_name=engine.name)
+        setup = MLLMSetup(lambda: engine, model=engine.model_id, engine_name=engine.name,
+                          content_identity=engine.model_id)  # the toy MLLM has no files: its id states its content
         results = evaluate("cirr", folder, backbone=backbone, model=model, methods=methods, mllm=setup,
                            cache_dir=folder / "cache", batch_size=args.batch_size, progress=False)
         row = {m: {k: round(v, 1) for k, v in results["methods"][m].items() if k in ("R@1", "R@5", "R@10")}
