@@ -12,7 +12,9 @@ docs/negation.md ("ExclMM on the exclusion instrument"); it was written before t
 * Methods: CLIP text-only; CLIP with the exclusion clause deleted from the query text; CLIP + DEO
   (rule decomposer, exact); and, trained on the instrument's train split (configs/exclmm/toy.yaml):
   F_theta on CLIP embeddings (no stage 1), stage 1 only (no stage-2 step), ExclMM in the paper's
-  form (the defaults) and ExclMM with the earlier variants (``EARLIER_OVERRIDES``). Seeds change
+  form (``PAPER_OVERRIDES``; the first two rows use it too) and ExclMM with the earlier variants
+  (``EARLIER_OVERRIDES``, the defaults since this measurement). ``--diagnostics`` adds, post hoc,
+  the paper's form with one part at a time swapped for its earlier variant. Seeds change
   every trained phase's initialisation and batches; the data is fixed.
 * Metrics on the test split: the paper's eight, exclusion AUC and inclusion AUC
   (:func:`demind.eval.metrics.exclusion_aucs`), mean ± std over seeds.
@@ -42,16 +44,26 @@ import torch.nn.functional as F
 from demind.config import load_config
 from demind.eval import load_exclcoco
 from demind.eval import metrics as M
-from demind.exclmm.config import EARLIER_OVERRIDES
+from demind.exclmm.config import EARLIER_OVERRIDES, PAPER_OVERRIDES
 from demind.logs import setup_logging
 
 log = logging.getLogger("exclusion_instrument")
 ROOT = Path(__file__).resolve().parents[1]
 TRAINED = {
-    "F_θ on CLIP (no stage 1)": ["query.space=clip"],
-    "stage 1 only": ["query.steps=0"],
-    "ExclMM (paper's form)": [],
+    "F_θ on CLIP (no stage 1)": [*PAPER_OVERRIDES, "query.space=clip"],
+    "stage 1 only": [*PAPER_OVERRIDES, "query.steps=0"],
+    "ExclMM (paper's form)": PAPER_OVERRIDES,
     "ExclMM (earlier variants)": EARLIER_OVERRIDES,
+}
+# --diagnostics (added after the first run, not part of the design): the paper's form with one part
+# swapped for its earlier variant, to see which part makes the difference
+DIAGNOSTICS = {
+    "paper, Eq. 12 dot": [*PAPER_OVERRIDES, "space.contrastive=dot"],
+    "paper, image mask Top_t": [*PAPER_OVERRIDES, "space.image_mask=top_t"],
+    "paper, Eq. 13 masked": [*PAPER_OVERRIDES, "space.reconstruct=masked"],
+    "paper, Eq. 15 dot": [*PAPER_OVERRIDES, "query.contrastive=dot"],
+    "paper, earlier triplet": [*PAPER_OVERRIDES, "query.triplet=gt-vs-positive"],
+    "paper, w/o L_t": [*PAPER_OVERRIDES, "query.lambda_c=1.0"],
 }
 FIXED = ("CLIP text-only", "CLIP, clause deleted", "CLIP + DEO")
 # (method, reference): the paired tests in the table; the first two decide the headline
@@ -137,7 +149,8 @@ def gallery_features(backbone, files: dict, cache_dir: Path) -> torch.Tensor:
     return F.normalize(torch.stack([raw[i] for i in files]).float(), dim=-1)
 
 
-def train_variant(work: Path, name: str, seed: int, backbone, train_root: Path, settings: list[str]) -> Path:
+def train_variant(work: Path, name: str, seed: int, backbone, train_root: Path, settings: list[str],
+                  own: list[str]) -> Path:
     """Train (or reuse) one ExclMM run; the frozen features are computed once and copied."""
     from demind.exclmm.train import FEATURES_NAME, ExclMMConfig, train_exclmm
 
@@ -150,7 +163,7 @@ def train_variant(work: Path, name: str, seed: int, backbone, train_root: Path, 
     cfg = load_config(ExclMMConfig, ROOT / "configs/exclmm/toy.yaml", [
         f"backbone.name={backbone.cfg.name}", f"backbone.pretrained={backbone.cfg.pretrained}",
         f"data.train={train_root}", f"data.cache_dir={work / 'feature_cache'}", f"run.output_dir={run}",
-        f"run.seed={seed}", "run.progress=false", *settings, *TRAINED[name]])  # the method's own settings win
+        f"run.seed={seed}", "run.progress=false", *settings, *own])  # the method's own settings win
     export = train_exclmm(cfg, backbone)
     if not shared.is_file():
         shutil.copy(run / FEATURES_NAME, shared)
@@ -166,8 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--instrument", nargs="*", default=[], metavar="KEY=VALUE", help="InstrumentConfig overrides")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", dest="settings",
                    help="ExclMMConfig overrides for every trained run (before the method's own)")
+    p.add_argument("--diagnostics", action="store_true",
+                   help="also the paper's form with one part swapped for its earlier variant (post hoc)")
     args = p.parse_args(argv)
-    setup_logging()
+    setup_logging(packages=("toyworld", log.name))
     torch.set_num_threads(1)
     from demind.exclmm import load_exclmm
     from demind.retrieval.methods import ExclMMQuery, build_methods
@@ -193,16 +208,18 @@ def main(argv: list[str] | None = None) -> int:
              "CLIP + DEO": evaluate_scores(method_scores(deo, texts, gallery), truth, hard)}
     runs: dict[str, list[dict]] = {name: [fixed[name]] * len(args.seeds) for name in FIXED}
     seconds: dict[str, list[float]] = {}
-    for name in TRAINED:
+    trained = {**TRAINED, **(DIAGNOSTICS if args.diagnostics else {})}
+    for name, own in trained.items():
         runs[name] = []
         for seed in args.seeds:
             started = time.perf_counter()
-            export = train_variant(work, name, seed, backbone, root / "train", args.settings)
+            export = train_variant(work, name, seed, backbone, root / "train", args.settings, own)
             seconds.setdefault(name, []).append(time.perf_counter() - started)
             method = ExclMMQuery(backbone, load_exclmm(export, backbone.identity))
             runs[name].append(evaluate_scores(method_scores(method, texts, gallery), truth, hard))
             log.info("%s seed %d: %s", name, seed, {k: round(v, 3) for k, v in runs[name][-1]["means"].items()})
-    tests = {f"{a} vs {b}": [paired(x, y) for x, y in zip(runs[a], runs[b])] for a, b in COMPARISONS}
+    comparisons = COMPARISONS + tuple((d, "ExclMM (paper's form)") for d in DIAGNOSTICS if d in runs)
+    tests = {f"{a} vs {b}": [paired(x, y) for x, y in zip(runs[a], runs[b])] for a, b in comparisons}
     table = format_report(runs, tests, gate, len(texts), len(image_ids), args.seeds, data)
     print(table)
     work.mkdir(parents=True, exist_ok=True)

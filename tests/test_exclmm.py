@@ -154,24 +154,28 @@ def test_train_end_to_end_and_evaluate(repo_root, train_split, tmp_path, capsys)
         load_exclmm(export, {"name": "other"})
 
 
-def test_earlier_variants_train_and_score_by_dot_product(repo_root, train_split, tmp_path):
-    """The earlier variants (dot products, Top_t image mask, ground truth vs positive triplet) stay
-    selectable; the paper's form scores by cosine, the earlier one by dot product."""
+def test_paper_form_trains_and_scores_by_cosine(repo_root, train_split, tmp_path):
+    """The paper's form (Eq. 12/15 normalised and symmetric, z_c OR Top_t image mask, unmasked
+    reconstruction, Eq. 16 with the positive query encoded) trains end to end and ranks by cosine;
+    the default (earlier) form ranks by dot product."""
     from demind.exclmm import load_exclmm
-    from demind.exclmm.config import EARLIER_OVERRIDES
+    from demind.exclmm.config import PAPER_OVERRIDES
 
-    assert cli.main(smoke_args(repo_root, train_split, tmp_path / "old", *EARLIER_OVERRIDES)) == 0
-    model = load_exclmm(tmp_path / "old" / "exclmm.safetensors")
-    assert model.cfg["query"]["triplet"] == "gt-vs-positive" and not model.cosine_scores
-    codes = model.encode_images(torch.randn(3, model.sae.encoder.weight.shape[1]))
-    assert (codes >= 0).all()
-    model.cfg["query"]["contrastive"] = "paper"
+    assert cli.main(smoke_args(repo_root, train_split, tmp_path / "paper", *PAPER_OVERRIDES)) == 0
+    model = load_exclmm(tmp_path / "paper" / "exclmm.safetensors")
+    assert model.cfg["query"]["triplet"] == "paper" and model.cfg["space"]["image_mask"] == "zc_or_top_t"
     assert model.cosine_scores
     codes = model.encode_images(torch.randn(3, model.sae.encoder.weight.shape[1]))
-    assert torch.allclose(codes.norm(dim=-1), torch.ones(3), atol=1e-5) or (codes.norm(dim=-1) == 0).any()
-    feats = load_features(tmp_path / "old" / FEATURES_NAME)
+    norms = codes.norm(dim=-1)
+    assert torch.all((norms - 1).abs() < 1e-5) or (norms == 0).any()
+    lines = [json.loads(x) for x in (tmp_path / "paper" / "metrics.jsonl").read_text().splitlines()]
+    assert any(x["phase"] == "query" and x["tri"] > 0 for x in lines)  # Eq. 16 was active
+    model.cfg["query"]["contrastive"] = "dot"
+    assert not model.cosine_scores
+    feats = load_features(tmp_path / "paper" / FEATURES_NAME)
     assert feats["positive_queries"].shape == feats["queries"].shape  # Eq. 16's encoded positive caption
     assert len(feats["positive_words"]) == len(feats["queries"])
+
 
 
 def test_bad_input_is_one_clear_line(repo_root, tmp_path, capsys):

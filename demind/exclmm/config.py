@@ -19,9 +19,11 @@ TRIPLET_FORMS = ("paper", "gt-vs-positive")
 # what an export written before these options existed was trained with
 EARLIER_FORMS = {"space": {"contrastive": "dot", "image_mask": "top_t", "reconstruct": "masked"},
                  "query": {"contrastive": "dot", "triplet": "gt-vs-positive", "triplet_margin": 1.0}}
-# the earlier variants in one override list (benchmarks, ablations)
+# the two forms as override lists (benchmarks, ablations)
 EARLIER_OVERRIDES = ["space.contrastive=dot", "space.image_mask=top_t", "space.reconstruct=masked",
                      "query.contrastive=dot", "query.triplet=gt-vs-positive"]
+PAPER_OVERRIDES = ["space.contrastive=paper", "space.image_mask=zc_or_top_t", "space.reconstruct=unmasked",
+                   "query.contrastive=paper", "query.triplet=paper"]
 
 
 def form_of(cfg: dict, section: str, key: str) -> str:
@@ -57,13 +59,15 @@ class SpaceConfig:
     hidden: int = 1024
     top_t: int = 32                 # Top_t of the masks
     zc_mask: bool = True            # False: mask = Top_t only (the "without z_c" ablation)
-    # the paper's forms (defaults) beside the earlier variants; see demind/exclmm/__init__.py
-    contrastive: str = setting("paper", choices=CONTRASTIVE_FORMS,
+    # the paper's forms beside the earlier variants (demind/exclmm/__init__.py). The defaults are the
+    # earlier variants: on the exclusion instrument they beat the paper's form on every seed on
+    # exclusion AUC and AP@5 (docs/negation.md, "ExclMM on the exclusion instrument")
+    contrastive: str = setting("dot", choices=CONTRASTIVE_FORMS,
                                help="Eq. 12: paper = l2-normalised, symmetric; dot = unnormalised dot product")
-    image_mask: str = setting("zc_or_top_t", choices=IMAGE_MASKS,
+    image_mask: str = setting("top_t", choices=IMAGE_MASKS,
                               help="Eq. 8 in training: zc_or_top_t = the caption's z_c OR Top_t (paper); "
                                    "top_t = Top_t alone. At retrieval an image has no caption: Top_t alone")
-    reconstruct: str = setting("unmasked", choices=RECONSTRUCT_FROM,
+    reconstruct: str = setting("masked", choices=RECONSTRUCT_FROM,
                                help="Eq. 13's decoders read E^d (unmasked, paper) or the masked code")
     steps: int = 2000
     batch_size: int = 256
@@ -86,9 +90,9 @@ class QueryConfig:
     margin: float = 1.0             # sparse space (one active dimension's worth)
     clip_tau: float = 0.01          # clip space (cosine; CLIP's trained scale 100)
     clip_margin: float = 0.1
-    contrastive: str = setting("paper", choices=CONTRASTIVE_FORMS,
+    contrastive: str = setting("dot", choices=CONTRASTIVE_FORMS,
                                help="Eq. 15: paper = l2-normalised, symmetric; dot = one direction, dot product")
-    triplet: str = setting("paper", choices=TRIPLET_FORMS,
+    triplet: str = setting("gt-vs-positive", choices=TRIPLET_FORMS,
                            help="Eq. 16: paper = max(0, d(ip, exc_cp) - d(ip, exc_cx) + m), cosine distance, the "
                                 "positive query encoded; gt-vs-positive = max(0, m - s(q, gt) + s(q, ip))")
     triplet_margin: float = 0.2     # m of the paper's Eq. 16 (a cosine distance; the paper gives no value)

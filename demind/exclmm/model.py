@@ -11,9 +11,10 @@
   F_theta is the identity (stage-1 retrieval).
 
 All inputs are L2-normalised CLIP embeddings (the scale of raw CLIP features differs across
-backbones). Similarity in the sparse space is the dot product (Eq. 12 at tau = 1, Eq. 18):
-codes lie in [0, 1]^d and only about t + |z_c| entries are non-zero, so logits lie in
-[0, ~t]: a usable softmax at tau = 1, which a cosine (logits in [-1, 1]) would not give.
+backbones). Similarity in the sparse space is, in the earlier form (the default), the dot product
+(Eq. 12 at tau = 1, Eq. 18): codes lie in [0, 1]^d and only about t + |z_c| entries are non-zero,
+so logits lie in [0, ~t]: a usable softmax at tau = 1, which a cosine (logits in [-1, 1]) would
+not give. The paper's form (``query.contrastive=paper``) uses the cosine, as the paper writes it.
 """
 
 from __future__ import annotations
