@@ -164,6 +164,14 @@ def _(tmp: Path, request) -> None:
     assert 0 < reuse["prompt_tokens_per_candidate"] <= full["prompt_tokens_per_candidate"]
 
 
+@row("benchmarks.bench_answer_store")
+def _(tmp: Path, request) -> None:
+    run("benchmarks.bench_answer_store", ["--weights-mb", 2, "--queries", 3, "--json", tmp / "o.json"])
+    out = read_json(tmp / "o.json")
+    assert (out["weights_mb"], out["queries"]) == (2, 3)
+    positive([out["first_run_s"], out["rerun_with_memo_s"], out["rerun_without_memo_s"], out["memo_speedup"]])
+
+
 @row("benchmarks.bench_distributed_gen", slow=True)
 def _(tmp: Path, request) -> None:
     pytest.importorskip("ray", reason="bench_distributed_gen needs the '.[distributed]' extra")
