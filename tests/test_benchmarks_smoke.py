@@ -344,6 +344,21 @@ def _(tmp: Path, request) -> None:
         assert 0 <= m["auroc"] <= 1 and 0 < m["noisy"] < m["samples"]
 
 
+@row("benchmarks.conesep_triplets", slow=True)
+def _(tmp: Path, request) -> None:
+    run("benchmarks.conesep_triplets", ["--workdir", tmp / "w", "--train-sets", 12, "--test-sets", 3, "--epochs", 2,
+                                        "--seeds", 0, "--rates", 0, 0.5, "--modes", "none", "conesep",
+                                        "--set", "optim.batch_size=8"])
+    out = read_json(tmp / "w" / "conesep_triplets.json")
+    rows = {(r["kind"], r["rate"], r["mode"]) for r in out["rows"]}
+    assert rows == {(k, r, m) for k, r in (("easy", 0.0), ("easy", 0.5), ("hard", 0.5)) for m in ("none", "conesep")}
+    for r in out["rows"]:
+        percent([r[m][0] for m in ("R@1", "R@5", "R@10", "Rsubset@1", "Avg")])
+    (test,) = [r for r in out["rows"] if r["mode"] == "conesep" and r["kind"] == "hard"]
+    assert test["vs_none"][0]["better"] >= 0 and 0 < test["vs_none"][0]["p"] <= 1
+    assert "| easy 50 % | conesep |" in (tmp / "w" / "conesep_triplets.md").read_text()
+
+
 @row("benchmarks.noise_retrieval", slow=True)
 def _(tmp: Path, request) -> None:
     toy_world = request.getfixturevalue("toy_world")
