@@ -20,6 +20,9 @@ def build_engine(engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, *, devi
     if engine_cfg.name not in ("transformers", "vllm"):
         raise InputError(f"engine.name must be 'vllm' or 'transformers', got {engine_cfg.name!r}")
     check_engine_model(engine_cfg.model)
+    # what the model's files cause: OSError (not found, not fetched), and from transformers' Auto*
+    # classes ValueError (unknown architecture, no processor); vLLM's ValueErrors are about memory and sizes
+    file_errors = (OSError, ValueError) if engine_cfg.name == "transformers" else (OSError,)
     try:
         if engine_cfg.name == "transformers":
             from demind.gen.engines.transformers_engine import TransformersEngine
@@ -30,7 +33,7 @@ def build_engine(engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, *, devi
         return VLLMEngine(engine_cfg, sampling_cfg, seed=seed)
     except DemindError:
         raise
-    except (OSError, ValueError) as e:  # transformers' "cannot find / cannot read the model's files"
+    except file_errors as e:
         raise engine_load_error(engine_cfg.model, engine_cfg.name, e) from e
 
 
