@@ -126,7 +126,10 @@ def label_gate(backbone, gallery: torch.Tensor, instances_path: Path, image_ids:
 
 def paired(a: dict, b: dict) -> dict:
     """Sign test on per-query AP@5, Wilcoxon on per-query exclusion and inclusion AUC (a vs b)."""
-    from scipy.stats import wilcoxon
+    try:
+        from scipy.stats import wilcoxon
+    except ImportError as e:  # scipy comes with the robust extra (scikit-learn)
+        raise SystemExit("error: the Wilcoxon test needs scipy: pip install -e .[robust] (or pip install scipy)") from e
 
     ap_a, ap_b = a["per_query"]["AP@5"], b["per_query"]["AP@5"]
     better = sum(x > y for x, y in zip(ap_a, ap_b))
@@ -179,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--instrument", nargs="*", default=[], metavar="KEY=VALUE", help="InstrumentConfig overrides")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", dest="settings",
                    help="ExclMMConfig overrides for every trained run (before the method's own)")
+    p.add_argument("--trained", nargs="*", default=list(TRAINED), choices=list(TRAINED), metavar="METHOD",
+                   help=f"trained rows to run (default all: {', '.join(TRAINED)}); the paired tests need "
+                        "the rows they compare")
     p.add_argument("--diagnostics", action="store_true",
                    help="also the paper's form with one part swapped for its earlier variant (post hoc)")
     args = p.parse_args(argv)
@@ -208,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
              "CLIP + DEO": evaluate_scores(method_scores(deo, texts, gallery), truth, hard)}
     runs: dict[str, list[dict]] = {name: [fixed[name]] * len(args.seeds) for name in FIXED}
     seconds: dict[str, list[float]] = {}
-    trained = {**TRAINED, **(DIAGNOSTICS if args.diagnostics else {})}
+    trained = {**{n: TRAINED[n] for n in args.trained}, **(DIAGNOSTICS if args.diagnostics else {})}
     for name, own in trained.items():
         runs[name] = []
         for seed in args.seeds:
@@ -218,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
             method = ExclMMQuery(backbone, load_exclmm(export, backbone.identity))
             runs[name].append(evaluate_scores(method_scores(method, texts, gallery), truth, hard))
             log.info("%s seed %d: %s", name, seed, {k: round(v, 3) for k, v in runs[name][-1]["means"].items()})
-    comparisons = COMPARISONS + tuple((d, "ExclMM (paper's form)") for d in DIAGNOSTICS if d in runs)
+    comparisons = tuple((a, b) for a, b in COMPARISONS if a in runs and b in runs) + tuple(
+        (d, "ExclMM (paper's form)") for d in DIAGNOSTICS if d in runs and "ExclMM (paper's form)" in runs)
     tests = {f"{a} vs {b}": [paired(x, y) for x, y in zip(runs[a], runs[b])] for a, b in comparisons}
     table = format_report(runs, tests, gate, len(texts), len(image_ids), args.seeds, data)
     print(table)

@@ -64,3 +64,20 @@ def test_instrument_balances_hard_negatives_and_ground_truth(tmp_path):
     marker = (root / "instrument.json").stat().st_mtime_ns
     write_instrument(tmp_path / "inst", cfg, progress=False)  # done: reused, not rewritten
     assert (root / "instrument.json").stat().st_mtime_ns == marker
+
+
+def test_paired_tests_by_hand():
+    from scipy.stats import wilcoxon
+
+    from benchmarks.exclusion_instrument import paired
+
+    a = {"per_query": {"AP@5": [1.0, 0.5, 0.2, 0.2], "exclusion AUC": [0.9, 0.8, 0.7, 0.6],
+                       "inclusion AUC": [0.5, 0.5, 0.5, 0.5]}}
+    b = {"per_query": {"AP@5": [0.5, 0.5, 0.1, 0.4], "exclusion AUC": [0.5, 0.5, 0.5, 0.7],
+                       "inclusion AUC": [0.5, 0.5, 0.5, 0.5]}}
+    out = paired(a, b)
+    assert out["AP@5 better/worse"] == [2, 1]  # the tie is dropped
+    assert out["AP@5 sign p"] == pytest.approx(1.0)  # 2 of 3: P(split at least this uneven) = 2 * 4/8
+    assert out["exclusion AUC diff"] == pytest.approx((0.4 + 0.3 + 0.2 - 0.1) / 4)
+    assert out["exclusion AUC Wilcoxon p"] == pytest.approx(wilcoxon([0.4, 0.3, 0.2, -0.1]).pvalue)
+    assert out["inclusion AUC Wilcoxon p"] == 1.0 and out["inclusion AUC diff"] == 0.0  # all equal: no test
