@@ -8,6 +8,8 @@ Entry point: ``data_gen/run.py``. Library pieces: :mod:`.shards` (ranges, plan),
 # The face other packages import (the rest of demind.gen is private to it; demind/cli wires the job).
 from demind.gen.engines.base import Engine, GenRequest, GenResult, request_seed
 from demind.gen.exclusion import llm_query_writer
+from demind.gen.model_ref import local_model_folder
 from demind.gen.prompts import render, user_turn
 
-__all__ = ["Engine", "GenRequest", "GenResult", "llm_query_writer", "render", "request_seed", "user_turn"]
+__all__ = ["Engine", "GenRequest", "GenResult", "llm_query_writer", "local_model_folder", "render", "request_seed",
+           "user_turn"]

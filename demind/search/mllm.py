@@ -25,7 +25,7 @@ from typing import Any
 
 from PIL import Image
 
-from demind.describe.store import pixel_digest
+from demind.describe import pixel_digest
 from demind.retrieval import RERANK_SUFFIX, ImageRef, Query
 
 log = logging.getLogger(__name__)
