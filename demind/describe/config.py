@@ -27,8 +27,8 @@ class DescribeOptions:
     ensemble_tau: float = setting(0.05, gt=0, help="ensemble weights: softmax(consensus / tau), see docs/mllm.md")
     hybrid_weight: float = setting(0.5, ge=0, le=1, help="demind+mllm: (1 - w) De-MINDS query + w description")
     hybrid_describer: str = setting("osrcir", choices=DESCRIBERS, help="the describer demind+mllm uses")
-    store: str | None = setting(None, help="descriptions store root (default CACHE_DIR/descriptions, else "
-                                           "OUT/descriptions)")
+    store: str | None = setting(None, help="store of MLLM answers, keyed by content (default CACHE_DIR/descriptions, "
+                                           "else OUT/descriptions; in search INDEX/descriptions); must be writable")
 
     def config_problems(self) -> list[tuple[str, str]]:
         if self.samples > 1 and self.temperature == 0:
