@@ -557,3 +557,14 @@ def test_an_engine_without_files_keys_by_the_identity_its_setup_states(tmp_path,
             run.describer("osrcir").describe(world.queries)
     assert engine.requests == 2 and run.summary()["model_identity_source"] == "given"
     assert not [r for r in caplog.records if "keyed by this name" in r.getMessage()]
+
+
+def test_a_store_of_the_older_layout_is_not_read_and_says_so(tmp_path, caplog):
+    world = World(tmp_path)
+    old = world.store / "cirr-val" / "osrcir" / "v1@6e82bbb978e0" / "llava-1a2b3c4d5e"
+    old.mkdir(parents=True)
+    (old / "store.json").write_text('{"format": "demind-descriptions/1"}')
+    (old / "part-00000.json").write_text('{"format": "demind-descriptions/1", "records": {"q1#0": {}}}')
+    with caplog.at_level(logging.WARNING, logger="demind.describe"):
+        assert world.describe_requests() == 1
+    assert [r for r in caplog.records if "older layout" in r.getMessage() and str(old) in r.getMessage()]

@@ -315,6 +315,11 @@ class AnswerStore:
         _read_store_meta(self.root)
         for part in sorted(self.folder.glob("part-*.json")):
             self._read_part(part)
+        older = sorted(self.root.glob(f"*/{self.kind}/*/*/store.json"))  # <benchmark>-<split>/<kind>/<prompt>/<model>/
+        if older:
+            log.warning("%s holds %d %s store(s) of an older layout (answers keyed by query id, not by what they depend "
+                        "on, e.g. %s): they are not read, so their answers are asked again; delete them when done",
+                        self.root, len(older), self.kind, older[0].parent)
 
     def _read_part(self, part: Path) -> None:
         try:
