@@ -31,8 +31,7 @@ from demind.eval.exclusion import read_exclusion
 from demind.eval.fashioniq import read_fashioniq
 from demind.retrieval import ImageFeatureCache, encode_image_refs, stack_features
 from demind.eval.imagenet_r import read_imagenet_r
-from demind.retrieval import RERANK_SUFFIX, RetrievalMethod, build_methods, parse_method_names
-from demind.retrieval.names import split_rerank_requests
+from demind.retrieval import RERANK_SUFFIX, RetrievalMethod, build_methods, parse_method_names, split_rerank_requests
 from demind.retrieval.methods import checkpoint_kind
 from demind.eval.reports import write_reports
 from demind.retrieval import ImageRef

@@ -20,14 +20,14 @@ modules.
 from demind.lazy import lazy_exports
 
 __getattr__, __dir__ = lazy_exports(__name__, {
-    "demind.retrieval.refs": ["IMAGE_EXTENSIONS", "RESIZE_MODES", "ImageReadError", "ImageRef", "Query",
-                              "canonical_name", "load_image", "strip_image_extension"],
+    "demind.retrieval.refs": ["IMAGE_EXTENSIONS", "LEFT_OUT_ADVICE", "RESIZE_MODES", "ImageReadError", "ImageRef",
+                              "Query", "canonical_name", "load_image", "reword", "strip_image_extension"],
     "demind.retrieval.cache": ["DamagedPartError", "EncodeStats", "ImageFeatureCache", "ImageRefDataset",
                                "backbone_cache_slug", "encode_image_refs", "image_transforms", "squash_preprocess",
                                "stack_features"],
     "demind.retrieval.names": ["CHECKPOINT_METHODS", "COMBINER_METHODS", "unavailable_methods", "DEO_BASES", "DEO_METHODS", "EXCLMM_METHODS", "METHOD_LABELS",
                                "METHODS", "ON_REQUEST_METHODS", "RERANK_SUFFIX", "DESCRIBED_METHODS",
-                               "HYBRID_METHOD", "MLLM_METHODS"],
+                               "HYBRID_METHOD", "MLLM_METHODS", "split_rerank_requests"],
     "demind.retrieval.methods": ["NEGATIVE_TEMPLATE", "CombinerQuery", "DEOMethod", "DeMindsQuery", "ImageOnly", "ImagePlusText",
                                  "MappingOnly", "Oracle", "RetrievalMethod", "TextOnly", "build_methods", "checkpoint_kind",
                                  "method_label", "parse_method_names", "split_deo_name"],
@@ -43,5 +43,5 @@ __all__ = [
     "ImageReadError", "ImageRef", "ImageRefDataset", "MappingOnly", "Oracle", "Query", "RetrievalMethod", "TextOnly",
     "backbone_cache_slug", "build_methods", "canonical_name", "encode_image_refs", "image_transforms", "load_image",
     "method_label", "parse_method_names", "split_deo_name", "squash_preprocess", "stack_features",
-    "strip_image_extension",
+    "strip_image_extension", "LEFT_OUT_ADVICE", "reword", "split_rerank_requests",
 ]

@@ -34,8 +34,7 @@ from demind.errors import DemindError
 from demind import retrieval as registry
 from demind.retrieval import (CHECKPOINT_METHODS, EXCLMM_METHODS, METHOD_LABELS, METHODS, MLLM_METHODS,
                               ON_REQUEST_METHODS, RERANK_SUFFIX, build_methods, parse_method_names)
-from demind.retrieval import ImageReadError, ImageRef, load_image
-from demind.retrieval.refs import reword
+from demind.retrieval import ImageReadError, ImageRef, load_image, reword
 from demind.imaging import ImageDecodeError, ImageTooLargeError, decode_image
 from demind.model import DeMinds, TemplateError, fill_template, template_field
 from demind.search.index import GalleryIndex, check_index_backbone
