@@ -722,6 +722,25 @@ def limited_results(i: Inputs) -> Path:
                      "--out", str(out), "--num-workers", "0", "run.progress=false", *ckpt(i)]) == 0
     return out / "results.json"
 
+def gallery_file_gone(i: Inputs) -> list[str]:
+    """An index of a copy of :attr:`Inputs.gallery` whose img1.png and img2.png were deleted after
+    indexing, and a query file: a plain query, then a +rerank one (its top 2 are the deleted files)."""
+    import shutil
+
+    from demind.cli.index import main
+
+    gallery, index = i.root / "gallery-gone", i.root / "ix-gone"
+    if not index.is_dir():
+        shutil.copytree(i.gallery, gallery)
+        assert main(["--images", str(gallery), "--index", str(index), "--num-workers", "0", "run.progress=false",
+                     *ckpt(i)]) == 0
+        (gallery / "img1.png").unlink()
+        (gallery / "img2.png").unlink()
+    queries = i.write("gone.jsonl", "\n".join(json.dumps({"image": str(gallery / "img0.png"), "text": "make it red",
+                                                          "method": method}) for method in ("demind", "demind+rerank")))
+    return ["--index", str(index), "--queries", str(queries), "engine.name=transformers",
+            f"engine.model={i.root / 'no-llava-needed'}", "rerank.k=2", "run.progress=false", *ckpt(i)]
+
 def offline_with_an_empty_hub_cache(i: Inputs, monkeypatch) -> None:
     """HF_HUB_OFFLINE=1 with a Hugging Face cache that holds nothing (a Hub id must come from the cache)."""
     import huggingface_hub.constants as constants
@@ -751,6 +770,9 @@ ROWS += [Row("demind-eval", "METHOD+rerank without rerank.k",
              lambda i: ["--benchmark", "cirr", "--data-root", str(i.cirr), "--out", str(i.root / "ev-rerank"),
                         "--methods", "osrcir+rerank", "engine.name=transformers", *ckpt(i)],
              lambda i: ["'osrcir+rerank'", "rerank.k"])]
+ROWS += [Row("demind-search", "gallery file deleted after indexing, +rerank query", gallery_file_gone,
+             lambda i: ["1 of 2 queries could not be answered", "img1.png", "update the index with demind-index"],
+             expect="skip", codes=(1,))]
 ROWS += [Row("demind-publish", "results of a limited run",
              lambda i: ["--checkpoint", str(i.checkpoint), "--out", str(i.root / "pub-limited"), "--results",
                         str(limited_results(i))], lambda i: ["ev-limited", "results.json", "--limit 1"])]
