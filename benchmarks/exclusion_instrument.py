@@ -31,6 +31,7 @@ every ExclMM run's recipe (a smaller run for a smoke test).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import shutil
@@ -174,6 +175,19 @@ def train_variant(work: Path, name: str, seed: int, backbone, train_root: Path, 
     return export
 
 
+def quickstart_config(folder: Path):
+    """The QuickstartConfig of a finished quickstart run folder (its results.json), so its toy CLIP is
+    reused as trained; without one, the default recipe (the shipped weights, expanded into it)."""
+    from toyworld.pipeline import QuickstartConfig
+
+    if (folder / "results.json").is_file():
+        from benchmarks.noise_common import source_config
+
+        return dataclasses.replace(source_config(folder), workdir=str(folder))
+    log.info("%s has no results.json: the default toy CLIP (shipped weights) is set up there", folder)
+    return QuickstartConfig(workdir=str(folder))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quickstart", default="runs/quickstart", help="the quickstart's run folder (its toy CLIP)")
@@ -193,11 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     from demind.exclmm import load_exclmm
     from demind.retrieval.methods import ExclMMQuery, build_methods
     from toyworld.exclusion_instrument import InstrumentConfig, write_instrument
-    from toyworld.pipeline import QuickstartConfig, prepare_backbone
+    from toyworld.pipeline import prepare_backbone
 
     work = Path(args.workdir)
     root = write_instrument(work / "instrument", load_config(InstrumentConfig, None, args.instrument), progress=False)
-    backbone, _, _ = prepare_backbone(QuickstartConfig(workdir=args.quickstart))
+    backbone, _, _ = prepare_backbone(quickstart_config(Path(args.quickstart)))
     data, files = load_exclcoco(root / "test")
     image_ids = list(files)
     row = {i: k for k, i in enumerate(image_ids)}

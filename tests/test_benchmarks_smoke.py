@@ -334,6 +334,25 @@ def _(tmp: Path, request) -> None:
     assert "| ExclMM |" in (tmp / "w" / "table.md").read_text()
 
 
+@row("benchmarks.exclusion_instrument")
+def _(tmp: Path, request) -> None:
+    toy_world = request.getfixturevalue("toy_world")
+    steps = [f"{phase}.{key}={value}" for phase in ("sae", "space", "query") for key, value in (("steps", 2), ("batch_size", 8))]
+    run("benchmarks.exclusion_instrument", ["--quickstart", toy_world, "--workdir", tmp / "w", "--seeds", 0,
+                                            "--instrument", "train_scenes_per_triple=1", "test_scenes_per_triple=1",
+                                            "image_size=24", "--set", *steps])
+    out = read_json(tmp / "w" / "results.json")
+    assert set(out["gate"]) == {"red circle", "green square", "blue triangle", "yellow star", "purple cross",
+                                "orange diamond", "pink hexagon"} and all(0 <= v <= 1 for v in out["gate"].values())
+    assert len(out["means"]) == 7 and all(len(runs) == 1 for runs in out["means"].values())
+    for runs in out["means"].values():
+        assert 0 <= runs[0]["exclusion AUC"] <= 1 and 0 <= runs[0]["inclusion AUC"] <= 1
+        percent({k: v for k, v in runs[0].items() if "AUC" not in k})
+    test = out["paired"]["ExclMM (paper's form) vs CLIP + DEO"][0]
+    assert 0 < test["AP@5 sign p"] <= 1 and 0 < test["exclusion AUC Wilcoxon p"] <= 1
+    assert "| CLIP + DEO |" in (tmp / "w" / "table.md").read_text()
+
+
 @row("benchmarks.noise_detection", slow=True)
 def _(tmp: Path, request) -> None:
     toy_world = request.getfixturevalue("toy_world")
