@@ -38,6 +38,7 @@ from demind.config import load_config
 from demind.eval import evaluate, load_exclcoco
 from demind.eval import metrics as M
 from demind.exclmm import load_exclmm
+from demind.exclmm.config import PAPER_OVERRIDES
 from demind.exclmm.train import FEATURES_NAME, ExclMMConfig, train_exclmm
 from demind.logs import setup_logging
 from toyworld.benchmarks import ToyBenchmarkConfig, write_benchmarks
@@ -48,6 +49,7 @@ log = logging.getLogger("exclmm_toy")
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {
     "ExclMM": [],
+    "ExclMM (paper's form)": PAPER_OVERRIDES,  # Eq. 12/15 normalised, z_c OR Top_t image mask, Eq. 16 as written
     "w/o L_t": ["query.lambda_c=1.0"],
     "w/o L_c": ["query.lambda_c=0.0"],
     "w/o z_c mask": ["space.zc_mask=false"],

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import shutil
 import statistics
@@ -46,6 +45,7 @@ from demind.config import load_config
 from demind.eval import load_exclcoco
 from demind.eval import metrics as M
 from demind.exclmm.config import EARLIER_OVERRIDES, PAPER_OVERRIDES
+from demind.io import write_json_atomic, write_text_atomic
 from demind.logs import setup_logging
 
 log = logging.getLogger("exclusion_instrument")
@@ -243,12 +243,11 @@ def main(argv: list[str] | None = None) -> int:
     tests = {f"{a} vs {b}": [paired(x, y) for x, y in zip(runs[a], runs[b])] for a, b in comparisons}
     table = format_report(runs, tests, gate, len(texts), len(image_ids), args.seeds, data)
     print(table)
-    work.mkdir(parents=True, exist_ok=True)
-    (work / "table.md").write_text(table + "\n")
+    write_text_atomic(work / "table.md", table + "\n")
     summary = {"gate": gate, "seeds": args.seeds, "queries": len(texts), "images": len(image_ids),
                "means": {n: [r["means"] for r in rs] for n, rs in runs.items()}, "paired": tests,
                "train_seconds": seconds, "per_query": {n: [r["per_query"] for r in rs] for n, rs in runs.items()}}
-    (work / "results.json").write_text(json.dumps(summary, indent=1))
+    write_json_atomic(work / "results.json", summary, indent=1)
     return 0
 
 
