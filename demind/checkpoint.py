@@ -217,10 +217,10 @@ def load_checkpoint(path: str | Path, backbone: FrozenCLIP, meta: dict | None = 
 def build_model(model_config: dict, backbone: FrozenCLIP):
     """The untrained model a checkpoint's recorded config describes: De-MINDS, or a combiner trained on
     triplets (``architecture: combiner``, :mod:`demind.triplets`)."""
-    from demind.triplets.combiner import is_combiner_config
+    from demind.combiner import is_combiner_config
 
     if is_combiner_config(model_config):
-        from demind.triplets.combiner import Combiner, CombinerConfig
+        from demind.combiner import Combiner, CombinerConfig
 
         return Combiner(from_dict(CombinerConfig, model_config), backbone)
     return DeMinds(from_dict(ModelConfig, model_config), backbone)

@@ -151,3 +151,17 @@ class NoiseConfig:
             return [("mode", "= 'conesep' needs POT for the Sinkhorn solver: pip install pot "
                              "(or pip install -e '.[robust]')")]
         return []
+
+
+COMBINER_ARCHITECTURE = "combiner"
+
+
+@dataclass
+class CombinerConfig:
+    """The combiner's sizes (:mod:`demind.combiner`; trained on triplets by :mod:`demind.triplets`)."""
+
+    architecture: str = setting(COMBINER_ARCHITECTURE, choices=(COMBINER_ARCHITECTURE,), help="fixed: tells checkpoints apart")
+    embed_dim: int = setting(0, ge=0, help="feature size D (0: the backbone's)")
+    projection_dim: int = setting(256, ge=1, help="P, each modality's projection")
+    hidden_dim: int = setting(512, ge=1, help="H, the mixing MLP's width")
+    dropout: float = setting(0.1, ge=0.0, lt=1.0, help="dropout after the projections and the mixing layer")

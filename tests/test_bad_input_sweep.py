@@ -414,6 +414,18 @@ ROWS: list[Row] = [
     Row("demind-train-exclmm", "state truncated",
         lambda i: exclmm_args(i, i.exclcoco_train, damage(i.folder("exclmm-d"), "state.safetensors", b"\x08\x00")),
         lambda i: ["exclmm-d", "state.safetensors"]),
+    *config_rows("demind-train-triplets"),
+    Row("demind-train-triplets", "triplet file missing", lambda i: triplet_args(i, i.root / "no-triplets.jsonl"),
+        lambda i: ["no-triplets.jsonl"]),
+    Row("demind-train-triplets", "triplet line without a target",
+        lambda i: triplet_args(i, i.write("trip-a/t.jsonl", '{"reference": "a.png", "modification": "x"}\n')),
+        lambda i: ["t.jsonl:1", "'target'"]),
+    Row("demind-train-triplets", "triplet image missing",
+        lambda i: triplet_args(i, i.write("trip-b/t.csv", "reference,modification,target\ngone.png,x,gone.png\n")),
+        lambda i: ["t.csv:2", "gone.png"]),
+    Row("demind-train-triplets", "CIRR train captions missing",
+        lambda i: triplet_args(i, i.folder("cirr-train-none"), "data.source=cirr"),
+        lambda i: ["cap.rc2.train.json"]),
     # ------------------------------------------------------------------ reports
     *config_rows("demind-negation-report"),
     Row("demind-negation-report", "phrasings missing", lambda i: ["--phrasings", str(i.root / "none.jsonl")],
@@ -560,6 +572,11 @@ def dangling(i: Inputs) -> Path:
 def exclmm_args(i: Inputs, split: Path, run: Path | str) -> list[str]:
     return ["--config", str(REPO_ROOT / "configs/exclmm/smoke.yaml"), f"backbone.name={TINY_CLIP}",
             f"data.train={split}", f"run.output_dir={i.root / run if isinstance(run, str) else run}"]
+
+
+def triplet_args(i: Inputs, path: Path, *extra: str) -> list[str]:
+    return [f"backbone.name={TINY_CLIP}", "backbone.pretrained=null", f"data.path={path}",
+            f"run.output_dir={i.root / 'trip-out'}", "run.device=cpu", *extra]
 
 
 # ------------------------------------------------------------------ journeys across boundaries

@@ -1,6 +1,6 @@
 """Toy training triplets for supervised composed retrieval, and the toy CIRR test they are scored on.
 
-``python -m toyworld.triplets --out runs/toy-triplets [--train-sets 2500] [--test-sets 1500]`` writes
+``python -m toyworld.cli.triplets --out runs/toy-triplets [--train-sets 2500] [--test-sets 1500]`` writes
 
 * ``train/triplets.jsonl`` + ``train/images/``: the queries of toy CIRR sets ``first_set ...`` (the
   ``cirr-3`` generator of :mod:`toyworld.cirr`, set ids disjoint from the test's ``0 ... test_sets-1``),
@@ -15,10 +15,8 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -86,7 +84,7 @@ def write_toy_triplets(out: str | Path, train_sets: int = 2500, test_sets: int =
     weights, _ = ensure_toy_backbone(cfg, out / "backbone", progress)
     weights, model_config = with_modality_gap(cfg, weights)
     backbone = toy_backbone_config(model_config, weights)
-    recipe = (f"# written by python -m toyworld.triplets: the toy CLIP and the toy training triplets\n"
+    recipe = (f"# written by python -m toyworld.cli.triplets: the toy CLIP and the toy training triplets\n"
               f"backbone:\n  name: {backbone.name}\n  pretrained: {backbone.pretrained}\n"
               f"data:\n  source: file\n  path: {(out / 'train' / 'triplets.jsonl').resolve()}\n"
               f"  cache_dir: {(out / 'feature_cache').resolve()}\n")
@@ -95,19 +93,3 @@ def write_toy_triplets(out: str | Path, train_sets: int = 2500, test_sets: int =
               "recipe": "train.yaml"}
     write_json_atomic(marker, record, indent=1)
     return record
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m toyworld.triplets", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--train-sets", type=int, default=2500, help="toy CIRR sets of training triplets (2 each)")
-    parser.add_argument("--test-sets", type=int, default=1500, help="toy CIRR test sets (ids 0..N-1)")
-    args = parser.parse_args(argv)
-    record = write_toy_triplets(args.out, args.train_sets, args.test_sets)
-    print(f"{record['triplets']} triplets: {Path(args.out) / record['train']}\n"
-          f"test: {Path(args.out) / 'cirr'}\nrecipe: {Path(args.out) / 'train.yaml'}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

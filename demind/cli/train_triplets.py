@@ -17,7 +17,7 @@ def build_parser():
     return config_parser(TripletTrainConfig, "demind-train-triplets",
                          "Train a combiner on labelled triplets (CIRR / FashionIQ training split or your own file), "
                          "optionally robust to noisy triplets (robust.mode).",
-                         config_help="YAML recipe, e.g. the train.yaml that `python -m toyworld.triplets` writes")
+                         config_help="YAML recipe, e.g. the train.yaml that `python -m toyworld.cli.triplets` writes")
 
 
 def train_triplets_command(cfg: TripletTrainConfig) -> int:

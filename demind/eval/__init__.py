@@ -15,7 +15,11 @@ from demind.lazy import lazy_exports
 
 __getattr__, __dir__ = lazy_exports(__name__, {
     "demind.checkpoint": ["load_backbone_and_model"],
+    "demind.eval.cirr": ["find_image_root"],
     "demind.eval.exclcoco": ["load_exclcoco"],
+    "demind.eval.fashioniq": ["FASHIONIQ_CATEGORIES", "fashioniq_texts"],
+    "demind.eval.structures": ["DataLayoutError", "index_image_folder", "raise_if_missing", "require_dir",
+                               "require_file"],
     "demind.eval.exclusion": ["EXCLUSION_FORMAT"],
     "demind.eval.options": ["BENCHMARKS", "CocoOptions"],
     "demind.eval.harness": ["ReaderOptions", "evaluate", "read_benchmark"],
@@ -40,4 +44,12 @@ __all__ = [
     "paired_hits",
     "sign_test_p",
     "read_benchmark",
+    "DataLayoutError",
+    "FASHIONIQ_CATEGORIES",
+    "fashioniq_texts",
+    "find_image_root",
+    "index_image_folder",
+    "raise_if_missing",
+    "require_dir",
+    "require_file",
 ]

@@ -33,6 +33,7 @@ from demind.templates import fill_template
 log = logging.getLogger(__name__)
 
 CATEGORIES = ("dress", "shirt", "toptee")
+FASHIONIQ_CATEGORIES = CATEGORIES  # the name the package face exports
 CAPTION_ORDERS = ("released", "file")
 TEXT_FORMS = ("released", "captions")
 TEMPLATE = "a photo of * , {text}"

@@ -31,8 +31,8 @@ from demind.eval.exclusion import read_exclusion
 from demind.eval.fashioniq import read_fashioniq
 from demind.retrieval import ImageFeatureCache, encode_image_refs, stack_features
 from demind.eval.imagenet_r import read_imagenet_r
-from demind.retrieval import RERANK_SUFFIX, RetrievalMethod, build_methods, parse_method_names, split_rerank_requests
-from demind.retrieval.methods import checkpoint_kind
+from demind.retrieval import (
+    RERANK_SUFFIX, RetrievalMethod, build_methods, checkpoint_kind, parse_method_names, split_rerank_requests)
 from demind.eval.reports import write_reports
 from demind.retrieval import ImageRef
 from demind.eval.structures import BenchmarkData, QueryGroup

@@ -3,7 +3,7 @@
 * :mod:`~demind.triplets.readers` -- CIRR's and FashionIQ's training splits, a user's JSONL/CSV file;
 * :mod:`~demind.triplets.noise` -- nested easy / hard noise injection (ConeSep's protocol);
 * :mod:`~demind.triplets.features` -- frozen image and text features, cached;
-* :mod:`~demind.triplets.combiner` -- the CLIP4Cir-style combiner the trainer fits;
+* :mod:`~demind.combiner` -- the CLIP4Cir-style combiner the trainer fits;
 * :mod:`~demind.triplets.modes` -- noise modes: none, small-loss, gfq, conesep, conesep-nobtu;
 * :mod:`~demind.triplets.train` -- the trainer (``demind-train-triplets``; docs/training.md).
 """

@@ -5,24 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from demind.schema import BackboneConfig
+from demind.schema import BackboneConfig, CombinerConfig
 from demind.settings import device_setting, setting, threads_setting
 
-ARCHITECTURE = "combiner"
 MODES = ("none", "small-loss", "gfq", "conesep", "conesep-nobtu")
 SOURCES = ("cirr", "fashioniq", "file")
 NOISE_KINDS = ("easy", "hard")
-
-
-@dataclass
-class CombinerConfig:
-    """The combiner's sizes (:mod:`demind.triplets.combiner`)."""
-
-    architecture: str = setting(ARCHITECTURE, choices=(ARCHITECTURE,), help="fixed: tells checkpoints apart")
-    embed_dim: int = setting(0, ge=0, help="feature size D (0: the backbone's)")
-    projection_dim: int = setting(256, ge=1, help="P, each modality's projection")
-    hidden_dim: int = setting(512, ge=1, help="H, the mixing MLP's width")
-    dropout: float = setting(0.1, ge=0.0, lt=1.0, help="dropout after the projections and the mixing layer")
 
 
 @dataclass

@@ -20,7 +20,7 @@ import torch
 from demind.embedding_cache import (
     EmbeddingCacheError, cache_identity, cache_slug, check_backbone, entry_paths, read_record, read_tensors,
     write_entry)
-from demind.retrieval.cache import ImageFeatureCache, encode_image_refs
+from demind.retrieval import ImageFeatureCache, encode_image_refs
 from demind.triplets.readers import Triplet
 
 log = logging.getLogger(__name__)

@@ -23,12 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from demind.errors import InputError
-from demind.eval.cirr import find_image_root
-from demind.eval.fashioniq import CATEGORIES, fashioniq_texts
-from demind.eval.structures import index_image_folder, raise_if_missing, require_dir, require_file
+from demind.eval import FASHIONIQ_CATEGORIES as CATEGORIES
+from demind.eval import fashioniq_texts, find_image_root, index_image_folder, raise_if_missing, require_dir, require_file
 from demind.io import read_json, read_jsonl
 from demind.json_fields import check_entries, check_string_map
-from demind.retrieval.refs import ImageRef
+from demind.retrieval import ImageRef
 from demind.triplets.config import SOURCES
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Supervised training on (reference, modification, target) triplets: ``demind-train-triplets``.
 
-A combiner (:mod:`demind.triplets.combiner`) over a frozen CLIP's cached features, InfoNCE against
+A combiner (:mod:`demind.combiner`) over a frozen CLIP's cached features, InfoNCE against
 the target, under one of the noise modes of :mod:`demind.triplets.modes`. Accelerate places the model
 and optimizer (as in De-MINDS pretraining); the optimizer and schedule are the project's
 (:mod:`demind.training.optim`), the resumable state its one state file (:mod:`demind.training.store`):
@@ -26,11 +26,10 @@ from demind.config import to_dict
 from demind.errors import InputError
 from demind.io import check_output_dir, write_json_atomic
 from demind.seeding import derive_seed
-from demind.training.finite import check_finite_terms
-from demind.training.metrics_log import append_metrics, trim_metrics
-from demind.training.optim import build_adamw, build_lr_scheduler
-from demind.training.store import load_train_state, restore_train_state, save_train_state
-from demind.triplets.combiner import Combiner
+from demind.training import (
+    append_metrics, build_adamw, build_lr_scheduler, check_finite_terms, load_train_state, restore_train_state,
+    save_train_state, trim_metrics)
+from demind.combiner import Combiner
 from demind.triplets.config import TripletTrainConfig
 from demind.triplets.features import image_features, text_features
 from demind.triplets.modes import batch_loss, gmm_clean_probability, noise_scores, per_sample_losses

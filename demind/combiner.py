@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from demind.triplets.config import ARCHITECTURE, CombinerConfig
+from demind.schema import COMBINER_ARCHITECTURE as ARCHITECTURE, CombinerConfig
 
 class Combiner(nn.Module):
     """f(reference feature, text feature) -> (B, D) normalised composed query (see the module docstring)."""
