@@ -8,7 +8,8 @@
   annotator's text for N1 (the same kind of edit with another outcome), drawn from its own stream;
 * ``cirr/``: the toy CIRR test in CIRR's rc2 layout (:func:`toyworld.cirr.write_cirr`);
 * ``backbone/``: the default toy CLIP (shipped weights, modality gap);
-* ``train.yaml``: a ``demind-train-triplets`` recipe naming the backbone and the triplet file.
+* ``train.yaml``: a ``demind-train-triplets`` recipe naming the backbone and the triplet file by absolute
+  paths (``configs/triplets/toy.yaml`` is the same recipe for ``--out runs/toy-triplets``, by relative ones).
 
 ``toy_triplets.json`` is written last: a rerun with the same settings does nothing.
 """
@@ -20,7 +21,7 @@ import random
 from dataclasses import replace
 from pathlib import Path
 
-from demind.io import write_json_atomic, write_text_atomic
+from demind.io import write_bytes_atomic, write_json_atomic, write_text_atomic
 
 from .benchmarks import ToyBenchmarkConfig
 from .cirr import CIRR_DESIGNS, cirr_set, write_cirr
@@ -29,6 +30,7 @@ from .texts import modification_text
 from .world import derive_seed
 
 FIRST_TRAIN_SET = 10_000
+TOY_CLIP_CONFIG, TOY_CLIP_WEIGHTS = "toy-clip.json", "toy-clip.safetensors"
 
 
 def set_triplets(set_id: int, version: str, implicit_share: float, image_size: int, images: Path) -> list[dict]:
@@ -83,7 +85,12 @@ def write_toy_triplets(out: str | Path, train_sets: int = 2500, test_sets: int =
     cfg = ToyBackboneConfig()
     weights, _ = ensure_toy_backbone(cfg, out / "backbone", progress)
     weights, model_config = with_modality_gap(cfg, weights)
-    backbone = toy_backbone_config(model_config, weights)
+    # copies under fixed names, so a committed recipe (configs/triplets/toy.yaml) can name them; a
+    # backbone's identity is its content, so the copies are the same backbone
+    for source, name in ((model_config, TOY_CLIP_CONFIG), (weights, TOY_CLIP_WEIGHTS)):
+        if not (out / "backbone" / name).is_file():
+            write_bytes_atomic(out / "backbone" / name, Path(source).read_bytes())
+    backbone = toy_backbone_config(out / "backbone" / TOY_CLIP_CONFIG, out / "backbone" / TOY_CLIP_WEIGHTS)
     recipe = (f"# written by python -m toyworld.cli.triplets: the toy CLIP and the toy training triplets\n"
               f"backbone:\n  name: {backbone.name}\n  pretrained: {backbone.pretrained}\n"
               f"data:\n  source: file\n  path: {(out / 'train' / 'triplets.jsonl').resolve()}\n"
