@@ -295,3 +295,21 @@ def test_combiner_checkpoint_in_the_registry(tiny_triplets, tmp_path, one_thread
     text = torch.nn.functional.normalize(backbone.encode_text(["make it red", "make it blue"]).pooled, dim=-1)
     assert torch.allclose(queries, model(refs, text), atol=1e-6)
     assert torch.allclose(queries.norm(dim=-1), torch.ones(2), atol=1e-5)
+
+
+def test_a_combiner_checkpoint_serves_search(tiny_triplets, tmp_path, one_thread_and_fresh_accelerator):
+    from demind.checkpoint import load_backbone_and_model
+    from demind.search.index import build_index, load_index
+    from demind.search.query import SearchError, Searcher, SearchQuery
+    from demind.triplets.train import train_triplets
+
+    path = train_triplets(tiny_config(tiny_triplets, tmp_path / "run", epochs=1, **{"run.detection": "false"}))
+    backbone, model = load_backbone_and_model(path)
+    build_index(tiny_triplets / "img", tmp_path / "index", backbone, progress=False)
+    searcher = Searcher(backbone, model, load_index(tmp_path / "index"))
+    assert "combiner" in searcher.available_methods() and "demind" not in searcher.available_methods()
+    hits = searcher.search(SearchQuery(tiny_triplets / "img" / "0.png", "make it shade 1", method="combiner", k=3,
+                                       exclude="0.png"))
+    assert len(hits) == 3 and "0.png" not in [h.name for h in hits]
+    with pytest.raises(SearchError, match="De-MINDS checkpoint"):
+        searcher.validate(SearchQuery(None, "make it red", method="demind"))

@@ -32,7 +32,7 @@ from PIL import Image
 from demind.backbone import FrozenCLIP
 from demind.errors import DemindError
 from demind import retrieval as registry
-from demind.retrieval import (CHECKPOINT_METHODS, EXCLMM_METHODS, METHOD_LABELS, METHODS, MLLM_METHODS,
+from demind.retrieval import (EXCLMM_METHODS, METHOD_LABELS, METHODS, MLLM_METHODS,
                               ON_REQUEST_METHODS, RERANK_SUFFIX, build_methods, parse_method_names)
 from demind.retrieval import ImageReadError, ImageRef, load_image, reword
 from demind.imaging import ImageDecodeError, ImageTooLargeError, decode_image
@@ -219,7 +219,8 @@ class Searcher:
         offered = ON_REQUEST_METHODS if self.mllm is None else tuple(m for m in ON_REQUEST_METHODS
                                                                       if m not in MLLM_METHODS)
         names = [m for m in names if base_method(m) not in EXCLMM_METHODS + offered]
-        names = [m for m in names if self.model is not None or base_method(m) not in CHECKPOINT_METHODS]
+        blocked = registry.unavailable_methods(registry.checkpoint_kind(self.model))  # a combiner serves its own
+        names = [m for m in names if base_method(m) not in blocked]
         if self.mllm is not None and self.mllm.rerank_k > 0:  # rerank.methods, when given, picks the base methods
             names += [m + RERANK_SUFFIX for m in self.mllm.run.rerank_targets([m for m in names if "+deo" not in m])]
         return names
@@ -240,7 +241,8 @@ class Searcher:
             raise SearchError(f"method {query.method!r} re-ranks the top rerank.k results, and rerank.k is 0: "
                               f"start the search with rerank.k=20 (for example)")
         try:
-            parse_method_names([plain], have_model=self.model is not None)
+            parse_method_names([plain], have_model=self.model is not None,
+                               model_kind=registry.checkpoint_kind(self.model) or "demind")
         except ValueError as e:
             raise SearchError(str(e).replace("pass --checkpoint", "start with --checkpoint")) from None
         offered = self.available_methods()
