@@ -10,7 +10,9 @@
   the model is trained on the text it is evaluated with. The dataset's dead links: a triplet whose
   image is missing is skipped, counted and logged.
 * A user's own file, JSON lines (``.jsonl``) or CSV (``.csv``, a header row): ``reference``,
-  ``modification``, ``target`` (image paths relative to the file's folder, or absolute). Optional
+  ``modification``, ``target`` (image paths relative to the file's folder, or absolute; decoded with
+  their EXIF orientation, as a user's photos are in search; cached features keyed by file size and
+  modification time besides the path). Optional
   ``hard_modification``: a wrong text naming the same kind of edit with another outcome (the toy
   triplets carry it; hard noise injection needs it).
 """
@@ -151,7 +153,8 @@ def read_triplet_file(path: str | Path, limit: int | None = None) -> TripletSet:
                 if not image.is_file():
                     raise InputError(f"{path}:{line}: {key} image {image} does not exist (paths are relative "
                                      f"to the triplet file's folder)")
-                refs[name] = ImageRef(name, image)
+                stat = image.stat()  # an edited file is another cache key (as the search index keys files)
+                refs[name] = ImageRef(name, image, version=f"{stat.st_size}-{stat.st_mtime_ns}", orient=True)
             images.append(refs[name])
         hard = row.get("hard_modification") or None
         triplets.append(Triplet(str(row.get("id", line)), images[0], row["modification"], images[1], hard))
