@@ -6,6 +6,8 @@ mode x rate x kind x seed, scored on the toy CIRR test (design: docs/lab-notes/c
 Writes toy triplets and the toy CIRR test once (:mod:`toyworld.triplets`), trains each run with
 ``demind-train-triplets``'s library (:func:`demind.triplets.train.train_triplets`), loads its checkpoint
 as ``demind-eval`` does and scores it with ``demind-eval``'s own code (:func:`demind.eval.harness.score_group`).
+Columns: mean ± std over seeds; AUROC of the mode's own noise detector against the injected noise
+(``none``: the per-triplet loss); kept: share of the last epoch's triplets in the contrastive loss.
 Each run's results are kept (``runs/<kind>-<rate>/<mode>/seed<N>/eval.json``): a killed run resumes,
 a rerun only aggregates. Outputs in the workdir: ``conesep_triplets.md`` (BENCHMARKS.md-ready),
 ``conesep_triplets.json``, ``conesep_triplets.png`` (Avg vs noise rate per mode).
@@ -142,6 +144,13 @@ def load_result(workdir: Path, kind: str, rate: float, mode: str, seed: int) -> 
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def last_kept(workdir: Path, kind: str, rate: float, mode: str, seed: int) -> float:
+    """Share (%) of the last epoch's triplets the mode kept in the contrastive loss."""
+    kind = "easy" if rate == 0 else kind
+    lines = (run_dir(workdir, kind, rate, mode, seed) / "metrics.jsonl").read_text().splitlines()
+    return 100 * json.loads(lines[-1])["kept"]
+
+
 def per_query_avg(result: dict) -> list[float]:
     """Avg_q = (hit@5 + hit_subset@1) / 2 per query."""
     return [(int(a) + int(b)) / 2 for a, b in zip(result["hit5"], result["subset1"])]
@@ -175,6 +184,7 @@ def aggregate(args) -> dict:
                 row = {"kind": kind, "rate": rate, "mode": mode, "seeds": sorted(results)}
                 for metric in METRICS:
                     row[metric] = mean_std([r["metrics"][metric] for r in results.values()])
+                row["kept"] = mean_std([last_kept(args.workdir, kind, rate, mode, s) for s in results])
                 aurocs = [r["auroc"] for r in results.values() if r["auroc"] is not None]
                 row["AUROC"] = mean_std(aurocs) if aurocs else None
                 if mode != "none":
@@ -241,14 +251,14 @@ def markdown(summary: dict, command: str) -> str:
         lines += [f"**Gate** (`none`, 0 % -> 80 % easy): Avg {fmt(g['avg_0'])} -> {fmt(g['avg_80_easy'])}, "
                   f"drop {g['drop']:.1f} points, largest seed std {g['max_std']:.1f}: "
                   f"**{'passed' if g['passed'] else 'FAILED'}** (needs >= 5 and std < drop / 3).", ""]
-    lines += ["| noise | mode | R@1 | R@5 | R@10 | Rsub@1 | Avg | AUROC | vs none per seed (better/worse, p) |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["| noise | mode | R@1 | R@5 | R@10 | Rsub@1 | Avg | AUROC | kept % | vs none per seed (better/worse, p) |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for row in summary["rows"]:
         noise = "0 %" if row["rate"] == 0 else f"{row['kind']} {round(row['rate'] * 100)} %"
         tests = "; ".join(f"s{t['seed']}: {t['better']}/{t['worse']}, p {t['p']:.2g}" for t in row.get("vs_none", []))
         auroc = "-" if row["AUROC"] is None else f"{row['AUROC'][0]:.3f}"
         lines.append(f"| {noise} | {row['mode']} | {fmt(row['R@1'])} | {fmt(row['R@5'])} | {fmt(row['R@10'])} | "
-                     f"{fmt(row['Rsubset@1'])} | {fmt(row['Avg'])} | {auroc} | {tests} |")
+                     f"{fmt(row['Rsubset@1'])} | {fmt(row['Avg'])} | {auroc} | {row['kept'][0]:.0f} | {tests} |")
     lines += ["", "ConeSep's claim (conesep above none and small-loss; paired test vs none, seeds summed):", ""]
     for c in summary["claim"]:
         t = c["vs_none"] or {}
