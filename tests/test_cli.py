@@ -143,7 +143,7 @@ def test_console_scripts_point_at_the_command_mains():
         assert name.startswith("demind-") and func == "main"
         assert callable(getattr(importlib.import_module(module), func))
     assert set(scripts) == {"demind-train", "demind-features", "demind-eval", "demind-generate",
-                            "demind-make-shards", "demind-quickstart", "demind-toy-clip", "demind-index", "demind-search",
+                            "demind-make-shards", "demind-make-tiny-model", "demind-quickstart", "demind-toy-clip", "demind-index", "demind-search",
                             "demind-serve", "demind-build-exclcoco",
                             "demind-train-exclmm", "demind-negation-report", "demind-publish",
                             "demind-cc3m-list"}

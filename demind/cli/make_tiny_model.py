@@ -1,5 +1,6 @@
-r"""``python data_gen/make_tiny_model.py``: save a tiny random LLaVA-NeXT (model + processor) for CPU
-smoke runs of the generation job.
+r"""``demind-make-tiny-model`` (= ``python data_gen/make_tiny_model.py``): save a tiny random LLaVA-NeXT
+(model + processor) for CPU smoke runs of the generation job, in the layout of llava-hf's folders, so
+that the transformers engine and vLLM (its CPU build too) both load it.
 
     python data_gen/make_tiny_model.py --output shards/tiny-llava-next
     demind-generate --input shards/mine --output shards/mine-intent \
