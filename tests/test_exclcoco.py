@@ -201,4 +201,5 @@ def test_llm_query_source_end_to_end_with_the_tiny_llava(fixture_coco, tmp_path,
     assert {q["text_source"] for q in data["queries"]} <= {"llm", "template (llm output rejected)"}
     assert "query text:" in capsys.readouterr().out
     assert cli.main([*args[:-4], "--query-source", "llm"]) == 2  # no --llm-config: one clear line
-    assert "needs --llm-config" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is required by query_source=llm: give --llm-config" in err
