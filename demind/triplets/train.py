@@ -107,6 +107,8 @@ def train_triplets(cfg: TripletTrainConfig, backbone=None, data: TrainingData | 
         return export
     triplets = read_training_triplets(cfg) if data is None else None
     check_output_dir(out)
+    if cfg.run.device.startswith("cuda:"):  # Accelerate places a single process on the current CUDA device
+        torch.cuda.set_device(torch.device(cfg.run.device))
     accelerator = Accelerator(cpu=cfg.run.device == "cpu")
     if accelerator.num_processes > 1:
         raise InputError("demind-train-triplets runs as one process (a combiner on cached features trains in "
