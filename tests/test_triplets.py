@@ -313,3 +313,16 @@ def test_a_combiner_checkpoint_serves_search(tiny_triplets, tmp_path, one_thread
     assert len(hits) == 3 and "0.png" not in [h.name for h in hits]
     with pytest.raises(SearchError, match="De-MINDS checkpoint"):
         searcher.validate(SearchQuery(None, "make it red", method="demind"))
+
+
+def test_query_mode_on_a_combiner_is_refused_in_one_line(tiny_triplets, tmp_path, one_thread_and_fresh_accelerator):
+    from demind.checkpoint import load_backbone_and_model
+    from demind.cli.common import apply_query_mode
+    from demind.errors import InputError
+    from demind.triplets.train import train_triplets
+
+    path = train_triplets(tiny_config(tiny_triplets, tmp_path / "run", epochs=1, **{"run.detection": "false"}))
+    _, model = load_backbone_and_model(path)
+    apply_query_mode(model, "eager")  # nothing to do
+    with pytest.raises(InputError, match="combiner"):
+        apply_query_mode(model, "compile")

@@ -247,6 +247,9 @@ def apply_query_mode(model: Any, mode: str) -> None:
     if model is None:
         raise InputError(f"run.query_mode={mode} speeds up a checkpoint's queries and no --checkpoint was given: "
                          "leave run.query_mode=eager")
+    if not hasattr(model, "set_query_mode"):  # a combiner trained on triplets (demind-train-triplets)
+        raise InputError(f"run.query_mode={mode} speeds up a De-MINDS checkpoint's queries; this checkpoint is a "
+                         "combiner, whose queries are one small MLP: leave run.query_mode=eager")
     if mode == "cudagraphs" and model.backbone.device.type != "cuda":
         raise InputError("run.query_mode=cudagraphs replays CUDA graphs and needs run.device=cuda; "
                          "on a CPU use run.query_mode=compile")
