@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from helpers import TINY_CLIP
+from helpers import TINY_CLIP, write_cirr_layout
 
 
 def png(path: Path, value: int) -> Path:
@@ -23,22 +23,24 @@ def png(path: Path, value: int) -> Path:
 # --------------------------------------------------------------------------- readers
 
 
+def png_bytes(value: int) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    Image.fromarray(np.full((8, 8, 3), value, dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
 def write_cirr_train(root: Path) -> None:
-    """CIRR's rc2 training layout: captions, split (name -> ./train/NN/name.png), images."""
+    """CIRR's rc2 training layout (captions, split naming ./train/NN/name.png, images)."""
     names = ["train-10108-0-img0", "train-10108-1-img1", "train-2217-3-img0"]
-    split = {n: f"./train/{i}/{n}.png" for i, n in enumerate(names)}
-    for i, n in enumerate(names):
-        png(root / "train" / str(i) / f"{n}.png", 40 * i)
     captions = [
         {"pairid": 12063, "reference": names[0], "target_hard": names[1], "target_soft": {names[1]: 1.0},
          "caption": "remove all but one dog", "img_set": {"id": 1, "members": names[:2]}},
         {"pairid": 12064, "reference": names[2], "target_hard": names[0], "target_soft": {names[0]: 1.0},
          "caption": "make it a puppy", "img_set": {"id": 2, "members": [names[0], names[2]]}},
     ]
-    (root / "captions").mkdir(parents=True)
-    (root / "image_splits").mkdir(parents=True)
-    (root / "captions" / "cap.rc2.train.json").write_text(json.dumps(captions))
-    (root / "image_splits" / "split.rc2.train.json").write_text(json.dumps(split))
+    write_cirr_layout(root, "train", "train/34", {n: png_bytes(40 * i) for i, n in enumerate(names)}, captions)
 
 
 def test_cirr_train_reader_values(tmp_path):
@@ -49,7 +51,7 @@ def test_cirr_train_reader_values(tmp_path):
     assert [(t.qid, t.reference.name, t.modification, t.target.name) for t in data.triplets] == [
         ("12063", "train-10108-0-img0", "remove all but one dog", "train-10108-1-img1"),
         ("12064", "train-2217-3-img0", "make it a puppy", "train-10108-0-img0")]
-    assert data.triplets[0].target.path == tmp_path / "train" / "1" / "train-10108-1-img1.png"
+    assert data.triplets[0].target.path == tmp_path / "train" / "34" / "train-10108-1-img1.png"
 
 
 def test_cirr_train_reader_names_a_missing_image(tmp_path):
@@ -57,7 +59,7 @@ def test_cirr_train_reader_names_a_missing_image(tmp_path):
     from demind.triplets.readers import read_cirr_train
 
     write_cirr_train(tmp_path)
-    (tmp_path / "train" / "1" / "train-10108-1-img1.png").unlink()
+    (tmp_path / "train" / "34" / "train-10108-1-img1.png").unlink()
     with pytest.raises(DataLayoutError, match="train-10108-1-img1.png"):
         read_cirr_train(tmp_path)
 
@@ -326,3 +328,21 @@ def test_query_mode_on_a_combiner_is_refused_in_one_line(tiny_triplets, tmp_path
     apply_query_mode(model, "eager")  # nothing to do
     with pytest.raises(InputError, match="combiner"):
         apply_query_mode(model, "compile")
+
+
+def test_demind_eval_scores_a_combiner_checkpoint(tiny_triplets, tmp_path, capsys, one_thread_and_fresh_accelerator):
+    from demind.cli.evaluate import main as evaluate
+    from demind.triplets.train import train_triplets
+
+    path = train_triplets(tiny_config(tiny_triplets, tmp_path / "run", epochs=1, **{"run.detection": "false"}))
+    members = [f"dev-{i}-img0" for i in range(4)]
+    captions = [{"pairid": i, "reference": members[i], "target_hard": members[(i + 1) % 4], "caption": f"make it shade {i}",
+                 "img_set": {"id": 0, "members": members}} for i in range(4)]
+    root = write_cirr_layout(tmp_path / "cirr", "val", "dev", {m: png_bytes(50 * i) for i, m in enumerate(members)},
+                             captions)
+    assert evaluate(["--benchmark", "cirr", "--data-root", str(root), "--checkpoint", str(path), "--out",
+                     str(tmp_path / "eval"), "run.device=cpu", "num_workers=0"]) == 0
+    results = json.loads((tmp_path / "eval" / "results.json").read_text())
+    assert set(results["methods"]) == {"image-only", "text-only", "image+text", "combiner"}
+    assert results["model_config"]["architecture"] == "combiner"
+    assert set(results["methods"]["combiner"]) >= {"R@1", "R@5", "Rsubset@1"}
