@@ -452,6 +452,12 @@ ROWS: list[Row] = [
         lambda i: ["a-file.txt"]),
     Row("demind-negation-report", "json is a folder", lambda i: ["--json", str(i.folder("out.json"))],
         lambda i: ["out.json"]),
+    # ------------------------------------------------------------------ tiny LLaVA for smoke runs
+    *config_rows("demind-make-tiny-model", lambda i: ["--output", str(i.root / "tiny-llava")]),
+    Row("demind-make-tiny-model", "output is a file", lambda i: ["--output", str(i.a_file)],
+        lambda i: ["a-file.txt"]),
+    Row("demind-make-tiny-model", "output under a file", lambda i: ["--output", str(i.a_file / "tiny")],
+        lambda i: ["a-file.txt"]),
     # ------------------------------------------------------------------ release
     *config_rows("demind-publish"),
     Row("demind-publish", "checkpoint missing", lambda i: ["--checkpoint", str(i.root / "none.safetensors"), "--out",

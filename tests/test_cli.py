@@ -146,7 +146,7 @@ def test_console_scripts_point_at_the_command_mains():
                             "demind-make-shards", "demind-make-tiny-model", "demind-quickstart", "demind-toy-clip", "demind-index", "demind-search",
                             "demind-serve", "demind-build-exclcoco",
                             "demind-train-exclmm", "demind-negation-report", "demind-publish",
-                            "demind-cc3m-list"}
+                            "demind-cc3m-list", "demind-train-triplets"}
 
 
 # --------------------------------------------------------------------------- the config front end
