@@ -17,7 +17,8 @@ docs/negation.md ("ExclMM on the exclusion instrument"); it was written before t
   the paper's form with one part at a time swapped for its earlier variant. Seeds change
   every trained phase's initialisation and batches; the data is fixed.
 * Metrics on the test split: the paper's eight, exclusion AUC and inclusion AUC
-  (:func:`demind.eval.metrics.exclusion_aucs`), mean ± std over seeds.
+  (:func:`demind.eval.metrics.exclusion_aucs` and :func:`~demind.eval.metrics.mean_aucs`, as
+  ``demind-eval --benchmark exclcoco`` reports them), mean ± std over seeds.
 * Paired tests on the same queries, per seed (the largest p of the seeds is reported): exact sign
   test on per-query AP@5, Wilcoxon signed-rank test (scipy) on per-query exclusion and inclusion AUC.
 * Gate: CLIP's inclusion AUC per label ("a photo of a <label>" against the test images showing
@@ -98,8 +99,9 @@ def evaluate_scores(scores: torch.Tensor, truth: list[set[int]], hard: list[set[
     rel = M.relevance_matrix(ranked, truth)
     n_rel = torch.tensor([len(t) for t in truth])
     means = {k: 100 * v for k, v in M.exclusion_metrics(rel, n_rel).items()}
-    per_query = {"AP@5": M.average_precision_at_k(rel, n_rel, 5).tolist(), **M.exclusion_aucs(scores, truth, hard)}
-    means.update({k: statistics.mean(v) for k, v in per_query.items() if k != "AP@5"})
+    aucs = M.exclusion_aucs(scores, truth, hard)  # demind-eval's ExclCOCO AUCs, averaged the same way
+    per_query = {"AP@5": M.average_precision_at_k(rel, n_rel, 5).tolist(), **aucs}
+    means.update(M.mean_aucs(aucs))
     return {"means": means, "per_query": per_query}
 
 

@@ -6,6 +6,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from demind.eval.exclcoco import read_exclcoco
 from demind.exclcoco import ExclCocoConfig, build_exclcoco, singular
@@ -203,3 +204,117 @@ def test_llm_query_source_end_to_end_with_the_tiny_llava(fixture_coco, tmp_path,
     assert cli.main([*args[:-4], "--query-source", "llm"]) == 2  # no --llm-config: one clear line
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is required by query_source=llm: give --llm-config" in err
+
+
+# ------------------------------------------------------------------ exclusion and inclusion AUC in demind-eval
+# Six images; the scores are fixed by hand (a stub method, gallery i = unit vector i), so the AUCs are
+# countable on paper. Query a: ground truth {3, 4}, hard negatives {1, 2}, the rest {5, 6};
+# query b: ground truth {5}, hard negatives {2}, the rest {1, 3, 4, 6}.
+HAND_SCORES = {"a and c without b": [0.9, 0.5, 0.8, 0.4, 0.6, 0.1],
+               "d without e": [0.2, 0.3, 0.3, 0.1, 0.7, 0.3]}
+
+
+def write_hand_case(root, with_hard_negatives=True):
+    from PIL import Image
+
+    (root / "images").mkdir(parents=True)
+    for i in range(1, 7):
+        Image.new("RGB", (8, 8), (40 * i, 0, 0)).save(root / "images" / f"{i}.png")
+    queries = [{"id": "a", "image_id": "1", "positive_query": "p", "query": "a and c without b", "include": ["a", "c"],
+                "exclude": "b", "ground_truth": ["3", "4"], "hard_negatives": ["1", "2"]},
+               {"id": "b", "image_id": "2", "positive_query": "p", "query": "d without e", "include": ["d"],
+                "exclude": "e", "ground_truth": ["5"], "hard_negatives": ["2"]}]
+    if not with_hard_negatives:
+        for q in queries:
+            del q["hard_negatives"]
+    (root / "exclcoco.json").write_text(json.dumps(
+        {"format": "demind-exclcoco/1", "split": "val", "image_root": "images", "queries": queries,
+         "images": {str(i): f"{i}.png" for i in range(1, 7)}}))
+    return root
+
+
+class HandScores:
+    """text-only stand-in whose query-gallery scores are HAND_SCORES (gallery image i = unit vector i)."""
+
+    name = "text-only"
+
+    def __init__(self, backbone):
+        self.backbone = backbone
+
+    def query_texts(self, queries):
+        return [q.text for q in queries]
+
+    def embed(self, ref_features, prompts, texts):
+        return torch.tensor([HAND_SCORES[t] for t in texts])
+
+    def map_gallery(self, gallery):
+        return torch.eye(gallery.shape[0])
+
+
+def test_demind_eval_reports_the_aucs_of_a_hand_computed_case(tmp_path, tiny_backbone, monkeypatch):
+    from demind.eval import evaluate, harness
+
+    monkeypatch.setattr(harness, "build_methods", lambda names, backbone, *a, **k: [HandScores(backbone)])
+    results = evaluate("exclcoco", write_hand_case(tmp_path / "data"), backbone=tiny_backbone, methods="text-only",
+                       out_dir=tmp_path / "out", progress=False)
+    got = results["methods"]["text-only"]
+    # exclusion, a: ground truth .8 .4 vs hard .9 .5 -> only .8 > .5: 1/4; b: .7 > .3: 1 -> mean 0.625
+    # inclusion, a: .9 .5 .8 .4 vs .6 .1 -> 2 + 1 + 2 + 1 = 6/8; b: .7 .3 vs .2 .3 .1 .3 -> 4 + 3 (ties 1/2) = 7/8
+    assert got["exclusion AUC"] == pytest.approx(62.5) and got["inclusion AUC"] == pytest.approx(81.25)
+    assert got["AP@1"] == 50.0  # a's top image is a hard negative, b's is its ground truth
+    assert list(got)[-2:] == ["exclusion AUC", "inclusion AUC"]
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())["methods"]["text-only"]
+    assert saved["exclusion AUC"] == pytest.approx(62.5)
+    table = (tmp_path / "out" / "table.md").read_text()
+    assert "| exclusion AUC | inclusion AUC |" in table and "| 62.50 | 81.25 |" in table
+
+
+def test_an_old_file_without_hard_negatives_reports_no_aucs_and_says_why(tmp_path, capsys, caplog):
+    from helpers import TINY_CLIP, run_eval_command
+
+    root = write_hand_case(tmp_path / "data", with_hard_negatives=False)
+    results = run_eval_command(["--benchmark", "exclcoco", "--data-root", str(root), "--backbone", f"{TINY_CLIP}:none",
+                                "--methods", "text-only", "--out", str(tmp_path / "out"), "run.progress=false"])
+    assert list(results["methods"]["text-only"]) == ["AP@1", "AP@5", "MRR@5", "MRR@10", "NDCG@5", "NDCG@10",
+                                                     "Hits@5", "Hits@10"]
+    why = "lists no hard_negatives (written before the builder recorded them): exclusion AUC and inclusion AUC " \
+          "are not reported"
+    assert sum(why in r.getMessage() for r in caplog.records) == 1  # one log line
+    assert why in capsys.readouterr().out and why in (tmp_path / "out" / "table.md").read_text()  # and a footnote
+
+
+def test_hard_negatives_must_be_on_every_query_in_the_gallery_and_not_ground_truth(tmp_path):
+    from demind.errors import InputError
+
+    root = write_hand_case(tmp_path / "data")
+    data = json.loads((root / "exclcoco.json").read_text())
+    for change, message in ((lambda q: q[1].pop("hard_negatives"), "query b lacks 'hard_negatives', which 1 of the 2"),
+                            (lambda q: q[0].update(hard_negatives=["1", "9"]), r"names image ids not in 'images': \['9'\]"),
+                            (lambda q: q[0].update(hard_negatives=["1", "3"]), r"images \['3'\] are both ground truth")):
+        broken = json.loads(json.dumps(data))
+        change(broken["queries"])
+        (root / "exclcoco.json").write_text(json.dumps(broken))
+        with pytest.raises(InputError, match=message):
+            read_exclcoco(root)
+
+
+def test_the_builders_file_gives_hard_negatives_to_the_reader(fixture_coco, tmp_path):
+    data, _ = build(fixture_coco, tmp_path / "out")
+    group = read_exclcoco(tmp_path / "out").groups[0]
+    assert group.hard_negatives == {str(q["id"]): tuple(q["hard_negatives"]) for q in data["queries"]}
+    assert all(q["image_id"] in q["hard_negatives"] for q in data["queries"])  # the positive image is one
+
+
+def test_a_row_without_the_aucs_prints_n_a():
+    """A METHOD+rerank row has the eight metrics but no AUCs (no score for every gallery image)."""
+    from demind.eval import format_table
+
+    eight = {"AP@1": 50.0, "AP@5": 40.0, "MRR@5": 60.0, "MRR@10": 60.0, "NDCG@5": 45.0, "NDCG@10": 47.0,
+             "Hits@5": 80.0, "Hits@10": 90.0}
+    results = {"benchmark": "exclcoco", "split": "val", "backbone": {"name": "b", "pretrained": "p"},
+               "has_ground_truth": True, "definitions": [], "counts": {}, "limit": None,
+               "methods": {"text-only": {**eight, "exclusion AUC": 62.5, "inclusion AUC": 81.25},
+                           "text-only+rerank": eight}}
+    lines = format_table(results).splitlines()
+    assert lines[0].startswith("ExclCOCO (val)") and lines[1].split()[-4:] == ["exclusion", "AUC", "inclusion", "AUC"]
+    assert lines[3].split()[-2:] == ["62.50", "81.25"] and lines[4].split()[-2:] == ["n/a", "n/a"]

@@ -11,7 +11,10 @@ include labels and without the exclude label). The positive image (the caption's
 shows the excluded label) is *not* removed from the ranking: it is the natural hard negative.
 It is the query's ``reference`` only so that composed methods have an image to read.
 Metrics: the ExclMM paper's eight (AP@1, AP@5, MRR@5, MRR@10, NDCG@5, NDCG@10, Hits@5,
-Hits@10), defined in :mod:`demind.eval.metrics`.
+Hits@10), and, when the file lists each query's ``hard_negatives`` (images with every included
+object and the excluded one), exclusion AUC and inclusion AUC over every gallery score (the
+group's ``hard_negatives``); all defined in :mod:`demind.eval.metrics`. A file written before the
+builder recorded hard negatives is read as before; a note says why it has no AUCs.
 """
 
 from __future__ import annotations
@@ -47,6 +50,32 @@ def check_exclcoco(data: Any, path: Path) -> None:
         if q["image_id"] in q["ground_truth"]:
             raise InputError(f"{path}: query {q['id']}: its positive image {q['image_id']} shows the excluded "
                              f"label, so it cannot be ground truth")
+    check_hard_negatives(data["queries"], images, path)
+
+
+def check_hard_negatives(queries: list[dict[str, Any]], images: dict[str, str], path: Path) -> None:
+    """``hard_negatives`` is optional, but all or none: a file with it on some queries only, an id
+    not in ``images`` or one that is also ground truth would give AUCs that mean nothing."""
+    having = [q for q in queries if "hard_negatives" in q]
+    if not having:
+        return
+    if len(having) < len(queries):
+        lacking = next(q for q in queries if "hard_negatives" not in q)
+        raise InputError(f"{path}: query {lacking['id']} lacks 'hard_negatives', which {len(having)} of the "
+                         f"{len(queries)} queries have; rebuild the file with python -m demind.cli.build_exclcoco")
+    for q in having:
+        hard = q["hard_negatives"]
+        if not isinstance(hard, list):
+            raise InputError(f"{path}: query {q['id']}: 'hard_negatives' must be a list of image ids, "
+                             f"got {type(hard).__name__}")
+        unknown = [i for i in hard if i not in images]
+        if unknown:
+            raise InputError(f"{path}: query {q['id']}: 'hard_negatives' names image ids not in 'images': "
+                             f"{unknown[:3]}")
+        both = sorted(set(hard) & set(q["ground_truth"]))
+        if both:
+            raise InputError(f"{path}: query {q['id']}: images {both[:3]} are both ground truth and hard "
+                             f"negatives (a hard negative shows the excluded label)")
 
 
 def load_exclcoco(root: str | Path) -> tuple[dict[str, Any], dict[str, Path]]:
@@ -72,6 +101,16 @@ def read_exclcoco(root: str | Path, split: str = "val", limit: int | None = None
     notes = [f"exclcoco ({data.get('split', '?')}): text -> image retrieval of the exclusion query over every image; "
              "the positive image stays in the ranking; metrics as defined in demind/eval/metrics.py.",
              f"query text source: {data.get('query_source', '?')}; build counts: {data.get('counts', {})}"]
-    group = QueryGroup("all", queries, gallery, metric="exclusion", ks=KS)
+    hard = None
+    if entries and "hard_negatives" in entries[0]:
+        hard = {str(q["id"]): tuple(q["hard_negatives"]) for q in entries}
+        notes.append("exclusion AUC: P(a ground-truth image outscores a hard negative), among the images showing "
+                     "every included object; inclusion AUC: those images against the rest of the gallery; "
+                     "over every gallery score, ties 1/2, averaged over queries.")
+    elif entries:
+        notes.append(f"{Path(root) / 'exclcoco.json'} lists no hard_negatives (written before the builder recorded "
+                     "them): exclusion AUC and inclusion AUC are not reported; rebuild it with "
+                     "python -m demind.cli.build_exclcoco to get them.")
+    group = QueryGroup("all", queries, gallery, metric="exclusion", ks=KS, hard_negatives=hard)
     return BenchmarkData("exclcoco", data.get("split", split), [group], notes=notes,
                          options={"query_source": data.get("query_source"), "prompt": data.get("prompt")})

@@ -9,6 +9,7 @@ Nothing here catches exceptions: a failure anywhere fails the evaluation with it
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -222,6 +223,9 @@ def add_rerank_variants(outcomes: dict[str, dict[str, "GroupOutcome"]], mllm_run
     for name in chosen:
         outcomes[name + RERANK_SUFFIX] = {g.name: rerank_group(reranker, outcomes[name][g.name], g,
                                                                data.has_ground_truth) for g in data.groups}
+        if any(g.hard_negatives is not None for g in data.groups):
+            log.info("%s%s: no exclusion or inclusion AUC (the re-ranker orders the top K; the AUCs need a score "
+                     "for every gallery image)", name, RERANK_SUFFIX)
 
 
 def rerank_group(reranker: Any, base: "GroupOutcome", group: QueryGroup, has_ground_truth: bool) -> "GroupOutcome":
@@ -336,7 +340,23 @@ def score_group(method: RetrievalMethod, group: QueryGroup, gallery: torch.Tenso
     if has_ground_truth and queries:
         relevant = _relevant_sets(queries, index, group.name)
         metrics = _group_metrics(group, ranked, relevant, subset_ranked)
+        if group.hard_negatives is not None:  # over every gallery score, not the top 50
+            hard = [frozenset(index[n] for n in group.hard_negatives[q.qid]) for q in queries]
+            metrics.update(_auc_means(f"{method.name} ({group.name})",
+                                      M.query_gallery_aucs(embedded, gallery, relevant, hard)))
     return GroupOutcome(metrics, rankings, subset_rankings, seconds, +texts)
+
+
+def _auc_means(label: str, per_query: dict[str, list[float]]) -> dict[str, float]:
+    """The AUCs' means over the queries where they are defined; a query with no pair to compare
+    (no hard negative, or no image outside ground truth and hard negatives) is counted in a log line."""
+    means = M.mean_aucs(per_query)
+    for name, values in per_query.items():
+        undefined = sum(math.isnan(v) for v in values)
+        if undefined:
+            log.warning("%s: %s undefined for %d of %d queries (no pair to compare); %s", label, name, undefined,
+                        len(values), "averaged over the rest" if undefined < len(values) else "not reported")
+    return {k: v for k, v in means.items() if not math.isnan(v)}
 
 
 def _relevant_sets(queries, index: dict[str, int], group: str) -> list[frozenset[int]]:

@@ -19,6 +19,14 @@ averaged over queries (:func:`exclusion_metrics`):
 * NDCG@K = DCG@K / IDCG@K, DCG@K = sum_{i<=K} rel_i / log2(i + 1),
            IDCG@K = sum_{i<=min(K, |G|)} 1 / log2(i + 1)  (the ideal ranking puts all of G first)
 * Hits@K = 1 if any of the top K is relevant, else 0    (= :func:`recall_at_k`)
+
+Where the file lists each query's hard negatives H (images with every included object *and* the
+excluded one), two AUCs over the scores of the whole gallery (:func:`exclusion_aucs`), averaged
+over the queries where they are defined (:func:`mean_aucs`):
+
+* exclusion AUC = P(score of an image in G > score of an image in H), ties 1/2 (0.5: blind to the
+  exclusion);
+* inclusion AUC = the same with G u H against every other gallery image.
 """
 
 from __future__ import annotations
@@ -167,11 +175,20 @@ def pairwise_auc(positive: torch.Tensor, negative: torch.Tensor) -> float:
     """P(score of a positive > score of a negative), ties counted 1/2 (the Mann-Whitney AUC).
 
     positive: (P,), negative: (M,) scores. NaN when either is empty (no pair to compare).
+    Computed from mid-ranks (U = rank sum of the positives - P(P+1)/2), O((P+M) log(P+M)):
+    a gallery-wide inclusion AUC never builds a P x M matrix.
     """
     if positive.numel() == 0 or negative.numel() == 0:
         return float("nan")
-    diff = positive.reshape(-1, 1).double() - negative.reshape(1, -1).double()
-    return ((diff > 0).double().mean() + 0.5 * (diff == 0).double().mean()).item()
+    values = torch.cat([positive.reshape(-1), negative.reshape(-1)]).double()
+    _, inverse, counts = torch.unique(values, sorted=True, return_inverse=True, return_counts=True)
+    mid_ranks = counts.cumsum(0).double() - (counts.double() - 1) / 2  # tied values share their mean rank
+    n_pos, n_neg = positive.numel(), negative.numel()
+    u = mid_ranks[inverse[:n_pos]].sum().item() - n_pos * (n_pos + 1) / 2
+    return u / (n_pos * n_neg)
+
+
+EXCLUSION_AUCS = ("exclusion AUC", "inclusion AUC")
 
 
 def exclusion_aucs(scores: torch.Tensor, truth: Sequence[set[int] | frozenset[int]],
@@ -187,7 +204,7 @@ def exclusion_aucs(scores: torch.Tensor, truth: Sequence[set[int] | frozenset[in
     Returns name -> Q values (NaN where a set is empty).
     """
     excl, incl = [], []
-    for row, g, h in zip(scores, truth, hard):
+    for row, g, h in zip(scores.detach().cpu(), truth, hard):
         g_idx, h_idx = torch.tensor(sorted(g), dtype=torch.long), torch.tensor(sorted(h), dtype=torch.long)
         both = torch.zeros(row.shape[0], dtype=torch.bool)
         both[g_idx] = True
@@ -195,6 +212,29 @@ def exclusion_aucs(scores: torch.Tensor, truth: Sequence[set[int] | frozenset[in
         excl.append(pairwise_auc(row[g_idx], row[h_idx]))
         incl.append(pairwise_auc(row[both], row[~both]))
     return {"exclusion AUC": excl, "inclusion AUC": incl}
+
+
+def query_gallery_aucs(queries: torch.Tensor, gallery: torch.Tensor, truth: Sequence[set[int] | frozenset[int]],
+                       hard: Sequence[set[int] | frozenset[int]], chunk_size: int = 1024) -> dict[str, list[float]]:
+    """:func:`exclusion_aucs` of the scores ``queries @ gallery.T`` ((Q, D) and (N, D), on one device),
+    in chunks of queries so a Q x N score matrix never exists at once."""
+    out: dict[str, list[float]] = {name: [] for name in EXCLUSION_AUCS}
+    for start in range(0, queries.shape[0], chunk_size):
+        end = start + chunk_size
+        part = exclusion_aucs(queries[start:end] @ gallery.T, truth[start:end], hard[start:end])
+        for name in EXCLUSION_AUCS:
+            out[name] += part[name]
+    return out
+
+
+def mean_aucs(per_query: dict[str, list[float]]) -> dict[str, float]:
+    """Name -> mean over the queries where that AUC is defined (not NaN); NaN when none is.
+    The one averaging of :func:`exclusion_aucs` (demind-eval and the exclusion instrument)."""
+    out = {}
+    for name in EXCLUSION_AUCS:
+        defined = [v for v in per_query[name] if not math.isnan(v)]
+        out[name] = sum(defined) / len(defined) if defined else float("nan")
+    return out
 
 
 def rank_within_subsets(

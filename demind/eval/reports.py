@@ -30,6 +30,7 @@ TITLES = {
     "coco": "COCO object composition",
     "imagenet-r": "ImageNet-R domain conversion",
     "circo": "CIRCO",
+    "exclcoco": "ExclCOCO",
 }
 GROUP_LABELS = {"average": "Avg", "toptee": "TopTee"}
 
@@ -56,7 +57,8 @@ def metric_columns(results: dict) -> list[str]:
 def _rows(results: dict) -> tuple[list[str], list[list[str]]]:
     columns = metric_columns(results)
     header = ["Method", *(column_label(c) for c in columns)]
-    rows = [[method_label(m), *(f"{values[c]:.2f}" for c in columns)]
+    # a metric one method lacks (a re-ranked row has no AUCs: no score per gallery image) prints as n/a
+    rows = [[method_label(m), *(f"{values[c]:.2f}" if c in values else "n/a" for c in columns)]
             for m, values in results["methods"].items()]
     return header, rows
 

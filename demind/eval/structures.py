@@ -32,6 +32,9 @@ class QueryGroup:
         ``exclusion`` (the ExclMM paper's eight metrics, :func:`demind.eval.metrics.exclusion_metrics`).
     skipped: queries that could not be evaluated, each ``{"qid", "reason", "detail"}`` (counted, reported).
     gallery_missing: gallery names listed by the annotations but absent from disk.
+    hard_negatives: query id -> gallery names with every included object and the excluded one
+        (ExclCOCO files that list them); with it the group also reports exclusion and inclusion AUC
+        (:func:`demind.eval.metrics.exclusion_aucs`). None: not known, no AUCs.
     """
 
     name: str
@@ -43,6 +46,7 @@ class QueryGroup:
     skipped: list[dict[str, str]] = field(default_factory=list)
     gallery_missing: list[str] = field(default_factory=list)
     total_queries: int | None = None
+    hard_negatives: dict[str, tuple[str, ...]] | None = None
 
     def __post_init__(self) -> None:
         if self.total_queries is None:
