@@ -318,3 +318,39 @@ def test_a_row_without_the_aucs_prints_n_a():
     lines = format_table(results).splitlines()
     assert lines[0].startswith("ExclCOCO (val)") and lines[1].split()[-4:] == ["exclusion", "AUC", "inclusion", "AUC"]
     assert lines[3].split()[-2:] == ["62.50", "81.25"] and lines[4].split()[-2:] == ["n/a", "n/a"]
+
+
+def test_a_query_without_a_pair_to_compare_is_left_out_of_the_mean_and_counted(tmp_path, tiny_backbone, monkeypatch,
+                                                                                caplog):
+    from demind.eval import evaluate, harness
+
+    root = write_hand_case(tmp_path / "data")
+    data = json.loads((root / "exclcoco.json").read_text())
+    data["queries"][1]["hard_negatives"] = []  # b: no hard negative, so no exclusion AUC
+    (root / "exclcoco.json").write_text(json.dumps(data))
+    caplog.set_level("WARNING", logger="demind.eval.harness")
+    monkeypatch.setattr(harness, "build_methods", lambda names, backbone, *a, **k: [HandScores(backbone)])
+    got = evaluate("exclcoco", root, backbone=tiny_backbone, methods="text-only", progress=False)["methods"]["text-only"]
+    # exclusion: a alone (1/4); inclusion, b: .7 against .2 .3 .3 .1 .3 -> 1, a 6/8 -> mean 0.875
+    assert got["exclusion AUC"] == pytest.approx(25.0) and got["inclusion AUC"] == pytest.approx(87.5)
+    assert "text-only (all): exclusion AUC undefined for 1 of 2 queries (no pair to compare); averaged over the rest" \
+        in caplog.text
+
+
+def test_a_reranked_row_has_no_aucs_and_a_log_line_says_why(tmp_path, caplog):
+    from types import SimpleNamespace
+
+    from demind.eval.harness import GroupOutcome, add_rerank_variants
+
+    caplog.set_level("INFO", logger="demind.eval.harness")
+    bench = read_exclcoco(write_hand_case(tmp_path / "data"))
+    group = bench.groups[0]
+    base = GroupOutcome({"AP@1": 0.5, "exclusion AUC": 0.625}, {"a": ["1", "3"], "b": ["5", "2"]})
+    reranker = SimpleNamespace(rerank=lambda queries, rankings, gallery: {q: r[::-1] for q, r in rankings.items()})
+    run = SimpleNamespace(reranker=lambda: reranker, rerank_targets=lambda names: names,
+                          setup=SimpleNamespace(rerank=SimpleNamespace(methods=None)))
+    outcomes = {"text-only": {group.name: base}}
+    add_rerank_variants(outcomes, run, bench)
+    reranked = outcomes["text-only+rerank"][group.name].metrics
+    assert "AP@1" in reranked and not {"exclusion AUC", "inclusion AUC"} & set(reranked)
+    assert "text-only+rerank: no exclusion or inclusion AUC" in caplog.text
