@@ -51,8 +51,14 @@ class Combiner(nn.Module):
     def device(self) -> torch.device:
         return self.output.weight.device
 
-    def forward(self, image: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
-        """image, text: (B, D) raw or normalised features -> (B, D) L2-normalised composed queries."""
+    def forward(self, image: torch.Tensor, text: torch.Tensor, with_negative: bool = False):
+        """image, text: (B, D) raw or normalised features -> (B, D) L2-normalised composed queries;
+        ``with_negative``: the pair (queries, :meth:`negative` of ``image``), from one call (so a
+        data-parallel wrapper sees P_neg used inside its forward)."""
+        query = self._compose(image, text)
+        return (query, self.negative(image)) if with_negative else query
+
+    def _compose(self, image: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
         image = F.normalize(image.float(), dim=-1)
         text = F.normalize(text.float(), dim=-1)
         joint = torch.cat([self.dropout(F.relu(self.text_projection(text))),
@@ -63,7 +69,7 @@ class Combiner(nn.Module):
 
     def negative(self, image: torch.Tensor) -> torch.Tensor:
         """(B, D) NBL's negative compositions F_neg = f(v, P_neg)."""
-        return self(image, self.negative_prompt.expand(image.shape[0], -1))
+        return self._compose(image, self.negative_prompt.expand(image.shape[0], -1))
 
 
 def is_combiner_config(model_config: dict) -> bool:

@@ -70,15 +70,29 @@ def configure_deepspeed(plugin, cfg: TrainConfig, num_processes: int, micro_batc
     ``gradient_clipping`` where the launcher's config leaves them out or ``auto``; raises
     :class:`DeepSpeedError` naming both values where it sets one that differs. Returns the config.
     """
+    return fill_deepspeed_config(plugin, micro_batch=micro_batch, num_processes=num_processes,
+                                 grad_accum_steps=cfg.optim.grad_accum_steps, grad_clip=cfg.optim.grad_clip)
+
+
+DEMINDS_SOURCES = {"train_micro_batch_size_per_gpu": "optim.global_batch_size / processes / optim.grad_accum_steps",
+                   "gradient_accumulation_steps": "optim.grad_accum_steps",
+                   "train_batch_size": "optim.global_batch_size", "gradient_clipping": "optim.grad_clip"}
+
+
+def fill_deepspeed_config(plugin, *, micro_batch: int, num_processes: int, grad_accum_steps: int,
+                          grad_clip: float | None, sources: dict[str, str] = DEMINDS_SOURCES) -> dict[str, Any]:
+    """:func:`configure_deepspeed` for any trainer: the numbers themselves, and ``sources``, the
+    setting each comes from (named in a refusal)."""
     config = plugin.deepspeed_config
     wanted = {
-        "train_micro_batch_size_per_gpu": (micro_batch, "optim.global_batch_size / processes / optim.grad_accum_steps"),
-        "gradient_accumulation_steps": (cfg.optim.grad_accum_steps, "optim.grad_accum_steps"),
-        "train_batch_size": (micro_batch * num_processes * cfg.optim.grad_accum_steps, "optim.global_batch_size"),
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": grad_accum_steps,
+        "train_batch_size": micro_batch * num_processes * grad_accum_steps,
         # null: no clipping, which DeepSpeed spells 0 (Accelerate would otherwise fill "auto" with 1.0)
-        "gradient_clipping": (float(cfg.optim.grad_clip or 0.0), "optim.grad_clip"),
+        "gradient_clipping": float(grad_clip or 0.0),
     }
-    for key, (value, source) in wanted.items():
+    for key, value in wanted.items():
+        source = sources[key]
         given = config.get(key, "auto")
         if given == "auto":
             config[key] = value
@@ -88,7 +102,7 @@ def configure_deepspeed(plugin, cfg: TrainConfig, num_processes: int, micro_batc
                                  f"or make the two equal")
     zero = config.get("zero_optimization", {}).get("stage")
     logger.info("DeepSpeed ZeRO stage %s: micro batch %d, accumulation %d, gradient clipping %s, %s",
-                zero, micro_batch, cfg.optim.grad_accum_steps, cfg.optim.grad_clip or "off", deepspeed_precision(config))
+                zero, micro_batch, grad_accum_steps, grad_clip or "off", deepspeed_precision(config))
     return config
 
 

@@ -5,5 +5,6 @@
 * :mod:`~demind.triplets.features` -- frozen image and text features, cached;
 * :mod:`~demind.combiner` -- the CLIP4Cir-style combiner the trainer fits;
 * :mod:`~demind.triplets.modes` -- noise modes: none, small-loss, gfq, conesep, conesep-nobtu;
-* :mod:`~demind.triplets.train` -- the trainer (``demind-train-triplets``; docs/training.md).
+* :mod:`~demind.triplets.train` -- the trainer (``demind-train-triplets``; docs/training.md);
+* :mod:`~demind.triplets.launch` -- under ``accelerate launch``: several processes, DeepSpeed.
 """

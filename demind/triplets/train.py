@@ -7,6 +7,14 @@ and optimizer (as in De-MINDS pretraining); the optimizer and schedule are the p
 after every epoch ``state.safetensors`` holds model, optimizer, schedule, RNGs and the epoch, so a
 killed run rerun with the same command continues where it stopped and ends with the same weights.
 
+Several processes (``accelerate launch --config_file configs/accelerate/multi_cpu.yaml`` or
+``multi_gpu.yaml``): every process holds all N cached features and draws the same epoch order;
+``optim.batch_size`` is the global batch, each process composes its 1/P of it, and the queries are
+gathered with gradients (De-MINDS's :func:`demind.training.make_gather`), so the InfoNCE, GFQ, NBL
+and BTU terms are those of the whole batch and the update is the one-process update (to float
+rounding). Small-loss's per-sample losses are split over the processes and summed, so all get the
+same N losses and the same GMM. Only the main process writes files.
+
 Outputs in ``run.output_dir``: ``combiner.safetensors`` (a checkpoint ``demind-eval --checkpoint``
 and ``demind-search`` load; method ``combiner``), ``metrics.jsonl`` (a line per epoch),
 ``run.json`` (config, triplet and noise counts), ``detection.json`` (the mode's noise scores; AUROC
@@ -32,6 +40,9 @@ from demind.training import (
 from demind.combiner import Combiner
 from demind.triplets.config import TripletTrainConfig
 from demind.triplets.features import image_features, text_features
+from demind.triplets.launch import (
+    check_same_engine, load_engine_state, make_accelerator, prepare, process_share, remove_engine_states,
+    save_engine_state)
 from demind.triplets.modes import batch_loss, gmm_clean_probability, noise_scores, per_sample_losses
 from demind.triplets.noise import inject_noise
 from demind.triplets.readers import read_triplets
@@ -93,73 +104,86 @@ def auroc(scores: torch.Tensor, positive: torch.Tensor) -> float | None:
     return float(u / (pos.numel() * neg.numel()))
 
 
-def train_triplets(cfg: TripletTrainConfig, backbone=None, data: TrainingData | None = None) -> Path:
+def train_triplets(cfg: TripletTrainConfig, backbone=None, data: TrainingData | None = None, *,
+                   launched_processes: int = 1, deepspeed: bool = False) -> Path:
     """Train (or resume, or leave a finished run as is); returns the checkpoint's path.
 
+    Call it in every process (``accelerate launch``); only the main process writes files.
     backbone: a loaded FrozenCLIP (default: built from ``cfg.backbone``); data: features already
-    loaded by :func:`load_training_data` (benchmarks share them across runs)."""
-    from accelerate import Accelerator
-
+    loaded by :func:`load_training_data` (benchmarks share them across runs); launched_processes:
+    the processes the launcher started (its ``WORLD_SIZE``, read by the command); deepspeed: the
+    launcher asked for DeepSpeed (its engine trains, or the run is refused in one line)."""
     out = Path(cfg.run.output_dir)
     export = out / EXPORT
     if export.is_file():
         log.info("%s exists: the run is finished (delete it to train again)", export)
         return export
     triplets = read_training_triplets(cfg) if data is None else None
-    check_output_dir(out)
-    if cfg.run.device.startswith("cuda:"):  # Accelerate places a single process on the current CUDA device
-        torch.cuda.set_device(torch.device(cfg.run.device))
-    accelerator = Accelerator(cpu=cfg.run.device == "cpu")
-    if accelerator.num_processes > 1:
-        raise InputError("demind-train-triplets runs as one process (a combiner on cached features trains in "
-                         "minutes on one device); launch it without several processes")
+    accelerator = make_accelerator(cfg, launched_processes, deepspeed=deepspeed)
+    if accelerator.is_main_process:
+        check_output_dir(out)
+    accelerator.wait_for_everyone()
     if backbone is None:
         from demind.backbone import build_backbone
 
         backbone = build_backbone(cfg.backbone, device=accelerator.device)
-    data = data if data is not None else load_training_data(cfg, backbone, triplets)
-    return _fit(cfg, backbone, data, accelerator, out)
+    with accelerator.main_process_first():  # the main process encodes and caches, the others read the cache
+        data = data if data is not None else load_training_data(cfg, backbone, triplets)
+    try:
+        return _fit(cfg, backbone, data, accelerator, out)
+    finally:
+        if accelerator.num_processes > 1:
+            accelerator.end_training()  # a gloo group left to the interpreter's teardown can abort it
 
 
 def _fit(cfg: TripletTrainConfig, backbone, data: TrainingData, accelerator, out: Path) -> Path:
-    device = accelerator.device
+    device, main, share = accelerator.device, accelerator.is_main_process, process_share(accelerator)
     torch.manual_seed(cfg.run.seed)
     model = Combiner(replace(cfg.model), backbone)  # a copy: the model fills in embed_dim
     n, bs = data.reference.shape[0], cfg.optim.batch_size
     steps_per_epoch = n // bs  # the last partial batch is dropped: a contrastive batch needs its size
     optimizer = build_adamw(model.named_parameters(), cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
     scheduler = build_lr_scheduler(optimizer, 0, cfg.optim.epochs * steps_per_epoch)
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    model, optimizer = prepare(accelerator, model, optimizer, bs)
     unwrapped = accelerator.unwrap_model(model)
     ref, text, target = (t.to(device) for t in (data.reference, data.text, data.target))
     scale = 1.0 / cfg.optim.temperature
     state_path, start_epoch, step = out / STATE, 0, 0
     if state_path.is_file():
         state = load_train_state(state_path)
-        step = restore_train_state(state, modules={"model": unwrapped}, optimizer=optimizer, scheduler=scheduler)
+        engine_state = check_same_engine(state_path, state["extra"], accelerator)
+        # under DeepSpeed its engine holds the optimizer (sharded): restored from its own folder
+        step = restore_train_state(state, modules={"model": unwrapped}, scheduler=scheduler,
+                                   optimizer=None if engine_state else optimizer)
+        if engine_state:
+            load_engine_state(accelerator, out / engine_state)
         start_epoch = int(state["extra"]["epoch"])
-        trim_metrics(out, step)
+        if main:
+            trim_metrics(out, step)
         log.info("resuming %s at epoch %d of %d", out, start_epoch, cfg.optim.epochs)
-    else:
+    elif main:
         (out / "metrics.jsonl").unlink(missing_ok=True)
-    write_json_atomic(out / "run.json", {"config": to_dict(cfg), "triplets": n, "noisy": int(data.noisy.sum()),
-                                         "steps_per_epoch": steps_per_epoch}, indent=1)
+    if main:
+        write_json_atomic(out / "run.json", {"config": to_dict(cfg), "triplets": n, "noisy": int(data.noisy.sum()),
+                                             "steps_per_epoch": steps_per_epoch, "processes": share.count}, indent=1)
     model.train()
     for epoch in range(start_epoch, cfg.optim.epochs):
         started = time.perf_counter()
         generator = torch.Generator().manual_seed(derive_seed(cfg.run.seed, "triplet-epoch", epoch))
         order = torch.randperm(n, generator=generator)
+        if share.index > 0:  # dropout masks of the other processes' rows: their own stream, resumable per epoch
+            torch.manual_seed(derive_seed(cfg.run.seed, "triplet-dropout", share.index, epoch))
         after_warmup = epoch >= cfg.optim.warmup_epochs
         clean = None
         if after_warmup and cfg.robust.mode == "small-loss":
-            losses = per_sample_losses(unwrapped, ref, text, target, scale, bs, order)
+            losses = per_sample_losses(unwrapped, ref, text, target, scale, bs, order, share)
             clean = (gmm_clean_probability(losses, cfg.run.seed) >= cfg.robust.gmm_threshold).to(device)
         sums: dict[str, float] = {}
         for b in range(steps_per_epoch):
             rows = order[b * bs : (b + 1) * bs].to(device)
             terms = batch_loss(unwrapped, ref[rows], text[rows], target[rows], cfg.robust, scale,
                                after_warmup=after_warmup, clean_prior=clean[rows] if clean is not None else None,
-                               generator=generator)
+                               generator=generator, forward=model, share=share)
             check_finite_terms({k: v for k, v in terms.items() if k != "kept"}, step, where="triplet training")
             optimizer.zero_grad(set_to_none=True)
             accelerator.backward(terms["loss"])
@@ -170,19 +194,28 @@ def _fit(cfg: TripletTrainConfig, backbone, data: TrainingData, accelerator, out
                 sums[k] = sums.get(k, 0.0) + float(v.detach())
         record = {"step": step, "epoch": epoch + 1, **{k: round(v / steps_per_epoch, 5) for k, v in sums.items()},
                   "lr": scheduler.get_last_lr()[0], "seconds": round(time.perf_counter() - started, 3)}
-        append_metrics(out / "metrics.jsonl", record)
-        if (epoch + 1) % cfg.run.log_every == 0 or epoch + 1 == cfg.optim.epochs:
-            log.info("epoch %d/%d  loss %.4f  nce %.4f  kept %.3f  (%.1fs)", epoch + 1, cfg.optim.epochs,
-                     record["loss"], record["nce"], record["kept"], record["seconds"])
-        save_train_state(state_path, step=step, modules={"model": unwrapped}, optimizer=optimizer,
-                         scheduler=scheduler, extra={"epoch": epoch + 1})
+        engine_state = save_engine_state(accelerator, out, epoch + 1)  # every process, under DeepSpeed
+        if main:
+            append_metrics(out / "metrics.jsonl", record)
+            if (epoch + 1) % cfg.run.log_every == 0 or epoch + 1 == cfg.optim.epochs:
+                log.info("epoch %d/%d  loss %.4f  nce %.4f  kept %.3f  (%.1fs)", epoch + 1, cfg.optim.epochs,
+                         record["loss"], record["nce"], record["kept"], record["seconds"])
+            save_train_state(state_path, step=step, modules={"model": unwrapped},
+                             optimizer=None if engine_state else optimizer, scheduler=scheduler,
+                             extra={"epoch": epoch + 1, "engine_state": engine_state})
+            remove_engine_states(out, keep=engine_state)  # the states before it
+        accelerator.wait_for_everyone()  # no process runs ahead of a state a kill could resume from
     unwrapped.eval()
-    if cfg.run.detection:
-        write_detection(out, unwrapped, ref, text, target, data.noisy, cfg, scale)
-    from demind.checkpoint import save_checkpoint
+    path = out / EXPORT
+    if main:
+        if cfg.run.detection:
+            write_detection(out, unwrapped, ref, text, target, data.noisy, cfg, scale)
+        from demind.checkpoint import save_checkpoint
 
-    path = save_checkpoint(out / EXPORT, unwrapped)
-    state_path.unlink(missing_ok=True)  # the export is the finished run's record
+        save_checkpoint(path, unwrapped)
+        state_path.unlink(missing_ok=True)  # the export is the finished run's record
+        remove_engine_states(out)
+    accelerator.wait_for_everyone()
     return path
 
 

@@ -1,0 +1,153 @@
+"""How ``demind-train-triplets`` runs under ``accelerate launch``: the Accelerator (one process,
+several, or DeepSpeed's engine), each process's share of the work, and DeepSpeed's own state.
+
+The pieces are De-MINDS pretraining's (:mod:`demind.training`): its refusal of a GPU launch that
+Accelerate would quietly run on the CPU, its gather with gradients, its DeepSpeed device check and
+config filling. The triplet trainer adds what its recipe differs in: ``optim.batch_size`` is the
+global batch (no accumulation, no clipping, float32 only), and its resumable state is one file
+(:mod:`demind.training.store`), beside which DeepSpeed's engine keeps its sharded optimizer in
+``deepspeed_state/epoch_N`` (Accelerate's ``save_state``), named by the state file.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from demind.config import ConfigError
+from demind.triplets.config import TripletTrainConfig
+from demind.triplets.modes import NBL_MODES, ONE_PROCESS, ProcessShare
+
+ENGINE_STATES = "deepspeed_state"
+# the settings DeepSpeed's numbers come from, named when a DeepSpeed config contradicts them
+TRIPLET_SOURCES = {"train_micro_batch_size_per_gpu": "optim.batch_size / processes",
+                   "gradient_accumulation_steps": "demind-train-triplets does not accumulate gradients",
+                   "train_batch_size": "optim.batch_size",
+                   "gradient_clipping": "demind-train-triplets does not clip gradients"}
+
+
+def make_accelerator(cfg: TripletTrainConfig, launched_processes: int = 1, *, deepspeed: bool = False):
+    """The Accelerator of one run: one process on ``run.device``, the launcher's processes, or
+    DeepSpeed's engine (``deepspeed``: the launcher asked for it; it trains or the run is refused)."""
+    from accelerate import Accelerator, DistributedDataParallelKwargs, InitProcessGroupKwargs
+    from accelerate.utils import DistributedType
+
+    from demind.training.accel import refuse_cpu_fallback
+    from demind.training.zero import DeepSpeedError, deepspeed_device
+
+    if cfg.run.device.startswith("cuda:"):
+        if launched_processes > 1 or deepspeed:
+            raise ConfigError(f"config key 'run.device' = {cfg.run.device!r}: the launcher places each process on "
+                              f"its GPU; use run.device=cuda", key="run.device")
+        torch.cuda.set_device(torch.device(cfg.run.device))  # Accelerate places one process on the current device
+    # P_neg only gets a gradient in the NBL modes: the others leave it unused
+    handlers = [DistributedDataParallelKwargs(find_unused_parameters=cfg.robust.mode not in NBL_MODES)]
+    if deepspeed and deepspeed_device(cfg) == "cpu":  # DeepSpeed's CPU accelerator talks over gloo
+        handlers.append(InitProcessGroupKwargs(backend="gloo"))
+    # cpu=True would make Accelerate drop DeepSpeed: DeepSpeed's own accelerator places it instead
+    accelerator = Accelerator(cpu=cfg.run.device == "cpu" and not deepspeed, kwargs_handlers=handlers)
+    refuse_cpu_fallback(accelerator, cfg, launched_processes)
+    if deepspeed and accelerator.distributed_type != DistributedType.DEEPSPEED:
+        raise DeepSpeedError(f"the launcher asked for DeepSpeed but Accelerate set up {accelerator.distributed_type}; "
+                             f"launch with `accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml "
+                             f"--mixed_precision no`")
+    if accelerator.mixed_precision != "no":
+        raise ConfigError(f"the launcher asks for mixed precision {accelerator.mixed_precision}, but "
+                          f"demind-train-triplets trains in float32 (cached float32 features, a small combiner); "
+                          f"launch with --mixed_precision no")
+    if cfg.optim.batch_size % accelerator.num_processes:
+        raise ConfigError(f"optim.batch_size={cfg.optim.batch_size} (the global batch) does not split into "
+                          f"{accelerator.num_processes} processes; make it a multiple of {accelerator.num_processes}",
+                          key="optim.batch_size")
+    return accelerator
+
+
+def is_deepspeed(accelerator) -> bool:
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.DEEPSPEED
+
+
+def prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch_size: int):
+    """``accelerator.prepare(model, optimizer)``; under DeepSpeed its config is filled first (micro
+    batch = ``batch_size`` / processes). The schedule is not prepared: the trainer steps it once per
+    step (Accelerate would step it once per process)."""
+    if is_deepspeed(accelerator):
+        from demind.training.zero import fill_deepspeed_config
+
+        fill_deepspeed_config(accelerator.state.deepspeed_plugin, micro_batch=batch_size // accelerator.num_processes,
+                              num_processes=accelerator.num_processes, grad_accum_steps=1, grad_clip=None,
+                              sources=TRIPLET_SOURCES)
+    return accelerator.prepare(model, optimizer)
+
+
+def process_share(accelerator) -> ProcessShare:
+    """This process's :class:`~demind.triplets.modes.ProcessShare` (the one-process default alone)."""
+    if accelerator.num_processes == 1:
+        return ONE_PROCESS
+    from accelerate.utils import broadcast
+
+    from demind.training import make_gather
+
+    def total(x: torch.Tensor) -> torch.Tensor:
+        return accelerator.reduce(x.to(accelerator.device), reduction="sum").to(x.device)
+
+    def agree(x: torch.Tensor) -> torch.Tensor:
+        return broadcast(x.contiguous(), from_process=0)
+
+    return ProcessShare(accelerator.process_index, accelerator.num_processes, make_gather(accelerator), total, agree)
+
+
+def save_engine_state(accelerator, out: Path, epoch: int) -> str | None:
+    """Under DeepSpeed, its engine's state after ``epoch`` into ``deepspeed_state/epoch_N`` (every
+    process calls it; written to ``*.tmp``, then renamed); returns the folder relative to ``out``,
+    None elsewhere (the state file then holds the optimizer)."""
+    if not is_deepspeed(accelerator):
+        return None
+    name = f"{ENGINE_STATES}/epoch_{epoch}"
+    final = out / name
+    tmp = final.with_name(final.name + ".tmp")
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.replace(final)
+    accelerator.wait_for_everyone()
+    return name
+
+
+def load_engine_state(accelerator, folder: Path) -> None:
+    accelerator.load_state(str(folder))
+
+
+def remove_engine_states(out: Path, keep: str | None = None) -> None:
+    """Delete DeepSpeed's engine states in ``out`` but ``keep`` (the one the state file names)."""
+    root = out / ENGINE_STATES
+    for folder in root.glob("epoch_*") if root.is_dir() else []:
+        if keep is None or folder != out / keep:
+            shutil.rmtree(folder, ignore_errors=True)
+    if keep is None:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def check_same_engine(state_path: Path, extra: dict, accelerator) -> str | None:
+    """The DeepSpeed engine state a resumed run continues from (None: the state file holds it all);
+    a state written under DeepSpeed resumes only under it, and the other way round: one line."""
+    from demind.training.state import ResumeError
+
+    written = extra.get("engine_state")
+    running = is_deepspeed(accelerator)
+    if bool(written) != running:
+        raise ResumeError(f"cannot resume from {state_path}: it was written {'under' if written else 'without'} "
+                          f"DeepSpeed and this run is {'' if running else 'not '}using it; launch as the run that "
+                          f"wrote it, or use a new run.output_dir")
+    if written and not (state_path.parent / written).is_dir():
+        raise ResumeError(f"cannot resume from {state_path}: DeepSpeed's state {state_path.parent / written} is "
+                          f"missing; delete {state_path} to restart the run")
+    return written
