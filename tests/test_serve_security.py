@@ -274,6 +274,37 @@ def test_stalled_clients_hold_no_threads_and_are_timed_out(searcher):  # noqa: F
         server.shutdown()
 
 
+def test_shutdown_returns_after_the_servers_threads_have_ended(searcher):  # noqa: F811
+    """The model must be freed by the thread that stops the server, never by a server thread
+    ending during interpreter exit: that thread is ended by Python inside torch's tensor
+    deallocation and the process aborts (status -6) instead of exiting 0."""
+    import gc
+    import weakref
+
+    app = create_app(searcher, settings=ServerSettings(threads=3))
+    before = set(threading.enumerate())
+    server, loop = start_server(app, "127.0.0.1", 0)
+    port = server.port
+    workers = [t for t in threading.enumerate() if t not in before and t is not loop]
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/api/search",
+                                     data=b"text=make+it+red&gallery_name=img1.png&k=2&method=mapping-only")
+    with urllib.request.urlopen(request, timeout=30) as answer:  # a worker thread runs the model
+        assert [r["name"] for r in json.load(answer)["results"]] != []
+    held = socket.create_connection(("127.0.0.1", port), timeout=10)  # an open, idle connection
+    assert loop.is_alive() and len(workers) == 3 and all(t.is_alive() for t in workers)
+    server.shutdown()
+    assert not loop.is_alive() and not any(t.is_alive() for t in workers)
+    assert held.recv(1024) == b""  # the idle connection was closed
+    held.close()
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    server.shutdown()  # a second stop is harmless
+    app_ref = weakref.ref(app)
+    del app, server, loop, workers
+    gc.collect()
+    assert app_ref() is None  # no thread of the server holds the app (and the model) any more
+
+
 def test_the_printed_address_opens_with_a_base64_token(tmp_path, tiny_checkpoint, monkeypatch, capsys):  # noqa: F811
     """``openssl rand -base64`` gives tokens with '+', '/' and '=': the address demind-serve prints
     carries it URL-encoded, so opening that address is let in (not a 401 naming that address)."""

@@ -136,7 +136,7 @@ def run(args: ServeConfig) -> int:
     try:
         thread.join()
     except KeyboardInterrupt:
-        server.shutdown()
+        server.shutdown()  # waits for the server's threads: the model is freed here, not by one of them at exit
     return 0
 
 

@@ -42,6 +42,7 @@ from demind.retrieval import ImageRef, load_image
 
 try:
     import waitress.server
+    import waitress.task
     from flask import Flask, Response, jsonify, redirect, request
     from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 except ImportError as e:  # an optional extra: say how to get it instead of a traceback
@@ -284,37 +285,83 @@ def read_search_form(searcher: Searcher, rows: dict[str, int]) -> SearchQuery:
                        negative=(form.get("negative") or "").strip() or None, drop_duplicates=drop_duplicates)
 
 
-class RunningServer:
-    """A waitress server on a background thread: ``port`` (the bound one), ``shutdown()``."""
+class JoinableTaskDispatcher(waitress.task.ThreadedTaskDispatcher):
+    """waitress's pool of worker threads, keeping the threads so that a shutdown can wait for them."""
 
-    def __init__(self, server) -> None:
+    def __init__(self) -> None:
+        super().__init__()
+        self.workers: list[threading.Thread] = []
+
+    def start_new_thread(self, target, thread_no: int) -> None:
+        worker = threading.Thread(target=target, name=f"demind-search-worker-{thread_no}", args=(thread_no,),
+                                  daemon=True)
+        self.workers.append(worker)
+        worker.start()
+
+
+class RunningServer:
+    """A waitress server on a background thread: ``port`` (the bound one), ``shutdown()``.
+
+    ``shutdown()`` returns only after the server's threads have ended. Why it waits: the app (and
+    through it the model's tensors) is held by the loop thread's target, so a loop thread that
+    ends after its caller has returned frees the model itself. The process may then be
+    finalizing: a daemon thread that takes the GIL back inside torch's tensor deallocation is
+    ended by Python mid-C++ (``pthread_exit``) and the whole process aborts ("terminate called
+    without an active exception", status -6) instead of exiting 0.
+    """
+
+    def __init__(self, server, loop: threading.Thread, dispatcher: JoinableTaskDispatcher) -> None:
         self._server = server
+        self._loop = loop
+        self._dispatcher = dispatcher
         self.port: int = server.effective_port
 
-    def shutdown(self) -> None:
+    def _close_sockets(self) -> None:
+        """Close every connection, the listening socket and the trigger; an empty map ends the loop."""
         server = self._server
-        server.task_dispatcher.shutdown(timeout=5)
-        server.close()  # the listening socket and the trigger
-        while server._map:  # closing every socket ends the loop
-            for channel in list(server._map.values()):
+        for channel in list(server._map.values()):
+            if channel is not server and channel is not server.trigger:
                 try:
                     channel.handle_close()
                 except OSError:
                     pass
+        server.close()  # the listening socket and the trigger
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Finish the requests being answered (``timeout_s`` at most), close every socket, and
+        wait for the loop and worker threads to end (a warning names any still running)."""
+        self._dispatcher.shutdown(timeout=timeout_s)
+        deadline = time.monotonic() + timeout_s
+        if self._loop.is_alive():
+            # closed by the loop's own thread: a socket closed under its select() would fail it (EBADF)
+            self._server.trigger.pull_trigger(self._close_sockets)
+            self._loop.join(max(0.0, deadline - time.monotonic()))
+        if self._server._map and not self._loop.is_alive():  # no loop (any more) to close them
+            self._close_sockets()
+        for thread in self._dispatcher.workers:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        running = [t.name for t in (self._loop, *self._dispatcher.workers) if t.is_alive()]
+        if running:
+            log.warning("the search server stopped with %d thread(s) still running after %g s: %s",
+                        len(running), timeout_s, ", ".join(running))
 
 
 def start_server(app: Flask, host: str = "127.0.0.1", port: int = 0) -> tuple[RunningServer, threading.Thread]:
     """Serve ``app`` with waitress from a background thread (``port`` 0: a free port, see
-    ``server.port``); stop it with ``server.shutdown()``. Off loopback the app must hold a token."""
+    ``server.port``); stop it with ``server.shutdown()``, which waits for the server's threads.
+    Off loopback the app must hold a token."""
     settings: ServerSettings = app.config[SETTINGS_KEY]
     if not guard.is_loopback(host) and settings.token is None:
         raise ServerSetupError(f"serving on {host} (not this machine only) needs an access token: give --token "
                                f"or set DEMIND_SERVE_TOKEN")
     settings.hosts |= guard.default_allowed_hosts(host)
+    dispatcher = JoinableTaskDispatcher()
     server = waitress.server.create_server(
         app, host=host, port=port, threads=settings.threads, connection_limit=settings.connection_limit,
         channel_timeout=settings.channel_timeout_s, cleanup_interval=max(1, int(settings.channel_timeout_s / 2)),
-        max_request_body_size=(settings.max_upload_mb + 1) * 1024 * 1024, ident="demind-search")
+        max_request_body_size=(settings.max_upload_mb + 1) * 1024 * 1024, ident="demind-search",
+        _dispatcher=dispatcher)  # waitress's hook for a dispatcher of one's own: ours keeps its threads
+    dispatcher.set_thread_count(settings.threads)  # started once the port is bound (a port in use starts none)
     thread = threading.Thread(target=server.run, name="demind-search-server", daemon=True)
     thread.start()
-    return RunningServer(server), thread
+    return RunningServer(server, thread, dispatcher), thread
