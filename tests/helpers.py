@@ -69,3 +69,71 @@ def write_cirr_layout(root: Path, split: str, folder: str, images: dict[str, byt
     (root / "captions").mkdir()
     (root / "captions" / f"cap.rc2.{split}.json").write_text(json.dumps(captions))
     return root
+
+
+# ---------------------------------------------------------------- generation job inputs
+
+
+def jpeg_bytes(seed: int, size: tuple[int, int]) -> bytes:
+    """A random RGB JPEG of ``size`` (width, height), the same bytes for the same seed."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)).save(buf, format="JPEG")
+    return buf.getvalue()
+
+
+def write_input_shard(path: Path, samples: list[dict]) -> None:
+    import webdataset as wds
+
+    with open(path, "wb") as f, wds.TarWriter(f, encoder=False) as tar:
+        for s in samples:
+            tar.write(s)
+
+
+def make_sample(key: str, seed: int, caption: str, image: bytes | None = None) -> dict:
+    """One img2dataset sample (jpg, txt, json); the image random from ``seed`` unless given."""
+    meta = {"key": key, "url": f"http://example.com/{key}.jpg", "caption": caption}
+    return {"__key__": key, "jpg": image if image is not None else jpeg_bytes(seed, (40 + seed, 30)),
+            "txt": caption.encode(), "json": json.dumps(meta).encode()}
+
+
+def write_img2dataset_shards(root: Path) -> str:
+    """Two img2dataset-style shards in ``root``: 00000.tar (4 samples), 00001.tar (4 samples, the third
+    image corrupt). Returns the corrupt sample's key."""
+    root.mkdir(parents=True, exist_ok=True)
+    corrupt_key = ""
+    for shard in range(2):
+        samples = [make_sample(f"0000{shard}000{i}", 10 * shard + i, f"a red dog {shard} {i} on the street")
+                   for i in range(4)]
+        if shard == 1:
+            samples[2]["jpg"] = b"\xff\xd8\xff this is not a jpeg"
+            corrupt_key = samples[2]["__key__"]
+        write_input_shard(root / f"0000{shard}.tar", samples)
+    return corrupt_key
+
+
+# ---------------------------------------------------------------- re-ranking inputs
+
+
+def write_rerank_queries(folder: Path, sizes: list[tuple[int, int]]) -> tuple[list, list, list]:
+    """Random PNGs of ``sizes`` (width, height) in ``folder`` as ImageRefs named 0, 1, ...; two queries
+    (on images 0 and 3) and their candidate lists (images 1.. and 0..2). Returns (refs, queries, candidates)."""
+    import numpy as np
+    from PIL import Image
+
+    from demind.retrieval import ImageRef, Query
+
+    rng = np.random.default_rng(1)
+    refs = []
+    for i, (w, h) in enumerate(sizes):
+        path = folder / f"{i}.png"
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(path)
+        refs.append(ImageRef(str(i), path))
+    queries = [Query("q1", refs[0], "a photo of * , make it red", "make it red"),
+               Query("q2", refs[3], "a photo of * , two of them", "two of them")]
+    return refs, queries, [refs[1:], refs[:3]]

@@ -32,6 +32,7 @@ from demind.gen.quality import clean_output, max_ngram_count, quality_flags
 from demind.gen.plan import ShardSpecError, parse_shard_range
 from demind.gen.reader import RawSample, SkippedSample, decode_and_shrink, iter_shard
 from demind.gen.tiny_llava import build_tiny_llava_next
+from helpers import jpeg_bytes, make_sample, write_img2dataset_shards, write_input_shard
 
 CORRUPT_KEY = "000010002"
 
@@ -54,37 +55,11 @@ def run_main(repo_root):
     return generate_main
 
 
-def jpeg_bytes(seed: int, size: tuple[int, int]) -> bytes:
-    rng = np.random.default_rng(seed)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)).save(buf, format="JPEG")
-    return buf.getvalue()
-
-
-def write_input_shard(path: Path, samples: list[dict]) -> None:
-    with open(path, "wb") as f, wds.TarWriter(f, encoder=False) as tar:
-        for s in samples:
-            tar.write(s)
-
-
-def make_sample(key: str, seed: int, caption: str, image: bytes | None = None) -> dict:
-    meta = {"key": key, "url": f"http://example.com/{key}.jpg", "caption": caption}
-    return {"__key__": key, "jpg": image if image is not None else jpeg_bytes(seed, (40 + seed, 30)),
-            "txt": caption.encode(), "json": json.dumps(meta).encode()}
-
-
 @pytest.fixture
 def input_shards(tmp_path) -> Path:
     """Two img2dataset-style shards: 00000.tar (4 samples), 00001.tar (4 samples, one corrupt image)."""
     root = tmp_path / "in"
-    root.mkdir()
-    for shard in range(2):
-        samples = [make_sample(f"0000{shard}000{i}", 10 * shard + i, f"a red dog {shard} {i} on the street")
-                   for i in range(4)]
-        if shard == 1:
-            samples[2]["jpg"] = b"\xff\xd8\xff this is not a jpeg"
-            assert samples[2]["__key__"] == CORRUPT_KEY
-        write_input_shard(root / f"0000{shard}.tar", samples)
+    assert write_img2dataset_shards(root) == CORRUPT_KEY
     return root
 
 

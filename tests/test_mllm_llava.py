@@ -14,7 +14,7 @@ from PIL import Image
 
 from demind.cli.evaluate import main as evaluate_main
 from demind.gen.tiny_llava import build_tiny_llava_next
-from helpers import FIXTURES
+from helpers import FIXTURES, write_rerank_queries
 
 N_QUERIES = {"val": 6, "test1": 4}
 
@@ -143,19 +143,11 @@ def test_reranking_reuses_the_reference_prefix_with_equal_scores(tiny_llava, tmp
     from demind.describe import LazyEngine, MemoryStore, MLLMVerifier, RerankOptions, load_describer_prompts
     from demind.gen.config import EngineConfig, SamplingConfig
     from demind.gen.engines import build_engine
-    from demind.retrieval import ImageRef, Query
 
     engine = build_engine(EngineConfig(name="transformers", model=str(tiny_llava), dtype="float32"),
                           SamplingConfig(temperature=0.0), device="cpu")
-    rng = np.random.default_rng(1)
-    refs = []
-    for i, (w, h) in enumerate([(20, 30), (40, 20), (16, 16), (30, 60), (25, 25), (64, 16)]):
-        path = tmp_path / f"{i}.png"
-        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(path)
-        refs.append(ImageRef(str(i), path))
-    queries = [Query("q1", refs[0], "a photo of * , make it red", "make it red"),
-               Query("q2", refs[3], "a photo of * , two of them", "two of them")]
-    candidates = [refs[1:], refs[:3]]
+    _, queries, candidates = write_rerank_queries(tmp_path, [(20, 30), (40, 20), (16, 16), (30, 60), (25, 25),
+                                                             (64, 16)])
     runs = {}
     for reuse in (True, False):
         verifier = MLLMVerifier(LazyEngine(lambda: engine), load_describer_prompts(),

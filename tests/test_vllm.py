@@ -46,7 +46,8 @@ import torch  # noqa: E402
 from demind.gen.config import EngineConfig, GenConfig, SamplingConfig  # noqa: E402
 from demind.gen.engines.base import GenRequest  # noqa: E402
 from demind.gen.tiny_llava import build_tiny_llava_next  # noqa: E402
-from test_data_gen import CORRUPT_KEY, make_sample, read_output, texts_by_key, write_input_shard  # noqa: E402
+from helpers import write_img2dataset_shards, write_rerank_queries  # noqa: E402
+from test_data_gen import CORRUPT_KEY, read_output, texts_by_key  # noqa: E402
 from test_mllm_llava import N_QUERIES, rankings, read_results, small_cirr  # noqa: E402,F401  (module fixture)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -103,13 +104,7 @@ def vllm_engine(shared_engines, tiny, sampling: SamplingConfig | None = None):
 def input_shards(tmp_path) -> Path:
     """Two img2dataset-style shards of 4 samples each (jpg, txt, json), one image corrupt."""
     root = tmp_path / "in"
-    root.mkdir()
-    for shard in range(2):
-        samples = [make_sample(f"0000{shard}000{i}", 10 * shard + i, f"a red dog {shard} {i} on the street")
-                   for i in range(4)]
-        if shard == 1:
-            samples[2]["jpg"] = b"\xff\xd8\xff this is not a jpeg"
-        write_input_shard(root / f"0000{shard}.tar", samples)
+    write_img2dataset_shards(root)
     return root
 
 
@@ -302,22 +297,10 @@ def test_demind_eval_describes_and_reranks_on_vllm_and_a_rerun_loads_no_model(sh
 def test_rerank_scores_on_vllm_equal_the_transformers_engine(shared_engines, tiny, tmp_path):
     """log p(yes) - log p(no) of the first answer token, from vLLM's log-probabilities, equals the score the
     transformers engine reads from the model's logits (float32; vLLM's CPU kernels round differently)."""
-    import numpy as np
-    from PIL import Image
-
     from demind.describe import LazyEngine, MemoryStore, MLLMVerifier, RerankOptions, load_describer_prompts
     from demind.gen.engines.transformers_engine import TransformersEngine
-    from demind.retrieval import ImageRef, Query
 
-    rng = np.random.default_rng(1)
-    refs = []
-    for i, (w, h) in enumerate([(20, 30), (40, 20), (16, 16), (30, 60), (25, 25)]):
-        path = tmp_path / f"{i}.png"
-        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(path)
-        refs.append(ImageRef(str(i), path))
-    queries = [Query("q1", refs[0], "a photo of * , make it red", "make it red"),
-               Query("q2", refs[3], "a photo of * , two of them", "two of them")]
-    candidates = [refs[1:], refs[:3]]
+    _, queries, candidates = write_rerank_queries(tmp_path, [(20, 30), (40, 20), (16, 16), (30, 60), (25, 25)])
     engines = {"vllm": vllm_engine(shared_engines, tiny),
                "transformers": TransformersEngine(EngineConfig(name="transformers", model=str(tiny), dtype="float32"),
                                                   SamplingConfig(), device="cpu")}

@@ -14,7 +14,7 @@ import shutil
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from demind.config import save_config, to_dict
 from demind.errors import DemindError
@@ -65,33 +65,55 @@ def save_training_state(accelerator, cfg: TrainConfig, state: TrainState) -> Pat
 
     run_dir = Path(cfg.run.output_dir)
     final = checkpoint_root(run_dir) / f"step_{state.step:08d}"
-    tmp = final.with_name(final.name + ".tmp")
     positions = gather_object([{int(w): list(p) for w, p in state.positions.items()}])
     counts = gather_object([dict(state.counts)])
     windows = gather_object([state.log_window])
+
+    def write_trainer_state(tmp: Path) -> None:
+        total = Counter()
+        for c in counts:
+            total.update(c)
+        trainer_state = dict(step=state.step, samples_seen=state.samples_seen,
+                             num_processes=accelerator.num_processes, num_workers=cfg.data.num_workers,
+                             positions=positions, counts=dict(total), log_windows=windows)
+        (tmp / STATE_NAME).write_text(json.dumps(trainer_state, indent=1))
+        save_config(cfg, tmp / "config.yaml")
+
     # torch.save reports a full disk as "basic_ios::clear: iostream error": name the disk and path instead
-    with reporting_output_errors(tmp):
+    with reporting_output_errors(staging_dir(final)):
+        save_accelerator_state_atomically(accelerator, final, before_rename=write_trainer_state)
         if accelerator.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        accelerator.wait_for_everyone()
-        accelerator.save_state(str(tmp))
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            total = Counter()
-            for c in counts:
-                total.update(c)
-            trainer_state = dict(step=state.step, samples_seen=state.samples_seen,
-                                 num_processes=accelerator.num_processes, num_workers=cfg.data.num_workers,
-                                 positions=positions, counts=dict(total), log_windows=windows)
-            (tmp / STATE_NAME).write_text(json.dumps(trainer_state, indent=1))
-            save_config(cfg, tmp / "config.yaml")
-            if final.exists():  # the same step saved before (e.g. the final save after a resume)
-                shutil.rmtree(final)
-            tmp.replace(final)
             prune_checkpoints(run_dir, cfg.run.keep_checkpoints)
     accelerator.wait_for_everyone()
     return final
+
+
+def staging_dir(final: Path) -> Path:
+    """Where :func:`save_accelerator_state_atomically` writes ``final`` before renaming it."""
+    return final.with_name(final.name + ".tmp")
+
+
+def save_accelerator_state_atomically(accelerator, final: Path,
+                                      before_rename: Callable[[Path], None] | None = None) -> None:
+    """Accelerate's ``save_state`` into ``final.tmp``, then renamed to ``final`` (replacing an older
+    ``final``, e.g. the same step saved again after a resume), so a kill never leaves a half-written
+    ``final``. Every process must call it; only the main process creates, fills and renames the folder.
+    ``before_rename(tmp)`` runs on the main process after the save, to add files of the caller's own.
+    """
+    tmp = staging_dir(final)
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        if before_rename is not None:
+            before_rename(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.replace(final)
+    accelerator.wait_for_everyone()
 
 
 def prune_checkpoints(run_dir: Path, keep: int) -> None:

@@ -106,19 +106,10 @@ def save_engine_state(accelerator, out: Path, epoch: int) -> str | None:
     None elsewhere (the state file then holds the optimizer)."""
     if not is_deepspeed(accelerator):
         return None
+    from demind.training.state import save_accelerator_state_atomically
+
     name = f"{ENGINE_STATES}/epoch_{epoch}"
-    final = out / name
-    tmp = final.with_name(final.name + ".tmp")
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.replace(final)
-    accelerator.wait_for_everyone()
+    save_accelerator_state_atomically(accelerator, out / name)
     return name
 
 
