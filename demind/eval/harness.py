@@ -143,7 +143,7 @@ def evaluate(
         backbone = model.backbone
     data = read_benchmark(benchmark, data_root, split, limit, options)
     mllm_run = mllm.bind(data.benchmark, data.split, descriptions_root(cache_dir, out_dir)) if mllm else None
-    methods, rerank_asked = requested_methods(methods)  # "osrcir+rerank": osrcir runs, then is re-ranked
+    methods, rerank_asked = split_rerank_requests(methods)  # "osrcir+rerank": osrcir runs, then is re-ranked
     names = parse_method_names(methods, model is not None, exclmm is not None, checkpoint_kind(model))
     check_rerank_request(rerank_asked, mllm)
     method_objs = build_methods(names, backbone, model, exclmm, mllm=mllm_run)
@@ -187,14 +187,6 @@ def descriptions_root(cache_dir: str | Path | None, out_dir: str | Path | None) 
     """Where MLLM answers are kept: beside the image features (shared across runs), else in the output."""
     folder = cache_dir if cache_dir is not None else out_dir
     return Path(folder) / "descriptions" if folder is not None else None
-
-
-def requested_methods(methods: str | list[str] | None) -> tuple[str | list[str] | None, list[str]]:
-    """(the methods to run, those whose ``+rerank`` variant was named) of ``evaluate()``'s ``methods``."""
-    if methods is None:
-        return None, []
-    return split_rerank_requests([n.strip() for n in (methods.split(",") if isinstance(methods, str) else methods)
-                                  if n.strip()])
 
 
 def check_rerank_request(asked: list[str], mllm: Any) -> None:
@@ -348,15 +340,11 @@ def score_group(method: RetrievalMethod, group: QueryGroup, gallery: torch.Tenso
 
 
 def _auc_means(label: str, per_query: dict[str, list[float]]) -> dict[str, float]:
-    """The AUCs' means over the queries where they are defined; a query with no pair to compare
-    (no hard negative, or no image outside ground truth and hard negatives) is counted in a log line."""
-    means = M.mean_aucs(per_query)
-    for name, values in per_query.items():
-        undefined = sum(math.isnan(v) for v in values)
-        if undefined:
-            log.warning("%s: %s undefined for %d of %d queries (no pair to compare); %s", label, name, undefined,
-                        len(values), "averaged over the rest" if undefined < len(values) else "not reported")
-    return {k: v for k, v in means.items() if not math.isnan(v)}
+    """The AUCs' means over the queries where they are defined; the rest are counted in a log line."""
+    for name, (undefined, total) in M.undefined_aucs(per_query).items():
+        log.warning("%s: %s undefined for %d of %d queries (no pair to compare); %s", label, name, undefined,
+                    total, "averaged over the rest" if undefined < total else "not reported")
+    return {k: v for k, v in M.mean_aucs(per_query).items() if not math.isnan(v)}
 
 
 def _relevant_sets(queries, index: dict[str, int], group: str) -> list[frozenset[int]]:

@@ -237,6 +237,13 @@ def mean_aucs(per_query: dict[str, list[float]]) -> dict[str, float]:
     return out
 
 
+def undefined_aucs(per_query: dict[str, list[float]]) -> dict[str, tuple[int, int]]:
+    """Name -> (queries where that AUC is undefined (NaN: no pair to compare), queries), for the
+    AUCs undefined somewhere: what :func:`mean_aucs` left out of its mean, to be said in a log line."""
+    counts = {name: (sum(math.isnan(v) for v in per_query[name]), len(per_query[name])) for name in EXCLUSION_AUCS}
+    return {name: c for name, c in counts.items() if c[0]}
+
+
 def rank_within_subsets(
     queries: torch.Tensor, gallery: torch.Tensor, subsets: Sequence[Sequence[int]]
 ) -> list[list[int]]:

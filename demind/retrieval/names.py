@@ -46,13 +46,15 @@ def unavailable_methods(model_kind: str | None) -> tuple[str, ...]:
     return CHECKPOINT_METHODS if model_kind == "combiner" else COMBINER_METHODS
 
 
-def split_rerank_requests(names: list[str]) -> tuple[list[str], list[str]]:
-    """Method names as a user lists them -> (the methods to run, those whose ``+rerank`` variant is
-    asked for): ``["image-only", "osrcir+rerank"]`` -> ``(["image-only", "osrcir"], ["osrcir"])``. A
-    ``+rerank`` variant is its method's ranking with the top ``rerank.k`` re-ordered by an MLLM, so its
-    method runs too."""
+def split_rerank_requests(names: str | list[str] | None) -> tuple[list[str] | None, list[str]]:
+    """Method names as a user lists them (a list or one comma-separated string; None: the defaults) ->
+    (the methods to run, those whose ``+rerank`` variant is asked for): ``"image-only,osrcir+rerank"``
+    -> ``(["image-only", "osrcir"], ["osrcir"])``; None -> ``(None, [])``. A ``+rerank`` variant is its
+    method's ranking with the top ``rerank.k`` re-ordered by an MLLM, so its method runs too."""
+    if names is None:
+        return None, []
     run, reranked = [], []
-    for name in names:
+    for name in filter(None, (n.strip() for n in (names.split(",") if isinstance(names, str) else names))):
         base = name[: -len(RERANK_SUFFIX)] if name.endswith(RERANK_SUFFIX) else name
         if base != name:
             reranked.append(base)

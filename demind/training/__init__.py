@@ -30,7 +30,7 @@ from demind.lazy import lazy_exports
 # names resolved on first use: importing demind.training.config (the schema) loads no trainer or torch
 __getattr__, __dir__ = lazy_exports(__name__, {
     "demind.data": ["DataConfig"],
-    "demind.training.accel": ["make_gather", "micro_batch_size", "setup"],
+    "demind.training.accel": ["make_gather", "micro_batch_size", "refuse_cpu_fallback", "setup"],
     "demind.training.batches": ["batch_embeddings", "build_data", "find_feature_cache"],
     "demind.training.config": ["LossConfig", "OptimConfig", "RunConfig", "TrainConfig", "load_train_config"],
     "demind.training.loop": ["EXPORT_NAME", "build_modules", "train"],
@@ -40,8 +40,9 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "demind.training.plot": ["PLOT_NAME", "plot_training"],
     "demind.training.optim": ["build_adamw", "build_lr_scheduler", "build_optimizer", "build_scheduler",
                                "lr_factor", "warmup_cosine"],
-    "demind.training.state": ["ResumeError", "TrainState", "latest_checkpoint"],
+    "demind.training.state": ["ResumeError", "TrainState", "latest_checkpoint", "save_accelerator_state_atomically"],
     "demind.training.step": ["NonFiniteLossError", "check_finite", "compute_losses"],
+    "demind.training.zero": ["DeepSpeedError", "deepspeed_device", "fill_deepspeed_config"],
     "demind.training.store": ["StateFileError", "load_train_state", "load_tree", "restore_train_state",
                                "save_train_state", "save_tree"],
 })
@@ -53,4 +54,5 @@ __all__ = ["TrainConfig", "OptimConfig", "LossConfig", "RunConfig", "DataConfig"
            "NonFiniteLossError", "ResumeError", "build_adamw", "build_lr_scheduler", "warmup_cosine",
            "check_finite_terms", "save_train_state", "load_train_state", "restore_train_state", "StateFileError",
            "LogWindow", "append_metrics", "step_line", "term_parts", "trim_metrics", "load_tree", "save_tree",
-           "PLOT_NAME", "plot_training"]
+           "PLOT_NAME", "plot_training", "refuse_cpu_fallback", "save_accelerator_state_atomically",
+           "DeepSpeedError", "deepspeed_device", "fill_deepspeed_config"]

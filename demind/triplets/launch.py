@@ -34,8 +34,8 @@ def make_accelerator(cfg: TripletTrainConfig, launched_processes: int = 1, *, de
     from accelerate import Accelerator, DistributedDataParallelKwargs, InitProcessGroupKwargs
     from accelerate.utils import DistributedType
 
-    from demind.training.accel import refuse_cpu_fallback
-    from demind.training.zero import DeepSpeedError, deepspeed_device
+    from demind.training import refuse_cpu_fallback
+    from demind.training import DeepSpeedError, deepspeed_device
 
     if cfg.run.device.startswith("cuda:"):
         if launched_processes > 1 or deepspeed:
@@ -75,7 +75,7 @@ def prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimize
     batch = ``batch_size`` / processes). The schedule is not prepared: the trainer steps it once per
     step (Accelerate would step it once per process)."""
     if is_deepspeed(accelerator):
-        from demind.training.zero import fill_deepspeed_config
+        from demind.training import fill_deepspeed_config
 
         fill_deepspeed_config(accelerator.state.deepspeed_plugin, micro_batch=batch_size // accelerator.num_processes,
                               num_processes=accelerator.num_processes, grad_accum_steps=1, grad_clip=None,
@@ -106,7 +106,7 @@ def save_engine_state(accelerator, out: Path, epoch: int) -> str | None:
     None elsewhere (the state file then holds the optimizer)."""
     if not is_deepspeed(accelerator):
         return None
-    from demind.training.state import save_accelerator_state_atomically
+    from demind.training import save_accelerator_state_atomically
 
     name = f"{ENGINE_STATES}/epoch_{epoch}"
     save_accelerator_state_atomically(accelerator, out / name)
@@ -130,7 +130,7 @@ def remove_engine_states(out: Path, keep: str | None = None) -> None:
 def check_same_engine(state_path: Path, extra: dict, accelerator) -> str | None:
     """The DeepSpeed engine state a resumed run continues from (None: the state file holds it all);
     a state written under DeepSpeed resumes only under it, and the other way round: one line."""
-    from demind.training.state import ResumeError
+    from demind.training import ResumeError
 
     written = extra.get("engine_state")
     running = is_deepspeed(accelerator)
