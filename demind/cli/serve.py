@@ -128,12 +128,13 @@ def run(args: ServeConfig) -> int:
     # URL-encoded: a base64 token's '+' would arrive as a space, its '/' and '=' split the query
     token = f"?token={urllib.parse.quote(settings.token, safe='')}" if settings.token else ""
     address = f"http://{shown_host}:{server.port}/{token}"
-    print(f"demind search: {address}  (waitress, {args.threads} threads; checkpoint {args.checkpoint}, "
-          f"index {args.index}); Ctrl-C stops it", flush=True)
     # SIGTERM (a service manager, `kill`, a container stop) ends the server as Ctrl-C does: the
-    # uploads' temporary folder and every other clean-up run on the way out
+    # uploads' temporary folder and every other clean-up run on the way out. Both are caught from
+    # before the address is printed: a stop sent as soon as it appears still shuts down cleanly
     signal.signal(signal.SIGTERM, stop_as_interrupt)
     try:
+        print(f"demind search: {address}  (waitress, {args.threads} threads; checkpoint {args.checkpoint}, "
+              f"index {args.index}); Ctrl-C stops it", flush=True)
         thread.join()
     except KeyboardInterrupt:
         server.shutdown()  # waits for the server's threads: the model is freed here, not by one of them at exit

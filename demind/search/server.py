@@ -285,16 +285,34 @@ def read_search_form(searcher: Searcher, rows: dict[str, int]) -> SearchQuery:
                        negative=(form.get("negative") or "").strip() or None, drop_duplicates=drop_duplicates)
 
 
+class ServerThread(threading.Thread):
+    """A daemon thread of the server; ``finished`` is set once its target has returned and been let go.
+
+    Waited for instead of ``join()``: up to Python 3.12 a ``join()`` interrupted by Ctrl-C (the
+    KeyboardInterrupt that stops demind-serve) marks the thread as stopped while it still runs,
+    and every later ``join()`` and ``is_alive()`` says it has ended.
+    """
+
+    def __init__(self, target, name: str, args: tuple = ()) -> None:
+        super().__init__(target=target, name=name, args=args, daemon=True)
+        self.finished = threading.Event()
+
+    def run(self) -> None:
+        try:
+            super().run()  # drops its target on the way out: maybe the last reference to the app
+        finally:
+            self.finished.set()
+
+
 class JoinableTaskDispatcher(waitress.task.ThreadedTaskDispatcher):
     """waitress's pool of worker threads, keeping the threads so that a shutdown can wait for them."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.workers: list[threading.Thread] = []
+        self.workers: list[ServerThread] = []
 
     def start_new_thread(self, target, thread_no: int) -> None:
-        worker = threading.Thread(target=target, name=f"demind-search-worker-{thread_no}", args=(thread_no,),
-                                  daemon=True)
+        worker = ServerThread(target, f"demind-search-worker-{thread_no}", (thread_no,))
         self.workers.append(worker)
         worker.start()
 
@@ -302,15 +320,15 @@ class JoinableTaskDispatcher(waitress.task.ThreadedTaskDispatcher):
 class RunningServer:
     """A waitress server on a background thread: ``port`` (the bound one), ``shutdown()``.
 
-    ``shutdown()`` returns only after the server's threads have ended. Why it waits: the app (and
-    through it the model's tensors) is held by the loop thread's target, so a loop thread that
-    ends after its caller has returned frees the model itself. The process may then be
-    finalizing: a daemon thread that takes the GIL back inside torch's tensor deallocation is
-    ended by Python mid-C++ (``pthread_exit``) and the whole process aborts ("terminate called
+    ``shutdown()`` returns only after the server's threads have let the app go. Why it waits: the
+    app (and through it the model's tensors) is held by the loop thread's target, so a loop
+    thread that ends after its caller has returned frees the model itself. The process may then
+    be exiting: Python ends a daemon thread that takes the GIL back inside torch's tensor
+    deallocation (``pthread_exit`` through C++), and the process aborts ("terminate called
     without an active exception", status -6) instead of exiting 0.
     """
 
-    def __init__(self, server, loop: threading.Thread, dispatcher: JoinableTaskDispatcher) -> None:
+    def __init__(self, server, loop: ServerThread, dispatcher: JoinableTaskDispatcher) -> None:
         self._server = server
         self._loop = loop
         self._dispatcher = dispatcher
@@ -332,15 +350,16 @@ class RunningServer:
         wait for the loop and worker threads to end (a warning names any still running)."""
         self._dispatcher.shutdown(timeout=timeout_s)
         deadline = time.monotonic() + timeout_s
-        if self._loop.is_alive():
+        if not self._loop.finished.is_set():
             # closed by the loop's own thread: a socket closed under its select() would fail it (EBADF)
             self._server.trigger.pull_trigger(self._close_sockets)
-            self._loop.join(max(0.0, deadline - time.monotonic()))
-        if self._server._map and not self._loop.is_alive():  # no loop (any more) to close them
+            self._loop.finished.wait(max(0.0, deadline - time.monotonic()))
+        if self._server._map and self._loop.finished.is_set():  # no loop (any more) to close them
             self._close_sockets()
-        for thread in self._dispatcher.workers:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        running = [t.name for t in (self._loop, *self._dispatcher.workers) if t.is_alive()]
+        threads = (self._loop, *self._dispatcher.workers)
+        for thread in threads:
+            thread.finished.wait(max(0.0, deadline - time.monotonic()))
+        running = [t.name for t in threads if not t.finished.is_set()]
         if running:
             log.warning("the search server stopped with %d thread(s) still running after %g s: %s",
                         len(running), timeout_s, ", ".join(running))
@@ -362,6 +381,6 @@ def start_server(app: Flask, host: str = "127.0.0.1", port: int = 0) -> tuple[Ru
         max_request_body_size=(settings.max_upload_mb + 1) * 1024 * 1024, ident="demind-search",
         _dispatcher=dispatcher)  # waitress's hook for a dispatcher of one's own: ours keeps its threads
     dispatcher.set_thread_count(settings.threads)  # started once the port is bound (a port in use starts none)
-    thread = threading.Thread(target=server.run, name="demind-search-server", daemon=True)
+    thread = ServerThread(server.run, "demind-search-server")
     thread.start()
     return RunningServer(server, thread, dispatcher), thread
