@@ -131,7 +131,7 @@ def paired(a: dict, b: dict) -> dict:
     """Sign test on per-query AP@5, Wilcoxon on per-query exclusion and inclusion AUC (a vs b)."""
     try:
         from scipy.stats import wilcoxon
-    except ImportError as e:  # scipy comes with the robust extra (scikit-learn)
+    except ImportError as e:  # scipy is in the robust extra
         raise SystemExit("error: the Wilcoxon test needs scipy: pip install -e .[robust] (or pip install scipy)") from e
 
     ap_a, ap_b = a["per_query"]["AP@5"], b["per_query"]["AP@5"]
