@@ -24,6 +24,7 @@ against the injected noise). A finished run (``combiner.safetensors`` present) i
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -32,6 +33,7 @@ import torch
 
 from demind.config import to_dict
 from demind.errors import InputError
+from demind.eval.metrics import pairwise_auc
 from demind.io import check_output_dir, write_json_atomic
 from demind.seeding import derive_seed
 from demind.training import (
@@ -87,21 +89,9 @@ def load_training_data(cfg: TripletTrainConfig, backbone, triplets: list | None 
 
 def auroc(scores: torch.Tensor, positive: torch.Tensor) -> float | None:
     """Area under the ROC curve of ``scores`` for the ``positive`` (bool) rows, ties counted half
-    (the Mann-Whitney U statistic); None without both classes."""
-    pos, neg = scores[positive].double(), scores[~positive].double()
-    if pos.numel() == 0 or neg.numel() == 0:
-        return None
-    ranks = torch.empty_like(scores, dtype=torch.float64)
-    order = torch.argsort(scores.double())
-    sorted_scores = scores.double()[order]
-    ranks[order] = torch.arange(1, len(scores) + 1, dtype=torch.float64)
-    # average the ranks of ties
-    unique, inverse = torch.unique(sorted_scores, return_inverse=True)
-    sums = torch.zeros(len(unique), dtype=torch.float64).index_add_(0, inverse, ranks[order])
-    counts = torch.zeros(len(unique), dtype=torch.float64).index_add_(0, inverse, torch.ones_like(sorted_scores))
-    ranks[order] = (sums / counts)[inverse]
-    u = ranks[positive].sum() - pos.numel() * (pos.numel() + 1) / 2
-    return float(u / (pos.numel() * neg.numel()))
+    (:func:`demind.eval.metrics.pairwise_auc`); None without both classes."""
+    auc = pairwise_auc(scores[positive], scores[~positive])
+    return None if math.isnan(auc) else auc
 
 
 def train_triplets(cfg: TripletTrainConfig, backbone=None, data: TrainingData | None = None, *,
