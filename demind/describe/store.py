@@ -20,7 +20,8 @@ digest) by (path, size, mtime_ns) in ``<store>/digests.jsonl`` (:class:`DigestMe
 model is read once, not on every run.
 
 **Weights absent** (a store copied to a machine without the model): ``<store>/models/`` records
-which content identity answered for each model reference (hub id or folder path). When the files
+which content identity answered for each model reference (hub id, or a folder by its final name and
+the sha256 of its path: no path of this machine is written into the store). When the files
 cannot be found, the identity recorded for the reference (the same string, else the same final
 name) keys the lookups, with one log line naming it; a rerun whose answers are all stored then
 loads no model and needs none. If an answer is missing the model is loaded, and the identity is
@@ -29,7 +30,7 @@ read from its files again before anything is generated.
 **Layout** (docs/mllm.md shows it; tests/test_answer_store.py checks the docs against it)::
 
     <store>/store.json                  {"format", "key"}: what the keys hold
-    <store>/models/<id16>-<ref8>.json   {"reference", "identity", "recorded"}
+    <store>/models/<id16>-<ref8>.json   {"reference", "reference_sha256", "identity", "recorded"}
     <store>/digests.jsonl               the digest memo (one JSON object a line, appended)
     <store>/<kind>/part-<writer>-<n>.json   {"format", "records": {key: record}}; kind: cirevl, osrcir, verify
 
@@ -84,6 +85,12 @@ def pixel_digest(picture: Image.Image) -> str:
 def text_digest(*texts: str) -> str:
     """sha256 of prompt texts (a kind's prompt files, in order)."""
     return hashlib.sha256("\x00".join(texts).encode()).hexdigest()
+
+
+def model_label(reference: str) -> str:
+    """How the store names a model reference: an absolute (or ``~``) folder by its final name, so no
+    path of this machine is written into a store that may be copied elsewhere; else as given."""
+    return Path(reference).name if Path(reference).expanduser().is_absolute() else reference
 
 
 # --------------------------------------------------------------------------- the digest memo
@@ -168,6 +175,7 @@ class ModelIdentity:
 
     def __init__(self, reference: str, memo: DigestMemo, root: Path | None) -> None:
         self.reference = reference
+        self.label = model_label(reference)
         self.memo = memo
         self.root = root
         self.digest: str | None = None
@@ -231,7 +239,8 @@ class ModelIdentity:
         path = self.root / "models" / f"{self.digest[:16]}-{text_digest(self.reference)[:8]}.json"
         now = time.time_ns()
         recorded = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now // 10**9)) + f".{now % 10**9:09d}Z"
-        write_json_atomic(path, {"format": STORE_FORMAT, "reference": self.reference, "identity": self.digest,
+        write_json_atomic(path, {"format": STORE_FORMAT, "reference": self.label,
+                                 "reference_sha256": text_digest(self.reference), "identity": self.digest,
                                  "recorded": recorded}, indent=1)
 
     def _recorded(self) -> dict[str, Any] | None:
@@ -247,7 +256,9 @@ class ModelIdentity:
             except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
                 log.warning("%s is damaged: ignored", path)
         name = Path(self.reference).name
-        for match in (lambda r: r["reference"] == self.reference, lambda r: Path(r["reference"]).name == name):
+        exact = text_digest(self.reference)
+        for match in (lambda r: r.get("reference_sha256") == exact or r["reference"] == self.reference,
+                      lambda r: Path(r["reference"]).name == name):
             found = [r for r in records if match(r)]
             if found:
                 return max(found, key=lambda r: str(r.get("recorded", "")))
@@ -308,7 +319,7 @@ class AnswerStore:
 
     def ingredients(self) -> dict[str, Any]:
         """The key's shared part, as each record keeps it (readable; the key itself is its hash)."""
-        return {"model_identity": self.model.current(), "model": self.model.reference, "prompt_sha256": self.prompt,
+        return {"model_identity": self.model.current(), "model": self.model.label, "prompt_sha256": self.prompt,
                 "settings": self.settings}
 
     def _open(self) -> None:
