@@ -88,14 +88,11 @@ def per_sample_losses(model, columns: dict[str, list], batch_size: int) -> dict[
 
 
 def gmm_clean_posterior(losses: torch.Tensor, seed: int = 0) -> torch.Tensor:
-    """(N,) posterior of the low-mean component of a 2-component GMM over min-max-normalised losses."""
-    from sklearn.mixture import GaussianMixture
+    """(N,) posterior of the low-mean component of a 2-component GMM over min-max-normalised losses
+    (:func:`demind.robust.gmm_clean_probability`, the small-loss detector triplet training uses)."""
+    from demind.robust import gmm_clean_probability
 
-    x = losses.double()
-    x = ((x - x.min()) / (x.max() - x.min()).clamp(min=1e-12)).reshape(-1, 1).numpy()
-    gmm = GaussianMixture(n_components=2, max_iter=20, tol=1e-2, reg_covar=5e-4, random_state=seed).fit(x)
-    clean = int(gmm.means_.argmin())
-    return torch.from_numpy(gmm.predict_proba(x)[:, clean]).float()
+    return gmm_clean_probability(losses, seed)
 
 
 def detection_metrics(truth: torch.Tensor, score: torch.Tensor, flagged: torch.Tensor) -> dict[str, float]:

@@ -171,6 +171,24 @@ def nbl_loss(negative: torch.Tensor, targets: torch.Tensor, query: torch.Tensor,
     return push + nu * orth
 
 
+# --------------------------------------------------------------------------- small-loss
+
+
+def gmm_clean_probability(losses: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """(N,) posterior of the low-loss component of a 2-component GMM on min-max normalised losses
+    (N,) (the small-loss detector, DivideMix's settings; scikit-learn)."""
+    from sklearn.mixture import GaussianMixture
+
+    import numpy as np
+
+    x = losses.double().numpy()
+    x = (x - x.min()) / max(x.max() - x.min(), 1e-12)
+    gmm = GaussianMixture(n_components=2, max_iter=20, tol=1e-2, reg_covar=5e-4, random_state=seed)
+    gmm.fit(x.reshape(-1, 1))
+    clean = int(np.argmin(gmm.means_.ravel()))
+    return torch.from_numpy(gmm.predict_proba(x.reshape(-1, 1))[:, clean]).float()
+
+
 # --------------------------------------------------------------------------- one step
 
 

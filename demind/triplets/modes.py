@@ -21,13 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from demind.fidelity import composed_boundary, fidelity_from_similarity
 from demind.losses import Gather, per_sample_info_nce, weighted_mean
-from demind.robust import btu_loss, nbl_loss
+from demind.robust import btu_loss, gmm_clean_probability, nbl_loss
 from demind.triplets.config import TripletRobustConfig
 
 GFQ_MODES = ("gfq", "conesep", "conesep-nobtu")
@@ -96,18 +95,6 @@ def per_sample_losses(model, ref: torch.Tensor, text: torch.Tensor, target: torc
         losses[rows] = per_sample_info_nce(query, F.normalize(target[rows].float(), dim=-1), scale).cpu()
     model.train(was_training)
     return share.total(losses)
-
-
-def gmm_clean_probability(losses: torch.Tensor, seed: int) -> torch.Tensor:
-    """(N,) posterior of the low-loss component of a 2-component GMM on min-max normalised losses."""
-    from sklearn.mixture import GaussianMixture
-
-    x = losses.double().numpy()
-    x = (x - x.min()) / max(x.max() - x.min(), 1e-12)
-    gmm = GaussianMixture(n_components=2, max_iter=20, tol=1e-2, reg_covar=5e-4, random_state=seed)
-    gmm.fit(x.reshape(-1, 1))
-    clean = int(np.argmin(gmm.means_.ravel()))
-    return torch.from_numpy(gmm.predict_proba(x.reshape(-1, 1))[:, clean]).float()
 
 
 def batch_loss(model, ref: torch.Tensor, text: torch.Tensor, target: torch.Tensor, cfg: TripletRobustConfig,
