@@ -115,7 +115,7 @@ def mllm_setup(cfg: EvalConfig):
     from demind.retrieval import MLLM_METHODS, split_deo_name
     from demind.retrieval.names import split_rerank_requests
 
-    names, reranked = split_rerank_requests([n.strip() for n in (cfg.methods or "").split(",") if n.strip()])
+    names, reranked = split_rerank_requests(cfg.methods or "")
     if cfg.rerank.k == 0 and not reranked and not any(split_deo_name(n)[0] in MLLM_METHODS for n in names):
         return None
     from demind.cli.search import build_mllm_setup
