@@ -23,7 +23,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "demind.eval.exclusion": ["EXCLUSION_FORMAT"],
     "demind.eval.options": ["BENCHMARKS", "CocoOptions"],
     "demind.eval.harness": ["ReaderOptions", "evaluate", "read_benchmark"],
-    "demind.eval.metrics": ["paired_ap", "paired_hits", "sign_test_p"],
+    "demind.eval.metrics": ["pairwise_auc", "paired_ap", "paired_hits", "sign_test_p"],
     "demind.eval.reports": ["TITLES", "format_table", "markdown_table"],
     "demind.retrieval.names": ["METHODS"],
 })
@@ -40,6 +40,7 @@ __all__ = [
     "load_backbone_and_model",
     "load_exclcoco",
     "markdown_table",
+    "pairwise_auc",
     "paired_ap",
     "paired_hits",
     "sign_test_p",

@@ -33,7 +33,7 @@ import torch
 
 from demind.config import to_dict
 from demind.errors import InputError
-from demind.eval.metrics import pairwise_auc
+from demind.eval import pairwise_auc
 from demind.io import check_output_dir, write_json_atomic
 from demind.seeding import derive_seed
 from demind.training import (
