@@ -13,6 +13,8 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -137,3 +139,34 @@ def write_rerank_queries(folder: Path, sizes: list[tuple[int, int]]) -> tuple[li
     queries = [Query("q1", refs[0], "a photo of * , make it red", "make it red"),
                Query("q2", refs[3], "a photo of * , two of them", "two of them")]
     return refs, queries, [refs[1:], refs[:3]]
+
+
+# ---------------------------------------------------------------- a generation job killed mid-shard
+
+
+@contextmanager
+def shard_writer_killed_at(shard_name: str, written: int) -> Iterator[list]:
+    """Within the block, ShardWriter dies (KeyboardInterrupt) when ``shard_name`` has ``written`` samples
+    and the killed writer cleans nothing up, as a killed process would: its tmp file stays. Yields the
+    killed writers, which must stay referenced (collecting an uncommitted writer removes its tmp like
+    abandon does). The real write and abandon are back after the block."""
+    from demind.shard_format import ShardWriter
+
+    real_write, real_abandon = ShardWriter.write, ShardWriter.abandon
+    killed_writers: list = []
+
+    def dying_write(self, sample):
+        if self.path.name == shard_name and self.count == written:
+            raise KeyboardInterrupt("injected kill")
+        real_write(self, sample)
+
+    def killed(self):
+        self._tar.close()
+        self._file.close()
+        killed_writers.append(self)
+
+    ShardWriter.write, ShardWriter.abandon = dying_write, killed
+    try:
+        yield killed_writers
+    finally:
+        ShardWriter.write, ShardWriter.abandon = real_write, real_abandon

@@ -32,7 +32,7 @@ from demind.gen.quality import clean_output, max_ngram_count, quality_flags
 from demind.gen.plan import ShardSpecError, parse_shard_range
 from demind.gen.reader import RawSample, SkippedSample, decode_and_shrink, iter_shard
 from demind.gen.tiny_llava import build_tiny_llava_next
-from helpers import jpeg_bytes, make_sample, write_img2dataset_shards, write_input_shard
+from helpers import jpeg_bytes, make_sample, shard_writer_killed_at, write_img2dataset_shards, write_input_shard
 
 CORRUPT_KEY = "000010002"
 
@@ -161,31 +161,11 @@ def test_rerun_skips_done_shards_and_text_is_seeded_per_key(repo_root, tiny_llav
     assert texts_by_key(other) != first
 
 
-def test_kill_mid_shard_then_rerun_resumes(repo_root, tiny_llava, run_main, input_shards, tmp_path, monkeypatch, capsys):
-    from demind.shard_format import ShardWriter
-
+def test_kill_mid_shard_then_rerun_resumes(repo_root, tiny_llava, run_main, input_shards, tmp_path, capsys):
     out = tmp_path / "out"
     argv = base_argv(repo_root, tiny_llava, input_shards, out, "engine.chunk_size=1")
-    real_write, real_abandon = ShardWriter.write, ShardWriter.abandon
-
-    def dying_write(self, sample):
-        # the process "dies" after one sample of the second shard has been written
-        if self.path.name == "00001.tar" and self.count == 1:
-            raise KeyboardInterrupt("injected kill")
-        real_write(self, sample)
-
-    killed_writers = []
-
-    def killed(self):
-        # a killed process cleans nothing up: its tmp file stays (the writer is kept alive, since
-        # collecting an uncommitted writer removes its tmp like abandon does)
-        self._tar.close()
-        self._file.close()
-        killed_writers.append(self)
-
-    monkeypatch.setattr(ShardWriter, "write", dying_write)
-    monkeypatch.setattr(ShardWriter, "abandon", killed)
-    with pytest.raises(KeyboardInterrupt):
+    # the process "dies" after one sample of the second shard has been written (its writer kept to the end)
+    with shard_writer_killed_at("00001.tar", written=1) as killed_writers, pytest.raises(KeyboardInterrupt):
         run_main(argv)
     assert (out / "00000_stats.json").is_file()
     assert (out / "00001.tar.tmp").is_file()  # the partial shard exists only under its tmp name
@@ -193,8 +173,6 @@ def test_kill_mid_shard_then_rerun_resumes(repo_root, tiny_llava, run_main, inpu
     done_stats = (out / "00000_stats.json").read_bytes()
     done_mtime = (out / "00000.tar").stat().st_mtime_ns
 
-    monkeypatch.setattr(ShardWriter, "write", real_write)
-    monkeypatch.setattr(ShardWriter, "abandon", real_abandon)
     capsys.readouterr()
     assert run_main(argv) == 0
     printed = capsys.readouterr().out

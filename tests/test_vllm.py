@@ -46,7 +46,7 @@ import torch  # noqa: E402
 from demind.gen.config import EngineConfig, GenConfig, SamplingConfig  # noqa: E402
 from demind.gen.engines.base import GenRequest  # noqa: E402
 from demind.gen.tiny_llava import build_tiny_llava_next  # noqa: E402
-from helpers import write_img2dataset_shards, write_rerank_queries  # noqa: E402
+from helpers import shard_writer_killed_at, write_img2dataset_shards, write_rerank_queries  # noqa: E402
 from test_data_gen import CORRUPT_KEY, read_output, texts_by_key  # noqa: E402
 from test_mllm_llava import N_QUERIES, rankings, read_results, small_cirr  # noqa: E402,F401  (module fixture)
 
@@ -144,37 +144,18 @@ def test_the_documented_command_writes_intent_shards_with_prefix_hits_and_a_reru
     assert {p.name: p.read_bytes() for p in out.glob("*_stats.json")} == stats_before
 
 
-def test_a_kill_mid_shard_resumes_with_nothing_lost_or_twice(shared_engines, tiny, input_shards, tmp_path,
-                                                             monkeypatch, capsys):
+def test_a_kill_mid_shard_resumes_with_nothing_lost_or_twice(shared_engines, tiny, input_shards, tmp_path, capsys):
     from demind.cli.generate import main as generate_main
-    from demind.shard_format import ShardWriter
 
     out = tmp_path / "out"
     argv = ["--input", str(input_shards), "--output", str(out), "--config", str(TINY_CPU), "run.progress=false",
             "engine.name=vllm", f"engine.model={tiny}", "engine.chunk_size=1"]
-    real_write, real_abandon = ShardWriter.write, ShardWriter.abandon
-
-    def dying_write(self, sample):  # the process "dies" after the second shard's first sample is written
-        if self.path.name == "00001.tar" and self.count == 1:
-            raise KeyboardInterrupt("injected kill")
-        real_write(self, sample)
-
-    killed_writers = []
-
-    def killed(self):  # a killed process cleans nothing up: its tmp file stays (the writer is kept alive, since
-        self._tar.close()  # collecting an uncommitted writer removes its tmp as abandon does)
-        self._file.close()
-        killed_writers.append(self)
-
-    monkeypatch.setattr(ShardWriter, "write", dying_write)
-    monkeypatch.setattr(ShardWriter, "abandon", killed)
-    with pytest.raises(KeyboardInterrupt):
+    # the process "dies" after the second shard's first sample is written
+    with shard_writer_killed_at("00001.tar", written=1) as killed_writers, pytest.raises(KeyboardInterrupt):
         generate_main(argv)
     assert (out / "00000.tar").is_file() and (out / "00001.tar.tmp").is_file() and not (out / "00001.tar").exists()
     done_shard = (out / "00000.tar").read_bytes()
 
-    monkeypatch.setattr(ShardWriter, "write", real_write)
-    monkeypatch.setattr(ShardWriter, "abandon", real_abandon)
     capsys.readouterr()
     assert generate_main(argv) == 0
     printed = capsys.readouterr().out
