@@ -18,11 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import statistics
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+
+from toyworld.results import mean_std
 
 log = logging.getLogger("benchmarks.conesep_triplets")
 
@@ -162,10 +163,6 @@ def paired(a: dict, b: dict) -> tuple[int, int]:
         raise ValueError("the two runs scored different queries")
     qa, qb = per_query_avg(a), per_query_avg(b)
     return sum(x > y for x, y in zip(qa, qb)), sum(x < y for x, y in zip(qa, qb))
-
-
-def mean_std(values: list[float]) -> tuple[float, float]:
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
 def aggregate(args) -> dict:
