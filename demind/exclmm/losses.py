@@ -1,6 +1,7 @@
 """ExclMM losses (paper Eq. 2-4, 12-13, 15-17), as we read them (see demind/exclmm/__init__.py).
 
-Two forms of Eq. 12, 15 and 16 live side by side (``space.form`` / ``query.form``):
+Two forms of Eq. 12, 15 and 16 live side by side (``space.contrastive``, ``query.contrastive``,
+``query.triplet``):
 
 * ``paper``: as written. Eq. 12 / 15: InfoNCE on l2-normalised codes at tau, both directions
   averaged (:func:`normalised_contrastive_loss`); Eq. 16: the triplet
