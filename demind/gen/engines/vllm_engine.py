@@ -90,7 +90,8 @@ def cpu_kv_cache_bytes(kv_cache_gib: float, max_model_len: int, kv_bytes_per_tok
 
 def vllm_llm_kwargs(engine_cfg: EngineConfig, *, seed: int, max_model_len: int, on_cpu: bool,
                     kv_cache_bytes: int | None) -> dict[str, Any]:
-    """Keyword arguments of ``vllm.LLM`` for the ``engine.*`` settings; every vLLM setting is passed.
+    """Keyword arguments of ``vllm.LLM`` for the ``engine.*`` settings; every vLLM setting is passed,
+    but for ``gpu_memory_utilization`` on vLLM's CPU build, which sizes its KV cache by ``kv_cache_bytes``.
 
     ``engine.dtype`` auto means what it means on the transformers engine: bfloat16 on a GPU, float32 on
     a CPU (vLLM's own "auto" would take the checkpoint's dtype). ``kv_cache_bytes`` (None: vLLM sizes
@@ -101,7 +102,6 @@ def vllm_llm_kwargs(engine_cfg: EngineConfig, *, seed: int, max_model_len: int, 
         dtype=dtype,
         tensor_parallel_size=engine_cfg.tensor_parallel_size,
         max_model_len=max_model_len,
-        gpu_memory_utilization=engine_cfg.gpu_memory_utilization,
         enforce_eager=engine_cfg.enforce_eager,
         # stage 2 repeats stage 1's prompt (image + turn 1): its KV blocks are reused, not recomputed
         enable_prefix_caching=engine_cfg.prefix_cache,
@@ -109,6 +109,8 @@ def vllm_llm_kwargs(engine_cfg: EngineConfig, *, seed: int, max_model_len: int, 
         limit_mm_per_prompt={"image": 2},
         seed=seed,
     )
+    if not on_cpu:  # the CPU build would read it as a share of host memory (said in the log, not passed)
+        kwargs["gpu_memory_utilization"] = engine_cfg.gpu_memory_utilization
     if kv_cache_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
     return kwargs
