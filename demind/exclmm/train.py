@@ -297,8 +297,9 @@ def prepare_phase_inputs(model: ExclMM, feats: dict[str, Any], phase: str, cfg: 
         return
     word_codes = model.sae.encode(feats["word_vectors"])
     z_q = model.sentence_codes(word_codes, feats["query_words"]) if cfg.space.zc_mask else None
-    z_p = model.sentence_codes(word_codes, feats["positive_words"]) if cfg.space.zc_mask else None
     feats["query_inputs"] = model.space.encode_text(feats["queries"], z_q)
-    feats["positive_inputs"] = model.space.encode_text(feats["positive_queries"], z_p)  # spar_cp
+    if cfg.query.triplet == "paper":  # spar_cp: only the paper's Eq. 16 reads the positive query
+        z_p = model.sentence_codes(word_codes, feats["positive_words"]) if cfg.space.zc_mask else None
+        feats["positive_inputs"] = model.space.encode_text(feats["positive_queries"], z_p)
     # the gallery as at retrieval: Top_t alone (an image has no caption there)
     feats["gallery_codes"] = model.space.encode_image(feats["images"])
