@@ -35,7 +35,7 @@ GIB = 1024**3
 # vLLM's CPU build with engine.kv_cache_gib 0: room for this many sequences of max_model_len tokens
 CPU_KV_SEQUENCES = 64
 # the transformers engine's settings, which vLLM has no use for (said once in the log when set)
-TRANSFORMERS_ONLY = {"batch_size": 8, "cpu_threads": 0, "prefix_store_bytes": 0, "prefix_store_fraction": 0.5}
+TRANSFORMERS_ONLY = ("batch_size", "cpu_threads", "prefix_store_bytes", "prefix_store_fraction")
 
 
 def import_vllm() -> Any:
@@ -118,8 +118,9 @@ def vllm_llm_kwargs(engine_cfg: EngineConfig, *, seed: int, max_model_len: int, 
 
 def transformers_only_settings(engine_cfg: EngineConfig) -> list[str]:
     """``engine.KEY=value`` of the transformers engine's settings that differ from their defaults."""
-    return [f"engine.{k}={getattr(engine_cfg, k)}" for k, default in TRANSFORMERS_ONLY.items()
-            if getattr(engine_cfg, k) != default]
+    defaults = EngineConfig.__dataclass_fields__
+    return [f"engine.{k}={getattr(engine_cfg, k)}" for k in TRANSFORMERS_ONLY
+            if getattr(engine_cfg, k) != defaults[k].default]
 
 
 def sampling_kwargs(request: GenRequest, sampling: SamplingConfig) -> dict[str, Any]:
