@@ -123,7 +123,7 @@ def masked_sinkhorn(cost: torch.Tensor, allowed: torch.Tensor, reg: float, num_i
     b, n = cost.shape
     masked = torch.where(allowed, cost.detach().double(), torch.full_like(cost, float("inf"), dtype=torch.float64))
     # solved in NumPy on the CPU: POT's torch backend dispatches each of its ~1000 small iterations as
-    # torch ops (about 30x slower on a (128, 256) plan; benchmarks.conesep_triplets' runs), same plan
+    # torch ops, which dominated the triplet runs' time; NumPy gives the same plan
     rows, cols = np.full(b, 1.0 / b), np.full(n, 1.0 / n)
     # an infinite cost is a kernel entry exp(-inf) = 0, so the solver itself puts no mass there; the
     # plan is returned as solved (not masked afterwards), so the logged masked mass is a real check
