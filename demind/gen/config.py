@@ -115,10 +115,3 @@ class GenConfig:
     io: IOConfig = field(default_factory=IOConfig)
     run: GenRunConfig = field(default_factory=GenRunConfig)
 
-
-def validate_config(cfg: GenConfig) -> None:
-    """Kept for callers of the old API: the checks are the rules declared on the fields above,
-    run by :func:`demind.config.load_config` (and here, for a config built in code)."""
-    from demind.config import validate
-
-    validate(cfg)

@@ -10,9 +10,8 @@ from demind.backbone import FrozenCLIP
 from demind.data import DataConfig, StreamSpec, build_loader
 from demind.shard_format import resolve_shards
 from demind.features import ShardFeatureCache, cache_identity, cache_slug, default_cache_dir, features_off
-from demind.training.accel import micro_batch_size
 from demind.training.config import TrainConfig
-from demind.training.state import TrainState
+from demind.training.checkpoints import TrainState
 
 
 def find_feature_cache(data: DataConfig, shards: list[str], backbone: FrozenCLIP) -> ShardFeatureCache | None:
@@ -27,12 +26,11 @@ def find_feature_cache(data: DataConfig, shards: list[str], backbone: FrozenCLIP
     return ShardFeatureCache.find(data.features, shards, cache_identity(backbone), required=True)
 
 
-def build_data(cfg: TrainConfig, accelerator, backbone: FrozenCLIP, state: TrainState,
-               micro_batch: int | None = None):
+def build_data(cfg: TrainConfig, accelerator, backbone: FrozenCLIP, state: TrainState, micro_batch: int):
     """Per-process DataLoader, positioned after the data a resumed run already consumed.
 
     ``micro_batch``: the per-process batch :func:`demind.training.loop.train` derived once at
-    start-up (None: derived here from ``cfg.optim``, for callers outside a training start-up).
+    start-up (:func:`demind.training.accel.micro_batch_size`).
     Returns (loader, cache or None).
     """
     shards = resolve_shards(cfg.data.shards)
@@ -41,7 +39,7 @@ def build_data(cfg: TrainConfig, accelerator, backbone: FrozenCLIP, state: Train
     start = dict(state.resumed_positions[rank]) if state.resumed_positions is not None else {}
     # A stream that cannot continue exactly restarts on fresh seeds rather than repeating data.
     seed = cfg.run.seed if (start or state.step == 0) else cfg.run.seed + state.step
-    batch_size = micro_batch if micro_batch is not None else micro_batch_size(cfg.optim, world)
+    batch_size = micro_batch
     spec = StreamSpec(shards=shards, batch_size=batch_size, seed=seed, rank=rank,
                       world_size=world, shuffle_buffer=cfg.data.shuffle_buffer,
                       shards_per_group=cfg.data.shards_per_group, resample=cfg.data.resample,
