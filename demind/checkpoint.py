@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from demind.backbone import BackboneConfig, FrozenCLIP, build_backbone, parse_backbone_spec, same_backbone
-from demind.identity import canonical_identity, identity_difference
+from demind.identity import canonical_identity, identity_difference, model_config_tag
 from demind.config import ConfigError, from_dict, to_dict
 from demind.errors import DemindError
 from demind.hubref import is_hub_ref, resolve_hub_folder
@@ -117,11 +117,6 @@ def _find_local_file(recorded: str | None, relative: str | None, folder: Path) -
     return next((Path(os.path.abspath(c)) for c in candidates if c.is_file()), None)
 
 
-def _content_tag(path: Path) -> str:
-    """``@SHA256[:12]`` of a model-config JSON: how a backbone identity names its content."""
-    return "@" + hashlib.sha256(path.read_bytes()).hexdigest()[:12]
-
-
 def _materialised_model_config(text: str, stem: str) -> Path:
     """The model-config JSON a checkpoint carries, as a file open_clip can register (same name
     and bytes, so the backbone's identity is unchanged)."""
@@ -146,7 +141,7 @@ def resolve_backbone_files(meta: dict, file: str | Path) -> BackboneConfig:
     if cfg.name.endswith(".json"):
         found = _find_local_file(cfg.name, files.get("name"), folder)
         recorded = str(meta["backbone_identity"].get("name", ""))  # STEM@SHA256[:12] of the JSON's bytes
-        if files.get("model_config") and (found is None or not recorded.endswith(_content_tag(found))):
+        if files.get("model_config") and (found is None or not recorded.endswith(model_config_tag(found))):
             # gone, or edited since (a re-cloned repository): the copy the checkpoint carries
             found = _materialised_model_config(files["model_config"], Path(cfg.name).stem)
         cfg.name = str(found) if found is not None else cfg.name  # missing: the backbone names the file

@@ -97,6 +97,12 @@ def implied_activation(name: str, pretrained: str | None) -> str | None:
     return config_activation(model_cfg) if model_cfg else None
 
 
+def model_config_tag(path: str | Path) -> str:
+    """``@SHA256[:12]`` of a model-config JSON's bytes: a backbone identity names such a config
+    ``STEM@SHA256[:12]`` (:func:`backbone_identity`), so an edited file is another backbone."""
+    return "@" + hashlib.sha256(Path(path).read_bytes()).hexdigest()[:12]
+
+
 def backbone_identity(cfg: ModelSpec, model: nn.Module | None = None,
                       activation: str | None = None) -> dict[str, str | None]:
     """What makes two backbones the same: architecture and weights, by content, never by file name.
@@ -109,7 +115,7 @@ def backbone_identity(cfg: ModelSpec, model: nn.Module | None = None,
     """
     name = cfg.name
     if name.endswith(".json"):
-        name = f"{Path(name).stem}@{hashlib.sha256(Path(name).read_bytes()).hexdigest()[:12]}"
+        name = Path(name).stem + model_config_tag(name)
     pretrained = cfg.pretrained
     if pretrained and Path(pretrained).is_file():
         pretrained = f"sha256:{file_sha256(pretrained)[:16]}"
