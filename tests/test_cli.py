@@ -4,7 +4,6 @@ or ``DEMIND_DEBUG=1`` adds its traceback; a bug keeps its traceback; every comma
 
 from __future__ import annotations
 
-import argparse
 import ast
 import importlib
 import os
@@ -52,12 +51,15 @@ def test_debug_shows_the_traceback_then_the_same_line(capsys, monkeypatch, how):
     assert err.splitlines()[-1].startswith("error: ") and "optim.lrr" in err.splitlines()[-1]
 
 
-def test_a_bug_is_not_a_known_error_and_keeps_its_traceback():
-    def body(args):
+def test_a_bug_is_not_a_known_error_and_keeps_its_traceback(monkeypatch):
+    from demind.cli import negation_report
+
+    def buggy(*args, **kwargs):
         raise RuntimeError("a bug")
 
+    monkeypatch.setattr(negation_report, "rule_accuracy", buggy)
     with pytest.raises(RuntimeError, match="a bug"):
-        common.run_command(argparse.ArgumentParser(), body, [])
+        negation_report.main([])
 
 
 def test_a_valueerror_from_a_bug_inside_a_command_keeps_its_traceback(monkeypatch):
@@ -96,27 +98,34 @@ def test_a_user_error_that_is_also_a_valueerror_is_one_line(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("error: ") and f"{bad}:1" in err[0]
 
 
-def test_an_oserror_without_a_file_name_is_a_bug():
-    def body(args):
+def test_an_oserror_without_a_file_name_is_a_bug(monkeypatch):
+    from demind.cli import negation_report
+
+    def buggy(*args, **kwargs):
         raise OSError("a bug in a socket call")
 
+    monkeypatch.setattr(negation_report, "rule_accuracy", buggy)
     with pytest.raises(OSError, match="a bug"):
-        common.run_command(argparse.ArgumentParser(), body, [])
+        negation_report.main([])
 
 
-def test_a_missing_file_named_by_the_os_is_one_line(tmp_path, capsys):
-    def body(args):
+def test_a_missing_file_named_by_the_os_is_one_line(tmp_path, capsys, monkeypatch):
+    from demind.cli import negation_report
+
+    def reads_a_missing_file(*args, **kwargs):
         open(tmp_path / "absent.json").close()
 
-    assert common.run_command(argparse.ArgumentParser(), body, []) == 2
+    monkeypatch.setattr(negation_report, "rule_accuracy", reads_a_missing_file)
+    assert negation_report.main([]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and "absent.json" in err[0]
 
 
-def test_the_body_gets_parsed_arguments_and_its_status_is_returned():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--n", type=int)
-    assert common.run_command(parser, lambda args: args.n + 1, ["--n", "4"]) == 5
+def test_the_body_gets_parsed_arguments_and_its_status_is_returned(monkeypatch):
+    from demind.cli import negation_report
+
+    monkeypatch.setattr(negation_report, "report_command", lambda cfg: cfg.examples + 1)
+    assert negation_report.main(["--examples", "4"]) == 5
 
 
 @pytest.mark.parametrize("command", sorted(COMMAND_MODULES))
@@ -147,6 +156,18 @@ def test_console_scripts_point_at_the_command_mains():
                             "demind-serve", "demind-build-exclcoco",
                             "demind-train-exclmm", "demind-negation-report", "demind-publish",
                             "demind-cc3m-list", "demind-train-triplets"}
+
+
+def test_the_command_line_package_lists_every_console_script():
+    """demind/cli/__init__.py's list of commands (``* :mod:`MODULE` -- ``SCRIPT``...``) is pyproject's."""
+    import re
+
+    import demind.cli
+
+    listed = dict(re.findall(r"^\* :mod:`([\w.]+)` -- ``(demind-[\w-]+)``", demind.cli.__doc__, re.MULTILINE))
+    scripts = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert {script: module for module, script in listed.items()} == {
+        name: target.partition(":")[0] for name, target in scripts.items()}
 
 
 # --------------------------------------------------------------------------- the config front end

@@ -12,6 +12,9 @@ under ``if __name__ == "__main__":``.
   imports, so they cannot close a circle.
   A library module does not import it even under a ``__main__`` guard (``demind.features``
   once did, and ``demind.cli.features`` imported it back).
+* No module of the command line imports a command module (one that a console script of
+  pyproject.toml's ``[project.scripts]`` points to): what several commands share lives in a module
+  of its own (``demind.cli.common``, ``demind.cli.model_options``), not in one of the commands.
 * ``demind`` never imports ``toyworld``: the toy world depends on the library, not the reverse
   (open_clip learns of its tower through the ``demind.plugins`` entry points).
 * No import circle among the modules.
@@ -34,6 +37,7 @@ under ``if __name__ == "__main__":``.
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -198,6 +202,33 @@ def test_only_entry_points_import_the_command_line_package():
     offences = [f"{name} -> {target}" for name, targets in graph.items()
                 if not in_cli(name) and not is_entry_point(name) for target in targets if in_cli(target)]
     assert offences == []
+
+
+def command_modules() -> set[str]:
+    """The modules the console scripts of pyproject.toml's ``[project.scripts]`` point to."""
+    scripts = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["scripts"]
+    return {target.partition(":")[0] for target in scripts.values()}
+
+
+def command_imports(graph: dict[str, set[str]], commands: set[str]) -> list[str]:
+    """The imports of a command module by another module of the command line ("a -> b")."""
+    return sorted(f"{name} -> {target}" for name, targets in graph.items() if in_cli(name)
+                  for target in targets if target in commands and target != name)
+
+
+def test_no_command_module_imports_another_command():
+    commands = command_modules()
+    assert {"demind.cli.search", "demind.cli.evaluate", "toyworld.cli.quickstart"} <= commands
+    offences = command_imports(import_graph(), commands)
+    assert offences == [], "move what the commands share into a module of its own: " + "; ".join(offences)
+
+
+def test_command_imports_on_a_hand_made_graph():
+    graph = {"demind.cli.serve": {"demind.cli.search", "demind.cli.common"}, "demind.cli.search": {"demind.cli.common"},
+             "demind.cli.common": set(), "demind.eval.__main__": {"demind.cli.evaluate"}}
+    # a command importing the shared helpers, or an entry point importing a command, is no offence
+    assert command_imports(graph, {"demind.cli.serve", "demind.cli.search", "demind.cli.evaluate"}) == [
+        "demind.cli.serve -> demind.cli.search"]
 
 
 def test_entry_points_only_call_a_command_main():

@@ -355,7 +355,7 @@ def test_a_missing_prompt_version_is_one_error_line(toy_cirr, tmp_path, capsys):
 
 def test_rerank_settings_that_cannot_work_are_refused_before_any_model_or_method_runs(toy_cirr, tiny_backbone,
                                                                                       tmp_path):
-    from demind.cli.search import build_mllm_setup
+    from demind.cli.model_options import build_mllm_setup
     from demind.config import ConfigError, RunOptions
     from demind.gen.config import EngineConfig
 

@@ -373,7 +373,7 @@ def test_one_search_with_the_tiny_llava_through_the_transformers_engine(tiny_che
 
 def test_serve_takes_the_engine_sections_of_demind_eval():
     from demind.cli import common, serve
-    from demind.cli.search import search_mllm_setup
+    from demind.cli.model_options import search_mllm_setup
 
     def config(*extra):
         args = serve.build_parser().parse_intermixed_args(["--index", "i", "--checkpoint", "c", *extra])

@@ -83,24 +83,6 @@ def debug_requested(args: argparse.Namespace) -> bool:
     return bool(getattr(args, "debug", False)) or os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
-def run_command(parser: argparse.ArgumentParser, body: Callable[[argparse.Namespace], int],
-                argv: list[str] | None = None, *, intermixed: bool = False,
-                log_level: int = logging.INFO) -> int:
-    """Parse ``argv`` (``--debug`` added), set up logging, run ``body(args)`` -> exit status.
-
-    A user error (:func:`is_user_error`) prints ``error: <message>`` on stderr and returns 2;
-    with ``--debug`` or ``DEMIND_DEBUG=1`` its traceback is printed above that line.
-    ``intermixed``: positional overrides may come before or after the flags.
-    """
-    add_debug_option(parser)
-    args = parser.parse_intermixed_args(argv) if intermixed else parser.parse_args(argv)
-    setup_logging(log_level)
-    try:
-        return body(args)
-    except KNOWN_ERRORS as e:
-        return report_error(e, args)
-
-
 # --------------------------------------------------------------------------- config front end
 
 
@@ -262,7 +244,9 @@ def run_config_command(cls: type[T], parser: argparse.ArgumentParser, body: Call
     """Parse ``argv`` with a :func:`config_parser`, load ``cls``, set up logging, run ``body(cfg)``.
     ``log_packages``: loggers besides demind's shown at ``log_level`` (a command of another package).
 
-    Errors as :func:`run_command`: a known one is one ``error:`` line and exit status 2."""
+    A user error (:func:`is_user_error`) prints ``error: <message>`` on stderr and returns 2; with
+    ``--debug`` or ``DEMIND_DEBUG=1`` its traceback is printed above that line. Anything else is a bug
+    and keeps its traceback."""
     argv = sys.argv[1:] if argv is None else list(argv)
     add_debug_option(parser)
     try:

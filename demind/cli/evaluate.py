@@ -6,7 +6,7 @@
     demind-eval --benchmark cirr --data-root data/CIRR --out runs/eval/cirr-mllm --methods cirevl,osrcir \
         engine.name=transformers engine.model=llava-hf/llava-v1.6-mistral-7b-hf rerank.k=20
 
-Loads the backbone and model (:func:`demind.checkpoint.load_backbone_and_model`), then runs
+Loads the backbone and model (:func:`demind.cli.model_options.load_model`), then runs
 :func:`demind.eval.evaluate`. Every setting is a key of :class:`EvalConfig` (``--help`` lists
 them); the benchmark-specific ones live in their benchmark's section.
 """
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from demind.cli.common import Flag, apply_query_mode, config_parser, run_config_command
-from demind.cli.search import BackboneChoice
-from demind.config import QueryRunOptions, resolve_device, setting
+from demind.cli.common import Flag, config_parser, run_config_command
+from demind.cli.model_options import MODEL_FLAGS, BackboneChoice, build_mllm_setup, checkpoint_setting, load_model
+from demind.config import QueryRunOptions, setting
 from demind.describe.config import DescribeOptions, RerankOptions
 from demind.gen.config import EngineConfig
 from demind.eval.options import BENCHMARKS, CocoOptions, FashionIQOptions
@@ -31,8 +31,7 @@ class EvalConfig:
     benchmark: str | None = setting(None, choices=BENCHMARKS, help="which benchmark (required)")
     data_root: str | None = setting(None, help="the benchmark's folder in its official layout (required)")
     out: str | None = setting(None, help="output folder (required)")
-    checkpoint: str | None = setting(None, help="De-MINDS checkpoint (.safetensors, a demind-publish folder, or "
-                                               "hf-hub:ORG/NAME[@REVISION]); its backbone is rebuilt from it")
+    checkpoint: str | None = checkpoint_setting()
     exclmm: str | None = setting(None, help="trained ExclMM export (exclmm.safetensors) for the exclmm method")
     split: str = setting("val", help="val, or test (CIRR test1, CIRCO test)")
     methods: str | None = setting(None, help=f"comma-separated subset of {','.join(METHODS)}, or a negation-aware "
@@ -61,8 +60,8 @@ class EvalConfig:
 
 FLAGS = {
     "--benchmark": Flag("benchmark"), "--data-root": Flag("data_root"), "--out": Flag("out"),
-    "--checkpoint": Flag("checkpoint"), "--exclmm": Flag("exclmm"), "--backbone": Flag("backbone.spec"),
-    "--precision": Flag("backbone.precision"), "--split": Flag("split"), "--methods": Flag("methods"),
+    "--checkpoint": MODEL_FLAGS["--checkpoint"], "--exclmm": Flag("exclmm"), "--backbone": MODEL_FLAGS["--backbone"],
+    "--precision": MODEL_FLAGS["--precision"], "--split": Flag("split"), "--methods": Flag("methods"),
     "--cache-dir": Flag("cache_dir"), "--batch-size": Flag("batch_size"), "--num-workers": Flag("num_workers"),
     "--limit": Flag("limit"),
     "--fashioniq-caption-order": Flag("fashioniq.caption_order"), "--fashioniq-text": Flag("fashioniq.text"),
@@ -84,13 +83,10 @@ def reader_options(cfg: EvalConfig):
 
 def evaluate_command(cfg: EvalConfig) -> int:
     """Load, evaluate, print the table and the files written."""
-    from demind.checkpoint import load_backbone_and_model
     from demind.eval.harness import evaluate
     from demind.eval.reports import format_table
 
-    backbone, model = load_backbone_and_model(cfg.checkpoint, cfg.backbone.spec, precision=cfg.backbone.precision,
-                                              device=resolve_device(cfg.run.device))
-    apply_query_mode(model, cfg.run.query_mode)
+    backbone, model = load_model(cfg)
     exclmm = None
     if cfg.exclmm:
         from demind.exclmm import load_exclmm
@@ -118,8 +114,6 @@ def mllm_setup(cfg: EvalConfig):
     names, reranked = split_rerank_requests(cfg.methods or "")
     if cfg.rerank.k == 0 and not reranked and not any(split_deo_name(n)[0] in MLLM_METHODS for n in names):
         return None
-    from demind.cli.search import build_mllm_setup
-
     return build_mllm_setup(cfg.engine, cfg.describe, cfg.rerank, cfg.run)
 
 

@@ -19,8 +19,9 @@ The MLLM methods (``cirevl``, ``osrcir``, ``demind+mllm``) and re-ranking (``MET
 ``rerank.k``) take the ``engine``, ``describe`` and ``rerank`` sections of demind-eval
 (``engine.name=transformers engine.model=DIR``); without ``engine.model`` they are refused.
 
-This module also holds what demind-index, demind-serve and demind-eval share: the model settings
-(:class:`ModelOptions`, their flags) and their loading, and the MLLM's (:func:`build_mllm_setup`).
+Every search error (GalleryIndexError, SearchError) is a DemindError with the fix in its message,
+so the command prints it as one line. The model settings and their loading are the ones
+demind-eval, demind-index and demind-serve share (:mod:`demind.cli.model_options`).
 """
 
 from __future__ import annotations
@@ -28,17 +29,15 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from demind.errors import InputError
-from demind.cli.common import Flag, apply_query_mode, config_parser, run_config_command
-from demind.config import QueryRunOptions, RunOptions, resolve_device, setting
-from demind.describe.config import DescribeOptions, RerankOptions
-from demind.gen.config import EngineConfig
+from demind.cli.common import Flag, config_parser, run_config_command
+from demind.cli.model_options import MODEL_FLAGS, QueryModelOptions, load_model, search_mllm_setup
+from demind.config import setting
 from demind.retrieval.names import METHODS
-from demind.schema import PRECISION_NAMES
 from demind.io import check_output_file, read_jsonl, write_json_atomic
 from demind.search.names import DEFAULT_METHOD, DEFAULT_TEMPLATE, RANKERS
 
@@ -47,88 +46,6 @@ if TYPE_CHECKING:
     from demind.search.query import Searcher, SearchQuery
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class BackboneChoice:
-    """The frozen backbone of the commands that load a trained model (eval, index, search, serve)."""
-
-    spec: str | None = setting(None, help="NAME:TAG_OR_PATH, e.g. ViT-L-14:openai (backbone-only methods without a "
-                                          "checkpoint, or to check the checkpoint's); NAME:none = random weights")
-    precision: str = setting("fp32", choices=PRECISION_NAMES, help="open_clip precision; an index records it")
-
-
-@dataclass
-class ModelOptions:
-    """What the search commands load: a checkpoint (its backbone rebuilt) or a backbone alone."""
-
-    checkpoint: str | None = setting(None, help="De-MINDS checkpoint (.safetensors, a demind-publish folder, or "
-                                               "hf-hub:ORG/NAME[@REVISION]); its backbone is rebuilt from it")
-    backbone: BackboneChoice = field(default_factory=BackboneChoice)
-    run: RunOptions = field(default_factory=RunOptions)
-
-
-MODEL_FLAGS = {"--checkpoint": Flag("checkpoint"), "--backbone": Flag("backbone.spec"),
-               "--precision": Flag("backbone.precision")}
-"""The flags demind-index, demind-search and demind-serve share.
-
-Every search error (GalleryIndexError, SearchError) is a DemindError with the fix in its
-message, so the command prints it as one line."""
-
-
-def load_model(cfg: ModelOptions):
-    """(backbone, model or None) as the config asks."""
-    from demind.checkpoint import load_backbone_and_model
-
-    backbone, model = load_backbone_and_model(cfg.checkpoint, cfg.backbone.spec, precision=cfg.backbone.precision,
-                                              device=resolve_device(cfg.run.device))
-    apply_query_mode(model, getattr(cfg.run, "query_mode", "eager"))  # demind-index composes no query
-    return backbone, model
-
-
-def build_mllm_setup(engine: EngineConfig, describe: DescribeOptions, rerank: RerankOptions, run: RunOptions):
-    """The :class:`demind.describe.MLLMSetup` of these config sections; the engine itself is built
-    only when an answer is missing from the stores (a rerun loads no model)."""
-    from demind.describe import MLLMSetup
-    from demind.gen.config import SamplingConfig
-
-    def build():
-        from demind.gen.engines import build_engine, disable_loading_progress
-
-        if not run.progress:
-            disable_loading_progress()
-        sampling = SamplingConfig(temperature=describe.temperature, top_p=describe.top_p)
-        return build_engine(engine, sampling, device=run.device, seed=describe.seed)
-
-    return MLLMSetup(build, engine.model, engine.name, engine.dtype, describe, rerank)
-
-
-@dataclass
-class SearchEngineConfig(EngineConfig):
-    """demind-eval's engine section; here no model by default: the MLLM methods are a choice."""
-
-    model: str | None = setting(None, help="MLLM (llava-hf folder or hub id) for cirevl, osrcir, demind+mllm and "
-                                           "rerank.k (none: those methods are not offered)")
-
-
-@dataclass
-class QueryModelOptions(ModelOptions):
-    """demind-search's and demind-serve's models: the checkpoint and, optionally, an MLLM (docs/mllm.md)."""
-
-    engine: SearchEngineConfig = field(default_factory=SearchEngineConfig)
-    describe: DescribeOptions = field(default_factory=DescribeOptions)
-    rerank: RerankOptions = field(default_factory=RerankOptions)
-    run: QueryRunOptions = field(default_factory=QueryRunOptions)
-
-
-def search_mllm_setup(cfg: QueryModelOptions):
-    """The MLLM of ``engine.model`` (None without one; ``rerank.k`` without one is an InputError)."""
-    if cfg.engine.model is None:
-        if cfg.rerank.k > 0:
-            raise InputError("rerank.k re-ranks with a multimodal LLM: give engine.name=transformers "
-                             "engine.model=DIR (a llava-hf folder; see docs/mllm.md), or leave rerank.k at 0")
-        return None
-    return build_mllm_setup(cfg.engine, cfg.describe, cfg.rerank, cfg.run)
 
 
 @dataclass

@@ -26,7 +26,7 @@ import urllib.parse
 from dataclasses import dataclass
 
 from demind.cli.common import Flag, config_parser, run_config_command
-from demind.cli.search import MODEL_FLAGS, QueryModelOptions, load_model, search_mllm_setup
+from demind.cli.model_options import MODEL_FLAGS, QueryModelOptions, load_model, search_mllm_setup
 from demind.config import setting
 from demind.errors import DemindError, InputError
 from demind.search.names import RANKERS

@@ -1,0 +1,116 @@
+"""The models a command loads, and their settings: what demind-eval, demind-index, demind-search and
+demind-serve share.
+
+* the trained model: a De-MINDS checkpoint (its backbone rebuilt from it) or a backbone alone
+  (:class:`ModelOptions`, the flags :data:`MODEL_FLAGS`, :func:`load_model`);
+* the multimodal LLM of the query-time methods (``cirevl``, ``osrcir``, ``demind+mllm``) and of
+  re-ranking: demind-eval's ``engine``, ``describe`` and ``rerank`` sections
+  (:func:`build_mllm_setup`; demind-search's and demind-serve's :class:`QueryModelOptions`).
+
+Not a command: no console script points here. Model code (and torch) is imported inside the
+functions that load a model: ``--help`` must not load it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from demind.cli.common import Flag, apply_query_mode
+from demind.config import QueryRunOptions, RunOptions, resolve_device, setting
+from demind.describe.config import DescribeOptions, RerankOptions
+from demind.errors import InputError
+from demind.gen.config import EngineConfig
+from demind.schema import PRECISION_NAMES
+
+
+@dataclass
+class BackboneChoice:
+    """The frozen backbone of the commands that load a trained model (eval, index, search, serve)."""
+
+    spec: str | None = setting(None, help="NAME:TAG_OR_PATH, e.g. ViT-L-14:openai (backbone-only methods without a "
+                                          "checkpoint, or to check the checkpoint's); NAME:none = random weights")
+    precision: str = setting("fp32", choices=PRECISION_NAMES, help="open_clip precision; an index records it")
+
+
+def checkpoint_setting() -> Any:
+    """The ``checkpoint`` key of a command that loads a trained model (a config field, as :func:`setting`)."""
+    return setting(None, help="De-MINDS checkpoint (.safetensors, a demind-publish folder, or "
+                              "hf-hub:ORG/NAME[@REVISION]); its backbone is rebuilt from it")
+
+
+@dataclass
+class ModelOptions:
+    """What the search commands load: a checkpoint (its backbone rebuilt) or a backbone alone."""
+
+    checkpoint: str | None = checkpoint_setting()
+    backbone: BackboneChoice = field(default_factory=BackboneChoice)
+    run: RunOptions = field(default_factory=RunOptions)
+
+
+MODEL_FLAGS = {"--checkpoint": Flag("checkpoint"), "--backbone": Flag("backbone.spec"),
+               "--precision": Flag("backbone.precision")}
+"""The flags of the keys above, shared by demind-eval, demind-index, demind-search and demind-serve."""
+
+
+class ChoosesModel(Protocol):
+    """A command config that names a trained model: :class:`ModelOptions`, or demind-eval's."""
+
+    checkpoint: str | None
+    backbone: BackboneChoice
+    run: RunOptions
+
+
+def load_model(cfg: ChoosesModel):
+    """(backbone, model or None) as the config asks; ``run.query_mode`` applied where the config has one."""
+    from demind.checkpoint import load_backbone_and_model
+
+    backbone, model = load_backbone_and_model(cfg.checkpoint, cfg.backbone.spec, precision=cfg.backbone.precision,
+                                              device=resolve_device(cfg.run.device))
+    apply_query_mode(model, getattr(cfg.run, "query_mode", "eager"))  # demind-index composes no query
+    return backbone, model
+
+
+def build_mllm_setup(engine: EngineConfig, describe: DescribeOptions, rerank: RerankOptions, run: RunOptions):
+    """The :class:`demind.describe.MLLMSetup` of these config sections; the engine itself is built
+    only when an answer is missing from the stores (a rerun loads no model)."""
+    from demind.describe import MLLMSetup
+    from demind.gen.config import SamplingConfig
+
+    def build():
+        from demind.gen.engines import build_engine, disable_loading_progress
+
+        if not run.progress:
+            disable_loading_progress()
+        sampling = SamplingConfig(temperature=describe.temperature, top_p=describe.top_p)
+        return build_engine(engine, sampling, device=run.device, seed=describe.seed)
+
+    return MLLMSetup(build, engine.model, engine.name, engine.dtype, describe, rerank)
+
+
+@dataclass
+class SearchEngineConfig(EngineConfig):
+    """demind-eval's engine section; here no model by default: the MLLM methods are a choice."""
+
+    model: str | None = setting(None, help="MLLM (llava-hf folder or hub id) for cirevl, osrcir, demind+mllm and "
+                                           "rerank.k (none: those methods are not offered)")
+
+
+@dataclass
+class QueryModelOptions(ModelOptions):
+    """demind-search's and demind-serve's models: the checkpoint and, optionally, an MLLM (docs/mllm.md)."""
+
+    engine: SearchEngineConfig = field(default_factory=SearchEngineConfig)
+    describe: DescribeOptions = field(default_factory=DescribeOptions)
+    rerank: RerankOptions = field(default_factory=RerankOptions)
+    run: QueryRunOptions = field(default_factory=QueryRunOptions)
+
+
+def search_mllm_setup(cfg: QueryModelOptions):
+    """The MLLM of ``engine.model`` (None without one; ``rerank.k`` without one is an InputError)."""
+    if cfg.engine.model is None:
+        if cfg.rerank.k > 0:
+            raise InputError("rerank.k re-ranks with a multimodal LLM: give engine.name=transformers "
+                             "engine.model=DIR (a llava-hf folder; see docs/mllm.md), or leave rerank.k at 0")
+        return None
+    return build_mllm_setup(cfg.engine, cfg.describe, cfg.rerank, cfg.run)
