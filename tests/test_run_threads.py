@@ -38,16 +38,16 @@ def test_a_run_saved_before_run_threads_existed_resumes_without_a_changed_settin
 
     from demind.config import to_dict
     from demind.training.config import TrainConfig
-    from demind.training.state import check_resumable
+    from demind.training.checkpoints import check_resumable
 
     cfg = TrainConfig()
     saved = to_dict(cfg)
     del saved["run"]["threads"]  # written before the key existed
-    with caplog.at_level(logging.WARNING, logger="demind.training.state"):
+    with caplog.at_level(logging.WARNING, logger="demind.training.checkpoints"):
         check_resumable(saved, cfg, tmp_path)
     assert "changed settings" not in caplog.text
     saved["run"]["log_every"] = cfg.run.log_every + 1
-    with caplog.at_level(logging.WARNING, logger="demind.training.state"):
+    with caplog.at_level(logging.WARNING, logger="demind.training.checkpoints"):
         check_resumable(saved, cfg, tmp_path)
     assert f"run.log_every ({cfg.run.log_every + 1} -> {cfg.run.log_every})" in caplog.text
     assert "run.threads" not in caplog.text

@@ -9,7 +9,7 @@ recall is measured on held-out "web_eval" scenes.
 
 Files, no pickle: the weights are a plain open_clip state dict in ``<stem>.safetensors`` (open_clip
 and :class:`demind.backbone.FrozenCLIP` load it by that extension), the report ``<stem>.json``; a
-run killed while training leaves ``<stem>.state.safetensors`` (:mod:`demind.training.store`) and a
+run killed while training leaves ``<stem>.state.safetensors`` (:mod:`demind.training.state_file`) and a
 rerun resumes from it. A damaged state file (truncated, corrupted) is deleted with a warning and
 the toy CLIP trained again from its first step: it is this cache's own file, and training again is
 what the user would be told to do. Weights cached as ``.pt`` (pickle) by versions before the

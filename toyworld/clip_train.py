@@ -89,7 +89,7 @@ def train_toy_clip(cfg: ToyBackboneConfig, progress: bool = True, state_path: Pa
     With ``state_path`` (a ``.safetensors`` file), the training state is saved every ``save_every``
     steps, and a run that finds one continues from it (same batches, same captions, same weights
     bit for bit) instead of restarting. A damaged state file is a
-    :class:`~demind.training.store.StateFileError` (a ``DemindError``) naming it, raised before any
+    :class:`~demind.training.state_file.StateFileError` (a ``DemindError``) naming it, raised before any
     work; :func:`toyworld.clip_cache.ensure_toy_backbone` deletes it and trains again.
     """
     # read first: a damaged file fails in milliseconds, before the pools are rendered

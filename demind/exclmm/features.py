@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 FEATURES_NAME = "features.safetensors"
 FEATURES_FORMAT = "demind-exclmm-features/2"  # /2: an entry of the one embedding cache
-LEGACY_FORMAT = "demind-exclmm-features/1"    # /1: one safetensors file through training.store
+LEGACY_FORMAT = "demind-exclmm-features/1"    # /1: one safetensors file through training.state_file
 FEATURES_FIX = "delete it and rerun: the features are recomputed"
 RAGGED = ("caption_words", "query_words", "positive_words", "query_truth")  # lists of int lists
 # what the current trainer reads: features written before a key was added are recomputed

@@ -73,7 +73,7 @@ def refuse_pickled_files(run_dir: Path) -> None:
 
 def save_state(path: Path, model: ExclMM, optimizer: torch.optim.Optimizer, scheduler, phase: str, step: int,
                window: LogWindow, cfg: ExclMMConfig) -> None:
-    """The resumable state after ``step`` steps of ``phase`` (:func:`demind.training.store.save_train_state`)."""
+    """The resumable state after ``step`` steps of ``phase`` (:func:`demind.training.state_file.save_train_state`)."""
     save_train_state(path, step=step, modules={"model": model}, optimizer=optimizer, scheduler=scheduler,
                      extra={"phase": phase, "config": asdict(cfg), "log_window": window.snapshot()})
 

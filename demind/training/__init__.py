@@ -4,7 +4,7 @@
     checkpoint = train(cfg)          # -> <run.output_dir>/demind.safetensors
 
 The run folder ``run.output_dir`` holds ``config.yaml`` (resolved config),
-``checkpoints/step_XXXXXXXX/`` (see :mod:`demind.training.state`), ``metrics.jsonl``
+``checkpoints/step_XXXXXXXX/`` (see :mod:`demind.training.checkpoints`), ``metrics.jsonl``
 (one JSON line per log step), ``logs/`` (trackers) and, at the end,
 ``demind.safetensors`` in the core checkpoint format.  Rerunning the same command resumes
 from the newest checkpoint and continues the data stream where it stopped.
@@ -16,13 +16,13 @@ micro batch x processes samples; accumulation steps do not share negatives.
 
 Modules: ``config`` (the recipe's schema), ``accel`` (Accelerate set-up), ``optim``
 (optimizer and schedule), ``batches`` (data glue), ``step`` (losses and one step),
-``state`` (checkpoints and resume), ``metrics_log`` (log lines), ``loop`` (``train``).
+``checkpoints`` (Accelerate checkpoints and resume), ``metrics_log`` (log lines), ``loop`` (``train``).
 
 The engine pieces every trainer shares (De-MINDS, ExclMM, the toy CLIP): ``optim``
 (``build_adamw``, ``build_lr_scheduler``), ``finite`` (``check_finite_terms``),
-``metrics_log`` (``LogWindow``, ``step_line``, ``append_metrics``) and ``store``
+``metrics_log`` (``LogWindow``, ``step_line``, ``append_metrics``) and ``state_file``
 (``save_train_state`` / ``load_train_state`` / ``restore_train_state``: safetensors + JSON,
-no pickle; De-MINDS resumes through Accelerate's ``save_state`` instead, see ``state``).
+no pickle; De-MINDS resumes through Accelerate's ``save_state`` instead, see ``checkpoints``).
 """
 
 from demind.lazy import lazy_exports
@@ -40,11 +40,12 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "demind.training.plot": ["PLOT_NAME", "plot_training"],
     "demind.training.optim": ["build_adamw", "build_lr_scheduler", "build_optimizer", "build_scheduler",
                                "lr_factor", "warmup_cosine"],
-    "demind.training.state": ["ResumeError", "TrainState", "latest_checkpoint", "save_accelerator_state_atomically"],
+    "demind.training.checkpoints": ["ResumeError", "TrainState", "latest_checkpoint",
+                                    "save_accelerator_state_atomically"],
     "demind.training.step": ["NonFiniteLossError", "check_finite", "compute_losses"],
     "demind.training.zero": ["DeepSpeedError", "deepspeed_device", "fill_deepspeed_config"],
-    "demind.training.store": ["StateFileError", "load_train_state", "load_tree", "restore_train_state",
-                               "save_train_state", "save_tree"],
+    "demind.training.state_file": ["StateFileError", "load_train_state", "load_tree", "restore_train_state",
+                                    "save_train_state", "save_tree"],
 })
 
 __all__ = ["TrainConfig", "OptimConfig", "LossConfig", "RunConfig", "DataConfig", "TrainState", "train",

@@ -18,7 +18,7 @@ from demind.training.config import TrainConfig
 from demind.training.metrics_log import trim_metrics
 from demind.training.plot import plot_training
 from demind.training.optim import build_optimizer, build_scheduler
-from demind.training.state import TrainState, resume_state
+from demind.training.checkpoints import TrainState, resume_state
 from demind.training.step import train_steps
 from demind.training.zero import deepspeed_precision, use_full_precision_weights
 

@@ -16,7 +16,7 @@ from tqdm import tqdm
 from demind.io import write_text_atomic
 from demind.training.config import TrainConfig
 from demind.training.optim import gate_lr
-from demind.training.state import TrainState
+from demind.training.checkpoints import TrainState
 
 LOSS_TERMS = ("loss", "distil", "align")
 # logged when training.noise.mode is not none (demind.robust): ConeSep's terms, the batch's

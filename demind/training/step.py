@@ -16,7 +16,7 @@ from demind.training.batches import batch_embeddings, batch_rewritten_embeddings
 from demind.training.config import TrainConfig
 from demind.training.finite import NonFiniteLossError, finite_flags, raise_non_finite
 from demind.training.metrics_log import LOSS_TERMS, NOISE_TERMS, LogWindow, log_metrics
-from demind.training.state import TrainState, save_training_state
+from demind.training.checkpoints import TrainState, save_training_state
 
 __all__ = ["NonFiniteLossError", "check_finite", "compute_losses", "train_one_step", "train_steps"]
 

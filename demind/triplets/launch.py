@@ -5,7 +5,7 @@ The pieces are De-MINDS pretraining's (:mod:`demind.training`): its refusal of a
 Accelerate would quietly run on the CPU, its gather with gradients, its DeepSpeed device check and
 config filling. The triplet trainer adds what its recipe differs in: ``optim.batch_size`` is the
 global batch (no accumulation, no clipping, float32 only), and its resumable state is one file
-(:mod:`demind.training.store`), beside which DeepSpeed's engine keeps its sharded optimizer in
+(:mod:`demind.training.state_file`), beside which DeepSpeed's engine keeps its sharded optimizer in
 ``deepspeed_state/epoch_N`` (Accelerate's ``save_state``), named by the state file.
 """
 

@@ -3,7 +3,7 @@
 A combiner (:mod:`demind.combiner`) over a frozen CLIP's cached features, InfoNCE against
 the target, under one of the noise modes of :mod:`demind.triplets.modes`. Accelerate places the model
 and optimizer (as in De-MINDS pretraining); the optimizer and schedule are the project's
-(:mod:`demind.training.optim`), the resumable state its one state file (:mod:`demind.training.store`):
+(:mod:`demind.training.optim`), the resumable state its one state file (:mod:`demind.training.state_file`):
 after every epoch ``state.safetensors`` holds model, optimizer, schedule, RNGs and the epoch, so a
 killed run rerun with the same command continues where it stopped and ends with the same weights.
 

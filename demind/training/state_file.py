@@ -10,7 +10,7 @@ Loading needs no unpickler, so a state file cannot run code, and a truncated or 
 file is one :class:`StateFileError` naming the file and the fix.
 
 Used by ExclMM and the toy CLIP. De-MINDS resumes through ``accelerator.save_state``
-instead (:mod:`demind.training.state`), because sharded DeepSpeed/FSDP optimizer states
+instead (:mod:`demind.training.checkpoints`), because sharded DeepSpeed/FSDP optimizer states
 are only written and read by Accelerate.
 
     save_train_state(path, step=100, modules={"model": model}, optimizer=opt, scheduler=sched,
