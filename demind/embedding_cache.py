@@ -65,12 +65,6 @@ def cache_slug(backbone: Any) -> str:
     return identity_slug(cache_identity(backbone))
 
 
-def legacy_image_slug(backbone: Any) -> str:
-    """The folder name evaluation galleries used before the one key rule (``<identity>-<precision>``):
-    read where it exists, so galleries encoded before are not encoded again."""
-    return f"{backbone.identity_str}-{backbone.cfg.precision}"
-
-
 # --------------------------------------------------------------------------- checks
 
 

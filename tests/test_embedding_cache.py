@@ -104,8 +104,7 @@ def test_each_refuses_another_backbones_cache_with_the_same_message(three_caches
 def test_parts_and_indexes_written_before_the_one_cache_still_load(tmp_path, tiny_backbone):
     """Legacy torch.save parts (``part-*.pt``), a legacy eval folder (``<identity>-<precision>``) and
     a legacy index (backbone.json with that slug, the identity without the precision) load."""
-    from demind.embedding_cache import legacy_image_slug
-    from demind.retrieval.cache import read_part  # the legacy reader
+    from demind.retrieval.cache_upgrade import legacy_image_slug, read_part  # the legacy readers
 
     root = tmp_path / "images"
     build_index_images(root, 5)

@@ -28,13 +28,13 @@ from demind.logs import progress_bar
 from demind.settings import resolve_workers
 
 from demind.backbone import FrozenCLIP
-from demind.embedding_cache import (EmbeddingCacheError, cache_identity, cache_slug, check_backbone,
-                                    legacy_image_slug, read_record, read_tensors, write_entry)
+from demind.embedding_cache import (EmbeddingCacheError, cache_identity, cache_slug, check_backbone, read_record,
+                                    read_tensors, write_entry)
 from demind.errors import InputError
 from demind.io import write_json_atomic
+from demind.retrieval.cache_upgrade import EARLIER_PART_SUFFIX, is_earlier_part, read_part, readable_slug
 from demind.retrieval.refs import (LEFT_OUT_ADVICE, ImageReadError, ImageRef, load_image, orientation_changes,
                                    reword)
-from demind.tensor_files import load_torch_file
 
 log = logging.getLogger(__name__)
 
@@ -115,19 +115,7 @@ class DamagedPartError(EmbeddingCacheError):
     """A feature part that cannot be read (truncated by a full disk, or not a part at all)."""
 
 
-PART_KEYS = ("names", "keys", "features")
 PART_FORMAT = "demind-image-features/1"
-
-
-def read_part(part: Path) -> dict:
-    """One legacy ``part-*.pt`` file (torch.save, written before the one cache) -> {"names", "keys",
-    "features" (n, D)}; DamagedPartError naming it otherwise."""
-    data = load_torch_file(part, DamagedPartError, "feature part")
-    if (not isinstance(data, dict) or any(k not in data for k in PART_KEYS)
-            or not isinstance(data["features"], torch.Tensor)
-            or not len(data["names"]) == len(data["keys"]) == len(data["features"])):
-        raise DamagedPartError(f"feature part {part} is not a part of names, keys and features")
-    return data
 
 
 def _part_number(path: Path) -> int:
@@ -140,7 +128,8 @@ class ImageFeatureCache:
     A part is an entry of the one embedding cache (:mod:`demind.embedding_cache`):
     ``part-NNNNN.safetensors`` holds exactly its (n, D) rows (``features``), ``part-NNNNN.json``
     (written last) its format, backbone identity (:func:`~demind.embedding_cache.cache_identity`),
-    names and per-image keys. Parts written before (``part-NNNNN.pt``, torch.save) are still read.
+    names and per-image keys. Parts and folders of earlier versions are read through
+    :mod:`demind.retrieval.cache_upgrade`.
     ``rebuild`` is the advice a refusal ends with; ``error`` the class it raises.
     """
 
@@ -155,13 +144,9 @@ class ImageFeatureCache:
     @classmethod
     def for_backbone(cls, root: str | Path, backbone: FrozenCLIP, benchmark: str, split: str) -> "ImageFeatureCache":
         """The cache of ``backbone``'s features under ``root``: ``<root>/<cache_slug>/<benchmark>/<split>``
-        (the one key rule); a gallery encoded before the key rule, in ``<identity>-<precision>``, is read there."""
-        cache = cls(root, cache_slug(backbone), benchmark, split)
-        legacy = cls(root, legacy_image_slug(backbone), benchmark, split)
-        if not cache.dir.exists() and legacy.dir.is_dir():
-            log.info("reading image features encoded before the one cache key from %s", legacy.dir)
-            return legacy
-        return cache
+        (the one key rule); a gallery encoded before the key rule is read where it lies
+        (:func:`~demind.retrieval.cache_upgrade.readable_slug`)."""
+        return cls(root, readable_slug(Path(root), cache_slug(backbone), backbone, (benchmark, split)), benchmark, split)
 
     @classmethod
     def at(cls, directory: str | Path, rebuild: str | None = None, error: type[Exception] = EmbeddingCacheError,
@@ -184,7 +169,7 @@ class ImageFeatureCache:
 
     def records(self, role: str) -> list[tuple[Path, dict]]:
         """(record path, record) of every finished part of ``role`` in the one-cache format, oldest
-        first, without reading a tensor (legacy ``.pt`` parts are not listed)."""
+        first, without reading a tensor (parts of an earlier form are not listed)."""
         out = []
         for path in self.parts(role):
             if path.suffix == ".json":
@@ -195,9 +180,9 @@ class ImageFeatureCache:
         return self.dir / role
 
     def parts(self, role: str) -> list[Path]:
-        """The role's part files (tensor files, records and legacy ``.pt`` parts), oldest first."""
+        """The role's part files (tensor files, records and parts of an earlier form), oldest first."""
         role_dir = self._role_dir(role)
-        files = [p for p in role_dir.glob("part-*") if p.suffix in (".pt", ".json", ".safetensors")] \
+        files = [p for p in role_dir.glob("part-*") if p.suffix in (EARLIER_PART_SUFFIX, ".json", ".safetensors")] \
             if role_dir.is_dir() else []
         return sorted(files, key=lambda p: (_part_number(p), p.suffix))
 
@@ -226,8 +211,8 @@ class ImageFeatureCache:
         return out
 
     def _read(self, path: Path, identity: dict | None) -> dict:
-        if path.suffix == ".pt":
-            return read_part(path)
+        if is_earlier_part(path):
+            return read_part(path, DamagedPartError)
         record = read_record(path, DamagedPartError, "")
         tensors_path = path.with_suffix(".safetensors")
         if (record.get("format") != PART_FORMAT or not isinstance(record.get("names"), list)
@@ -275,7 +260,7 @@ class ImageFeatureCache:
     def rekey(self, role: str, renames: dict[str, tuple[str, str]]) -> int:
         """Record entries under new keys, ``renames`` = {name: (old key, new key)}, by rewriting
         (atomically) only the records that hold one; no row is read or written. Returns how many
-        entries were renamed (an entry only in a legacy ``.pt`` part keeps its key)."""
+        entries were renamed (an entry only in a part of an earlier form keeps its key)."""
         renamed = 0
         for path, record in self.records(role):
             keys = [renames[name][1] if renames.get(name, ("",))[0] == key else key

@@ -9,8 +9,8 @@ Layout of an index folder::
     index.json               the parts in row order, the names once in row order, unreadable files
                              (written last); search memory-maps the listed parts and reads no record
 
-An index of the earlier layout (``demind-index/1``: raw float32 ``part-*.pt``) still opens, and
-the next ``demind-index`` run rewrites it in this one.
+An index of an earlier layout still opens (read by :mod:`demind.search.index_upgrade`), and the next
+``demind-index`` run rewrites it in this one.
 
 Images are the image files under the folder and the image members of the uncompressed tar
 shards under it (WebDataset / img2dataset shards, read in place: ``00000.tar/KEY.jpg``). A
@@ -32,17 +32,17 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from demind.backbone import FrozenCLIP
 from demind.errors import InputError
 from demind.embedding_cache import cache_identity, cache_slug, check_backbone, map_tensor, with_precision
 from demind.imaging import DECODABLE_EXTENSIONS
 from demind.io import check_output_dir, read_json, write_json_atomic
-from demind.retrieval import DamagedPartError, ImageFeatureCache, ImageRef, encode_image_refs, stack_features
-from demind.search.index_manifest import (INDEX_FORMAT, LEGACY_FORMAT, MANIFEST, DamagedManifestError,  # noqa: F401
+from demind.retrieval import DamagedPartError, ImageFeatureCache, ImageRef, encode_image_refs, is_earlier_part
+from demind.search.index_manifest import (INDEX_FORMAT, MANIFEST, DamagedManifestError,  # noqa: F401
                                           GalleryIndexError, previous_manifest, read_manifest, rebuild_advice,
                                           recorded_root)
+from demind.search.index_upgrade import load_earlier_rows
 from demind.shard_format import SHARD_SUFFIX
 
 log = logging.getLogger(__name__)
@@ -287,8 +287,7 @@ def build_index(
     names = [r.name for r in refs if r.name in features]
     stats.indexed = len(names)
 
-    previous_names = [e[0] if isinstance(e, list) else e for e in previous["images"]]
-    stats.removed = sum(1 for name in previous_names if name not in keys)
+    stats.removed = sum(1 for name in previous["images"] if name not in keys)
     parts = _live_parts(cache, {n: keys[n] for n in names})
     if parts is None:  # removed, changed or unreadable entries, or rows not in the stored form: compact
         # (their rows would otherwise stay in the parts for ever, and the parts must hold exactly the index)
@@ -324,8 +323,8 @@ def build_index(
 def load_index(index_dir: str | Path, root: str | Path | None = None) -> GalleryIndex:
     """Open a finished index; ``root`` overrides where its images live (a moved folder).
 
-    Returns a :class:`GalleryIndex` whose blocks are the parts' rows, memory-mapped (an index of
-    the earlier layout is read into one normalised float32 block).
+    Returns a :class:`GalleryIndex` whose blocks are the parts' rows, memory-mapped (an index of an
+    earlier layout: one normalised float32 block, :func:`~demind.search.index_upgrade.load_earlier_rows`).
     """
     index_dir = Path(index_dir)
     manifest = read_manifest(index_dir)
@@ -335,12 +334,12 @@ def load_index(index_dir: str | Path, root: str | Path | None = None) -> Gallery
         raise GalleryIndexError(f"no index at {index_dir}: {MANIFEST} is missing{hint}; "
                                 f"build one with demind-index --images DIR --index {index_dir} --checkpoint CKPT")
     root = Path(root) if root else recorded_root(index_dir, manifest)
-    if manifest["format"] == LEGACY_FORMAT:
-        names, blocks = _load_legacy_rows(index_dir, manifest)
-    else:
-        names, blocks = manifest["images"], _map_parts(index_dir, manifest)
-    return GalleryIndex(directory=index_dir, root=root, names=names, blocks=blocks, backbone=manifest["backbone"],
-                        backbone_slug=manifest["backbone_slug"], precision=manifest["precision"],
+    blocks = (_map_parts(index_dir, manifest) if manifest["format"] == INDEX_FORMAT else  # an earlier layout
+              load_earlier_rows(index_dir, manifest, ROLE, GalleryIndexError,
+                                rebuild_advice(index_dir, manifest["root"])))
+    return GalleryIndex(directory=index_dir, root=root, names=manifest["images"], blocks=blocks,
+                        backbone=manifest["backbone"], backbone_slug=manifest["backbone_slug"],
+                        precision=manifest["precision"],
                         members={n: tuple(v) for n, v in manifest.get("members", {}).items()})
 
 
@@ -358,8 +357,8 @@ def _held_entries(cache: ImageFeatureCache, identity: dict) -> set[tuple[str, st
 def _live_parts(cache: ImageFeatureCache, live: dict[str, str]) -> list[tuple[Path, dict]] | None:
     """The parts' (record path, record) in order when they hold exactly the ``live`` {name: key}
     entries, once each, in the cache's stored form; None when the parts must be compacted."""
-    if any(p.suffix == ".pt" for p in cache.parts(ROLE)):
-        return None  # the earlier layout: raw float32 rows, rewritten normalised
+    if any(is_earlier_part(p) for p in cache.parts(ROLE)):
+        return None  # parts of an earlier form (raw float32 rows): rewritten in the stored form
     parts = cache.records(ROLE)
     seen = 0
     for _, record in parts:
@@ -386,24 +385,6 @@ def _map_parts(index_dir: Path, manifest: dict) -> list[torch.Tensor]:
                                     f"not the ({rows}, {manifest['embed_dim']}) listed; {fix}")
         blocks.append(block)
     return blocks
-
-
-def _load_legacy_rows(index_dir: Path, manifest: dict) -> tuple[list[str], list[torch.Tensor]]:
-    """(names, [(N, D) normalised float32]) of an index of the earlier layout (raw rows found by key)."""
-    try:
-        stored = ImageFeatureCache.at(index_dir).load(ROLE)
-    except DamagedPartError as e:
-        raise GalleryIndexError(f"index {index_dir}: {e}; {rebuild_advice(index_dir, manifest['root'])} "
-                                f"(only the damaged part's images are encoded again)") from None
-    names = [name for name, _ in manifest["images"]]
-    stale = [name for name, key in manifest["images"] if key not in stored.get(name, {})]
-    if stale:
-        raise GalleryIndexError(f"index {index_dir} lacks the embeddings of {len(stale)} listed file(s), e.g. "
-                                f"{stale[0]}; rerun demind-index on it")
-    features = stack_features({name: stored[name][key] for name, key in manifest["images"]}, names)
-    if not names:
-        features = torch.zeros(0, manifest["embed_dim"])
-    return names, [F.normalize(features.float(), dim=-1)]
 
 
 def check_index_backbone(index: GalleryIndex, backbone: FrozenCLIP) -> None:

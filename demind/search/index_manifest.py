@@ -10,11 +10,11 @@ from pathlib import Path
 
 from demind.errors import DemindError, InputError
 from demind.io import read_json
+from demind.search.index_upgrade import EARLIER_FORMATS, upgrade_manifest
 
 log = logging.getLogger(__name__)
 
 INDEX_FORMAT = "demind-index/2"  # /2: names once, rows stored normalised (float16) in parts listed in order
-LEGACY_FORMAT = "demind-index/1"  # /1: [name, key] pairs, raw float32 parts found by key (still read)
 MANIFEST = "index.json"
 
 
@@ -38,7 +38,8 @@ V2_TYPES = {"parts": list, "dtype": str}
 
 def read_manifest(index_dir: Path) -> dict | None:
     """The finished build's ``index.json``, None when there is none; a damaged one is a
-    GalleryIndexError naming the file, the key and how to rebuild it."""
+    GalleryIndexError naming the file, the key and how to rebuild it. One of an earlier layout is
+    read as its upgrade module reads it (:mod:`demind.search.index_upgrade`)."""
     path = index_dir / MANIFEST
     if not path.is_file():
         return None
@@ -50,25 +51,30 @@ def read_manifest(index_dir: Path) -> dict | None:
         # not ours to overwrite: someone else's index.json, or a file put there by hand
         raise GalleryIndexError(f"{path} is not a demind index (a JSON {type(manifest).__name__}, not an object); "
                                 f"choose another --index folder, or delete {path} to build a new index there")
-    if manifest.get("format") not in (INDEX_FORMAT, LEGACY_FORMAT):
+    if manifest.get("format") not in (INDEX_FORMAT, *EARLIER_FORMATS):
         raise GalleryIndexError(f"{path} is not a demind index (format {manifest.get('format')!r}, "
                                 f"expected {INDEX_FORMAT!r})")
     root = manifest.get("root") if isinstance(manifest.get("root"), str) else None
-    legacy = manifest["format"] == LEGACY_FORMAT
-    for key, kind in {**MANIFEST_TYPES, **({} if legacy else V2_TYPES)}.items():
-        if not isinstance(manifest.get(key), kind):
-            raise DamagedManifestError(f"{path}: key {key!r} must be a JSON {kind.__name__}, got "
-                                    f"{type(manifest.get(key)).__name__}; " + rebuild_advice(index_dir, root))
-    if legacy and not all(isinstance(e, list) and len(e) == 2 and all(isinstance(x, str) for x in e)
-                          for e in manifest["images"]):
-        raise DamagedManifestError(f"{path}: key 'images' must list [name, key] pairs of strings; "
-                                + rebuild_advice(index_dir, root))
-    if not legacy and not (all(isinstance(e, str) for e in manifest["images"]) and all(
+
+    def damaged(what: str) -> DamagedManifestError:
+        return DamagedManifestError(f"{path}: {what}; " + rebuild_advice(index_dir, root))
+
+    _check_types(manifest, MANIFEST_TYPES, damaged)
+    if manifest["format"] != INDEX_FORMAT:
+        return upgrade_manifest(manifest, damaged)
+    _check_types(manifest, V2_TYPES, damaged)
+    if not (all(isinstance(e, str) for e in manifest["images"]) and all(
             isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], int)
             for p in manifest["parts"]) and sum(p[1] for p in manifest["parts"]) == len(manifest["images"])):
-        raise DamagedManifestError(f"{path}: keys 'images' (names) and 'parts' ([part, rows] pairs) do not match; "
-                                   + rebuild_advice(index_dir, root))
+        raise damaged("keys 'images' (names) and 'parts' ([part, rows] pairs) do not match")
     return manifest
+
+
+def _check_types(manifest: dict, types: dict[str, type], damaged) -> None:
+    """Raise ``damaged(...)`` naming the first key of ``types`` whose value is not of its JSON type."""
+    for key, kind in types.items():
+        if not isinstance(manifest.get(key), kind):
+            raise damaged(f"key {key!r} must be a JSON {kind.__name__}, got {type(manifest.get(key)).__name__}")
 
 
 def previous_manifest(index_dir: Path, images: Path) -> tuple[dict, bool]:
