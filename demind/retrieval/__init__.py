@@ -42,7 +42,8 @@ __all__ = [
     "ensemble_embeddings",
     "DEOMethod", "DamagedPartError", "DeMindsQuery", "EncodeStats", "ImageFeatureCache", "ImageOnly", "ImagePlusText",
     "ImageReadError", "ImageRef", "ImageRefDataset", "MappingOnly", "Oracle", "Query", "RetrievalMethod", "TextOnly",
-    "backbone_cache_slug", "build_methods", "is_earlier_part", "canonical_name", "encode_image_refs", "image_transforms", "load_image",
+    "backbone_cache_slug", "build_methods", "canonical_name", "encode_image_refs", "image_transforms", "load_image",
+    "is_earlier_part",
     "method_label", "parse_method_names", "split_deo_name", "squash_preprocess", "stack_features",
     "strip_image_extension", "LEFT_OUT_ADVICE", "reword", "split_rerank_requests",
 ]
