@@ -310,7 +310,7 @@ def test_packages_are_imported_through_their_face():
 
 
 def test_private_imports_on_a_hand_made_graph():
-    graph = {"demind.search.index": {"demind.eval.structures", "demind.retrieval", "demind.search.manifest"},
+    graph = {"demind.search.index": {"demind.eval.structures", "demind.retrieval", "demind.search.run_manifest"},
              "demind.cli.evaluate": {"demind.eval.harness"}, "demind.eval.__main__": {"demind.cli.evaluate"}}
     assert private_imports(graph, {"demind.eval", "demind.retrieval", "demind.search", "demind.cli"}) == [
         "demind.search.index -> demind.eval.structures"]
@@ -361,7 +361,7 @@ def test_upward_imports_on_a_hand_made_graph():
 def test_the_import_graph_sees_lazy_relative_and_main_guarded_imports(tmp_path):
     graph = import_graph()
     assert "demind.fidelity" in graph["demind.features"]  # imported inside a function only
-    assert "demind.search.manifest" in graph["demind.cli.serve"]  # imported inside a function
+    assert "demind.search.run_manifest" in graph["demind.cli.serve"]  # imported inside a function
     assert "demind.training.config" in graph["demind.training.loop"]
     assert "demind.cli.common" in graph["demind.cli.train"]
     guarded = ast.parse('if __name__ == "__main__":\n    from demind.cli.features import main\n')

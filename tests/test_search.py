@@ -362,7 +362,7 @@ def test_bad_query_lines_are_counted_skips_naming_file_line_and_key(gallery, tmp
 
 
 def test_the_search_manifest_round_trips_relative_paths_and_names_what_to_run(tmp_path):
-    from demind.search.manifest import SearchManifestError, read_search_manifest, write_search_manifest
+    from demind.search.run_manifest import SearchManifestError, read_search_manifest, write_search_manifest
 
     with pytest.raises(FileNotFoundError, match="run the quickstart first"):
         read_search_manifest(tmp_path)

@@ -203,7 +203,7 @@ def train_variant(cfg: QuickstartConfig, backbone, variant: str, seed: int, log_
 
 
 def write_search_files(cfg: QuickstartConfig, exports: dict[int, Path]) -> Path:
-    """``<workdir>/search.json`` (:mod:`demind.search.manifest`): what ``demind-serve --quickstart``
+    """``<workdir>/search.json`` (:mod:`demind.search.run_manifest`): what ``demind-serve --quickstart``
     serves: the De-MINDS export of the lowest seed, the toy CIRR dev images as the gallery, and
     where their index goes."""
     from demind.search import write_search_manifest

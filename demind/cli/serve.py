@@ -69,7 +69,7 @@ def build_parser():
 def resolve_paths(args: ServeConfig) -> None:
     """Fill --checkpoint/--images/--index from the quickstart's layout when --quickstart is given."""
     if args.quickstart:
-        from demind.search.manifest import read_search_manifest
+        from demind.search.run_manifest import read_search_manifest
 
         paths = read_search_manifest(args.quickstart)  # written by the quickstart when it finishes
         args.checkpoint = args.checkpoint or str(paths["checkpoint"])

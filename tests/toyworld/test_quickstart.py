@@ -55,7 +55,7 @@ def test_quickstart_runs_every_stage_and_reuses_them(tmp_path, monkeypatch):
     assert run_name(other, "demind", 0) != run_name(cfg, "demind", 0)
     assert run_name(dataclasses.replace(cfg, train_overrides=[]), "demind", 0) == "demind-seed0"
     # what demind-serve --quickstart serves, read without the toy package
-    from demind.search.manifest import read_search_manifest
+    from demind.search.run_manifest import read_search_manifest
 
     assert read_search_manifest(qs) == {"checkpoint": exports[0], "images": qs / "benchmarks" / "cirr" / "dev",
                                         "index": qs / "search-index"}
