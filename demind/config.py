@@ -94,10 +94,6 @@ def renamed_key_error(key: str) -> ConfigError | None:
 # --------------------------------------------------------------------------- types
 
 
-class MissingDependencyError(DemindError, ImportError):
-    """An optional dependency the chosen setting needs is not installed; the message says what to install."""
-
-
 def _field_types(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}

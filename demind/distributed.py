@@ -20,8 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
-from demind.config import MissingDependencyError
-from demind.errors import DemindError
+from demind.errors import DemindError, MissingDependencyError
 from demind.logs import progress_bar
 
 logger = logging.getLogger(__name__)

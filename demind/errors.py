@@ -1,4 +1,5 @@
-"""The one base class of errors a user can fix: bad input, bad config, an unusable output place.
+"""The one base class of errors a user can fix: bad input, bad config, an unusable output place,
+a missing optional dependency.
 
 Every such error in the library derives from :class:`DemindError` (besides the builtin type
 it always had, so ``except ValueError`` keeps working), and its message already says what is
@@ -34,4 +35,9 @@ class NonFiniteError(DemindError, FloatingPointError):
     """A tensor (weights, embeddings, a loss) holds NaN or infinity; the message names it."""
 
 
-__all__ = ["DemindError", "InputError", "MissingInputError", "OutputLocationError", "NonFiniteError"]
+class MissingDependencyError(DemindError, ImportError):
+    """An optional dependency the chosen setting needs is not installed; the message says what to install."""
+
+
+__all__ = ["DemindError", "InputError", "MissingInputError", "OutputLocationError", "NonFiniteError",
+           "MissingDependencyError"]

@@ -17,8 +17,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from demind.config import MissingDependencyError
-from demind.errors import DemindError
+from demind.errors import DemindError, MissingDependencyError
 
 logger = logging.getLogger(__name__)
 

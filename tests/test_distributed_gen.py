@@ -234,7 +234,7 @@ def test_a_failed_shard_goes_to_another_worker_then_is_reported_after_its_tries(
 
 
 def test_without_ray_the_error_names_the_install_line(monkeypatch):
-    from demind.config import MissingDependencyError
+    from demind.errors import MissingDependencyError
     from demind.gen.ray_job import import_ray
 
     monkeypatch.setitem(sys.modules, "ray", None)  # what an environment without Ray gives

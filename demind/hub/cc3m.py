@@ -16,8 +16,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from demind.config import MissingDependencyError
-from demind.errors import DemindError
+from demind.errors import DemindError, MissingDependencyError
 from demind.hubref import INSTALL_HINT
 from demind.io import atomic_path
 

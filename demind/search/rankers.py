@@ -22,7 +22,7 @@ import time
 import numpy as np
 import torch
 
-from demind.config import MissingDependencyError
+from demind.errors import MissingDependencyError
 from demind.embedding_cache import advise_random_access
 from demind.search.names import RANKERS
 

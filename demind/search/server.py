@@ -36,8 +36,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 
-from demind.config import MissingDependencyError
-from demind.errors import DemindError
+from demind.errors import DemindError, MissingDependencyError
 from demind.retrieval import ImageRef, load_image
 
 try:

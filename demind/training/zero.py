@@ -3,7 +3,7 @@
 ``accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml train.py ...`` asks for
 DeepSpeed; the command passes that request to :func:`demind.training.train`. Either DeepSpeed's
 engine then trains (the start-up line says ``DistributedType.DEEPSPEED``) or the run stops with
-one :class:`DeepSpeedError` / :class:`~demind.config.MissingDependencyError` line: it never falls
+one :class:`DeepSpeedError` / :class:`~demind.errors.MissingDependencyError` line: it never falls
 back to plain data parallelism while the launcher's DeepSpeed settings are ignored.
 
 The train config is the one source of truth for the numbers DeepSpeed also holds: the micro batch
@@ -20,8 +20,7 @@ from typing import Any
 
 import torch
 
-from demind.config import MissingDependencyError
-from demind.errors import DemindError
+from demind.errors import DemindError, MissingDependencyError
 from demind.training.config import TrainConfig
 
 logger = logging.getLogger(__name__)
