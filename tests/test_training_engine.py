@@ -204,7 +204,8 @@ def test_log_window_and_line():
 
 
 def test_exclmm_refuses_a_run_folder_with_old_pickles(tmp_path):
-    from demind.exclmm.train import ExclMMConfig, LegacyStateError, train_exclmm
+    from demind.exclmm.run_upgrade import LegacyStateError
+    from demind.exclmm.train import ExclMMConfig, train_exclmm
 
     run = tmp_path / "run"
     run.mkdir()

@@ -5,8 +5,7 @@ holds the tensors (embeddings; the ragged word and ground-truth lists as flat va
 ``features.json`` (written last, the done-marker) the vocabulary, image ids, backbone identity
 (:func:`~demind.embedding_cache.cache_identity`) and training split. Images go through the
 evaluation image cache (:mod:`demind.retrieval.cache`, the same cache), so the harness reuses them.
-A features file of an earlier version (one safetensors file with its JSON inside,
-``demind-exclmm-features/1``) is still read.
+A features file of an earlier version is still read (:mod:`demind.exclmm.run_upgrade`).
 """
 
 from __future__ import annotations
@@ -27,13 +26,13 @@ from demind.eval import load_exclcoco
 from demind.retrieval import ImageFeatureCache, encode_image_refs
 from demind.retrieval import ImageRef
 from demind.exclmm.model import words_of
-from demind.training import StateFileError, load_tree
+from demind.exclmm.run_upgrade import EARLIER_FORMATS, earlier_record, load_earlier_features
+from demind.training import StateFileError
 
 log = logging.getLogger(__name__)
 
 FEATURES_NAME = "features.safetensors"
 FEATURES_FORMAT = "demind-exclmm-features/2"  # /2: an entry of the one embedding cache
-LEGACY_FORMAT = "demind-exclmm-features/1"    # /1: one safetensors file through training.state_file
 FEATURES_FIX = "delete it and rerun: the features are recomputed"
 RAGGED = ("caption_words", "query_words", "positive_words", "query_truth")  # lists of int lists
 # what the current trainer reads: features written before a key was added are recomputed
@@ -84,7 +83,7 @@ def load_features(path: str | Path, record: dict[str, Any] | None = None) -> dic
     path = Path(path)
     record = record if record is not None else features_record(path)
     if record is None:  # written before the one cache: the JSON lives inside the safetensors file
-        tree = load_tree(path, LEGACY_FORMAT, FEATURES_FIX)
+        tree = load_earlier_features(path, FEATURES_FIX)
         return {k: unpack_ragged(v) if k in RAGGED else v for k, v in tree.items()}
     tensors = read_tensors(path, ExclFeaturesError, "ExclMM features", FEATURES_FIX)
     feats = {k: v for k, v in record.items() if k != "format"}
@@ -123,10 +122,10 @@ def _reusable(path: Path, identity: dict[str, Any], train: Any) -> tuple[str | N
         except StateFileError:
             read_tensors(path, ExclFeaturesError, "ExclMM features", FEATURES_FIX)  # damaged: that error, as before
             return "has no record (a run stopped before writing it)", None  # whole tensors, no done-marker
-        record = {"format": LEGACY_FORMAT, **{k: feats.get(k) for k in ("backbone", "train")}}
+        record = earlier_record(feats)
     else:
         feats = None
-    why = (stale_reason(record, (FEATURES_FORMAT, LEGACY_FORMAT)) or backbone_mismatch(record.get("backbone"), identity)
+    why = (stale_reason(record, (FEATURES_FORMAT, *EARLIER_FORMATS)) or backbone_mismatch(record.get("backbone"), identity)
            or (None if record.get("train") == train else f"was made for data.train={record.get('train')}"))
     if why is None and feats is None:
         feats = load_features(path, record)

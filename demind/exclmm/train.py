@@ -16,7 +16,7 @@ uninterrupted one. CLIP features are computed once into ``<output_dir>/features.
 (:mod:`demind.exclmm.features`). One log line per ``run.log_every`` steps goes to the console
 and ``<output_dir>/metrics.jsonl``. The export ``<output_dir>/exclmm.safetensors`` (weights +
 config + backbone identity) is written last: its presence means done. A run folder holding the
-pickle ``state.pt`` / ``features.pt`` of earlier versions is refused with a message saying what to do.
+pickles of earlier versions is refused with a message saying what to do (:mod:`demind.exclmm.run_upgrade`).
 """
 
 from __future__ import annotations
@@ -31,12 +31,13 @@ import torch
 
 from demind.backbone import FrozenCLIP, build_backbone
 from demind.config import save_config
-from demind.errors import DemindError, InputError
+from demind.errors import InputError
 from demind.exclmm import losses as L
 from demind.exclmm.config import (  # noqa: F401 (the recipe lives without torch; importable from here)
     ExclDataConfig, ExclMMConfig, ExclRunConfig, QueryConfig, SaeConfig, SpaceConfig)
 from demind.exclmm.features import FEATURES_NAME, prepare_features
 from demind.exclmm.model import ExclMM
+from demind.exclmm.run_upgrade import refuse_pickled_files
 from demind.seeding import derive_seed
 from demind.training import (LogWindow, append_metrics, build_adamw, build_lr_scheduler, check_finite_terms,
                              load_train_state, restore_train_state, save_train_state, step_line, term_parts,
@@ -51,25 +52,9 @@ PHASE_TERMS = {"sae": ("loss", "rec", "asl", "psl"), "space": ("loss", "con", "r
                "query": ("loss", "con", "tri")}
 STATE_NAME = "state.safetensors"
 EXPORT_NAME = "exclmm.safetensors"
-LEGACY_NAMES = ("state.pt", "features.pt")  # pickles written by earlier versions: refused
-
-
-class LegacyStateError(DemindError, ValueError):
-    """A run folder with the pickle state or features of an earlier version."""
 
 
 # ------------------------------------------------------------------------ state
-
-def refuse_pickled_files(run_dir: Path) -> None:
-    """A run folder written before states and features moved to safetensors + JSON: refuse it,
-    saying what to do (reading those pickles could run code; converting them would need to)."""
-    old = [run_dir / name for name in LEGACY_NAMES if (run_dir / name).is_file()]
-    if old:
-        raise LegacyStateError(
-            f"{', '.join(map(str, old))}: pickle file(s) of an earlier demind version, no longer read; delete "
-            f"{' and '.join(p.name for p in old)} and rerun the same command (the training restarts from its first "
-            f"step and the features are recomputed into {FEATURES_NAME}), or use another run.output_dir")
-
 
 def save_state(path: Path, model: ExclMM, optimizer: torch.optim.Optimizer, scheduler, phase: str, step: int,
                window: LogWindow, cfg: ExclMMConfig) -> None:
@@ -227,7 +212,7 @@ def train_exclmm(cfg: ExclMMConfig, backbone: FrozenCLIP | None = None) -> Path:
         check_same_run(read_export_config(export), cfg, export)
         log.info("exclmm: %s exists; nothing to do", export)
         return export
-    refuse_pickled_files(run_dir)
+    refuse_pickled_files(run_dir, FEATURES_NAME)
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.run.seed)
     backbone = backbone or build_backbone(cfg.backbone, device=cfg.run.device)

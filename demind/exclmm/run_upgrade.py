@@ -1,0 +1,48 @@
+"""ExclMM run folders written by earlier versions: the one home of their formats (the trainer and
+the features reader call in here and nowhere else knows them).
+
+* Features of the single-file form, ``demind-exclmm-features/1`` (one safetensors file with its JSON
+  inside, :func:`demind.training.save_tree`, no ``features.json``), are read as current ones
+  (:func:`load_earlier_features`, :func:`earlier_record`).
+* The pickles ``state.pt`` / ``features.pt`` are refused in one line saying what to do: delete them
+  and rerun ``demind-train-exclmm`` (:func:`refuse_pickled_files`); reading a pickle could run code,
+  and converting one would have to read it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from demind.errors import DemindError
+from demind.training import load_tree
+
+LEGACY_FORMAT = "demind-exclmm-features/1"  # /1: one safetensors file through training.state_file
+EARLIER_FORMATS = (LEGACY_FORMAT,)
+LEGACY_NAMES = ("state.pt", "features.pt")  # pickles written by earlier versions: refused
+
+
+class LegacyStateError(DemindError, ValueError):
+    """A run folder with the pickle state or features of an earlier version."""
+
+
+def load_earlier_features(path: Path, fix: str) -> dict[str, Any]:
+    """The features dict of a ``demind-exclmm-features/1`` file (ragged lists still packed);
+    :class:`demind.training.StateFileError` when ``path`` is not one."""
+    return load_tree(path, LEGACY_FORMAT, fix)
+
+
+def earlier_record(feats: dict[str, Any]) -> dict[str, Any]:
+    """The record a ``demind-exclmm-features/1`` file would have: its format, backbone and split."""
+    return {"format": LEGACY_FORMAT, **{k: feats.get(k) for k in ("backbone", "train")}}
+
+
+def refuse_pickled_files(run_dir: Path, features_name: str) -> None:
+    """A run folder written before states and features moved to safetensors + JSON: refuse it,
+    saying what to do (reading those pickles could run code; converting them would need to)."""
+    old = [run_dir / name for name in LEGACY_NAMES if (run_dir / name).is_file()]
+    if old:
+        raise LegacyStateError(
+            f"{', '.join(map(str, old))}: pickle file(s) of an earlier demind version, no longer read; delete "
+            f"{' and '.join(p.name for p in old)} and rerun the same command (the training restarts from its first "
+            f"step and the features are recomputed into {features_name}), or use another run.output_dir")
