@@ -17,7 +17,8 @@ from demind.errors import InputError
 from demind.eval import evaluate, format_table, load_backbone_and_model
 from demind.eval.coco import build_coco_queries, coco_texts, read_coco
 from demind.eval.fashioniq import read_fashioniq
-from demind.eval.harness import CocoOptions, FashionIQOptions, ReaderOptions, read_benchmark
+from demind.eval.harness import read_benchmark
+from demind.eval.options import CocoOptions, FashionIQOptions, ReaderOptions
 from demind.retrieval import ImageReadError
 from demind.eval.structures import DataLayoutError
 from demind.model import DeMinds, ModelConfig

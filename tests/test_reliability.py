@@ -240,7 +240,8 @@ def test_finding5_bad_generation_values_fail_at_load(override, key, allowed):
 
 def test_finding5_bad_evaluation_options_fail_before_any_work(tmp_path, tiny_backbone):
     from demind.config import ConfigError
-    from demind.eval.harness import CocoOptions, ReaderOptions, evaluate
+    from demind.eval.harness import evaluate
+    from demind.eval.options import CocoOptions, ReaderOptions
 
     with pytest.raises(ConfigError) as info:  # before the (missing) data is even looked at
         evaluate("cirr", tmp_path / "nowhere", backbone=tiny_backbone, batch_size=0,

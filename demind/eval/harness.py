@@ -38,20 +38,12 @@ from demind.eval.reports import write_reports
 from demind.retrieval import ImageRef
 from demind.eval.structures import BenchmarkData, QueryGroup
 from demind.eval.options import BENCHMARKS, CocoOptions, FashionIQOptions  # noqa: F401 (torch-free; re-exported)
+from demind.eval.options import ReaderOptions
 from demind.model import DeMinds
 
 log = logging.getLogger(__name__)
 
 RANKING_DEPTH = 50
-
-
-@dataclass
-class ReaderOptions:
-    """Benchmark-specific choices (defaults follow Pic2Word's released protocol; see each reader):
-    the ``fashioniq`` and ``coco`` sections of ``demind-eval``'s config."""
-
-    fashioniq: FashionIQOptions = field(default_factory=FashionIQOptions)
-    coco: CocoOptions = field(default_factory=CocoOptions)
 
 
 # The numeric arguments of evaluate(), checked with the same declared rules as the configs.

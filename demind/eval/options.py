@@ -1,4 +1,5 @@
-"""The benchmark names and the benchmark sections of ``demind-eval``'s config (``fashioniq``, ``coco``).
+"""The benchmark names and the benchmark sections of ``demind-eval``'s config (``fashioniq``, ``coco``;
+together :class:`ReaderOptions`, what the readers are handed).
 
 Torch-free, so ``demind-eval --help`` and config checks load no model code; re-exported by
 :mod:`demind.eval.harness` and :mod:`demind.eval`.
@@ -6,7 +7,7 @@ Torch-free, so ``demind-eval --help`` and config checks load no model code; re-e
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from demind.config import setting
 from demind.eval.coco import PROMPT_FORMS, QUERY_RESIZES
@@ -42,3 +43,12 @@ class CocoOptions:
         if self.min_area >= self.max_area:
             return [("min_area", f"= {self.min_area} must be below coco.max_area = {self.max_area}")]
         return []
+
+
+@dataclass
+class ReaderOptions:
+    """Benchmark-specific choices (defaults follow Pic2Word's released protocol; see each reader):
+    the ``fashioniq`` and ``coco`` sections of ``demind-eval``'s config."""
+
+    fashioniq: FashionIQOptions = field(default_factory=FashionIQOptions)
+    coco: CocoOptions = field(default_factory=CocoOptions)
