@@ -19,15 +19,13 @@ from pathlib import Path
 from typing import Iterator
 
 from demind.errors import DemindError
+from demind.hub.folders_upgrade import earlier_published_files
 from demind.io import check_output_dir, reporting_output_errors
 
 PUBLISHED_FILES_KEY = "files"
 """Key of ``config.json``: every file of the folder, relative paths (config.json included)."""
 CARD_MARKER = "<!-- written by demind-publish -->"
 """Ends every card we write: a README.md without it is the user's and is never overwritten."""
-LEGACY_FILES = ("demind.safetensors", "config.json", "README.md", "training_config.yaml")
-LEGACY_FOLDERS = ("backbone", "results")
-"""What a folder published before the file list was recorded may hold."""
 
 
 class PublishError(DemindError, ValueError):
@@ -41,7 +39,7 @@ def folder_files(folder: Path) -> set[str]:
 
 def published_files(folder: Path) -> set[str] | None:
     """The files demind-publish wrote into ``folder`` (its config.json's list; a folder published
-    before the list was kept: the files of its fixed layout), or None when demind-publish did
+    before the list was kept: :mod:`demind.hub.folders_upgrade`), or None when demind-publish did
     not write the folder (no demind config.json, or a card without the marker)."""
     try:
         manifest = json.loads((folder / "config.json").read_text(encoding="utf-8"))
@@ -53,7 +51,7 @@ def published_files(folder: Path) -> set[str] | None:
     listed = manifest.get(PUBLISHED_FILES_KEY)
     if isinstance(listed, list) and all(isinstance(f, str) for f in listed):
         return set(listed)
-    return {f for f in folder_files(folder) if f in LEGACY_FILES or f.split("/", 1)[0] in LEGACY_FOLDERS}
+    return earlier_published_files(folder_files(folder))
 
 
 def check_publish_target(out: Path, overwrite: bool) -> None:
