@@ -30,8 +30,9 @@ under ``if __name__ == "__main__":``.
   another package's modules (``demind.eval.harness`` from ``demind.search``); it imports the face
   (``from demind.eval import evaluate``). ``demind/cli/`` wires the commands and may reach inside.
 * Image decoding (``Image.open``) lives in one module, :mod:`demind.imaging`.
-* No module is longer than ``MAX_LINES`` lines: past that a module holds more than one
-  responsibility and is split by them.
+* A module over ``MAX_LINES`` lines is a prompt to look for a second concept in it, not a number
+  to split at: move that concept to a module named for it (where a reader would look for it by
+  name); never move code only to get under the line.
 """
 
 from __future__ import annotations
@@ -335,7 +336,8 @@ def test_no_module_is_longer_than_the_limit():
         lines = len(path.read_text().splitlines())
         if lines > MAX_LINES:
             long[str(path.relative_to(REPO_ROOT))] = lines
-    assert long == {}, f"split these by responsibility (at most {MAX_LINES} lines each): {long}"
+    assert long == {}, (f"over {MAX_LINES} lines, a smell, not a target: look in each for a second concept and "
+                        f"move it to a module named for it (never a split by length): {long}")
 
 
 @pytest.mark.parametrize("graph, cycle", [

@@ -76,7 +76,7 @@ def build_parser():
 
 def reader_options(cfg: EvalConfig):
     """The ReaderOptions the benchmark sections ask for."""
-    from demind.eval.harness import ReaderOptions
+    from demind.eval.options import ReaderOptions
 
     return ReaderOptions(fashioniq=cfg.fashioniq, coco=cfg.coco)
 
