@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from benchmarks.synthetic import write_synthetic_coco
-from demind.exclcoco import ExclCocoConfig, build_exclcoco
+from demind.exclcoco_builder import ExclCocoConfig, build_exclcoco
 from demind.io import write_json_atomic
 
 

@@ -73,7 +73,7 @@ COMPARISONS = (("ExclMM (paper's form)", "CLIP + DEO"), ("ExclMM (paper's form)"
                ("ExclMM (paper's form)", "ExclMM (earlier variants)"), ("ExclMM (paper's form)", "stage 1 only"),
                ("ExclMM (earlier variants)", "CLIP + DEO"), ("F_θ on CLIP (no stage 1)", "CLIP + DEO"),
                ("CLIP + DEO", "CLIP text-only"), ("CLIP, clause deleted", "CLIP text-only"))
-CUES = (" without ", " but not ", " with no ", " except for ")  # demind.exclcoco.TEMPLATES' clauses
+CUES = (" without ", " but not ", " with no ", " except for ")  # demind.exclcoco_builder.TEMPLATES' clauses
 GATE = 0.8
 
 

@@ -154,7 +154,7 @@ class Inputs:
 
     @cached_property
     def exclcoco_train(self) -> Path:
-        from demind.exclcoco import ExclCocoConfig, build_exclcoco
+        from demind.exclcoco_builder import ExclCocoConfig, build_exclcoco
 
         instances, captions, images = self.coco
         build_exclcoco(instances, captions, self.root / "exclcoco-train", images,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from demind.eval.exclcoco import read_exclcoco
-from demind.exclcoco import ExclCocoConfig, build_exclcoco, singular
+from demind.exclcoco_builder import ExclCocoConfig, build_exclcoco, singular
 from benchmarks.synthetic import write_synthetic_coco
 
 
@@ -93,7 +93,7 @@ def test_max_per_caption_and_categories_only(fixture_coco, tmp_path):
 def test_singular_and_synonyms():
     assert [singular(w) for w in ("dogs", "buses", "people", "skis", "cities", "grass", "glasses")] == \
         ["dog", "bus", "person", "ski", "city", "grass", "glass"]
-    from demind.exclcoco import LabelIndex, category_phrases, tokens
+    from demind.exclcoco_builder import LabelIndex, category_phrases, tokens
 
     index = LabelIndex(["person", "dog", "hot dog"], [], category_phrases(["person", "dog", "hot dog"]))
     assert index.mentioned(tokens("Two men eat hot dogs")) == ["person", "hot dog"]

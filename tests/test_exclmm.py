@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from demind.cli import train_exclmm as cli
-from demind.exclcoco import ExclCocoConfig, build_exclcoco
+from demind.exclcoco_builder import ExclCocoConfig, build_exclcoco
 from benchmarks.synthetic import write_synthetic_coco
 from demind.training.state_file import read_train_state_extra
 from demind.exclmm import losses as L

@@ -38,7 +38,7 @@ backbone's and the intent shards' scenes):
   object. Gallery = every image in ``images``.
 
 * ``root/exclcoco/``: the ExclCOCO set (format ``demind-exclcoco/1``, documented in
-  :mod:`demind.exclcoco`) built by the same builder from a toy COCO-format split:
+  :mod:`demind.exclcoco_builder`) built by the same builder from a toy COCO-format split:
   ``coco/annotations/{instances,captions}_{train,test}.json`` (categories = the 64
   coloured shapes, "red circle", or with ``exclcoco_labels="shape"`` the 8 shapes; one instance per object with its rendered box, three captions per image: two full
   descriptions and one web alt-text), ``coco/{train,test}/*.png``, and the benchmarks
@@ -327,7 +327,7 @@ def write_toy_coco_split(folder: Path, split: str, stream: str, count: int, imag
 
 
 def write_exclcoco(folder: Path, cfg: ToyBenchmarkConfig, progress: bool = True) -> None:
-    from demind.exclcoco import ExclCocoConfig, build_exclcoco
+    from demind.exclcoco_builder import ExclCocoConfig, build_exclcoco
 
     sizes = {"train": cfg.exclcoco_train_images, "test": cfg.exclcoco_test_images}
     for split, count in sizes.items():

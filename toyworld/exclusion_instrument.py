@@ -16,7 +16,7 @@ ground-truth images:
   three objects (without it, a query that prefers images with fewer objects would look like one
   that understands "without"); the kept objects move to another free cell or change size with
   probability 1/2 each, and the render noise is new. A scene ABC so gives ABC, ABw, AwC and wBC.
-* **Queries** come from the unchanged ExclCOCO builder (:func:`demind.exclcoco.build_exclcoco`,
+* **Queries** come from the unchanged ExclCOCO builder (:func:`demind.exclcoco_builder.build_exclcoco`,
   categories only, templates) over a COCO-format split of these images; only the queries whose
   positive image is a base scene are kept (include two labels, exclude the third), the others
   are counted as dropped (as are a base scene's queries from an alt text naming two of its labels). For "A and B without C" the ground truth is every ABw variant of the
@@ -171,7 +171,7 @@ def keep_base_queries(path: Path, bases: set[str]) -> int:
 
 def write_instrument(root: str | Path, cfg: InstrumentConfig | None = None, progress: bool = True) -> Path:
     """Write (or reuse) the instrument under ``root``; returns ``root`` (``root/test`` is the data root)."""
-    from demind.exclcoco import ExclCocoConfig, build_exclcoco
+    from demind.exclcoco_builder import ExclCocoConfig, build_exclcoco
 
     cfg = cfg or InstrumentConfig()
     root = Path(root)

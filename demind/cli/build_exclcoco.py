@@ -1,4 +1,4 @@
-"""Build ExclCOCO from COCO-format annotations (the format is documented in :mod:`demind.exclcoco`).
+"""Build ExclCOCO from COCO-format annotations (the format is documented in :mod:`demind.exclcoco_builder`).
 
     python -m demind.cli.build_exclcoco --annotations data/coco/annotations --split val2017 \\
         --images data/coco/val2017 --out data/exclcoco/val2017
@@ -17,12 +17,12 @@ from pathlib import Path
 
 from demind.cli.common import Flag, config_parser, run_config_command
 from demind.config import setting
-from demind.exclcoco import ExclCocoConfig
+from demind.exclcoco_builder import ExclCocoConfig
 
 
 @dataclass
 class BuildExclCocoConfig(ExclCocoConfig):
-    """The builder's recipe (:class:`demind.exclcoco.ExclCocoConfig`) plus its inputs and output."""
+    """The builder's recipe (:class:`demind.exclcoco_builder.ExclCocoConfig`) plus its inputs and output."""
 
     annotations: str | None = setting(None, help="folder with instances_{split}.json and captions_{split}.json "
                                                  "(required)")
@@ -55,7 +55,7 @@ def build_parser():
 
 def build_exclcoco_command(job: BuildExclCocoConfig) -> int:
     """Build the benchmark, print the counts and the output path."""
-    from demind.exclcoco import build_exclcoco, llm_query_writer
+    from demind.exclcoco_builder import build_exclcoco, llm_query_writer
 
     ann = Path(job.annotations)
     cfg = job.recipe()

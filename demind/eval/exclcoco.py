@@ -1,6 +1,6 @@
 """ExclCOCO exclusion queries (format ``demind-exclcoco/1``) -> :class:`BenchmarkData`.
 
-The folder written by :func:`demind.exclcoco.build_exclcoco` (the format is documented there)::
+The folder written by :func:`demind.exclcoco_builder.build_exclcoco` (the format is documented there)::
 
     DATA_ROOT/exclcoco.json
     DATA_ROOT/<image_root>/<file_name> ...   (image_root is relative to DATA_ROOT, or absolute)
@@ -31,7 +31,7 @@ from demind.model import TEMPLATES, fill_template
 FORMAT = "demind-exclcoco/1"
 KS = (1, 5, 10)
 LAYOUT = """  DATA_ROOT/
-    exclcoco.json          format demind-exclcoco/1 (python -m demind.cli.build_exclcoco; see demind/exclcoco.py)
+    exclcoco.json          format demind-exclcoco/1 (python -m demind.cli.build_exclcoco; see demind/exclcoco_builder.py)
     <image_root>/<file>    the split's images (image_root as recorded in exclcoco.json)"""
 QUERY_KEYS = ("id", "image_id", "positive_query", "query", "include", "exclude", "ground_truth")
 

@@ -1,7 +1,7 @@
 """ExclCOCO query texts written by an LLM through the data_gen engines (``query_source="llm"``).
 
 The few-shot prompt is ``demind/gen/exclusion_prompts/<version>.txt``; the builder
-(:func:`demind.exclcoco.build_exclcoco`) keeps the template text wherever the LLM's output is
+(:func:`demind.exclcoco_builder.build_exclcoco`) keeps the template text wherever the LLM's output is
 flagged or does not name the excluded label.
 """
 
