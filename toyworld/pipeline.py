@@ -35,9 +35,10 @@ from .benchmarks import ToyBenchmarkConfig, write_benchmarks
 from .clip_config import PACKAGE_ROOT, ToyBackboneConfig, model_config_path
 from .describer import FAMILY_METHODS, ToyMLLMConfig, toy_mllm_setup, toy_model_id, toy_outcomes
 from .intent_data import ToyShardConfig, write_toy_shards
-from .results import (cirr_targets, deo_paired, deo_touched, family_paired, format_ablation_paired, format_deo,
-                      format_family_paired, format_paired, format_per_type, format_quickstart_table, load_cirr_truth_and_rankings, metrics_table,
-                      paired_recall, paired_vs_demind, per_type_metrics, plot_recall, recall_by_type, summarise)
+from .results import (ablation_paired, cirr_targets, deo_paired, deo_touched, family_paired, format_ablation_paired,
+                      format_deo, format_family_paired, format_paired, format_per_type, format_quickstart_table,
+                      load_cirr_truth_and_rankings, metrics_table, paired_vs_demind, per_type_metrics, plot_recall,
+                      recall_by_type, summarise)
 from .world import WORLD_VERSION
 
 logger = logging.getLogger(__name__)
@@ -310,27 +311,6 @@ def evaluate_run(cfg: QuickstartConfig, backbone, export: Path, variant: str, se
     return out
 
 
-def ablation_paired(cfg: QuickstartConfig, runs: dict[str, dict[int, dict[str, dict[str, Any]]]],
-                    ks: tuple[int, ...] = (5, 10)) -> dict[str, dict[int, dict[str, dict[str, float]]]]:
-    """Every Table 5 variant against the full model of the same seed on the same toy-CIRR queries:
-    variant -> seed -> "R@k" -> {"only_full", "only_variant", "p"} (exact sign test). Empty without
-    ablations."""
-    full = runs.get("demind", {})
-    out: dict[str, dict[int, dict[str, dict[str, float]]]] = {}
-    for seed in sorted(full):
-        files = {variant: by_seed[seed]["cirr"]["files"]["rankings"]["demind"] for variant, by_seed in runs.items()
-                 if seed in by_seed and "cirr" in by_seed[seed]}
-        if "demind" not in files or len(files) < 2:
-            continue
-        # each ranking read once: the full model's serves every variant of its seed
-        captions, ranked = load_cirr_truth_and_rankings(Path(cfg.workdir) / "benchmarks" / BENCH_FOLDERS["cirr"], files)
-        targets = cirr_targets(captions)
-        for variant in files.keys() - {"demind"}:
-            out.setdefault(variant, {})[seed] = paired_recall(ranked["demind"], ranked[variant], targets, ks,
-                                                              ("full", "variant"))
-    return {variant: out[variant] for variant in runs if variant in out}  # in the order of VARIANTS
-
-
 def trained_gate(export: Path) -> float:
     """tanh(alpha) of a trained De-MINDS export: the weight of t* in t_hat = t_cls + tanh(alpha) t*
     (near 0: the intention branch barely reaches the query)."""
@@ -397,7 +377,7 @@ def run_quickstart(cfg: QuickstartConfig) -> dict[str, Any]:
     per_type = format_per_type(rows)
     paired = format_paired(runs)
     deo = format_deo(runs)
-    ablations = ablation_paired(cfg, runs)
+    ablations = ablation_paired(Path(cfg.workdir) / "benchmarks" / BENCH_FOLDERS["cirr"], runs)
     plot = plot_recall(rows, workdir / "recall_at_k.png")
     checkpoint = exports[min(exports)] if exports else None
     training_plot = training_curves(checkpoint) if checkpoint else None

@@ -166,6 +166,27 @@ def format_deo(runs: dict[str, dict[int, dict[str, dict[str, Any]]]]) -> str:
             "(exclusion: per-query AP@10; toy CIRR: hit@10; exact sign-test p)\n" + "\n".join(lines))
 
 
+def ablation_paired(cirr_root: Path, runs: dict[str, dict[int, dict[str, dict[str, Any]]]],
+                    ks: tuple[int, ...] = (5, 10)) -> dict[str, dict[int, dict[str, dict[str, float]]]]:
+    """Every Table 5 variant against the full model of the same seed on the same toy-CIRR queries
+    (the benchmark at ``cirr_root``): variant -> seed -> "R@k" -> {"only_full", "only_variant", "p"}
+    (exact sign test). Empty without ablations."""
+    full = runs.get("demind", {})
+    out: dict[str, dict[int, dict[str, dict[str, float]]]] = {}
+    for seed in sorted(full):
+        files = {variant: by_seed[seed]["cirr"]["files"]["rankings"]["demind"] for variant, by_seed in runs.items()
+                 if seed in by_seed and "cirr" in by_seed[seed]}
+        if "demind" not in files or len(files) < 2:
+            continue
+        # each ranking read once: the full model's serves every variant of its seed
+        captions, ranked = load_cirr_truth_and_rankings(cirr_root, files)
+        targets = cirr_targets(captions)
+        for variant in files.keys() - {"demind"}:
+            out.setdefault(variant, {})[seed] = paired_recall(ranked["demind"], ranked[variant], targets, ks,
+                                                              ("full", "variant"))
+    return {variant: out[variant] for variant in runs if variant in out}  # in the order of runs (the variants')
+
+
 def format_ablation_paired(paired: dict[str, dict[int, dict[str, dict[str, float]]]], k: int = 10) -> str:
     """Per variant, the full model against it on toy CIRR at R@k, seed by seed."""
     if not paired:
