@@ -11,6 +11,8 @@ What is checked, from the text alone (nothing is imported):
 * no line is longer than :data:`MAX_LINE_CHARS` characters and the file is under :data:`MAX_BYTES`;
 * every path written in backticks under a folder of the repository, and every link, exists;
 * every ``demind.x.y`` / ``toyworld.x`` name in backticks is a module, or a name a module defines;
+* the layer picture matches the import graph of ``tests/test_layout.py``: no component imports one
+  of a higher layer, and every package of ``demind/`` has its layer;
 * on a module's line, a code name in backticks (``ShardWriter``, ``decode_image``, ``IMAGE_FIELDS``:
   an identifier with an underscore or a capital letter) is defined in that module (for a package's
   ``__init__.py``, anywhere in the package), so a name that moved leaves no stale line behind.
@@ -25,6 +27,8 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+
+import test_layout as layout  # the import graph the layout rules read (a module, so its tests are not collected twice)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MAP = REPO_ROOT / "ARCHITECTURE.md"
@@ -146,6 +150,42 @@ def stale_code_names(text: str, root: Path = REPO_ROOT) -> list[str]:
     return stale
 
 
+LAYER = re.compile(r"^(\d+)\. ")
+
+
+def layers(text: str) -> dict[str, int]:
+    """Component (``demind.gen``, ``toyworld``) -> its layer, from the numbered list under ``## Layers``."""
+    section = text.split("\n## Layers\n", 1)[1].split("\n## ", 1)[0]
+    found, number = {}, 0
+    for line in section.splitlines():
+        if m := LAYER.match(line):
+            number = int(m.group(1))
+        elif not line.startswith("   "):  # an item goes on in indented lines; anything else ends it
+            number = 0
+        for token in CODE.findall(line) if number else ():
+            if token.startswith(PACKAGES) and (token.endswith("/") or token.endswith(".py")):
+                found[token.removesuffix("/").removesuffix(".py").replace("/", ".")] = number
+    return found
+
+
+def layer_problems(text: str, graph: dict[str, set[str]]) -> list[str]:
+    """Imports that run to a higher layer; packages of ``demind/`` without a layer.
+
+    Top-level modules of ``demind/`` that the list does not name are the foundation (layer 1)."""
+    listed = layers(text)
+    components = layout.component_graph(graph)
+    problems = [f"{c} has no layer" for c in sorted(components) if c.count(".") == 1 and c not in listed
+                and layout.MODULES.get(c, (Path(),))[0].name == "__init__.py"]
+
+    def layer(c: str) -> int:
+        return listed.get(c, 1)
+
+    for source, targets in sorted(components.items()):
+        problems += [f"{source} (layer {layer(source)}) imports {target} (layer {layer(target)}): {sorted(edges)[0]}"
+                     for target, edges in sorted(targets.items()) if layer(target) > layer(source)]
+    return problems
+
+
 TEXT = MAP.read_text(encoding="utf-8")
 
 
@@ -171,6 +211,19 @@ def test_every_module_name_named_exists():
 
 def test_code_names_on_a_module_line_are_defined_in_that_module():
     assert stale_code_names(TEXT) == []
+
+
+def test_the_layer_picture_matches_the_imports():
+    assert layers(TEXT)["demind.cli"] > layers(TEXT)["demind.search"] > layers(TEXT)["demind.retrieval"]
+    assert layer_problems(TEXT, layout.import_graph()) == []
+
+
+def test_the_layer_check_on_a_hand_made_graph():
+    text = "# Map\n## Layers\nBottom to top.\n1. `demind/io.py`\n2. `demind/eval/`\n3. `demind/search/`\n\n"
+    graph = {"demind.io": set(), "demind.eval.harness": {"demind.io", "demind.search.index"},
+             "demind.search.index": {"demind.eval"}, "demind.eval": set(), "demind.search": set()}
+    assert layer_problems(text, graph) == [
+        "demind.eval (layer 2) imports demind.search (layer 3): demind.eval.harness -> demind.search.index"]
 
 
 def test_the_map_states_its_scope():
