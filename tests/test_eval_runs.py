@@ -60,7 +60,7 @@ def test_a_second_run_into_the_same_out_leaves_only_its_own_rankings(cirr, tiny_
 
 def test_publish_skips_a_limited_run_it_finds_and_refuses_one_it_is_given(cirr, tiny_checkpoint, tmp_path, capsys):
     from demind.cli.publish import main as publish_main
-    from demind.hub.cards import read_front_matter
+    from demind.release.cards import read_front_matter
 
     run = tmp_path / "run"
     run.mkdir()

@@ -24,8 +24,8 @@ from demind.checkpoint import CheckpointError, load_backbone_and_model, read_che
 from demind.cli.cc3m_list import main as cc3m_main
 from demind.cli.publish import main as publish_main
 from demind.eval.reports import markdown_table
-from demind.hub.cards import read_front_matter
-from demind.hub.publish import CARD_MARKER, CardOptions, PublishError, publish_checkpoint
+from demind.release.cards import read_front_matter
+from demind.release.publish import CARD_MARKER, CardOptions, PublishError, publish_checkpoint
 from demind.hubref import HubError, HubRef, parse_hub_ref
 from demind.shard_format import INTENT_MEMBERS, resolve_shards
 from benchmarks.synthetic import write_synthetic_shards
@@ -259,10 +259,10 @@ def test_card_claims_no_numbers_without_results_and_refuses_another_models(smoke
 def record_hub_api(monkeypatch) -> list[tuple[str, str, dict]]:
     """Replace huggingface_hub.HfApi with one that records its create_repo and upload_folder calls
     (name, repo id, keyword arguments plus the folder's ``files``); returns the record. The Hub
-    counts as reachable (demind.hub.publish probes it before an upload)."""
+    counts as reachable (demind.release.publish probes it before an upload)."""
     import huggingface_hub
 
-    import demind.hub.publish as publish
+    import demind.release.publish as publish
 
     monkeypatch.setattr(publish, "hub_unreachable", lambda: None)
 
@@ -511,7 +511,7 @@ def test_cc3m_bad_inputs_are_one_line(tmp_path, capsys):
 
 
 def test_base_model_is_the_hub_repository_open_clip_names():
-    from demind.hub.cards import base_model_id
+    from demind.release.cards import base_model_id
 
     import open_clip
 

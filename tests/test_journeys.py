@@ -498,7 +498,7 @@ def test_an_upload_with_the_hub_unreachable_is_one_line(tmp_path, capsys, monkey
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
     monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
-    import demind.hub.publish as publish
+    import demind.release.publish as publish
 
     checkpoint = local_backbone_checkpoint(tmp_path)
     for probe in ("before the upload", "the connection fails during it"):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from demind.cli.common import Flag, config_parser, run_config_command
 from demind.config import setting
-from demind.hub.cc3m import CC3M_CONFIG, CC3M_REPO
+from demind.gen.cc3m import CC3M_CONFIG, CC3M_REPO
 
 
 @dataclass
@@ -43,7 +43,7 @@ def build_parser():
 
 def cc3m_list_command(cfg: Cc3mListConfig) -> int:
     """Write the url list; print its size and the img2dataset command to run next."""
-    from demind.hub.cc3m import load_caption_table, write_url_list
+    from demind.gen.cc3m import load_caption_table, write_url_list
     from demind.io import check_output_file
 
     check_output_file(cfg.out)  # before a download that can take hours

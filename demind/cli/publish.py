@@ -72,7 +72,7 @@ def build_parser():
 
 def publish_command(cfg: PublishConfig) -> int:
     """Write the folder or card, upload when --repo is given; print what was written and the URL."""
-    from demind.hub.publish import SHARD_UPLOAD_FILES, CardOptions, publish_checkpoint, upload, write_dataset_card
+    from demind.release.publish import SHARD_UPLOAD_FILES, CardOptions, publish_checkpoint, upload, write_dataset_card
 
     kind = cfg.kind()
     card = CardOptions(repo=cfg.repo, license=cfg.license or DEFAULT_LICENSE[kind], tags=cfg.tags,

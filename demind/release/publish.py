@@ -6,8 +6,8 @@ self-contained: it loads on any machine, after any move::
     demind.safetensors        the checkpoint's tensors (sha256 checked first), its backbone paths
                               rewritten relative to the folder
     config.json               format, model config, backbone config and identity, the file list
-                              (what ``--overwrite`` may replace: :mod:`demind.hub.folders`)
-    README.md                 the model card (demind.hub.cards.model_card)
+                              (what ``--overwrite`` may replace: :mod:`demind.release.folders`)
+    README.md                 the model card (demind.release.cards.model_card)
     backbone/NAME.json        the backbone's open_clip model-config JSON, when the backbone is one
     backbone/WEIGHTS          the backbone's weights file, when it is a local file (a fine-tuned or
                               toy CLIP); a pretrained tag is fetched by open_clip as usual
@@ -37,11 +37,12 @@ from demind.checkpoint import (BACKBONE_DIR, BACKBONE_FILES_KEY, CHECKPOINT_FILE
                                read_checked_tensors, read_checkpoint_metadata, resolve_backbone_files,
                                resolve_checkpoint, write_checkpoint)
 from demind.config import to_dict
-from demind.hub.cards import dataset_card, model_card, results_problem
 from demind.hubref import HubError, hub_unreachable, import_hub, is_hub_ref, parse_hub_ref
-from demind.hub.folders import CARD_MARKER, PUBLISHED_FILES_KEY, PublishError, building_beside, check_publish_target, swap_in
 from demind.identity import backbone_identity, canonical_identity, file_sha256
 from demind.io import atomic_path, write_json_atomic, write_text_atomic
+from demind.release.cards import dataset_card, model_card, results_problem
+from demind.release.folders import (CARD_MARKER, PUBLISHED_FILES_KEY, PublishError, building_beside,
+                                    check_publish_target, swap_in)
 from demind.shard_format import HUB_SHARD_FILES, SHARD_SUFFIX, ShardOutput, stats_path
 
 logger = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Iterator
 
 from demind.errors import DemindError
-from demind.hub.folders_upgrade import earlier_published_files
+from demind.release.folders_upgrade import earlier_published_files
 from demind.io import check_output_dir, reporting_output_errors
 
 PUBLISHED_FILES_KEY = "files"
@@ -39,7 +39,7 @@ def folder_files(folder: Path) -> set[str]:
 
 def published_files(folder: Path) -> set[str] | None:
     """The files demind-publish wrote into ``folder`` (its config.json's list; a folder published
-    before the list was kept: :mod:`demind.hub.folders_upgrade`), or None when demind-publish did
+    before the list was kept: :mod:`demind.release.folders_upgrade`), or None when demind-publish did
     not write the folder (no demind config.json, or a card without the marker)."""
     try:
         manifest = json.loads((folder / "config.json").read_text(encoding="utf-8"))

@@ -1,5 +1,5 @@
 """Folders ``demind-publish`` wrote before it recorded their file list: the one home of that layout
-(:func:`demind.hub.folders.published_files` calls in here and nowhere else knows it).
+(:func:`demind.release.folders.published_files` calls in here and nowhere else knows it).
 
 Such a folder's ``config.json`` has no ``files`` list; the files of its fixed layout are taken as the
 ones demind-publish wrote, so ``--overwrite`` replaces it as it replaces a current one.
