@@ -25,7 +25,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "demind.retrieval.cache": ["DamagedPartError", "EncodeStats", "ImageFeatureCache", "ImageRefDataset",
                                "backbone_cache_slug", "encode_image_refs", "image_transforms", "squash_preprocess",
                                "stack_features"],
-    "demind.retrieval.cache_upgrade": ["is_earlier_part"],
+    "demind.retrieval.cache_upgrade": ["adopt_unoriented", "is_earlier_part"],
     "demind.retrieval.names": ["CHECKPOINT_METHODS", "COMBINER_METHODS", "unavailable_methods", "DEO_BASES", "DEO_METHODS", "EXCLMM_METHODS", "METHOD_LABELS",
                                "METHODS", "ON_REQUEST_METHODS", "RERANK_SUFFIX", "DESCRIBED_METHODS",
                                "HYBRID_METHOD", "MLLM_METHODS", "split_rerank_requests"],
@@ -43,7 +43,7 @@ __all__ = [
     "DEOMethod", "DamagedPartError", "DeMindsQuery", "EncodeStats", "ImageFeatureCache", "ImageOnly", "ImagePlusText",
     "ImageReadError", "ImageRef", "ImageRefDataset", "MappingOnly", "Oracle", "Query", "RetrievalMethod", "TextOnly",
     "backbone_cache_slug", "build_methods", "canonical_name", "encode_image_refs", "image_transforms", "load_image",
-    "is_earlier_part",
+    "adopt_unoriented", "is_earlier_part",
     "method_label", "parse_method_names", "split_deo_name", "squash_preprocess", "stack_features",
     "strip_image_extension", "LEFT_OUT_ADVICE", "reword", "split_rerank_requests",
 ]

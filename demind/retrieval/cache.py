@@ -7,7 +7,7 @@ reader). Each part holds the names, per-image cache keys (file, crop, mask, resi
 (n, D) raw features of one chunk, written atomically as soon as the chunk is encoded; a
 killed run keeps its finished parts, and a rerun encodes only what no part holds (an entry written
 before EXIF orientation was applied is reused for every image whose orientation changes nothing:
-:meth:`ImageFeatureCache.adopt_unoriented`). The search index
+:func:`~demind.retrieval.cache_upgrade.adopt_unoriented`). The search index
 (``demind.search.index``) keeps its gallery embeddings in the same parts
 (:meth:`ImageFeatureCache.at`), skipping unreadable images (``on_unreadable="skip"``) and compacting
 parts when files change or go (:meth:`ImageFeatureCache.replace_all`).
@@ -32,9 +32,9 @@ from demind.embedding_cache import (EmbeddingCacheError, cache_identity, cache_s
                                     read_tensors, write_entry)
 from demind.errors import InputError
 from demind.io import write_json_atomic
-from demind.retrieval.cache_upgrade import EARLIER_PART_SUFFIX, is_earlier_part, read_part, readable_slug
-from demind.retrieval.refs import (LEFT_OUT_ADVICE, ImageReadError, ImageRef, load_image, orientation_changes,
-                                   reword)
+from demind.retrieval.cache_upgrade import (EARLIER_PART_SUFFIX, adopt_unoriented, is_earlier_part, read_part,
+                                            readable_slug, unoriented_key)
+from demind.retrieval.refs import LEFT_OUT_ADVICE, ImageReadError, ImageRef, load_image, reword
 
 log = logging.getLogger(__name__)
 
@@ -271,22 +271,6 @@ class ImageFeatureCache:
                 renamed += changed
         return renamed
 
-    def adopt_unoriented(self, role: str, refs: list[ImageRef], holds: Callable[[str, str], bool]) -> list[ImageRef]:
-        """The ``refs`` (missing under their own key) whose feature cached before EXIF orientation
-        was applied still holds; their entries are recorded under their key, so the next lookup
-        reads no header.
-
-        That is an ``orient`` ref whose key without orientation is held (``holds(name, key)``) and
-        whose file has no orientation tag or 1 (:func:`~demind.retrieval.refs.orientation_changes`):
-        decoding it with orientation gives the very pixels that were encoded. An image stored
-        rotated (2..8) was encoded sideways and is encoded again."""
-        adopted = [r for r in refs if r.orient and holds(r.name, r.unoriented_key) and not orientation_changes(r)]
-        if adopted:
-            self.rekey(role, {r.name: (r.unoriented_key, r.cache_key) for r in adopted})
-            log.info("%s: %d images reused from before EXIF orientation was applied (no orientation tag)",
-                     self._role_dir(role), len(adopted))
-        return adopted
-
     def replace_all(self, role: str, names: list[str], keys: list[str], features: torch.Tensor,
                     part_size: int = 4096, identity: dict | None = None) -> list[Path]:
         """Rewrite the role as exactly these (n, D) entries (drops removed or superseded ones).
@@ -354,8 +338,8 @@ def encode_image_refs(
         else:
             todo.append(ref)
     if cache is not None and todo:  # a cache written before EXIF orientation was applied
-        for ref in cache.adopt_unoriented(role, todo, lambda name, key: key in cached.get(name, {})):
-            features[ref.name] = cached[ref.name][ref.unoriented_key]
+        for ref in adopt_unoriented(cache, role, todo, lambda name, key: key in cached.get(name, {})):
+            features[ref.name] = cached[ref.name][unoriented_key(ref)]
         todo = [ref for ref in todo if ref.name not in features]
     stats.cached = len(features)
     log.info("%s: %d images, %d from cache, %d to encode", desc, len(refs), stats.cached, len(todo))

@@ -6,20 +6,25 @@ of their formats (:class:`demind.retrieval.ImageFeatureCache` calls in here and 
   the current form and deletes it.
 * A gallery folder named ``<identity>-<precision>`` (before the one key rule) is read where the
   current folder does not exist (:func:`readable_slug`), so its images are not encoded again.
+* An entry keyed before EXIF orientation was applied (:func:`unoriented_key`) is reused for every
+  image whose orientation changes nothing, and recorded under its current key
+  (:func:`adopt_unoriented`); an image stored rotated is encoded again.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from demind.embedding_cache import EmbeddingCacheError
+from demind.retrieval.refs import ImageRef, orientation_changes
 from demind.tensor_files import load_torch_file
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("demind.retrieval.cache")  # the reader's log: its lines read as they did before
 
 EARLIER_PART_SUFFIX = ".pt"  # torch.save parts, written before the one cache
 PART_KEYS = ("names", "keys", "features")
@@ -54,3 +59,27 @@ def readable_slug(root: Path, slug: str, backbone: Any, rest: tuple[str, ...]) -
         log.info("reading image features encoded before the one cache key from %s", Path(root, earlier, *rest))
         return earlier
     return slug
+
+
+def unoriented_key(ref: ImageRef) -> str:
+    """The key of ``ref`` decoded without EXIF orientation (what every key was before ``orient``
+    existed): its cached feature still holds when :func:`~demind.retrieval.refs.orientation_changes` is False."""
+    return replace(ref, orient=False).cache_key
+
+
+def adopt_unoriented(cache: Any, role: str, refs: list[ImageRef],
+                     holds: Callable[[str, str], bool]) -> list[ImageRef]:
+    """The ``refs`` (missing under their own key) whose feature cached before EXIF orientation
+    was applied still holds; their entries are recorded under their key in ``cache`` (an
+    :class:`~demind.retrieval.ImageFeatureCache`), so the next lookup reads no header.
+
+    That is an ``orient`` ref whose key without orientation is held (``holds(name, key)``) and
+    whose file has no orientation tag or 1 (:func:`~demind.retrieval.refs.orientation_changes`):
+    decoding it with orientation gives the very pixels that were encoded. An image stored
+    rotated (2..8) was encoded sideways and is encoded again."""
+    adopted = [r for r in refs if r.orient and holds(r.name, unoriented_key(r)) and not orientation_changes(r)]
+    if adopted:
+        cache.rekey(role, {r.name: (unoriented_key(r), r.cache_key) for r in adopted})
+        log.info("%s: %d images reused from before EXIF orientation was applied (no orientation tag)",
+                 cache.dir / role, len(adopted))
+    return adopted

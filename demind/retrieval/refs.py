@@ -14,7 +14,7 @@ import io
 import json
 import math
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -114,12 +114,6 @@ class ImageRef:
         if self.version is not None:
             key += "|v=" + self.version
         return key
-
-    @property
-    def unoriented_key(self) -> str:
-        """The key of this image decoded without EXIF orientation (what every key was before
-        ``orient`` existed): its cached feature still holds when :func:`orientation_changes` is False."""
-        return replace(self, orient=False).cache_key
 
 
 @dataclass

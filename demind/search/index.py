@@ -38,7 +38,8 @@ from demind.errors import InputError
 from demind.embedding_cache import cache_identity, cache_slug, check_backbone, map_tensor, with_precision
 from demind.imaging import DECODABLE_EXTENSIONS
 from demind.io import check_output_dir, read_json, write_json_atomic
-from demind.retrieval import DamagedPartError, ImageFeatureCache, ImageRef, encode_image_refs, is_earlier_part
+from demind.retrieval import (DamagedPartError, ImageFeatureCache, ImageRef, adopt_unoriented, encode_image_refs,
+                              is_earlier_part)
 from demind.search.index_manifest import (INDEX_FORMAT, MANIFEST, DamagedManifestError,  # noqa: F401
                                           GalleryIndexError, previous_manifest, read_manifest, rebuild_advice,
                                           recorded_root)
@@ -274,7 +275,7 @@ def build_index(
     if encode_missing is not None:
         held = _held_entries(cache, cache_identity(backbone))
         missing = [r for r in todo if (r.name, r.cache_key) not in held]
-        adopted = {r.name for r in cache.adopt_unoriented(ROLE, missing, lambda name, key: (name, key) in held)}
+        adopted = {r.name for r in adopt_unoriented(cache, ROLE, missing, lambda name, key: (name, key) in held)}
         elsewhere, unreadable = encode_missing([r for r in missing if r.name not in adopted], cache)
         stats.unreadable.update(unreadable)
         todo = [r for r in todo if r.name not in unreadable]  # not decoded again here
