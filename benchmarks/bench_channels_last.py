@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from demind.io import write_json_atomic
-from toyworld.clip import ToyBackboneConfig, build_toy_model
+from toyworld.clip import build_toy_model
+from toyworld.clip_config import ToyBackboneConfig
 
 
 def seconds_per_step(tower: torch.nn.Module, images: torch.Tensor, repeats: int) -> float:

@@ -28,7 +28,9 @@ from demind.backbone import build_backbone
 from demind.retrieval import encode_image_refs
 from demind.backbone import parse_backbone_spec
 from demind.retrieval import ImageRef
-from demind.model import TEMPLATES, DeMinds, ModelConfig, fill_template
+from demind.model import DeMinds
+from demind.templates import TEMPLATES, fill_template
+from demind.schema import ModelConfig
 
 CAPTION = "show three bottles of soft drink on a wooden table instead of one"
 

@@ -127,7 +127,8 @@ def bench_gallery(args: argparse.Namespace, work: Path) -> dict:
 
 def bench_query(args: argparse.Namespace, work: Path) -> dict:
     """ms per query, De-MINDS vs mapping-only, per query mode and batch size."""
-    from demind.model import DeMinds, ModelConfig
+    from demind.model import DeMinds
+    from demind.schema import ModelConfig
 
     backbone = gpu_models.build_clip(args.tiny, args.device)
     model = DeMinds(ModelConfig(), backbone).to(args.device).eval()

@@ -67,9 +67,10 @@ def latency_table(repeats: int, dims: tuple[int, ...] = (128, 768), batches: tup
 def methods_latency(model_config: str, batch: int, repeats: int) -> dict[str, float]:
     """Seconds per query of each base method and its +deo variant on the toy CLIP architecture
     (random weights: timing does not depend on them), every query holding one negation."""
-    from demind.backbone import BackboneConfig, FrozenCLIP
+    from demind.backbone import FrozenCLIP
+    from demind.schema import BackboneConfig, ModelConfig
     from demind.retrieval import build_methods
-    from demind.model import DeMinds, ModelConfig
+    from demind.model import DeMinds
 
     torch.manual_seed(0)
     backbone = FrozenCLIP(BackboneConfig(name=model_config, pretrained=None))

@@ -29,8 +29,9 @@ from pathlib import Path
 
 import torch
 
-from demind.backbone import BackboneConfig, FrozenCLIP
-from demind.model import DeMinds, ModelConfig
+from demind.backbone import FrozenCLIP
+from demind.schema import BackboneConfig, ModelConfig
+from demind.model import DeMinds
 
 TEXT = "make the dog red and remove the people in the background"
 PROMPT = f"a photo of * , {TEXT}"

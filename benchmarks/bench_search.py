@@ -45,11 +45,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from demind.backbone import BackboneConfig, FrozenCLIP
+from demind.backbone import FrozenCLIP
+from demind.schema import BackboneConfig, ModelConfig
 from demind.embedding_cache import cache_slug
-from demind.model import DeMinds, ModelConfig
+from demind.model import DeMinds
 from demind.retrieval import ImageFeatureCache
-from demind.search.index import INDEX_FORMAT, MANIFEST, ROLE, GalleryIndex, build_index, load_index
+from demind.search.index import ROLE, GalleryIndex, build_index, load_index
+from demind.search.index_manifest import INDEX_FORMAT, MANIFEST
 from demind.search.query import Searcher, SearchQuery
 from demind.search.ranker_store import open_ranker, save_ranker
 from demind.search.rankers import (HNSW_EF_CONSTRUCTION, HNSW_M, IVFPQ_NPROBE, Ranker, build_hnsw_index,

@@ -32,8 +32,9 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from demind.backbone import BackboneConfig, FrozenCLIP
-from demind.model import DeMinds, ModelConfig
+from demind.backbone import FrozenCLIP
+from demind.schema import BackboneConfig, ModelConfig
+from demind.model import DeMinds
 from demind.search.index import build_index, load_index
 from demind.search.query import Searcher
 from demind.search.server import ServerSettings, create_app, start_server

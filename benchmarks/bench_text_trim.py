@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from demind.backbone import BackboneConfig, FrozenCLIP
+from demind.backbone import FrozenCLIP
+from demind.schema import BackboneConfig
 from demind.io import write_json_atomic
 
 CIRR_STYLE = [

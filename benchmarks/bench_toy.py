@@ -21,7 +21,8 @@ import torch
 from open_clip.loss import ClipLoss
 
 from demind.io import write_json_atomic
-from toyworld.clip import ToyBackboneConfig, build_toy_model, encode_text_trimmed, images_to_tensor
+from toyworld.clip import build_toy_model, encode_text_trimmed, images_to_tensor
+from toyworld.clip_config import ToyBackboneConfig
 from toyworld.clip_data import render_pool
 from toyworld.parallel import default_workers
 from toyworld.texts import web_text

@@ -33,16 +33,18 @@ from pathlib import Path
 
 import torch
 
-from demind.backbone import BackboneConfig, FrozenCLIP
+from demind.backbone import FrozenCLIP
+from demind.schema import BackboneConfig
 from demind.config import load_config
 from demind.eval import evaluate, load_exclcoco
 from demind.eval import metrics as M
 from demind.exclmm import load_exclmm
-from demind.exclmm.config import PAPER_OVERRIDES
-from demind.exclmm.train import FEATURES_NAME, ExclMMConfig, train_exclmm
+from demind.exclmm.config import PAPER_OVERRIDES, ExclMMConfig
+from demind.exclmm.train import train_exclmm
+from demind.exclmm.features import FEATURES_NAME
 from demind.logs import setup_logging
 from toyworld.benchmarks import ToyBenchmarkConfig, write_benchmarks
-from toyworld.clip import TOY_CLIP_CONFIG, ToyBackboneConfig
+from toyworld.clip_config import TOY_CLIP_CONFIG, ToyBackboneConfig
 from toyworld.clip_cache import with_modality_gap
 
 log = logging.getLogger("exclmm_toy")

@@ -158,7 +158,9 @@ def gallery_features(backbone, files: dict, cache_dir: Path) -> torch.Tensor:
 def train_variant(work: Path, name: str, seed: int, backbone, train_root: Path, settings: list[str],
                   own: list[str]) -> Path:
     """Train (or reuse) one ExclMM run; the frozen features are computed once and copied."""
-    from demind.exclmm.train import FEATURES_NAME, ExclMMConfig, train_exclmm
+    from demind.exclmm.train import train_exclmm
+    from demind.exclmm.features import FEATURES_NAME
+    from demind.exclmm.config import ExclMMConfig
 
     run = work / "train" / f"{''.join(c if c.isalnum() else '_' for c in name)}-seed{seed}"
     shared = work / "train" / FEATURES_NAME

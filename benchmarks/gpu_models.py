@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from demind.backbone import BackboneConfig, FrozenCLIP
+from demind.backbone import FrozenCLIP
+from demind.schema import BackboneConfig
 from demind.gen.tiny_llava import build_tiny_llava_next, save_llava_next, word_level_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]

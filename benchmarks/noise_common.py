@@ -53,7 +53,7 @@ def _known_fields(cls: type, data: dict[str, Any]) -> dict[str, Any]:
 def source_config(quickstart: str | Path):
     """The QuickstartConfig a finished quickstart workdir ran with (from its results.json)."""
     from demind.config import from_dict
-    from toyworld.clip import ToyBackboneConfig
+    from toyworld.clip_config import ToyBackboneConfig
     from toyworld.benchmarks import ToyBenchmarkConfig
     from toyworld.intent_data import ToyShardConfig
     from toyworld.pipeline import QuickstartConfig
@@ -76,7 +76,8 @@ def source_config(quickstart: str | Path):
 def load_backbone(quickstart: str | Path, cfg) -> tuple[Any, float]:
     """The quickstart's trained toy CLIP (FrozenCLIP) and its logit scale, as the quickstart loads it
     (:func:`toyworld.pipeline.prepare_backbone`), but never training one: the weights must be there."""
-    from demind.backbone import BackboneConfig, FrozenCLIP
+    from demind.backbone import FrozenCLIP
+    from demind.schema import BackboneConfig
     from toyworld.clip_cache import cached_paths, with_modality_gap
 
     folder = Path(quickstart) / "backbone"

@@ -125,7 +125,7 @@ def run_kind(out: Path, cfg, backbone, log_scale: float, kind: str, rate: float,
              ) -> dict[str, Any]:
     from demind.checkpoint import load_backbone_and_model
     from demind.features import default_cache_dir
-    from demind.fidelity import GFQ_THRESHOLD
+    from demind.schema import GFQ_THRESHOLD
     from toyworld.pipeline import build_features, train_variant
     from demind.training import load_train_config
 

@@ -20,12 +20,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from demind.backbone import BackboneConfig, FrozenCLIP, build_backbone, parse_backbone_spec, same_backbone
-from demind.identity import canonical_identity, identity_difference, model_config_tag
+from demind.backbone import FrozenCLIP, build_backbone, parse_backbone_spec
+from demind.schema import BackboneConfig, ModelConfig
+from demind.identity import canonical_identity, identity_difference, model_config_tag, same_backbone
 from demind.config import ConfigError, from_dict, to_dict
 from demind.errors import DemindError
 from demind.hubref import is_hub_ref, resolve_hub_folder
-from demind.model import DeMinds, ModelConfig
+from demind.model import DeMinds
 from demind.io import atomic_path, write_text_atomic
 from demind.tensor_files import load_safetensors_file, read_format_metadata, tensors_sha256  # noqa: F401 (tensors_sha256 re-exported)
 
@@ -215,7 +216,8 @@ def build_model(model_config: dict, backbone: FrozenCLIP):
     from demind.combiner import is_combiner_config
 
     if is_combiner_config(model_config):
-        from demind.combiner import Combiner, CombinerConfig
+        from demind.combiner import Combiner
+        from demind.schema import CombinerConfig
 
         return Combiner(from_dict(CombinerConfig, model_config), backbone)
     return DeMinds(from_dict(ModelConfig, model_config), backbone)

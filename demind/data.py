@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from demind.config import setting
+from demind.settings import setting
 from demind.errors import DemindError, InputError
 from demind.imaging import decode_image
 from demind.shard_format import CAPTION_FIELD, IMAGE_FIELDS, INTENT_FIELD, REWRITTEN_FIELD

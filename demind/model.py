@@ -23,14 +23,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from demind.backbone import PLACEHOLDER, FrozenCLIP
+from demind.backbone import FrozenCLIP
 from demind.config import ConfigError, validate
 from demind.errors import InputError
 # the config section and the templates live in torch-free modules (read by --help and config checks);
 # importable from here, where callers found them
-from demind.schema import FUSIONS, QUERY_MODES, QUERY_SCALES, ModelConfig, heads_problem  # noqa: F401
-from demind.templates import (  # noqa: F401
-    MAX_TEMPLATE_CHARS, TEMPLATE_FIELDS, TEMPLATES, TemplateError, fill_template, template_field)
+from demind.schema import FUSIONS, QUERY_SCALES, ModelConfig, heads_problem
+from demind.settings import QUERY_MODES
+from demind.templates import (
+    MAX_TEMPLATE_CHARS, TEMPLATE_FIELDS, TEMPLATES, TemplateError, fill_template, template_field, PLACEHOLDER)
 
 
 class ComposeOutput(NamedTuple):

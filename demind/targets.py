@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from demind.config import setting
+from demind.settings import setting
 
 
 @dataclass

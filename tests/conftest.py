@@ -18,7 +18,8 @@ def repo_root() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_backbone():
-    from demind.backbone import BackboneConfig, FrozenCLIP
+    from demind.backbone import FrozenCLIP
+    from demind.schema import BackboneConfig
 
     torch.manual_seed(0)
     return FrozenCLIP(BackboneConfig(name=str(TINY_CLIP), pretrained=None))
@@ -42,9 +43,10 @@ def one_thread_and_fresh_accelerator():
 def tiny_checkpoint(tmp_path_factory, tiny_backbone) -> Path:
     """A tiny De-MINDS checkpoint on a tiny backbone whose weights live in a file (so every
     process rebuilds the same backbone, and the feature cache may be reused)."""
-    from demind.backbone import BackboneConfig, FrozenCLIP
+    from demind.backbone import FrozenCLIP
+    from demind.schema import BackboneConfig, ModelConfig
     from demind.checkpoint import save_checkpoint
-    from demind.model import DeMinds, ModelConfig
+    from demind.model import DeMinds
 
     folder = tmp_path_factory.mktemp("ckpt")
     weights = folder / "tiny-clip-weights.pt"

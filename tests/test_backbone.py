@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from demind.backbone import BackboneConfig, FrozenCLIP, length_buckets, truncate_keeping_placeholders
+from demind.backbone import FrozenCLIP
+from demind.schema import BackboneConfig
+from demind.text_tower import length_buckets, truncate_keeping_placeholders
 
 
 def own_placeholder_embedding(backbone: FrozenCLIP, batch: int, k: int) -> torch.Tensor:

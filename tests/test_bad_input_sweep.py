@@ -59,9 +59,10 @@ class Inputs:
     @cached_property
     def checkpoint(self) -> Path:
         """A tiny De-MINDS checkpoint whose backbone weights are in a file (every load rebuilds it)."""
-        from demind.backbone import BackboneConfig, FrozenCLIP
+        from demind.backbone import FrozenCLIP
+        from demind.schema import BackboneConfig, ModelConfig
         from demind.checkpoint import save_checkpoint
-        from demind.model import DeMinds, ModelConfig
+        from demind.model import DeMinds
 
         torch.manual_seed(0)
         weights = self.root / "ckpt" / "clip.pt"

@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from demind.backbone import BackboneConfig, FrozenCLIP
+from demind.backbone import FrozenCLIP
+from demind.schema import BackboneConfig, ModelConfig
 from demind.checkpoint import CheckpointError, checkpoint_backbone_config, load_checkpoint, read_checkpoint_metadata, save_checkpoint
-from demind.model import DeMinds, ModelConfig
+from demind.model import DeMinds
 
 
 def test_round_trip_restores_weights_and_config(tmp_path, tiny_backbone):

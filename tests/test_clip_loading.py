@@ -19,11 +19,12 @@ import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from demind.backbone import BackboneConfig, BackboneWeightsError, FrozenCLIP, backbone_activation
+from demind.backbone import BackboneWeightsError, FrozenCLIP, backbone_activation
+from demind.schema import BackboneConfig, ModelConfig
 from demind.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from demind.features import FeatureCacheError, check_identity
 from demind.identity import identity_slug, same_backbone, tag_activation
-from demind.model import DeMinds, ModelConfig
+from demind.model import DeMinds
 from demind.text_tower import UnsupportedTextTowerError
 
 from helpers import REPO_ROOT, TINY_CLIP

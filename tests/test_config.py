@@ -6,9 +6,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from demind.backbone import BackboneConfig
+from demind.schema import BackboneConfig, ModelConfig
 from demind.config import ConfigError, load_config, save_config, to_dict
-from demind.model import ModelConfig
 
 
 @dataclass

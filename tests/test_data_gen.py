@@ -680,7 +680,8 @@ def test_fidelity_stage_scores_and_flags_every_output(repo_root, tiny_llava, run
     and nothing is dropped."""
     import torch
     import torch.nn.functional as F
-    from demind.backbone import BackboneConfig, FrozenCLIP
+    from demind.backbone import FrozenCLIP
+    from demind.schema import BackboneConfig
     from demind.fidelity import fidelity_from_similarity, noise_boundary, pair_similarity
 
     clip = str(repo_root / "configs/model/tiny-clip.json")

@@ -179,7 +179,8 @@ def test_workers_that_cannot_load_the_engine_are_one_error(repo_root, ray_cluste
 
 def test_worker_resources_and_count():
     from demind.gen.config import GenConfig
-    from demind.gen.ray_job import DistributedJobError, count_workers, worker_resources
+    from demind.gen.ray_job import worker_resources
+    from demind.distributed import DistributedJobError, count_workers
 
     cfg = GenConfig()
     cfg.engine.tensor_parallel_size = 2
@@ -235,7 +236,7 @@ def test_a_failed_shard_goes_to_another_worker_then_is_reported_after_its_tries(
 
 def test_without_ray_the_error_names_the_install_line(monkeypatch):
     from demind.errors import MissingDependencyError
-    from demind.gen.ray_job import import_ray
+    from demind.distributed import import_ray
 
     monkeypatch.setitem(sys.modules, "ray", None)  # what an environment without Ray gives
     with pytest.raises(MissingDependencyError, match=r"pip install 'demind\[distributed\]'"):

@@ -269,9 +269,10 @@ def sandbox(tmp_path_factory) -> dict[str, str]:
 
     import torch
 
-    from demind.backbone import BackboneConfig, FrozenCLIP
+    from demind.backbone import FrozenCLIP
+    from demind.schema import BackboneConfig, ModelConfig
     from demind.checkpoint import save_checkpoint
-    from demind.model import DeMinds, ModelConfig
+    from demind.model import DeMinds
 
     root = tmp_path_factory.mktemp("docs")
     image = root / "ref.png"

@@ -14,11 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.synthetic import write_synthetic_shards
-from demind.backbone import BackboneConfig, FrozenCLIP
+from demind.backbone import FrozenCLIP
+from demind.schema import BackboneConfig
 from demind.embedding_cache import EmbeddingCacheError, cache_identity, cache_slug, map_tensor, write_entry
 from demind.features import FeatureCacheError, ShardFeatureCache, build_feature_cache
 from demind.retrieval import ImageFeatureCache, ImageRef, encode_image_refs
-from demind.search.index import GalleryIndexError, build_index, check_index_backbone, list_gallery_images, load_index
+from demind.search.index import build_index, check_index_backbone, list_gallery_images, load_index
+from demind.search.index_manifest import GalleryIndexError
 from helpers import TINY_CLIP
 
 pytestmark = pytest.mark.usefixtures("one_thread_and_fresh_accelerator")

@@ -95,7 +95,7 @@ def test_a_folder_transformers_cannot_read_is_one_line_from_build_engine(tmp_pat
 def test_the_page_answers_400_with_the_line_and_keeps_serving(loaded, index_dir, tmp_path, offline_empty_cache):  # noqa: F811
     pytest.importorskip("flask", reason="flask not installed (optional extra 'search')")
     from demind.cli.model_options import SearchEngineConfig, build_mllm_setup
-    from demind.config import QueryRunOptions
+    from demind.settings import QueryRunOptions
     from demind.describe import DescribeOptions, RerankOptions
     from demind.search.server import create_app
 

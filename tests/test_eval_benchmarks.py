@@ -21,7 +21,8 @@ from demind.eval.harness import read_benchmark
 from demind.eval.options import CocoOptions, FashionIQOptions, ReaderOptions
 from demind.retrieval import ImageReadError
 from demind.eval.structures import DataLayoutError
-from demind.model import DeMinds, ModelConfig
+from demind.model import DeMinds
+from demind.schema import ModelConfig
 from helpers import TINY_CLIP, run_eval_command
 
 RNG = np.random.default_rng(0)

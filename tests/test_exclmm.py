@@ -123,7 +123,8 @@ def smoke_args(repo_root, train_dir, run_dir, *extra):
 
 
 def test_train_end_to_end_and_evaluate(repo_root, train_split, tmp_path, capsys):
-    from demind.backbone import BackboneConfig, build_backbone
+    from demind.backbone import build_backbone
+    from demind.schema import BackboneConfig
     from demind.eval.harness import evaluate
     from demind.exclmm import load_exclmm
 

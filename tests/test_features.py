@@ -258,7 +258,8 @@ def test_bf16_cache_matches_fp32_and_is_never_read_as_fp32(repo_root, tmp_path):
 
 def test_half_precision_backbones_encode_float32_images_and_texts(tiny_backbone):
     """pure_bf16 / bf16 / pure_fp16 towers take float32 pixels (cast to the tower's dtype)."""
-    from demind.backbone import BackboneConfig, FrozenCLIP
+    from demind.backbone import FrozenCLIP
+    from demind.schema import BackboneConfig
 
     images = torch.rand(3, 3, 32, 32)
     ref_img, ref_txt = tiny_backbone.encode_image(images), tiny_backbone.encode_text(["a red dog"]).pooled

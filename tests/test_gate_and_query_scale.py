@@ -10,7 +10,8 @@ import torch
 
 from demind.config import ConfigError
 from demind.losses import demind_losses
-from demind.model import DeMinds, ModelConfig
+from demind.model import DeMinds
+from demind.schema import ModelConfig
 from demind.training import OptimConfig, load_train_config, lr_factor
 from demind.training.optim import build_optimizer, build_scheduler, gate_lr
 

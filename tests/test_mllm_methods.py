@@ -237,7 +237,8 @@ def test_ensemble_of_sampled_descriptions(toy_cirr, toy_queries, tiny_backbone):
 
 @pytest.fixture(scope="module")
 def tiny_model(tiny_backbone):
-    from demind.model import DeMinds, ModelConfig
+    from demind.model import DeMinds
+    from demind.schema import ModelConfig
 
     torch.manual_seed(0)
     return DeMinds(ModelConfig(num_queries=2, num_blocks=1, num_heads=4, mapping_hidden=16, gate_init=0.5),
@@ -356,7 +357,8 @@ def test_a_missing_prompt_version_is_one_error_line(toy_cirr, tmp_path, capsys):
 def test_rerank_settings_that_cannot_work_are_refused_before_any_model_or_method_runs(toy_cirr, tiny_backbone,
                                                                                       tmp_path):
     from demind.cli.model_options import build_mllm_setup
-    from demind.config import ConfigError, RunOptions
+    from demind.config import ConfigError
+    from demind.settings import RunOptions
     from demind.gen.config import EngineConfig
 
     # re-ranking on vLLM is built (its log-probabilities): the setup is accepted, nothing loads yet

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from demind.model import DeMinds, IntentionModule, ModelConfig, fill_template
+from demind.model import DeMinds, IntentionModule
+from demind.schema import ModelConfig
+from demind.templates import fill_template
 
 
 @pytest.fixture()
@@ -110,7 +112,8 @@ def test_fill_template_neutralises_stray_placeholders():
 
 @pytest.mark.slow
 def test_vit_l14_shapes_and_trainable_parameter_count():
-    from demind.backbone import BackboneConfig, FrozenCLIP
+    from demind.backbone import FrozenCLIP
+    from demind.schema import BackboneConfig
 
     backbone = FrozenCLIP(BackboneConfig(name="ViT-L-14", pretrained=None))
     model = DeMinds(ModelConfig(), backbone).eval()

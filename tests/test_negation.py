@@ -197,7 +197,8 @@ def test_paired_ap_by_hand():
 
 @pytest.fixture(scope="module")
 def deo_model(tiny_backbone):
-    from demind.model import DeMinds, ModelConfig
+    from demind.model import DeMinds
+    from demind.schema import ModelConfig
 
     torch.manual_seed(0)
     return DeMinds(ModelConfig(num_queries=2, num_blocks=1, num_heads=4, mapping_hidden=16, gate_init=0.5),

@@ -19,7 +19,7 @@ slow = pytest.mark.slow
 @pytest.fixture(scope="module")
 def tiny_quickstart(tmp_path_factory):
     """A workdir as the quickstart leaves it: results.json (config), toy CLIP, toy CIRR + exclusion."""
-    from toyworld.clip import ToyBackboneConfig
+    from toyworld.clip_config import ToyBackboneConfig
     from toyworld.clip_cache import ensure_toy_backbone
     from toyworld.benchmarks import ToyBenchmarkConfig, write_benchmarks
     from toyworld.pipeline import QuickstartConfig, QuickstartRunConfig

@@ -10,7 +10,8 @@ import open_clip
 import open_clip.pretrained
 import pytest
 
-from demind.backbone import BackboneConfig, BackboneWeightsError, FrozenCLIP
+from demind.backbone import BackboneWeightsError, FrozenCLIP
+from demind.schema import BackboneConfig
 from demind.hubref import HubError, hub_unreachable, resolve_hub_folder
 
 from helpers import TINY_CLIP

@@ -11,7 +11,8 @@ import pytest
 import timm
 
 from demind import plugins
-from demind.backbone import BackboneConfig, FrozenCLIP
+from demind.backbone import FrozenCLIP
+from demind.schema import BackboneConfig
 
 TOWER = "demind_test_plugin_tower"
 MODULE = "demind_test_plugin_module"

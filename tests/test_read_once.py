@@ -9,7 +9,8 @@ import torch
 import demind.checkpoint as checkpoint
 import demind.tensor_files as tensor_files
 from demind.checkpoint import load_backbone_and_model, save_checkpoint
-from demind.model import DeMinds, ModelConfig
+from demind.model import DeMinds
+from demind.schema import ModelConfig
 
 
 def test_a_checkpoint_header_is_read_once_per_load(tmp_path, tiny_backbone, monkeypatch):

@@ -152,7 +152,8 @@ def test_finding3_duplicate_key_inside_a_tar_is_skipped_and_the_shard_goes_on(tm
 @pytest.fixture()
 def tiny_checkpoint(tmp_path, tiny_backbone):
     from demind.checkpoint import save_checkpoint
-    from demind.model import DeMinds, ModelConfig
+    from demind.model import DeMinds
+    from demind.schema import ModelConfig
 
     torch.manual_seed(0)
     model = DeMinds(ModelConfig(num_queries=2, num_blocks=1, num_heads=4, mapping_hidden=16), tiny_backbone)
@@ -174,7 +175,8 @@ def test_finding4_non_finite_weights_name_the_tensor(tiny_checkpoint, tiny_backb
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    from demind.checkpoint import CHECKSUM_KEY, CheckpointError, load_checkpoint, tensors_sha256
+    from demind.checkpoint import CHECKSUM_KEY, CheckpointError, load_checkpoint
+    from demind.tensor_files import tensors_sha256
 
     state = load_file(str(tiny_checkpoint))
     with safe_open(str(tiny_checkpoint), framework="pt") as f:
@@ -294,13 +296,14 @@ def test_finding6_unwritable_output_is_one_error_naming_the_path(tmp_path, monke
 
 def test_finding7_smoke_checkpoint_on_a_random_backbone_evaluates(tmp_path):
     """Training on a random-init backbone, then evaluating with the checkpoint alone."""
-    from demind.backbone import BackboneConfig, FrozenCLIP
+    from demind.backbone import FrozenCLIP
+    from demind.schema import BackboneConfig, ModelConfig
     from demind.checkpoint import save_checkpoint
     try:
         from demind.checkpoint import load_backbone_and_model
     except ImportError:  # before the library/command split
         from demind.retrieval import load_backbone_and_model
-    from demind.model import DeMinds, ModelConfig
+    from demind.model import DeMinds
 
     torch.manual_seed(123)  # whatever the trainer's global seed ...
     trained_on = FrozenCLIP(BackboneConfig(name=str(TINY_CLIP), pretrained=None))
@@ -315,9 +318,10 @@ def test_finding7_smoke_checkpoint_on_a_random_backbone_evaluates(tmp_path):
 
 
 def test_finding7_same_weights_under_another_file_name_are_the_same_backbone(tmp_path, tiny_backbone):
-    from demind.backbone import BackboneConfig, FrozenCLIP
+    from demind.backbone import FrozenCLIP
+    from demind.schema import BackboneConfig, ModelConfig
     from demind.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-    from demind.model import DeMinds, ModelConfig
+    from demind.model import DeMinds
 
     first = tmp_path / "weights-a.pt"
     torch.save(tiny_backbone.model.state_dict(), first)
@@ -352,7 +356,8 @@ def test_finding8_skip_reason_is_clean(tmp_path):
 
 
 def test_finding8_random_init_notice_is_not_a_warning(caplog):
-    from demind.backbone import BackboneConfig, FrozenCLIP
+    from demind.backbone import FrozenCLIP
+    from demind.schema import BackboneConfig
 
     with caplog.at_level(logging.INFO):
         FrozenCLIP(BackboneConfig(name=str(TINY_CLIP), pretrained=None))

@@ -14,8 +14,9 @@ from safetensors.torch import load_file
 
 from demind.losses import demind_losses
 from demind.model import ComposeOutput
-from demind.robust import (NoiseConfig, btu_allowed, btu_labels, btu_loss, masked_sinkhorn, nbl_loss,
-                           noise_aware_losses, sample_weights, target_fidelity)
+from demind.robust import (
+    btu_allowed, btu_labels, btu_loss, masked_sinkhorn, nbl_loss, noise_aware_losses, sample_weights, target_fidelity)
+from demind.schema import NoiseConfig
 
 
 def test_masked_sinkhorn_matches_the_marginals_and_puts_no_mass_on_masked_paths():

@@ -14,8 +14,10 @@ import pytest
 import torch
 from PIL import Image
 
-from demind.search.index import GalleryIndexError, build_index, load_index
-from demind.search.query import Ranker, SearchError, Searcher, SearchQuery
+from demind.search.index import build_index, load_index
+from demind.search.index_manifest import GalleryIndexError
+from demind.search.query import SearchError, Searcher, SearchQuery
+from demind.search.rankers import Ranker
 
 
 @pytest.fixture(autouse=True, scope="module")

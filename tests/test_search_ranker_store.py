@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from demind.search import ranker_store, rankers
-from demind.search.index import MANIFEST, load_index
+from demind.search.index import load_index
+from demind.search.index_manifest import MANIFEST
 from demind.search.ranker_store import fingerprint, open_ranker, saved_paths
 
 from test_search_rankers import clustered, one_faiss_thread, synthetic_index  # noqa: F401  (fixture)

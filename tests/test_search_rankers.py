@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from demind.search.expectations import describe, read_record, record_rankers
-from demind.search.index import MANIFEST, load_index
+from demind.search.index import load_index
+from demind.search.index_manifest import MANIFEST
 from demind.search.rankers import (IVF_NPROBE, IVFPQ_NPROBE, Ranker, build_ivfpq_index,
                                    default_settings, exact_top_k, ivf_lists, ivfpq_shortlist, pq_bits,
                                    pq_subquantizers, resident_bytes)
@@ -136,7 +137,8 @@ def test_ivfpq_with_fewer_candidates_than_k_in_its_lists_answers_exactly():
 def synthetic_index(folder, rows: torch.Tensor):
     """An index folder in demind-index's layout holding ``rows`` (two parts)."""
     from demind.retrieval import ImageFeatureCache
-    from demind.search.index import INDEX_FORMAT, ROLE
+    from demind.search.index import ROLE
+    from demind.search.index_manifest import INDEX_FORMAT
 
     cache = ImageFeatureCache.at(folder, dtype=torch.float16, normalise=True)
     parts, names = [], []

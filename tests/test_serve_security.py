@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("flask", reason="flask not installed (optional extra 'search')")
 pytest.importorskip("waitress", reason="waitress not installed (optional extra 'search')")
 
-from demind.model import TemplateError, fill_template, template_field  # noqa: E402
+from demind.templates import TemplateError, fill_template, template_field  # noqa: E402
 from demind.search.guard import host_name, redact_paths, shorten  # noqa: E402
 from demind.search.query import SearchQuery  # noqa: E402
 from demind.search.server import ServerSettings, ServerSetupError, create_app, start_server  # noqa: E402

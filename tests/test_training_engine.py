@@ -205,7 +205,8 @@ def test_log_window_and_line():
 
 def test_exclmm_refuses_a_run_folder_with_old_pickles(tmp_path):
     from demind.exclmm.run_upgrade import LegacyStateError
-    from demind.exclmm.train import ExclMMConfig, train_exclmm
+    from demind.exclmm.train import train_exclmm
+    from demind.exclmm.config import ExclMMConfig
 
     run = tmp_path / "run"
     run.mkdir()

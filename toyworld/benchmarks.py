@@ -64,7 +64,7 @@ import numpy as np
 from PIL import Image
 from demind.logs import progress_bar
 
-from demind.config import setting
+from demind.settings import setting
 from demind.io import atomic_path, write_json_atomic, write_text_atomic
 
 # CirrSet and build_cirr_set are re-exported: the CIRR generator lived here before toyworld/cirr.py
@@ -73,9 +73,9 @@ from .parallel import parallel_map
 from .render import render_scene, save_png
 from .texts import alt_text, article, full_description, noun_phrase, with_article
 from .world import (
-    BACKGROUNDS, COLOURS, DOMAINS, POSITIONS, SHAPES, SIZES, WORLD_VERSION, Scene, ToyObject, derive_seed,
-    sample_scene, stream_seed, with_details,
-)
+    BACKGROUNDS, COLOURS, DOMAINS, POSITIONS, SHAPES, SIZES, WORLD_VERSION, Scene, ToyObject, sample_scene,
+    stream_seed, with_details)
+from demind.seeding import derive_seed
 
 logger = logging.getLogger(__name__)
 

@@ -32,9 +32,9 @@ from demind.io import write_json_atomic
 from .render import render_scene, save_png
 from .texts import full_description, modification_text
 from .world import (
-    EDIT_KINDS, IMPLICIT, THEMES, Scene, apply_edit, apply_theme, derive_seed, edit_is_possible,
-    modification_type, random_edit, sample_scene, scene_diff, stream_seed, strip_theme,
-)
+    EDIT_KINDS, IMPLICIT, THEMES, Scene, apply_edit, apply_theme, edit_is_possible, modification_type, random_edit,
+    sample_scene, scene_diff, stream_seed, strip_theme)
+from demind.seeding import derive_seed
 
 CIRR_VERSIONS = ("cirr-1", "cirr-2", "cirr-3")
 

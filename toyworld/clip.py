@@ -24,7 +24,8 @@ import open_clip
 import torch
 from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 
-from demind.backbone import quiet_random_init_notice, run_text_transformer
+from demind.backbone import quiet_random_init_notice
+from demind.text_tower import run_text_transformer
 from demind.config import ConfigError
 
 from . import towers  # noqa: F401  (registers the convnet with timm before open_clip builds it)

@@ -36,8 +36,8 @@ from demind.backbone import quiet_random_init_notice
 from demind.io import atomic_path, write_json_atomic
 from demind.training import StateFileError
 
-from .clip import (ToyBackboneConfig, add_modality_gap, build_toy_model, gap_model_config, image_side,
-                   model_config_path, model_name)
+from .clip import add_modality_gap, build_toy_model, gap_model_config, image_side, model_name
+from toyworld.clip_config import ToyBackboneConfig, model_config_path
 from .clip_eval import _add_probe_reports, evaluate_toy_clip
 from .clip_train import train_toy_clip
 from .shipped import ShippedWeightsError, expand_shipped, shipped_path

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from demind.config import setting, validate
+from demind.config import validate
+from demind.settings import setting
 from demind.errors import MissingInputError
 
 from .world import BACKGROUNDS, COLOURS, EDIT_KINDS, POSITIONS, SHAPES, SIZES, STYLES, THEME_BACKGROUNDS

@@ -10,11 +10,12 @@ import random
 
 import numpy as np
 
-from .clip import ToyBackboneConfig
+from toyworld.clip_config import ToyBackboneConfig
 from .parallel import parallel_map
 from .render import render_scene
 from .texts import full_description, web_text
-from .world import Scene, apply_edit, derive_seed, edit_is_possible, scene_from_seed, stream_seed
+from .world import Scene, apply_edit, edit_is_possible, scene_from_seed, stream_seed
+from demind.seeding import derive_seed
 
 
 def _render_chunk(job: tuple[str, int, int, int]) -> np.ndarray:

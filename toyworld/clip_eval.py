@@ -10,11 +10,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from .clip import ToyBackboneConfig, image_side, encode_toy_images
+from .clip import image_side, encode_toy_images
+from toyworld.clip_config import ToyBackboneConfig
 from .clip_data import render_pool
 from .probes import PairScorer, pair_probe_cases, probe_ceiling, run_pair_probes
 from .texts import alt_text, article, full_description
-from .world import Scene, derive_seed, scene_from_seed, stream_seed
+from .world import Scene, scene_from_seed, stream_seed
+from demind.seeding import derive_seed
 
 logger = logging.getLogger(__name__)
 

@@ -25,10 +25,12 @@ from demind.logs import progress_bar
 from demind.training import (build_adamw, build_lr_scheduler, check_finite_terms, load_train_state,
                              restore_train_state, save_train_state, step_line, term_parts)
 
-from .clip import (TAG_VALUES, ToyBackboneConfig, attribute_targets, build_toy_model, encode_text_trimmed,
-                   encode_toy_images, images_to_tensor, tag_columns)
+from .clip import (
+    attribute_targets, build_toy_model, encode_text_trimmed, encode_toy_images, images_to_tensor, tag_columns)
+from toyworld.clip_config import TAG_VALUES, ToyBackboneConfig
 from .clip_data import draw_batch, groups_per_batch, render_group_pool, render_pool, training_pool
-from .world import Scene, derive_seed
+from .world import Scene
+from demind.seeding import derive_seed
 
 logger = logging.getLogger(__name__)
 

@@ -27,11 +27,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from demind.config import setting
+from demind.settings import setting
 from demind.gen import GenResult, request_seed
 from toyworld.cirr import cirr_set
 from toyworld.texts import full_description
-from toyworld.world import WORLD_VERSION, derive_seed
+from toyworld.world import WORLD_VERSION
+from demind.seeding import derive_seed
 
 _NAME = re.compile(r"^dev-(\d+)-(\d+)-img0$")
 

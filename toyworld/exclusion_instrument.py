@@ -38,13 +38,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from demind.config import setting
+from demind.settings import setting
 from demind.io import write_json_atomic
 
 from .parallel import parallel_map
 from .render import render_scene, save_png
 from .texts import alt_text, full_description
-from .world import BACKGROUNDS, POSITIONS, SHAPES, SIZES, WORLD_VERSION, Scene, ToyObject, derive_seed, stream_seed, with_details
+from .world import BACKGROUNDS, POSITIONS, SHAPES, SIZES, WORLD_VERSION, Scene, ToyObject, stream_seed, with_details
+from demind.seeding import derive_seed
 
 logger = logging.getLogger(__name__)
 

@@ -34,13 +34,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from demind.config import ConfigError, config_problems, setting
+from demind.config import ConfigError, config_problems
+from demind.settings import setting
 from demind.shard_format import ShardOutput, ShardWriter, encode_sample, sample_key
 
 from .parallel import parallel_map
 from .render import render_image
 from .texts import alt_text, full_description, hypothetical_source, pseudo_manipulation
-from .world import WORLD_VERSION, Scene, apply_edit, derive_seed, edit_is_possible, scene_from_seed, stream_seed
+from .world import WORLD_VERSION, Scene, apply_edit, edit_is_possible, scene_from_seed, stream_seed
+from demind.seeding import derive_seed
 
 logger = logging.getLogger(__name__)
 

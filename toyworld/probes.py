@@ -26,7 +26,8 @@ import torch
 
 from .render import render_scene
 from .texts import full_description
-from .world import Scene, apply_edit, derive_seed, scene_from_seed, stream_seed
+from .world import Scene, apply_edit, scene_from_seed, stream_seed
+from demind.seeding import derive_seed
 
 PAIR_PROBE_ATTRIBUTES = ("shape", "colour", "size", "position", "background", "style")
 PAIR_PROBE_STREAM = "web_eval"  # held out from the backbone's training scenes

@@ -18,7 +18,8 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from .decor import draw_decor, draw_details
-from .world import POSITIONS, Scene, ToyObject, derive_seed
+from .world import POSITIONS, Scene, ToyObject
+from demind.seeding import derive_seed
 
 IMAGE_SIZE = 64
 SUPERSAMPLE = 2  # for shape masks and outlines only

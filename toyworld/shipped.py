@@ -32,7 +32,8 @@ from demind.errors import DemindError
 from demind.io import atomic_path
 from demind.tensor_files import read_format_metadata, tensors_sha256
 
-from .clip import ToyBackboneConfig, build_toy_model
+from .clip import build_toy_model
+from toyworld.clip_config import ToyBackboneConfig
 
 logger = logging.getLogger(__name__)
 

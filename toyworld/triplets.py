@@ -27,7 +27,7 @@ from .benchmarks import ToyBenchmarkConfig
 from .cirr import CIRR_DESIGNS, cirr_set, write_cirr
 from .render import render_scene, save_png
 from .texts import modification_text
-from .world import derive_seed
+from demind.seeding import derive_seed
 
 FIRST_TRAIN_SET = 10_000
 TOY_CLIP_CONFIG, TOY_CLIP_WEIGHTS = "toy-clip.json", "toy-clip.safetensors"
@@ -62,7 +62,7 @@ def write_toy_triplets(out: str | Path, train_sets: int = 2500, test_sets: int =
                        first_set: int = FIRST_TRAIN_SET, progress: bool = True) -> dict:
     """Write the toy triplets, test benchmark, backbone and recipe into ``out`` (see the module docstring)."""
     from demind.logs import progress_bar
-    from toyworld.clip import ToyBackboneConfig
+    from toyworld.clip_config import ToyBackboneConfig
     from toyworld.clip_cache import ensure_toy_backbone, with_modality_gap
     from toyworld.pipeline import toy_backbone_config
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from demind.cli.common import Flag, config_parser, run_config_command
-from demind.config import setting
+from demind.settings import setting
 from demind.exclcoco_builder import ExclCocoConfig
 
 
@@ -55,7 +55,8 @@ def build_parser():
 
 def build_exclcoco_command(job: BuildExclCocoConfig) -> int:
     """Build the benchmark, print the counts and the output path."""
-    from demind.exclcoco_builder import build_exclcoco, llm_query_writer
+    from demind.exclcoco_builder import build_exclcoco
+    from demind.gen.exclusion import llm_query_writer
 
     ann = Path(job.annotations)
     cfg = job.recipe()

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 
 from demind.cli.common import Flag, config_parser, run_config_command
-from demind.config import resolve_device, setting
+from demind.settings import resolve_device, setting
 from demind.training.config import TrainConfig
 
 
@@ -84,7 +84,8 @@ def report_fidelity(out, shards: list[str], backbone, plot: str | None) -> dict:
     from pathlib import Path
 
     from demind.features import ShardFeatureCache, cache_identity
-    from demind.fidelity import GFQ_THRESHOLD, fidelity_summary, plot_fidelity
+    from demind.fidelity import fidelity_summary, plot_fidelity
+    from demind.schema import GFQ_THRESHOLD
 
     fidelities = ShardFeatureCache(out, cache_identity(backbone)).fidelities(shards)
     summary = fidelity_summary(fidelities, GFQ_THRESHOLD)

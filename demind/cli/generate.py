@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from demind.cli.common import DISTRIBUTOR_FLAGS, Flag, config_parser, run_config_command
-from demind.config import DistributorOptions, setting
+from demind.settings import DistributorOptions, setting
 from demind.gen.config import GenConfig
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from demind.cli.common import DISTRIBUTOR_FLAGS, Flag, config_parser, run_config_command
 from demind.cli.model_options import MODEL_FLAGS, ModelOptions, load_model
-from demind.config import DistributorOptions, setting
+from demind.settings import DistributorOptions, setting
 from demind.imaging import DECODABLE_EXTENSIONS
 
 

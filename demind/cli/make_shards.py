@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 
 from demind.cli.common import Flag, config_parser, run_config_command
-from demind.config import setting
+from demind.settings import setting
 
 
 @dataclass

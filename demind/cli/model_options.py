@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from demind.cli.common import Flag, apply_query_mode
-from demind.config import QueryRunOptions, RunOptions, resolve_device, setting
+from demind.settings import QueryRunOptions, RunOptions, resolve_device, setting
 from demind.describe.config import DescribeOptions, RerankOptions
 from demind.errors import InputError
 from demind.gen.config import EngineConfig

@@ -11,7 +11,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 from demind.cli.common import Flag, config_parser, run_config_command
-from demind.config import setting
+from demind.settings import setting
 from demind.io import check_output_file, write_json_atomic
 from demind.negation.decompose import RuleDecomposer
 from demind.negation.report import PHRASINGS, cirr_flags, format_report, load_phrasings, rule_accuracy

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 from demind.errors import InputError
 from demind.cli.common import Flag, config_parser, run_config_command
 from demind.cli.model_options import MODEL_FLAGS, QueryModelOptions, load_model, search_mllm_setup
-from demind.config import setting
+from demind.settings import setting
 from demind.retrieval.names import METHODS
 from demind.io import check_output_file, read_jsonl, write_json_atomic
 from demind.search.names import DEFAULT_METHOD, DEFAULT_TEMPLATE, RANKERS

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from demind.cli.common import Flag, config_parser, run_config_command
 from demind.cli.model_options import MODEL_FLAGS, QueryModelOptions, load_model, search_mllm_setup
-from demind.config import setting
+from demind.settings import setting
 from demind.errors import DemindError, InputError
 from demind.search.names import RANKERS
 
@@ -98,7 +98,8 @@ def access_settings(args: ServeConfig):
 
 
 def run(args: ServeConfig) -> int:
-    from demind.search.index import GalleryIndexError, build_index, load_index  # model code: not for --help
+    from demind.search.index import build_index, load_index  # model code: not for --help
+    from demind.search.index_manifest import GalleryIndexError
     from demind.search.query import Searcher
     from demind.search.expectations import expectation_line
     from demind.search.server import create_app, start_server

@@ -20,7 +20,7 @@ def build_parser():
 
 def train_exclmm_command(cfg: ExclMMConfig) -> int:
     """Train (or resume), print the export path."""
-    from demind.config import resolve_device
+    from demind.settings import resolve_device
     from demind.exclmm.train import train_exclmm
 
     cfg.run.device = resolve_device(cfg.run.device)

@@ -26,7 +26,7 @@ def build_parser():
 
 def train_triplets_command(cfg: TripletTrainConfig) -> int:
     """Train (or resume), print the checkpoint's path."""
-    from demind.config import resolve_device
+    from demind.settings import resolve_device
     from demind.triplets.train import train_triplets
 
     cfg.run.device = resolve_device(cfg.run.device)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from demind.config import setting
+from demind.settings import setting
 
 DESCRIBERS = ("cirevl", "osrcir")
 

@@ -35,7 +35,7 @@ from demind.describe.store import AnswerStore
 from demind.errors import InputError, MissingInputError
 from demind.imaging import resize_longest_side
 from demind.gen import Engine, GenRequest, render, request_seed, user_turn
-from demind.model import PLACEHOLDER, TEMPLATES
+from demind.templates import PLACEHOLDER, TEMPLATES
 from demind.retrieval import Query, load_image
 
 log = logging.getLogger(__name__)

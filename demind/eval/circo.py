@@ -18,7 +18,7 @@ from demind.io import read_json
 from demind.eval.structures import (BenchmarkData, DataLayoutError, QueryGroup, index_image_folder, require_dir,
                                     require_file)
 from demind.json_fields import check_entries, check_object
-from demind.model import TEMPLATES, fill_template
+from demind.templates import TEMPLATES, fill_template
 
 MAP_KS = (5, 10, 25, 50)
 LAYOUT = """  DATA_ROOT/

@@ -16,7 +16,7 @@ from demind.retrieval import ImageRef, Query, canonical_name
 from demind.io import read_json
 from demind.eval.structures import BenchmarkData, DataLayoutError, QueryGroup, raise_if_missing, require_file
 from demind.json_fields import check_entries, check_object, check_string_map
-from demind.model import TEMPLATES, fill_template
+from demind.templates import TEMPLATES, fill_template
 
 log = logging.getLogger(__name__)
 

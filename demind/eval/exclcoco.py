@@ -26,7 +26,7 @@ from demind.errors import InputError
 from demind.retrieval import ImageRef, Query
 from demind.io import read_json
 from demind.eval.structures import BenchmarkData, QueryGroup, check_query_file, raise_if_missing, require_file
-from demind.model import TEMPLATES, fill_template
+from demind.templates import TEMPLATES, fill_template
 
 FORMAT = "demind-exclcoco/1"
 KS = (1, 5, 10)

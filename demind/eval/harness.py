@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from demind.backbone import FrozenCLIP
-from demind.config import ConfigError, Rule, config_problems
+from demind.config import ConfigError, config_problems
+from demind.settings import Rule
 from demind.errors import InputError, NonFiniteError
 from demind.io import check_output_dir
 from demind.logs import progress_bar

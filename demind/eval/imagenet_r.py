@@ -20,7 +20,7 @@ from pathlib import Path
 from demind.errors import InputError
 from demind.retrieval import ImageRef, Query, strip_image_extension
 from demind.eval.structures import BenchmarkData, DataLayoutError, QueryGroup, raise_if_missing, require_file
-from demind.model import TEMPLATES, fill_template
+from demind.templates import TEMPLATES, fill_template
 
 log = logging.getLogger(__name__)
 

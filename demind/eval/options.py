@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from demind.config import setting
+from demind.settings import setting
 from demind.eval.coco import PROMPT_FORMS, QUERY_RESIZES
 from demind.eval.fashioniq import CAPTION_ORDERS, TEXT_FORMS
 

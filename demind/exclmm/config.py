@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from demind.config import device_setting, setting, threads_setting
+from demind.settings import device_setting, setting, threads_setting
 from demind.schema import BackboneConfig
 
 

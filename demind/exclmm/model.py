@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from demind.backbone import same_backbone
+from demind.identity import same_backbone
 from demind.errors import DemindError, InputError
 from demind.exclmm.config import form_of
 from demind.tensor_files import read_format_metadata

@@ -270,7 +270,8 @@ def shard_fidelity(shard: str, emb: dict[str, torch.Tensor]) -> tuple[dict[str, 
     float32, {kind: {"boundary", "tau", "k"}}). Seeded by the shard's name, so a rebuild writes the same values."""
     import hashlib
 
-    from demind.fidelity import GFQ_PAIRINGS, gfq_fidelity
+    from demind.fidelity import gfq_fidelity
+    from demind.schema import GFQ_PAIRINGS
 
     fidelity, gfq = {}, {}
     for kind, name in (("int", "teacher_emb"), ("rew", "rew_emb")):

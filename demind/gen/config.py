@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from demind.config import device_setting, setting
+from demind.settings import device_setting, setting
 
 @dataclass
 class EngineConfig:

@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from demind.backbone import BackboneConfig, FrozenCLIP
-from demind.fidelity import GFQ_PAIRINGS, fidelity_from_similarity, noise_boundary, pair_similarity
+from demind.backbone import FrozenCLIP
+from demind.schema import BackboneConfig, GFQ_PAIRINGS
+from demind.fidelity import fidelity_from_similarity, noise_boundary, pair_similarity
 
 from .config import QualityConfig
 

@@ -22,7 +22,8 @@ from tqdm.auto import tqdm
 
 from demind.logs import progress_bar
 
-from demind.config import resolve_device, to_dict
+from demind.config import to_dict
+from demind.settings import resolve_device
 from demind.gen.config import GenConfig
 from demind.gen.engines.base import Engine
 from demind.gen.fidelity_stage import FidelityScorer

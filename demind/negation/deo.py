@@ -48,7 +48,8 @@ import torch
 import torch.nn.functional as F
 
 from demind.errors import InputError
-from demind.config import setting, validate
+from demind.config import validate
+from demind.settings import setting
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,8 @@ from demind.retrieval.names import (  # noqa: F401 (the names live without torch
     CHECKPOINT_METHODS, DEO_BASES, DEO_METHODS, DEO_SUFFIXES, EXCLMM_METHODS, HYBRID_METHOD, METHOD_LABELS, METHODS,
     MLLM_METHODS, ON_REQUEST_METHODS, RERANK_SUFFIX, COMBINER_METHODS, unavailable_methods)
 from demind.retrieval.refs import Query
-from demind.model import PLACEHOLDER, DeMinds
+from demind.model import DeMinds
+from demind.templates import PLACEHOLDER
 from demind.negation import DEOConfig, Decomposer, RuleDecomposer, SubQueries, optimise
 
 # Negatives are encoded as text with this template: the prefix every composed query starts

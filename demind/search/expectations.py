@@ -17,7 +17,8 @@ from pathlib import Path
 
 from demind.errors import InputError
 from demind.io import read_json, write_json_atomic
-from demind.search.index import MANIFEST, GalleryIndex
+from demind.search.index import GalleryIndex
+from demind.search.index_manifest import MANIFEST
 from demind.search.ranker_store import save_ranker
 from demind.search.rankers import APPROXIMATE, KINDS, Ranker, default_settings, exact_fallback
 

@@ -36,7 +36,8 @@ from demind.retrieval import (EXCLMM_METHODS, METHOD_LABELS, METHODS, MLLM_METHO
                               ON_REQUEST_METHODS, RERANK_SUFFIX, build_methods, parse_method_names)
 from demind.retrieval import ImageReadError, ImageRef, load_image, reword
 from demind.imaging import ImageDecodeError, ImageTooLargeError, decode_image
-from demind.model import DeMinds, TemplateError, fill_template, template_field
+from demind.model import DeMinds
+from demind.templates import TemplateError, fill_template, template_field
 from demind.search.index import GalleryIndex, check_index_backbone
 from demind.search.mllm import SearchMLLM, split_rerank
 from demind.search.expectations import expectation

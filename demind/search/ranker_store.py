@@ -26,7 +26,8 @@ from pathlib import Path
 
 from demind.errors import DemindError, InputError
 from demind.io import atomic_path, read_json, write_json_atomic
-from demind.search.index import MANIFEST, GalleryIndex
+from demind.search.index import GalleryIndex
+from demind.search.index_manifest import MANIFEST
 from demind.search.rankers import APPROXIMATE, Ranker, default_settings, exact_fallback, faiss_module
 
 log = logging.getLogger(__name__)

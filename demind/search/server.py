@@ -48,8 +48,9 @@ except ImportError as e:  # an optional extra: say how to get it instead of a tr
     raise MissingDependencyError(f"the search page needs Flask and waitress: pip install -e '.[search]' ({e})") from e
 from demind.search import guard
 from demind.search.expectations import expectation_line
-from demind.search.index import GalleryIndexError
-from demind.search.query import DEFAULT_TEMPLATE, SearchError, Searcher, SearchQuery, method_label
+from demind.search.index_manifest import GalleryIndexError
+from demind.search.query import SearchError, Searcher, SearchQuery, method_label
+from demind.search.names import DEFAULT_TEMPLATE
 
 log = logging.getLogger(__name__)
 

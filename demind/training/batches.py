@@ -7,7 +7,8 @@ from typing import Any
 import torch
 
 from demind.backbone import FrozenCLIP
-from demind.data import DataConfig, StreamSpec, build_loader
+from demind.data import StreamSpec, build_loader
+from demind.schema import DataConfig
 from demind.shard_format import resolve_shards
 from demind.features import ShardFeatureCache, cache_identity, cache_slug, default_cache_dir, features_off
 from demind.training.config import TrainConfig

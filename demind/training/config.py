@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from demind.config import device_setting, load_config, setting, threads_setting
+from demind.config import load_config
+from demind.settings import device_setting, setting, threads_setting
 # the sections without their torch-bound modules: --help and config checks load no torch
 from demind.schema import BackboneConfig, DataConfig, ModelConfig, NoiseConfig, heads_problem
 

@@ -10,7 +10,8 @@ from demind.logs import progress_bar
 from demind.backbone import FrozenCLIP
 from demind.fidelity import gfq_fidelity
 from demind.losses import Gather, demind_losses
-from demind.robust import NoiseConfig, noise_aware_losses, target_fidelity
+from demind.robust import noise_aware_losses, target_fidelity
+from demind.schema import NoiseConfig
 from demind.training.accel import make_gather
 from demind.training.batches import batch_embeddings, batch_rewritten_embeddings
 from demind.training.config import TrainConfig

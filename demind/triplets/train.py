@@ -45,7 +45,8 @@ from demind.triplets.features import image_features, text_features
 from demind.triplets.launch import (
     check_same_engine, load_engine_state, make_accelerator, prepare, process_share, remove_engine_states,
     save_engine_state)
-from demind.triplets.modes import batch_loss, gmm_clean_probability, noise_scores, per_sample_losses
+from demind.triplets.modes import batch_loss, noise_scores, per_sample_losses
+from demind.robust import gmm_clean_probability
 from demind.triplets.noise import inject_noise
 from demind.triplets.readers import read_triplets
 

@@ -15,8 +15,8 @@ from PIL import Image
 from toy_helpers import load_exclusion_json
 import random
 
-from toyworld.benchmarks import ToyBenchmarkConfig, build_cirr_set, write_benchmarks
-from toyworld.cirr import CIRR_DESIGNS
+from toyworld.benchmarks import ToyBenchmarkConfig, write_benchmarks
+from toyworld.cirr import CIRR_DESIGNS, build_cirr_set
 from toyworld.world import DOMAINS, EDIT_KINDS, IMPLICIT, SHAPES, modification_type, scene_diff
 
 SMALL = ToyBenchmarkConfig(cirr_sets=6, imgnet_queries_per_class=2, imgnet_targets_per_domain=2,
@@ -259,7 +259,7 @@ def test_toy_queries_carry_the_target_description(bench_root):
 
     from toyworld.texts import full_description
     from toyworld.cirr import cirr_set
-    from toyworld.world import derive_seed
+    from demind.seeding import derive_seed
 
     cirr = read_benchmark("cirr", bench_root / "cirr").groups[0].queries
     captions = json.loads((bench_root / "cirr/captions/cap.rc2.val.json").read_text())
@@ -320,7 +320,7 @@ def test_frozen_cirr_baselines_with_the_shipped_toy_clip(tmp_path, version, gap,
     (300 sets) with the shipped toy CLIP and its modality gap (docs/lab-notes/calibrated-cirr.md)."""
     from demind.eval.harness import evaluate
     from toyworld.cirr import write_cirr
-    from toyworld.clip import ToyBackboneConfig
+    from toyworld.clip_config import ToyBackboneConfig
     from toyworld.pipeline import QuickstartConfig, QuickstartRunConfig, prepare_backbone
 
     assert (ToyBenchmarkConfig().cirr_version, ToyBackboneConfig().modality_gap) == ("cirr-3", 50.0)

@@ -15,11 +15,13 @@ from safetensors.torch import load_file
 
 from helpers import TINY_TOY_CLIP
 from toyworld import clip_cache, clip_data, clip_eval, clip_train
-from toyworld.clip import TAG_VALUES, ToyBackboneConfig, build_toy_model, images_to_tensor, model_name
+from toyworld.clip import build_toy_model, images_to_tensor, model_name
+from toyworld.clip_config import TAG_VALUES, ToyBackboneConfig
 from toyworld.clip_cache import cached_paths, ensure_toy_backbone, state_path_of
 from toyworld.clip_eval import text_to_image_recall
 from toyworld.render import render_scene
-from toyworld.world import derive_seed, scene_from_seed
+from toyworld.world import scene_from_seed
+from demind.seeding import derive_seed
 
 TINY_CNN = {  # the convnet tower (toyworld/towers.py), with BatchNorm
     "embed_dim": 32,
@@ -78,7 +80,8 @@ def test_cache_is_reused_and_keyed_by_config(trained, monkeypatch):
 
 
 def test_open_clip_and_frozen_clip_load_the_saved_file(trained):
-    from demind.backbone import BackboneConfig, FrozenCLIP
+    from demind.backbone import FrozenCLIP
+    from demind.schema import BackboneConfig
 
     cfg, root, weights, _ = trained
     name = model_name(cfg.model_config)

@@ -6,7 +6,7 @@ import dataclasses
 import json
 
 from toyworld.lab import clip_seeds as toy_clip_seeds
-from toyworld.clip import ToyBackboneConfig
+from toyworld.clip_config import ToyBackboneConfig
 from toyworld.clip_cache import ensure_toy_backbone
 from toyworld.probes import PAIR_PROBE_ATTRIBUTES
 

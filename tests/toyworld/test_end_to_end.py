@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pytest
 
-from toyworld.clip import ToyBackboneConfig
+from toyworld.clip_config import ToyBackboneConfig
 from toyworld.pipeline import QuickstartConfig, QuickstartRunConfig, run_quickstart
 
 # recall points. Over De-MINDS seeds 0, 1, 2 on World v2.1 (BENCHMARKS.md, "World v2.1: the default

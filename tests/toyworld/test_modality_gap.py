@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from demind.backbone import FrozenCLIP
 from demind.config import ConfigError
 from helpers import TINY_TOY_CLIP
-from toyworld.clip import ToyBackboneConfig, add_modality_gap, build_toy_model
+from toyworld.clip import add_modality_gap, build_toy_model
+from toyworld.clip_config import ToyBackboneConfig
 from toyworld.clip_cache import save_weights, with_modality_gap
 from toyworld.pipeline import toy_backbone_config
 

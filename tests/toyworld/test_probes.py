@@ -162,7 +162,8 @@ def test_probe_ceiling_hand_computed():
 def test_clip_scorer_is_the_cosine_of_image_and_text(tmp_path):
     import json
 
-    from toyworld.clip import ToyBackboneConfig, build_toy_model, encode_toy_images
+    from toyworld.clip import build_toy_model, encode_toy_images
+    from toyworld.clip_config import ToyBackboneConfig
     from toyworld.clip_eval import clip_pair_scorer
 
     model_json = tmp_path / "toy-clip-probe.json"

@@ -10,7 +10,7 @@ import pytest
 
 from demind.checkpoint import read_checked_tensors
 
-from toyworld.clip import ToyBackboneConfig
+from toyworld.clip_config import ToyBackboneConfig
 from toyworld.benchmarks import ToyBenchmarkConfig
 from toy_helpers import per_type_recall
 from toyworld.intent_data import ToyShardConfig
@@ -276,10 +276,11 @@ def test_the_quickstart_checkpoint_loads_from_any_folder(tmp_path, monkeypatch):
     resolves from any folder."""
     import torch
 
-    from demind.backbone import BackboneConfig, FrozenCLIP
+    from demind.backbone import FrozenCLIP
+    from demind.schema import BackboneConfig, ModelConfig
     from demind.checkpoint import load_backbone_and_model, save_checkpoint
-    from demind.model import DeMinds, ModelConfig
-    from toyworld.clip import TOY_CLIP_CONFIG, model_config_path
+    from demind.model import DeMinds
+    from toyworld.clip_config import TOY_CLIP_CONFIG, model_config_path
     from toyworld.pipeline import toy_backbone_config
 
     run_dir = tmp_path / "repo"

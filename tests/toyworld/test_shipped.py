@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from helpers import TINY_TOY_CLIP
 from toyworld import clip_cache, shipped
-from toyworld.clip import ToyBackboneConfig
+from toyworld.clip_config import ToyBackboneConfig
 from toyworld.clip_cache import cached_paths, ensure_toy_backbone
 from toyworld.shipped import SHIPPED_DIR, ShippedWeightsError, expand_shipped, initial_state, pack
 

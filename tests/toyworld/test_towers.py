@@ -9,7 +9,8 @@ import open_clip
 import pytest
 import torch
 
-from demind.backbone import BackboneConfig, FrozenCLIP, quiet_random_init_notice
+from demind.backbone import FrozenCLIP, quiet_random_init_notice
+from demind.schema import BackboneConfig
 from toyworld.towers import ToyConvNet
 
 REPO = Path(__file__).resolve().parents[2]

@@ -14,7 +14,7 @@ from toyworld.benchmarks import ToyBenchmarkConfig
 from toyworld.cirr import cirr_set, write_cirr
 from toyworld.describer import ToyDescriberNoise, ToySceneEngine
 from toyworld.texts import full_description
-from toyworld.world import derive_seed
+from demind.seeding import derive_seed
 
 CFG = ToyBenchmarkConfig(cirr_sets=10)
 

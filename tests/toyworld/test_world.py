@@ -14,9 +14,9 @@ from toyworld.texts import (
     alt_text, annotator_text, full_description, hypothetical_source, modification_text, web_edit_text, web_text,
 )
 from toyworld.world import (
-    COLOURS, EDIT_KINDS, SHAPES, Scene, ToyObject, apply_edit, derive_seed, edit_is_possible,
-    modification_type, scene_diff, scene_from_seed, stream_seed,
-)
+    COLOURS, EDIT_KINDS, SHAPES, Scene, ToyObject, apply_edit, edit_is_possible, modification_type, scene_diff,
+    scene_from_seed, stream_seed)
+from demind.seeding import derive_seed
 
 
 def _words(text: str, vocab: tuple[str, ...]) -> set[str]:

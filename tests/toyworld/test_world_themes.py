@@ -31,7 +31,7 @@ def _h(x) -> str:
 
 def _fingerprint(seed: int) -> dict[str, str]:
     """Hashes of what the toy world makes from one seed: scene, texts, pixels, a CIRR set, a sample."""
-    from toyworld.benchmarks import build_cirr_set
+    from toyworld.cirr import build_cirr_set
     from toyworld.intent_data import ToyShardConfig, make_toy_sample
 
     scene = scene_from_seed(stream_seed("web", seed))
@@ -271,7 +271,7 @@ def test_toy_cirr_has_implicit_queries(tmp_path):
 
 
 def test_cirr_sets_apply_a_theme_to_an_unthemed_reference_and_n1_is_another_theme():
-    from toyworld.benchmarks import build_cirr_set
+    from toyworld.cirr import build_cirr_set
 
     for seed in range(20):
         cset = build_cirr_set(random.Random(seed), implicit_share=1.0)
@@ -298,7 +298,7 @@ def test_other_benchmarks_have_details(tmp_path):
 
 def test_caches_written_before_the_settings_were_removed_still_count(tmp_path):
     from demind.shard_format import ShardOutput
-    from toyworld.clip import ToyBackboneConfig
+    from toyworld.clip_config import ToyBackboneConfig
     from toyworld.clip_cache import cache_key
     from toyworld.intent_data import ToyShardConfig, _is_current, write_toy_shards
 

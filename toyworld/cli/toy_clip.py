@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from demind.cli.common import config_parser, run_config_command
-from demind.config import setting
+from demind.settings import setting
 from toyworld.clip_config import ToyBackboneConfig
 from toyworld.pipeline import QuickstartRunConfig
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from demind.config import load_config
 from toyworld.benchmarks import ToyBenchmarkConfig
 from toyworld.cirr import CIRR_DESIGNS, CIRR_VERSIONS, write_cirr
-from toyworld.clip import ToyBackboneConfig
+from toyworld.clip_config import ToyBackboneConfig
 from toyworld.pipeline import QuickstartConfig, prepare_backbone
 
 # Published CIRR test R@10, CLIP ViT-L/14 (Pic2Word's tables): the calibration target.

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from demind.config import load_config
 from demind.io import write_json_atomic
-from toyworld.clip import ToyBackboneConfig
+from toyworld.clip_config import ToyBackboneConfig
 from toyworld.clip_cache import ensure_toy_backbone
 from toyworld.probes import PAIR_PROBE_ATTRIBUTES
 from toyworld.world import WORLD_VERSION

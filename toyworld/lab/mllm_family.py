@@ -23,7 +23,7 @@ from pathlib import Path
 from demind.config import load_config
 from demind.io import write_json_atomic
 from toyworld.benchmarks import ToyBenchmarkConfig
-from toyworld.clip import ToyBackboneConfig
+from toyworld.clip_config import ToyBackboneConfig
 from toyworld.cirr import write_cirr
 from toyworld.describer import ToyDescriberNoise, ToySceneEngine
 from toyworld.pipeline import QuickstartConfig, prepare_backbone

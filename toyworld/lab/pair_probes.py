@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 from demind.io import write_json_atomic
-from toyworld.clip import ToyBackboneConfig, build_toy_model
+from toyworld.clip import build_toy_model
+from toyworld.clip_config import ToyBackboneConfig
 from toyworld.clip_cache import load_weights
 from toyworld.clip_eval import clip_pair_scorer, probe_ceilings
 from toyworld.probes import pair_probe_breakdown, pair_probe_cases, probe_accuracies, score_pairs

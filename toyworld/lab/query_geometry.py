@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from demind.backbone import FrozenCLIP
 from demind.checkpoint import checkpoint_backbone_config, load_checkpoint
 from demind.io import write_json_atomic
-from demind.model import TEMPLATES
+from demind.templates import TEMPLATES
 
 
 def gallery_features(features_root: Path) -> dict[str, torch.Tensor]:
