@@ -21,6 +21,7 @@ What is checked, from the text alone (nothing is imported):
 from __future__ import annotations
 
 import ast
+import posixpath
 import re
 from collections import Counter
 from functools import cache
@@ -32,6 +33,7 @@ import test_layout as layout  # the import graph the layout rules read (a module
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MAP = REPO_ROOT / "ARCHITECTURE.md"
+DESIGN = REPO_ROOT / "docs" / "design.md"  # the design notes the map links to: checked for stale paths too
 PACKAGES = ("demind", "toyworld")
 FOLDER_LINES = ("toyworld/lab/",)  # research probes: python -m scripts that nothing imports
 MAX_LINE_CHARS = 200
@@ -42,6 +44,7 @@ CODE = re.compile(r"`([^`]+)`")
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 DOTTED = re.compile(r"^(?:demind|toyworld)(?:\.[A-Za-z_]\w*)+$")
 CODE_NAME = re.compile(r"^_*[A-Za-z]\w*$")
+FILE_SUFFIXES = {"json", "jsonl", "md", "png", "py", "safetensors", "txt", "yaml"}  # `demind.safetensors` is a file
 
 
 def in_scope(root: Path = REPO_ROOT) -> set[str]:
@@ -72,18 +75,19 @@ def long_lines(text: str) -> list[str]:
             if len(line) > MAX_LINE_CHARS]
 
 
-def named_paths(text: str, root: Path = REPO_ROOT) -> set[str]:
-    """Paths in backticks whose first part is a folder of the repository, and link targets."""
+def named_paths(text: str, root: Path = REPO_ROOT, doc_dir: str = "") -> set[str]:
+    """Paths in backticks whose first part is a folder of the repository (``tests/x.py::test_y``: the
+    file), and link targets (relative to the document's folder ``doc_dir``), relative to ``root``."""
     folders = {p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")}
-    paths = set(LINK.findall(text)) - {p for p in LINK.findall(text) if "://" in p}
+    paths = {posixpath.normpath(posixpath.join(doc_dir, link)) for link in LINK.findall(text) if "://" not in link}
     for token in CODE.findall(text):
         if "/" in token and " " not in token and token.split("/")[0] in folders:
-            paths.add(token)
+            paths.add(token.split("::")[0])
     return paths
 
 
-def missing_paths(text: str, root: Path = REPO_ROOT) -> list[str]:
-    return sorted(p for p in named_paths(text, root) if not (root / p).exists())
+def missing_paths(text: str, root: Path = REPO_ROOT, doc_dir: str = "") -> list[str]:
+    return sorted(p for p in named_paths(text, root, doc_dir) if not (root / p).exists())
 
 
 @cache
@@ -124,7 +128,8 @@ def module_file(dotted: str, root: Path = REPO_ROOT) -> Path | None:
 def unknown_dotted_names(text: str, root: Path = REPO_ROOT) -> list[str]:
     """``demind.x.y`` names that are neither a module nor a name a module defines."""
     unknown = []
-    for token in sorted({t for t in CODE.findall(text) if DOTTED.match(t)}):
+    tokens = {t for t in CODE.findall(text) if DOTTED.match(t) and t.rpartition(".")[2] not in FILE_SUFFIXES}
+    for token in sorted(tokens):
         module, _, name = token.rpartition(".")
         path = module_file(module, root)
         if module_file(token, root) is None and not (
@@ -213,6 +218,12 @@ def test_code_names_on_a_module_line_are_defined_in_that_module():
     assert stale_code_names(TEXT) == []
 
 
+def test_the_design_notes_name_only_what_exists():
+    design = DESIGN.read_text(encoding="utf-8")
+    assert missing_paths(design, doc_dir="docs") == [] and unknown_dotted_names(design) == []
+    assert "(docs/design.md)" in TEXT
+
+
 def test_the_layer_picture_matches_the_imports():
     assert layers(TEXT)["demind.cli"] > layers(TEXT)["demind.search"] > layers(TEXT)["demind.retrieval"]
     assert layer_problems(TEXT, layout.import_graph()) == []
@@ -275,3 +286,6 @@ def test_the_checks_catch_what_the_old_map_had(tree):
     assert unknown_dotted_names(bad, tree) == ["demind.synthetic"]
     assert long_lines(bad) == ["line 9 has 1642 characters"]
     assert missing_paths("[gone](docs/gone.md) `docs/design.md` `runs/out/x.json`", tree) == ["docs/gone.md"]
+    assert missing_paths("[map](../ARCHITECTURE.md) [here](design.md#a) `demind/io.py::f`", tree, "docs") == [
+        "ARCHITECTURE.md"]
+    assert unknown_dotted_names("`demind.safetensors` `demind.io.f`", tree) == ["demind.io.f"]
