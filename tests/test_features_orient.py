@@ -20,7 +20,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 import demind.data
-import demind.features
+import demind.features.cache_upgrade
 from benchmarks.synthetic import write_intent_shard
 from demind.cli import features as features_cli
 from demind.config import load_config
@@ -102,7 +102,7 @@ def test_only_the_shard_with_a_rotated_image_is_rebuilt_and_a_rerun_reads_no_hea
     old = {name: load_file(str(directory / f"{name}.safetensors")) for name in ("00000", "00001")}
     mtime = (directory / "00000.safetensors").stat().st_mtime_ns
     encoded = count_calls(monkeypatch, tiny_backbone, "encode_image")
-    headers = count_calls(monkeypatch, demind.features, "orientation_changes_pixels")
+    headers = count_calls(monkeypatch, demind.features.cache_upgrade, "orientation_changes_pixels")
 
     with caplog.at_level(logging.INFO, logger="demind.features"):
         summary = build()
@@ -150,7 +150,7 @@ def test_a_shard_cached_before_with_no_rotated_image_is_reused_by_the_trainer_an
     directory = tmp_path / "cache"
     make_old_cache(monkeypatch, lambda: build_feature_cache(shards, directory, tiny_backbone, batch_size=4,
                                                             num_workers=0, progress=False), directory)
-    headers = count_calls(monkeypatch, demind.features, "orientation_changes_pixels")
+    headers = count_calls(monkeypatch, demind.features.cache_upgrade, "orientation_changes_pixels")
     cache = ShardFeatureCache.find(directory, shards, cache_identity(tiny_backbone), required=True)
     assert cache is not None and len(headers) == 3
     assert json.loads((directory / "00000.json").read_text())["decode"] == DECODE
@@ -173,8 +173,8 @@ def test_a_cache_that_cannot_be_written_is_still_used_and_checked_again(tmp_path
     def read_only(path, obj):
         raise OutputLocationError(f"cannot write {path}: read-only file system; choose another output location")
 
-    monkeypatch.setattr(demind.features, "write_json_atomic", read_only)
-    headers = count_calls(monkeypatch, demind.features, "orientation_changes_pixels")
+    monkeypatch.setattr(demind.features.cache_upgrade, "write_json_atomic", read_only)
+    headers = count_calls(monkeypatch, demind.features.cache_upgrade, "orientation_changes_pixels")
     for _ in range(2):
         with caplog.at_level(logging.WARNING, logger="demind.features"):
             assert ShardFeatureCache.find(directory, shards, cache_identity(tiny_backbone), required=True) is not None

@@ -20,7 +20,7 @@ target description per step).  One cache per shard, two files:
   rewritten since (e.g. with other noise settings), is rebuilt, logged. A json without ``decode``
   was written when images were decoded without their EXIF orientation: it is reused (and the
   field recorded) when no image of its shard is stored rotated, else that shard is rebuilt
-  (:func:`check_unoriented`; the same rule for the builder and the trainer).
+  (:mod:`demind.features.cache_upgrade`; the same rule for the builder and the trainer).
 
 The trainer reads one shard at a time (memory stays flat as shards grow), refuses a
 cache made with another backbone, and then reads and decodes no image. The key rule (folder
@@ -31,11 +31,7 @@ search index and ExclMM.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import socket
-import tarfile
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -50,9 +46,9 @@ from demind.settings import resolve_workers
 from demind.data import ReaderStats, read_tar_samples, with_pixels
 from demind.embedding_cache import (EmbeddingCacheError, cache_identity, cache_slug, check_backbone, read_record,
                                     read_tensors, stale_reason, write_entry)
-from demind.imaging import orientation_changes_pixels
-from demind.io import check_output_dir, write_json_atomic
-from demind.shard_format import IMAGE_FIELDS, shard_name
+from demind.features.cache_upgrade import check_unoriented
+from demind.io import check_output_dir
+from demind.shard_format import shard_name
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +117,8 @@ def shard_fingerprint(shard: str | Path) -> dict[str, Any]:
 def is_stale(index: dict[str, Any], shard: str) -> str | None:
     """Why a shard's cache must be rebuilt (older format, rewritten shard, images decoded another
     way), or None (:func:`demind.embedding_cache.stale_reason`). A record without ``decode`` is not
-    stale by itself: :func:`check_unoriented` decides from the shard's image headers."""
+    stale by itself: :func:`~demind.features.cache_upgrade.check_unoriented` decides from the shard's
+    image headers."""
     stale = stale_reason(index, CACHE_FORMAT, shard_fingerprint(shard) if Path(shard).is_file() else None)
     if stale is None and index.get("decode", DECODE) != DECODE:
         stale = f"its images were decoded {index['decode']!r}, not {DECODE!r}"
@@ -289,10 +286,10 @@ def shard_fidelity(shard: str, emb: dict[str, torch.Tensor]) -> tuple[dict[str, 
 def shards_to_build(directory: Path, shards: list[str], identity: dict[str, Any]) -> dict[str, str]:
     """Shards without a current cache, in ``shards`` order, each with why (logged): none, an older
     format, a rewritten shard, or rotated images cached before EXIF orientation was applied
-    (:func:`check_unoriented`). A cache of another backbone here is an error. The one decision of
-    what is reused, for the builder and the trainer (:meth:`ShardFeatureCache.find`)."""
+    (:func:`~demind.features.cache_upgrade.check_unoriented`). A cache of another backbone here is an
+    error. The one decision of what is reused, for the builder and the trainer (:meth:`ShardFeatureCache.find`)."""
     todo: dict[str, str] = {}
-    unoriented: dict[str, dict[str, Any]] = {}
+    current: dict[str, tuple[dict[str, Any], Path]] = {}
     for shard in shards:
         index = read_index(directory, shard)
         if index is None:
@@ -303,75 +300,10 @@ def shards_to_build(directory: Path, shards: list[str], identity: dict[str, Any]
         if stale:
             logger.info("feature cache of %s is rebuilt: %s", shard_name(shard), stale)
             todo[shard] = stale
-        elif "decode" not in index:
-            unoriented[shard] = index
-    if unoriented:
-        todo.update(check_unoriented(directory, unoriented))
-    return {shard: todo[shard] for shard in shards if shard in todo}
-
-
-def check_unoriented(directory: Path, indexes: dict[str, dict[str, Any]]) -> dict[str, str]:
-    """Of shards cached before EXIF orientation was applied (``indexes``: shard -> its record without
-    ``decode``), those to rebuild, with why; every other one is reused and its record gets
-    ``decode`` (so the next run reads no header).
-
-    Reused is a shard none of whose cached images is stored rotated (EXIF or XMP orientation 2..8,
-    :func:`demind.imaging.orientation_changes_pixels`): decoding it upright gives the very pixels
-    that were encoded. A shard with one was encoded sideways there and is rebuilt, only that shard.
-    Headers only: ~0.06 ms per image, no pixel decoded."""
-    rebuild: dict[str, str] = {}
-    for shard, index in indexes.items():
-        try:
-            rotated = rotated_images(shard, index.get("keys", []))
-        except (OSError, tarfile.TarError) as exn:  # the rebuild reads it the usual way and reports it
-            rebuild[shard] = f"cached before EXIF orientation was applied, and its images cannot be checked ({exn})"
         else:
-            if rotated:
-                rebuild[shard] = (f"cached before EXIF orientation was applied; rotated images (EXIF orientation "
-                                  f"2-8), encoded sideways there: {rotated} of {len(index.get('keys', []))}")
-            else:
-                record_decode(directory, shard, index)
-        if shard in rebuild:
-            logger.info("feature cache of %s is rebuilt: %s", shard_name(shard), rebuild[shard])
-    logger.info("%d cached shards checked for EXIF orientation: %d reused, %d rebuilt (rotated images)",
-                len(indexes), len(indexes) - len(rebuild), len(rebuild))
-    return rebuild
-
-
-def rotated_images(shard: str | Path, keys: list[str]) -> int:
-    """How many images of the samples ``keys`` of ``shard`` EXIF orientation turns (an unreadable
-    one counts), read from their headers inside the tar: members are opened in place, not extracted.
-
-    A sample's image is the member the reader decodes: the first of :data:`IMAGE_FIELDS` it has,
-    its key and field split as WebDataset splits a member name (at the first dot of its base name,
-    the field lower-cased). Raises ``OSError`` / ``tarfile.TarError`` when the tar cannot be read."""
-    from webdataset.tariterators import base_plus_ext
-
-    wanted, images = set(keys), {}
-    rank = {field: i for i, field in enumerate(IMAGE_FIELDS)}
-    with tarfile.open(shard, "r:") as tar:
-        for member in tar:
-            key, field = base_plus_ext(member.name) if member.isreg() else (None, None)
-            field = field.lower() if field else None
-            if key in wanted and field in rank and (key not in images or rank[field] < images[key][0]):
-                images[key] = (rank[field], member)
-        return sum(orientation_changes_pixels(tar.extractfile(member)) for _, member in images.values())
-
-
-def record_decode(directory: Path, shard: str, index: dict[str, Any]) -> None:
-    """Add ``decode`` to a shard's record, atomically; a cache that cannot be written (a read-only
-    copy) is still used, and checked again next time."""
-    _, path = cache_files(directory, shard)
-    # a temp name of this process's own: the processes of a distributed run each find the cache and
-    # may record the same shard at once (the record is the same; the shared ``.tmp`` name is not safe)
-    own = path.with_name(f"{path.name}.{socket.gethostname()}-{os.getpid()}")
-    try:
-        os.replace(write_json_atomic(own, {**index, "decode": DECODE}), path)
-    except OSError as exn:
-        with contextlib.suppress(OSError):
-            own.unlink(missing_ok=True)
-        logger.warning("could not record in %s that its images need no EXIF orientation (%s); "
-                       "they are checked again next run", path, exn)
+            current[shard] = (index, cache_files(directory, shard)[1])
+    todo.update(check_unoriented(current, DECODE))
+    return {shard: todo[shard] for shard in shards if shard in todo}
 
 
 @torch.no_grad()
