@@ -88,7 +88,7 @@ def test_normalised_symmetric_contrastive_eq12_eq15_by_hand():
 
 
 def test_earlier_forms_of_an_older_export():
-    from demind.exclmm.config import form_of
+    from demind.exclmm.run_upgrade import form_of
 
     old = {"space": {"top_t": 16}, "query": {"space": "sparse"}}
     assert form_of(old, "query", "triplet") == "gt-vs-positive" and form_of(old, "space", "image_mask") == "top_t"

@@ -16,19 +16,11 @@ CONTRASTIVE_FORMS = ("paper", "dot")
 IMAGE_MASKS = ("zc_or_top_t", "top_t")
 RECONSTRUCT_FROM = ("unmasked", "masked")
 TRIPLET_FORMS = ("paper", "gt-vs-positive")
-# what an export written before these options existed was trained with
-EARLIER_FORMS = {"space": {"contrastive": "dot", "image_mask": "top_t", "reconstruct": "masked"},
-                 "query": {"contrastive": "dot", "triplet": "gt-vs-positive", "triplet_margin": 1.0}}
 # the two forms as override lists (benchmarks, ablations)
 EARLIER_OVERRIDES = ["space.contrastive=dot", "space.image_mask=top_t", "space.reconstruct=masked",
                      "query.contrastive=dot", "query.triplet=gt-vs-positive"]
 PAPER_OVERRIDES = ["space.contrastive=paper", "space.image_mask=zc_or_top_t", "space.reconstruct=unmasked",
                    "query.contrastive=paper", "query.triplet=paper"]
-
-
-def form_of(cfg: dict, section: str, key: str) -> str:
-    """``cfg[section][key]`` of a config dict, or the earlier form for an export that predates it."""
-    return cfg[section].get(key, EARLIER_FORMS[section][key])
 
 
 @dataclass

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from demind.identity import same_backbone
 from demind.errors import DemindError, InputError
-from demind.exclmm.config import form_of
+from demind.exclmm.run_upgrade import form_of
 from demind.tensor_files import read_format_metadata
 
 

@@ -1,5 +1,5 @@
-"""ExclMM run folders written by earlier versions: the one home of their formats (the trainer and
-the features reader call in here and nowhere else knows them).
+"""ExclMM run folders and exports written by earlier versions: the one home of their formats (the
+trainer, the features reader and the export loader call in here and nowhere else knows them).
 
 * Features of the single-file form, ``demind-exclmm-features/1`` (one safetensors file with its JSON
   inside, :func:`demind.training.save_tree`, no ``features.json``), are read as current ones
@@ -7,6 +7,8 @@ the features reader call in here and nowhere else knows them).
 * The pickles ``state.pt`` / ``features.pt`` are refused in one line saying what to do: delete them
   and rerun ``demind-train-exclmm`` (:func:`refuse_pickled_files`); reading a pickle could run code,
   and converting one would have to read it.
+* An export whose config predates a form option (``space.contrastive``, ``query.triplet``, ...) reads
+  as the form it was trained with (:func:`form_of`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,11 @@ from demind.training import load_tree
 LEGACY_FORMAT = "demind-exclmm-features/1"  # /1: one safetensors file through training.state_file
 EARLIER_FORMATS = (LEGACY_FORMAT,)
 LEGACY_NAMES = ("state.pt", "features.pt")  # pickles written by earlier versions: refused
+
+
+# what an export written before these options existed was trained with
+EARLIER_FORMS = {"space": {"contrastive": "dot", "image_mask": "top_t", "reconstruct": "masked"},
+                 "query": {"contrastive": "dot", "triplet": "gt-vs-positive", "triplet_margin": 1.0}}
 
 
 class LegacyStateError(DemindError, ValueError):
@@ -46,3 +53,8 @@ def refuse_pickled_files(run_dir: Path, features_name: str) -> None:
             f"{', '.join(map(str, old))}: pickle file(s) of an earlier demind version, no longer read; delete "
             f"{' and '.join(p.name for p in old)} and rerun the same command (the training restarts from its first "
             f"step and the features are recomputed into {features_name}), or use another run.output_dir")
+
+
+def form_of(cfg: dict, section: str, key: str) -> str:
+    """``cfg[section][key]`` of an export's config dict, or the earlier form for an export that predates it."""
+    return cfg[section].get(key, EARLIER_FORMS[section][key])
