@@ -6,7 +6,7 @@ digest by path, size and mtime, as git's index) remembers them.
     python -m benchmarks.bench_answer_store --weights-mb 64 --queries 50 --json out.json
 
 A scripted engine answers (no model runs: the figure is the store's own cost). Three runs over the same
-queries, each in a fresh :class:`demind.describe.MLLMRun` with the process's file-hash cache cleared (a
+queries, each in a fresh :class:`demind.mllm.MLLMRun` with the process's file-hash cache cleared (a
 new process): the first (weights hashed, references decoded, answers written), a rerun with the memo, and
 a rerun with ``digests.jsonl`` deleted. References are synthetic 800x600 JPEGs, as in bench_describers.
 """
@@ -71,7 +71,7 @@ def write_model(folder: Path, megabytes: int) -> Path:
 def timed_run(model: Path, store: Path, queries: list) -> tuple[float, int]:
     """(seconds, requests) of one describe pass in a fresh run, as a new process would see it."""
     import demind.identity as identity
-    from demind.describe import DescribeOptions, MLLMSetup
+    from demind.mllm import DescribeOptions, MLLMSetup
 
     identity._FILE_HASHES.clear()  # the process's own cache: a new process starts without it
     engine = InstantEngine()

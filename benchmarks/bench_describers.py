@@ -8,7 +8,7 @@ figure needs).
 :func:`measure` is shared with ``benchmarks/bench_gpu.py``'s ``describe`` section, which runs it at
 LLaVA-1.6 Mistral-7B shapes on a GPU. Queries are synthetic: 800x600 JPEG references (shrunk to
 ``image_max_side`` as in evaluation) and CIRR-length modification texts; nothing is stored
-(a :class:`~demind.describe.MemoryStore`), so every answer is generated.
+(a :class:`~demind.mllm.MemoryStore`), so every answer is generated.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from demind.describe import (CIReVLDescriber, DescribeOptions, LazyEngine, MemoryStore, MLLMVerifier,
-                             OSrCIRDescriber, RerankOptions, load_describer_prompts)
+from demind.mllm import (CIReVLDescriber, DescribeOptions, LazyEngine, MemoryStore, MLLMVerifier,
+                         OSrCIRDescriber, RerankOptions, load_describer_prompts)
 from demind.retrieval import ImageRef, Query
 
 MODIFICATION = "show three of them on a wooden table and make the background darker"  # ~13 words, CIRR's mean

@@ -20,7 +20,7 @@ others still run):
   (random bf16 weights, built and saved once under ``--workdir``), 800x600 JPEGs, T_rew 65 /
   T_int 27 tokens, stage 1's prefix kept for stage 2 vs prefilled again; prompt tokens
   prefilled per image.
-* ``describe`` -- query-time MLLM reasoning (``demind.describe``) at the same shapes: OSrCIR and
+* ``describe`` -- query-time MLLM reasoning (``demind.mllm``) at the same shapes: OSrCIR and
   CIReVL descriptions/s and re-ranking candidates/s (``benchmarks/bench_describers.py``'s ``measure``).
 
 Random weights: outputs run to their token limit and features are meaningless, which is what a

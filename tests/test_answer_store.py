@@ -1,4 +1,4 @@
-"""The one rule of stored MLLM answers (demind/describe/store.py): an answer is keyed by what it depends on
+"""The one rule of stored MLLM answers (demind/mllm/store.py): an answer is keyed by what it depends on
 (the model's content, the reference's pixels, the modification text, the prompt texts, the settings; a
 re-ranking score also the candidate's pixels), never by a name. Each ingredient changed alone asks the model
 again; each label changed alone (folder, query id, benchmark split, index name) finds the stored answer.
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from demind.describe import DescribeOptions, MLLMSetup, MLLMVerifier, RerankOptions
-from demind.describe.describers import DESCRIBE_PROMPT_ROOT
+from demind.mllm import DescribeOptions, MLLMSetup, MLLMVerifier, RerankOptions
+from demind.mllm.describers import DESCRIBE_PROMPT_ROOT
 from demind.retrieval import ImageRef, Query
 from helpers import REPO_ROOT, TINY_CLIP
 from test_search_mllm import ScriptedEngine, index_dir, loaded, searcher_with  # noqa: F401  (module fixtures)
@@ -191,7 +191,7 @@ def test_a_store_copied_to_a_machine_without_the_model_answers_and_names_the_sto
     for model in (world.model, tmp_path / "machine-b" / "models" / "llava"):
         world.store, world.model = moved, model
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="demind.describe"):
+        with caplog.at_level(logging.INFO, logger="demind.mllm"):
             run = world.setup(factory=no_model).bind("cirr", "val", None)
             run.describer("osrcir").describe(world.queries)
         assert run.summary()["model_identity"] == identity and run.summary()["model_identity_source"] == "store"
@@ -207,7 +207,7 @@ def test_a_store_copied_to_a_machine_without_the_model_answers_and_names_the_sto
 def test_a_model_without_files_is_keyed_by_its_name_with_a_warning(tmp_path, caplog):
     world = World(tmp_path)
     world.model = Path("scripted-model")  # neither a folder nor in the Hugging Face cache, even after loading
-    with caplog.at_level(logging.WARNING, logger="demind.describe"):
+    with caplog.at_level(logging.WARNING, logger="demind.mllm"):
         assert world.describe_requests() == 1
     assert any("keyed by this name" in r.getMessage() for r in caplog.records)
     assert world.describe_requests() == 0
@@ -249,7 +249,7 @@ def test_a_damaged_part_or_record_is_asked_again_counted_and_logged(tmp_path, ca
     world.describe_requests()
     part = damage_first_part(world, edit)
     engine = ScriptedEngine({TEXT: "a snowy street"})
-    with caplog.at_level(logging.WARNING, logger="demind.describe"):
+    with caplog.at_level(logging.WARNING, logger="demind.mllm"):
         run = world.setup(engine).bind("cirr", "val", None)
         describer = run.describer("osrcir")
         assert describer.describe(world.queries) == [["a snowy street"]]
@@ -495,7 +495,7 @@ def test_demind_eval_reruns_from_a_copied_store_without_the_model_on_the_machine
     store = Path(shutil.copytree(out / "descriptions", tmp_path / "machine-b" / "descriptions"))
     shutil.rmtree(model)
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="demind.describe"):
+    with caplog.at_level(logging.INFO, logger="demind.mllm"):
         assert main(eval_argv(toy_cirr, tmp_path / "machine-b" / "out", f"engine.model={model}",
                               f"describe.store={store}", *llava)) == 0
     again = json.loads((tmp_path / "machine-b" / "out" / "results.json").read_text())
@@ -553,7 +553,7 @@ def test_an_engine_without_files_keys_by_the_identity_its_setup_states(tmp_path,
     world = World(tmp_path)
     engine = ScriptedEngine({})
     for name in ("toy-a", "toy-a", "toy-b"):
-        with caplog.at_level(logging.WARNING, logger="demind.describe"):
+        with caplog.at_level(logging.WARNING, logger="demind.mllm"):
             run = MLLMSetup(lambda: engine, model="toy", engine_name="toy", content_identity=name,
                             describe=DescribeOptions(store=str(world.store))).bind("cirr", "val", None)
             run.describer("osrcir").describe(world.queries)
@@ -567,6 +567,6 @@ def test_a_store_of_the_older_layout_is_not_read_and_says_so(tmp_path, caplog):
     old.mkdir(parents=True)
     (old / "store.json").write_text('{"format": "demind-descriptions/1"}')
     (old / "part-00000.json").write_text('{"format": "demind-descriptions/1", "records": {"q1#0": {}}}')
-    with caplog.at_level(logging.WARNING, logger="demind.describe"):
+    with caplog.at_level(logging.WARNING, logger="demind.mllm"):
         assert world.describe_requests() == 1
     assert [r for r in caplog.records if "older layout" in r.getMessage() and str(old) in r.getMessage()]

@@ -96,7 +96,7 @@ def test_the_page_answers_400_with_the_line_and_keeps_serving(loaded, index_dir,
     pytest.importorskip("flask", reason="flask not installed (optional extra 'search')")
     from demind.cli.model_options import SearchEngineConfig, build_mllm_setup
     from demind.settings import QueryRunOptions
-    from demind.describe import DescribeOptions, RerankOptions
+    from demind.mllm import DescribeOptions, RerankOptions
     from demind.search.server import create_app
 
     for model in (str(tmp_path / "no-llava"), "demind-test/not-cached"):

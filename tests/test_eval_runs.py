@@ -92,8 +92,8 @@ def test_publish_skips_a_limited_run_it_finds_and_refuses_one_it_is_given(cirr, 
 
 
 def test_methods_may_name_a_rerank_variant(cirr, tiny_checkpoint, tmp_path, monkeypatch):
-    import demind.describe.session as session
-    from demind.describe.rerank import Reranker
+    import demind.mllm.session as session
+    from demind.mllm.rerank import Reranker
 
     class ByName:
         def score(self, queries, candidates):

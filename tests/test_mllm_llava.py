@@ -140,7 +140,7 @@ def test_test1_writes_submissions_for_both_describers(small_cirr, tiny_checkpoin
 def test_reranking_reuses_the_reference_prefix_with_equal_scores(tiny_llava, tmp_path):
     """The reference part prefilled once per query and shared by its candidates (right-padded suffixes of
     different image-token counts) scores as the full prompts do, with fewer prompt tokens run."""
-    from demind.describe import LazyEngine, MemoryStore, MLLMVerifier, RerankOptions, load_describer_prompts
+    from demind.mllm import LazyEngine, MemoryStore, MLLMVerifier, RerankOptions, load_describer_prompts
     from demind.gen.config import EngineConfig, SamplingConfig
     from demind.gen.engines import build_engine
 

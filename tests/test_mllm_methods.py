@@ -1,4 +1,4 @@
-"""MLLM reasoning at query time (demind/describe, demind/retrieval/mllm_methods): scripted engines behind
+"""MLLM reasoning at query time (demind/mllm, demind/retrieval/mllm_methods): scripted engines behind
 the Engine interface on the toy CIRR, chain-of-thought parsing, the stores' resume, re-ranking."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from demind.describe import (AnswerStore, DescribeOptions, LazyEngine, MLLMSetup, OSrCIRDescriber, RerankOptions,
-                             Reranker, load_describer_prompts, parse_description, rerank_ranking)
+from demind.mllm import (AnswerStore, DescribeOptions, LazyEngine, MLLMSetup, OSrCIRDescriber, RerankOptions,
+                         Reranker, load_describer_prompts, parse_description, rerank_ranking)
 from demind.eval.harness import evaluate, read_benchmark
 from demind.gen import GenResult, request_seed
 from demind.retrieval import ensemble_embeddings
@@ -175,7 +175,7 @@ def test_unparseable_answers_are_counted_logged_and_fall_back(toy_cirr, toy_quer
     bad = {q.qid for q in toy_queries[::3]}
     engine = ScriptedEngine(answers(toy_queries, "osrcir", lambda q, s: "I'm not sure what the image shows."
                                     if q.qid in bad else f"Target description: {q.text}"))
-    with caplog.at_level(logging.WARNING, logger="demind.describe"):
+    with caplog.at_level(logging.WARNING, logger="demind.mllm"):
         results = run_eval(toy_cirr, tiny_backbone, "text-only,osrcir", setup_with(engine))
     summary = results["mllm"]["describers"]["osrcir"]
     assert summary["fallback"] == len(bad) and summary["fallback_reasons"] == {"no-label": len(bad)}
@@ -331,7 +331,7 @@ def test_rerank_options_and_store_key():
 
 
 def test_modification_text_drops_a_template_head():
-    from demind.describe import modification_text
+    from demind.mllm import modification_text
     from demind.eval.fashioniq import fashioniq_texts
     from demind.retrieval import ImageRef, Query
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from demind.describe import DescribeOptions, MLLMSetup, RerankOptions
+from demind.mllm import DescribeOptions, MLLMSetup, RerankOptions
 from demind.errors import DemindError
 from demind.gen import GenResult
 from demind.search.index import build_index, load_index

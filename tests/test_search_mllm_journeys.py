@@ -83,9 +83,9 @@ def test_a_negative_with_a_rerank_method_is_searched(loaded, index_dir):  # noqa
 
 def test_a_negative_with_rerank_on_the_command_line_and_the_page(tiny_checkpoint, index_dir, loaded, tmp_path,  # noqa: F811
                                                                  monkeypatch):
-    import demind.describe.session as session
+    import demind.mllm.session as session
 
-    monkeypatch.setattr(session.MLLMRun, "reranker", lambda self: __import__("demind.describe.rerank", fromlist=[
+    monkeypatch.setattr(session.MLLMRun, "reranker", lambda self: __import__("demind.mllm.rerank", fromlist=[
         "Reranker"]).Reranker(KnowsNothing(), self.setup.rerank.k))
     import demind.gen.engines as engines
 

@@ -278,7 +278,7 @@ def test_demind_eval_describes_and_reranks_on_vllm_and_a_rerun_loads_no_model(sh
 def test_rerank_scores_on_vllm_equal_the_transformers_engine(shared_engines, tiny, tmp_path):
     """log p(yes) - log p(no) of the first answer token, from vLLM's log-probabilities, equals the score the
     transformers engine reads from the model's logits (float32; vLLM's CPU kernels round differently)."""
-    from demind.describe import LazyEngine, MemoryStore, MLLMVerifier, RerankOptions, load_describer_prompts
+    from demind.mllm import LazyEngine, MemoryStore, MLLMVerifier, RerankOptions, load_describer_prompts
     from demind.gen.engines.transformers_engine import TransformersEngine
 
     _, queries, candidates = write_rerank_queries(tmp_path, [(20, 30), (40, 20), (16, 16), (30, 60), (25, 25)])

@@ -81,9 +81,9 @@ def toy_model_id(cirr_version: str, implicit_share: float, noise: ToyDescriberNo
 
 
 def toy_mllm_setup(cirr_root: str | Path, cirr_version: str, implicit_share: float, noise: ToyDescriberNoise):
-    """An :class:`demind.describe.MLLMSetup` whose engine is the toy MLLM for the toy CIRR under
+    """An :class:`demind.mllm.MLLMSetup` whose engine is the toy MLLM for the toy CIRR under
     ``cirr_root``, built (reading the queries) only when a stored answer is missing."""
-    from demind.describe import MLLMSetup
+    from demind.mllm import MLLMSetup
 
     def build() -> "ToySceneEngine":
         from demind.eval import read_benchmark

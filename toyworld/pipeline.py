@@ -237,7 +237,7 @@ def toy_mllm_identity(cfg: QuickstartConfig) -> dict[str, Any]:
 
 def describe_settings() -> dict[str, Any]:
     """The describer settings the family ran with: demind-eval's ``describe`` defaults (the quickstart sets none)."""
-    from demind.describe import DescribeOptions
+    from demind.mllm import DescribeOptions
 
     o = DescribeOptions()
     return {k: getattr(o, k) for k in ("prompts", "samples", "temperature", "hybrid_weight", "hybrid_describer")}

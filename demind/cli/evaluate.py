@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from demind.cli.common import Flag, config_parser, run_config_command
 from demind.cli.model_options import MODEL_FLAGS, BackboneChoice, build_mllm_setup, checkpoint_setting, load_model
 from demind.settings import QueryRunOptions, setting
-from demind.describe.config import DescribeOptions, RerankOptions
+from demind.mllm.config import DescribeOptions, RerankOptions
 from demind.gen.config import EngineConfig
 from demind.eval.options import BENCHMARKS, CocoOptions, FashionIQOptions
 from demind.retrieval.names import METHODS

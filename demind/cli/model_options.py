@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from demind.cli.common import Flag, apply_query_mode
 from demind.settings import QueryRunOptions, RunOptions, resolve_device, setting
-from demind.describe.config import DescribeOptions, RerankOptions
+from demind.mllm.config import DescribeOptions, RerankOptions
 from demind.errors import InputError
 from demind.gen.config import EngineConfig
 from demind.schema import PRECISION_NAMES
@@ -72,9 +72,9 @@ def load_model(cfg: ChoosesModel):
 
 
 def build_mllm_setup(engine: EngineConfig, describe: DescribeOptions, rerank: RerankOptions, run: RunOptions):
-    """The :class:`demind.describe.MLLMSetup` of these config sections; the engine itself is built
+    """The :class:`demind.mllm.MLLMSetup` of these config sections; the engine itself is built
     only when an answer is missing from the stores (a rerun loads no model)."""
-    from demind.describe import MLLMSetup
+    from demind.mllm import MLLMSetup
     from demind.gen.config import SamplingConfig
 
     def build():

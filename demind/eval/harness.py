@@ -125,7 +125,7 @@ def evaluate(
     out_dir: where results.json, rankings/, table.md and submission files go (None: nothing written).
     cache_dir: image-feature cache (default ``<out_dir>/feature_cache``; no cache without either).
     exclmm: a loaded ExclMM (:func:`demind.exclmm.load_exclmm`), for the ``exclmm`` method.
-    mllm: a :class:`demind.describe.MLLMSetup`, for ``cirevl``, ``osrcir``, ``demind+mllm`` and the
+    mllm: a :class:`demind.mllm.MLLMSetup`, for ``cirevl``, ``osrcir``, ``demind+mllm`` and the
         ``+rerank`` variants (``rerank.k``); its answers are kept under ``<cache_dir or out_dir>/descriptions``.
     """
     check_evaluation_arguments(options or ReaderOptions(), batch_size=batch_size, num_workers=num_workers, limit=limit)

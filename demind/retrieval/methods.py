@@ -206,7 +206,7 @@ def build_methods(names: list[str], backbone: FrozenCLIP, model: DeMinds | None,
 
     ``+deo`` methods use ``decomposer`` (default: the rule decomposer) and ``deo`` (default:
     :class:`DEOConfig()`); the name's suffix sets the mode (``+deo`` exact, ``+deo-adam`` Adam).
-    ``mllm``: a :class:`demind.describe.MLLMRun`, for ``cirevl``, ``osrcir`` and ``demind+mllm``.
+    ``mllm``: a :class:`demind.mllm.MLLMRun`, for ``cirevl``, ``osrcir`` and ``demind+mllm``.
     """
     simple = {"image-only": ImageOnly, "text-only": TextOnly, "image+text": ImagePlusText, "oracle": Oracle}
     methods: list[RetrievalMethod] = []

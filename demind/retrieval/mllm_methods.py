@@ -1,4 +1,4 @@
-"""Methods that read an MLLM's target descriptions (:mod:`demind.describe` writes them).
+"""Methods that read an MLLM's target descriptions (:mod:`demind.mllm` writes them).
 
 * ``cirevl``, ``osrcir``: the description's text embedding against the gallery; with several
   descriptions per query (``describe.samples``), an LDRE-style weighted ensemble
@@ -7,8 +7,8 @@
   normalize((1 - w) t_hat + w e_d) with w = ``describe.hybrid_weight``; ``demind+mllm+deo``
   runs DEO on it like on any prompt-reading method.
 
-This module does not import :mod:`demind.describe` (which sits above the registry): a method gets
-an object with ``describer(name)`` (an :class:`demind.describe.MLLMRun`) and the ``options``.
+This module does not import :mod:`demind.mllm` (which sits above the registry): a method gets
+an object with ``describer(name)`` (an :class:`demind.mllm.MLLMRun`) and the ``options``.
 The descriptions of one query travel to :meth:`embed` as one text, joined by newlines
 (a parsed description is one line), because the harness hands ``embed`` one text per query.
 """

@@ -31,7 +31,7 @@ CHECKPOINT_METHODS = ("mapping-only", "demind", HYBRID_METHOD)
 COMBINER_METHODS = ("combiner",)
 # not in the default set: real benchmarks have no target descriptions (oracle); an MLLM is a choice (docs/mllm.md)
 ON_REQUEST_METHODS = ("oracle", *MLLM_METHODS)
-RERANK_SUFFIX = "+rerank"  # a method's ranking with its top K re-ordered by an MLLM (demind.describe.rerank)
+RERANK_SUFFIX = "+rerank"  # a method's ranking with its top K re-ordered by an MLLM (demind.mllm.rerank)
 # DEO variants: suffix -> solver mode (see demind.negation.deo)
 DEO_SUFFIXES = {"+deo": "exact", "+deo-adam": "adam"}
 DEO_BASES = ("text-only", "image+text", "mapping-only", "demind", HYBRID_METHOD)

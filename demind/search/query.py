@@ -12,7 +12,7 @@ dog") are offered too. An explicit negative text (``SearchQuery.negative``, ``--
 handed to DEO: the text gains "without <negative>" and the method its ``+deo`` variant, so the
 rule decomposer reads the negative back (see :func:`with_negative_as_deo`).
 
-With an MLLM (``Searcher(..., mllm=MLLMSetup)``, :mod:`demind.search.mllm`) the query-time family
+With an MLLM (``Searcher(..., mllm=MLLMSetup)``, :mod:`demind.mllm.search_binding`) the query-time family
 is offered too: ``cirevl``, ``osrcir`` and ``demind+mllm`` (the description of the query, stored
 and reused, comes back with the results), and with ``rerank.k`` > 0 each method's ``+rerank``
 variant (its top K re-ordered by the MLLM). Without one they are refused in one line.
@@ -39,7 +39,7 @@ from demind.imaging import ImageDecodeError, ImageTooLargeError, decode_image
 from demind.model import DeMinds
 from demind.templates import TemplateError, fill_template, template_field
 from demind.search.index import GalleryIndex, check_index_backbone
-from demind.search.mllm import SearchMLLM, split_rerank
+from demind.mllm import SearchMLLM, split_rerank
 from demind.search.expectations import expectation
 from demind.search.ranker_store import open_ranker
 from demind.search.rankers import Ranker, exact_top_k  # noqa: F401 (Ranker: importable from here, where it was)
@@ -194,7 +194,7 @@ def with_negative_as_deo(query: SearchQuery) -> SearchQuery:
 class Searcher:
     """Embeds composed queries with one checkpoint and ranks one index; both load once.
 
-    ``mllm``: a :class:`demind.describe.MLLMSetup` (the ``engine`` / ``describe`` / ``rerank``
+    ``mllm``: a :class:`demind.mllm.MLLMSetup` (the ``engine`` / ``describe`` / ``rerank``
     sections) for the MLLM methods and ``+rerank``; its engine is built on the first query that
     needs an answer no store holds."""
 

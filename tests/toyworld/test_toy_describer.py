@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from demind.describe import MLLMSetup
+from demind.mllm import MLLMSetup
 from demind.gen import GenRequest, request_seed
 from demind.eval.harness import evaluate, read_benchmark
 from toyworld.benchmarks import ToyBenchmarkConfig

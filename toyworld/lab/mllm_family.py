@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     from demind.checkpoint import load_backbone_and_model
-    from demind.describe import MLLMSetup
+    from demind.mllm import MLLMSetup
     from demind.eval import evaluate, read_benchmark
 
     workdir = Path(args.workdir)

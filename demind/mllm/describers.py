@@ -4,11 +4,11 @@
   model, text only, rewrites the caption with the modification.
 * :class:`OSrCIRDescriber` (OSrCIR, CVPR'25): one call with the image and the modification, a
   reflective chain of thought (reference, intent, reflection, target), the description parsed
-  from the answer (:mod:`demind.describe.parse`).
+  from the answer (:mod:`demind.mllm.parse`).
 
 ``describe.samples`` > 1 draws several descriptions per query (seeds per sample; LDRE's
 ensemble, weighted by the method: :mod:`demind.retrieval.mllm_methods`). Every answer is kept in
-a :class:`~demind.describe.store.AnswerStore` chunk by chunk, keyed by what it depends on (the
+a :class:`~demind.mllm.store.AnswerStore` chunk by chunk, keyed by what it depends on (the
 model's content, the reference's pixels, the modification text, the prompt texts, the settings);
 the engine is built only when a query has no stored answer (:class:`LazyEngine`). An answer without
 a parsable description is counted, logged, and replaced by the modification text alone
@@ -29,9 +29,9 @@ from typing import Any, Callable
 
 from PIL import Image
 
-from demind.describe.config import DescribeOptions
-from demind.describe.parse import parse_description
-from demind.describe.store import AnswerStore
+from demind.mllm.config import DescribeOptions
+from demind.mllm.parse import parse_description
+from demind.mllm.store import AnswerStore
 from demind.errors import InputError, MissingInputError
 from demind.imaging import resize_longest_side
 from demind.gen import Engine, GenRequest, render, request_seed, user_turn

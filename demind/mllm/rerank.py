@@ -21,9 +21,9 @@ from typing import Any, Protocol
 
 import torch
 
-from demind.describe.config import RerankOptions
-from demind.describe.describers import DescriberPrompts, LazyEngine, fill, modification_text
-from demind.describe.store import AnswerStore
+from demind.mllm.config import RerankOptions
+from demind.mllm.describers import DescriberPrompts, LazyEngine, fill, modification_text
+from demind.mllm.store import AnswerStore
 from demind.imaging import resize_longest_side
 from demind.errors import InputError
 from demind.gen import render

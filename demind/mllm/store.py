@@ -171,7 +171,7 @@ class ModelIdentity:
     """The content identity of ``engine.model`` (see the module docstring): ``digest`` and ``source``
     -- ``"weights"`` (its files, hashed), ``"store"`` (recorded for this reference: the files are
     not on this machine), ``"name"`` (no files found even after loading: keyed by the reference) or
-    ``"given"`` (stated by the caller for an engine without files: :class:`demind.describe.MLLMSetup`)."""
+    ``"given"`` (stated by the caller for an engine without files: :class:`demind.mllm.MLLMSetup`)."""
 
     def __init__(self, reference: str, memo: DigestMemo, root: Path | None) -> None:
         self.reference = reference

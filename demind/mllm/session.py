@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from demind.config import ConfigError
-from demind.describe.config import DESCRIBERS, DescribeOptions, RerankOptions
-from demind.describe.describers import DESCRIBER_CLASSES, Describer, LazyEngine, load_describer_prompts
-from demind.describe.rerank import MLLMVerifier, Reranker
-from demind.describe.store import AnswerStore, DigestMemo, ModelIdentity, check_store_root, text_digest
+from demind.mllm.config import DESCRIBERS, DescribeOptions, RerankOptions
+from demind.mllm.describers import DESCRIBER_CLASSES, Describer, LazyEngine, load_describer_prompts
+from demind.mllm.rerank import MLLMVerifier, Reranker
+from demind.mllm.store import AnswerStore, DigestMemo, ModelIdentity, check_store_root, text_digest
 from demind.gen import Engine
 
 
@@ -65,7 +65,7 @@ class MLLMRun:
 
     def _store(self, kind: str, prompt_texts: tuple[str, ...], settings: dict[str, Any]) -> AnswerStore:
         """The store of ``kind``: its key holds the model's content, the kind's prompt texts and ``settings``
-        with the engine and dtype (demind.describe.store)."""
+        with the engine and dtype (demind.mllm.store)."""
         settings = {"engine": self.setup.engine_name, "dtype": self.setup.dtype, **settings}
         return AnswerStore(self.root, kind, self.model, text_digest(*prompt_texts), settings, self.memo)
 

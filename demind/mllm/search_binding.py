@@ -1,12 +1,12 @@
 """The MLLM of a search process: describers (``cirevl``, ``osrcir``, ``demind+mllm``) and re-ranking
 (``METHOD+rerank``) for queries typed by a user instead of read from a benchmark.
 
-The command line builds the same :class:`demind.describe.MLLMSetup` as ``demind-eval`` (the
+The command line builds the same :class:`demind.mllm.MLLMSetup` as ``demind-eval`` (the
 ``engine``, ``describe`` and ``rerank`` config sections); :class:`SearchMLLM` binds it once per
 process to the index, so the engine is built at most once and only when a description or a
-re-ranking score is missing (its :class:`~demind.describe.LazyEngine`).
+re-ranking score is missing (its :class:`~demind.mllm.LazyEngine`).
 
-The answers are stored by the one rule of :mod:`demind.describe.store`: keyed by the model's
+The answers are stored by the one rule of :mod:`demind.mllm.store`: keyed by the model's
 content, the reference's pixels, the modification text, the prompt texts and the settings; the
 index's name is a label only (a copied or renamed index finds its answers). A search query becomes
 a :class:`~demind.retrieval.Query` whose id (a label) is a hash of the reference's pixels and the
@@ -25,7 +25,7 @@ from typing import Any
 
 from PIL import Image
 
-from demind.describe import pixel_digest
+from demind.mllm.store import pixel_digest
 from demind.retrieval import RERANK_SUFFIX, ImageRef, Query
 
 log = logging.getLogger(__name__)
@@ -49,12 +49,12 @@ def query_key(picture: Image.Image | None, text: str) -> str:
 
 def descriptions_root(store: str | None, index_directory: Path) -> Path:
     """``describe.store`` if given, else ``<index>/descriptions`` (copied with the index); its
-    writability is checked when the setup is bound (:meth:`demind.describe.MLLMSetup.bind`)."""
+    writability is checked when the setup is bound (:meth:`demind.mllm.MLLMSetup.bind`)."""
     return Path(store) if store else Path(index_directory) / "descriptions"
 
 
 class SearchMLLM:
-    """One :class:`demind.describe.MLLMRun` for one index: descriptions of user queries, re-ranking."""
+    """One :class:`demind.mllm.MLLMRun` for one index: descriptions of user queries, re-ranking."""
 
     def __init__(self, setup: Any, index_name: str, index_directory: Path) -> None:
         self.setup = setup

@@ -1,0 +1,37 @@
+"""The MLLM at query time: the training-free family (CIReVL, OSrCIR, LDRE-style ensembles) and
+MLLM re-ranking, on the data_gen engines (:mod:`demind.gen.engines`), for benchmarks and search.
+
+* :mod:`~demind.mllm.describers` -- (reference image, modification) -> target description(s);
+* :mod:`~demind.mllm.parse` -- the description read out of a chain-of-thought answer;
+* :mod:`~demind.mllm.store` -- the one rule of stored answers (descriptions, re-ranking scores):
+  keyed by the model's content, the image's pixels, the text, the prompt texts and the settings;
+* :mod:`~demind.mllm.rerank` -- the yes/no verifier and the top-K re-ordering;
+* :mod:`~demind.mllm.session` -- one engine, the describers and the re-ranker of a benchmark split;
+* :mod:`~demind.mllm.search_binding` -- the same, bound to a search index for queries typed by a user.
+
+The methods that embed the descriptions live in the registry (:mod:`demind.retrieval.mllm_methods`):
+this package sits above :mod:`demind.retrieval` (it reads its images and queries), never below it, so
+the registry cannot import it; a method is handed an :class:`MLLMRun` instead.
+See docs/mllm.md.
+"""
+
+# Resolved on first use: importing demind.mllm.config (a command's --help) loads no engine or torch.
+from demind.lazy import lazy_exports
+
+__getattr__, __dir__ = lazy_exports(__name__, {
+    "demind.mllm.config": ["DESCRIBERS", "DescribeOptions", "RerankOptions"],
+    "demind.mllm.describers": ["CIReVLDescriber", "Describer", "DescriberPrompts", "LazyEngine",
+                               "OSrCIRDescriber", "load_describer_prompts", "modification_text"],
+    "demind.mllm.parse": ["Parsed", "parse_description"],
+    "demind.mllm.rerank": ["MLLMVerifier", "Reranker", "Verifier", "rerank_ranking"],
+    "demind.mllm.search_binding": ["SearchMLLM", "split_rerank"],
+    "demind.mllm.session": ["MLLMRun", "MLLMSetup"],
+    "demind.mllm.store": ["AnswerStore", "DigestMemo", "MemoryStore", "ModelIdentity", "pixel_digest"],
+})
+
+__all__ = [
+    "DESCRIBERS", "AnswerStore", "CIReVLDescriber", "DescribeOptions", "Describer", "DescriberPrompts", "DigestMemo",
+    "LazyEngine", "MLLMRun", "MLLMSetup", "MLLMVerifier", "MemoryStore", "ModelIdentity", "OSrCIRDescriber", "Parsed",
+    "RerankOptions", "Reranker", "SearchMLLM", "Verifier", "load_describer_prompts", "modification_text",
+    "parse_description", "pixel_digest", "rerank_ranking", "split_rerank",
+]
