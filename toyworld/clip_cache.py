@@ -12,8 +12,8 @@ and :class:`demind.backbone.FrozenCLIP` load it by that extension), the report `
 run killed while training leaves ``<stem>.state.safetensors`` (:mod:`demind.training.state_file`) and a
 rerun resumes from it. A damaged state file (truncated, corrupted) is deleted with a warning and
 the toy CLIP trained again from its first step: it is this cache's own file, and training again is
-what the user would be told to do. Weights cached as ``.pt`` (pickle) by versions before the
-shared training engine are not read: the toy CLIP is trained again, with one log line saying why.
+what the user would be told to do. Weights pickled by versions before the shared training engine
+are not read (:mod:`toyworld.cache_upgrade`): the toy CLIP is trained again, with one log line saying why.
 The key is the one those versions used: the engine trains the same weights, bit for bit. (Its
 warm-up lr ``lr * ((k + 1) / warmup)`` is one float64 ulp from the old ``(lr * (k + 1)) / warmup``
 on 29 of the default recipe's 100 warm-up steps; AdamW's float32 update came out the same for each.)
@@ -39,6 +39,7 @@ from demind.training import StateFileError
 from .clip import add_modality_gap, build_toy_model, gap_model_config, image_side, model_name
 from toyworld.clip_config import ToyBackboneConfig, model_config_path
 from .clip_eval import _add_probe_reports, evaluate_toy_clip
+from .cache_upgrade import note_pickled_weights
 from .clip_train import train_toy_clip
 from .shipped import ShippedWeightsError, expand_shipped, shipped_path
 from .world import WORLD_VERSION
@@ -139,10 +140,7 @@ def ensure_toy_backbone(cfg: ToyBackboneConfig | None = None, cache_dir: str | P
         logger.info("training toy CLIP (%s: %d image pre-training steps, then %d contrastive steps with the "
                     "image tower locked, batch %d) -> %s", cfg.model_config, cfg.pretrain_steps, cfg.steps,
                     cfg.batch_size, weights)
-        legacy = sorted(p.name for p in weights.parent.glob(f"{Path(cfg.model_config).stem}-*.pt"))
-        if legacy:
-            logger.info("toy CLIP: %s in %s: pickle weights or state of an earlier version, not read (the weights "
-                        "are safetensors now); training again", ", ".join(legacy), weights.parent)
+        note_pickled_weights(weights.parent, Path(cfg.model_config).stem)
         model, log = _train(cfg, progress, state_path)
     save_weights(model, weights)
     state_path.unlink(missing_ok=True)

@@ -38,6 +38,7 @@ from demind.config import ConfigError, config_problems
 from demind.settings import setting
 from demind.shard_format import ShardOutput, ShardWriter, encode_sample, sample_key
 
+from .cache_upgrade import current_shard_config
 from .parallel import parallel_map
 from .render import render_image
 from .texts import alt_text, full_description, hypothetical_source, pseudo_manipulation
@@ -211,16 +212,8 @@ def write_toy_shards(out_dir: str | Path, cfg: ToyShardConfig | None = None, sho
     return [ShardOutput.for_id(out_dir, i).tar for i in range(num_shards)]
 
 
-# Settings added after shards were first written, with the value older shards had: a shard
-# written before the noise option existed is a clean shard, not a stale one.
-LATER_SETTINGS = {"noise_kind": "none", "noise_rate": 0.0}
-# Settings since removed: the world version in the stats says all they said.
-RETIRED_SETTINGS = ("world",)
-
-
 def _is_current(output: ShardOutput, cfg: ToyShardConfig) -> bool:
     stats = output.load_stats() if output.tar.is_file() else None
     if stats is None or stats.get("world_version") != WORLD_VERSION or not isinstance(stats.get("config"), dict):
         return False
-    written = {k: v for k, v in {**LATER_SETTINGS, **stats["config"]}.items() if k not in RETIRED_SETTINGS}
-    return written == asdict(cfg)
+    return current_shard_config(stats["config"]) == asdict(cfg)  # an earlier marker: toyworld.cache_upgrade
