@@ -37,7 +37,8 @@ read from its files again before anything is generated.
 A part is written atomically after each chunk; ``<writer>`` is unique to the process that wrote it,
 so two processes sharing a store (``demind-serve`` and ``demind-search`` on one index) never
 overwrite each other's parts. A damaged part (not JSON, not an object) or record (not an object,
-missing its fields) is not trusted: its answers are asked again, with one counted log line.
+missing its fields) is not trusted: its answers are asked again, with one counted log line. A store
+of the older layout is not read, and said so (:mod:`demind.mllm.store_upgrade`).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from PIL import Image
 
 from demind.errors import InputError, OutputLocationError
 from demind.io import check_output_dir, reporting_output_errors, write_json_atomic
+from demind.mllm.store_upgrade import warn_earlier_stores
 
 log = logging.getLogger(__name__)
 
@@ -326,11 +328,7 @@ class AnswerStore:
         _read_store_meta(self.root)
         for part in sorted(self.folder.glob("part-*.json")):
             self._read_part(part)
-        older = sorted(self.root.glob(f"*/{self.kind}/*/*/store.json"))  # <benchmark>-<split>/<kind>/<prompt>/<model>/
-        if older:
-            log.warning("%s holds %d %s store(s) of an older layout (answers keyed by query id, not by what they depend "
-                        "on, e.g. %s): they are not read, so their answers are asked again; delete them when done",
-                        self.root, len(older), self.kind, older[0].parent)
+        warn_earlier_stores(self.root, self.kind)
 
     def _read_part(self, part: Path) -> None:
         try:
