@@ -14,8 +14,8 @@ What is checked, from the text alone (nothing is imported):
 * the layer picture matches the import graph of ``tests/test_layout.py``: no component imports one
   of a higher layer, and every package of ``demind/`` has its layer;
 * on a module's line, a code name in backticks (``ShardWriter``, ``decode_image``, ``IMAGE_FIELDS``:
-  an identifier with an underscore or a capital letter) is defined in that module (for a package's
-  ``__init__.py``, anywhere in the package), so a name that moved leaves no stale line behind.
+  an identifier with an underscore or a capital letter) is defined or imported by that module (a
+  package face's lazy exports count), so a name that moved leaves no stale line behind.
 """
 
 from __future__ import annotations
@@ -107,14 +107,14 @@ def defined_names(path: Path) -> frozenset[str]:
 
 
 def names_of(rel: str, root: Path = REPO_ROOT) -> frozenset[str]:
-    """What a line's module defines; a package's ``__init__.py`` line may name anything of its package."""
+    """What a line's module defines or imports; a package face (``__init__.py``) also offers the
+    names its lazy exports list as strings."""
     path = root / rel
     if path.name != "__init__.py":
         return defined_names(path)
-    # a face also names what its lazy exports list as strings
     listed = {n.value for n in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
               if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.isidentifier()}
-    return frozenset(listed).union(*(defined_names(p) for p in path.parent.rglob("*.py")))
+    return defined_names(path) | listed
 
 
 def module_file(dotted: str, root: Path = REPO_ROOT) -> Path | None:
