@@ -115,7 +115,8 @@ def write(root: Path, relative: str, text: str) -> None:
 
 @pytest.mark.parametrize("files, expected", [
     # the older version beside its reader: a scattered branch
-    ({"demind/a/reader.py": 'NEW = "demind-thing/2"\nOLD = "demind-thing/1"\n'}, ["demind/a/reader.py: demind-thing/1"]),
+    ({"demind/a/reader.py": 'NEW = "demind-thing/2"\nOLD = "demind-thing/1"\n'},
+     ["demind/a/reader.py: demind-thing/1"]),
     # in its upgrade module: the policy
     ({"demind/a/reader.py": 'NEW = "demind-thing/2"\n', "demind/a/reader_upgrade.py": 'OLD = "demind-thing/1"\n'}, []),
     # an upgrade module's format named again elsewhere
