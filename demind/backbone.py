@@ -24,15 +24,11 @@ from demind.errors import DemindError, InputError, MissingInputError
 from demind.config import ConfigError, validate
 from demind.hubref import hub_unreachable
 from demind.plugins import require_timm_model
-from demind.schema import PRECISION_NAMES, BackboneConfig  # noqa: F401 (the section lives without torch)
-from demind.templates import PLACEHOLDER  # noqa: F401
-# identity and text-tower helpers live in their own modules; also importable from here, where callers found them
-from demind.identity import (  # noqa: F401
-    backbone_identity, canonical_identity, config_activation, file_sha256, identity_slug, same_backbone,
-    tag_activation)
-from demind.text_tower import (  # noqa: F401
-    UnsupportedTextTowerError, check_built_text_tower, check_text_tower, length_buckets, run_text_transformer,
-    text_layers, truncate_keeping_placeholders)
+from demind.schema import BackboneConfig
+from demind.templates import PLACEHOLDER
+from demind.identity import backbone_identity, config_activation, identity_slug, tag_activation
+from demind.text_tower import (
+    check_built_text_tower, check_text_tower, run_text_transformer, text_layers, truncate_keeping_placeholders)
 
 log = logging.getLogger(__name__)
 

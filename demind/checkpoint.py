@@ -28,7 +28,7 @@ from demind.errors import DemindError
 from demind.hubref import is_hub_ref, resolve_hub_folder
 from demind.model import DeMinds
 from demind.io import atomic_path, write_text_atomic
-from demind.tensor_files import load_safetensors_file, read_format_metadata, tensors_sha256  # noqa: F401 (tensors_sha256 re-exported)
+from demind.tensor_files import load_safetensors_file, read_format_metadata, tensors_sha256
 
 logger = logging.getLogger(__name__)
 

@@ -31,9 +31,7 @@ import yaml
 
 from demind.errors import DemindError
 from demind.io import write_text_atomic
-# the declaration side (rules, setting(), run settings) lives in demind.settings; re-exported here
-from demind.settings import (  # noqa: F401
-    DEVICE_PATTERN, DistributorOptions, QueryRunOptions, Rule, RunOptions, device_setting, resolve_device, setting, threads_setting)
+from demind.settings import Rule
 
 T = TypeVar("T")
 

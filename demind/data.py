@@ -42,7 +42,7 @@ from demind.settings import setting
 from demind.errors import DemindError, InputError
 from demind.imaging import decode_image
 from demind.shard_format import CAPTION_FIELD, IMAGE_FIELDS, INTENT_FIELD, REWRITTEN_FIELD
-from demind.schema import MISSING_TEXT_CHOICES, DataConfig  # noqa: F401 (the section lives without torch)
+from demind.schema import MISSING_TEXT_CHOICES
 from demind.targets import TargetSampling, sample_target_kind
 
 logger = logging.getLogger(__name__)

@@ -72,8 +72,6 @@ from typing import Any, Callable
 from demind.coco_files import CAPTION_FIELDS, INSTANCE_FIELDS, load_coco
 from demind.errors import InputError
 from demind.settings import setting
-# the LLM writer lives with the data_gen engines; also importable from here, where callers found it
-from demind.gen import llm_query_writer  # noqa: F401
 from demind.io import write_json_atomic
 
 log = logging.getLogger(__name__)

@@ -46,7 +46,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from demind.schema import GFQ_PAIRINGS, GFQ_THRESHOLD  # noqa: F401 (K and omega; read by NoiseConfig)
+from demind.schema import GFQ_PAIRINGS, GFQ_THRESHOLD
 
 logger = logging.getLogger(__name__)
 

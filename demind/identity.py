@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 
 class ModelSpec(Protocol):
-    """What an identity reads of a backbone config (:class:`demind.backbone.BackboneConfig`)."""
+    """What an identity reads of a backbone config (:class:`demind.schema.BackboneConfig`)."""
 
     name: str
     pretrained: str | None

@@ -26,12 +26,10 @@ import torch.nn.functional as F
 from demind.backbone import FrozenCLIP
 from demind.config import ConfigError, validate
 from demind.errors import InputError
-# the config section and the templates live in torch-free modules (read by --help and config checks);
-# importable from here, where callers found them
-from demind.schema import FUSIONS, QUERY_SCALES, ModelConfig, heads_problem
+# the config section and the templates live in torch-free modules (read by --help and config checks)
+from demind.schema import ModelConfig, heads_problem
 from demind.settings import QUERY_MODES
-from demind.templates import (
-    MAX_TEMPLATE_CHARS, TEMPLATE_FIELDS, TEMPLATES, TemplateError, fill_template, template_field, PLACEHOLDER)
+from demind.templates import PLACEHOLDER, TEMPLATES, fill_template, template_field
 
 
 class ComposeOutput(NamedTuple):

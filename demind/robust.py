@@ -62,7 +62,7 @@ import torch
 import torch.nn.functional as F
 
 from demind.errors import InputError
-from demind.schema import NOISE_MODES, NoiseConfig  # noqa: F401 (the section lives without torch)
+from demind.schema import NoiseConfig
 from demind.losses import Gather, demind_losses
 from demind.model import ComposeOutput
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from demind.settings import QUERY_MODES, setting  # noqa: F401 - re-exported
+from demind.settings import setting
 from demind.targets import TargetSampling
 from demind.templates import PLACEHOLDER, TEMPLATES, TemplateError, template_field
 

@@ -25,7 +25,8 @@ from demind.cli.cc3m_list import main as cc3m_main
 from demind.cli.publish import main as publish_main
 from demind.eval.reports import markdown_table
 from demind.release.cards import read_front_matter
-from demind.release.publish import CARD_MARKER, CardOptions, PublishError, publish_checkpoint
+from demind.release.publish import CardOptions, publish_checkpoint
+from demind.release.folders import CARD_MARKER, PublishError
 from demind.hubref import HubError, HubRef, parse_hub_ref
 from demind.shard_format import INTENT_MEMBERS, resolve_shards
 from benchmarks.synthetic import write_synthetic_shards

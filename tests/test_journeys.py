@@ -138,7 +138,8 @@ def test_a_multi_frame_gif_gives_its_first_frame(tmp_path):
 def tiny_backbone():
     import torch
 
-    from demind.backbone import BackboneConfig, FrozenCLIP
+    from demind.backbone import FrozenCLIP
+    from demind.schema import BackboneConfig
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -338,9 +339,10 @@ def local_backbone_checkpoint(root: Path, run: str = "run", seed: int = 0, confi
 
     import torch
 
-    from demind.backbone import BackboneConfig, FrozenCLIP
+    from demind.backbone import FrozenCLIP
+    from demind.schema import BackboneConfig, ModelConfig
     from demind.checkpoint import save_checkpoint
-    from demind.model import DeMinds, ModelConfig
+    from demind.model import DeMinds
 
     config = root / "repo" / "configs" / "my-clip.json"
     weights = root / "work" / "my-clip-weights.pt"
@@ -415,7 +417,7 @@ def test_a_run_folder_records_a_linked_model_config_by_its_link(tmp_path):
     import shutil
 
     from demind.checkpoint import backbone_files_record
-    from demind.backbone import BackboneConfig
+    from demind.schema import BackboneConfig
 
     blob = tmp_path / "hf" / "blobs" / "3f2a9"
     blob.parent.mkdir(parents=True)

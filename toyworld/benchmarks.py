@@ -67,8 +67,7 @@ from demind.logs import progress_bar
 from demind.settings import setting
 from demind.io import atomic_path, write_json_atomic, write_text_atomic
 
-# CirrSet and build_cirr_set are re-exported: the CIRR generator lived here before toyworld/cirr.py
-from .cirr import CIRR_VERSIONS, CirrSet, build_cirr_set, write_cirr  # noqa: F401
+from .cirr import CIRR_VERSIONS, write_cirr
 from .parallel import parallel_map
 from .render import render_scene, save_png
 from .texts import alt_text, article, full_description, noun_phrase, with_article

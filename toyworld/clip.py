@@ -29,8 +29,7 @@ from demind.text_tower import run_text_transformer
 from demind.config import ConfigError
 
 from . import towers  # noqa: F401  (registers the convnet with timm before open_clip builds it)
-from .clip_config import (  # noqa: F401 (the recipe lives without torch; importable from here)
-    OBJECT_TAGS, PACKAGE_ROOT, SCENE_TAGS, TAG_VALUES, TOY_CLIP_CONFIG, ToyBackboneConfig, model_config_path)
+from .clip_config import OBJECT_TAGS, TAG_VALUES, ToyBackboneConfig, model_config_path
 from .world import Scene
 
 logger = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from demind.config import device_setting, resolve_device, setting
+from demind.settings import device_setting, resolve_device, setting
 from demind.io import check_output_dir, write_json_atomic
 
 from .benchmarks import ToyBenchmarkConfig, write_benchmarks
@@ -126,7 +126,7 @@ class QuickstartConfig:
 def toy_backbone_config(model_config: str | Path, weights: str | Path):
     """The BackboneConfig of the trained toy CLIP, with absolute paths: the checkpoints record it,
     and must load from any folder."""
-    from demind.backbone import BackboneConfig
+    from demind.schema import BackboneConfig
 
     return BackboneConfig(name=str(model_config_path(model_config)), pretrained=str(Path(weights).resolve()))
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from demind.errors import InputError
-from demind.seeding import derive_seed  # noqa: F401  (the toy world's seeds; re-exported)
 
 SHAPES = ("circle", "square", "triangle", "star", "cross", "diamond", "hexagon", "heart")
 COLOURS = ("red", "green", "blue", "yellow", "purple", "orange", "pink", "white")

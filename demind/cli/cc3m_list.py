@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 
 from demind.cli.common import Flag, config_parser, run_config_command
-from demind.config import setting
+from demind.settings import setting
 from demind.gen.cc3m import CC3M_CONFIG, CC3M_REPO
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from demind.cli.common import Flag, config_parser, run_config_command
-from demind.config import setting
+from demind.settings import setting
 
 DEFAULT_LICENSE = {"model": "apache-2.0", "dataset": "other"}
 

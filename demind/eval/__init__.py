@@ -10,9 +10,23 @@ Library entry point::
 Command line: ``demind-eval --help`` or ``python -m demind.eval --help`` (:mod:`demind.cli.evaluate`).
 """
 
-# Resolved on first use: importing demind.eval.options (demind-eval --help) loads no model code or torch.
+from typing import TYPE_CHECKING
+
 from demind.lazy import lazy_exports
 
+if TYPE_CHECKING:  # the same names for static tools and go-to-definition (tests/test_lazy_faces.py keeps them equal)
+    from demind.checkpoint import load_backbone_and_model
+    from demind.eval.cirr import find_image_root
+    from demind.eval.exclcoco import load_exclcoco
+    from demind.eval.fashioniq import FASHIONIQ_CATEGORIES, fashioniq_texts
+    from demind.eval.structures import DataLayoutError, index_image_folder, raise_if_missing, require_dir, require_file
+    from demind.eval.exclusion import EXCLUSION_FORMAT
+    from demind.eval.options import BENCHMARKS, CocoOptions, ReaderOptions
+    from demind.eval.harness import evaluate, read_benchmark
+    from demind.eval.metrics import paired_ap, paired_hits, pairwise_auc, sign_test_p
+    from demind.eval.reports import TITLES, format_table, markdown_table
+
+# Resolved on first use: importing demind.eval.options (demind-eval --help) loads no model code or torch.
 __getattr__, __dir__ = lazy_exports(__name__, {
     "demind.checkpoint": ["load_backbone_and_model"],
     "demind.eval.cirr": ["find_image_root"],
@@ -25,13 +39,11 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "demind.eval.harness": ["evaluate", "read_benchmark"],
     "demind.eval.metrics": ["pairwise_auc", "paired_ap", "paired_hits", "sign_test_p"],
     "demind.eval.reports": ["TITLES", "format_table", "markdown_table"],
-    "demind.retrieval.names": ["METHODS"],
 })
 
 __all__ = [
     "BENCHMARKS",
     "EXCLUSION_FORMAT",
-    "METHODS",
     "TITLES",
     "CocoOptions",
     "ReaderOptions",

@@ -38,8 +38,7 @@ from demind.retrieval import (
 from demind.eval.reports import write_reports
 from demind.retrieval import ImageRef
 from demind.eval.structures import BenchmarkData, QueryGroup
-from demind.eval.options import BENCHMARKS, CocoOptions, FashionIQOptions  # noqa: F401 (torch-free; re-exported)
-from demind.eval.options import ReaderOptions
+from demind.eval.options import BENCHMARKS, ReaderOptions
 from demind.model import DeMinds
 
 log = logging.getLogger(__name__)

@@ -57,7 +57,12 @@ the exclusion instrument"; ``python -m benchmarks.exclusion_instrument``) they b
 form on every seed on exclusion AUC and AP@5, the rule fixed before that run.
 """
 
+from typing import TYPE_CHECKING
+
 from demind.lazy import lazy_exports
+
+if TYPE_CHECKING:  # the same names for static tools and go-to-definition (tests/test_lazy_faces.py keeps them equal)
+    from demind.exclmm.model import ExclMM, load_exclmm, words_of
 
 # resolved on first use: importing demind.exclmm.config (the recipe) loads no torch
 __getattr__, __dir__ = lazy_exports(__name__, {"demind.exclmm.model": ["ExclMM", "load_exclmm", "words_of"]})

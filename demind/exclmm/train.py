@@ -33,8 +33,7 @@ from demind.backbone import FrozenCLIP, build_backbone
 from demind.config import save_config
 from demind.errors import InputError
 from demind.exclmm import losses as L
-from demind.exclmm.config import (  # noqa: F401 (the recipe lives without torch; importable from here)
-    ExclDataConfig, ExclMMConfig, ExclRunConfig, QueryConfig, SaeConfig, SpaceConfig)
+from demind.exclmm.config import ExclMMConfig
 from demind.exclmm.features import FEATURES_NAME, prepare_features
 from demind.exclmm.model import ExclMM
 from demind.exclmm.run_upgrade import refuse_pickled_files

@@ -27,8 +27,8 @@ from operator import attrgetter
 from typing import Any
 
 from demind import distributed
-from demind.distributed import (DistributedJobError, Dispatch, connect, count_workers, drive, failed_try,  # noqa: F401
-                                import_ray, start_workers, stop_workers)  # DistributedJobError: the job's error, named here too
+from demind.distributed import (
+    Dispatch, connect, count_workers, drive, failed_try, import_ray, start_workers, stop_workers)
 from demind.gen.config import GenConfig
 from demind.gen.job import JobSummary, ShardOutcome, build_generator, run_shard
 from demind.gen.plan import JobPlan, ShardTask

@@ -15,9 +15,22 @@ the registry cannot import it; a method is handed an :class:`MLLMRun` instead.
 See docs/mllm.md.
 """
 
-# Resolved on first use: importing demind.mllm.config (a command's --help) loads no engine or torch.
+from typing import TYPE_CHECKING
+
 from demind.lazy import lazy_exports
 
+if TYPE_CHECKING:  # the same names for static tools and go-to-definition (tests/test_lazy_faces.py keeps them equal)
+    from demind.mllm.config import DESCRIBERS, DescribeOptions, RerankOptions
+    from demind.mllm.describers import (
+        CIReVLDescriber, Describer, DescriberPrompts, LazyEngine, OSrCIRDescriber, load_describer_prompts,
+        modification_text)
+    from demind.mllm.parse import Parsed, parse_description
+    from demind.mllm.rerank import MLLMVerifier, Reranker, Verifier, rerank_ranking
+    from demind.mllm.search_binding import SearchMLLM, split_rerank
+    from demind.mllm.session import MLLMRun, MLLMSetup
+    from demind.mllm.store import AnswerStore, DigestMemo, MemoryStore, ModelIdentity, pixel_digest
+
+# Resolved on first use: importing demind.mllm.config (a command's --help) loads no engine or torch.
 __getattr__, __dir__ = lazy_exports(__name__, {
     "demind.mllm.config": ["DESCRIBERS", "DescribeOptions", "RerankOptions"],
     "demind.mllm.describers": ["CIReVLDescriber", "Describer", "DescriberPrompts", "LazyEngine",

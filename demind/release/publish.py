@@ -32,7 +32,7 @@ from typing import Any
 
 import yaml
 
-from demind.backbone import BackboneConfig
+from demind.schema import BackboneConfig
 from demind.checkpoint import (BACKBONE_DIR, BACKBONE_FILES_KEY, CHECKPOINT_FILE, CheckpointSource,
                                read_checked_tensors, read_checkpoint_metadata, resolve_backbone_files,
                                resolve_checkpoint, write_checkpoint)

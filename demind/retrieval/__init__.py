@@ -15,10 +15,30 @@ Evaluation (:mod:`demind.eval`: benchmark readers, metrics, protocols, reports) 
 modules.
 """
 
-# Resolved on first use: the method names (demind.retrieval.names) load no torch, so a command's
-# --help can list them; everything else imports its module (and torch) when first read.
+from typing import TYPE_CHECKING
+
 from demind.lazy import lazy_exports
 
+if TYPE_CHECKING:  # the same names for static tools and go-to-definition (tests/test_lazy_faces.py keeps them equal)
+    from demind.retrieval.refs import (
+        IMAGE_EXTENSIONS, LEFT_OUT_ADVICE, RESIZE_MODES, ImageReadError, ImageRef, Query, canonical_name, load_image,
+        reword, strip_image_extension)
+    from demind.retrieval.cache import (
+        DamagedPartError, EncodeStats, ImageFeatureCache, ImageRefDataset, backbone_cache_slug, encode_image_refs,
+        image_transforms, squash_preprocess, stack_features)
+    from demind.retrieval.cache_upgrade import adopt_unoriented, is_earlier_part
+    from demind.retrieval.names import (
+        CHECKPOINT_METHODS, COMBINER_METHODS, DEO_BASES, DEO_METHODS, DESCRIBED_METHODS, EXCLMM_METHODS, HYBRID_METHOD,
+        METHODS, METHOD_LABELS, MLLM_METHODS, ON_REQUEST_METHODS, RERANK_SUFFIX, split_rerank_requests,
+        unavailable_methods)
+    from demind.retrieval.methods import (
+        NEGATIVE_TEMPLATE, CombinerQuery, DEOMethod, DeMindsQuery, ImageOnly, ImagePlusText, MappingOnly, Oracle,
+        TextOnly, build_methods, checkpoint_kind, method_label, parse_method_names, split_deo_name)
+    from demind.retrieval.methods_base import RetrievalMethod
+    from demind.retrieval.mllm_methods import DescribedQuery, HybridQuery, ensemble_embeddings
+
+# Resolved on first use: the method names (demind.retrieval.names) load no torch, so a command's
+# --help can list them; everything else imports its module (and torch) when first read.
 __getattr__, __dir__ = lazy_exports(__name__, {
     "demind.retrieval.refs": ["IMAGE_EXTENSIONS", "LEFT_OUT_ADVICE", "RESIZE_MODES", "ImageReadError", "ImageRef",
                               "Query", "canonical_name", "load_image", "reword", "strip_image_extension"],
@@ -26,17 +46,20 @@ __getattr__, __dir__ = lazy_exports(__name__, {
                                "backbone_cache_slug", "encode_image_refs", "image_transforms", "squash_preprocess",
                                "stack_features"],
     "demind.retrieval.cache_upgrade": ["adopt_unoriented", "is_earlier_part"],
-    "demind.retrieval.names": ["CHECKPOINT_METHODS", "COMBINER_METHODS", "unavailable_methods", "DEO_BASES", "DEO_METHODS", "EXCLMM_METHODS", "METHOD_LABELS",
-                               "METHODS", "ON_REQUEST_METHODS", "RERANK_SUFFIX", "DESCRIBED_METHODS",
-                               "HYBRID_METHOD", "MLLM_METHODS", "split_rerank_requests"],
-    "demind.retrieval.methods": ["NEGATIVE_TEMPLATE", "CombinerQuery", "DEOMethod", "DeMindsQuery", "ImageOnly", "ImagePlusText",
-                                 "MappingOnly", "Oracle", "RetrievalMethod", "TextOnly", "build_methods", "checkpoint_kind",
-                                 "method_label", "parse_method_names", "split_deo_name"],
+    "demind.retrieval.names": ["CHECKPOINT_METHODS", "COMBINER_METHODS", "DEO_BASES", "DEO_METHODS",
+                               "DESCRIBED_METHODS", "EXCLMM_METHODS", "HYBRID_METHOD", "METHOD_LABELS", "METHODS",
+                               "MLLM_METHODS", "ON_REQUEST_METHODS", "RERANK_SUFFIX", "split_rerank_requests",
+                               "unavailable_methods"],
+    "demind.retrieval.methods": ["NEGATIVE_TEMPLATE", "CombinerQuery", "DEOMethod", "DeMindsQuery", "ImageOnly",
+                                 "ImagePlusText", "MappingOnly", "Oracle", "TextOnly", "build_methods",
+                                 "checkpoint_kind", "method_label", "parse_method_names", "split_deo_name"],
+    "demind.retrieval.methods_base": ["RetrievalMethod"],
     "demind.retrieval.mllm_methods": ["DescribedQuery", "HybridQuery", "ensemble_embeddings"],
 })
 
 __all__ = [
-    "CHECKPOINT_METHODS", "DEO_BASES", "DEO_METHODS", "EXCLMM_METHODS", "IMAGE_EXTENSIONS", "METHODS", "METHOD_LABELS",
+    "CHECKPOINT_METHODS", "COMBINER_METHODS", "CombinerQuery", "checkpoint_kind", "unavailable_methods",
+    "DEO_BASES", "DEO_METHODS", "EXCLMM_METHODS", "IMAGE_EXTENSIONS", "METHODS", "METHOD_LABELS",
     "NEGATIVE_TEMPLATE", "ON_REQUEST_METHODS", "RESIZE_MODES",
     "DESCRIBED_METHODS", "HYBRID_METHOD", "MLLM_METHODS", "RERANK_SUFFIX", "DescribedQuery", "HybridQuery",
     "ensemble_embeddings",

@@ -30,9 +30,9 @@ from demind.backbone import FrozenCLIP
 from demind.config import ConfigError
 from demind.retrieval.methods_base import RetrievalMethod
 from demind.retrieval.mllm_methods import build_mllm_method
-from demind.retrieval.names import (  # noqa: F401 (the names live without torch; importable from here)
-    CHECKPOINT_METHODS, DEO_BASES, DEO_METHODS, DEO_SUFFIXES, EXCLMM_METHODS, HYBRID_METHOD, METHOD_LABELS, METHODS,
-    MLLM_METHODS, ON_REQUEST_METHODS, RERANK_SUFFIX, COMBINER_METHODS, unavailable_methods)
+from demind.retrieval.names import (
+    DEO_BASES, DEO_METHODS, DEO_SUFFIXES, EXCLMM_METHODS, METHOD_LABELS, METHODS, MLLM_METHODS, ON_REQUEST_METHODS,
+    RERANK_SUFFIX, unavailable_methods)
 from demind.retrieval.refs import Query
 from demind.model import DeMinds
 from demind.templates import PLACEHOLDER

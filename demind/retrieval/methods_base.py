@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from demind.backbone import FrozenCLIP
-from demind.retrieval.names import METHOD_LABELS  # noqa: F401 (the display names, torch-free)
+from demind.retrieval.names import METHOD_LABELS
 from demind.retrieval.refs import Query
 
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from demind.config import ConfigError
 from demind.retrieval.methods_base import RetrievalMethod
-from demind.retrieval.names import DESCRIBED_METHODS, HYBRID_METHOD, MLLM_METHODS  # noqa: F401
+from demind.retrieval.names import HYBRID_METHOD
 from demind.retrieval.refs import Query
 
 SEPARATOR = "\n"

@@ -40,9 +40,8 @@ from demind.imaging import DECODABLE_EXTENSIONS
 from demind.io import check_output_dir, read_json, write_json_atomic
 from demind.retrieval import (DamagedPartError, ImageFeatureCache, ImageRef, adopt_unoriented, encode_image_refs,
                               is_earlier_part)
-from demind.search.index_manifest import (INDEX_FORMAT, MANIFEST, DamagedManifestError,  # noqa: F401
-                                          GalleryIndexError, previous_manifest, read_manifest, rebuild_advice,
-                                          recorded_root)
+from demind.search.index_manifest import (
+    INDEX_FORMAT, MANIFEST, GalleryIndexError, previous_manifest, read_manifest, rebuild_advice, recorded_root)
 from demind.search.index_upgrade import load_earlier_rows
 from demind.shard_format import SHARD_SUFFIX
 

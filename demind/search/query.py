@@ -42,8 +42,8 @@ from demind.search.index import GalleryIndex, check_index_backbone
 from demind.mllm import SearchMLLM, split_rerank
 from demind.search.expectations import expectation
 from demind.search.ranker_store import open_ranker
-from demind.search.rankers import Ranker, exact_top_k  # noqa: F401 (Ranker: importable from here, where it was)
-from demind.search.names import DEFAULT_METHOD, DEFAULT_TEMPLATE, RANKERS  # noqa: F401 (torch-free; re-exported)
+from demind.search.rankers import exact_top_k
+from demind.search.names import DEFAULT_METHOD, DEFAULT_TEMPLATE, RANKERS
 
 log = logging.getLogger(__name__)
 

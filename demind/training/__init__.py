@@ -25,24 +25,44 @@ The engine pieces every trainer shares (De-MINDS, ExclMM, the toy CLIP): ``optim
 no pickle; De-MINDS resumes through Accelerate's ``save_state`` instead, see ``checkpoints``).
 """
 
+from typing import TYPE_CHECKING
+
 from demind.lazy import lazy_exports
+
+if TYPE_CHECKING:  # the same names for static tools and go-to-definition (tests/test_lazy_faces.py keeps them equal)
+    from demind.schema import DataConfig
+    from demind.training.accel import make_gather, micro_batch_size, refuse_cpu_fallback, setup
+    from demind.training.batches import batch_embeddings, build_data, find_feature_cache
+    from demind.training.config import LossConfig, OptimConfig, RunConfig, TrainConfig, load_train_config
+    from demind.training.loop import EXPORT_NAME, build_modules, train
+    from demind.training.metrics_log import LOSS_TERMS, LogWindow, append_metrics, step_line, term_parts, trim_metrics
+    from demind.training.finite import NonFiniteLossError, check_finite_terms
+    from demind.training.plot import PLOT_NAME, plot_training
+    from demind.training.optim import (
+        build_adamw, build_lr_scheduler, build_optimizer, build_scheduler, lr_factor, warmup_cosine)
+    from demind.training.checkpoints import (
+        ResumeError, TrainState, latest_checkpoint, save_accelerator_state_atomically)
+    from demind.training.step import check_finite, compute_losses
+    from demind.training.zero import DeepSpeedError, deepspeed_device, fill_deepspeed_config
+    from demind.training.state_file import (
+        StateFileError, load_train_state, load_tree, restore_train_state, save_train_state, save_tree)
 
 # names resolved on first use: importing demind.training.config (the schema) loads no trainer or torch
 __getattr__, __dir__ = lazy_exports(__name__, {
-    "demind.data": ["DataConfig"],
+    "demind.schema": ["DataConfig"],
     "demind.training.accel": ["make_gather", "micro_batch_size", "refuse_cpu_fallback", "setup"],
     "demind.training.batches": ["batch_embeddings", "build_data", "find_feature_cache"],
     "demind.training.config": ["LossConfig", "OptimConfig", "RunConfig", "TrainConfig", "load_train_config"],
     "demind.training.loop": ["EXPORT_NAME", "build_modules", "train"],
     "demind.training.metrics_log": ["LOSS_TERMS", "LogWindow", "append_metrics", "step_line",
                                      "term_parts", "trim_metrics"],
-    "demind.training.finite": ["check_finite_terms"],
+    "demind.training.finite": ["NonFiniteLossError", "check_finite_terms"],
     "demind.training.plot": ["PLOT_NAME", "plot_training"],
     "demind.training.optim": ["build_adamw", "build_lr_scheduler", "build_optimizer", "build_scheduler",
                                "lr_factor", "warmup_cosine"],
     "demind.training.checkpoints": ["ResumeError", "TrainState", "latest_checkpoint",
                                     "save_accelerator_state_atomically"],
-    "demind.training.step": ["NonFiniteLossError", "check_finite", "compute_losses"],
+    "demind.training.step": ["check_finite", "compute_losses"],
     "demind.training.zero": ["DeepSpeedError", "deepspeed_device", "fill_deepspeed_config"],
     "demind.training.state_file": ["StateFileError", "load_train_state", "load_tree", "restore_train_state",
                                     "save_train_state", "save_tree"],

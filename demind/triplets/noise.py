@@ -19,7 +19,7 @@ import torch
 from demind.errors import InputError
 from demind.seeding import derive_seed
 
-from demind.triplets.config import NOISE_KINDS  # noqa: F401 (re-exported)
+from demind.triplets.config import NOISE_KINDS
 
 
 def noise_order(n: int) -> list[int]:
