@@ -8,7 +8,7 @@ accuracy on the labelled phrasings and what it flags in CIRR caption files.
 from __future__ import annotations
 
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from demind.cli.common import Flag, config_parser, run_config_command
 from demind.settings import setting

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from demind.cli.common import Flag, config_parser, run_config_command
 from demind.cli.model_options import MODEL_FLAGS, QueryModelOptions, load_model, search_mllm_setup
 from demind.settings import setting
-from demind.errors import DemindError, InputError
+from demind.errors import InputError
 from demind.search.names import RANKERS
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from demind.errors import DemindError, InputError
-from demind.io import read_json
 from demind.retrieval import IMAGE_EXTENSIONS, ImageRef, Query
 
 

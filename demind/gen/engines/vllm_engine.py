@@ -19,7 +19,6 @@ from typing import Any
 
 from packaging.version import Version
 
-from demind.config import ConfigError
 from demind.errors import DemindError, MissingDependencyError
 from demind.gen.config import EngineConfig, SamplingConfig
 from demind.gen.engines.base import GenRequest, GenResult, TokenScores, resolve_max_model_len
