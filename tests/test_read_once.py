@@ -40,7 +40,6 @@ def test_training_derives_its_micro_batch_once(repo_root, tmp_path, monkeypatch)
     from demind.cli import train
     from benchmarks.synthetic import write_synthetic_shards
     import demind.training.accel as accel
-    import demind.training.batches as batches
     import demind.training.loop as loop
 
     shards = tmp_path / "shards"
@@ -52,7 +51,7 @@ def test_training_derives_its_micro_batch_once(repo_root, tmp_path, monkeypatch)
         calls.append(processes)
         return real(optim, processes)
 
-    for module in (accel, batches, loop):
+    for module in (accel, loop):  # build_data takes the micro batch; it derives none of its own
         monkeypatch.setattr(module, "micro_batch_size", counting)
     run = tmp_path / "run"
     assert train.main(["--config", str(repo_root / "configs/train/smoke.yaml"), f"data.shards={shards}",
