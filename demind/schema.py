@@ -2,9 +2,9 @@
 
 ``--help`` of every command lists these keys, and a config is checked against their rules, before
 any model code loads: :class:`BackboneConfig` (``backbone``), :class:`ModelConfig` (``model``),
-:class:`DataConfig` (``data``) and :class:`NoiseConfig` (``training.noise``). Each is re-exported
-by the module that uses it (:mod:`demind.backbone`, :mod:`demind.model`, :mod:`demind.data`,
-:mod:`demind.robust`), where callers import it from.
+:class:`DataConfig` (``data``) and :class:`NoiseConfig` (``training.noise``). Callers import each
+from here; the modules that use them (:mod:`demind.backbone`, :mod:`demind.model`,
+:mod:`demind.data`, :mod:`demind.robust`) do too.
 """
 
 from __future__ import annotations

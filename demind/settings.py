@@ -1,7 +1,7 @@
 """What a config field may hold: declared rules (:func:`setting`) and the common run settings.
 
-The declaration side of :mod:`demind.config` (which loads, checks and saves configs, and
-re-exports these names): a dataclass field is declared with its rule and help text,
+The declaration side of :mod:`demind.config` (which loads, checks and saves configs): a
+dataclass field is declared with its rule and help text,
 
     lr: float = setting(1e-6, gt=0, help="peak learning rate")
 

@@ -3,8 +3,8 @@
 ``a photo of * , {text}`` is the paper's CIRR prompt. A template is literal text, one ``*``
 and one plain field of :data:`TEMPLATE_FIELDS`; it is filled by joining its parts, never by
 ``str.format`` (no format specs, conversions, attribute or index access). Torch-free, so a
-config that names a template is checked without loading a model; re-exported by
-:mod:`demind.model`.
+config that names a template is checked without loading a model; :mod:`demind.model` fills
+them.
 """
 
 from __future__ import annotations

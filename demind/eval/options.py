@@ -1,8 +1,8 @@
 """The benchmark names and the benchmark sections of ``demind-eval``'s config (``fashioniq``, ``coco``;
 together :class:`ReaderOptions`, what the readers are handed).
 
-Torch-free, so ``demind-eval --help`` and config checks load no model code; re-exported by
-:mod:`demind.eval.harness` and :mod:`demind.eval`.
+Torch-free, so ``demind-eval --help`` and config checks load no model code; callers import them from
+here (the face :mod:`demind.eval` offers ``BENCHMARKS``, ``CocoOptions`` and ``ReaderOptions``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """ExclMM's training recipe (``configs/exclmm/*.yaml``): the sections of :class:`ExclMMConfig`.
 
-Torch-free, so ``demind-train-exclmm --help`` and config checks load no model code; re-exported by
-:mod:`demind.exclmm.train`.
+Torch-free, so ``demind-train-exclmm --help`` and config checks load no model code; the trainer
+(:mod:`demind.exclmm.train`) and every caller import the sections from here.
 """
 
 from __future__ import annotations

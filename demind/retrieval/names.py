@@ -1,7 +1,7 @@
 """The names of the retrieval methods: what a config, a query file or ``--help`` may say.
 
 Torch-free, so the commands list and check method names without loading a model; the registry
-that builds the methods (:mod:`demind.retrieval.methods`) and :mod:`demind.retrieval` re-export them.
+that builds the methods (:mod:`demind.retrieval.methods`) reads them, and the face :mod:`demind.retrieval` offers them.
 """
 
 from __future__ import annotations

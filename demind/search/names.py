@@ -1,7 +1,7 @@
 """What a search query may name by default: the method, the template and the rankers.
 
 Torch-free, so ``demind-search --help`` / ``demind-serve --help`` list them without loading a
-model; re-exported by :mod:`demind.search.query`, which uses them.
+model; :mod:`demind.search.query` uses them.
 """
 
 from __future__ import annotations
