@@ -67,6 +67,7 @@ from demind.logs import progress_bar
 from demind.settings import setting
 from demind.io import atomic_path, write_json_atomic, write_text_atomic
 
+from .cache_upgrade import current_benchmark_config
 from .cirr import CIRR_VERSIONS, write_cirr
 from .parallel import parallel_map
 from .render import render_scene, save_png
@@ -126,15 +127,11 @@ def _marker(folder: Path, name: str, cfg: ToyBenchmarkConfig) -> dict[str, Any]:
             "config": asdict(cfg)}
 
 
-# Settings since removed: the world version in the marker says all they said.
-RETIRED_SETTINGS = ("world",)
-
-
 def is_done(folder: Path, name: str, cfg: ToyBenchmarkConfig) -> bool:
     path = folder / "toy_benchmark.json"
     try:
         marker = json.loads(path.read_text())
-        marker["config"] = {k: v for k, v in marker["config"].items() if k not in RETIRED_SETTINGS}
+        marker["config"] = current_benchmark_config(marker["config"])  # an earlier marker: toyworld.cache_upgrade
         return marker == _marker(folder, name, cfg)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False

@@ -4,7 +4,8 @@ call in here and nowhere else knows them).
 * Toy CLIP weights pickled as ``.pt`` (before safetensors) are not read: the model is trained
   again, said in one log line (:func:`note_pickled_weights`).
 * Toy shards' done-markers written before a setting existed read with the value those shards had,
-  and settings since removed are dropped (:func:`current_shard_config`), so finished shards stay done.
+  and settings since removed are dropped (:func:`current_shard_config`), so finished shards stay done;
+  a toy benchmark's marker drops them too (:func:`current_benchmark_config`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ LEGACY_WEIGHTS_SUFFIX = ".pt"  # pickled weights or state of versions before saf
 # Settings added after shards were first written, with the value older shards had: a shard
 # written before the noise option existed is a clean shard, not a stale one.
 LATER_SETTINGS = {"noise_kind": "none", "noise_rate": 0.0}
-# Settings since removed: the world version in the stats says all they said.
+# Settings since removed: the world version in the stats (or marker) says all they said.
 RETIRED_SETTINGS = ("world",)
 
 
@@ -34,3 +35,8 @@ def note_pickled_weights(folder: Path, stem: str) -> None:
 def current_shard_config(written: dict[str, Any]) -> dict[str, Any]:
     """A toy shard's recorded config as the current settings read it."""
     return {k: v for k, v in {**LATER_SETTINGS, **written}.items() if k not in RETIRED_SETTINGS}
+
+
+def current_benchmark_config(written: dict[str, Any]) -> dict[str, Any]:
+    """A toy benchmark marker's recorded config as the current settings read it."""
+    return {k: v for k, v in written.items() if k not in RETIRED_SETTINGS}
