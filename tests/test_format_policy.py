@@ -143,3 +143,28 @@ def test_the_import_check_on_hand_made_trees(tmp_path):
     assert foreign_importers(tmp_path) == ["demind.a.sub.c -> demind.a.reader_upgrade",
                                            "demind.b -> demind.a.reader_upgrade",
                                            "demind.b -> demind.a.reader_upgrade"]
+
+
+def test_exclmm_features_of_the_single_file_form_read_as_current(tmp_path):
+    """Features written by an earlier version (``demind-exclmm-features/1``: one safetensors file
+    with its JSON inside, no record beside it) read as the current reader returns them, and are reused."""
+    import torch
+
+    from demind.exclmm.features import FEATURES_NAME, _reusable, load_features, pack_ragged
+    from demind.exclmm.run_upgrade import LEGACY_FORMAT
+    from demind.training import save_tree
+
+    identity = {"name": "RN50", "pretrained": "openai", "activation": "quick_gelu"}
+    images = torch.arange(6, dtype=torch.float32).reshape(3, 2)
+    tree = {"images": images, "image_ids": [7, 8, 9], "caption_words": pack_ragged([[1, 2], [], [3]]),
+            "positive_queries": images[:1], "positive_words": pack_ragged([[4]]), "backbone": identity,
+            "train": "data/exclcoco/train"}
+    path = save_tree(tmp_path / FEATURES_NAME, tree, LEGACY_FORMAT)
+    assert not path.with_suffix(".json").exists()
+    feats = load_features(path)
+    assert torch.equal(feats["images"], images) and feats["image_ids"] == [7, 8, 9]
+    assert feats["caption_words"] == [[1, 2], [], [3]] and feats["positive_words"] == [[4]]
+    why, reused = _reusable(path, identity, "data/exclcoco/train")
+    assert why is None and reused["caption_words"] == [[1, 2], [], [3]]
+    why, _ = _reusable(path, identity, "data/exclcoco/other")
+    assert why == "was made for data.train=data/exclcoco/train"
