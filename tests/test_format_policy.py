@@ -168,3 +168,20 @@ def test_exclmm_features_of_the_single_file_form_read_as_current(tmp_path):
     assert why is None and reused["caption_words"] == [[1, 2], [], [3]]
     why, _ = _reusable(path, identity, "data/exclcoco/other")
     assert why == "was made for data.train=data/exclcoco/train"
+
+
+def test_a_folder_published_before_the_file_list_counts_its_fixed_layout(tmp_path):
+    """A folder demind-publish wrote before it recorded ``files``: the files of its fixed layout are
+    its own (``--overwrite`` may replace them), a file added by hand is not."""
+    import json
+
+    from demind.release.folders import CARD_MARKER, published_files
+
+    for name, text in {"config.json": json.dumps({"library_name": "demind"}), "README.md": f"card\n{CARD_MARKER}\n",
+                       "demind.safetensors": "", "training_config.yaml": "", "backbone/tiny.json": "",
+                       "results/cirr.json": "", "notes.txt": "mine"}.items():
+        write(tmp_path, name, text)
+    assert published_files(tmp_path) == {"config.json", "README.md", "demind.safetensors", "training_config.yaml",
+                                         "backbone/tiny.json", "results/cirr.json"}
+    write(tmp_path, "config.json", json.dumps({"library_name": "demind", "files": ["config.json", "README.md"]}))
+    assert published_files(tmp_path) == {"config.json", "README.md"}  # the current form: its list alone
