@@ -388,10 +388,8 @@ def test_finding8_text_longer_than_the_context_is_counted_in_eval_results(tmp_pa
 
 
 def synthetic_shards(directory: Path, **kwargs) -> None:
-    try:
-        from benchmarks.synthetic import write_synthetic_shards
-    except ImportError:  # before the library/command split
-        from demind.data import write_synthetic_shards
+    from benchmarks.synthetic import write_synthetic_shards
+
     write_synthetic_shards(directory, **kwargs)
 
 
