@@ -9,7 +9,6 @@ never believable wrong results.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -22,7 +21,8 @@ from safetensors.torch import save_file
 
 from demind.backbone import FrozenCLIP, build_backbone, parse_backbone_spec
 from demind.schema import BackboneConfig, ModelConfig
-from demind.identity import canonical_identity, identity_difference, model_config_tag, same_backbone
+from demind.identity import (canonical_identity, identity_difference, model_config_digest, model_config_tag,
+                             same_backbone)
 from demind.config import ConfigError, from_dict, to_dict
 from demind.errors import DemindError
 from demind.hubref import is_hub_ref, resolve_hub_folder
@@ -121,7 +121,8 @@ def _find_local_file(recorded: str | None, relative: str | None, folder: Path) -
 def _materialised_model_config(text: str, stem: str) -> Path:
     """The model-config JSON a checkpoint carries, as a file open_clip can register (same name
     and bytes, so the backbone's identity is unchanged)."""
-    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
+    # the folder is named by the same hash as the identity's tag, so one text has one folder
+    digest = model_config_digest(text.encode("utf-8"))
     path = Path(tempfile.gettempdir()) / "demind-model-configs" / digest / f"{stem}.json"
     if not path.is_file():
         write_text_atomic(path, text)

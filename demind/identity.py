@@ -97,10 +97,15 @@ def implied_activation(name: str, pretrained: str | None) -> str | None:
     return config_activation(model_cfg) if model_cfg else None
 
 
+def model_config_digest(data: bytes) -> str:
+    """``SHA256[:12]`` of a model-config JSON's bytes, the one definition of that hash."""
+    return hashlib.sha256(data).hexdigest()[:12]
+
+
 def model_config_tag(path: str | Path) -> str:
     """``@SHA256[:12]`` of a model-config JSON's bytes: a backbone identity names such a config
     ``STEM@SHA256[:12]`` (:func:`backbone_identity`), so an edited file is another backbone."""
-    return "@" + hashlib.sha256(Path(path).read_bytes()).hexdigest()[:12]
+    return "@" + model_config_digest(Path(path).read_bytes())
 
 
 def backbone_identity(cfg: ModelSpec, model: nn.Module | None = None,
