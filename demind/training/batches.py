@@ -40,8 +40,7 @@ def build_data(cfg: TrainConfig, accelerator, backbone: FrozenCLIP, state: Train
     start = dict(state.resumed_positions[rank]) if state.resumed_positions is not None else {}
     # A stream that cannot continue exactly restarts on fresh seeds rather than repeating data.
     seed = cfg.run.seed if (start or state.step == 0) else cfg.run.seed + state.step
-    batch_size = micro_batch
-    spec = StreamSpec(shards=shards, batch_size=batch_size, seed=seed, rank=rank,
+    spec = StreamSpec(shards=shards, batch_size=micro_batch, seed=seed, rank=rank,
                       world_size=world, shuffle_buffer=cfg.data.shuffle_buffer,
                       shards_per_group=cfg.data.shards_per_group, resample=cfg.data.resample,
                       missing_text=cfg.data.missing_text, targets=cfg.data.targets, start=start)
