@@ -32,8 +32,7 @@ from demind.templates import fill_template
 
 log = logging.getLogger(__name__)
 
-CATEGORIES = ("dress", "shirt", "toptee")
-FASHIONIQ_CATEGORIES = CATEGORIES  # the name the package face exports
+FASHIONIQ_CATEGORIES = ("dress", "shirt", "toptee")
 CAPTION_ORDERS = ("released", "file")
 TEXT_FORMS = ("released", "captions")
 TEMPLATE = "a photo of * , {text}"
@@ -76,7 +75,7 @@ def read_fashioniq(
     split: str = "val",
     limit: int | None = None,
     caption_order: str = "released",
-    categories: tuple[str, ...] = CATEGORIES,
+    categories: tuple[str, ...] = FASHIONIQ_CATEGORIES,
     text_form: str = "released",
 ) -> BenchmarkData:
     """Read the FashionIQ validation split (the test split has no public ground truth).

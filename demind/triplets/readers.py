@@ -25,8 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from demind.errors import InputError
-from demind.eval import FASHIONIQ_CATEGORIES as CATEGORIES
-from demind.eval import fashioniq_texts, find_image_root, index_image_folder, raise_if_missing, require_dir, require_file
+from demind.eval import (
+    FASHIONIQ_CATEGORIES, fashioniq_texts, find_image_root, index_image_folder, raise_if_missing, require_dir,
+    require_file)
 from demind.io import read_json, read_jsonl
 from demind.json_fields import check_entries, check_string_map
 from demind.retrieval import ImageRef
@@ -84,16 +85,17 @@ def read_cirr_train(root: str | Path, limit: int | None = None) -> TripletSet:
     return TripletSet(triplets, {}, "cirr")
 
 
-def read_fashioniq_train(root: str | Path, categories: tuple[str, ...] = CATEGORIES, caption_order: str = "released",
-                         text_form: str = "released", limit: int | None = None) -> TripletSet:
+def read_fashioniq_train(root: str | Path, categories: tuple[str, ...] = FASHIONIQ_CATEGORIES,
+                         caption_order: str = "released", text_form: str = "released",
+                         limit: int | None = None) -> TripletSet:
     """FashionIQ's training triplets of ``categories``; the text as :func:`fashioniq_texts` builds the
     Text-only text for ``caption_order`` / ``text_form`` (default: ``demind-eval``'s defaults, so the
     combiner is evaluated on the text form it was trained on). Triplets with a missing image are
     skipped and counted."""
     root = Path(root)
-    unknown = [c for c in categories if c not in CATEGORIES]
+    unknown = [c for c in categories if c not in FASHIONIQ_CATEGORIES]
     if unknown:
-        raise InputError(f"FashionIQ categories must be among {CATEGORIES}, got {unknown}")
+        raise InputError(f"FashionIQ categories must be among {FASHIONIQ_CATEGORIES}, got {unknown}")
     images = index_image_folder(require_dir(root / "images", FASHIONIQ_LAYOUT))
     triplets, skipped = [], {}
     for category in categories:
@@ -166,7 +168,7 @@ def read_triplet_file(path: str | Path, limit: int | None = None) -> TripletSet:
 
 
 def read_triplets(source: str, path: str | Path, *, limit: int | None = None,
-                  categories: tuple[str, ...] = CATEGORIES) -> TripletSet:
+                  categories: tuple[str, ...] = FASHIONIQ_CATEGORIES) -> TripletSet:
     """Dispatch on ``source`` (one of :data:`SOURCES`)."""
     if source == "cirr":
         return read_cirr_train(path, limit)
