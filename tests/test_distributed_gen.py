@@ -23,7 +23,8 @@ ray = pytest.importorskip("ray", reason="needs Ray: pip install -e '.[distribute
 
 from demind.cli.generate import main as generate_main  # noqa: E402
 from demind.gen.tiny_llava import build_tiny_llava_next  # noqa: E402
-from test_data_gen import base_argv, make_sample, read_output, write_input_shard  # noqa: E402
+from helpers import make_sample, write_input_shard  # noqa: E402
+from test_data_gen import base_argv, read_output  # noqa: E402
 
 SHARDS, PER_SHARD = 4, 6
 

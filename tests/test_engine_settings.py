@@ -37,7 +37,7 @@ def test_context_length_is_the_models_unless_set_and_never_above_it():
 def test_a_length_above_the_models_is_one_error_line_before_the_engine_loads(tiny, tmp_path, capsys, monkeypatch):
     from demind.cli.generate import main as generate_main
     from demind.gen.engines import transformers_engine
-    from test_data_gen import make_sample, write_input_shard
+    from helpers import make_sample, write_input_shard
 
     (tmp_path / "in").mkdir()
     write_input_shard(tmp_path / "in" / "00000.tar", [make_sample("000000000", 0, "a red dog")])
