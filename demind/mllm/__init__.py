@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # the same names for static tools and go-to-definition (tests
         modification_text)
     from demind.mllm.parse import Parsed, parse_description
     from demind.mllm.rerank import MLLMVerifier, Reranker, Verifier, rerank_ranking
-    from demind.mllm.search_binding import SearchMLLM, split_rerank
+    from demind.mllm.search_binding import SearchMLLM
     from demind.mllm.session import MLLMRun, MLLMSetup
     from demind.mllm.store import AnswerStore, DigestMemo, MemoryStore, ModelIdentity, pixel_digest
 
@@ -37,7 +37,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
                                "OSrCIRDescriber", "load_describer_prompts", "modification_text"],
     "demind.mllm.parse": ["Parsed", "parse_description"],
     "demind.mllm.rerank": ["MLLMVerifier", "Reranker", "Verifier", "rerank_ranking"],
-    "demind.mllm.search_binding": ["SearchMLLM", "split_rerank"],
+    "demind.mllm.search_binding": ["SearchMLLM"],
     "demind.mllm.session": ["MLLMRun", "MLLMSetup"],
     "demind.mllm.store": ["AnswerStore", "DigestMemo", "MemoryStore", "ModelIdentity", "pixel_digest"],
 })
@@ -46,5 +46,5 @@ __all__ = [
     "DESCRIBERS", "AnswerStore", "CIReVLDescriber", "DescribeOptions", "Describer", "DescriberPrompts", "DigestMemo",
     "LazyEngine", "MLLMRun", "MLLMSetup", "MLLMVerifier", "MemoryStore", "ModelIdentity", "OSrCIRDescriber", "Parsed",
     "RerankOptions", "Reranker", "SearchMLLM", "Verifier", "load_describer_prompts", "modification_text",
-    "parse_description", "pixel_digest", "rerank_ranking", "split_rerank",
+    "parse_description", "pixel_digest", "rerank_ranking",
 ]

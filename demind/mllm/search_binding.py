@@ -26,18 +26,11 @@ from typing import Any
 from PIL import Image
 
 from demind.mllm.store import pixel_digest
-from demind.retrieval import RERANK_SUFFIX, ImageRef, Query
+from demind.retrieval import ImageRef, Query
 
 log = logging.getLogger(__name__)
 
 STORE_BENCHMARK = "search"  # the stores' "benchmark" part; the index's folder name is the "split"
-
-
-def split_rerank(name: str) -> tuple[str, bool]:
-    """``"osrcir+rerank"`` -> ("osrcir", True); ``"demind"`` -> ("demind", False)."""
-    if name.endswith(RERANK_SUFFIX):
-        return name[: -len(RERANK_SUFFIX)], True
-    return name, False
 
 
 def query_key(picture: Image.Image | None, text: str) -> str:

@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # the same names for static tools and go-to-definition (tests
     from demind.retrieval.cache_upgrade import adopt_unoriented, is_earlier_part
     from demind.retrieval.names import (
         CHECKPOINT_METHODS, COMBINER_METHODS, DEO_BASES, DEO_METHODS, DESCRIBED_METHODS, EXCLMM_METHODS, HYBRID_METHOD,
-        METHODS, METHOD_LABELS, MLLM_METHODS, ON_REQUEST_METHODS, RERANK_SUFFIX, split_rerank_requests,
+        METHODS, METHOD_LABELS, MLLM_METHODS, ON_REQUEST_METHODS, RERANK_SUFFIX, split_rerank, split_rerank_requests,
         unavailable_methods)
     from demind.retrieval.methods import (
         NEGATIVE_TEMPLATE, CombinerQuery, DEOMethod, DeMindsQuery, ImageOnly, ImagePlusText, MappingOnly, Oracle,
@@ -48,8 +48,8 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "demind.retrieval.cache_upgrade": ["adopt_unoriented", "is_earlier_part"],
     "demind.retrieval.names": ["CHECKPOINT_METHODS", "COMBINER_METHODS", "DEO_BASES", "DEO_METHODS",
                                "DESCRIBED_METHODS", "EXCLMM_METHODS", "HYBRID_METHOD", "METHOD_LABELS", "METHODS",
-                               "MLLM_METHODS", "ON_REQUEST_METHODS", "RERANK_SUFFIX", "split_rerank_requests",
-                               "unavailable_methods"],
+                               "MLLM_METHODS", "ON_REQUEST_METHODS", "RERANK_SUFFIX", "split_rerank",
+                               "split_rerank_requests", "unavailable_methods"],
     "demind.retrieval.methods": ["NEGATIVE_TEMPLATE", "CombinerQuery", "DEOMethod", "DeMindsQuery", "ImageOnly",
                                  "ImagePlusText", "MappingOnly", "Oracle", "TextOnly", "build_methods",
                                  "checkpoint_kind", "method_label", "parse_method_names", "split_deo_name"],
@@ -68,5 +68,5 @@ __all__ = [
     "backbone_cache_slug", "build_methods", "canonical_name", "encode_image_refs", "image_transforms", "load_image",
     "adopt_unoriented", "is_earlier_part",
     "method_label", "parse_method_names", "split_deo_name", "squash_preprocess", "stack_features",
-    "strip_image_extension", "LEFT_OUT_ADVICE", "reword", "split_rerank_requests",
+    "strip_image_extension", "LEFT_OUT_ADVICE", "reword", "split_rerank", "split_rerank_requests",
 ]

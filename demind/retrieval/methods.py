@@ -32,7 +32,7 @@ from demind.retrieval.methods_base import RetrievalMethod
 from demind.retrieval.mllm_methods import build_mllm_method
 from demind.retrieval.names import (
     DEO_BASES, DEO_METHODS, DEO_SUFFIXES, EXCLMM_METHODS, METHOD_LABELS, METHODS, MLLM_METHODS, ON_REQUEST_METHODS,
-    RERANK_SUFFIX, unavailable_methods)
+    split_rerank, unavailable_methods)
 from demind.retrieval.refs import Query
 from demind.model import DeMinds
 from demind.templates import PLACEHOLDER
@@ -184,8 +184,9 @@ def parse_method_names(spec: str | list[str] | tuple[str, ...] | None, have_mode
 def method_label(name: str) -> str:
     """Display name: "demind+deo" -> "De-MINDS + DEO"; "osrcir+rerank" -> "OSrCIR (...) + MLLM re-rank";
     unknown names are shown as they are."""
-    if name.endswith(RERANK_SUFFIX):
-        return method_label(name[: -len(RERANK_SUFFIX)]) + " + MLLM re-rank"
+    plain, reranked = split_rerank(name)
+    if reranked:
+        return method_label(plain) + " + MLLM re-rank"
     base, mode = split_deo_name(name)
     label = METHOD_LABELS.get(base, base)
     return label if mode is None else f"{label} + DEO" + (" (Adam)" if mode == "adam" else "")

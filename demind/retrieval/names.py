@@ -46,6 +46,13 @@ def unavailable_methods(model_kind: str | None) -> tuple[str, ...]:
     return CHECKPOINT_METHODS if model_kind == "combiner" else COMBINER_METHODS
 
 
+def split_rerank(name: str) -> tuple[str, bool]:
+    """``"osrcir+rerank"`` -> ("osrcir", True); ``"demind"`` -> ("demind", False)."""
+    if name.endswith(RERANK_SUFFIX):
+        return name[: -len(RERANK_SUFFIX)], True
+    return name, False
+
+
 def split_rerank_requests(names: str | list[str] | None) -> tuple[list[str] | None, list[str]]:
     """Method names as a user lists them (a list or one comma-separated string; None: the defaults) ->
     (the methods to run, those whose ``+rerank`` variant is asked for): ``"image-only,osrcir+rerank"``
@@ -55,8 +62,8 @@ def split_rerank_requests(names: str | list[str] | None) -> tuple[list[str] | No
         return None, []
     run, reranked = [], []
     for name in filter(None, (n.strip() for n in (names.split(",") if isinstance(names, str) else names))):
-        base = name[: -len(RERANK_SUFFIX)] if name.endswith(RERANK_SUFFIX) else name
-        if base != name:
+        base, is_reranked = split_rerank(name)
+        if is_reranked:
             reranked.append(base)
         run.append(base)
     return list(dict.fromkeys(run)), list(dict.fromkeys(reranked))

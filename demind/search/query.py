@@ -33,13 +33,13 @@ from demind.backbone import FrozenCLIP
 from demind.errors import DemindError
 from demind import retrieval as registry
 from demind.retrieval import (EXCLMM_METHODS, METHOD_LABELS, METHODS, MLLM_METHODS,
-                              ON_REQUEST_METHODS, RERANK_SUFFIX, build_methods, parse_method_names)
+                              ON_REQUEST_METHODS, RERANK_SUFFIX, build_methods, parse_method_names, split_rerank)
 from demind.retrieval import ImageReadError, ImageRef, load_image, reword
 from demind.imaging import ImageDecodeError, ImageTooLargeError, decode_image
 from demind.model import DeMinds
 from demind.templates import TemplateError, fill_template, template_field
 from demind.search.index import GalleryIndex, check_index_backbone
-from demind.mllm import SearchMLLM, split_rerank
+from demind.mllm import SearchMLLM
 from demind.search.expectations import expectation
 from demind.search.ranker_store import open_ranker
 from demind.search.rankers import exact_top_k
