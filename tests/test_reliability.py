@@ -298,11 +298,7 @@ def test_finding7_smoke_checkpoint_on_a_random_backbone_evaluates(tmp_path):
     """Training on a random-init backbone, then evaluating with the checkpoint alone."""
     from demind.backbone import FrozenCLIP
     from demind.schema import BackboneConfig, ModelConfig
-    from demind.checkpoint import save_checkpoint
-    try:
-        from demind.checkpoint import load_backbone_and_model
-    except ImportError:  # before the library/command split
-        from demind.retrieval import load_backbone_and_model
+    from demind.checkpoint import load_backbone_and_model, save_checkpoint
     from demind.model import DeMinds
 
     torch.manual_seed(123)  # whatever the trainer's global seed ...
@@ -471,10 +467,7 @@ def test_finding8_eval_command_smoke_checkpoint_runs_and_a_corrupted_one_is_one_
                                                                                            capsys):
     """The evaluation command with a checkpoint of a random-init backbone alone (finding 7) works;
     the same command on a corrupted copy exits 2 with one line, no traceback (findings 4 and 8)."""
-    try:
-        from demind.cli.evaluate import main
-    except ImportError:  # before the library/command split
-        from demind.eval.cli import main
+    from demind.cli.evaluate import main
 
     write_tiny_cirr(tmp_path / "cirr", "make it blue")
     argv = ["--benchmark", "cirr", "--data-root", str(tmp_path / "cirr"), "run.device=cpu", "--num-workers", "0",
