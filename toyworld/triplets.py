@@ -30,7 +30,9 @@ from .texts import modification_text
 from demind.seeding import derive_seed
 
 FIRST_TRAIN_SET = 10_000
-TOY_CLIP_CONFIG, TOY_CLIP_WEIGHTS = "toy-clip.json", "toy-clip.safetensors"
+# the backbone's copies under fixed names (configs/triplets/toy.yaml names them); not
+# toyworld.clip_config.TOY_CLIP_CONFIG, the shipped model config they are copied from
+COPIED_CONFIG_NAME, COPIED_WEIGHTS_NAME = "toy-clip.json", "toy-clip.safetensors"
 
 
 def set_triplets(set_id: int, version: str, implicit_share: float, image_size: int, images: Path) -> list[dict]:
@@ -87,10 +89,10 @@ def write_toy_triplets(out: str | Path, train_sets: int = 2500, test_sets: int =
     weights, model_config = with_modality_gap(cfg, weights)
     # copies under fixed names, so a committed recipe (configs/triplets/toy.yaml) can name them; a
     # backbone's identity is its content, so the copies are the same backbone
-    for source, name in ((model_config, TOY_CLIP_CONFIG), (weights, TOY_CLIP_WEIGHTS)):
+    for source, name in ((model_config, COPIED_CONFIG_NAME), (weights, COPIED_WEIGHTS_NAME)):
         if not (out / "backbone" / name).is_file():
             write_bytes_atomic(out / "backbone" / name, Path(source).read_bytes())
-    backbone = toy_backbone_config(out / "backbone" / TOY_CLIP_CONFIG, out / "backbone" / TOY_CLIP_WEIGHTS)
+    backbone = toy_backbone_config(out / "backbone" / COPIED_CONFIG_NAME, out / "backbone" / COPIED_WEIGHTS_NAME)
     recipe = (f"# written by python -m toyworld.cli.triplets: the toy CLIP and the toy training triplets\n"
               f"backbone:\n  name: {backbone.name}\n  pretrained: {backbone.pretrained}\n"
               f"data:\n  source: file\n  path: {(out / 'train' / 'triplets.jsonl').resolve()}\n"
