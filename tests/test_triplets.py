@@ -319,7 +319,7 @@ def test_a_combiner_checkpoint_serves_search(tiny_triplets, tmp_path, one_thread
 
 def test_query_mode_on_a_combiner_is_refused_in_one_line(tiny_triplets, tmp_path, one_thread_and_fresh_accelerator):
     from demind.checkpoint import load_backbone_and_model
-    from demind.cli.common import apply_query_mode
+    from demind.cli.model_options import apply_query_mode
     from demind.errors import InputError
     from demind.triplets.train import train_triplets
 

@@ -219,25 +219,6 @@ def apply_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def apply_query_mode(model: Any, mode: str) -> None:
-    """``run.query_mode`` on a loaded De-MINDS model (``DeMinds.set_query_mode``); refused in one
-    line where it would do nothing: no checkpoint, or CUDA graphs on a CPU."""
-    if mode == "eager":
-        return
-    from demind.errors import InputError
-
-    if model is None:
-        raise InputError(f"run.query_mode={mode} speeds up a checkpoint's queries and no --checkpoint was given: "
-                         "leave run.query_mode=eager")
-    if not hasattr(model, "set_query_mode"):  # a combiner trained on triplets (demind-train-triplets)
-        raise InputError(f"run.query_mode={mode} speeds up a De-MINDS checkpoint's queries; this checkpoint is a "
-                         "combiner, whose queries are one small MLP: leave run.query_mode=eager")
-    if mode == "cudagraphs" and model.backbone.device.type != "cuda":
-        raise InputError("run.query_mode=cudagraphs replays CUDA graphs and needs run.device=cuda; "
-                         "on a CPU use run.query_mode=compile")
-    model.set_query_mode(mode)
-
-
 def run_config_command(cls: type[T], parser: argparse.ArgumentParser, body: Callable[[T], int],
                        argv: list[str] | None = None, *, log_level: int = logging.INFO,
                        log_packages: tuple[str, ...] = ()) -> int:

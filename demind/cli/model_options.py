@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from demind.cli.common import Flag, apply_query_mode
+from demind.cli.common import Flag
 from demind.settings import QueryRunOptions, RunOptions, resolve_device, setting
 from demind.mllm.config import DescribeOptions, RerankOptions
 from demind.errors import InputError
@@ -59,6 +59,23 @@ class ChoosesModel(Protocol):
     checkpoint: str | None
     backbone: BackboneChoice
     run: RunOptions
+
+
+def apply_query_mode(model: Any, mode: str) -> None:
+    """``run.query_mode`` on a loaded De-MINDS model (``DeMinds.set_query_mode``); refused in one
+    line where it would do nothing: no checkpoint, or CUDA graphs on a CPU."""
+    if mode == "eager":
+        return
+    if model is None:
+        raise InputError(f"run.query_mode={mode} speeds up a checkpoint's queries and no --checkpoint was given: "
+                         "leave run.query_mode=eager")
+    if not hasattr(model, "set_query_mode"):  # a combiner trained on triplets (demind-train-triplets)
+        raise InputError(f"run.query_mode={mode} speeds up a De-MINDS checkpoint's queries; this checkpoint is a "
+                         "combiner, whose queries are one small MLP: leave run.query_mode=eager")
+    if mode == "cudagraphs" and model.backbone.device.type != "cuda":
+        raise InputError("run.query_mode=cudagraphs replays CUDA graphs and needs run.device=cuda; "
+                         "on a CPU use run.query_mode=compile")
+    model.set_query_mode(mode)
 
 
 def load_model(cfg: ChoosesModel):
