@@ -170,3 +170,17 @@ def shard_writer_killed_at(shard_name: str, written: int) -> Iterator[list]:
         yield killed_writers
     finally:
         ShardWriter.write, ShardWriter.abandon = real_write, real_abandon
+
+
+# ---------------------------------------------------------------- the trainer's data, one process
+
+
+def one_process_data(cfg, backbone):
+    """What :func:`demind.training.build_data` gives the one process of a fresh run: (loader, cache or None),
+    at the micro batch the trainer derives (``micro_batch_size(cfg.optim, 1)``)."""
+    from types import SimpleNamespace
+
+    from demind.training import TrainState, build_data, micro_batch_size
+
+    one_process = SimpleNamespace(process_index=0, num_processes=1)
+    return build_data(cfg, one_process, backbone, TrainState(), micro_batch=micro_batch_size(cfg.optim, 1))

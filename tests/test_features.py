@@ -18,14 +18,11 @@ from demind.config import load_config
 from demind.data import decode_to_tensor
 from benchmarks.synthetic import write_intent_shard, write_synthetic_shards
 from demind.features import FeatureCacheError, default_cache_dir
-from demind.training import TrainConfig, TrainState, build_data, build_modules, compute_losses, micro_batch_size
+from demind.training import TrainConfig, build_modules, compute_losses
+from helpers import one_process_data
 
 
 pytestmark = pytest.mark.usefixtures("one_thread_and_fresh_accelerator")
-
-
-class OneProcess:
-    process_index, num_processes = 0, 1
 
 
 def overrides(repo_root: Path, shards: Path, *extra: str) -> list[str]:
@@ -89,7 +86,7 @@ def test_one_step_on_cached_features_equals_one_step_on_images(repo_root, tmp_pa
     for mode in ("auto", "null"):
         cfg = smoke_config(repo_root, shards, f"data.features={mode}", "model.mapping_dropout=0")
         backbone, model = build_modules(cfg, torch.device("cpu"))
-        loader, cache = build_data(cfg, OneProcess(), backbone, TrainState(), micro_batch=micro_batch_size(cfg.optim, 1))
+        loader, cache = one_process_data(cfg, backbone)
         assert (cache is not None) == (mode == "auto")
         batch = next(iter(loader))
         losses = compute_losses(model, batch, backbone)
@@ -144,7 +141,7 @@ def test_cache_of_another_backbone_is_refused(repo_root, tmp_path):
     cfg = smoke_config(repo_root, shards, f"data.features={cache}")
     backbone, _ = build_modules(cfg, torch.device("cpu"))
     with pytest.raises(FeatureCacheError) as info:
-        build_data(cfg, OneProcess(), backbone, TrainState(), micro_batch=micro_batch_size(cfg.optim, 1))
+        one_process_data(cfg, backbone)
     message = str(info.value)
     assert "tiny-clip-2layer@" in message and "tiny-clip@" in message and str(cache) in message
 
@@ -159,10 +156,9 @@ def test_incomplete_cache_is_an_error_when_named_and_skipped_when_auto(repo_root
     cfg = smoke_config(repo_root, shards)
     backbone, _ = build_modules(cfg, torch.device("cpu"))
     directory = default_cache_dir([str(shards / "00000.tar")], backbone.identity_str)
-    named = smoke_config(repo_root, shards, f"data.features={directory}")
     with pytest.raises(FeatureCacheError, match=r"lacks 1 of 3 shards \(e\.g\. 00002\)"):
-        build_data(named, OneProcess(), backbone, TrainState(), micro_batch=micro_batch_size(named.optim, 1))
-    _, cache = build_data(cfg, OneProcess(), backbone, TrainState(), micro_batch=micro_batch_size(cfg.optim, 1))
+        one_process_data(smoke_config(repo_root, shards, f"data.features={directory}"), backbone)
+    _, cache = one_process_data(cfg, backbone)
     assert cache is None and "decoding images instead" in caplog.text
 
 
@@ -218,10 +214,9 @@ def test_data_features_none_is_off_for_the_trainer_and_the_cache_builder(repo_ro
     cfg = smoke_config(repo_root, shards, "data.features=none")
     assert (cache_dir_of(cfg, shards) / "00000.json").is_file()
     backbone, _ = build_modules(cfg, torch.device("cpu"))
-    _, cache = build_data(cfg, OneProcess(), backbone, TrainState(), micro_batch=micro_batch_size(cfg.optim, 1))
+    _, cache = one_process_data(cfg, backbone)
     assert cache is None  # the finished cache beside the shards is not used: the setting says off
-    auto = smoke_config(repo_root, shards)
-    _, cache = build_data(auto, OneProcess(), backbone, TrainState(), micro_batch=micro_batch_size(auto.optim, 1))
+    _, cache = one_process_data(smoke_config(repo_root, shards), backbone)
     assert cache is not None  # while auto finds it
 def test_bf16_cache_matches_fp32_and_is_never_read_as_fp32(repo_root, tmp_path):
     """amp_bf16 towers (fp32 weights, bf16 autocast) give features close to fp32's; the
@@ -248,7 +243,7 @@ def test_bf16_cache_matches_fp32_and_is_never_read_as_fp32(repo_root, tmp_path):
     cfg = smoke_config(repo_root, shards, f"data.features={bf16_dir}")
     backbone, _ = build_modules(cfg, torch.device("cpu"))
     with pytest.raises(FeatureCacheError, match="amp_bf16"):
-        build_data(cfg, OneProcess(), backbone, TrainState(), micro_batch=micro_batch_size(cfg.optim, 1))
+        one_process_data(cfg, backbone)
     # The default folders differ too, so "auto" never mixes them up.
     fp32_auto = features.default_cache_dir(["x/00000.tar"], features.cache_slug(backbone))
     backbone.cfg.precision = "amp_bf16"
@@ -287,7 +282,7 @@ def test_noise_modes_on_cached_features_equal_decoded_images(repo_root, tmp_path
                            f"noise.mode={noise_mode}",
                            f"model.negative_tokens={2 if noise_mode == 'conesep' else 0}")
         backbone, model = build_modules(cfg, torch.device("cpu"))
-        loader, _ = build_data(cfg, OneProcess(), backbone, TrainState(), micro_batch=micro_batch_size(cfg.optim, 1))
+        loader, _ = one_process_data(cfg, backbone)
         batch = next(iter(loader))
         results[mode] = (batch, compute_losses(model, batch, backbone, noise=cfg.noise, step=1, seed=0))
     (cached, cached_losses), (raw, raw_losses) = results["auto"], results["null"]

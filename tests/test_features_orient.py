@@ -28,8 +28,9 @@ from demind.data import decode_to_tensor
 from demind.embedding_cache import cache_identity
 from demind.features import DECODE, FeatureCacheError, ShardFeatureCache, build_feature_cache
 from demind.imaging import decode_image
-from demind.training import TrainConfig, TrainState, build_data, build_modules, micro_batch_size
+from demind.training import TrainConfig, build_modules
 from demind.training.batches import batch_embeddings
+from helpers import one_process_data
 
 pytestmark = pytest.mark.usefixtures("one_thread_and_fresh_accelerator")
 
@@ -224,27 +225,20 @@ def test_the_trainer_never_trains_on_sideways_features(repo_root, tmp_path, monk
 
     backbone, _ = build_modules(config("auto"), torch.device("cpu"))
     # named explicitly: one error naming the shard and why; auto: decode images instead
-    named = config(str(directory))
     with pytest.raises(FeatureCacheError, match=r"lacks 1 of 2 shards \(e\.g\. 00001: cached before EXIF orientation"):
-        build_data(named, OneProcess(), backbone, TrainState(), micro_batch=micro_batch_size(named.optim, 1))
+        one_process_data(config(str(directory)), backbone)
     with caplog.at_level(logging.WARNING, logger="demind.features"):
-        auto = config("auto")
-        _, cache = build_data(auto, OneProcess(), backbone, TrainState(), micro_batch=micro_batch_size(auto.optim, 1))
+        _, cache = one_process_data(config("auto"), backbone)
     assert cache is None and "decoding images instead" in caplog.text
 
     build()  # rebuilds 00001
     batches = {}
     for mode in ("auto", "null"):
         backbone, _ = build_modules(config(mode), torch.device("cpu"))
-        cfg = config(mode)
-        loader, cache = build_data(cfg, OneProcess(), backbone, TrainState(), micro_batch=micro_batch_size(cfg.optim, 1))
+        loader, cache = one_process_data(config(mode), backbone)
         assert (cache is not None) == (mode == "auto")
         batch, row = first_rotated_row(loader)
         batches[mode] = (batch["keys"], batch_embeddings(batch, backbone)[0][row])
     (cached_keys, cached), (raw_keys, raw) = batches["auto"], batches["null"]
     assert cached_keys == raw_keys
     torch.testing.assert_close(cached, raw, rtol=1e-5, atol=1e-5)
-
-
-class OneProcess:
-    process_index, num_processes = 0, 1
