@@ -21,8 +21,8 @@ from demind.lazy import lazy_exports
 
 if TYPE_CHECKING:  # the same names for static tools and go-to-definition (tests/test_lazy_faces.py keeps them equal)
     from demind.retrieval.refs import (
-        IMAGE_EXTENSIONS, LEFT_OUT_ADVICE, RESIZE_MODES, ImageReadError, ImageRef, Query, canonical_name, load_image,
-        reword, strip_image_extension)
+        IMAGE_EXTENSIONS, LEFT_OUT_ADVICE, RESIZE_MODES, ImageReadError, ImageRef, Query, canonical_name, file_version,
+        load_image, reword, strip_image_extension)
     from demind.retrieval.cache import (
         DamagedPartError, EncodeStats, ImageFeatureCache, ImageRefDataset, backbone_cache_slug, encode_image_refs,
         image_transforms, squash_preprocess, stack_features)
@@ -41,7 +41,8 @@ if TYPE_CHECKING:  # the same names for static tools and go-to-definition (tests
 # --help can list them; everything else imports its module (and torch) when first read.
 __getattr__, __dir__ = lazy_exports(__name__, {
     "demind.retrieval.refs": ["IMAGE_EXTENSIONS", "LEFT_OUT_ADVICE", "RESIZE_MODES", "ImageReadError", "ImageRef",
-                              "Query", "canonical_name", "load_image", "reword", "strip_image_extension"],
+                              "Query", "canonical_name", "file_version", "load_image", "reword",
+                              "strip_image_extension"],
     "demind.retrieval.cache": ["DamagedPartError", "EncodeStats", "ImageFeatureCache", "ImageRefDataset",
                                "backbone_cache_slug", "encode_image_refs", "image_transforms", "squash_preprocess",
                                "stack_features"],
@@ -65,7 +66,8 @@ __all__ = [
     "ensemble_embeddings",
     "DEOMethod", "DamagedPartError", "DeMindsQuery", "EncodeStats", "ImageFeatureCache", "ImageOnly", "ImagePlusText",
     "ImageReadError", "ImageRef", "ImageRefDataset", "MappingOnly", "Oracle", "Query", "RetrievalMethod", "TextOnly",
-    "backbone_cache_slug", "build_methods", "canonical_name", "encode_image_refs", "image_transforms", "load_image",
+    "backbone_cache_slug", "build_methods", "canonical_name", "encode_image_refs", "file_version", "image_transforms",
+    "load_image",
     "adopt_unoriented", "is_earlier_part",
     "method_label", "parse_method_names", "split_deo_name", "squash_preprocess", "stack_features",
     "strip_image_extension", "LEFT_OUT_ADVICE", "reword", "split_rerank", "split_rerank_requests",

@@ -39,7 +39,7 @@ from demind.embedding_cache import cache_identity, cache_slug, check_backbone, m
 from demind.imaging import DECODABLE_EXTENSIONS
 from demind.io import check_output_dir, read_json, write_json_atomic
 from demind.retrieval import (DamagedPartError, ImageFeatureCache, ImageRef, adopt_unoriented, encode_image_refs,
-                              is_earlier_part)
+                              file_version, is_earlier_part)
 from demind.search.index_manifest import (
     INDEX_FORMAT, MANIFEST, GalleryIndexError, previous_manifest, read_manifest, rebuild_advice, recorded_root)
 from demind.search.index_upgrade import load_earlier_rows
@@ -112,11 +112,6 @@ class GalleryIndex:
             shard, offset, length = self.members[name]
             return ImageRef(name=name, path=self.root / shard, span=(offset, length), orient=True)
         return ImageRef(name=name, path=self.root / name, orient=True)
-
-
-def file_version(stat: os.stat_result) -> str:
-    """What makes a file "changed" for the index: size and modification time (ns)."""
-    return f"{stat.st_size}-{stat.st_mtime_ns}"
 
 
 def list_gallery_images(folder: str | Path, skipped: dict[str, str] | None = None

@@ -30,7 +30,7 @@ from demind.eval import (
     require_file)
 from demind.io import read_json, read_jsonl
 from demind.json_fields import check_entries, check_string_map
-from demind.retrieval import ImageRef
+from demind.retrieval import ImageRef, file_version
 from demind.triplets.config import SOURCES
 
 log = logging.getLogger(__name__)
@@ -155,8 +155,8 @@ def read_triplet_file(path: str | Path, limit: int | None = None) -> TripletSet:
                 if not image.is_file():
                     raise InputError(f"{path}:{line}: {key} image {image} does not exist (paths are relative "
                                      f"to the triplet file's folder)")
-                stat = image.stat()  # an edited file is another cache key (as the search index keys files)
-                refs[name] = ImageRef(name, image, version=f"{stat.st_size}-{stat.st_mtime_ns}", orient=True)
+                # an edited file is another cache key (as the search index keys files)
+                refs[name] = ImageRef(name, image, version=file_version(image.stat()), orient=True)
             images.append(refs[name])
         hard = row.get("hard_modification") or None
         triplets.append(Triplet(str(row.get("id", line)), images[0], row["modification"], images[1], hard))
