@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from demind.schema import COMBINER_ARCHITECTURE as ARCHITECTURE, CombinerConfig
+from demind.schema import COMBINER_ARCHITECTURE, CombinerConfig
 
 class Combiner(nn.Module):
     """f(reference feature, text feature) -> (B, D) normalised composed query (see the module docstring)."""
@@ -74,4 +74,4 @@ class Combiner(nn.Module):
 
 def is_combiner_config(model_config: dict) -> bool:
     """Whether a checkpoint's recorded model config is a combiner's."""
-    return isinstance(model_config, dict) and model_config.get("architecture") == ARCHITECTURE
+    return isinstance(model_config, dict) and model_config.get("architecture") == COMBINER_ARCHITECTURE
