@@ -1,5 +1,5 @@
-"""What every command shares: the config front end, the ``--debug`` flag, logging set-up, and one
-line per known error.
+"""What every command shares: the config front end, the ``--debug`` flag, logging set-up, one
+line per known error, and what a training launcher (``accelerate launch``) states in the environment.
 
 Every command reads one config dataclass through :func:`demind.config.load_config`:
 ``--config FILE`` plus dotted ``KEY=VALUE`` overrides. :func:`config_parser` builds its parser
@@ -217,6 +217,26 @@ def apply_threads(threads: int) -> None:
         import torch  # only here: --help and config errors need no torch
 
         torch.set_num_threads(threads)
+
+
+# --------------------------------------------------------------------------- a training launcher's processes
+
+
+def launched_processes() -> int:
+    """How many processes the launcher (``accelerate launch``, torchrun) started: its ``WORLD_SIZE``,
+    1 without one (a GPU launch Accelerate cannot honour is refused by the trainer)."""
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
+def deepspeed_launch() -> bool:
+    """Whether ``accelerate launch`` was given a DeepSpeed config (or ``--use_deepspeed``): it says so
+    in ``ACCELERATE_USE_DEEPSPEED``; the trainer then uses DeepSpeed or refuses, never falls back."""
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+def launched_log_level() -> int:
+    """Info logs from the main process only (``RANK`` is set by accelerate launch / torchrun)."""
+    return logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING
 
 
 def run_config_command(cls: type[T], parser: argparse.ArgumentParser, body: Callable[[T], int],

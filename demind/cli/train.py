@@ -6,10 +6,8 @@ from the newest checkpoint in ``run.output_dir``.  The work happens in :mod:`dem
 
 from __future__ import annotations
 
-import logging
-import os
-
-from demind.cli.common import config_parser, run_config_command
+from demind.cli.common import (config_parser, deepspeed_launch, launched_log_level, launched_processes,
+                               run_config_command)
 from demind.training.config import TrainConfig
 
 
@@ -22,17 +20,11 @@ def train_command(cfg: TrainConfig) -> int:
     """Train, print the exported checkpoint path."""
     from demind.training import train
 
-    # `accelerate launch` with a DeepSpeed config (or --use_deepspeed) says so in this variable;
-    # the trainer then uses DeepSpeed or refuses, never falls back.
-    # WORLD_SIZE: the processes the launcher started (a GPU launch Accelerate cannot honour is refused)
-    path = train(cfg, deepspeed=os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true",
-                 launched_processes=int(os.environ.get("WORLD_SIZE", "1") or 1))
+    path = train(cfg, deepspeed=deepspeed_launch(), launched_processes=launched_processes())
     print(f"checkpoint: {path}")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command on ``argv`` (default: sys.argv[1:]); returns the exit status (2: bad input)."""
-    # Info logs from the main process only (RANK is set by accelerate launch / torchrun).
-    level = logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING
-    return run_config_command(TrainConfig, build_parser(), train_command, argv, log_level=level)
+    return run_config_command(TrainConfig, build_parser(), train_command, argv, log_level=launched_log_level())

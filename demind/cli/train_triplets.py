@@ -9,11 +9,10 @@ Rerunning the same command resumes from ``<run.output_dir>/state.safetensors``; 
 
 from __future__ import annotations
 
-import logging
-import os
 import sys
 
-from demind.cli.common import config_parser, run_config_command
+from demind.cli.common import (config_parser, deepspeed_launch, launched_log_level, launched_processes,
+                               run_config_command)
 from demind.triplets.config import TripletTrainConfig
 
 
@@ -30,20 +29,15 @@ def train_triplets_command(cfg: TripletTrainConfig) -> int:
     from demind.triplets.train import train_triplets
 
     cfg.run.device = resolve_device(cfg.run.device)
-    # WORLD_SIZE: the processes the launcher started (a GPU launch Accelerate cannot honour is refused)
-    # `accelerate launch` with a DeepSpeed config says so in ACCELERATE_USE_DEEPSPEED: DeepSpeed then
-    # trains or the run is refused, never a silent fallback
-    path = train_triplets(cfg, launched_processes=int(os.environ.get("WORLD_SIZE", "1") or 1),
-                          deepspeed=os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true")
+    path = train_triplets(cfg, launched_processes=launched_processes(), deepspeed=deepspeed_launch())
     print(f"combiner: {path}")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command on ``argv`` (default: sys.argv[1:]); returns the exit status (2: bad input)."""
-    # Info logs from the main process only (RANK is set by accelerate launch / torchrun).
-    level = logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING
-    return run_config_command(TripletTrainConfig, build_parser(), train_triplets_command, argv, log_level=level)
+    return run_config_command(TripletTrainConfig, build_parser(), train_triplets_command, argv,
+                              log_level=launched_log_level())
 
 
 if __name__ == "__main__":
