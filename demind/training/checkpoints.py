@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from demind.config import save_config, to_dict
 from demind.errors import DemindError
-from demind.io import reporting_output_errors
+from demind.io import reporting_output_errors, temp_path
 from demind.training.config import TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -80,17 +80,12 @@ def save_training_state(accelerator, cfg: TrainConfig, state: TrainState) -> Pat
         save_config(cfg, tmp / "config.yaml")
 
     # torch.save reports a full disk as "basic_ios::clear: iostream error": name the disk and path instead
-    with reporting_output_errors(staging_dir(final)):
+    with reporting_output_errors(temp_path(final)):
         save_accelerator_state_atomically(accelerator, final, before_rename=write_trainer_state)
         if accelerator.is_main_process:
             prune_checkpoints(run_dir, cfg.run.keep_checkpoints)
     accelerator.wait_for_everyone()
     return final
-
-
-def staging_dir(final: Path) -> Path:
-    """Where :func:`save_accelerator_state_atomically` writes ``final`` before renaming it."""
-    return final.with_name(final.name + ".tmp")
 
 
 def save_accelerator_state_atomically(accelerator, final: Path,
@@ -100,7 +95,7 @@ def save_accelerator_state_atomically(accelerator, final: Path,
     ``final``. Every process must call it; only the main process creates, fills and renames the folder.
     ``before_rename(tmp)`` runs on the main process after the save, to add files of the caller's own.
     """
-    tmp = staging_dir(final)
+    tmp = temp_path(final)
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
