@@ -55,3 +55,12 @@ def tiny_checkpoint(tmp_path_factory, tiny_backbone) -> Path:
     torch.manual_seed(0)
     model = DeMinds(ModelConfig(num_queries=2, num_blocks=1, num_heads=4, mapping_hidden=16, gate_init=0.5), backbone)
     return save_checkpoint(folder / "tiny.safetensors", model)
+
+
+@pytest.fixture(scope="session")
+def tiny_llava(tmp_path_factory) -> Path:
+    """The tiny random LLaVA-NeXT folder (:func:`demind.gen.tiny_llava.build_tiny_llava_next`), built once;
+    read only (a test that changes a model folder copies it first)."""
+    from demind.gen.tiny_llava import build_tiny_llava_next
+
+    return build_tiny_llava_next(tmp_path_factory.mktemp("tiny-llava-next"))

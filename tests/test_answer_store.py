@@ -400,13 +400,7 @@ def test_a_copied_index_finds_its_stored_descriptions(loaded, index_dir, tmp_pat
 
 
 # ----------------------------------------------------------------------------- re-ranking words
-
-@pytest.fixture(scope="module")
-def tiny_llava(tmp_path_factory) -> Path:
-    from demind.gen.tiny_llava import build_tiny_llava_next
-
-    return build_tiny_llava_next(tmp_path_factory.mktemp("tiny-llava"))  # its words: no "yes", no "no"
-
+# (the tiny LLaVA's words: no "yes", no "no")
 
 @pytest.mark.parametrize("extra, names", [
     (["rerank.k=2"], "rerank.yes='yes'"),

@@ -31,7 +31,6 @@ from demind.gen.prompts import intent_conversation, load_prompts, render, rewrit
 from demind.gen.quality import clean_output, max_ngram_count, quality_flags
 from demind.gen.plan import ShardSpecError, parse_shard_range
 from demind.gen.reader import RawSample, SkippedSample, decode_and_shrink, iter_shard
-from demind.gen.tiny_llava import build_tiny_llava_next
 from helpers import jpeg_bytes, make_sample, shard_writer_killed_at, write_img2dataset_shards, write_input_shard
 
 CORRUPT_KEY = "000010002"
@@ -43,11 +42,6 @@ def restore_torch_threads():
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="session")
-def tiny_llava(tmp_path_factory) -> Path:
-    return build_tiny_llava_next(tmp_path_factory.mktemp("tiny-llava-next"))
 
 
 @pytest.fixture(scope="session")

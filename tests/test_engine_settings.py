@@ -13,12 +13,6 @@ from demind.config import ConfigError
 from demind.gen.config import EngineConfig, GenConfig
 from demind.gen.engines.base import model_context_length, resolve_max_model_len
 from demind.gen.engines.vllm_engine import GIB, cpu_kv_cache_bytes, transformers_only_settings, vllm_llm_kwargs
-from demind.gen.tiny_llava import build_tiny_llava_next
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return build_tiny_llava_next(tmp_path_factory.mktemp("tiny") / "tiny-llava-next")
 
 
 def test_context_length_is_the_models_unless_set_and_never_above_it():
@@ -34,7 +28,8 @@ def test_context_length_is_the_models_unless_set_and_never_above_it():
         resolve_max_model_len(0, no_length, "m")
 
 
-def test_a_length_above_the_models_is_one_error_line_before_the_engine_loads(tiny, tmp_path, capsys, monkeypatch):
+def test_a_length_above_the_models_is_one_error_line_before_the_engine_loads(tiny_llava, tmp_path, capsys,
+                                                                             monkeypatch):
     from demind.cli.generate import main as generate_main
     from demind.gen.engines import transformers_engine
     from helpers import make_sample, write_input_shard
@@ -46,7 +41,8 @@ def test_a_length_above_the_models_is_one_error_line_before_the_engine_loads(tin
     monkeypatch.setattr(transformers_engine.AutoModelForImageTextToText, "from_pretrained",
                         lambda *a, **k: loaded.append(1) or real(*a, **k))
     argv = ["--input", str(tmp_path / "in"), "--output", str(tmp_path / "out"), "--config",
-            "configs/data_gen/tiny-cpu.yaml", f"engine.model={tiny}", "engine.max_model_len=4096", "run.progress=false"]
+            "configs/data_gen/tiny-cpu.yaml", f"engine.model={tiny_llava}", "engine.max_model_len=4096",
+            "run.progress=false"]
     assert generate_main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and "engine.max_model_len=4096" in err[0]
@@ -79,18 +75,18 @@ def test_kv_cache_on_vllms_cpu_build():
     assert cpu_kv_cache_bytes(0, 32768, 128 * 1024, 8 * GIB) == 2 * GIB  # at most a quarter of what is free
 
 
-def test_the_tiny_config_with_the_vllm_engine_needs_no_other_setting(tiny):
+def test_the_tiny_config_with_the_vllm_engine_needs_no_other_setting(tiny_llava):
     """tiny-cpu.yaml + engine.name=vllm: the context length resolves to the tiny model's 1,024 (the
     earlier fixed 4096 was above it) and the tiny model's KV per token is what the CPU build sizes by."""
     from demind.config import load_config
     from demind.gen.memory import kv_bytes_per_token
     from transformers import AutoConfig
 
-    cfg = load_config(GenConfig, "configs/data_gen/tiny-cpu.yaml", ["engine.name=vllm", f"engine.model={tiny}"])
-    model_config = AutoConfig.from_pretrained(tiny)
-    assert resolve_max_model_len(cfg.engine.max_model_len, model_config, str(tiny)) == 1024
+    cfg = load_config(GenConfig, "configs/data_gen/tiny-cpu.yaml", ["engine.name=vllm", f"engine.model={tiny_llava}"])
+    model_config = AutoConfig.from_pretrained(tiny_llava)
+    assert resolve_max_model_len(cfg.engine.max_model_len, model_config, str(tiny_llava)) == 1024
     assert kv_bytes_per_token(model_config, 4) == 512
-    assert json.loads((tiny / "config.json").read_text())["text_config"]["max_position_embeddings"] == 1024
+    assert json.loads((tiny_llava / "config.json").read_text())["text_config"]["max_position_embeddings"] == 1024
 
 
 def test_where_vllms_cpu_build_cannot_run_one_line_says_why(monkeypatch):

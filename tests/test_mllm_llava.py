@@ -13,7 +13,6 @@ import torch
 from PIL import Image
 
 from demind.cli.evaluate import main as evaluate_main
-from demind.gen.tiny_llava import build_tiny_llava_next
 from helpers import FIXTURES, write_rerank_queries
 
 N_QUERIES = {"val": 6, "test1": 4}
@@ -47,11 +46,6 @@ def small_cirr(tmp_path_factory) -> Path:
             path.parent.mkdir(parents=True, exist_ok=True)
             Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(path)
     return root
-
-
-@pytest.fixture(scope="module")
-def tiny_llava(tmp_path_factory) -> Path:
-    return build_tiny_llava_next(tmp_path_factory.mktemp("tiny-llava"))
 
 
 def argv(root, ckpt, llava, out, *extra):
