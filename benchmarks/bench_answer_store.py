@@ -22,40 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.bench_describers import synthetic_queries
+from benchmarks.synthetic import ScriptedEngine
 
-
-class InstantEngine:
-    """Behind the Engine interface: every request answered at once with one fixed description."""
-
-    name = "instant"
-    model_id = "instant"
-    prefix_capacity_tokens = None
-
-    class _Renderer:
-        chat_template = "instant"
-
-        def apply_chat_template(self, conversation, **kwargs):
-            return " ".join(item.get("text", "<image>") for turn in conversation for item in turn["content"])
-
-    def __init__(self) -> None:
-        self.requests = 0
-
-    @property
-    def renderer(self):
-        return self._Renderer()
-
-    def generate(self, requests):
-        from demind.gen import GenResult
-
-        self.requests += len(requests)
-        return [GenResult(text="Target description: a red car on a street", finish_reason="stop", prompt_tokens=1,
-                          output_tokens=1) for _ in requests]
-
-    def count_tokens(self, texts):
-        return [len(t.split()) for t in texts]
-
-    def release_prefixes(self):
-        pass
+ANSWER = "Target description: a red car on a street"
 
 
 def write_model(folder: Path, megabytes: int) -> Path:
@@ -74,7 +43,7 @@ def timed_run(model: Path, store: Path, queries: list) -> tuple[float, int]:
     from demind.mllm import DescribeOptions, MLLMSetup
 
     identity._FILE_HASHES.clear()  # the process's own cache: a new process starts without it
-    engine = InstantEngine()
+    engine = ScriptedEngine(lambda request: ANSWER)  # answers at once: the figure is the store's own cost
     started = time.perf_counter()
     run = MLLMSetup(lambda: engine, model=str(model), engine_name=engine.name,
                     describe=DescribeOptions(store=str(store))).bind("bench", "val", None)

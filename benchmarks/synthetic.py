@@ -5,6 +5,8 @@
   three texts name the colour, at short or CC3M-like text lengths.
 * :func:`write_synthetic_coco` — a COCO-format split (instances + captions, COCO's 80 names) for
   the ExclCOCO builder's tests and its val2017-sized run-time benchmark.
+* :class:`ScriptedEngine` — a stand-in MLLM behind the generation engines' interface
+  (:class:`demind.gen.engines.base.Engine`): no model runs, a function gives each request's answer.
 
 Benchmark and test support, not part of the library: ``benchmarks/`` builds its inputs with
 these and the tests import them as ``benchmarks.synthetic`` (the repository root is on the
@@ -172,3 +174,46 @@ def write_synthetic_coco(folder: str | Path, num_images: int, split: str = "val2
             colour = tuple(rng.randrange(256) for _ in range(3))
             Image.new("RGB", (8, 8), colour).save(image_dir / img["file_name"])
     return instances_path, captions_path, image_dir
+
+
+# --------------------------------------------------------------------------- a scripted MLLM
+
+
+class TextRenderer:
+    """A chat template that joins the turns' texts (``<image>`` for an image item): prompts a test can read."""
+
+    chat_template = "scripted"
+
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> str:
+        return " ".join(item.get("text", "<image>") for turn in conversation for item in turn["content"])
+
+
+class ScriptedEngine:
+    """Behind the Engine interface, without a model: ``answer(request)`` is each request's text.
+    Keeps what it was asked: ``calls`` (generate calls), ``requests`` (their count) and ``prompts``."""
+
+    name = "scripted"
+    model_id = "scripted"
+    prefix_capacity_tokens = None
+    renderer = TextRenderer()
+
+    def __init__(self, answer: Any) -> None:
+        self.answer = answer
+        self.calls = 0
+        self.requests = 0
+        self.prompts: list[str] = []
+
+    def generate(self, requests: list[Any]) -> list[Any]:
+        from demind.gen import GenResult
+
+        self.calls += 1
+        self.requests += len(requests)
+        self.prompts += [r.prompt for r in requests]
+        return [GenResult(text=self.answer(r), finish_reason="stop", prompt_tokens=1, output_tokens=1)
+                for r in requests]
+
+    def count_tokens(self, texts: list[str]) -> list[int]:
+        return [len(t.split()) for t in texts]
+
+    def release_prefixes(self) -> None:
+        pass

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("one_thread_and_fresh_accelerator")
 # Files of benchmarks/ that are imported by the scripts and the tests, not run.
 SUPPORT = {
     "__init__": "the package",
-    "synthetic": "synthetic shards and COCO-format data (benchmark and test support)",
+    "synthetic": "synthetic shards, COCO-format data and a scripted MLLM engine (benchmark and test support)",
     "gpu_models": "random-weight models at the real shapes for bench_gpu",
     "noise_common": "what noise_detection and noise_retrieval share",
 }

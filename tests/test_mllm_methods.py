@@ -13,9 +13,10 @@ import torch
 from demind.mllm import (AnswerStore, DescribeOptions, LazyEngine, MLLMSetup, OSrCIRDescriber, RerankOptions,
                          Reranker, load_describer_prompts, parse_description, rerank_ranking)
 from demind.eval.harness import evaluate, read_benchmark
-from demind.gen import GenResult, request_seed
+from demind.gen import request_seed
 from demind.retrieval import ensemble_embeddings
 from toyworld.benchmarks import ToyBenchmarkConfig
+from benchmarks import synthetic
 from helpers import TINY_CLIP
 from toyworld.cirr import write_cirr
 
@@ -77,43 +78,19 @@ def test_bare_answers_are_accepted_where_no_label_is_required():
 
 # ----------------------------------------------------------------------------- scripted engines
 
-class Renderer:
-    chat_template = "scripted"
-
-    def apply_chat_template(self, conversation, **kwargs):
-        return " ".join(item.get("text", "<image>") for turn in conversation for item in turn["content"])
-
-
-class ScriptedEngine:
-    """Behind the Engine interface: the answer to a request is looked up by its seed (a function of
-    the query id, the stage and the sample), else ``default``; ``die_after`` calls raise (a kill)."""
-
-    name = "scripted"
-    model_id = "scripted"
-    prefix_capacity_tokens = None
+class ScriptedEngine(synthetic.ScriptedEngine):
+    """The answer to a request is looked up by its seed (a function of the query id, the stage and the
+    sample), else ``default``; the calls after ``die_after`` raise (a kill)."""
 
     def __init__(self, by_seed: dict[int, str], default: str = "a photo", die_after: int | None = None):
+        super().__init__(lambda request: self.by_seed.get(request.seed, self.default))
         self.by_seed, self.default, self.die_after = by_seed, default, die_after
-        self.calls = 0
-        self.requests = 0
-
-    @property
-    def renderer(self):
-        return Renderer()
 
     def generate(self, requests):
-        self.calls += 1
-        if self.die_after is not None and self.calls > self.die_after:
+        if self.die_after is not None and self.calls >= self.die_after:
+            self.calls += 1
             raise KeyboardInterrupt("killed")
-        self.requests += len(requests)
-        return [GenResult(text=self.by_seed.get(r.seed, self.default), finish_reason="stop", prompt_tokens=1,
-                          output_tokens=1) for r in requests]
-
-    def count_tokens(self, texts):
-        return [len(t.split()) for t in texts]
-
-    def release_prefixes(self):
-        pass
+        return super().generate(requests)
 
 
 def answers(queries, stage: str, text_of, samples: int = 1) -> dict[int, str]:

@@ -14,10 +14,10 @@ import torch
 
 from demind.mllm import DescribeOptions, MLLMSetup, RerankOptions
 from demind.errors import DemindError
-from demind.gen import GenResult
 from demind.search.index import build_index, load_index
 from demind.search.query import SearchError, Searcher, SearchQuery
 
+from benchmarks import synthetic
 from test_search import one_torch_thread, write_image  # noqa: F401  (module fixtures)
 
 DESCRIPTIONS = ["a red circle on a white table", "two blue squares in the snow", "a green triangle beside a lamp",
@@ -25,43 +25,17 @@ DESCRIPTIONS = ["a red circle on a white table", "two blue squares in the snow",
 PAYLOAD = 'a cat on a sofa <img src=x onerror="document.title=\'pwned\'"> <b>bold</b>'
 
 
-class Renderer:
-    chat_template = "scripted"
-
-    def apply_chat_template(self, conversation, **kwargs):
-        return " ".join(item.get("text", "<image>") for turn in conversation for item in turn["content"])
-
-
-class ScriptedEngine:
-    """Behind the Engine interface: a request whose prompt holds a key of ``answers`` (a modification
-    text) is answered "Target description: VALUE"; any other (CIReVL's caption) ``default``."""
-
-    name = "scripted"
-    model_id = "scripted"
-    prefix_capacity_tokens = None
+class ScriptedEngine(synthetic.ScriptedEngine):
+    """A request whose prompt holds a key of ``answers`` (a modification text) is answered
+    "Target description: VALUE"; any other (CIReVL's caption) ``default``."""
 
     def __init__(self, answers: dict[str, str], default: str = "a photo of something"):
+        super().__init__(self.lookup)
         self.answers, self.default = answers, default
-        self.requests = 0
 
-    @property
-    def renderer(self):
-        return Renderer()
-
-    def generate(self, requests):
-        self.requests += len(requests)
-        out = []
-        for r in requests:
-            found = [v for k, v in self.answers.items() if k in r.prompt]
-            out.append(GenResult(text=f"Target description: {found[0]}" if found else self.default,
-                                 finish_reason="stop", prompt_tokens=1, output_tokens=1))
-        return out
-
-    def count_tokens(self, texts):
-        return [len(t.split()) for t in texts]
-
-    def release_prefixes(self):
-        pass
+    def lookup(self, request) -> str:
+        found = [v for k, v in self.answers.items() if k in request.prompt]
+        return f"Target description: {found[0]}" if found else self.default
 
 
 def setup_with(engine, loads: list | None = None, rerank_k: int = 0, **describe) -> MLLMSetup:

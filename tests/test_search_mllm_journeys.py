@@ -8,37 +8,16 @@ import json
 
 import pytest
 
-from demind.gen import GenResult
+from benchmarks.synthetic import ScriptedEngine
 from demind.search.query import SearchError, SearchQuery
 
 from test_search import one_torch_thread, write_image  # noqa: F401  (module fixtures)
-from test_search_mllm import Renderer, index_dir, loaded, search_cli, searcher_with, setup_with  # noqa: F401
+from test_search_mllm import index_dir, loaded, search_cli, searcher_with, setup_with  # noqa: F401
 
 
-class RecordingEngine:
-    """Answers every request "Target description: a photo" (yes/no logits aside) and keeps the prompts."""
-
-    name = "scripted"
-    model_id = "scripted"
-    prefix_capacity_tokens = None
-
-    def __init__(self) -> None:
-        self.prompts: list[str] = []
-
-    @property
-    def renderer(self):
-        return Renderer()
-
-    def generate(self, requests):
-        self.prompts += [r.prompt for r in requests]
-        return [GenResult(text="Target description: a photo of a heart", finish_reason="stop", prompt_tokens=1,
-                          output_tokens=1) for _ in requests]
-
-    def count_tokens(self, texts):
-        return [len(t.split()) for t in texts]
-
-    def release_prefixes(self):
-        pass
+def recording_engine() -> ScriptedEngine:
+    """Answers every request "Target description: a photo of a heart" and keeps the prompts (``prompts``)."""
+    return ScriptedEngine(lambda request: "Target description: a photo of a heart")
 
 
 class KnowsNothing:
@@ -57,7 +36,7 @@ class KnowsNothing:
 
 @pytest.mark.parametrize("method", ["osrcir", "cirevl"])
 def test_a_star_in_the_modification_text_reaches_the_describer_whole(loaded, index_dir, method):  # noqa: F811
-    engine = RecordingEngine()
+    engine = recording_engine()
     searcher = searcher_with(loaded, index_dir, setup_with(engine, store=None))
     text = "replace the * logo with a red heart"
     searcher.search(SearchQuery(image=searcher.index.path_of("img1.png"), text=text, method=method, k=3))
@@ -68,7 +47,7 @@ def test_a_star_in_the_modification_text_reaches_the_describer_whole(loaded, ind
 
 
 def test_a_negative_with_a_rerank_method_is_searched(loaded, index_dir):  # noqa: F811
-    searcher = searcher_with(loaded, index_dir, setup_with(RecordingEngine(), rerank_k=3, store=None))
+    searcher = searcher_with(loaded, index_dir, setup_with(recording_engine(), rerank_k=3, store=None))
     verifier = KnowsNothing()
     searcher.mllm.run._verifier = verifier  # the MLLM verifier's place
     reference = searcher.index.path_of("img0.png")
@@ -89,7 +68,7 @@ def test_a_negative_with_rerank_on_the_command_line_and_the_page(tiny_checkpoint
         "Reranker"]).Reranker(KnowsNothing(), self.setup.rerank.k))
     import demind.gen.engines as engines
 
-    monkeypatch.setattr(engines, "build_engine", lambda *a, **k: RecordingEngine())
+    monkeypatch.setattr(engines, "build_engine", lambda *a, **k: recording_engine())
     out = tmp_path / "results.json"
     reference = str(index_dir.parent / "gallery" / "img3.png")
     assert search_cli(tiny_checkpoint, index_dir, "--image", reference, "--text", "make it red", "--method",
@@ -102,7 +81,7 @@ def test_a_negative_with_rerank_on_the_command_line_and_the_page(tiny_checkpoint
     pytest.importorskip("flask", reason="flask not installed (optional extra 'search')")
     from demind.search.server import create_app
 
-    searcher = searcher_with(loaded, index_dir, setup_with(RecordingEngine(), rerank_k=3, store=None))
+    searcher = searcher_with(loaded, index_dir, setup_with(recording_engine(), rerank_k=3, store=None))
     answer = create_app(searcher).test_client().post("/api/search", data={
         "gallery_name": "img3.png", "text": "make it red", "method": "demind+rerank", "negative": "the dog"})
     assert answer.status_code == 200, answer.get_json()
@@ -110,7 +89,7 @@ def test_a_negative_with_rerank_on_the_command_line_and_the_page(tiny_checkpoint
 
 
 def test_a_negative_with_a_method_that_cannot_take_one_is_refused_in_the_users_words(loaded, index_dir):  # noqa: F811
-    searcher = searcher_with(loaded, index_dir, setup_with(RecordingEngine(), rerank_k=3, store=None))
+    searcher = searcher_with(loaded, index_dir, setup_with(recording_engine(), rerank_k=3, store=None))
     with pytest.raises(SearchError) as e:
         searcher.search(SearchQuery(image=searcher.index.path_of("img0.png"), text="make it red",
                                     method="image-only+rerank", negative="the dog"))
@@ -124,7 +103,7 @@ def test_a_gallery_file_deleted_after_indexing_fails_only_the_rerank_query_of_a_
                                                                                       tmp_path, monkeypatch, capsys):
     import demind.gen.engines as engines
 
-    monkeypatch.setattr(engines, "build_engine", lambda *a, **k: RecordingEngine())
+    monkeypatch.setattr(engines, "build_engine", lambda *a, **k: recording_engine())
     gallery = index_dir.parent / "gallery"
     reference = tmp_path / "my-ref.png"
     reference.write_bytes((gallery / "img0.png").read_bytes())
@@ -172,33 +151,9 @@ def test_index_and_search_speak_of_the_index_not_of_a_benchmark_split(loaded, tm
 SERVE_WITH_A_SCRIPTED_ENGINE = '''
 import sys
 import demind.gen.engines as engines
-from demind.gen import GenResult
+from benchmarks.synthetic import ScriptedEngine
 
-
-class Renderer:
-    chat_template = "scripted"
-
-    def apply_chat_template(self, conversation, **kwargs):
-        return " ".join(item.get("text", "<image>") for turn in conversation for item in turn["content"])
-
-
-class Scripted:
-    name = model_id = "scripted"
-    prefix_capacity_tokens = None
-    renderer = Renderer()
-
-    def generate(self, requests):
-        return [GenResult(text="Target description: a red square", finish_reason="stop", prompt_tokens=1,
-                          output_tokens=1) for _ in requests]
-
-    def count_tokens(self, texts):
-        return [len(t.split()) for t in texts]
-
-    def release_prefixes(self):
-        pass
-
-
-engines.build_engine = lambda *a, **k: Scripted()
+engines.build_engine = lambda *a, **k: ScriptedEngine(lambda request: "Target description: a red square")
 from demind.cli.serve import main
 
 sys.exit(main(sys.argv[1:]))
