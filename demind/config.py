@@ -263,6 +263,40 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return convert(cfg)
 
 
+def with_defaults(saved: Any, defaults: Any) -> Any:
+    """``saved`` (a :func:`to_dict` of an older run) with the keys it lacks taken from ``defaults``
+    (nested mappings merged): a key added since, left at its default, is no change."""
+    if not (isinstance(saved, dict) and isinstance(defaults, dict)):
+        return saved
+    return {**defaults, **{k: with_defaults(v, defaults.get(k)) for k, v in saved.items()}}
+
+
+def config_changes(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """``"key (old -> new)"`` for every dotted key whose value differs between two :func:`to_dict`
+    configs (or sections of them, named by ``prefix``): what a resumed run names when it refuses
+    another recipe (demind-train, demind-train-triplets)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [d for k in sorted(set(old) | set(new))
+                for d in config_changes(old.get(k), new.get(k), f"{prefix}.{k}" if prefix else str(k))]
+    return [] if old == new else [f"{prefix} ({old!r} -> {new!r})"]
+
+
+def check_output_key(key: str, path: str | Path, *, file: bool = False) -> Path:
+    """Refuse an output folder (or, ``file``, an output file) this process cannot write, when the
+    config is checked: one :class:`ConfigError` naming ``key``, before any model loads. The folder is
+    created and probed (:func:`demind.io.check_output_dir`)."""
+    from demind.errors import OutputLocationError
+    from demind.io import check_output_dir, check_output_file
+
+    try:
+        return (check_output_file if file else check_output_dir)(path)
+    except OutputLocationError as e:
+        raise ConfigError(f"config key {key!r} = {str(path)!r}: {e}", key=key) from None
+    except OSError as e:  # e.g. ENOENT under /proc or a vanished mount: not an output place
+        raise ConfigError(f"config key {key!r} = {str(path)!r}: cannot create or write it ({e.strerror}); "
+                          f"choose a folder this process can write", key=key) from None
+
+
 def config_keys(cls: type, prefix: str = "") -> list[tuple[str, Any, str]]:
     """(dotted key, default, help text) of every leaf field of ``cls``, nested sections flattened,
     for ``--help``. The help text is the field's ``setting(help=...)``, else its declared rule."""

@@ -67,6 +67,19 @@ def check_string_map(data: Any, where: str) -> dict[str, str]:
     return data
 
 
+def check_unique_ids(entries: Any, where: str, what: str = "query") -> None:
+    """Refuse two entries of one file under one id with different content (``entries``: (id,
+    content) pairs, content comparable with ``==``): results are keyed by id, so one of them would be
+    scored against the other's answers. Entries repeated exactly are left as they are."""
+    seen: dict[str, Any] = {}
+    for key, content in entries:
+        key = str(key)
+        if key in seen and seen[key] != content:
+            raise InputError(f"{where}: {what} id {key!r} is used by two {what} entries with different content; "
+                             f"give each its own id (or delete one)")
+        seen.setdefault(key, content)
+
+
 def _json_type(value: Any) -> str:
     """A parsed JSON value's type in words (``object``, ``list``, ``string``, ``number``, ...)."""
     return {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null"}.get(

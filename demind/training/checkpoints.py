@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from demind.config import save_config, to_dict
+from demind.config import config_changes, save_config, to_dict, with_defaults
 from demind.errors import DemindError
 from demind.io import reporting_output_errors, temp_path
 from demind.training.config import TrainConfig
@@ -129,7 +129,7 @@ def check_resumable(saved: dict[str, Any], cfg: TrainConfig, where: Path) -> Non
     """The backbone and model must match the checkpoint; other changes are only reported."""
     current = to_dict(cfg)
     for section in ("backbone", "model"):
-        diff = [d for d in _diff(saved.get(section, {}), current[section], section)
+        diff = [d for d in config_changes(saved.get(section, {}), current[section], section)
                 if d.split(" ")[0] not in SPEED_ONLY_KEYS]
         if diff:
             raise ResumeError(
@@ -139,23 +139,10 @@ def check_resumable(saved: dict[str, Any], cfg: TrainConfig, where: Path) -> Non
     # a key the checkpoint's config lacks (added since, e.g. run.threads) and left at its default is no change
     defaults = to_dict(type(cfg)())
     other = [d for s in ("backbone", "data", "optim", "loss", "noise", "run")
-             for d in _diff(_with_defaults(saved.get(s, {}), defaults[s]), current[s], s)
+             for d in config_changes(with_defaults(saved.get(s, {}), defaults[s]), current[s], s)
              if s != "backbone" or d.split(" ")[0] in SPEED_ONLY_KEYS]
     if other:
         logger.warning("resuming from %s with changed settings: %s", where, ", ".join(other))
-
-
-def _with_defaults(saved: Any, defaults: Any) -> Any:
-    """``saved`` with the keys it lacks taken from ``defaults`` (nested mappings merged)."""
-    if not (isinstance(saved, dict) and isinstance(defaults, dict)):
-        return saved
-    return {**defaults, **{k: _with_defaults(v, defaults.get(k)) for k, v in saved.items()}}
-
-
-def _diff(old: Any, new: Any, prefix: str) -> list[str]:
-    if isinstance(old, dict) and isinstance(new, dict):
-        return [d for k in sorted(set(old) | set(new)) for d in _diff(old.get(k), new.get(k), f"{prefix}.{k}")]
-    return [] if old == new else [f"{prefix} ({old!r} -> {new!r})"]
 
 
 DEEPSPEED_FOLDER = "pytorch_model"  # where Accelerate's save_state puts DeepSpeed's engine checkpoint
