@@ -39,14 +39,15 @@ import torch
 from PIL import Image
 
 from demind.gen.config import GenConfig
-from demind.gen.engines.transformers_engine import TransformersEngine
+from demind.engines.transformers_engine import TransformersEngine
 from demind.gen.generate import ChunkItem, IntentGenerator
 from demind.gen.job import run_plan
 from demind.gen.plan import make_plan
-from demind.gen.prompts import intent_conversation, load_prompts, render, rewrite_conversation
+from demind.engines import render
+from demind.gen.prompts import intent_conversation, load_prompts, rewrite_conversation
 from demind.gen.reader import RawSample, decode_and_shrink, iter_shard
 from demind.shard_format import ShardWriter, encode_sample, sample_key
-from demind.gen.tiny_llava import build_tiny_llava_next
+from demind.engines.tiny_llava import build_tiny_llava_next
 
 
 def make_input_shard(path: Path, samples: int, width: int, height: int) -> None:
@@ -117,7 +118,7 @@ def time_overhead_parts(shard: Path, out_dir: Path, cfg: GenConfig, renderer) ->
 def compare_engines(items: list[ChunkItem], cfg: GenConfig, engines: list[str], repeats: int) -> dict[str, dict]:
     """Per engine (built from ``cfg`` with ``engine.name`` set): start seconds, median images/s of both
     stages over ``repeats`` after a warm-up, prompt tokens prefilled per image, stage-2 prefix hits."""
-    from demind.gen.engines import build_engine
+    from demind.engines import build_engine
 
     results = {}
     for name in engines:

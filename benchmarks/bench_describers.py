@@ -48,8 +48,8 @@ def synthetic_queries(folder: Path, n: int, candidates: int) -> tuple[list[Query
 def measure(model_dir: str | Path, device: str, queries: int, batch: int, tokens: dict[str, int], k: int,
             image_max_side: int = 672) -> dict[str, Any]:
     """Descriptions/s of each describer and candidates/s of the re-ranker (after one warm-up batch)."""
-    from demind.gen.config import EngineConfig, SamplingConfig
-    from demind.gen.engines import build_engine
+    from demind.engines import EngineConfig, SamplingConfig
+    from demind.engines import build_engine
 
     dtype = "float32" if device == "cpu" else "bfloat16"
     engine = build_engine(EngineConfig(name="transformers", model=str(model_dir), dtype=dtype, batch_size=batch,
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (the tiny model gains nothing from more)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    from demind.gen.tiny_llava import build_tiny_llava_next
+    from demind.engines.tiny_llava import build_tiny_llava_next
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="tiny_llava_") as tmp:

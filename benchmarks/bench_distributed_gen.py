@@ -27,7 +27,7 @@ from benchmarks.bench_data_gen import make_input_shard
 from demind.config import load_config
 from demind.gen.config import GenConfig
 from demind.gen.plan import make_plan
-from demind.gen.tiny_llava import build_tiny_llava_next
+from demind.engines.tiny_llava import build_tiny_llava_next
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -193,7 +193,7 @@ def bench_gen(args: argparse.Namespace, work: Path) -> dict:
     from PIL import Image
 
     from demind.gen.config import GenConfig
-    from demind.gen.engines.transformers_engine import TransformersEngine
+    from demind.engines.transformers_engine import TransformersEngine
     from demind.gen.generate import ChunkItem, IntentGenerator
     from demind.gen.prompts import load_prompts
     from demind.gen.reader import decode_and_shrink

@@ -25,7 +25,7 @@ import torch
 
 from demind.backbone import FrozenCLIP
 from demind.schema import BackboneConfig
-from demind.gen.tiny_llava import build_tiny_llava_next, save_llava_next, word_level_tokenizer
+from demind.engines.tiny_llava import build_tiny_llava_next, save_llava_next, word_level_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_CLIP = REPO / "configs/model/tiny-clip.json"

@@ -80,7 +80,7 @@ def data_gen_check(work: Path, kills: int, rng: random.Random, env: dict[str, st
     import webdataset as wds
 
     from benchmarks.synthetic import write_intent_shard
-    from demind.gen.tiny_llava import build_tiny_llava_next
+    from demind.engines.tiny_llava import build_tiny_llava_next
 
     tiny = build_tiny_llava_next(work / "tiny-llava")
     inp = work / "in"

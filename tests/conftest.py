@@ -59,8 +59,8 @@ def tiny_checkpoint(tmp_path_factory, tiny_backbone) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_llava(tmp_path_factory) -> Path:
-    """The tiny random LLaVA-NeXT folder (:func:`demind.gen.tiny_llava.build_tiny_llava_next`), built once;
+    """The tiny random LLaVA-NeXT folder (:func:`demind.engines.tiny_llava.build_tiny_llava_next`), built once;
     read only (a test that changes a model folder copies it first)."""
-    from demind.gen.tiny_llava import build_tiny_llava_next
+    from demind.engines.tiny_llava import build_tiny_llava_next
 
     return build_tiny_llava_next(tmp_path_factory.mktemp("tiny-llava-next"))

@@ -3,7 +3,7 @@
 
 Nothing here ships: builders that the benchmarks also use live beside them (synthetic shards and
 COCO-format data: :mod:`benchmarks.synthetic`) or in the package (the tiny LLaVA-NeXT of the CPU
-smoke config: :mod:`demind.gen.tiny_llava`).
+smoke config: :mod:`demind.engines.tiny_llava`).
 """
 
 from __future__ import annotations

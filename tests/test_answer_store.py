@@ -291,8 +291,8 @@ def toy_cirr(tmp_path_factory) -> Path:
 
 
 def scripted_engines(monkeypatch) -> list:
-    """demind.gen.engines.build_engine replaced by a scripted engine; the list records each build."""
-    import demind.gen.engines as engines
+    """demind.engines.build_engine replaced by a scripted engine; the list records each build."""
+    import demind.engines as engines
 
     built: list = []
 
@@ -410,7 +410,7 @@ def test_a_copied_index_finds_its_stored_descriptions(loaded, index_dir, tmp_pat
 def test_rerank_words_that_cannot_work_are_refused_before_any_description(toy_cirr, tiny_llava, tmp_path,
                                                                           monkeypatch, capsys, extra, names):
     from demind.cli.evaluate import main
-    from demind.gen.engines.transformers_engine import TransformersEngine
+    from demind.engines.transformers_engine import TransformersEngine
 
     def no_model(*args, **kwargs):
         raise AssertionError("the MLLM was loaded before the re-ranking words were checked")
@@ -426,7 +426,7 @@ def test_rerank_words_that_cannot_work_are_refused_before_any_description(toy_ci
 def test_rerank_words_are_checked_in_search_before_any_description(index_dir, tiny_checkpoint, tiny_llava,  # noqa: F811
                                                                   monkeypatch, capsys):
     from demind.cli.search import main
-    from demind.gen.engines.transformers_engine import TransformersEngine
+    from demind.engines.transformers_engine import TransformersEngine
 
     def no_model(*args, **kwargs):
         raise AssertionError("the MLLM was loaded before the re-ranking words were checked")

@@ -23,11 +23,12 @@ from demind.cli.generate import main as generate_main
 from demind.errors import DemindError
 from demind.cli.make_shards import main as make_shards_main
 from demind.gen.config import GenConfig
-from demind.gen.engines.base import GenRequest, GenResult, request_seed
-from demind.gen.engines.transformers_engine import SeededRowSampler
-from demind.gen.engines.vllm_engine import build_vllm_requests, results_from_outputs
+from demind.engines.base import GenRequest, GenResult, request_seed
+from demind.engines.transformers_engine import SeededRowSampler
+from demind.engines.vllm_engine import build_vllm_requests, results_from_outputs
 from demind.gen.generate import ChunkItem, IntentGenerator
-from demind.gen.prompts import intent_conversation, load_prompts, render, rewrite_conversation
+from demind.engines import render
+from demind.gen.prompts import intent_conversation, load_prompts, rewrite_conversation
 from demind.gen.quality import clean_output, max_ngram_count, quality_flags
 from demind.gen.plan import ShardSpecError, parse_shard_range
 from demind.gen.reader import RawSample, SkippedSample, decode_and_shrink, iter_shard
@@ -321,7 +322,7 @@ def test_vllm_request_building_without_vllm():
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed")
 def test_vllm_engine_without_vllm_says_how_to_install():
-    from demind.gen.engines import build_engine
+    from demind.engines import build_engine
 
     cfg = GenConfig()
     with pytest.raises(ImportError, match=r"pip install 'demind\[vllm\]'"):
@@ -547,7 +548,7 @@ def test_finding6_unwritable_output_fails_before_the_model_loads(repo_root, tiny
                                                                    tmp_path, monkeypatch, capsys):
     import errno
 
-    from demind.gen.engines.transformers_engine import TransformersEngine
+    from demind.engines.transformers_engine import TransformersEngine
 
     def no_engine(*args, **kwargs):
         raise AssertionError("the model was loaded although the output cannot be written")
@@ -589,7 +590,7 @@ def test_stage_two_reuses_stage_one_prefix_with_the_same_text(tiny_llava, temper
     """Keeping stage 1's prompt KV (image + turn 1) prefills stage 2 only from the answer on:
     same texts as a full prefill, sampled and greedy, in batches with left padding of
     different images and captions, retries included; fewer prefilled tokens."""
-    from demind.gen.engines.transformers_engine import TransformersEngine
+    from demind.engines.transformers_engine import TransformersEngine
 
     rng = np.random.default_rng(0)
     sizes = [(40, 30), (30, 40), (64, 20), (20, 20), (50, 50), (33, 61), (64, 64)]
@@ -635,7 +636,7 @@ def test_vllm_engine_turns_on_prefix_caching_and_counts_cached_tokens(tiny_llava
     vLLM served from the cache."""
     from types import SimpleNamespace
 
-    from demind.gen.engines import vllm_engine
+    from demind.engines import vllm_engine
 
     made = {}
 

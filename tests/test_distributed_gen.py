@@ -22,7 +22,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="needs Ray: pip install -e '.[distributed]' (or pip install ray)")
 
 from demind.cli.generate import main as generate_main  # noqa: E402
-from demind.gen.tiny_llava import build_tiny_llava_next  # noqa: E402
+from demind.engines.tiny_llava import build_tiny_llava_next  # noqa: E402
 from helpers import make_sample, write_input_shard  # noqa: E402
 from test_data_gen import base_argv, read_output  # noqa: E402
 

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from demind.gen.model_ref import EngineModelError, check_engine_model, local_model_folder
+from demind.engines.model_ref import EngineModelError, check_engine_model, local_model_folder
 
 from test_search import one_torch_thread, write_image  # noqa: F401  (module fixtures)
 from test_search_mllm import index_dir, loaded, searcher_with  # noqa: F401  (module fixtures)
@@ -80,8 +80,8 @@ def test_online_an_uncached_hub_id_is_left_to_the_download(monkeypatch, tmp_path
 
 
 def test_a_folder_transformers_cannot_read_is_one_line_from_build_engine(tmp_path):
-    from demind.gen.config import EngineConfig, SamplingConfig
-    from demind.gen.engines import build_engine
+    from demind.engines import EngineConfig, SamplingConfig
+    from demind.engines import build_engine
 
     folder = tmp_path / "broken"
     folder.mkdir()

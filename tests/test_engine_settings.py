@@ -10,9 +10,10 @@ from types import SimpleNamespace
 import pytest
 
 from demind.config import ConfigError
-from demind.gen.config import EngineConfig, GenConfig
-from demind.gen.engines.base import model_context_length, resolve_max_model_len
-from demind.gen.engines.vllm_engine import GIB, cpu_kv_cache_bytes, transformers_only_settings, vllm_llm_kwargs
+from demind.engines import EngineConfig
+from demind.gen.config import GenConfig
+from demind.engines.base import model_context_length, resolve_max_model_len
+from demind.engines.vllm_engine import GIB, cpu_kv_cache_bytes, transformers_only_settings, vllm_llm_kwargs
 
 
 def test_context_length_is_the_models_unless_set_and_never_above_it():
@@ -31,7 +32,7 @@ def test_context_length_is_the_models_unless_set_and_never_above_it():
 def test_a_length_above_the_models_is_one_error_line_before_the_engine_loads(tiny_llava, tmp_path, capsys,
                                                                              monkeypatch):
     from demind.cli.generate import main as generate_main
-    from demind.gen.engines import transformers_engine
+    from demind.engines import transformers_engine
     from helpers import make_sample, write_input_shard
 
     (tmp_path / "in").mkdir()
@@ -79,7 +80,7 @@ def test_the_tiny_config_with_the_vllm_engine_needs_no_other_setting(tiny_llava)
     """tiny-cpu.yaml + engine.name=vllm: the context length resolves to the tiny model's 1,024 (the
     earlier fixed 4096 was above it) and the tiny model's KV per token is what the CPU build sizes by."""
     from demind.config import load_config
-    from demind.gen.memory import kv_bytes_per_token
+    from demind.engines.memory import kv_bytes_per_token
     from transformers import AutoConfig
 
     cfg = load_config(GenConfig, "configs/data_gen/tiny-cpu.yaml", ["engine.name=vllm", f"engine.model={tiny_llava}"])
@@ -90,7 +91,7 @@ def test_the_tiny_config_with_the_vllm_engine_needs_no_other_setting(tiny_llava)
 
 
 def test_where_vllms_cpu_build_cannot_run_one_line_says_why(monkeypatch):
-    from demind.gen.engines import vllm_cpu_support
+    from demind.engines import vllm_cpu_support
 
     monkeypatch.setattr(vllm_cpu_support.platform, "machine", lambda: "aarch64")
     assert vllm_cpu_support.cpu_build_unsupported_reason() == \

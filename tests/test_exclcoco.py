@@ -185,7 +185,7 @@ def test_llm_texts_accepted_only_when_they_name_the_excluded_label(fixture_coco,
 @pytest.mark.slow
 def test_llm_query_source_end_to_end_with_the_tiny_llava(fixture_coco, tmp_path, capsys):
     from demind.cli import build_exclcoco as cli
-    from demind.gen.tiny_llava import build_tiny_llava_next
+    from demind.engines.tiny_llava import build_tiny_llava_next
 
     folder, *_ = fixture_coco
     model = build_tiny_llava_next(tmp_path / "tiny-llava")

@@ -16,17 +16,18 @@ from PIL import Image
 
 from demind.errors import DemindError
 from demind.gen.config import GenConfig
-from demind.gen.engines.base import request_seed
+from demind.engines.base import request_seed
 from demind.gen.generate import ChunkItem, IntentGenerator
-from demind.gen.memory import (
+from demind.engines.memory import (
     GIB,
     WavePlanner,
     kv_bytes_per_token,
     prefix_store_budget,
     prefix_wave_size,
 )
-from demind.gen.prompts import load_prompts, render, repaired_chat_template
-from demind.gen.tiny_llava import build_tiny_llava_next
+from demind.engines.chat import render, repaired_chat_template
+from demind.gen.prompts import load_prompts
+from demind.engines.tiny_llava import build_tiny_llava_next
 from tests.helpers import FIXTURES
 
 # transformers 5 deprecates generate's past_key_values (FutureWarning, removed in 6.0): the engine uses the new name
@@ -148,7 +149,7 @@ def engine_config(model: Path, store_bytes: int = 0, prefix_cache: bool = True) 
 @pytest.fixture(scope="module")
 def tiny_folders(tmp_path_factory) -> dict[str, Path]:
     """The tiny random LLaVA-NeXT saved as llava-hf folders with the test template and each real one."""
-    from demind.gen.tiny_llava import TINY_CHAT_TEMPLATE
+    from demind.engines.tiny_llava import TINY_CHAT_TEMPLATE
 
     root = tmp_path_factory.mktemp("llava-hf")
     return {key: build_tiny_llava_next(root / key, chat_template=template)
@@ -159,7 +160,7 @@ def test_store_bytes_follow_the_kv_arithmetic_and_waves_keep_every_prefix(tiny_f
     """The kept prefixes take len(ids) x kv_bytes_per_token bytes. With a store of 3.5 stage-1
     prompts, a 7-sample chunk runs in waves and every stage-2 request finds its prefix (same text
     as a full prefill); as one wave the store overflows and stage 2 misses."""
-    from demind.gen.engines.transformers_engine import PrefixStore, TransformersEngine
+    from demind.engines.transformers_engine import PrefixStore, TransformersEngine
 
     folder = tiny_folders["tiny"]
     chunk = items(7)
@@ -179,7 +180,7 @@ def test_store_bytes_follow_the_kv_arithmetic_and_waves_keep_every_prefix(tiny_f
             per_token = kv_bytes_per_token(probe.model.config, 4)
             cfg = engine_config(folder, store_bytes=int(3.5 * stage1_tokens * per_token))  # 3.5 stage-1 prompts
             cfg.engine.max_model_len = sample_tokens  # the first wave is sized like the later ones
-            with caplog.at_level(logging.INFO, logger="demind.gen.engines.transformers_engine"):
+            with caplog.at_level(logging.INFO, logger="demind.engines.transformers_engine"):
                 engine = TransformersEngine(cfg.engine, cfg.sampling, "cpu")
             assert f"= {engine.prefix_capacity_tokens:,} tokens" in caplog.text
             generator = IntentGenerator(engine, cfg, load_prompts("v1"))
@@ -210,7 +211,7 @@ def test_old_llava_hf_template_is_repaired_to_the_current_one():
 def stage_prompts(folder: Path) -> tuple[list[str], list[str], object, list]:
     """Stage-1 and stage-2 prompts (first attempts) the job sends for a small chunk, through the
     real loading path; the engine and the outputs."""
-    from demind.gen.engines.transformers_engine import TransformersEngine
+    from demind.engines.transformers_engine import TransformersEngine
 
     cfg = engine_config(folder)
     engine = TransformersEngine(cfg.engine, cfg.sampling, "cpu")
@@ -295,7 +296,7 @@ def test_vllm_chunk_runs_in_waves_that_its_cache_holds(tiny_folders, monkeypatch
     behaviour) none does, as the shard stats show."""
     from types import SimpleNamespace
 
-    from demind.gen.engines import vllm_engine
+    from demind.engines import vllm_engine
     from demind.gen.job import ShardStats
 
     fake = SimpleNamespace(LLM=lambda **kw: LRUPrefixLLM(blocks=90, **kw), SamplingParams=dict, __version__="0.11.0")

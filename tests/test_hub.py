@@ -300,7 +300,7 @@ def test_upload_is_one_create_and_one_upload_folder_call(smoke_run, monkeypatch,
 def intent_shards(tmp_path_factory, repo_root) -> Path:
     """Two intent shards written by the real generation command (tiny random LLaVA-NeXT, CPU)."""
     from demind.cli.generate import main as generate_main
-    from demind.gen.tiny_llava import build_tiny_llava_next
+    from demind.engines.tiny_llava import build_tiny_llava_next
 
     root = tmp_path_factory.mktemp("intent")
     (root / "in").mkdir()

@@ -65,7 +65,7 @@ def rankings(out: Path) -> dict:
 
 
 def test_kill_resume_rerun_without_model_and_rerank(small_cirr, tiny_checkpoint, tiny_llava, tmp_path, monkeypatch):
-    from demind.gen.engines.transformers_engine import TransformersEngine
+    from demind.engines.transformers_engine import TransformersEngine
 
     out = tmp_path / "val"
     real_generate = TransformersEngine.generate
@@ -135,8 +135,8 @@ def test_reranking_reuses_the_reference_prefix_with_equal_scores(tiny_llava, tmp
     """The reference part prefilled once per query and shared by its candidates (right-padded suffixes of
     different image-token counts) scores as the full prompts do, with fewer prompt tokens run."""
     from demind.mllm import LazyEngine, MemoryStore, MLLMVerifier, RerankOptions, load_describer_prompts
-    from demind.gen.config import EngineConfig, SamplingConfig
-    from demind.gen.engines import build_engine
+    from demind.engines import EngineConfig, SamplingConfig
+    from demind.engines import build_engine
 
     engine = build_engine(EngineConfig(name="transformers", model=str(tiny_llava), dtype="float32"),
                           SamplingConfig(temperature=0.0), device="cpu")

@@ -13,7 +13,7 @@ import torch
 from demind.mllm import (AnswerStore, DescribeOptions, LazyEngine, MLLMSetup, OSrCIRDescriber, RerankOptions,
                          Reranker, load_describer_prompts, parse_description, rerank_ranking)
 from demind.eval.harness import evaluate, read_benchmark
-from demind.gen import request_seed
+from demind.engines import request_seed
 from demind.retrieval import ensemble_embeddings
 from toyworld.benchmarks import ToyBenchmarkConfig
 from benchmarks import synthetic
@@ -336,7 +336,7 @@ def test_rerank_settings_that_cannot_work_are_refused_before_any_model_or_method
     from demind.cli.model_options import build_mllm_setup
     from demind.config import ConfigError
     from demind.settings import RunOptions
-    from demind.gen.config import EngineConfig
+    from demind.engines import EngineConfig
 
     # re-ranking on vLLM is built (its log-probabilities): the setup is accepted, nothing loads yet
     assert build_mllm_setup(EngineConfig(name="vllm", model="m"), DescribeOptions(), RerankOptions(k=5),

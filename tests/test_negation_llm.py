@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from demind.gen.config import EngineConfig, SamplingConfig
-from demind.gen.engines.base import GenResult
+from demind.engines import EngineConfig, SamplingConfig
+from demind.engines.base import GenResult
 from demind.negation.decompose import RuleDecomposer
 from demind.negation.llm import DecompositionParseError, LLMDecomposer, load_prompt, parse_answer
 
@@ -17,8 +17,8 @@ QUERIES = ["a kitchen without people", "a red car on a bridge", "a kitchen witho
 
 @pytest.fixture(scope="module")
 def tiny_engine(tmp_path_factory):
-    from demind.gen.engines.transformers_engine import TransformersEngine
-    from demind.gen.tiny_llava import build_tiny_llava_next
+    from demind.engines.transformers_engine import TransformersEngine
+    from demind.engines.tiny_llava import build_tiny_llava_next
 
     path = build_tiny_llava_next(tmp_path_factory.mktemp("tiny_llava"))
     return TransformersEngine(EngineConfig(name="transformers", model=str(path), batch_size=4,

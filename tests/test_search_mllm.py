@@ -179,7 +179,7 @@ def search_cli(tiny_checkpoint, index_dir, *extra):  # noqa: F811
 
 
 def test_demind_search_with_a_scripted_engine(tiny_checkpoint, index_dir, loaded, tmp_path, monkeypatch, capsys):  # noqa: F811
-    import demind.gen.engines as engines
+    import demind.engines as engines
 
     modification = "make it look like winter"
     description, target = pick_description(searcher_with(loaded, index_dir), modification)
@@ -324,7 +324,7 @@ def restore_torch_threads():
 
 def test_one_search_with_the_tiny_llava_through_the_transformers_engine(tiny_checkpoint, index_dir, tmp_path,  # noqa: F811
                                                                         restore_torch_threads):
-    from demind.gen.tiny_llava import build_tiny_llava_next
+    from demind.engines.tiny_llava import build_tiny_llava_next
 
     llava = build_tiny_llava_next(tmp_path / "tiny-llava")
     out = tmp_path / "llava.json"

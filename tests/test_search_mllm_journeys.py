@@ -66,7 +66,7 @@ def test_a_negative_with_rerank_on_the_command_line_and_the_page(tiny_checkpoint
 
     monkeypatch.setattr(session.MLLMRun, "reranker", lambda self: __import__("demind.mllm.rerank", fromlist=[
         "Reranker"]).Reranker(KnowsNothing(), self.setup.rerank.k))
-    import demind.gen.engines as engines
+    import demind.engines as engines
 
     monkeypatch.setattr(engines, "build_engine", lambda *a, **k: recording_engine())
     out = tmp_path / "results.json"
@@ -101,7 +101,7 @@ def test_a_negative_with_a_method_that_cannot_take_one_is_refused_in_the_users_w
 
 def test_a_gallery_file_deleted_after_indexing_fails_only_the_rerank_query_of_a_batch(tiny_checkpoint, index_dir,  # noqa: F811
                                                                                       tmp_path, monkeypatch, capsys):
-    import demind.gen.engines as engines
+    import demind.engines as engines
 
     monkeypatch.setattr(engines, "build_engine", lambda *a, **k: recording_engine())
     gallery = index_dir.parent / "gallery"
@@ -150,7 +150,7 @@ def test_index_and_search_speak_of_the_index_not_of_a_benchmark_split(loaded, tm
 
 SERVE_WITH_A_SCRIPTED_ENGINE = '''
 import sys
-import demind.gen.engines as engines
+import demind.engines as engines
 from benchmarks.synthetic import ScriptedEngine
 
 engines.build_engine = lambda *a, **k: ScriptedEngine(lambda request: "Target description: a red square")

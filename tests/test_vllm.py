@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from demind.gen.engines.vllm_cpu_support import cpu_build_unsupported_reason
+from demind.engines.vllm_cpu_support import cpu_build_unsupported_reason
 
 
 def skip_reason() -> str | None:
@@ -43,9 +43,10 @@ pytestmark = pytest.mark.vllm
 
 import torch  # noqa: E402
 
-from demind.gen.config import EngineConfig, GenConfig, SamplingConfig  # noqa: E402
-from demind.gen.engines.base import GenRequest  # noqa: E402
-from demind.gen.tiny_llava import build_tiny_llava_next  # noqa: E402
+from demind.engines import EngineConfig, SamplingConfig  # noqa: E402
+from demind.gen.config import GenConfig  # noqa: E402
+from demind.engines.base import GenRequest  # noqa: E402
+from demind.engines.tiny_llava import build_tiny_llava_next  # noqa: E402
 from helpers import shard_writer_killed_at, write_img2dataset_shards, write_rerank_queries  # noqa: E402
 from test_data_gen import CORRUPT_KEY, read_output, texts_by_key  # noqa: E402
 from test_mllm_llava import N_QUERIES, rankings, read_results, small_cirr  # noqa: E402,F401  (module fixture)
@@ -69,7 +70,7 @@ def shared_engines():
     """``build_engine`` that builds one vLLM engine per distinct set of engine settings and hands it out
     again (the callers' own sampling settings put on it): the job, demind-eval and demind-search build
     theirs through it. The engines are shut down with the module."""
-    import demind.gen.engines as engines
+    import demind.engines as engines
 
     real = engines.build_engine
     built: dict[tuple, object] = {}
@@ -94,7 +95,7 @@ def shared_engines():
 
 def vllm_engine(shared_engines, tiny, sampling: SamplingConfig | None = None):
     """The shared vLLM engine of the generation job's settings (tiny-cpu.yaml: float32, prefix cache)."""
-    import demind.gen.engines as engines
+    import demind.engines as engines
 
     return engines.build_engine(EngineConfig(name="vllm", model=str(tiny), dtype="float32"),
                                 sampling or SamplingConfig())
@@ -196,9 +197,10 @@ def test_both_engines_feed_the_model_the_same_token_ids_and_agree_greedily(share
     import numpy as np
     from PIL import Image
 
-    from demind.gen.engines.transformers_engine import TransformersEngine
-    from demind.gen.engines.vllm_engine import build_vllm_requests
-    from demind.gen.prompts import load_prompts, render, rewrite_conversation
+    from demind.engines.transformers_engine import TransformersEngine
+    from demind.engines.vllm_engine import build_vllm_requests
+    from demind.engines import render
+    from demind.gen.prompts import load_prompts, rewrite_conversation
 
     greedy = SamplingConfig(temperature=0.0, top_p=1.0)
     on_vllm = vllm_engine(shared_engines, tiny, greedy)
@@ -247,7 +249,7 @@ def test_demind_eval_describes_and_reranks_on_vllm_and_a_rerun_loads_no_model(sh
                                                                              tiny_checkpoint, tiny, tmp_path,
                                                                              monkeypatch):
     from demind.cli.evaluate import main as evaluate_main
-    from demind.gen.engines.vllm_engine import VLLMEngine
+    from demind.engines.vllm_engine import VLLMEngine
 
     out = tmp_path / "val"
     rerank = ("rerank.k=3", "rerank.yes=dog", "rerank.no=cat")
@@ -279,7 +281,7 @@ def test_rerank_scores_on_vllm_equal_the_transformers_engine(shared_engines, tin
     """log p(yes) - log p(no) of the first answer token, from vLLM's log-probabilities, equals the score the
     transformers engine reads from the model's logits (float32; vLLM's CPU kernels round differently)."""
     from demind.mllm import LazyEngine, MemoryStore, MLLMVerifier, RerankOptions, load_describer_prompts
-    from demind.gen.engines.transformers_engine import TransformersEngine
+    from demind.engines.transformers_engine import TransformersEngine
 
     _, queries, candidates = write_rerank_queries(tmp_path, [(20, 30), (40, 20), (16, 16), (30, 60), (25, 25)])
     engines = {"vllm": vllm_engine(shared_engines, tiny),

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from demind.settings import setting
-from demind.gen import GenResult, request_seed
+from demind.engines import GenResult, request_seed
 from toyworld.cirr import cirr_set
 from toyworld.texts import full_description
 from toyworld.world import WORLD_VERSION

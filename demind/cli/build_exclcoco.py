@@ -77,7 +77,7 @@ def build_llm(llm_config: str, cfg: ExclCocoConfig, llm_query_writer):
     """The data_gen engine of ``llm_config`` wrapped as the builder's ``llm``."""
     from demind.config import load_config
     from demind.gen.config import GenConfig
-    from demind.gen.engines import build_engine
+    from demind.engines import build_engine
 
     gen = load_config(GenConfig, llm_config)
     engine = build_engine(gen.engine, gen.sampling, device=gen.run.device, seed=gen.run.seed)

@@ -16,10 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from demind.cli.common import Flag, config_parser, run_config_command
-from demind.cli.model_options import MODEL_FLAGS, BackboneChoice, build_mllm_setup, checkpoint_setting, load_model
+from demind.cli.model_options import (MODEL_FLAGS, BackboneChoice, build_mllm_setup, checkpoint_setting, engine_problems,
+                                      load_model)
 from demind.settings import QueryRunOptions, setting
 from demind.mllm.config import DescribeOptions, RerankOptions
-from demind.gen.config import EngineConfig
+from demind.engines import EngineConfig
 from demind.eval.options import BENCHMARKS, CocoOptions, FashionIQOptions
 from demind.retrieval.names import METHODS
 
@@ -54,8 +55,11 @@ class EvalConfig:
 
     def config_problems(self) -> list[tuple[str, str]]:
         flags = {"benchmark": "--benchmark", "data_root": "--data-root", "out": "--out"}
-        return [(key, f"is required: give {flag} or {key}=...") for key, flag in flags.items()
-                if getattr(self, key) is None]
+        problems = [(key, f"is required: give {flag} or {key}=...") for key, flag in flags.items()
+                    if getattr(self, key) is None]
+        if needs_mllm(self):  # before the gallery is encoded, not on the first missing answer
+            problems += [(f"engine.{key}", message) for key, message in engine_problems(self.engine)]
+        return problems
 
 
 FLAGS = {
@@ -108,13 +112,18 @@ def evaluate_command(cfg: EvalConfig) -> int:
 def mllm_setup(cfg: EvalConfig):
     """The MLLM of the ``engine`` section when a method or ``rerank.k`` needs one (else None); the engine
     itself is built only when an answer is missing from the store (a rerun loads no model)."""
+    if not needs_mllm(cfg):
+        return None
+    return build_mllm_setup(cfg.engine, cfg.describe, cfg.rerank, cfg.run)
+
+
+def needs_mllm(cfg: EvalConfig) -> bool:
+    """Whether a method asked for (an MLLM method, ``METHOD+rerank``) or ``rerank.k`` runs the MLLM."""
     from demind.retrieval import MLLM_METHODS, split_deo_name
     from demind.retrieval.names import split_rerank_requests
 
     names, reranked = split_rerank_requests(cfg.methods or "")
-    if cfg.rerank.k == 0 and not reranked and not any(split_deo_name(n)[0] in MLLM_METHODS for n in names):
-        return None
-    return build_mllm_setup(cfg.engine, cfg.describe, cfg.rerank, cfg.run)
+    return cfg.rerank.k > 0 or bool(reranked) or any(split_deo_name(n)[0] in MLLM_METHODS for n in names)
 
 
 def main(argv: list[str] | None = None) -> int:

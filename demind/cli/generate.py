@@ -59,8 +59,8 @@ def generate_command(job: GenerateConfig) -> int:
     """0 when every selected shard is done, 1 if an input shard failed."""
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    from demind.gen.engines import build_engine
-    from demind.gen.model_ref import check_engine_model
+    from demind.engines import build_engine
+    from demind.engines.model_ref import check_engine_model
     from demind.gen.job import format_job_summary, run_plan
     from demind.gen.prompts import load_prompts
     from demind.gen.plan import format_plan, make_plan
@@ -73,7 +73,7 @@ def generate_command(job: GenerateConfig) -> int:
         print("nothing to do" if not plan.todo else "dry run: stopping before loading the model")
         return 0
     if not cfg.run.progress:  # also the weight-loading bars of transformers / huggingface_hub
-        from demind.gen.engines import disable_loading_progress
+        from demind.engines import disable_loading_progress
 
         disable_loading_progress()
     check_output_dir(job.output)  # before the model loads: a read-only or full disk fails in seconds

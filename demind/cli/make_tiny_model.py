@@ -37,7 +37,7 @@ def build_parser():
 
 def make_tiny_model_command(cfg: TinyModelConfig) -> int:
     """Build and save the tiny model; print where."""
-    from demind.gen.tiny_llava import build_tiny_llava_next
+    from demind.engines.tiny_llava import build_tiny_llava_next
     from demind.io import check_output_dir
 
     check_output_dir(cfg.output)  # a file in the way is one error line, before the model is built

@@ -13,6 +13,7 @@ functions that load a model: ``--help`` must not load it.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -20,7 +21,7 @@ from demind.cli.common import Flag
 from demind.settings import QueryRunOptions, RunOptions, resolve_device, setting
 from demind.mllm.config import DescribeOptions, RerankOptions
 from demind.errors import InputError
-from demind.gen.config import EngineConfig
+from demind.engines import EngineConfig
 from demind.schema import PRECISION_NAMES
 
 
@@ -92,10 +93,10 @@ def build_mllm_setup(engine: EngineConfig, describe: DescribeOptions, rerank: Re
     """The :class:`demind.mllm.MLLMSetup` of these config sections; the engine itself is built
     only when an answer is missing from the stores (a rerun loads no model)."""
     from demind.mllm import MLLMSetup
-    from demind.gen.config import SamplingConfig
+    from demind.engines import SamplingConfig
 
     def build():
-        from demind.gen.engines import build_engine, disable_loading_progress
+        from demind.engines import build_engine, disable_loading_progress
 
         if not run.progress:
             disable_loading_progress()
@@ -105,12 +106,31 @@ def build_mllm_setup(engine: EngineConfig, describe: DescribeOptions, rerank: Re
     return MLLMSetup(build, engine.model, engine.name, engine.dtype, describe, rerank)
 
 
+def vllm_installed() -> bool:
+    """Whether the optional vLLM package is installed (looked up, not imported: no CUDA starts)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def engine_problems(engine: EngineConfig) -> list[tuple[str, str]]:
+    """The ``engine`` section's problems a command must say before any model loads or any image is
+    encoded: an engine whose optional package is missing (else found only when the first answer is
+    missing from the store, after the gallery is encoded)."""
+    if engine.name == "vllm" and not vllm_installed():
+        return [("name", "= 'vllm' needs the optional vLLM package, which is not installed here: pip install "
+                         "'demind[vllm]' on an NVIDIA GPU, or bash scripts/setup.sh --vllm without one "
+                         "(docs/generation.md); or use engine.name=transformers")]
+    return []
+
+
 @dataclass
 class SearchEngineConfig(EngineConfig):
     """demind-eval's engine section; here no model by default: the MLLM methods are a choice."""
 
     model: str | None = setting(None, help="MLLM (llava-hf folder or hub id) for cirevl, osrcir, demind+mllm and "
                                            "rerank.k (none: those methods are not offered)")
+
+    def config_problems(self) -> list[tuple[str, str]]:
+        return engine_problems(self) if self.model is not None else []
 
 
 @dataclass

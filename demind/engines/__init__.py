@@ -1,13 +1,25 @@
-"""Generation engines behind one interface (:class:`~demind.gen.engines.base.Engine`)."""
+"""The MLLM engines behind one interface (:class:`~demind.engines.base.Engine`), and what every
+user of an engine shares: the ``engine``/``sampling`` config sections (:mod:`.config`), where the
+model is loaded from (:mod:`.model_ref`), chat rendering (:mod:`.chat`), the KV budget
+(:mod:`.memory`) and tiny random models for smoke runs and tests (:mod:`.tiny_llava`).
+
+Users: intent generation (:mod:`demind.gen`), the triplet job (:mod:`demind.triplet_gen`), the
+describers and re-ranker (:mod:`demind.mllm`), the negation rewriter (:mod:`demind.negation.llm`).
+"""
 
 from __future__ import annotations
 
+from demind.engines.base import Engine, GenRequest, GenResult, TokenScores, request_seed
+from demind.engines.chat import Conversation, assistant_turn, render, user_turn
+from demind.engines.config import EngineConfig, SamplingConfig
+from demind.engines.memory import WavePlanner
+from demind.engines.model_ref import EngineModelError, check_engine_model, engine_load_error, local_model_folder
 from demind.errors import DemindError, InputError
-from demind.gen.config import EngineConfig, SamplingConfig
-from demind.gen.model_ref import check_engine_model, engine_load_error
-from demind.gen.engines.base import Engine, GenRequest, GenResult, request_seed
 
-__all__ = ["Engine", "GenRequest", "GenResult", "build_engine", "disable_loading_progress", "request_seed"]
+__all__ = ["Conversation", "Engine", "EngineConfig", "EngineModelError", "GenRequest", "GenResult", "SamplingConfig",
+           "TokenScores", "WavePlanner", "assistant_turn", "build_engine", "check_engine_model",
+           "disable_loading_progress", "engine_load_error", "local_model_folder", "render", "request_seed",
+           "user_turn"]
 
 
 def build_engine(engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, *, device: str = "auto",
@@ -15,7 +27,7 @@ def build_engine(engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, *, devi
     """Load the model named by ``engine_cfg`` on the chosen engine (vLLM is imported only here).
 
     ``device`` (``run.device``) places the transformers engine; ``seed`` (``run.seed``) seeds vLLM.
-    An ``engine.model`` that cannot be loaded is one :class:`~demind.gen.model_ref.EngineModelError`
+    An ``engine.model`` that cannot be loaded is one :class:`~demind.engines.model_ref.EngineModelError`
     naming it and the fix (checked before the engine's libraries are imported)."""
     if engine_cfg.name not in ("transformers", "vllm"):
         raise InputError(f"engine.name must be 'vllm' or 'transformers', got {engine_cfg.name!r}")
@@ -25,10 +37,10 @@ def build_engine(engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, *, devi
     file_errors = (OSError, ValueError) if engine_cfg.name == "transformers" else (OSError,)
     try:
         if engine_cfg.name == "transformers":
-            from demind.gen.engines.transformers_engine import TransformersEngine
+            from demind.engines.transformers_engine import TransformersEngine
 
             return TransformersEngine(engine_cfg, sampling_cfg, device=device)
-        from demind.gen.engines.vllm_engine import VLLMEngine
+        from demind.engines.vllm_engine import VLLMEngine
 
         return VLLMEngine(engine_cfg, sampling_cfg, seed=seed)
     except DemindError:

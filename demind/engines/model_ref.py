@@ -7,7 +7,7 @@ alone and before any model code is imported, the three ways this goes wrong that
 first (a missing folder, a folder without a model, a Hub id absent from the cache while offline) as
 one :class:`EngineModelError` naming ``engine.model`` and the fix; :func:`engine_load_error` says the
 same of a load that failed anyway (a Hub id the network could not fetch, a folder transformers
-cannot read). ``demind.gen.engines.build_engine`` calls both, so every command that builds an
+cannot read). ``demind.engines.build_engine`` calls both, so every command that builds an
 engine (demind-generate, demind-eval, demind-search, demind-serve, demind-build-exclcoco) says it
 in the same words; :func:`local_model_folder` is where the files lie (the cache's snapshot for a
 Hub id), for whoever keys answers by the model's content.

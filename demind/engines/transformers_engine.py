@@ -25,9 +25,9 @@ from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor,
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from demind.errors import InputError
-from demind.gen.config import EngineConfig, SamplingConfig
-from demind.gen.engines.base import GenRequest, GenResult, resolve_max_model_len
-from demind.gen.memory import free_memory_bytes, kv_bytes_per_token, prefix_store_budget
+from demind.engines.config import EngineConfig, SamplingConfig
+from demind.engines.base import GenRequest, GenResult, resolve_max_model_len
+from demind.engines.memory import free_memory_bytes, kv_bytes_per_token, prefix_store_budget
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class Prefix:
 
 
 class PrefixStore:
-    """Kept prompt KV caches by image object, oldest dropped beyond ``max_bytes`` (see demind/gen/memory.py)."""
+    """Kept prompt KV caches by image object, oldest dropped beyond ``max_bytes`` (see demind/engines/memory.py)."""
 
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes

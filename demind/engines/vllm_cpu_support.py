@@ -2,7 +2,7 @@
 ``scripts/setup_vllm.sh`` (run as a file, before the project is installed: standard library only)
 and for the vLLM tests' skip line.
 
-    python demind/gen/engines/vllm_cpu_support.py   # prints why not, or nothing
+    python demind/engines/vllm_cpu_support.py   # prints why not, or nothing
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ version check and the cache size are split out (:func:`build_vllm_requests`,
 
 Prefix caching: stage 2's prompt starts with stage 1's, so vLLM's automatic prefix caching serves
 it from stage 1's KV blocks while they are still in its cache. The cache holds
-``num_gpu_blocks x block_size`` tokens; :class:`demind.gen.memory.WavePlanner` runs a chunk in
+``num_gpu_blocks x block_size`` tokens; :class:`demind.engines.memory.WavePlanner` runs a chunk in
 waves that fit it (a 1,024-sample chunk of LLaVA-1.6 prompts is several times the cache of one
 GPU, and stage 2 would find almost nothing). Multimodal prefix caching needs vLLM >= 0.8, where
 cached blocks are keyed by the image as well as the tokens.
@@ -20,8 +20,8 @@ from typing import Any
 from packaging.version import Version
 
 from demind.errors import DemindError, MissingDependencyError
-from demind.gen.config import EngineConfig, SamplingConfig
-from demind.gen.engines.base import GenRequest, GenResult, TokenScores, resolve_max_model_len
+from demind.engines.config import EngineConfig, SamplingConfig
+from demind.engines.base import GenRequest, GenResult, TokenScores, resolve_max_model_len
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +225,7 @@ class VLLMEngine:
             return int(engine_cfg.kv_cache_gib * GIB) if engine_cfg.kv_cache_gib > 0 else None
         import psutil
 
-        from demind.gen.memory import kv_bytes_per_token
+        from demind.engines.memory import kv_bytes_per_token
 
         dtype_bytes = 2 if engine_cfg.dtype in ("bfloat16", "float16") else 4
         size = cpu_kv_cache_bytes(engine_cfg.kv_cache_gib, self.max_model_len,

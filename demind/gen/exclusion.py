@@ -39,8 +39,7 @@ def llm_query_writer(engine: Any, prompt_version: str = "v1", seed: int = 0, max
     with data_gen's quality rules; a flagged output is None (the builder keeps the template).
     """
 
-    from demind.gen.engines import GenRequest, request_seed
-    from demind.gen.prompts import render, user_turn
+    from demind.engines import GenRequest, render, request_seed, user_turn
     from demind.gen.quality import clean_output, quality_flags
 
     prompt, sha = load_exclusion_prompt(prompt_version)

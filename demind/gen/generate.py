@@ -5,7 +5,7 @@ Stage 2 (intention reasoning): the same conversation continued -> T_int.
 Each output is cleaned and checked; a flagged output is retried with a new seed
 (``sampling.retries`` times), and the attempt with the fewest flags is kept, flags and all.
 With a prefix cache, a chunk runs in waves (stage 1 then stage 2) no larger than the cache
-holds, so that stage 2 finds stage 1's prefix (:mod:`demind.gen.memory`).
+holds, so that stage 2 finds stage 1's prefix (:mod:`demind.engines.memory`).
 """
 
 from __future__ import annotations
@@ -17,17 +17,9 @@ from typing import Any
 
 from PIL import Image
 
+from demind.engines import Conversation, Engine, GenRequest, GenResult, WavePlanner, render, request_seed
 from demind.gen.config import GenConfig
-from demind.gen.engines.base import Engine, GenRequest, GenResult, request_seed
-from demind.gen.memory import WavePlanner
-from demind.gen.prompts import (
-    Conversation,
-    PromptSet,
-    intent_conversation,
-    render,
-    rewrite_conversation,
-    single_conversation,
-)
+from demind.gen.prompts import PromptSet, intent_conversation, rewrite_conversation, single_conversation
 from demind.gen.quality import clean_output, quality_flags
 
 logger = logging.getLogger(__name__)

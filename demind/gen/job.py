@@ -25,7 +25,7 @@ from demind.logs import progress_bar
 from demind.config import to_dict
 from demind.settings import resolve_device
 from demind.gen.config import GenConfig
-from demind.gen.engines.base import Engine
+from demind.engines import Engine
 from demind.gen.fidelity_stage import FidelityScorer
 from demind.gen.generate import ChunkItem, ChunkOutput, IntentGenerator
 from demind.gen.prompts import PromptSet

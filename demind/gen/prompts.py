@@ -1,38 +1,21 @@
 """Versioned prompt texts and the conversations of the two generation stages.
 
 Prompt text lives in ``demind/gen/prompts/<version>/{rewrite,intent,single}.txt``.
-Conversations use the Hugging Face chat format (content lists with ``{"type": "image"}``)
-and are rendered by the model's own processor (``apply_chat_template``), so the same
-prompts work for Mistral-, Vicuna- or any other LLaVA chat format.
+Conversations use the Hugging Face chat format and are rendered by the model's own processor
+(:func:`demind.engines.render`), so the same prompts work for Mistral-, Vicuna- or any other chat format.
 """
 
 from __future__ import annotations
 
 import hashlib
-import logging
-import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
 
+from demind.engines import Conversation, assistant_turn, user_turn
 from demind.errors import InputError, MissingInputError
 
-logger = logging.getLogger(__name__)
-
 PROMPT_ROOT = Path(__file__).resolve().parent / "prompts"
-# Older llava-hf LLaVA-NeXT chat templates end assistant turns with '<\\s>' (in the Jinja source; it
-# renders as the literal text <\s>) where '</s>' was meant: the typo would reach stage 2's prompt as
-# four characters instead of the end-of-sequence token that closes turn 1.
-_EOS_TYPO = re.compile(r"<\\{1,2}s>")
 CAPTION_FIELD = "{caption}"
-
-Conversation = list[dict[str, Any]]
-
-
-class ChatTemplateRenderer(Protocol):
-    """Anything with a Hugging Face ``apply_chat_template`` (a processor or tokenizer)."""
-
-    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -70,16 +53,6 @@ def load_prompts(version: str) -> PromptSet:
     return PromptSet(version=folder.name, sha=digest[:12], **texts)
 
 
-def user_turn(text: str, with_image: bool) -> dict[str, Any]:
-    content: list[dict[str, Any]] = [{"type": "image"}] if with_image else []
-    content.append({"type": "text", "text": text})
-    return {"role": "user", "content": content}
-
-
-def assistant_turn(text: str) -> dict[str, Any]:
-    return {"role": "assistant", "content": [{"type": "text", "text": text}]}
-
-
 def rewrite_conversation(prompts: PromptSet, caption: str) -> Conversation:
     """Stage 1: the image and T_ori -> T_rew."""
     return [user_turn(prompts.fill(prompts.rewrite, caption), with_image=True)]
@@ -96,32 +69,3 @@ def intent_conversation(prompts: PromptSet, caption: str, rewritten: str) -> Con
 def single_conversation(prompts: PromptSet, caption: str) -> Conversation:
     """The w/o-CoT ablation: the image and T_ori -> T_int in one turn."""
     return [user_turn(prompts.fill(prompts.single, caption), with_image=True)]
-
-
-def repaired_chat_template(template: str) -> str:
-    """``template`` with the ``<\\s>`` typo of older llava-hf templates written as ``</s>`` (what the
-    current templates say); any other template comes back unchanged."""
-    return _EOS_TYPO.sub("</s>", template)
-
-
-_repaired_told: set[str] = set()
-
-
-def render(renderer: ChatTemplateRenderer, conversation: Conversation) -> str:
-    """The prompt string the model sees, with the generation prompt (e.g. ``ASSISTANT:``) appended.
-
-    A template with the ``<\\s>`` typo is rendered repaired (:func:`repaired_chat_template`)."""
-    template = getattr(renderer, "chat_template", None)
-    if template is None:
-        raise InputError(
-            "the model's processor has no chat template; pick a chat model (e.g. llava-hf/llava-v1.6-mistral-7b-hf) "
-            "or save a processor with a chat_template"
-        )
-    kwargs = {}
-    if isinstance(template, str) and _EOS_TYPO.search(template):
-        kwargs["chat_template"] = repaired_chat_template(template)
-        if template not in _repaired_told:
-            _repaired_told.add(template)
-            logger.warning("the model's chat template ends assistant turns with the typo '<\\s>': rendered with '</s>' "
-                           "(the end-of-sequence token), as current llava-hf templates do")
-    return renderer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False, **kwargs)

@@ -40,7 +40,7 @@ class ShardWorker:
     """One engine, loaded once, that turns whole shards into intent shards (a Ray actor)."""
 
     def __init__(self, cfg: GenConfig):
-        from demind.gen.engines import build_engine, disable_loading_progress
+        from demind.engines import build_engine, disable_loading_progress
         from demind.gen.prompts import load_prompts
 
         disable_loading_progress()  # the driver shows the one progress view

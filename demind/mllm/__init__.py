@@ -1,5 +1,5 @@
 """The MLLM at query time: the training-free family (CIReVL, OSrCIR, LDRE-style ensembles) and
-MLLM re-ranking, on the data_gen engines (:mod:`demind.gen.engines`), for benchmarks and search.
+MLLM re-ranking, on the data_gen engines (:mod:`demind.engines`), for benchmarks and search.
 
 * :mod:`~demind.mllm.describers` -- (reference image, modification) -> target description(s);
 * :mod:`~demind.mllm.parse` -- the description read out of a chain-of-thought answer;

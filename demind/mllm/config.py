@@ -1,5 +1,5 @@
 """The ``describe`` and ``rerank`` sections of ``demind-eval``'s config (the engine section is
-:class:`demind.gen.config.EngineConfig`, the same ``engine.name`` / ``engine.model`` keys as generation)."""
+:class:`demind.engines.EngineConfig`, the same ``engine.name`` / ``engine.model`` keys as generation)."""
 
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ from demind.mllm.parse import parse_description
 from demind.mllm.store import AnswerStore
 from demind.errors import InputError, MissingInputError
 from demind.imaging import resize_longest_side
-from demind.gen import Engine, GenRequest, render, request_seed, user_turn
+from demind.engines import Engine, GenRequest, render, request_seed, user_turn
 from demind.templates import PLACEHOLDER, TEMPLATES
 from demind.retrieval import Query, load_image
 

@@ -26,7 +26,7 @@ from demind.mllm.describers import DescriberPrompts, LazyEngine, fill, modificat
 from demind.mllm.store import AnswerStore
 from demind.imaging import resize_longest_side
 from demind.errors import InputError
-from demind.gen import render
+from demind.engines import render
 from demind.retrieval import ImageRef, Query, load_image
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from demind.mllm.config import DESCRIBERS, DescribeOptions, RerankOptions
 from demind.mllm.describers import DESCRIBER_CLASSES, Describer, LazyEngine, load_describer_prompts
 from demind.mllm.rerank import MLLMVerifier, Reranker
 from demind.mllm.store import AnswerStore, DigestMemo, ModelIdentity, check_store_root, text_digest
-from demind.gen import Engine
+from demind.engines import Engine
 
 
 @dataclass

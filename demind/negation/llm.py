@@ -1,11 +1,11 @@
 """The LLM decomposer (DEO section 3.1 as the paper does it): an instruct LLM splits each query
 into a positive text and negative phrases.
 
-It runs through the data_gen engines (:mod:`demind.gen.engines`: transformers on CPU/GPU,
+It runs through the data_gen engines (:mod:`demind.engines`: transformers on CPU/GPU,
 vLLM on a GPU), text-only requests rendered by the model's own chat template. The prompt is
 versioned (``demind/negation/prompts/<version>/decompose.txt``, ``{query}`` filled in;
 never edit a released version: copy it to a new folder). The paper samples at temperature
-0.1; the engine's :class:`~demind.gen.config.SamplingConfig` decides here.
+0.1; the engine's :class:`~demind.engines.SamplingConfig` decides here.
 
 The answer must hold one JSON object ``{"positive": str, "negatives": [str, ...]}`` (an
 optional ``"positives": [str, ...]`` adds restatements). An answer that cannot be parsed falls
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from demind.errors import InputError, MissingInputError
-from demind.gen import Engine, GenRequest, render, request_seed, user_turn
+from demind.engines import Engine, GenRequest, render, request_seed, user_turn
 from demind.io import write_json_atomic
 from demind.negation.decompose import Decomposer, Decomposition, RuleDecomposer, strip_determiner, unchanged
 

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from demind.mllm import MLLMSetup
-from demind.gen import GenRequest, request_seed
+from demind.engines import GenRequest, request_seed
 from demind.eval.harness import evaluate, read_benchmark
 from toyworld.benchmarks import ToyBenchmarkConfig
 from toyworld.cirr import cirr_set, write_cirr
