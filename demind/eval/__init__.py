@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # the same names for static tools and go-to-definition (tests
     from demind.checkpoint import load_backbone_and_model
     from demind.eval.cirr import find_image_root
     from demind.eval.exclcoco import load_exclcoco
-    from demind.eval.fashioniq import FASHIONIQ_CATEGORIES, fashioniq_texts
+    from demind.eval.fashioniq import FASHIONIQ_CATEGORIES, captions_file, fashioniq_texts
     from demind.eval.structures import DataLayoutError, index_image_folder, raise_if_missing, require_dir, require_file
     from demind.eval.exclusion import EXCLUSION_FORMAT
     from demind.eval.options import BENCHMARKS, CocoOptions, ReaderOptions
@@ -31,7 +31,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "demind.checkpoint": ["load_backbone_and_model"],
     "demind.eval.cirr": ["find_image_root"],
     "demind.eval.exclcoco": ["load_exclcoco"],
-    "demind.eval.fashioniq": ["FASHIONIQ_CATEGORIES", "fashioniq_texts"],
+    "demind.eval.fashioniq": ["FASHIONIQ_CATEGORIES", "captions_file", "fashioniq_texts"],
     "demind.eval.structures": ["DataLayoutError", "index_image_folder", "raise_if_missing", "require_dir",
                                "require_file"],
     "demind.eval.exclusion": ["EXCLUSION_FORMAT"],
@@ -60,6 +60,7 @@ __all__ = [
     "DataLayoutError",
     "FASHIONIQ_CATEGORIES",
     "fashioniq_texts",
+    "captions_file",
     "find_image_root",
     "index_image_folder",
     "raise_if_missing",

@@ -62,12 +62,14 @@ def fashioniq_texts(captions: list[str], order: str, text_form: str) -> tuple[st
     return prompt, prompt if text_form == "released" else joined
 
 
-def _captions_file(root: Path, category: str) -> Path:
+def captions_file(root: Path, category: str, split: str = "val", layout: str = LAYOUT) -> Path:
+    """``captions/cap.{category}.{split}.json``, or ``json/...`` (Pic2Word's layout); the training
+    reader (:mod:`demind.triplets.readers`) finds its split here too."""
     for folder in ("captions", "json"):
-        path = root / folder / f"cap.{category}.val.json"
+        path = root / folder / f"cap.{category}.{split}.json"
         if path.is_file():
             return path
-    return require_file(root / "captions" / f"cap.{category}.val.json", LAYOUT)
+    return require_file(root / "captions" / f"cap.{category}.{split}.json", layout)
 
 
 def read_fashioniq(
@@ -111,7 +113,7 @@ CAPTION_FIELDS = {"candidate": str, "target": str, "captions": list}
 
 def _read_category(root: Path, category: str, images: dict[str, Path], order: str, text_form: str,
                    limit: int | None) -> QueryGroup:
-    captions_path = _captions_file(root, category)
+    captions_path = captions_file(root, category)
     entries = check_entries(read_json(captions_path), CAPTION_FIELDS, str(captions_path))
     if limit is not None:
         entries = entries[:limit]  # the first entries keep their file index as query id

@@ -41,7 +41,7 @@ if TYPE_CHECKING:  # the same names for static tools and go-to-definition (tests
     from demind.training.optim import (
         build_adamw, build_lr_scheduler, build_optimizer, build_scheduler, lr_factor, warmup_cosine)
     from demind.training.checkpoints import (
-        ResumeError, TrainState, latest_checkpoint, save_accelerator_state_atomically)
+        SPEED_ONLY_KEYS, ResumeError, TrainState, latest_checkpoint, save_accelerator_state_atomically)
     from demind.training.step import check_finite, compute_losses
     from demind.training.zero import DeepSpeedError, deepspeed_device, fill_deepspeed_config
     from demind.training.state_file import (
@@ -60,7 +60,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "demind.training.plot": ["PLOT_NAME", "plot_training"],
     "demind.training.optim": ["build_adamw", "build_lr_scheduler", "build_optimizer", "build_scheduler",
                                "lr_factor", "warmup_cosine"],
-    "demind.training.checkpoints": ["ResumeError", "TrainState", "latest_checkpoint",
+    "demind.training.checkpoints": ["SPEED_ONLY_KEYS", "ResumeError", "TrainState", "latest_checkpoint",
                                     "save_accelerator_state_atomically"],
     "demind.training.step": ["check_finite", "compute_losses"],
     "demind.training.zero": ["DeepSpeedError", "deepspeed_device", "fill_deepspeed_config"],
@@ -76,4 +76,4 @@ __all__ = ["TrainConfig", "OptimConfig", "LossConfig", "RunConfig", "DataConfig"
            "check_finite_terms", "save_train_state", "load_train_state", "restore_train_state", "StateFileError",
            "LogWindow", "append_metrics", "step_line", "term_parts", "trim_metrics", "load_tree", "save_tree",
            "PLOT_NAME", "plot_training", "refuse_cpu_fallback", "save_accelerator_state_atomically",
-           "DeepSpeedError", "deepspeed_device", "fill_deepspeed_config"]
+           "DeepSpeedError", "deepspeed_device", "fill_deepspeed_config", "SPEED_ONLY_KEYS"]

@@ -2,8 +2,11 @@
 
 Images go through the one image-feature cache of evaluation galleries
 (:class:`demind.retrieval.ImageFeatureCache`, keyed per image by name and file), under
-``<cache_dir>/<backbone>/triplets-<source>/train``. Texts are one entry of the one embedding cache
-(:mod:`demind.embedding_cache`), keyed by the backbone's identity and the sha256 of the texts
+``<cache_dir>/<backbone>/triplets-<source>/train-<images>``, where ``<images>`` is a digest of the
+image set (names and cache keys: file, version, decoding): runs on other triplets sharing one
+``data.cache_dir`` write into their own folders, never into each other's ``part-00000``, and a
+folder is only ever read for the images it was made from. Texts are one entry of the one embedding
+cache (:mod:`demind.embedding_cache`), keyed by the backbone's identity and the sha256 of the texts
 themselves: another set of texts (another noise rate, another file) is another entry.
 """
 
@@ -40,12 +43,18 @@ def image_features(backbone, triplets: list[Triplet], cache_dir: str | Path, sou
                    progress: bool = True) -> TripletFeatures:
     """Reference and target features of ``triplets`` (each image encoded once, from the cache where it is)."""
     refs = list({r.name: r for t in triplets for r in (t.reference, t.target)}.values())
-    cache = ImageFeatureCache.for_backbone(cache_dir, backbone, f"triplets-{source}", "train")
+    cache = ImageFeatureCache.for_backbone(cache_dir, backbone, f"triplets-{source}", f"train-{images_key(refs)}")
     features, _ = encode_image_refs(backbone, refs, cache, "gallery", batch_size, 0, progress=progress,
                                     desc="triplet images")
     reference = torch.stack([features[t.reference.name] for t in triplets]).float()
     target = torch.stack([features[t.target.name] for t in triplets]).float()
     return TripletFeatures(reference, target)
+
+
+def images_key(refs: list) -> str:
+    """The image set's content key (16 hex digits of a sha256 over sorted names and cache keys)."""
+    rows = sorted([r.name, r.cache_key] for r in refs)
+    return hashlib.sha256(json.dumps(rows, ensure_ascii=False).encode("utf-8")).hexdigest()[:16]
 
 
 def texts_key(texts: list[str]) -> str:

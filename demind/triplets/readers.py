@@ -4,17 +4,22 @@
   ``pairid``, ``reference``, ``target_hard``, ``caption``) and ``image_splits/split.rc2.train.json``
   (name -> ``./train/NN/name.png``), images under DATA_ROOT or DATA_ROOT/img_raw (as the evaluation
   reader, :mod:`demind.eval.cirr`). Every image must be present (an error naming the first missing).
-* FashionIQ's training split: ``captions/cap.{dress,shirt,toptee}.train.json`` (entries ``candidate``,
-  ``target``, ``captions: [c1, c2]``), images ``images/<id>.png|jpg``. The two captions are joined as
+* FashionIQ's training split: ``captions/cap.{dress,shirt,toptee}.train.json`` (or ``json/...``, as the
+  evaluation reader accepts; entries ``candidate``, ``target``, ``captions: [c1, c2]``), images
+  ``images/<id>.png|jpg``; ``limit`` takes the first N entries of each category (as ``demind-eval``'s). The two captions are joined as
   the evaluation reader joins them (:func:`demind.eval.fashioniq.fashioniq_texts`, same defaults), so
   the model is trained on the text it is evaluated with. The dataset's dead links: a triplet whose
   image is missing is skipped, counted and logged.
-* A user's own file, JSON lines (``.jsonl``) or CSV (``.csv``, a header row): ``reference``,
+* A user's own file, JSON lines (``.jsonl``) or CSV (``.csv``, a header row, one record per line: a
+  quote left open is refused naming the line that opened it, never read on into the rows after it): ``reference``,
   ``modification``, ``target`` (image paths relative to the file's folder, or absolute; decoded with
   their EXIF orientation, as a user's photos are in search; cached features keyed by file size and
   modification time besides the path). Optional
   ``hard_modification``: a wrong text naming the same kind of edit with another outcome (the toy
-  triplets carry it; hard noise injection needs it).
+  triplets carry it; hard noise injection needs it), ``id``.
+
+Two triplets under one id (CIRR's ``pairid``, a file's ``id`` column) with different content are
+refused naming the file and the id.
 """
 
 from __future__ import annotations
@@ -26,10 +31,10 @@ from pathlib import Path
 
 from demind.errors import InputError
 from demind.eval import (
-    FASHIONIQ_CATEGORIES, fashioniq_texts, find_image_root, index_image_folder, raise_if_missing, require_dir,
-    require_file)
+    FASHIONIQ_CATEGORIES, captions_file, fashioniq_texts, find_image_root, index_image_folder, raise_if_missing,
+    require_dir, require_file)
 from demind.io import read_json, read_jsonl
-from demind.json_fields import check_entries, check_string_map
+from demind.json_fields import check_entries, check_string_map, check_unique_ids
 from demind.retrieval import ImageRef, file_version
 from demind.triplets.config import SOURCES
 
@@ -41,7 +46,7 @@ CIRR_LAYOUT = """  DATA_ROOT/
     image_splits/split.rc2.train.json
     train/NN/train-*.png                (or img_raw/train/...: the relative paths in the split file)"""
 FASHIONIQ_LAYOUT = """  DATA_ROOT/
-    captions/cap.{dress,shirt,toptee}.train.json
+    captions/cap.{dress,shirt,toptee}.train.json   (json/ is accepted too, as in Pic2Word's layout)
     images/<id>.png or images/<id>.jpg"""
 
 
@@ -74,6 +79,7 @@ def read_cirr_train(root: str | Path, limit: int | None = None) -> TripletSet:
     split_path = require_file(root / "image_splits" / "split.rc2.train.json", CIRR_LAYOUT)
     relpaths = check_string_map(read_json(split_path), str(split_path))
     image_root = find_image_root(root, list(relpaths.values()))
+    check_unique_ids(((e["pairid"], e) for e in entries), str(captions_path), "pairid")
     entries = entries[:limit] if limit is not None else entries
     unknown = [n for e in entries for n in (e["reference"], e["target_hard"]) if n not in relpaths]
     if unknown:
@@ -90,8 +96,8 @@ def read_fashioniq_train(root: str | Path, categories: tuple[str, ...] = FASHION
                          limit: int | None = None) -> TripletSet:
     """FashionIQ's training triplets of ``categories``; the text as :func:`fashioniq_texts` builds the
     Text-only text for ``caption_order`` / ``text_form`` (default: ``demind-eval``'s defaults, so the
-    combiner is evaluated on the text form it was trained on). Triplets with a missing image are
-    skipped and counted."""
+    combiner is evaluated on the text form it was trained on). ``limit``: the first N entries of each
+    category. Triplets with a missing image are skipped and counted."""
     root = Path(root)
     unknown = [c for c in categories if c not in FASHIONIQ_CATEGORIES]
     if unknown:
@@ -99,7 +105,7 @@ def read_fashioniq_train(root: str | Path, categories: tuple[str, ...] = FASHION
     images = index_image_folder(require_dir(root / "images", FASHIONIQ_LAYOUT))
     triplets, skipped = [], {}
     for category in categories:
-        path = require_file(root / "captions" / f"cap.{category}.train.json", FASHIONIQ_LAYOUT)
+        path = captions_file(root, category, "train", FASHIONIQ_LAYOUT)
         entries = check_entries(read_json(path), {"candidate": str, "target": str, "captions": list}, str(path))
         for index, entry in enumerate(entries[:limit] if limit is not None else entries):
             qid = f"{category}:{index}"
@@ -119,20 +125,53 @@ def read_fashioniq_train(root: str | Path, categories: tuple[str, ...] = FASHION
     return TripletSet(triplets, skipped, "fashioniq")
 
 
+def _csv_record(path: Path, number: int, raw: bytes) -> list[str]:
+    """The fields of line ``number``: one CSV record per physical line, so a quote left open is
+    refused here, at the line that opened it, instead of swallowing the rows after it into one text."""
+    try:
+        text = raw.decode("utf-8").removeprefix("\ufeff" if number == 1 else "")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}:{number}: not UTF-8 (byte 0x{raw[e.start]:02x}); save the file as UTF-8") from None
+    try:
+        rows = list(csv.reader([text.rstrip("\r\n")], strict=True))
+    except csv.Error as e:
+        raise InputError(f"{path}:{number}: not one CSV record ({e}): a quote opened on this line is not closed "
+                         f"on it; close it (a CSV triplet is one line; use .jsonl for texts with line breaks)") from None
+    return rows[0] if rows else []
+
+
+def _csv_rows(path: Path) -> list[tuple[int, dict]]:
+    """(line number, row) of a CSV triplet file: a header row, then one record per line."""
+    if not path.is_file():
+        raise InputError(f"triplet file {path} does not exist")
+    header, rows = None, []
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            fields = _csv_record(path, number, raw)
+            if header is None:
+                header = [h.strip() for h in fields]
+                missing = [k for k in FILE_FIELDS if k not in header]
+                if missing:
+                    raise InputError(f"{path}: the header row must name the columns {', '.join(FILE_FIELDS)} "
+                                     f"(missing {', '.join(missing)}; got {header})")
+            elif len(fields) != len(header):
+                raise InputError(f"{path}:{number}: {len(fields)} fields, the header has {len(header)} "
+                                 f"({', '.join(header)}); quote fields that hold commas")
+            else:
+                rows.append((number, dict(zip(header, fields))))
+    if header is None:
+        raise InputError(f"triplet file {path} is empty; it needs a header row naming {', '.join(FILE_FIELDS)}")
+    return rows
+
+
 def _file_rows(path: Path) -> list[tuple[int, dict]]:
     """(line number, row) of a .jsonl or .csv triplet file."""
     if path.suffix == ".jsonl":
         return read_jsonl(path, "triplet file")
     if path.suffix == ".csv":
-        if not path.is_file():
-            raise InputError(f"triplet file {path} does not exist")
-        with path.open(newline="", encoding="utf-8") as f:
-            reader = csv.DictReader(f)
-            missing = [k for k in FILE_FIELDS if k not in (reader.fieldnames or [])]
-            if missing:
-                raise InputError(f"{path}: the header row must name the columns {', '.join(FILE_FIELDS)} "
-                                 f"(missing {', '.join(missing)}; got {reader.fieldnames})")
-            return [(reader.line_num, row) for row in reader]
+        return _csv_rows(path)
     raise InputError(f"triplet file {path} must end in .jsonl or .csv (columns {', '.join(FILE_FIELDS)})")
 
 
@@ -159,11 +198,14 @@ def read_triplet_file(path: str | Path, limit: int | None = None) -> TripletSet:
                 refs[name] = ImageRef(name, image, version=file_version(image.stat()), orient=True)
             images.append(refs[name])
         hard = row.get("hard_modification") or None
-        triplets.append(Triplet(str(row.get("id", line)), images[0], row["modification"], images[1], hard))
+        qid = row.get("id")
+        triplets.append(Triplet(str(line if qid is None or qid == "" else qid), images[0], row["modification"],
+                                images[1], hard))
         if limit is not None and len(triplets) >= limit:
             break
     if not triplets:
         raise InputError(f"triplet file {path} holds no triplets")
+    check_unique_ids(((t.qid, t) for t in triplets), str(path), "triplet")
     return TripletSet(triplets, {}, "file")
 
 

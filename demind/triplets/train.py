@@ -17,12 +17,21 @@ same N losses and the same GMM. Only the main process writes files.
 
 Outputs in ``run.output_dir``: ``combiner.safetensors`` (a checkpoint ``demind-eval --checkpoint``
 and ``demind-search`` load; method ``combiner``), ``metrics.jsonl`` (a line per epoch),
-``run.json`` (config, triplet and noise counts), ``detection.json`` (the mode's noise scores; AUROC
-against the injected noise). A finished run (``combiner.safetensors`` present) is left as is.
+``run.json`` (config, the triplets' digest, triplet and noise counts: what the run was made from),
+``detection.json`` (the mode's noise scores; AUROC against the injected noise). A finished run
+(``combiner.safetensors`` present) is left as is.
+
+Before the accelerator starts or the backbone loads, :func:`check_triplet_run` checks everything
+that depends on the data and the folders: the output folder and cache folder are writable, the
+triplets read, enough for one batch, hard noise has its texts, and a run folder already started or
+finished was made from this recipe and these triplets (else one line naming what changed; only the
+settings of :data:`FREE_KEYS` may differ on a rerun).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 import time
@@ -31,29 +40,36 @@ from pathlib import Path
 
 import torch
 
-from demind.config import to_dict
+from demind.config import check_output_key, config_changes, to_dict, with_defaults
 from demind.errors import InputError
 from demind.eval import pairwise_auc
-from demind.io import check_output_dir, write_json_atomic
+from demind.io import read_json, write_json_atomic
 from demind.seeding import derive_seed
 from demind.training import (
-    append_metrics, build_adamw, build_lr_scheduler, check_finite_terms, load_train_state, restore_train_state,
-    save_train_state, trim_metrics)
+    SPEED_ONLY_KEYS, ResumeError, append_metrics, build_adamw, build_lr_scheduler, check_finite_terms,
+    load_train_state, restore_train_state, save_train_state, trim_metrics)
 from demind.combiner import Combiner
 from demind.triplets.config import TripletTrainConfig
 from demind.triplets.features import image_features, text_features
 from demind.triplets.launch import (
     check_same_engine, load_engine_state, make_accelerator, prepare, process_share, remove_engine_states,
     save_engine_state)
-from demind.triplets.modes import batch_loss, noise_scores, per_sample_losses
+from demind.triplets.modes import (
+    ModeInputs, batch_loss, mode_inputs, noise_scores, per_sample_losses, start_negative_offset)
 from demind.robust import gmm_clean_probability
-from demind.triplets.noise import inject_noise
+from demind.triplets.noise import image_noise_rows, inject_noise
 from demind.triplets.readers import read_triplets
 
 log = logging.getLogger(__name__)
 
 EXPORT = "combiner.safetensors"
 STATE = "state.safetensors"
+RECORD = "run.json"
+FREE_KEYS = frozenset({"run.output_dir", "run.device", "run.progress", "run.log_every", "run.threads",
+                       "run.detection", "data.cache_dir", "data.encode_batch_size", *SPEED_ONLY_KEYS})
+"""Settings a rerun may change without changing what the run computes (where and how fast it runs,
+what it logs); the data keys besides are free when the triplets' digest is compared instead."""
+DATA_KEYS = ("data.source", "data.path", "data.categories", "data.limit")
 
 
 @dataclass
@@ -64,28 +80,93 @@ class TrainingData:
     text: torch.Tensor
     target: torch.Tensor
     noisy: torch.Tensor
+    extras: ModeInputs | None = None  # what the robust mode's forms need (negated texts, pixel-noise pool)
 
 
-def read_training_triplets(cfg: TripletTrainConfig) -> list:
-    """The configured triplets (read before any model is built: bad input fails in a second)."""
+@dataclass
+class TripletInputs:
+    """The triplets of a run, their training texts (noise injected) and (N,) bool noise mask."""
+
+    triplets: list
+    texts: list[str]
+    noisy: torch.Tensor
+
+
+def read_training_triplets(cfg: TripletTrainConfig) -> TripletInputs:
+    """The configured triplets and their noisy texts (read before any model is built: bad input,
+    too few triplets or hard noise without ``hard_modification`` fail in a second)."""
     categories = tuple(c.strip() for c in cfg.data.categories.split(",") if c.strip())
     triplets = read_triplets(cfg.data.source, cfg.data.path, limit=cfg.data.limit, categories=categories).triplets
     if len(triplets) < cfg.optim.batch_size:
         raise InputError(f"{cfg.data.path} gives {len(triplets)} triplets, fewer than optim.batch_size="
                          f"{cfg.optim.batch_size}; lower the batch size")
-    return triplets
-
-
-def load_training_data(cfg: TripletTrainConfig, backbone, triplets: list | None = None) -> TrainingData:
-    """Inject the configured noise into the triplets' texts and look up (or encode) their features."""
-    triplets = triplets if triplets is not None else read_training_triplets(cfg)
     texts, noisy = inject_noise([t.modification for t in triplets], [t.hard_modification for t in triplets],
                                 cfg.noise.rate, cfg.noise.kind)
+    return TripletInputs(triplets, texts, noisy)
+
+
+def triplets_digest(triplets: list) -> str:
+    """sha256 of what the run reads of its triplets: ids, image names and cache keys (file and
+    version), texts; a rerun on other triplets (another file, an edited image) differs."""
+    rows = [[t.qid, t.reference.name, t.reference.cache_key, t.modification, t.target.name, t.target.cache_key,
+             t.hard_modification] for t in triplets]
+    return hashlib.sha256(json.dumps(rows, ensure_ascii=False).encode("utf-8")).hexdigest()
+
+
+def check_triplet_run(cfg: TripletTrainConfig, read_data: bool = True) -> TripletInputs | None:
+    """Everything a run needs checked before the accelerator starts or the backbone loads: the
+    folders it writes (``run.output_dir``, ``data.cache_dir``), its triplets (``read_data``), and a
+    run folder already started or finished against this recipe (:func:`check_same_recipe`)."""
+    check_output_key("run.output_dir", cfg.run.output_dir)
+    if cfg.data.cache_dir:
+        check_output_key("data.cache_dir", cfg.data.cache_dir)
+    inputs = read_training_triplets(cfg) if read_data else None
+    check_same_recipe(Path(cfg.run.output_dir), made_from(cfg, inputs))
+    return inputs
+
+
+def made_from(cfg: TripletTrainConfig, inputs: TripletInputs | None) -> dict:
+    """What a run is made from (recorded in ``run.json``): its config and its triplets' digest."""
+    return {"config": to_dict(cfg), "triplets_sha256": triplets_digest(inputs.triplets) if inputs else None}
+
+
+def check_same_recipe(out: Path, record: dict) -> None:
+    """A started (state file) or finished (export) run in ``out`` continues, or is left as is, only
+    when ``run.json`` says it was made from this config (up to :data:`FREE_KEYS`) and these
+    triplets; else :class:`~demind.training.ResumeError` naming the changed keys."""
+    started = [p for p in (out / STATE, out / EXPORT) if p.is_file()]
+    if not started:
+        return
+    fix = f"rerun with the settings it was made with, or use a new run.output_dir (or delete {started[0]})"
+    if not (out / RECORD).is_file():
+        raise ResumeError(f"cannot reuse {started[0]}: {out / RECORD}, which says what it was made from, is "
+                          f"missing; {fix}")
+    saved = read_json(out / RECORD, fix)
+    digests = (saved.get("triplets_sha256"), record["triplets_sha256"]) if isinstance(saved, dict) else (None, None)
+    free = FREE_KEYS | (set(DATA_KEYS) if all(digests) else set())
+    old = with_defaults(saved.get("config", {}) if isinstance(saved, dict) else {}, to_dict(TripletTrainConfig()))
+    changes = [c for c in config_changes(old, record["config"]) if c.split(" ")[0] not in free]
+    if all(digests) and digests[0] != digests[1]:
+        changes.append(f"the triplets read from data.path ({record['config']['data']['path']}: other files, "
+                       f"texts or images)")
+    if changes:
+        raise ResumeError(f"cannot reuse {started[0]}: it was made with another recipe ({'; '.join(changes)}); "
+                          f"{fix}")
+
+
+def load_training_data(cfg: TripletTrainConfig, backbone, inputs: TripletInputs | None = None) -> TrainingData:
+    """Look up (or encode) the features of the triplets (``inputs``: read from ``cfg`` if None)."""
+    inputs = inputs if inputs is not None else read_training_triplets(cfg)
     cache_dir = cfg.data.cache_dir or str(Path(cfg.run.output_dir) / "feature_cache")
-    images = image_features(backbone, triplets, cache_dir, cfg.data.source, cfg.data.encode_batch_size,
+    images = image_features(backbone, inputs.triplets, cache_dir, cfg.data.source, cfg.data.encode_batch_size,
                             cfg.run.progress)
-    text = text_features(backbone, texts, cache_dir, cfg.data.encode_batch_size)
-    return TrainingData(images.reference, text, images.target, noisy)
+    text = text_features(backbone, inputs.texts, cache_dir, cfg.data.encode_batch_size)
+    reference, target = images.reference, images.target
+    moved = image_noise_rows(len(inputs.texts), cfg.noise.rate, cfg.noise.kind)  # TME noise moves images too
+    if moved is not None:
+        reference, target = reference[moved[0]], target[moved[1]]
+    extras = mode_inputs(cfg.robust, backbone, inputs.texts, cache_dir, cfg.data.encode_batch_size)
+    return TrainingData(reference, text, target, inputs.noisy, extras)
 
 
 def auroc(scores: torch.Tensor, positive: torch.Tensor) -> float | None:
@@ -105,32 +186,30 @@ def train_triplets(cfg: TripletTrainConfig, backbone=None, data: TrainingData | 
     the processes the launcher started (its ``WORLD_SIZE``, read by the command); deepspeed: the
     launcher asked for DeepSpeed (its engine trains, or the run is refused in one line)."""
     out = Path(cfg.run.output_dir)
+    inputs = check_triplet_run(cfg, read_data=data is None)  # every data-dependent check, before any model
     export = out / EXPORT
     if export.is_file():
         log.info("%s exists: the run is finished (delete it to train again)", export)
         return export
-    triplets = read_training_triplets(cfg) if data is None else None
     accelerator = make_accelerator(cfg, launched_processes, deepspeed=deepspeed)
-    if accelerator.is_main_process:
-        check_output_dir(out)
-    accelerator.wait_for_everyone()
     if backbone is None:
         from demind.backbone import build_backbone
 
         backbone = build_backbone(cfg.backbone, device=accelerator.device)
     with accelerator.main_process_first():  # the main process encodes and caches, the others read the cache
-        data = data if data is not None else load_training_data(cfg, backbone, triplets)
+        data = data if data is not None else load_training_data(cfg, backbone, inputs)
     try:
-        return _fit(cfg, backbone, data, accelerator, out)
+        return _fit(cfg, backbone, data, accelerator, out, made_from(cfg, inputs))
     finally:
         if accelerator.num_processes > 1:
             accelerator.end_training()  # a gloo group left to the interpreter's teardown can abort it
 
 
-def _fit(cfg: TripletTrainConfig, backbone, data: TrainingData, accelerator, out: Path) -> Path:
+def _fit(cfg: TripletTrainConfig, backbone, data: TrainingData, accelerator, out: Path, record: dict) -> Path:
     device, main, share = accelerator.device, accelerator.is_main_process, process_share(accelerator)
     torch.manual_seed(cfg.run.seed)
     model = Combiner(replace(cfg.model), backbone)  # a copy: the model fills in embed_dim
+    start_negative_offset(model, cfg.robust)
     n, bs = data.reference.shape[0], cfg.optim.batch_size
     steps_per_epoch = n // bs  # the last partial batch is dropped: a contrastive batch needs its size
     optimizer = build_adamw(model.named_parameters(), cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
@@ -155,8 +234,8 @@ def _fit(cfg: TripletTrainConfig, backbone, data: TrainingData, accelerator, out
     elif main:
         (out / "metrics.jsonl").unlink(missing_ok=True)
     if main:
-        write_json_atomic(out / "run.json", {"config": to_dict(cfg), "triplets": n, "noisy": int(data.noisy.sum()),
-                                             "steps_per_epoch": steps_per_epoch, "processes": share.count}, indent=1)
+        write_json_atomic(out / RECORD, {**record, "triplets": n, "noisy": int(data.noisy.sum()),
+                                         "steps_per_epoch": steps_per_epoch, "processes": share.count}, indent=1)
     model.train()
     for epoch in range(start_epoch, cfg.optim.epochs):
         started = time.perf_counter()
@@ -174,7 +253,8 @@ def _fit(cfg: TripletTrainConfig, backbone, data: TrainingData, accelerator, out
             rows = order[b * bs : (b + 1) * bs].to(device)
             terms = batch_loss(unwrapped, ref[rows], text[rows], target[rows], cfg.robust, scale,
                                after_warmup=after_warmup, clean_prior=clean[rows] if clean is not None else None,
-                               generator=generator, forward=model, share=share)
+                               generator=generator, forward=model, share=share,
+                               **(data.extras or ModeInputs()).for_batch(rows, generator, device))
             check_finite_terms({k: v for k, v in terms.items() if k != "kept"}, step, where="triplet training")
             optimizer.zero_grad(set_to_none=True)
             accelerator.backward(terms["loss"])
@@ -200,7 +280,7 @@ def _fit(cfg: TripletTrainConfig, backbone, data: TrainingData, accelerator, out
     path = out / EXPORT
     if main:
         if cfg.run.detection:
-            write_detection(out, unwrapped, ref, text, target, data.noisy, cfg, scale)
+            write_detection(out, unwrapped, ref, text, target, data.noisy, cfg, scale, data.extras)
         from demind.checkpoint import save_checkpoint
 
         save_checkpoint(path, unwrapped)
@@ -211,10 +291,12 @@ def _fit(cfg: TripletTrainConfig, backbone, data: TrainingData, accelerator, out
 
 
 def write_detection(out: Path, model, ref, text, target, noisy: torch.Tensor, cfg: TripletTrainConfig,
-                    scale: float) -> dict:
+                    scale: float, extras: ModeInputs | None = None) -> dict:
     """``detection.json``: the mode's noise score of every triplet and its AUROC against ``noisy``."""
-    scores = noise_scores(model, ref, text, target, cfg.robust, scale, cfg.optim.batch_size, cfg.run.seed)
-    result = {"mode": cfg.robust.mode, "detector": {"none": "per-sample loss", "small-loss": "1 - GMM P(clean)"}
+    pool = extras.noise_images.to(ref.device) if extras is not None and extras.noise_images is not None else None
+    scores = noise_scores(model, ref, text, target, cfg.robust, scale, cfg.optim.batch_size, cfg.run.seed, pool)
+    result = {"mode": cfg.robust.mode, "detector": {"none": "per-sample loss", "rcl": "per-sample loss", "small-loss": "1 - GMM P(clean)",
+                                                    "conesep-nogfq": "-similarity"}
               .get(cfg.robust.mode, "1 - GFQ fidelity"), "noisy": int(noisy.sum()), "triplets": len(noisy),
               "auroc": auroc(scores, noisy.cpu()), "scores": [round(float(s), 5) for s in scores]}
     write_json_atomic(out / "detection.json", result)
