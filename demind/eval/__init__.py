@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # the same names for static tools and go-to-definition (tests
     from demind.eval.options import BENCHMARKS, CocoOptions, ReaderOptions
     from demind.eval.harness import evaluate, read_benchmark
     from demind.eval.metrics import paired_ap, paired_hits, pairwise_auc, sign_test_p
+    from demind.eval.paired import PairedTest, format_paired, paired_by_unit, paired_per_seed
     from demind.eval.reports import TITLES, format_table, markdown_table
 
 # Resolved on first use: importing demind.eval.options (demind-eval --help) loads no model code or torch.
@@ -38,6 +39,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "demind.eval.options": ["BENCHMARKS", "CocoOptions", "ReaderOptions"],
     "demind.eval.harness": ["evaluate", "read_benchmark"],
     "demind.eval.metrics": ["pairwise_auc", "paired_ap", "paired_hits", "sign_test_p"],
+    "demind.eval.paired": ["PairedTest", "format_paired", "paired_by_unit", "paired_per_seed"],
     "demind.eval.reports": ["TITLES", "format_table", "markdown_table"],
 })
 
@@ -55,6 +57,10 @@ __all__ = [
     "pairwise_auc",
     "paired_ap",
     "paired_hits",
+    "PairedTest",
+    "format_paired",
+    "paired_by_unit",
+    "paired_per_seed",
     "sign_test_p",
     "read_benchmark",
     "DataLayoutError",
