@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from demind.errors import InputError, MissingInputError
-from demind.json_fields import check_entries
+from demind.json_fields import check_entries, check_unique_ids
 
 INSTANCE_FIELDS = {"images": {"id": int, "file_name": str}, "annotations": {"image_id": int, "category_id": int},
                    "categories": {"id": int, "name": str}}
@@ -41,4 +41,6 @@ def load_coco(path: str | Path, fields: dict[str, dict[str, type]]) -> dict[str,
         raise InputError(f"{path} lacks the COCO key(s) {absent}; is it the right file?")
     for key, wanted in fields.items():
         check_entries(data[key], wanted, f"{path}: {key}")
+        if "id" in wanted:  # images, categories and annotations are looked up by id
+            check_unique_ids(((e["id"], e) for e in data[key]), f"{path}: {key}", key.removesuffix("s"))
     return data

@@ -17,7 +17,7 @@ from demind.retrieval import ImageRef, Query, canonical_name
 from demind.io import read_json
 from demind.eval.structures import (BenchmarkData, DataLayoutError, QueryGroup, index_image_folder, require_dir,
                                     require_file)
-from demind.json_fields import check_entries, check_object
+from demind.json_fields import check_entries, check_object, check_unique_ids
 from demind.templates import TEMPLATES, fill_template
 
 MAP_KS = (5, 10, 25, 50)
@@ -42,6 +42,8 @@ def read_circo(root: str | Path, split: str = "val", limit: int | None = None) -
     info_path = require_file(root / "COCO2017_unlabeled" / "annotations" / "image_info_unlabeled2017.json", LAYOUT)
     info = check_object(read_json(info_path), {"images": list}, str(info_path))
     check_entries(info["images"], {"id": int, "file_name": str}, f"{info_path}: images")
+    check_unique_ids(((a["id"], a) for a in annotations), str(annotations_path))  # rankings are keyed by query id
+    check_unique_ids(((im["id"], im["file_name"]) for im in info["images"]), f"{info_path}: images", "image")
     on_disk = index_image_folder(require_dir(root / "COCO2017_unlabeled" / "unlabeled2017", LAYOUT))
 
     stem_by_id = {int(im["id"]): canonical_name(im["file_name"]) for im in info["images"]}

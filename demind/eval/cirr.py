@@ -15,7 +15,7 @@ from demind.errors import InputError
 from demind.retrieval import ImageRef, Query, canonical_name
 from demind.io import read_json
 from demind.eval.structures import BenchmarkData, DataLayoutError, QueryGroup, raise_if_missing, require_file
-from demind.json_fields import check_entries, check_object, check_string_map
+from demind.json_fields import check_entries, check_object, check_string_map, check_unique_ids
 from demind.templates import TEMPLATES, fill_template
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,7 @@ def read_cirr(root: str | Path, split: str = "val", limit: int | None = None) ->
     captions = check_entries(read_json(captions_path), fields, str(captions_path))
     for i, entry in enumerate(captions):
         check_object(entry["img_set"], {"members": list}, f"{captions_path}[{i}].img_set")
+    check_unique_ids(((e["pairid"], e) for e in captions), str(captions_path), "pairid")  # rankings are keyed by it
     split_path = require_file(root / "image_splits" / f"split.rc2.{name}.json", LAYOUT)
     name_to_relpath: dict[str, str] = check_string_map(read_json(split_path), str(split_path))
     image_root = find_image_root(root, list(name_to_relpath.values()))

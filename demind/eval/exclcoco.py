@@ -26,6 +26,7 @@ from demind.errors import InputError
 from demind.retrieval import ImageRef, Query
 from demind.io import read_json
 from demind.eval.structures import BenchmarkData, QueryGroup, check_query_file, raise_if_missing, require_file
+from demind.json_fields import check_unique_ids
 from demind.templates import TEMPLATES, fill_template
 
 FORMAT = "demind-exclcoco/1"
@@ -41,6 +42,7 @@ def check_exclcoco(data: Any, path: Path) -> None:
     check_query_file(data, path, FORMAT, ("images", "queries", "image_root"), QUERY_KEYS,
                      "build it with python -m demind.cli.build_exclcoco")
     images = data["images"]
+    check_unique_ids(((q["id"], q) for q in data["queries"]), str(path))  # results are keyed by query id
     for q in data["queries"]:
         if not q["ground_truth"]:
             raise InputError(f"{path}: query {q['id']} has no ground truth")

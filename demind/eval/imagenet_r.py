@@ -20,6 +20,7 @@ from pathlib import Path
 from demind.errors import InputError
 from demind.retrieval import ImageRef, Query, strip_image_extension
 from demind.eval.structures import BenchmarkData, DataLayoutError, QueryGroup, raise_if_missing, require_file
+from demind.json_fields import check_unique_ids
 from demind.templates import TEMPLATES, fill_template
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,9 @@ def read_imagenet_r(root: str | Path, split: str = "val", limit: int | None = No
         raise InputError(f"unknown ImageNet-R domains {unknown}; known: {DOMAINS}")
     query_items = read_image_list(require_file(root / "imgnet_real_query.txt", LAYOUT))
     target_items = read_image_list(require_file(root / "imgnet_targets.txt", LAYOUT))
+    # a target is found by name: listed twice under two labels, it would be relevant to both classes
+    check_unique_ids(((strip_image_extension(p), label) for p, label in target_items), str(root / "imgnet_targets.txt"),
+                     "image")
     if limit is not None:
         query_items = query_items[:limit]
     base = find_list_base(root, [p for p, _ in target_items])

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from demind.schema import BackboneConfig, CombinerConfig
 from demind.settings import device_setting, setting, threads_setting
 
-MODES = ("none", "small-loss", "gfq", "conesep", "conesep-nobtu")
+MODES = ("none", "small-loss", "gfq", "rcl", "conesep", "conesep-nobtu", "conesep-nonbl", "conesep-nogfq")
 SOURCES = ("cirr", "fashioniq", "file")
-NOISE_KINDS = ("easy", "hard")
+NOISE_KINDS = ("easy", "hard", "tme")
 
 
 @dataclass
@@ -20,8 +20,10 @@ class TripletDataConfig:
                                                         "target")
     path: str = setting("", help="the data root (cirr, fashioniq) or the triplet file (file)")
     categories: str = setting("dress,shirt,toptee", help="FashionIQ categories, comma-separated")
-    limit: int | None = setting(None, ge=1, help="the first N triplets only (smoke runs)")
-    cache_dir: str = setting("", help="frozen-feature cache ('' = <run.output_dir>/feature_cache)")
+    limit: int | None = setting(None, ge=1, help="the first N triplets only (smoke runs); fashioniq: the first N "
+                                                 "of each category, as demind-eval's limit")
+    cache_dir: str = setting("", help="frozen-feature cache ('' = <run.output_dir>/feature_cache); runs may share "
+                                      "one: entries are keyed by backbone and content")
     encode_batch_size: int = setting(256, ge=1)
 
 
@@ -31,13 +33,14 @@ class TripletNoiseConfig:
 
     rate: float = setting(0.0, ge=0.0, le=1.0, help="share of triplets made noisy (fixed, nested across rates)")
     kind: str = setting("easy", choices=NOISE_KINDS, help="easy: another triplet's text; hard: the triplet's "
-                                                          "hard_modification (same edit kind, other outcome)")
+                                                          "hard_modification (same edit kind, other outcome); "
+                                                          "tme: TME's thirds (shuffled references, texts, targets)")
 
 
 @dataclass
 class TripletOptimConfig:
     epochs: int = setting(10, ge=1)
-    warmup_epochs: int = setting(1, ge=0, help="epochs of plain training before a noise mode acts")
+    warmup_epochs: int = setting(2, ge=0, help="epochs before a noise mode acts (ConeSep's code: 2)")
     batch_size: int = setting(128, ge=2)
     lr: float = setting(1e-3, gt=0)
     weight_decay: float = setting(0.01, ge=0)
@@ -46,16 +49,29 @@ class TripletOptimConfig:
 
 @dataclass
 class TripletRobustConfig:
-    """The noise mode and ConeSep's constants (the paper's values)."""
+    """The noise mode and ConeSep's constants. Defaults: the authors' code where it and the paper
+    differ or the paper is silent (docs/training.md lists our earlier forms and how to select them)."""
 
     mode: str = setting("none", choices=MODES, help="none; small-loss (GMM on per-sample losses); gfq (GFQ "
-                                                    "filter through the model); conesep (GFQ + NBL + BTU); "
-                                                    "conesep-nobtu")
-    pairings: int = setting(4, ge=1, help="GFQ's K")
-    omega: float = setting(0.5, gt=0, lt=1, help="fidelity threshold")
+                                                    "filter through the model); rcl (RCL's loss alone); conesep "
+                                                    "(GFQ + NBL + BTU); conesep-nobtu / -nonbl / -nogfq: ablations")
+    pairings: int = setting(1, ge=1, help="GFQ's K: boundary draws per batch (the code: 1; the paper: 4)")
+    omega: float = setting(0.5, gt=0, lt=1, help="share (omega_form=share) or fidelity threshold")
+    omega_form: str = setting("share", choices=("share", "threshold"), help="share: the int(omega * B) "
+                              "lowest-fidelity triplets of a batch are noisy (the code); threshold: F < omega")
+    fidelity: str = setting("cone", choices=("cone", "sigmoid"), help="cone: x^2 (1 - x^2), x the clamped, "
+                            "batch-normalised similarity above the boundary (the code); sigmoid((s - B) / tau)")
+    boundary: str = setting("pixel", choices=("pixel", "fitted"), help="pixel: N(0, 1) pixel images through "
+                            "the frozen encoder and the model (the code); fitted: a Gaussian fitted to the features")
+    robust_loss: str = setting("rcl", choices=("rcl", "infonce"), help="conesep's L_robust: rcl (RCL's "
+                               "complementary loss on every triplet, the code) or infonce (on the clean ones)")
+    negative: str = setting("phrase", choices=("phrase", "prompt"), help="NBL's negative: phrase (a learnable "
+                            "offset + a negation phrase + the text, the code) or prompt (P_neg replaces the text)")
+    nbl: str = setting("authors", choices=("authors", "siglip"), help="authors: target-oriented loss on softmax "
+                       "probabilities (nu, warm-up only) + fixed slack band (zeta); siglip: our push + batch band")
     gamma: float = setting(0.7, ge=0, le=1, help="BTU soft-label fusion")
-    zeta: float = setting(0.5, ge=0, help="NBL weight")
-    nu: float = setting(0.5, ge=0, help="NBL's orthogonality term inside L_intra")
+    zeta: float = setting(0.8, ge=0, help="NBL weight (authors: the slack band's; the code: 0.8)")
+    nu: float = setting(0.5, ge=0, help="authors: the target-oriented term's weight; siglip: the band's in L_intra")
     kappa: float = setting(0.5, ge=0, help="BTU weight")
     sinkhorn_reg: float = setting(0.05, gt=0)
     sinkhorn_iters: int = setting(200, ge=1)
