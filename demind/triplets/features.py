@@ -3,7 +3,7 @@
 Images go through the one image-feature cache of evaluation galleries
 (:class:`demind.retrieval.ImageFeatureCache`, keyed per image by name and file), under
 ``<cache_dir>/<backbone>/triplets-<source>/train-<images>``, where ``<images>`` is a digest of the
-image set (names and cache keys: file, version, decoding): runs on other triplets sharing one
+image set (names, files and cache keys: version, decoding): runs on other triplets sharing one
 ``data.cache_dir`` write into their own folders, never into each other's ``part-00000``, and a
 folder is only ever read for the images it was made from. Texts are one entry of the one embedding
 cache (:mod:`demind.embedding_cache`), keyed by the backbone's identity and the sha256 of the texts
@@ -52,8 +52,10 @@ def image_features(backbone, triplets: list[Triplet], cache_dir: str | Path, sou
 
 
 def images_key(refs: list) -> str:
-    """The image set's content key (16 hex digits of a sha256 over sorted names and cache keys)."""
-    rows = sorted([r.name, r.cache_key] for r in refs)
+    """The image set's key: 16 hex digits of a sha256 over the sorted names, cache keys and absolute
+    paths (a cache key names only the file's last two path parts: two data folders holding
+    ``img/0.png`` of one size and time must not share features)."""
+    rows = sorted([r.name, r.cache_key, str(Path(r.path).absolute())] for r in refs)
     return hashlib.sha256(json.dumps(rows, ensure_ascii=False).encode("utf-8")).hexdigest()[:16]
 
 
