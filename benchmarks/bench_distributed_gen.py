@@ -34,9 +34,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 def timed_job(plan, cfg: GenConfig, workers: int, name: str) -> dict:
     """One job through ``run_plan_on_ray`` (fresh workers); its metrics plus the run's name."""
+    from demind.gen.job import IntentShardJob
     from demind.gen.ray_job import RayOptions, run_plan_on_ray  # Ray: an optional extra
 
-    summary = run_plan_on_ray(plan, cfg, RayOptions(workers=workers), show_progress=False)
+    summary = run_plan_on_ray(plan, cfg, RayOptions(workers=workers), IntentShardJob.load, show_progress=False)
     assert not summary.failed and len(summary.finished) == len(plan.todo), summary.failed
     return {"name": name, "shards": len(summary.finished), **summary.metrics}
 

@@ -207,7 +207,7 @@ def test_a_failed_shard_goes_to_another_worker_then_is_reported_after_its_tries(
     every try's error, and the job goes on with the other shards."""
     from collections import deque
 
-    from demind.gen.job import JobSummary
+    from demind.gen.runner import JobSummary
     from demind.gen.plan import ShardTask
     from demind.gen.ray_job import RayOptions, _Dispatch, _failed_try
 

@@ -98,6 +98,7 @@ def generate_on_ray(job: GenerateConfig, plan, cfg: GenConfig):
 
     from tqdm.contrib.logging import logging_redirect_tqdm
 
+    from demind.gen.job import IntentShardJob
     from demind.gen.ray_job import RayOptions, run_plan_on_ray
 
     options = RayOptions(workers=job.workers, address=job.ray_address or os.environ.get("RAY_ADDRESS") or None,
@@ -105,7 +106,7 @@ def generate_on_ray(job: GenerateConfig, plan, cfg: GenConfig):
     print(f"prompts {cfg.prompts.version}, mode {cfg.prompts.mode}; engine {cfg.engine.name}: {cfg.engine.model} "
           f"on Ray ({options.address or 'local cluster'})", flush=True)
     with logging_redirect_tqdm():
-        return run_plan_on_ray(plan, cfg, options, show_progress=cfg.run.progress)
+        return run_plan_on_ray(plan, cfg, options, IntentShardJob.load, show_progress=cfg.run.progress)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,5 @@
-"""The generation job: one input shard in, one intent shard plus its stats out, shard after shard.
+"""The intent job: one input shard in, one intent shard plus its stats out, shard after shard
+(run by the shared runner, :mod:`demind.gen.runner`, on either distributor).
 
 Memory stays bounded: samples stream from the input tar, ``engine.chunk_size`` decoded
 samples are in flight at a time, and results stream into the output tar.
@@ -30,9 +31,9 @@ from demind.gen.fidelity_stage import FidelityScorer
 from demind.gen.generate import ChunkItem, ChunkOutput, IntentGenerator
 from demind.gen.prompts import PromptSet
 from demind.gen.plan import JobPlan, ShardTask
-from demind.gen.reader import InputShardError, RawSample, SkippedSample, decode_and_shrink, iter_shard
+from demind.gen.reader import RawSample, SkippedSample, decode_and_shrink, iter_shard
 from demind.shard_format import ShardOutput, ShardWriter, encode_sample
-from demind.io import output_error
+from demind.gen.runner import Column, JobSummary, format_summary, run_plan as run_jobs
 
 logger = logging.getLogger(__name__)
 
@@ -116,35 +117,6 @@ class ShardStats:
                               **self.cache_stats()},
             "skipped_samples": self.skipped_samples,
         }
-
-
-@dataclass
-class ShardOutcome:
-    """One shard's result: its stats when it was written, else why its input could not be read."""
-
-    shard_id: int
-    stats: dict[str, Any] | None = None
-    error: str | None = None
-
-
-@dataclass
-class JobSummary:
-    """What a run did: the stats of each shard it finished, and the shards it could not do.
-
-    ``notes``: lines a distributor adds under the table (workers, retries, overall rate);
-    ``metrics``: its numbers (``demind.gen.ray_job``: workers, wall and work time, shards/s, overhead)."""
-
-    finished: list[dict[str, Any]] = field(default_factory=list)
-    skipped_done: list[int] = field(default_factory=list)
-    failed: dict[int, str] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-    metrics: dict[str, float] = field(default_factory=dict)
-
-    def add(self, outcome: ShardOutcome) -> None:
-        if outcome.stats is not None:
-            self.finished.append(outcome.stats)
-        else:
-            self.failed[outcome.shard_id] = outcome.error or "unknown error"
 
 
 def expected_samples(input_path: Path) -> int | None:
@@ -360,64 +332,64 @@ def build_generator(cfg: GenConfig, engine: Engine, prompts: PromptSet) -> tuple
     return generator, scorer
 
 
-def run_shard(task: ShardTask, generator: IntentGenerator, cfg: GenConfig, show_progress: bool = True,
-              overall: tqdm | None = None, scorer: FidelityScorer | None = None) -> ShardOutcome:
-    """:func:`process_shard` under the job's error rules, the same for every distributor.
+class IntentShardJob:
+    """The intent job as the shared runner runs it (:class:`demind.gen.runner.ShardJob`): input
+    shards -> intent shards, with this process's generator and optional fidelity stage."""
 
-    An unreadable input shard is an outcome (no stats file, so the next run retries it) and the
-    job goes on; a full disk or read-only output raises one :class:`~demind.errors.OutputLocationError`
-    naming the path (every later shard would fail the same way); anything else is a bug and keeps
-    its traceback."""
-    try:
-        stats = process_shard(task, generator, cfg, show_progress, overall, scorer)
-    except InputShardError as e:
-        logger.error("%s", e)
-        return ShardOutcome(task.shard_id, error=str(e))
-    except (OSError, RuntimeError) as e:
-        error = output_error(task.output.tar, e)
-        if error is None:
-            raise
-        raise error from e
-    eng = stats["engine_tokens"]
-    rate = eng["stage2_hit_rate"]
-    logger.info(
-        "shard %d done: %d written, %d skipped, %d flagged, %.2f img/s, %s prompt tokens prefilled per sample, "
-        "stage-2 prefix hits %s",
-        task.shard_id, stats["written"], stats["skipped_total"], stats["samples_flagged"], stats["images_per_s"] or 0,
-        eng["prefilled_per_sample"], "n/a" if rate is None else f"{100 * rate:.0f}%",
-    )
-    return ShardOutcome(task.shard_id, stats=stats)
+    unit = "img"
+
+    def __init__(self, cfg: GenConfig, engine: Engine, prompts: PromptSet):
+        self.cfg = cfg
+        self.generator, self.scorer = build_generator(cfg, engine, prompts)
+
+    @classmethod
+    def load(cls, cfg: GenConfig) -> "IntentShardJob":
+        """Load the engine and prompts of ``cfg`` (a Ray worker's start)."""
+        from demind.engines import build_engine
+        from demind.gen.prompts import load_prompts
+
+        engine = build_engine(cfg.engine, cfg.sampling, device=cfg.run.device, seed=cfg.run.seed)
+        return cls(cfg, engine, load_prompts(cfg.prompts.version))
+
+    @property
+    def engine_name(self) -> str:
+        return self.generator.engine.name
+
+    def expected(self, task: ShardTask) -> int | None:
+        return expected_samples(task.input_path)
+
+    def process(self, task: ShardTask, show_progress: bool = True, overall: tqdm | None = None) -> dict[str, Any]:
+        return process_shard(task, self.generator, self.cfg, show_progress, overall, self.scorer)
+
+    def done_line(self, stats: dict[str, Any]) -> str:
+        eng = stats["engine_tokens"]
+        rate = eng["stage2_hit_rate"]
+        return (f"{stats['written']} written, {stats['skipped_total']} skipped, {stats['samples_flagged']} flagged, "
+                f"{stats['images_per_s'] or 0:.2f} img/s, {eng['prefilled_per_sample']} prompt tokens prefilled per "
+                f"sample, stage-2 prefix hits {'n/a' if rate is None else f'{100 * rate:.0f}%'}")
 
 
 def run_plan(plan: JobPlan, cfg: GenConfig, engine: Engine, prompts: PromptSet, show_progress: bool = True) -> JobSummary:
-    """The ``local`` distributor: every shard of the plan that is not done, one after the other, on
-    this process's engine. Unreadable input shards are recorded as failed and the others go on."""
-    generator, scorer = build_generator(cfg, engine, prompts)
-    summary = JobSummary(skipped_done=[t.shard_id for t in plan.by_state("done")])
-    todo = plan.todo
-    expected = [expected_samples(t.input_path) for t in todo]
-    total = sum(expected) if None not in expected else None  # known when img2dataset stats sit beside the tars
-    with progress_bar(total=total, desc=f"all {len(todo)} shard(s)", unit="img", disable=not show_progress) as overall:
-        for task in todo:
-            summary.add(run_shard(task, generator, cfg, show_progress, overall, scorer))
-    return summary
+    """The intent job on the ``local`` distributor (:func:`demind.gen.runner.run_plan`)."""
+    return run_jobs(plan, IntentShardJob(cfg, engine, prompts), show_progress)
+
+
+def _hit_rate(stats: dict[str, Any]) -> str:
+    rate = stats["engine_tokens"].get("stage2_hit_rate")
+    return "-" if rate is None else f"{100 * rate:.0f}"
+
+
+SUMMARY_COLUMNS: list[Column] = [
+    ("shard", 7, lambda s: s["shard"]), ("in", 7, lambda s: s["samples_in"]), ("written", 8, lambda s: s["written"]),
+    ("skipped", 8, lambda s: s["skipped_total"]), ("flagged", 8, lambda s: s["samples_flagged"]),
+    ("retried", 8, lambda s: sum(s["retried"].values())),
+    ("T_rew tok", 10, lambda s: s["text_tokens"]["rewrite"]["mean"]),
+    ("T_int tok", 10, lambda s: s["text_tokens"]["intent"]["mean"]),
+    ("prefill/img", 11, lambda s: s["engine_tokens"]["prefilled_per_sample"]), ("hit %", 6, _hit_rate),
+    ("img/s", 8, lambda s: f"{s['images_per_s'] or 0:.3f}"),
+]
 
 
 def format_job_summary(summary: JobSummary) -> str:
-    """The table printed at the end of a run."""
-    header = (f"{'shard':>7} {'in':>7} {'written':>8} {'skipped':>8} {'flagged':>8} {'retried':>8} {'T_rew tok':>10} "
-              f"{'T_int tok':>10} {'prefill/img':>11} {'hit %':>6} {'img/s':>8}")
-    lines = [header]
-    for s in summary.finished:
-        tok, eng = s["text_tokens"], s["engine_tokens"]
-        rate = eng.get("stage2_hit_rate")
-        lines.append(
-            f"{s['shard']:>7} {s['samples_in']:>7} {s['written']:>8} {s['skipped_total']:>8} {s['samples_flagged']:>8} "
-            f"{sum(s['retried'].values()):>8} {tok['rewrite']['mean']:>10} {tok['intent']['mean']:>10} "
-            f"{eng['prefilled_per_sample']:>11} {'-' if rate is None else f'{100 * rate:.0f}':>6} {s['images_per_s'] or 0:>8.3f}"
-        )
-    lines.append(f"finished {len(summary.finished)} shard(s); {len(summary.skipped_done)} already done; {len(summary.failed)} failed")
-    for shard_id, err in sorted(summary.failed.items()):
-        lines.append(f"  shard {shard_id} FAILED: {err}")
-    lines += summary.notes
-    return "\n".join(lines)
+    """The table printed at the end of an intent run."""
+    return format_summary(summary, SUMMARY_COLUMNS)
