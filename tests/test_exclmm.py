@@ -151,7 +151,7 @@ def test_train_end_to_end_and_evaluate(repo_root, train_split, tmp_path, capsys)
     assert cli.main(smoke_args(repo_root, train_split, run)) == 0  # finished: left as is
     assert all(torch.equal(before[k], v) for k, v in load_file(export).items())
     assert cli.main(smoke_args(repo_root, train_split, run, "run.seed=1")) == 2  # another recipe, same folder
-    assert "written with another config (differs in ['seed'])" in capsys.readouterr().err
+    assert "written with another config (run.seed (0 -> 1))" in capsys.readouterr().err
     with pytest.raises(ValueError, match="trained on backbone"):
         load_exclmm(export, {"name": "other"})
 

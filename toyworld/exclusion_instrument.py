@@ -44,7 +44,7 @@ from demind.io import write_json_atomic
 from .parallel import parallel_map
 from .render import render_scene, save_png
 from .texts import alt_text, full_description
-from .world import BACKGROUNDS, POSITIONS, SHAPES, SIZES, WORLD_VERSION, Scene, ToyObject, stream_seed, with_details
+from .world import BACKGROUNDS, POSITIONS, SHAPES, SIZES, STYLES, WORLD_VERSION, Scene, ToyObject, stream_seed, with_details
 from demind.seeding import derive_seed
 
 logger = logging.getLogger(__name__)
@@ -67,7 +67,27 @@ class InstrumentConfig:
     train_scenes_per_triple: int = setting(60, ge=1, help="base scenes per label triple in the training split")
     test_scenes_per_triple: int = setting(20, ge=1, help="base scenes per label triple in the test split")
     image_size: int = setting(64, ge=8)
-    style: str = setting("photo", help="the toy world's style of every image")
+    style: str = setting("photo", choices=STYLES, help="the toy world's style of every image")
+    held_out_triples: list[int] = setting(default_factory=list, ge=0, le=len(FANO_LINES) - 1,
+                                          help="triples (indices into FANO_LINES) left out of the training split: "
+                                               "no training image holds any two of their labels together, and "
+                                               "their three (include, exclude) combinations are never trained on")
+
+    def config_problems(self) -> list[tuple[str, str]]:
+        if len(set(self.held_out_triples)) != len(self.held_out_triples):
+            return [("held_out_triples", f"= {self.held_out_triples} repeats a triple")]
+        if len(self.held_out_triples) >= len(FANO_LINES):
+            return [("held_out_triples", "holds out every triple: nothing would be left to train on")]
+        return []
+
+
+def triple_of(include: list[str], exclude: str) -> int:
+    """The index in :data:`FANO_LINES` of the triple a query "include without exclude" comes from."""
+    labels = {INSTRUMENT_LABELS.index(x) for x in [*include, exclude]}
+    for k, line in enumerate(FANO_LINES):
+        if labels == set(line):
+            return k
+    raise ValueError(f"{include} without {exclude!r} is not one of the instrument's triples")
 
 
 def base_scene(rng: random.Random, labels: list[str], style: str) -> Scene:
@@ -127,9 +147,12 @@ def _render(job: tuple[str, int, str, int, str]) -> list[dict[str, Any]]:
 def write_coco_split(folder: Path, split: str, scenes: int, cfg: InstrumentConfig,
                      progress: bool = True) -> tuple[Path, Path, Path, set[str]]:
     """A COCO-format split (categories = :data:`INSTRUMENT_LABELS`); returns the instances and
-    captions files, the image folder and the ids of the base scenes."""
+    captions files, the image folder and the ids of the base scenes. The training split leaves out
+    the scenes of ``cfg.held_out_triples`` (the others are the same scenes as without them)."""
     image_dir = folder / "coco" / split
-    jobs = [(STREAMS[split], i, cfg.style, cfg.image_size, str(image_dir)) for i in range(scenes)]
+    skip = set(cfg.held_out_triples) if split == "train" else set()
+    jobs = [(STREAMS[split], i, cfg.style, cfg.image_size, str(image_dir)) for i in range(scenes)
+            if i % len(FANO_LINES) not in skip]
     images, annotations, captions, bases = [], [], [], set()
     categories = [{"id": k + 1, "name": n, "supercategory": "shape"} for k, n in enumerate(INSTRUMENT_LABELS)]
     for group in parallel_map(_render, jobs, desc=f"exclusion instrument {split}", progress=progress, unit="scene"):
@@ -170,19 +193,24 @@ def keep_base_queries(path: Path, bases: set[str]) -> int:
     return len(kept)
 
 
-def write_instrument(root: str | Path, cfg: InstrumentConfig | None = None, progress: bool = True) -> Path:
-    """Write (or reuse) the instrument under ``root``; returns ``root`` (``root/test`` is the data root)."""
+def write_instrument(root: str | Path, cfg: InstrumentConfig | None = None, progress: bool = True,
+                     splits: tuple[str, ...] = ("train", "test")) -> Path:
+    """Write (or reuse) the instrument's ``splits`` under ``root``; returns ``root`` (``root/test`` is
+    the data root). A folder written with another config is rewritten, never reused."""
     from demind.exclcoco_builder import ExclCocoConfig, build_exclcoco
 
     cfg = cfg or InstrumentConfig()
     root = Path(root)
     marker = {"world_version": WORLD_VERSION, "format": INSTRUMENT_FORMAT, "config": asdict(cfg),
-              "labels": list(INSTRUMENT_LABELS), "triples": [list(t) for t in FANO_LINES]}
+              "labels": list(INSTRUMENT_LABELS), "triples": [list(t) for t in FANO_LINES], "splits": list(splits)}
     done = root / "instrument.json"
     if done.is_file() and json.loads(done.read_text()) == marker:
         return root
+    if done.is_file():
+        done.unlink()  # being rewritten: no done-marker until it is whole again
+        logger.info("%s was written with other settings; rewriting it", root)
     sizes = {"train": cfg.train_scenes_per_triple, "test": cfg.test_scenes_per_triple}
-    for split, per_triple in sizes.items():
+    for split, per_triple in ((s, sizes[s]) for s in splits):
         instances, captions, images, bases = write_coco_split(root, split, per_triple * len(FANO_LINES), cfg, progress)
         path, _ = build_exclcoco(instances, captions, root / split, images, ExclCocoConfig(caption_min_images=0),
                                  split=split)

@@ -51,8 +51,9 @@ def refuse_pickled_files(run_dir: Path, features_name: str) -> None:
     if old:
         raise LegacyStateError(
             f"{', '.join(map(str, old))}: pickle file(s) of an earlier demind version, no longer read; delete "
-            f"{' and '.join(p.name for p in old)} and rerun the same command (the training restarts from its first "
-            f"step and the features are recomputed into {features_name}), or use another run.output_dir")
+            f"{' and '.join(p.name for p in old)} and rerun the same command "
+            f"(demind-train-exclmm --config <your recipe> run.output_dir={run_dir} ...; the training restarts from its "
+            f"first step and the features are recomputed into {features_name}), or use another run.output_dir")
 
 
 def form_of(cfg: dict, section: str, key: str) -> str:

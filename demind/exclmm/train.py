@@ -12,26 +12,33 @@ phase, ``<output_dir>/state.safetensors`` is written atomically (all modules, th
 optimizer and scheduler, RNG, phase, step, config: safetensors + JSON, no pickle); rerunning the
 same command resumes from it. Batches are drawn from a generator seeded by (seed, phase, step),
 so a resumed run draws the same batches and ends with the same weights, bit for bit, as an
-uninterrupted one. CLIP features are computed once into ``<output_dir>/features.safetensors``
+uninterrupted one. With ``stop.window`` > 0 a phase stops once its loss has stopped falling
+(:class:`Plateau`, the rule in :class:`~demind.exclmm.config.StopConfig`); the steps each phase
+ran, and why it stopped, are written to ``<output_dir>/phases.json``; the model as stage 1 leaves
+it (F_theta still the identity: the "stage 1 only" ablation) to ``stage1.safetensors``. CLIP features are computed once into ``<output_dir>/features.safetensors``
 (:mod:`demind.exclmm.features`). One log line per ``run.log_every`` steps goes to the console
 and ``<output_dir>/metrics.jsonl``. The export ``<output_dir>/exclmm.safetensors`` (weights +
 config + backbone identity) is written last: its presence means done. A run folder holding the
 pickles of earlier versions is refused with a message saying what to do (:mod:`demind.exclmm.run_upgrade`).
+The files and folders a run reads and writes are checked before the backbone loads
+(:func:`check_run_inputs`); every other key was checked when the config was loaded.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from demind.backbone import FrozenCLIP, build_backbone
-from demind.config import save_config
-from demind.errors import InputError
+from demind.config import config_changes, save_config, with_defaults
+from demind.config_checks import check_output_key
+from demind.errors import InputError, MissingInputError
+from demind.io import write_json_atomic
 from demind.exclmm import losses as L
 from demind.exclmm.config import ExclMMConfig
 from demind.exclmm.features import FEATURES_NAME, prepare_features
@@ -44,22 +51,74 @@ from demind.training import (LogWindow, append_metrics, build_adamw, build_lr_sc
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ExclMMConfig", "train_exclmm", "FEATURES_NAME", "STATE_NAME", "EXPORT_NAME", "PHASES"]
+__all__ = ["ExclMMConfig", "train_exclmm", "FEATURES_NAME", "STATE_NAME", "EXPORT_NAME", "PHASES", "PHASES_NAME",
+           "STAGE1_NAME", "Plateau", "plateau_reached", "check_run_inputs"]
 
 PHASES = ("sae", "space", "query")
 PHASE_TERMS = {"sae": ("loss", "rec", "asl", "psl"), "space": ("loss", "con", "rec_v", "rec_t"),
                "query": ("loss", "con", "tri")}
 STATE_NAME = "state.safetensors"
 EXPORT_NAME = "exclmm.safetensors"
+PHASES_NAME = "phases.json"  # steps each phase ran and why it stopped
+STAGE1_NAME = "stage1.safetensors"  # the model when stage 1 ends (F_theta still the identity): "stage 1 only"
+
+
+# ------------------------------------------------------------------------ plateau rule
+
+def plateau_reached(window_means: list[float], tol: float) -> bool:
+    """The plateau rule on a phase's window means (mean loss of each run of W steps, in order):
+    True when the last one is not below the lowest earlier one by more than ``tol`` of it.
+
+    Compared with the best earlier window rather than the previous one, so a noisy window that
+    happens to rise does not hide a loss that is still falling overall (the best moves on)."""
+    if len(window_means) < 2:
+        return False
+    best = min(window_means[:-1])
+    return window_means[-1] > best - tol * abs(best)
+
+
+@dataclass
+class Plateau:
+    """Running state of the plateau rule for one phase (saved in the state file, so a resumed run
+    stops at the same step as an uninterrupted one). ``window`` 0: never stops early."""
+
+    window: int
+    tol: float
+    means: list = field(default_factory=list)  # one per finished window
+    total: float = 0.0                          # loss summed over the current window
+    count: int = 0
+
+    def add(self, loss: float) -> bool:
+        """Count one step's loss; True when this step ends a window and the rule says stop."""
+        if self.window <= 0:
+            return False
+        self.total += loss
+        self.count += 1
+        if self.count < self.window:
+            return False
+        self.means.append(self.total / self.count)
+        self.total, self.count = 0.0, 0
+        return plateau_reached(self.means, self.tol)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"means": list(self.means), "total": self.total, "count": self.count}
+
+    @classmethod
+    def restore(cls, snap: dict[str, Any] | None, window: int, tol: float) -> "Plateau":
+        snap = snap or {}
+        return cls(window, tol, list(snap.get("means", [])), float(snap.get("total", 0.0)), int(snap.get("count", 0)))
 
 
 # ------------------------------------------------------------------------ state
 
 def save_state(path: Path, model: ExclMM, optimizer: torch.optim.Optimizer, scheduler, phase: str, step: int,
-               window: LogWindow, cfg: ExclMMConfig) -> None:
-    """The resumable state after ``step`` steps of ``phase`` (:func:`demind.training.state_file.save_train_state`)."""
+               window: LogWindow, cfg: ExclMMConfig, plateau: Plateau, phase_done: bool,
+               steps_run: dict[str, dict]) -> None:
+    """The resumable state after ``step`` steps of ``phase`` (:func:`demind.training.state_file.save_train_state`);
+    ``phase_done``: the phase has finished (its cap or the plateau rule); ``steps_run``: the earlier phases'."""
     save_train_state(path, step=step, modules={"model": model}, optimizer=optimizer, scheduler=scheduler,
-                     extra={"phase": phase, "config": asdict(cfg), "log_window": window.snapshot()})
+                     extra={"phase": phase, "config": asdict(cfg), "log_window": window.snapshot(),
+                            "plateau": plateau.snapshot(), "phase_done": phase_done, "steps_run": steps_run})
 
 
 def batch_rows(n: int, size: int, seed: int, phase: str, step: int) -> torch.Tensor:
@@ -123,9 +182,8 @@ def query_loss(model: ExclMM, feats: dict[str, Any], rows: torch.Tensor, step: i
         tri = L.paper_triplet_loss(positive_images, positive_queries, q, cfg.query.triplet_margin)
     else:
         tri = L.triplet_loss(q, gallery[gt], positive_images, margin)
-    lam = cfg.query.lambda_c
-    terms = {"con": con, "tri": tri, "loss": lam * con + (1 - lam) * tri}
-    return terms
+    w_c, w_t = cfg.query.weights()
+    return {"con": con, "tri": tri, "loss": w_c * con + w_t * tri}
 
 
 @dataclass
@@ -143,17 +201,22 @@ class Phase:
     offset: int = 0
 
 
-def run_phase(phase: Phase, model: ExclMM, cfg: ExclMMConfig, state: dict | None, state_path: Path) -> None:
-    """Train ``phase``, resuming from ``state`` (a loaded state file of this phase) when given."""
+def run_phase(phase: Phase, model: ExclMM, cfg: ExclMMConfig, state: dict | None, state_path: Path,
+              steps_run: dict[str, dict]) -> dict:
+    """Train ``phase``, resuming from ``state`` (a loaded state file of this phase) when given; returns
+    ``{"steps": steps run, "stopped": "plateau" or "cap", "window_means": [...]}``."""
     # Adam as in the paper (AdamW with no weight decay is Adam), constant lr: the engine's pieces
     optimizer = build_adamw(phase.module.named_parameters(), phase.lr)
     scheduler = build_lr_scheduler(optimizer, 0, phase.steps, "constant")
     terms = PHASE_TERMS[phase.name]
     window, start = LogWindow(sums={}, names=terms), 0
+    plateau = Plateau(cfg.stop.window, cfg.stop.tol)
     if state is not None:
         start = restore_train_state(state, modules={}, optimizer=optimizer, scheduler=scheduler)
         window = LogWindow.restore(state["extra"]["log_window"], sums={}, names=terms)
+        plateau = Plateau.restore(state["extra"].get("plateau"), cfg.stop.window, cfg.stop.tol)
         log.info("exclmm %s: resuming at step %d/%d", phase.name, start, phase.steps)
+    stopped = "cap"
     for step in range(start, phase.steps):
         rows = batch_rows(phase.rows, phase.batch, cfg.run.seed, phase.name, step)
         losses = phase.loss_fn(rows, step)
@@ -166,11 +229,21 @@ def run_phase(phase: Phase, model: ExclMM, cfg: ExclMMConfig, state: dict | None
         window.add(losses)
         window.samples += phase.batch
         done = step + 1
-        if done % cfg.run.log_every == 0 or done == phase.steps:
+        flat = plateau.add(float(losses["loss"].detach()))
+        end = flat or done == phase.steps
+        if done % cfg.run.log_every == 0 or end:
             log_phase(phase, done, window, Path(cfg.run.output_dir))
             window = LogWindow(sums={}, names=terms)
-        if done % cfg.run.save_every == 0 or done == phase.steps:
-            save_state(state_path, model, optimizer, scheduler, phase.name, done, window, cfg)
+        if done % cfg.run.save_every == 0 or end:
+            save_state(state_path, model, optimizer, scheduler, phase.name, done, window, cfg, plateau, end, steps_run)
+        if flat:
+            stopped = "plateau"
+            log.info("exclmm %s: loss stopped falling at step %d (window means %s)", phase.name, done,
+                     ", ".join(f"{m:.4f}" for m in plateau.means[-3:]))
+            break
+    else:
+        done = max(start, phase.steps)
+    return {"steps": done, "stopped": stopped, "window_means": [round(m, 6) for m in plateau.means]}
 
 
 def log_phase(phase: Phase, done: int, window: LogWindow, run_dir: Path) -> None:
@@ -186,19 +259,38 @@ def log_phase(phase: Phase, done: int, window: LogWindow, run_dir: Path) -> None
 
 def result_defining(cfg: ExclMMConfig | dict) -> dict[str, Any]:
     """The parts of a config that change the trained weights (not logging or where to write)."""
-    d = asdict(cfg) if not isinstance(cfg, dict) else cfg
-    return {"backbone": d["backbone"], "train": d["data"]["train"], "sae": d["sae"], "space": d["space"],
-            "query": d["query"], "seed": d["run"]["seed"]}
+    # a key added since a run was written reads as its default (with_defaults): no change
+    d = with_defaults(asdict(cfg) if not isinstance(cfg, dict) else cfg, asdict(ExclMMConfig()))
+    return {"backbone": d["backbone"], "data": {"train": d["data"]["train"]}, "sae": d["sae"], "space": d["space"],
+            "query": d["query"], "stop": d["stop"], "run": {"seed": d["run"]["seed"]}}
 
 
 def check_same_run(found: dict, cfg: ExclMMConfig, path: Path) -> None:
     """A state or export in ``run.output_dir`` must come from the same recipe, or we would resume
     (or reuse) another experiment under this one's name."""
-    old, new = result_defining(found), result_defining(cfg)
-    if old != new:
-        diff = [k for k in new if old.get(k) != new[k]]
-        raise InputError(f"{path} was written with another config (differs in {diff}); "
+    changes = config_changes(result_defining(found), result_defining(cfg))
+    if changes:
+        raise InputError(f"{path} was written with another config ({'; '.join(changes)}); "
                          f"choose another run.output_dir or delete {path}")
+
+
+def check_run_inputs(cfg: ExclMMConfig) -> None:
+    """What a run reads and writes, before the backbone loads: the training split (its
+    exclcoco.json), the captions file when given, and the output and cache folders (writable).
+    Ranges, choices and keys that must agree were checked when the config was loaded."""
+    if not cfg.data.train:
+        raise InputError("config key 'data.train' is empty: give the ExclCOCO folder of the training split "
+                         "(python -m demind.cli.build_exclcoco ...)")
+    train = Path(cfg.data.train)
+    if not (train / "exclcoco.json").is_file():
+        raise MissingInputError(f"config key 'data.train' = {str(train)!r}: {train / 'exclcoco.json'} does not "
+                                "exist; give the folder demind-build-exclcoco wrote for the training split")
+    if cfg.data.captions and not Path(cfg.data.captions).is_file():
+        raise MissingInputError(f"config key 'data.captions' = {cfg.data.captions!r}: no such file; give the COCO "
+                                "captions_<split>.json of the training split, or leave it empty")
+    check_output_key("run.output_dir", cfg.run.output_dir)
+    if cfg.data.cache_dir:
+        check_output_key("data.cache_dir", cfg.data.cache_dir)
 
 
 def train_exclmm(cfg: ExclMMConfig, backbone: FrozenCLIP | None = None) -> Path:
@@ -212,7 +304,7 @@ def train_exclmm(cfg: ExclMMConfig, backbone: FrozenCLIP | None = None) -> Path:
         log.info("exclmm: %s exists; nothing to do", export)
         return export
     refuse_pickled_files(run_dir, FEATURES_NAME)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    check_run_inputs(cfg)
     torch.manual_seed(cfg.run.seed)
     backbone = backbone or build_backbone(cfg.backbone, device=cfg.run.device)
     state_path = run_dir / STATE_NAME
@@ -232,23 +324,42 @@ def train_exclmm(cfg: ExclMMConfig, backbone: FrozenCLIP | None = None) -> Path:
              len(feats["image_ids"]), len(feats["captions"]), len(feats["vocab"]), len(feats["queries"]),
              ",".join(phases), cfg.sae.code_dim, cfg.space.top_t)
     done_before = PHASES.index(state["extra"]["phase"]) if state is not None else -1
+    steps_run = finished_phases(state, cfg, phases)
     offset = 0
     for name in phases:
         index = PHASES.index(name)
         phase = build_phase(name, model, feats, cfg, offset)
-        offset += phase.steps
-        finished = index < done_before or (index == done_before and state["step"] >= phase.steps)
         if name == "space" or name == "query":
             prepare_phase_inputs(model, feats, name, cfg)
-        if finished:
-            continue
-        resume = state if index == done_before else None
-        # lines a killed run logged after its last saved state are logged again
-        trim_metrics(run_dir, phase.offset + (resume["step"] if resume is not None else 0))
-        run_phase(phase, model, cfg, resume, state_path)
+        if name not in steps_run:
+            resume = state if index == done_before else None
+            if name == "query" and resume is None and "space" in steps_run:
+                model.save(run_dir / STAGE1_NAME)  # "stage 1 only", for free: F_theta is still the identity
+            # lines a killed run logged after its last saved state are logged again
+            trim_metrics(run_dir, phase.offset + (resume["step"] if resume is not None else 0))
+            steps_run[name] = run_phase(phase, model, cfg, resume, state_path, dict(steps_run))
+        offset += steps_run[name]["steps"]
+    write_json_atomic(run_dir / PHASES_NAME, {"phases": steps_run, "stop": asdict(cfg.stop)}, indent=1)
     model.save(export)
     log.info("exclmm: exported %s", export)
     return export
+
+
+def finished_phases(state: dict | None, cfg: ExclMMConfig, phases: tuple[str, ...]) -> dict[str, dict]:
+    """The phases a saved state has finished -> what each ran (a state written before the plateau
+    rule ran every finished phase to its ``steps``)."""
+    if state is None:
+        return {}
+    extra = state["extra"]
+    done = dict(extra.get("steps_run", {}))
+    index = PHASES.index(extra["phase"])
+    for name in [p for p in PHASES[:index] if p in phases]:
+        done.setdefault(name, {"steps": getattr(cfg, name).steps, "stopped": "cap", "window_means": []})
+    current = getattr(cfg, extra["phase"])
+    if extra.get("phase_done", state["step"] >= current.steps):
+        done[extra["phase"]] = {"steps": state["step"], "stopped": "plateau" if state["step"] < current.steps else "cap",
+                                "window_means": [round(m, 6) for m in extra.get("plateau", {}).get("means", [])]}
+    return done
 
 
 def build_phase(name: str, model: ExclMM, feats: dict[str, Any], cfg: ExclMMConfig, offset: int) -> Phase:
