@@ -119,11 +119,10 @@ def mllm_setup(cfg: EvalConfig):
 
 def needs_mllm(cfg: EvalConfig) -> bool:
     """Whether a method asked for (an MLLM method, ``METHOD+rerank``) or ``rerank.k`` runs the MLLM."""
-    from demind.retrieval import MLLM_METHODS, split_deo_name
-    from demind.retrieval.names import split_rerank_requests
+    from demind.retrieval.names import MLLM_METHODS, base_method, split_rerank_requests
 
     names, reranked = split_rerank_requests(cfg.methods or "")
-    return cfg.rerank.k > 0 or bool(reranked) or any(split_deo_name(n)[0] in MLLM_METHODS for n in names)
+    return cfg.rerank.k > 0 or bool(reranked) or any(base_method(n) in MLLM_METHODS for n in names)
 
 
 def main(argv: list[str] | None = None) -> int:

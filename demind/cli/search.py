@@ -193,10 +193,10 @@ def print_record(record: dict) -> None:
 def check_mllm_methods(methods: list[str], have_mllm: bool) -> None:
     """One line, before any model loads, when every query names an MLLM method and there is no engine
     (a query file mixing methods gets the error per query instead)."""
-    from demind.retrieval.names import MLLM_METHODS, RERANK_SUFFIX
+    from demind.retrieval.names import MLLM_METHODS, base_method, split_rerank
 
     def needs(m: str) -> bool:
-        return m.endswith(RERANK_SUFFIX) or m.split("+deo", 1)[0] in MLLM_METHODS
+        return split_rerank(m)[1] or base_method(m) in MLLM_METHODS
 
     if not have_mllm and methods and all(needs(m) for m in methods):
         raise InputError(f"method {methods[0]!r} runs a multimodal LLM: give engine.name=transformers "

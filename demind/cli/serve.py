@@ -34,6 +34,13 @@ from demind.search.names import RANKERS
 log = logging.getLogger(__name__)
 
 
+# Bounds checked with the config, before any model loads: a thread is an operating-system thread
+# (100,000 of them fail to start, after the model and index have loaded), and a lock's wait is at
+# most threading.TIMEOUT_MAX (a larger --timeout overflows on the first query)
+MAX_THREADS = 256
+MAX_TIMEOUT_S = 86_400.0
+
+
 @dataclass
 class ServeConfig(QueryModelOptions):
     quickstart: str | None = setting(None, help="serve the quickstart's model over its toy CIRR gallery from this "
@@ -50,9 +57,10 @@ class ServeConfig(QueryModelOptions):
                                            "off loopback a generated one, printed)")
     allowed_hosts: list[str] = setting(default_factory=list, help="host names clients use besides localhost and "
                                                                   "--host (DNS-rebinding check); '*' allows any")
-    timeout: float = setting(30.0, gt=0, help="seconds before an idle connection is closed and a query that "
-                                              "cannot get the model is refused")
-    threads: int = setting(4, ge=1, help="worker threads")
+    timeout: float = setting(30.0, gt=0, le=MAX_TIMEOUT_S, help="seconds before an idle connection is closed and a "
+                                                                 "query that cannot get the model is refused")
+    threads: int = setting(4, ge=1, le=MAX_THREADS, help="worker threads (queries take the one model in turn: more "
+                                                         "threads wait, they do not answer faster)")
 
 
 FLAGS = {**MODEL_FLAGS, "--quickstart": Flag("quickstart", const="runs/quickstart", optional_value=True),

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,10 +86,14 @@ def load_describer_prompts(version: str = "v1") -> DescriberPrompts:
 
 
 def fill(template: str, **values: str) -> str:
-    """``{name}`` fields replaced (str.replace, not format: user texts may hold braces)."""
-    for name, value in values.items():
-        template = template.replace("{" + name + "}", value)
-    return template
+    """``{name}`` fields of ``template`` replaced by ``values``, in one pass over the template: a value
+    is never read again, so a user's text or a model's caption that holds braces ("put the {candidate}
+    logo on it", a caption with "{modification}") is inserted as it is (not ``str.format``, not one
+    ``str.replace`` after another)."""
+    if not values:
+        return template
+    pattern = re.compile("|".join(re.escape("{" + name + "}") for name in values))
+    return pattern.sub(lambda m: values[m.group(0)[1:-1]], template)
 
 
 def modification_text(query: Query) -> str:

@@ -174,7 +174,9 @@ class MLLMVerifier:
         return engine, model, processor
 
     def _prompt(self, processor: Any, query: Query) -> str:
-        before, after = fill(self.prompts.verify, modification=modification_text(query)).split(CANDIDATE_FIELD)
+        # split at the candidate first, then fill: the user's words may hold "{candidate}" themselves
+        before, after = (fill(part, modification=modification_text(query))
+                         for part in self.prompts.verify.split(CANDIDATE_FIELD))
         return render(processor, [{"role": "user", "content": [
             {"type": "image"}, {"type": "text", "text": before.strip()},
             {"type": "image"}, {"type": "text", "text": after.strip()}]}])

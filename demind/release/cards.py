@@ -2,7 +2,8 @@
 
 The model card carries the checkpoint's recorded backbone and model config and, for every
 ``results.json`` of ``demind-eval`` that belongs to the checkpoint, the evaluation table exactly
-as the evaluation wrote it (:func:`demind.eval.reports.markdown_table`) plus the De-MINDS row
+as the evaluation wrote it (:func:`demind.eval.reports.markdown_table`) plus the published model's
+row (``demind`` for a De-MINDS checkpoint, ``combiner`` for a combiner: :data:`MODEL_KINDS`)
 in the Hub's ``model-index`` metadata. Without a ``results.json`` the card claims no numbers.
 
 The dataset card carries the intent-shard schema (:data:`demind.shard_format.INTENT_MEMBERS`),
@@ -14,19 +15,57 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
 from demind.eval import TITLES, markdown_table
 from demind.identity import same_backbone
+from demind.schema import COMBINER_ARCHITECTURE
 from demind.shard_format import INTENT_MEMBERS
 
 LIBRARY = "demind"
 MODEL_TAGS = ["demind", "composed-image-retrieval", "zero-shot-composed-image-retrieval", "clip", "open_clip"]
 DATASET_TAGS = ["demind", "webdataset", "composed-image-retrieval", "intent-shards"]
-MODEL_METHOD = "demind"
-"""The evaluation method that is the published model (its row goes into ``model-index``)."""
+
+
+@dataclass(frozen=True)
+class ModelKind:
+    """What a card says of one kind of checkpoint: the evaluation method that is the published model
+    (its row goes into ``model-index``), its tags, what it is, and the training keys worth listing."""
+
+    method: str
+    tags: tuple[str, ...]
+    summary: str
+    training_keys: tuple[str, ...]
+
+
+MODEL_KINDS = {
+    "demind": ModelKind(
+        "demind", tuple(MODEL_TAGS),
+        "A De-MINDS model for zero-shot composed image retrieval: a mapping network and an intention module trained "
+        "on top of a frozen CLIP, published with `demind-publish`.",
+        ("optim.max_steps", "optim.global_batch_size", "optim.lr", "data.shards", "run.seed")),
+    COMBINER_ARCHITECTURE: ModelKind(
+        "combiner", ("demind", "composed-image-retrieval", "supervised-composed-image-retrieval", "combiner", "clip",
+                     "open_clip"),
+        "A combiner for composed image retrieval (CLIP4Cir-style): f(reference image feature, text feature) over a "
+        "frozen CLIP, trained with supervision on (reference, modification, target) triplets by "
+        "`demind-train-triplets`; its queries are the method `combiner`. Published with `demind-publish`.",
+        ("data.source", "data.path", "data.limit", "noise.kind", "noise.rate", "robust.mode", "optim.epochs",
+         "optim.batch_size", "optim.lr", "run.seed")),
+}
+MODEL_METHOD = MODEL_KINDS["demind"].method
+"""The evaluation method of a De-MINDS checkpoint (:func:`model_kind` gives each checkpoint's)."""
+
+
+def model_kind(meta: dict[str, Any]) -> ModelKind:
+    """The kind of the checkpoint ``meta`` records: a combiner (``architecture: combiner``) or De-MINDS."""
+    architecture = (meta.get("model_config") or {}).get("architecture")
+    return MODEL_KINDS[COMBINER_ARCHITECTURE if architecture == COMBINER_ARCHITECTURE else "demind"]
+
+
 EVAL_KEYS = ("benchmark", "split", "methods", "backbone", "model_config")
 """Keys that make a ``results.json`` one written by ``demind-eval``."""
 
@@ -72,11 +111,11 @@ def base_model_id(name: str, pretrained: str | None) -> str | None:
     return hub.strip("/") if hub else None
 
 
-def model_index(name: str, evaluations: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The Hub's ``model-index``: the De-MINDS method's metrics of every evaluation, values in %."""
+def model_index(name: str, evaluations: list[dict[str, Any]], method: str = MODEL_METHOD) -> list[dict[str, Any]]:
+    """The Hub's ``model-index``: the published model's ``method``'s metrics of every evaluation, values in %."""
     results = []
     for res in evaluations:
-        values = res["methods"].get(MODEL_METHOD)
+        values = res["methods"].get(method)
         if not values:
             continue
         results.append({
@@ -113,9 +152,9 @@ def model_card(meta: dict[str, Any], evaluations: list[tuple[str, dict[str, Any]
     training: the run's resolved training config (``config.yaml``), or None when absent.
     left_out: one sentence per evaluation found and not reported (a limited run), said in the body.
     """
-    backbone = meta["backbone_config"]
+    backbone, kind = meta["backbone_config"], model_kind(meta)
     front: dict[str, Any] = {"library_name": LIBRARY, "license": license,
-                             "tags": list(dict.fromkeys(MODEL_TAGS + tags))}
+                             "tags": list(dict.fromkeys([*kind.tags, *tags]))}
     base = base_model_id(backbone["name"], backbone.get("pretrained"))
     if base:
         front["base_model"] = base
@@ -124,17 +163,15 @@ def model_card(meta: dict[str, Any], evaluations: list[tuple[str, dict[str, Any]
     front["demind"] = {"backbone": {"name": backbone["name"], "pretrained": backbone.get("pretrained")},
                        "backbone_identity": meta["backbone_identity"], "model_config": meta["model_config"],
                        "tensors_sha256": meta.get("tensors_sha256")}
-    index = model_index(name, [res for _, res in evaluations])
+    index = model_index(name, [res for _, res in evaluations], kind.method)
     if index:
         front["model-index"] = index
     ref = f"hf-hub:{repo}" if repo else "hf-hub:ORG/NAME"
-    body = [f"# {name}", "",
-            "A De-MINDS model for zero-shot composed image retrieval: a mapping network and an intention "
-            "module trained on top of a frozen CLIP, published with `demind-publish`.", "",
+    body = [f"# {name}", "", kind.summary, "",
             "## Backbone and model", "", *_backbone_lines(meta),
             f"- Model config: `{json.dumps(meta['model_config'], sort_keys=True)}`.", ""]
     if training is not None:
-        body += _training_lines(training)
+        body += _training_lines(training, kind.training_keys)
     body += ["## Evaluation", ""]
     if evaluations:
         for file, res in evaluations:
@@ -148,17 +185,23 @@ def model_card(meta: dict[str, Any], evaluations: list[tuple[str, dict[str, Any]
              f'backbone, model = load_backbone_and_model("{ref}")  # rebuilds the recorded backbone, checks it',
              "```", "",
              f"Every command's `--checkpoint` takes the same reference (add `@REVISION` for a branch, tag or "
-             f"commit), e.g. `demind-eval --benchmark cirr --data-root data/CIRR --checkpoint {ref} --out runs/eval`. "
+             f"commit), e.g. `demind-eval --benchmark cirr --data-root data/CIRR --checkpoint {ref} "
+             f"--methods {kind.method} --out runs/eval`. "
              "It is read through the Hugging Face cache, so `HF_HUB_OFFLINE=1` works once it is there; "
              "a download of this folder works as a local `--checkpoint FOLDER` too.", ""]
     return render_card(front, "\n".join(body))
 
 
-def _training_lines(training: dict[str, Any]) -> list[str]:
-    optim, data = training.get("optim", {}), training.get("data", {})
-    keys = {"optim.max_steps": optim.get("max_steps"), "optim.global_batch_size": optim.get("global_batch_size"),
-            "optim.lr": optim.get("lr"), "data.shards": data.get("shards"), "run.seed": training.get("run", {}).get("seed")}
-    listed = ", ".join(f"`{k}={v}`" for k, v in keys.items() if v is not None)
+def _training_lines(training: dict[str, Any], keys: tuple[str, ...]) -> list[str]:
+    """The card's training section: the ``keys`` (dotted) of the resolved training config that it holds."""
+    values = {}
+    for key in keys:
+        value: Any = training
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if value is not None and value != "":
+            values[key] = value
+    listed = ", ".join(f"`{k}={v}`" for k, v in values.items())
     return ["## Training", "", f"Resolved training config in `training_config.yaml`: {listed}.", ""]
 
 

@@ -11,7 +11,8 @@ self-contained: it loads on any machine, after any move::
     backbone/NAME.json        the backbone's open_clip model-config JSON, when the backbone is one
     backbone/WEIGHTS          the backbone's weights file, when it is a local file (a fine-tuned or
                               toy CLIP); a pretrained tag is fetched by open_clip as usual
-    training_config.yaml      the run's resolved training config, when the run folder has one
+    training_config.yaml      the run's resolved training config, when the run folder has one (config.yaml
+                              of demind-train, run.json's config of demind-train-triplets)
     results/BENCH-SPLIT.json  each results.json of demind-eval that evaluated this checkpoint
 
 Every path a file of the folder records is relative to it; absolute paths in the copied configs
@@ -40,7 +41,7 @@ from demind.config import to_dict
 from demind.hubref import HubError, hub_unreachable, import_hub, is_hub_ref, parse_hub_ref
 from demind.identity import backbone_identity, canonical_identity, file_sha256
 from demind.io import atomic_path, write_json_atomic, write_text_atomic
-from demind.release.cards import dataset_card, model_card, results_problem
+from demind.release.cards import dataset_card, model_card, model_kind, results_problem
 from demind.release.folders import (CARD_MARKER, PUBLISHED_FILES_KEY, PublishError, building_beside,
                                     check_publish_target, swap_in)
 from demind.shard_format import HUB_SHARD_FILES, SHARD_SUFFIX, ShardOutput, stats_path
@@ -50,6 +51,7 @@ logger = logging.getLogger(__name__)
 CARD_FILE = "README.md"
 CONFIG_FILE = "config.json"
 TRAINING_CONFIG_FILE = "training_config.yaml"
+TRIPLET_RUN_FILE = "run.json"  # a demind-train-triplets run's record: its resolved config under "config"
 RESULTS_DIR = "results"
 
 
@@ -195,6 +197,34 @@ def publish_checkpoint(checkpoint: str | Path, out: str | Path, card: CardOption
     return out
 
 
+def run_training_config(source: CheckpointSource, meta: dict[str, Any]) -> dict[str, Any] | None:
+    """The resolved training config of the run that wrote the checkpoint, or None where none is beside it:
+    a published folder's ``training_config.yaml``; a De-MINDS run's ``config.yaml`` (demind-train); a
+    combiner run's ``run.json`` ``config`` (demind-train-triplets). One that cannot be read is an error
+    naming it (a card must not drop the recipe without a word)."""
+    folder = source.file.parent
+    if source.folder is not None:
+        candidates = [(folder / TRAINING_CONFIG_FILE, None)]
+    elif model_kind(meta).method == "combiner":
+        candidates = [(folder / TRIPLET_RUN_FILE, "config")]
+    else:
+        candidates = [(folder / "config.yaml", None)]
+    for path, key in candidates:
+        if not path.is_file():
+            continue
+        try:
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))  # YAML reads the JSON of run.json too
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+            raise PublishError(f"the run's training config {path} cannot be read ({str(e).splitlines()[0]}); "
+                               f"restore it, or publish from a copy of the checkpoint without it") from None
+        config = loaded.get(key) if key is not None and isinstance(loaded, dict) else loaded
+        if not isinstance(config, dict):
+            raise PublishError(f"the run's training config {path} holds no config{f' under {key!r}' if key else ''} "
+                               f"(a mapping); restore it, or publish from a copy of the checkpoint without it")
+        return config
+    return None
+
+
 def _write_folder(out: Path, source: CheckpointSource, meta: dict[str, Any], state: dict,
                   evaluations: list[tuple[Path, dict[str, Any]]], card: CardOptions, title: str,
                   partial: list[str] = ()) -> None:
@@ -203,11 +233,10 @@ def _write_folder(out: Path, source: CheckpointSource, meta: dict[str, Any], sta
     backbone, files = _copy_backbone_files(meta, source.file, out)
     published = {**meta, "backbone_config": backbone, BACKBONE_FILES_KEY: files}
     write_checkpoint(out / CHECKPOINT_FILE, state, published)  # the same tensors; paths relative to the folder
-    training = None
     run_dir = source.file.parent.resolve()
-    run_config = source.file.parent / ("config.yaml" if source.folder is None else TRAINING_CONFIG_FILE)
-    if run_config.is_file():
-        training = without_local_paths(yaml.safe_load(run_config.read_text(encoding="utf-8")), run_dir)
+    training = run_training_config(source, meta)
+    if training is not None:
+        training = without_local_paths(training, run_dir)
         write_text_atomic(out / TRAINING_CONFIG_FILE, yaml.safe_dump(training, sort_keys=False))
     taken: set[str] = set()
     copied = []

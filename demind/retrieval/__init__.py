@@ -29,8 +29,8 @@ if TYPE_CHECKING:  # the same names for static tools and go-to-definition (tests
     from demind.retrieval.cache_upgrade import adopt_unoriented, is_earlier_part
     from demind.retrieval.names import (
         CHECKPOINT_METHODS, COMBINER_METHODS, DEO_BASES, DEO_METHODS, DESCRIBED_METHODS, EXCLMM_METHODS, HYBRID_METHOD,
-        METHODS, METHOD_LABELS, MLLM_METHODS, ON_REQUEST_METHODS, RERANK_SUFFIX, split_rerank, split_rerank_requests,
-        unavailable_methods)
+        METHODS, METHOD_LABELS, METHOD_SPECS, MLLM_METHODS, ON_REQUEST_METHODS, RERANK_SUFFIX, MethodSpec, base_method,
+        method_spec, split_rerank, split_rerank_requests, unavailable_methods)
     from demind.retrieval.methods import (
         NEGATIVE_TEMPLATE, CombinerQuery, DEOMethod, DeMindsQuery, ImageOnly, ImagePlusText, MappingOnly, Oracle,
         TextOnly, build_methods, checkpoint_kind, method_label, parse_method_names, split_deo_name)
@@ -49,7 +49,8 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "demind.retrieval.cache_upgrade": ["adopt_unoriented", "is_earlier_part"],
     "demind.retrieval.names": ["CHECKPOINT_METHODS", "COMBINER_METHODS", "DEO_BASES", "DEO_METHODS",
                                "DESCRIBED_METHODS", "EXCLMM_METHODS", "HYBRID_METHOD", "METHOD_LABELS", "METHODS",
-                               "MLLM_METHODS", "ON_REQUEST_METHODS", "RERANK_SUFFIX", "split_rerank",
+                               "METHOD_SPECS", "MethodSpec", "base_method", "method_spec", "MLLM_METHODS",
+                               "ON_REQUEST_METHODS", "RERANK_SUFFIX", "split_rerank",
                                "split_rerank_requests", "unavailable_methods"],
     "demind.retrieval.methods": ["NEGATIVE_TEMPLATE", "CombinerQuery", "DEOMethod", "DeMindsQuery", "ImageOnly",
                                  "ImagePlusText", "MappingOnly", "Oracle", "TextOnly", "build_methods",
@@ -60,7 +61,8 @@ __getattr__, __dir__ = lazy_exports(__name__, {
 
 __all__ = [
     "CHECKPOINT_METHODS", "COMBINER_METHODS", "CombinerQuery", "checkpoint_kind", "unavailable_methods",
-    "DEO_BASES", "DEO_METHODS", "EXCLMM_METHODS", "IMAGE_EXTENSIONS", "METHODS", "METHOD_LABELS",
+    "DEO_BASES", "DEO_METHODS", "EXCLMM_METHODS", "IMAGE_EXTENSIONS", "METHODS", "METHOD_LABELS", "METHOD_SPECS",
+    "MethodSpec", "base_method", "method_spec",
     "NEGATIVE_TEMPLATE", "ON_REQUEST_METHODS", "RESIZE_MODES",
     "DESCRIBED_METHODS", "HYBRID_METHOD", "MLLM_METHODS", "RERANK_SUFFIX", "DescribedQuery", "HybridQuery",
     "ensemble_embeddings",

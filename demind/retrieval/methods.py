@@ -46,7 +46,6 @@ NEGATIVE_TEMPLATE = "a photo of {neg}"
 
 class ImageOnly(RetrievalMethod):
     name = "image-only"
-    language = None
 
     def embed(self, ref_features, prompts, texts):
         return F.normalize(ref_features.float(), dim=-1)
@@ -54,7 +53,6 @@ class ImageOnly(RetrievalMethod):
 
 class TextOnly(RetrievalMethod):
     name = "text-only"
-    language = "texts"
 
     def embed(self, ref_features, prompts, texts):
         return self._text_embeddings(texts)
@@ -62,7 +60,6 @@ class TextOnly(RetrievalMethod):
 
 class ImagePlusText(RetrievalMethod):
     name = "image+text"
-    language = "texts"
 
     def embed(self, ref_features, prompts, texts):
         image = F.normalize(ref_features.float().to(self.backbone.device), dim=-1)
@@ -89,7 +86,6 @@ class Oracle(RetrievalMethod):
 class TrainedMethod(RetrievalMethod):
     """A method that needs the trained De-MINDS weights."""
 
-    language = "prompts"
 
     def __init__(self, backbone: FrozenCLIP, model: DeMinds) -> None:
         super().__init__(backbone)
@@ -114,7 +110,6 @@ class CombinerQuery(TrainedMethod):
     """A combiner trained on triplets (:mod:`demind.triplets`): f(reference feature, text feature)."""
 
     name = "combiner"
-    language = "texts"
 
     def embed(self, ref_features, prompts, texts):
         text = self._text_embeddings(texts)
@@ -250,21 +245,24 @@ class DEOMethod(RetrievalMethod):
 
     def __init__(self, base: RetrievalMethod, decomposer: Decomposer, cfg: DEOConfig, suffix: str = "+deo",
                  negative_template: str = NEGATIVE_TEMPLATE) -> None:
-        if base.language is None:
-            raise InputError(f"method {base.name!r} reads no text, so DEO has nothing to decompose; "
-                             f"DEO works with {', '.join(DEO_BASES)}")
+        if base.name not in DEO_BASES:
+            why = "reads no text, so DEO has nothing to decompose" if base.language is None else "has no DEO variant"
+            raise InputError(f"method {base.name!r} {why}; DEO works with {', '.join(DEO_BASES)}")
         super().__init__(base.backbone)
         self.base = base
         self.decomposer = decomposer
         self.cfg = cfg
         self.name = base.name + suffix
-        self.language = base.language
         self.negative_template = negative_template
         self.touched = 0  # queries whose embedding DEO changed (had a negative), over all calls
 
     @property
     def label(self) -> str:
         return method_label(self.name)
+
+    @property
+    def language(self) -> str | None:
+        return self.base.language
 
     def query_texts(self, queries: list[Query]) -> list[str]:
         return self.base.query_texts(queries)  # demind+mllm+deo: the base's descriptions, not the bare text

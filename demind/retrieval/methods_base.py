@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from demind.backbone import FrozenCLIP
-from demind.retrieval.names import METHOD_LABELS
+from demind.retrieval.names import METHOD_SPECS
 from demind.retrieval.refs import Query
 
 
@@ -18,19 +18,25 @@ from demind.retrieval.refs import Query
 class RetrievalMethod:
     """Base: ``embed(ref_features (B, D) raw, prompts, texts) -> (B, D)`` normalised queries.
 
-    ``language``: which argument carries the user's words ("prompts": the template with the
-    ``*`` placeholder; "texts": plain text; None: no words), the one DEO decomposes.
+    What a method reads is declared once, in its name's :data:`~demind.retrieval.names.METHOD_SPECS`
+    entry; ``language`` (which argument carries the user's words, the one DEO decomposes) is read
+    from there.
     """
 
     name = ""
-    language: str | None = None
 
     def __init__(self, backbone: FrozenCLIP) -> None:
         self.backbone = backbone
 
     @property
     def label(self) -> str:
-        return METHOD_LABELS[self.name]
+        return METHOD_SPECS[self.name].label
+
+    @property
+    def language(self) -> str | None:
+        """Which ``embed`` argument carries the user's words: "prompts" (the template with the ``*``
+        placeholder), "texts" (plain text) or None (no words)."""
+        return {"prompt": "prompts", "text": "texts"}.get(METHOD_SPECS[self.name].words)
 
     def embed(self, ref_features: torch.Tensor, prompts: list[str], texts: list[str]) -> torch.Tensor:
         raise NotImplementedError
@@ -38,6 +44,7 @@ class RetrievalMethod:
     def map_gallery(self, gallery: torch.Tensor) -> torch.Tensor:
         """(N, D) normalised gallery features -> what ``embed``'s queries are scored against."""
         return gallery
+
     def query_texts(self, queries: list[Query]) -> list[str]:
         """The ``texts`` given to :meth:`embed` for these queries (the baselines' text)."""
         return [q.text for q in queries]

@@ -46,7 +46,6 @@ def ensemble_embeddings(descriptions: torch.Tensor, tau: float) -> torch.Tensor:
 class DescribedQuery(RetrievalMethod):
     """``cirevl`` / ``osrcir``: the target description(s) through the frozen text tower."""
 
-    language = "texts"
 
     def __init__(self, backbone, name: str, mllm: Any) -> None:
         super().__init__(backbone)
@@ -71,7 +70,6 @@ class HybridQuery(RetrievalMethod):
     """``demind+mllm``: De-MINDS's query mixed with the description's embedding."""
 
     name = HYBRID_METHOD
-    language = "prompts"
 
     def __init__(self, backbone, model, mllm: Any) -> None:
         super().__init__(backbone)

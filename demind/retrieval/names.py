@@ -1,4 +1,5 @@
-"""The names of the retrieval methods: what a config, a query file or ``--help`` may say.
+"""The names of the retrieval methods (what a config, a query file or ``--help`` may say) and what
+each reads of a query (:data:`METHOD_SPECS`).
 
 Torch-free, so the commands list and check method names without loading a model; the registry
 that builds the methods (:mod:`demind.retrieval.methods`) reads them, and the face :mod:`demind.retrieval` offers them.
@@ -6,19 +7,39 @@ that builds the methods (:mod:`demind.retrieval.methods`) reads them, and the fa
 
 from __future__ import annotations
 
-METHOD_LABELS = {
-    "image-only": "Image-only",
-    "text-only": "Text-only",
-    "image+text": "Image+Text",
-    "mapping-only": "Mapping only (Pic2Word-style)",
-    "demind": "De-MINDS",
-    "exclmm": "ExclMM",
-    "oracle": "Oracle (target's description)",
-    "cirevl": "CIReVL (MLLM caption + rewrite)",
-    "osrcir": "OSrCIR (MLLM reflective CoT)",
-    "demind+mllm": "De-MINDS + MLLM description",
-    "combiner": "Combiner (supervised on triplets)",
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """What a retrieval method is called and what it reads of a query: the one record every command
+    (search, the page, eval's DEO) asks, so a new method cannot be left out of a list of readers.
+
+    image: it reads the reference image (a search without one is refused).
+    words: how it reads the user's modification text: ``"prompt"`` (filled into the template with
+        the reference's pseudo-word ``*``), ``"text"`` (as typed), None (not at all).
+    """
+
+    label: str
+    image: bool
+    words: str | None
+
+
+METHOD_SPECS = {
+    "image-only": MethodSpec("Image-only", image=True, words=None),
+    "text-only": MethodSpec("Text-only", image=False, words="text"),
+    "image+text": MethodSpec("Image+Text", image=True, words="text"),
+    "mapping-only": MethodSpec("Mapping only (Pic2Word-style)", image=True, words="prompt"),
+    "demind": MethodSpec("De-MINDS", image=True, words="prompt"),
+    "exclmm": MethodSpec("ExclMM", image=False, words="text"),
+    # reads the target's ground-truth description (a benchmark's), neither the image nor the user's words
+    "oracle": MethodSpec("Oracle (target's description)", image=False, words=None),
+    "cirevl": MethodSpec("CIReVL (MLLM caption + rewrite)", image=True, words="text"),
+    "osrcir": MethodSpec("OSrCIR (MLLM reflective CoT)", image=True, words="text"),
+    "demind+mllm": MethodSpec("De-MINDS + MLLM description", image=True, words="prompt"),
+    "combiner": MethodSpec("Combiner (supervised on triplets)", image=True, words="text"),
 }
+METHOD_LABELS = {name: spec.label for name, spec in METHOD_SPECS.items()}
 
 DESCRIBED_METHODS = ("cirevl", "osrcir")
 HYBRID_METHOD = "demind+mllm"
@@ -36,6 +57,21 @@ RERANK_SUFFIX = "+rerank"  # a method's ranking with its top K re-ordered by an 
 DEO_SUFFIXES = {"+deo": "exact", "+deo-adam": "adam"}
 DEO_BASES = ("text-only", "image+text", "mapping-only", "demind", HYBRID_METHOD)
 DEO_METHODS = tuple(f"{b}{s}" for b in DEO_BASES for s in DEO_SUFFIXES)
+
+
+def method_spec(name: str) -> MethodSpec:
+    """What the method ``name`` reads, its variants included: ``BASE+deo`` reads what BASE reads;
+    ``METHOD+rerank`` also reads the reference image (the MLLM verifier compares it with each
+    candidate). KeyError for a name that is no method."""
+    spec = METHOD_SPECS[base_method(name)]
+    return replace(spec, image=True) if split_rerank(name)[1] else spec
+
+
+def base_method(name: str) -> str:
+    """``"demind+deo-adam"`` -> ``"demind"``, ``"osrcir+rerank"`` -> ``"osrcir"``: the method a variant
+    runs (what it reads and needs is its base's)."""
+    plain = split_rerank(name)[0]
+    return next((plain[: -len(s)] for s in sorted(DEO_SUFFIXES, key=len, reverse=True) if plain.endswith(s)), plain)
 
 
 def unavailable_methods(model_kind: str | None) -> tuple[str, ...]:

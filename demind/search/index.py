@@ -114,7 +114,7 @@ class GalleryIndex:
         return ImageRef(name=name, path=self.root / name, orient=True)
 
 
-def list_gallery_images(folder: str | Path, skipped: dict[str, str] | None = None
+def list_gallery_images(folder: str | Path, skipped: dict[str, str] | None = None, index_dir: str | Path | None = None
                         ) -> tuple[list[ImageRef], dict[str, str]]:
     """Every image under ``folder`` (recursive, sorted): files, and image members of ``*.tar`` shards.
 
@@ -124,14 +124,16 @@ def list_gallery_images(folder: str | Path, skipped: dict[str, str] | None = Non
     for shards that cannot be listed and files that cannot be opened: dangling symbolic links,
     link loops). Every other file (not an image the decoder reads,
     :data:`demind.imaging.DECODABLE_EXTENSIONS`) is put in ``skipped`` as {name: reason}, so that
-    a build names and counts it.
+    a build names and counts it. ``index_dir``: an index kept inside the folder (``photos/.index``)
+    is not walked: its own files are no input.
     """
     folder = Path(folder)
     if not folder.is_dir():
         raise GalleryIndexError(f"image folder {folder} does not exist or is not a folder")
+    own = Path(index_dir).resolve() if index_dir is not None else None
     refs, bad_shards = [], {}
     for dirpath, dirnames, filenames in os.walk(folder):
-        dirnames.sort()
+        dirnames[:] = sorted(d for d in dirnames if own is None or (Path(dirpath) / d).resolve() != own)
         for filename in sorted(filenames):
             path = Path(dirpath) / filename
             name = path.relative_to(folder).as_posix()
@@ -239,6 +241,9 @@ def build_index(
     images, index_dir = Path(images), Path(index_dir)
     if part_size < 1:
         raise GalleryIndexError(f"part_size must be at least 1 (images per saved part), got {part_size}")
+    if index_dir.resolve() == images.resolve():
+        raise GalleryIndexError(f"--index {index_dir} is the image folder itself: its files would be read as "
+                                f"images; give a folder of its own, e.g. --index {index_dir / '.index'}")
     check_output_dir(index_dir)
     previous, damaged = previous_manifest(index_dir, images)
     if previous["root"] and recorded_root(index_dir, previous) != images.resolve():
@@ -251,7 +256,7 @@ def build_index(
                     index_dir, previous["root"], images.resolve())
     _check_or_write_backbone(index_dir, backbone)
     skipped: dict[str, str] = {}
-    refs, bad_shards = list_gallery_images(images, skipped)
+    refs, bad_shards = list_gallery_images(images, skipped, index_dir)
     stats = IndexBuildStats(images=len(refs), skipped=skipped)
     stats.members = {r.name: (r.path.relative_to(images).as_posix(), *r.span) for r in refs if r.span}
 

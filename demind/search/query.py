@@ -32,8 +32,9 @@ from PIL import Image
 from demind.backbone import FrozenCLIP
 from demind.errors import DemindError
 from demind import retrieval as registry
-from demind.retrieval import (EXCLMM_METHODS, METHOD_LABELS, METHODS, MLLM_METHODS,
-                              ON_REQUEST_METHODS, RERANK_SUFFIX, build_methods, parse_method_names, split_rerank)
+from demind.retrieval import (EXCLMM_METHODS, METHOD_LABELS, METHODS, MLLM_METHODS, ON_REQUEST_METHODS,
+                              RERANK_SUFFIX, base_method, build_methods, method_spec, parse_method_names,
+                              split_rerank)
 from demind.retrieval import ImageReadError, ImageRef, load_image, reword
 from demind.imaging import ImageDecodeError, ImageTooLargeError, decode_image
 from demind.model import DeMinds
@@ -48,15 +49,32 @@ from demind.search.names import DEFAULT_METHOD, DEFAULT_TEMPLATE, RANKERS
 log = logging.getLogger(__name__)
 
 HYBRID = registry.HYBRID_METHOD
-IMAGE_METHODS = ("image-only", "image+text", "mapping-only", "demind", *MLLM_METHODS)  # need a reference image
-TEXT_METHODS = ("text-only", "image+text", "mapping-only", "demind", *MLLM_METHODS)    # need a modification text
-PROMPT_METHODS = ("mapping-only", "demind", HYBRID)                                    # fill the template
+# what each method reads (the reference image, the text, the text through the template) is its
+# registry entry's (demind.retrieval.names.METHOD_SPECS): no list here to forget a method in
 
 
-def base_method(name: str) -> str:
-    """``"demind+deo"`` -> ``"demind"``, ``"osrcir+rerank"`` -> ``"osrcir"``: what a variant needs is
-    what its base method needs."""
-    return split_rerank(name)[0].split("+deo", 1)[0]
+# methods of the registry a search never offers, and why (said when one is asked for)
+UNSERVED = {
+    **{m: "it ranks in its own sparse space, which an index of CLIP features does not hold; demind-eval "
+          "evaluates it on a benchmark" for m in EXCLMM_METHODS},
+    **{m: "it reads a benchmark's ground-truth description of the target, which a search does not have"
+       for m in ON_REQUEST_METHODS if m not in MLLM_METHODS},
+}
+
+
+def reads_image(name: str) -> bool:
+    """Whether the method ``name`` (a variant too) reads the reference image."""
+    return method_spec(name).image
+
+
+def reads_text(name: str) -> bool:
+    """Whether the method ``name`` reads the modification text (as typed or through the template)."""
+    return method_spec(name).words is not None
+
+
+def fills_template(name: str) -> bool:
+    """Whether the method ``name`` reads the text through the template (its ``*`` is the reference)."""
+    return method_spec(name).words == "prompt"
 
 
 def method_label(name: str) -> str:
@@ -181,7 +199,7 @@ def with_negative_as_deo(query: SearchQuery) -> SearchQuery:
     method, reranked = split_rerank(query.method)
     base, mode = registry.split_deo_name(method)
     if base not in registry.DEO_BASES:
-        why = "has no DEO variant" if base in TEXT_METHODS else "reads no text"
+        why = "has no DEO variant" if base in METHOD_LABELS and reads_text(base) else "reads no text"
         raise SearchError(f"method {query.method!r} {why}, so it cannot exclude {query.negative!r}; "
                           f"use one of {', '.join(registry.DEO_BASES)}")
     negative = " ".join(query.negative.split())
@@ -215,11 +233,8 @@ class Searcher:
         """Every method of the registry this checkpoint (and MLLM) allows, De-MINDS first, DEO variants
         after the base methods, ``+rerank`` variants of the base methods last (``rerank.k`` > 0)."""
         names = [DEFAULT_METHOD] + [m for m in METHODS if m != DEFAULT_METHOD] + list(getattr(registry, "DEO_METHODS", ()))
-        # ExclMM ranks in its own sparse space (the gallery must be mapped) and the oracle needs a
-        # benchmark's ground-truth description: neither answers a user's query against this index.
-        offered = ON_REQUEST_METHODS if self.mllm is None else tuple(m for m in ON_REQUEST_METHODS
-                                                                      if m not in MLLM_METHODS)
-        names = [m for m in names if base_method(m) not in EXCLMM_METHODS + offered]
+        unserved = (*UNSERVED, *(MLLM_METHODS if self.mllm is None else ()))
+        names = [m for m in names if base_method(m) not in unserved]
         blocked = registry.unavailable_methods(registry.checkpoint_kind(self.model))  # a combiner serves its own
         names = [m for m in names if base_method(m) not in blocked]
         if self.mllm is not None and self.mllm.rerank_k > 0:  # rerank.methods, when given, picks the base methods
@@ -235,6 +250,9 @@ class Searcher:
     def validate(self, query: SearchQuery) -> None:
         """SearchError for a query that cannot be answered, naming what to change."""
         plain, reranked = split_rerank(query.method)
+        if base_method(plain) in UNSERVED:
+            raise SearchError(f"method {query.method!r} does not answer a query against a gallery index "
+                              f"({UNSERVED[base_method(plain)]}); choose one of {', '.join(self.available_methods())}")
         if (base_method(plain) in MLLM_METHODS or reranked) and self.mllm is None:
             raise SearchError(f"method {query.method!r} runs a multimodal LLM and this search has none: start it "
                               f"with engine.name=transformers engine.model=DIR (a llava-hf folder; see docs/mllm.md)")
@@ -251,13 +269,12 @@ class Searcher:
         if query.method not in offered and not (reranked and plain in offered):  # e.g. the oracle: a benchmark's
             raise SearchError(f"method {query.method!r} does not answer a query against a gallery index; choose "
                               f"one of {', '.join(self.available_methods())}")
-        base = base_method(query.method)
-        if base in TEXT_METHODS and not (query.text or "").strip():
+        if reads_text(query.method) and not (query.text or "").strip():
             raise SearchError("the modification text is empty; type what should change, e.g. 'make it red'")
         if len(query.text or "") > MAX_TEXT_CHARS:
             raise SearchError(f"the modification text is {len(query.text):,} characters; at most "
                               f"{MAX_TEXT_CHARS:,} are read (CLIP reads about 77 words): shorten it")
-        if (base in IMAGE_METHODS or split_rerank(query.method)[1]) and query.image is None:
+        if reads_image(query.method) and query.image is None:
             raise SearchError(f"method {query.method!r} needs a reference image")
         if query.k < 1:
             raise SearchError(f"k must be at least 1, got {query.k}")
@@ -282,14 +299,14 @@ class Searcher:
         plain, reranked = split_rerank(query.method)
         base = base_method(plain)
         picture = None
-        if query.image is not None and (base in IMAGE_METHODS or reranked):
+        if query.image is not None and reads_image(query.method):  # +rerank: the verifier reads it
             picture = read_query_image(query.image)
-        if picture is not None and base in IMAGE_METHODS:
+        if picture is not None and reads_image(plain):
             ref = self.backbone.encode_image(self.backbone.preprocess(picture).unsqueeze(0))
         else:
             ref = torch.zeros(1, self.backbone.embed_dim, device=self.backbone.device)
         text = " ".join(query.text.split())
-        prompt = build_prompt(query.template, text) if base in PROMPT_METHODS else text
+        prompt = build_prompt(query.template, text) if fills_template(plain) else text
         method = self.method(plain)
         asked = None
         if self.mllm is not None and picture is not None and (base in MLLM_METHODS or reranked):
@@ -300,7 +317,7 @@ class Searcher:
         embedding = method.embed(ref, [prompt], texts).float().cpu()
         if asked is not None and base in MLLM_METHODS:
             asked = replace(asked, target_description=texts[0])
-        return embedding, picture, (ref.float().cpu() if base in IMAGE_METHODS and picture is not None else None), asked
+        return embedding, picture, (ref.float().cpu() if reads_image(plain) and picture is not None else None), asked
 
     def duplicates_of(self, picture: Image.Image, image_embedding: torch.Tensor, candidates: int = 8) -> list[str]:
         """Gallery names whose pixels equal ``picture``'s: the rows nearest to its (1, D) image
