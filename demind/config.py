@@ -15,6 +15,9 @@ rules declared on the fields themselves::
 A dataclass may add checks that involve several fields with a ``config_problems()`` method
 returning ``[(key, message), ...]``. Every error names the key, the value, where the value
 came from (the file or the command line) and what is allowed.
+
+A command then checks what it will write, before its body runs: :mod:`demind.config_checks`
+(:func:`~demind.config_checks.check_command_config`), the one place its whole config is checked.
 """
 
 from __future__ import annotations
@@ -29,23 +32,14 @@ from typing import Any, TypeVar
 
 import yaml
 
-from demind.errors import DemindError
+from demind.config_checks import check_output_key  # noqa: F401 -- the commands' import
+from demind.errors import ConfigError
 from demind.io import write_text_atomic
 from demind.settings import Rule
 
 T = TypeVar("T")
 
 COMMAND_LINE = "command line"
-
-
-class ConfigError(DemindError, ValueError):
-    """A config file or override that does not fit the dataclass schema or its rules.
-
-    ``key`` is the dotted key at fault (None when the whole file is at fault)."""
-
-    def __init__(self, message: str, key: str | None = None):
-        super().__init__(message)
-        self.key = key
 
 
 # --------------------------------------------------------------------------- old spellings
@@ -215,6 +209,9 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as e:  # a section's own __post_init__ check
+        if isinstance(e, ConfigError) and prefix and e.key and not e.key.startswith(prefix):
+            # the section checked itself (validate in __post_init__): name the key as the file does
+            raise ConfigError(str(e).replace(repr(e.key), repr(prefix + e.key)), key=prefix + e.key) from None
         if isinstance(e, ConfigError):
             raise
         raise ConfigError(str(e), key=prefix.rstrip(".") or None) from None  # its message names the key
@@ -279,22 +276,6 @@ def config_changes(old: Any, new: Any, prefix: str = "") -> list[str]:
         return [d for k in sorted(set(old) | set(new))
                 for d in config_changes(old.get(k), new.get(k), f"{prefix}.{k}" if prefix else str(k))]
     return [] if old == new else [f"{prefix} ({old!r} -> {new!r})"]
-
-
-def check_output_key(key: str, path: str | Path, *, file: bool = False) -> Path:
-    """Refuse an output folder (or, ``file``, an output file) this process cannot write, when the
-    config is checked: one :class:`ConfigError` naming ``key``, before any model loads. The folder is
-    created and probed (:func:`demind.io.check_output_dir`)."""
-    from demind.errors import OutputLocationError
-    from demind.io import check_output_dir, check_output_file
-
-    try:
-        return (check_output_file if file else check_output_dir)(path)
-    except OutputLocationError as e:
-        raise ConfigError(f"config key {key!r} = {str(path)!r}: {e}", key=key) from None
-    except OSError as e:  # e.g. ENOENT under /proc or a vanished mount: not an output place
-        raise ConfigError(f"config key {key!r} = {str(path)!r}: cannot create or write it ({e.strerror}); "
-                          f"choose a folder this process can write", key=key) from None
 
 
 def config_keys(cls: type, prefix: str = "") -> list[tuple[str, Any, str]]:

@@ -23,6 +23,16 @@ class InputError(DemindError, ValueError):
     it keep working; the command line tells it from a bug's ``ValueError`` by the ``DemindError``."""
 
 
+class ConfigError(DemindError, ValueError):
+    """A config file or override that does not fit the dataclass schema or its rules.
+
+    ``key`` is the dotted key at fault (None when the whole file is at fault)."""
+
+    def __init__(self, message: str, key: str | None = None):
+        super().__init__(message)
+        self.key = key
+
+
 class MissingInputError(DemindError, FileNotFoundError):
     """An input the user named (file, folder, prompt version) that does not exist; the message says what was expected."""
 
@@ -39,5 +49,5 @@ class MissingDependencyError(DemindError, ImportError):
     """An optional dependency the chosen setting needs is not installed; the message says what to install."""
 
 
-__all__ = ["DemindError", "InputError", "MissingInputError", "OutputLocationError", "NonFiniteError",
+__all__ = ["ConfigError", "DemindError", "InputError", "MissingInputError", "OutputLocationError", "NonFiniteError",
            "MissingDependencyError"]

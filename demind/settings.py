@@ -59,15 +59,37 @@ class Rule:
         return True
 
 
+OUTPUT_KINDS = ("dir", "file")
+
+
 def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING,
-            help: str | None = None, **rule: Any) -> Any:  # noqa: A002 -- argparse's word for it
+            help: str | None = None, output: str | None = None, refuses: Any = dataclasses.MISSING,  # noqa: A002
+            free: str | None = None, **rule: Any) -> Any:
     """A dataclass field with a declared :class:`Rule` and the text ``--help`` shows for it:
-    ``lr: float = setting(1e-6, gt=0, help="peak learning rate")``."""
+    ``lr: float = setting(1e-6, gt=0, help="peak learning rate")``.
+
+    Every key of a command is checked when its config is (:func:`demind.config.check_command_config`)
+    or said to be free; ``tests/test_config_checks.py`` walks every command's keys and tries each
+    declared check with a value it must refuse. Besides a rule:
+
+    * ``output="dir"`` (or ``"file"``): a folder (file) the command writes; refused, naming the key,
+      when this process cannot create or write it (:func:`demind.config.check_outputs`);
+    * ``refuses=VALUE``: a value the section's ``config_problems()`` refuses (a cross-field or parsed
+      value: ``shard="5-2"``), which the test tries;
+    * ``free="why"``: any value of the field's type is fine (a seed, a text, a label), and why."""
     if "choices" in rule:
         rule["choices"] = tuple(rule["choices"])
+    if output is not None and output not in OUTPUT_KINDS:
+        raise ValueError(f"setting(output=...) is one of {OUTPUT_KINDS}, not {output!r}")
     metadata: dict[str, Any] = {"rule": Rule(**rule)}
     if help:
         metadata["help"] = help
+    if output is not None:
+        metadata["output"] = output
+    if refuses is not dataclasses.MISSING:
+        metadata["refuses"] = refuses
+    if free:
+        metadata["free"] = free
     return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
 
 
@@ -116,7 +138,7 @@ class DistributorOptions:
                                     "filesystem; pip install 'demind[distributed]')")
     workers: int = setting(0, ge=0, help="ray: models (Ray actors) to start; 0 = one per GPU of the cluster "
                                          "(tensor_parallel_size GPUs each for vLLM); required without GPUs")
-    ray_address: str | None = setting(None, help="ray: the cluster to join (HOST:6379); "
+    ray_address: str | None = setting(None, refuses="head:6379", help="ray: the cluster to join (HOST:6379); "
                                                  "default RAY_ADDRESS, else a local cluster on this machine")
     shard_attempts: int = setting(3, ge=1, help="ray: tries of a unit of work whose worker died or raised, each "
                                                 "on another worker where one is free; then it is reported as failed")

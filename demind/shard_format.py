@@ -94,6 +94,30 @@ def sample_key(shard_id: int, index: int, digits: int) -> str:
 # --------------------------------------------------------------------------- shard lists
 
 
+MAX_PATTERN_SHARDS = 1_000_000
+"""The most shards a brace pattern may name (CC3M is 332, LAION-400M 41 k): more is a typo (an extra
+digit), refused before the pattern is expanded into a list of paths that would not fit in memory."""
+
+_BRACE_GROUP = re.compile(r"\{([^{}]*)\}")
+
+
+def pattern_size(spec: str) -> int:
+    """How many paths a brace pattern expands to (``a/{00000..00331}.tar::b/{0,1}.tar`` -> 334),
+    counted without expanding it."""
+    total = 0
+    for pattern in spec.split("::"):
+        size = 1
+        for group in _BRACE_GROUP.findall(pattern):
+            numbers = re.fullmatch(r"\s*(-?\d+)\.\.(-?\d+)(?:\.\.(-?\d+))?\s*", group)
+            if numbers:
+                start, end, step = int(numbers[1]), int(numbers[2]), abs(int(numbers[3] or 1)) or 1
+                size *= abs(end - start) // step + 1
+            else:
+                size *= group.count(",") + 1
+        total += size
+    return total
+
+
 def resolve_shards(spec: str, setting: str = "data.shards") -> list[str]:
     """Expand a folder or brace pattern (several joined by ``::``) into the sorted shard paths.
 
@@ -116,6 +140,9 @@ def resolve_shards(spec: str, setting: str = "data.shards") -> list[str]:
     if path.is_dir():
         shards = sorted(str(p) for p in path.glob("*" + SHARD_SUFFIX))
     else:
+        if pattern_size(spec) > MAX_PATTERN_SHARDS:
+            raise ShardListError(f"{setting}={spec!r} names {pattern_size(spec):,} shards, more than "
+                                 f"{MAX_PATTERN_SHARDS:,}; check the numbers of its {{first..last}} range")
         shards = expand_urls(spec)
         missing = [s for s in shards if "://" not in s and not Path(s).is_file()]
         if missing:

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from demind.config import RENAMED_FLAGS, ConfigError, config_keys, load_config
+from demind.config_checks import check_command_config
 from demind.errors import DemindError
 from demind.logs import setup_logging
 
@@ -242,7 +243,8 @@ def launched_log_level() -> int:
 def run_config_command(cls: type[T], parser: argparse.ArgumentParser, body: Callable[[T], int],
                        argv: list[str] | None = None, *, log_level: int = logging.INFO,
                        log_packages: tuple[str, ...] = ()) -> int:
-    """Parse ``argv`` with a :func:`config_parser`, load ``cls``, set up logging, run ``body(cfg)``.
+    """Parse ``argv`` with a :func:`config_parser`, load ``cls`` and check it whole (what it writes
+    included: :func:`demind.config_checks.check_command_config`), set up logging, run ``body(cfg)``.
     ``log_packages``: loggers besides demind's shown at ``log_level`` (a command of another package).
 
     A user error (:func:`is_user_error`) prints ``error: <message>`` on stderr and returns 2; with
@@ -260,6 +262,7 @@ def run_config_command(cls: type[T], parser: argparse.ArgumentParser, body: Call
     setup_logging(log_level, log_packages)
     try:
         cfg = load_command_config(cls, args)
+        check_command_config(cfg)  # what it writes: before the body loads any model
         apply_threads(getattr(getattr(cfg, "run", None), "threads", 0))
         return body(cfg)
     except KNOWN_ERRORS as e:

@@ -26,18 +26,27 @@ from demind.gen.config import GenConfig
 class GenerateConfig(GenConfig, DistributorOptions):
     """The generation recipe (engine, sampling, prompts, quality, io, run) plus this job's shards."""
 
-    input: str | None = setting(None, help="folder of input .tar shards (img2dataset layout: KEY.jpg, KEY.txt, "
-                                           "KEY.json) or a brace pattern such as '/data/cc3m/{00000..00331}.tar' "
-                                           "(required)")
-    output: str | None = setting(None, help="folder for the intent shards: one NNNNN.tar and NNNNN_stats.json per "
-                                            "input shard (required)")
-    shard: str | None = setting(None, help="input shard ids, inclusive ranges and lists: '0-99', '0-9,20-29', '7' "
-                                           "(default: every shard of input); give each process a disjoint range")
+    input: str | None = setting(None, refuses=None,
+                                help="folder of input .tar shards (img2dataset layout: KEY.jpg, KEY.txt, KEY.json) or "
+                                     "a brace pattern such as '/data/cc3m/{00000..00331}.tar' (required)")
+    output: str | None = setting(None, output="dir",
+                                 help="folder for the intent shards: one NNNNN.tar and NNNNN_stats.json per input "
+                                      "shard (required)")
+    shard: str | None = setting(None, refuses="5-2",
+                                help="input shard ids, inclusive ranges and lists: '0-99', '0-9,20-29', '7' (default: "
+                                     "every shard of input); give each process a disjoint range")
     overwrite: bool = setting(False, help="redo selected shards even if their stats file says they are done")
     dry_run: bool = setting(False, help="print the plan and exit without loading a model")
 
     def config_problems(self) -> list[tuple[str, str]]:
+        from demind.gen.plan import ShardSpecError, parse_shard_range
+
         problems = [(key, f"is required: give --{key} DIR") for key in ("input", "output") if getattr(self, key) is None]
+        if self.shard is not None:
+            try:
+                parse_shard_range(self.shard)  # ranges, not ids: a huge range is two numbers
+            except ShardSpecError as e:
+                problems.append(("shard", str(e)))
         return problems + self.distributor_problems()
 
     def recipe(self) -> GenConfig:
@@ -60,11 +69,11 @@ def generate_command(job: GenerateConfig) -> int:
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     from demind.engines import build_engine
+    from demind.engines.memory import check_memory_before_loading
     from demind.engines.model_ref import check_engine_model
     from demind.gen.job import format_job_summary, run_plan
     from demind.gen.prompts import load_prompts
     from demind.gen.plan import format_plan, make_plan
-    from demind.io import check_output_dir
 
     cfg = job.recipe()
     plan = make_plan(job.input, job.output, job.shard, job.overwrite)
@@ -76,13 +85,14 @@ def generate_command(job: GenerateConfig) -> int:
         from demind.engines import disable_loading_progress
 
         disable_loading_progress()
-    check_output_dir(job.output)  # before the model loads: a read-only or full disk fails in seconds
     check_engine_model(cfg.engine.model)  # here too for Ray, whose workers load the model
     if job.distributor == "ray":
         summary = generate_on_ray(job, plan, cfg)
         print(format_job_summary(summary))
         return 1 if summary.failed else 0
     prompts = load_prompts(cfg.prompts.version)
+    # weights + KV cache + activations against the memory free now: one error line naming the setting, not an OOM kill
+    check_memory_before_loading(cfg.engine, cfg.run.device)
     engine = build_engine(cfg.engine, cfg.sampling, device=cfg.run.device, seed=cfg.run.seed)
     print(f"engine {engine.name}: {engine.model_id}; prompts {prompts.version} ({prompts.sha}), mode {cfg.prompts.mode}",
           flush=True)

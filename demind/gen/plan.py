@@ -7,12 +7,14 @@ trusted when ``DIR/00042_stats.json`` exists, because the stats file is written 
 
 from __future__ import annotations
 
+import bisect
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from demind.errors import DemindError
-from demind.shard_format import SHARD_SUFFIX, ShardListError, ShardOutput, resolve_shards
+from demind.shard_format import SHARD_SUFFIX, ShardListError, ShardOutput, resolve_shards, shard_filename
 
 _TRAILING_DIGITS = re.compile(r"(\d+)$")
 
@@ -21,14 +23,43 @@ class ShardSpecError(DemindError, ValueError):
     """A ``--shard`` value or an ``--input`` that does not name usable shards."""
 
 
-def parse_shard_range(spec: str) -> list[int]:
-    """``"0-9,20,30-31"`` -> sorted unique shard ids ``[0..9, 20, 30, 31]``.
+@dataclass(frozen=True)
+class ShardSelection:
+    """The shard ids of a ``--shard`` value as sorted, disjoint inclusive ranges, never expanded to
+    ids: ``--shard 0-99999999999`` is two numbers, not a list of 10^11 (the input's shards are finite)."""
+
+    ranges: tuple[tuple[int, int], ...]
+
+    def __contains__(self, shard_id: int) -> bool:
+        at = bisect.bisect_right(self.ranges, (shard_id, math.inf)) - 1
+        return at >= 0 and self.ranges[at][0] <= shard_id <= self.ranges[at][1]
+
+    @property
+    def count(self) -> int:
+        return sum(end - start + 1 for start, end in self.ranges)
+
+    def without(self, ids: list[int]) -> list[tuple[int, int]]:
+        """The ranges left when the sorted, unique ``ids`` are taken out (requested shards the input lacks)."""
+        left = []
+        for start, end in self.ranges:
+            cursor = start
+            for shard_id in ids[bisect.bisect_left(ids, start):bisect.bisect_right(ids, end)]:
+                if shard_id > cursor:
+                    left.append((cursor, shard_id - 1))
+                cursor = shard_id + 1
+            if cursor <= end:
+                left.append((cursor, end))
+        return left
+
+
+def parse_shard_range(spec: str) -> ShardSelection:
+    """``"0-9,20,30-31"`` -> the selection ``(0, 9), (20, 20), (30, 31)`` (merged, sorted).
 
     Ranges are inclusive on both ends, like ``--shard 0-99`` meaning 100 shards.
     """
     if spec is None or not str(spec).strip():
         raise ShardSpecError("empty --shard value; use e.g. '0-99' or '0-9,20-29' or '7'")
-    ids: set[int] = set()
+    ranges: list[tuple[int, int]] = []
     for part in str(spec).split(","):
         part = part.strip()
         match = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", part)
@@ -41,8 +72,14 @@ def parse_shard_range(spec: str) -> list[int]:
         end = int(match.group(2)) if match.group(2) is not None else start
         if end < start:
             raise ShardSpecError(f"bad --shard range {part!r}: end {end} is before start {start}")
-        ids.update(range(start, end + 1))
-    return sorted(ids)
+        ranges.append((start, end))
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(ranges):
+        if merged and start <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return ShardSelection(tuple(merged))
 
 
 def shard_id_from_path(path: Path) -> int:
@@ -89,7 +126,7 @@ class JobPlan:
     input_spec: str
     output_dir: Path
     tasks: list[ShardTask] = field(default_factory=list)
-    missing: list[int] = field(default_factory=list)  # requested ids with no input shard
+    missing: list[tuple[int, int]] = field(default_factory=list)  # requested id ranges with no input shard
     overwrite: bool = False
 
     def by_state(self, state: str) -> list[ShardTask]:
@@ -100,12 +137,14 @@ class JobPlan:
         return [t for t in self.tasks if t.state != "done"]
 
 
-def make_plan(input_spec: str, output_dir: Path, shard_spec: str | None, overwrite: bool) -> JobPlan:
-    """Resolve input shards, the requested range and each shard's state in ``output_dir``."""
+def make_plan(input_spec: str, output_dir: Path, shard_spec: str | None, overwrite: bool,
+              output_prefix: str | None = None) -> JobPlan:
+    """Resolve input shards, the requested range and each shard's state in ``output_dir``. An output
+    shard has its input's file name, or ``PREFIX-NNNNN.tar`` by shard id with ``output_prefix``."""
     available = find_input_shards(input_spec)
-    requested = parse_shard_range(shard_spec) if shard_spec else sorted(available)
-    missing = [i for i in requested if i not in available]
-    selected = [i for i in requested if i in available]
+    requested = parse_shard_range(shard_spec) if shard_spec else None
+    selected = [i for i in sorted(available) if requested is None or i in requested]  # the input's ids bound it
+    missing = requested.without(selected) if requested is not None else []
     if not selected:
         raise ShardSpecError(
             f"none of the requested shards ({shard_spec}) exist in {input_spec}; "
@@ -113,7 +152,8 @@ def make_plan(input_spec: str, output_dir: Path, shard_spec: str | None, overwri
         )
     plan = JobPlan(input_spec=input_spec, output_dir=Path(output_dir), missing=missing, overwrite=overwrite)
     for shard_id in selected:
-        output = ShardOutput.for_input(available[shard_id], Path(output_dir))
+        output = (ShardOutput.of(Path(output_dir) / f"{output_prefix}-{shard_filename(shard_id)}") if output_prefix
+                  else ShardOutput.for_input(available[shard_id], Path(output_dir)))
         if overwrite:
             state = "redo" if (output.is_done() or output.stray_files()) else "new"
         elif output.is_done():
@@ -152,5 +192,7 @@ def format_plan(plan: JobPlan) -> str:
         + ("--overwrite" if plan.overwrite else "partial files of an interrupted run are removed first"),
     ]
     if plan.missing:
-        lines.append(f"  not in input    : {len(plan.missing):>6}  ({_compact(plan.missing)})  ignored")
+        count = sum(end - start + 1 for start, end in plan.missing)
+        shown = ",".join(f"{a}-{b}" if b != a else f"{a}" for a, b in plan.missing[:20])
+        lines.append(f"  not in input    : {count:>6}  ({shown}{',...' if len(plan.missing) > 20 else ''})  ignored")
     return "\n".join(lines)

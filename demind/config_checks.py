@@ -1,0 +1,78 @@
+"""A command's whole config check: what :func:`demind.config.load_config` checks (types, declared
+rules, each section's ``config_problems()``), then what the command will write, before its body runs
+(:func:`check_command_config`, called by :func:`demind.cli.common.run_config_command`).
+
+A field declares what it writes, ``out: str = setting("runs/x", output="dir")``: the folder is
+created and a file written and removed there (the only test a read-only mount or an ACL answers
+truly), so ``run.output_dir=/proc/x`` or a folder under a file is one ``error:`` line naming the
+key, before any model loads or image is encoded. A section says what an output that already holds
+something means with ``output_problems() -> [(key, message), ...]`` (another model: refused
+without ``--overwrite``). ``tests/test_config_checks.py`` walks every console script's keys and
+tries each declared check with a value it must refuse, or finds the key named free
+(:func:`demind.settings.setting`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from demind.errors import ConfigError, OutputLocationError
+from demind.io import check_output_dir, check_output_file
+
+
+def check_output_key(key: str, path: str | Path, *, file: bool = False) -> Path:
+    """Refuse an output folder (or, ``file``, an output file) this process cannot write, when the
+    config is checked: one :class:`~demind.errors.ConfigError` naming ``key``, before any model loads. The folder is
+    created and probed (:func:`demind.io.check_output_dir`)."""
+
+    try:
+        return (check_output_file if file else check_output_dir)(path)
+    except OutputLocationError as e:
+        raise ConfigError(f"config key {key!r} = {str(path)!r}: {e}", key=key) from None
+    except OSError as e:  # e.g. ENOENT under /proc or a vanished mount: not an output place
+        raise ConfigError(f"config key {key!r} = {str(path)!r}: cannot create or write it ({e.strerror}); "
+                          f"choose a folder this process can write", key=key) from None
+
+
+def declared_outputs(cfg: Any, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, path, ``"dir"``/``"file"``) of every field of ``cfg`` declared
+    ``setting(output=...)`` that holds a path (None or ``""``: not written), nested sections included."""
+    found: list[tuple[str, str, str]] = []
+    for f in dataclasses.fields(cfg):
+        key, value = prefix + f.name, getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            found += declared_outputs(value, key + ".")
+        elif f.metadata.get("output") and value not in (None, ""):
+            found.append((key, str(value), f.metadata["output"]))
+    return found
+
+
+def check_outputs(cfg: Any) -> None:
+    """Every declared output of ``cfg`` (:func:`declared_outputs`) writable, each checked by
+    :func:`check_output_key`: the first that is not is one ConfigError naming its key."""
+    for key, path, kind in declared_outputs(cfg):
+        check_output_key(key, path, file=kind == "file")
+
+
+def check_command_config(cfg: Any) -> None:
+    """A command's whole config check, after :func:`~demind.config.load_config` (types, declared rules, each
+    section's ``config_problems()``) and before any model loads: the folders and files it writes
+    (:func:`check_outputs`), then each section's ``output_problems()`` (what an output already
+    holds: another model, another run; ``[(key, message), ...]``), as one ConfigError."""
+    check_outputs(cfg)
+    problems: list[tuple[str, str]] = []
+
+    def visit(section: Any, prefix: str) -> None:
+        for f in dataclasses.fields(section):
+            if dataclasses.is_dataclass(getattr(section, f.name)):
+                visit(getattr(section, f.name), prefix + f.name + ".")
+        own = getattr(section, "output_problems", None)
+        if callable(own):
+            problems.extend((prefix + key, message) for key, message in own())
+
+    visit(cfg, "")
+    if problems:
+        raise ConfigError("; ".join(f"config key {key!r}: {message}" for key, message in problems),
+                          key=problems[0][0])
