@@ -36,7 +36,7 @@ class SecondEncoderConfig(WindowConfig):
     checkpoint: str = setting("", help="a local weights file instead (safetensors or a torch state dict)")
     overrides: str = setting("", help="timm create_model keyword overrides, 'depth=1,embed_dim=32' (tiny "
                                       "random models for tests)")
-    batch_size: int = setting(64, ge=1)
+    seed: int = setting(0, ge=0, help="the seed of a random initialisation (pretrained false: tests)")
 
 
 @dataclass
@@ -109,6 +109,4 @@ class MinePairsConfig:
         for name in SIGNALS:
             if not out[name]["enabled"]:
                 out[name] = {"enabled": False}
-            else:
-                out[name].pop("batch_size", None)
         return out

@@ -59,9 +59,10 @@ def _difference(a: Any, b: Any, prefix: str = "") -> str | None:
     return None if a == b else f"{prefix.rstrip('.')} ({a!r} -> {b!r})"
 
 
-def check_same_recipe(folder: str | Path, manifest: dict[str, Any]) -> None:
-    """Refuse to add shards to ``folder`` when its manifest records another corpus, backbone or
-    recipe than ``manifest`` (the one this run would write)."""
+def check_same_recipe(folder: str | Path, manifest: dict[str, Any],
+                      keys: tuple[str, ...] = ("backbone", "second_encoder", "recipe")) -> None:
+    """Refuse to add shards to ``folder`` when its manifest records another corpus, or another of
+    ``keys`` (backbone, second encoder, recipe), than ``manifest`` (the one this run would write)."""
     path = manifest_path(folder)
     if not path.is_file():
         return
@@ -70,7 +71,7 @@ def check_same_recipe(folder: str | Path, manifest: dict[str, Any]) -> None:
     if old["corpus"].get("digest") != manifest["corpus"].get("digest"):
         raise CorpusMismatchError(f"{folder} holds pairs mined from corpus {old['corpus'].get('spec')!r} but this "
                                   f"run mines {manifest['corpus'].get('spec')!r} (another content digest); {fix}")
-    for key in ("backbone", "second_encoder", "recipe"):
+    for key in keys:
         diff = _difference(old.get(key), manifest.get(key))
         if diff:
             raise CorpusMismatchError(f"{folder} holds pairs mined with another {key}: differs in {diff}; {fix}")
