@@ -10,13 +10,20 @@ Design (written before measuring):
   its std over seeds is 0), ExclMM (configs/exclmm/toy.yaml) and its variants: without L_t
   (lambda_c = 1), without L_c (lambda_c = 0), without the z_c mask (Top_t only), CLIP embeddings
   without stage 1 (F_theta on CLIP text embeddings), and stage 1 alone (no stage-2 steps: F_theta
-  is the identity). Text-only+DEO (demind.negation: rule decomposer, exact DEO; training-free and
+  is the identity). "w/o L_t" drops L_t at L_c's own weight (``query.lambda_t=0``); the earlier
+  lambda_c = 1, which also doubled L_c's weight, is the row "w/o L_t (L_c weight doubled)". Text-only+DEO (demind.negation: rule decomposer, exact DEO; training-free and
   deterministic) is added as a row next to CLIP text-only.
 * Seeds 0, 1, 2 change initialisation and batch order of every phase; the data is fixed.
 * Metrics: the eight of the paper's Table 1 (demind/eval/metrics.py), mean ± std over seeds.
-  Paired test vs CLIP on the same queries: sign test on per-query AP@5 (queries where the
-  variant is better vs worse, ties dropped), per seed; we report the largest p of the 3 seeds.
-Writes ``<workdir>/table.md`` and ``<workdir>/results.json``. ``--bench KEY=VALUE`` changes the toy
+  Paired test vs CLIP on the same queries, per seed (:mod:`demind.eval.paired`): sign test on
+  AP@5 over (include, exclude) label combinations, a query's difference averaged within its
+  combination first (the queries of one combination share their ground truth; counted one by one
+  they overstate significance).
+* Not changed since it was measured: every phase runs its fixed steps at the recipe's
+  temperatures (``--set stop.window=200 ...`` for the plateau rule; see the exclusion instrument,
+  which supersedes this table).
+Writes ``<workdir>/table.md`` and ``<workdir>/results.json``; ``<workdir>/recipe.json`` records
+what the workdir was made from, and a rerun with other settings is refused. ``--bench KEY=VALUE`` changes the toy
 ExclCOCO (``ToyBenchmarkConfig``, e.g. ``exclcoco_test_images=40``) and ``--set KEY=VALUE`` the
 ExclMM recipe of every run (``configs/exclmm/toy.yaml``): a smaller run for a smoke test.
 """
@@ -26,16 +33,22 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import shutil
 import statistics
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from demind.backbone import FrozenCLIP
 from demind.schema import BackboneConfig
-from demind.config import load_config
+from benchmarks.exclusion_instrument import copy_atomic
+from demind.cli.common import report_error
+from demind.config import ConfigError, load_config
+from demind.config_checks import check_output_key
+from demind.errors import DemindError, MissingInputError
+from demind.eval.paired import paired_by_unit
+from demind.io import write_json_atomic, write_text_atomic
 from demind.eval import evaluate, load_exclcoco
 from demind.eval import metrics as M
 from demind.exclmm import load_exclmm
@@ -52,7 +65,8 @@ ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {
     "ExclMM": [],
     "ExclMM (paper's form)": PAPER_OVERRIDES,  # Eq. 12/15 normalised, z_c OR Top_t image mask, Eq. 16 as written
-    "w/o L_t": ["query.lambda_c=1.0"],
+    "w/o L_t": ["query.lambda_t=0"],
+    "w/o L_t (L_c weight doubled)": ["query.lambda_c=1.0"],
     "w/o L_c": ["query.lambda_c=0.0"],
     "w/o z_c mask": ["space.zc_mask=false"],
     "CLIP emb. w/o stage 1": ["query.space=clip"],
@@ -66,7 +80,8 @@ def toy_clip_report(folder: Path) -> dict:
     reports = [p for p in sorted(folder.glob("toy-clip-*.json"), key=lambda p: p.stat().st_mtime)  # newest last
                if not p.name.endswith("-model.json")]
     if not reports:
-        raise SystemExit(f"no trained toy CLIP in {folder} (a toy-clip-*.json report marks a finished one)")
+        raise MissingInputError(f"--backbone-dir {folder}: no trained toy CLIP there (a toy-clip-*.json report marks "
+                                "a finished one); give the quickstart's backbone folder")
     return json.loads(reports[-1].read_text())
 
 
@@ -77,6 +92,18 @@ def load_toy_backbone(folder: Path, gap: float) -> FrozenCLIP:
     weights, config = with_modality_gap(ToyBackboneConfig(model_config=model_config, modality_gap=gap),
                                         Path(report["weights"]))
     return FrozenCLIP(BackboneConfig(name=str(config), pretrained=str(weights)))
+
+
+def combinations(data: dict) -> dict[str, tuple]:
+    """Query id -> its (include, exclude) label combination: the unit of the paired tests."""
+    return {str(q["id"]): (tuple(sorted(q["include"])), q["exclude"]) for q in data["queries"]}
+
+
+def sign_vs(ap: dict[str, float], reference: dict[str, float], combos: dict[str, tuple]) -> tuple[int, int, float]:
+    """(combinations better, worse, sign-test p) of ``ap`` against ``reference`` (one seed)."""
+    qids = sorted(reference)
+    t = paired_by_unit([ap[q] for q in qids], [reference[q] for q in qids], [combos[q] for q in qids], "combination")
+    return t.better, t.worse, t.p_sign
 
 
 def per_query_ap(results: dict, method: str, truth: dict[str, list[str]], k: int = 5) -> dict[str, float]:
@@ -100,16 +127,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", dest="settings",
                    help="ExclMMConfig overrides for every run (after the variant's)")
     p.add_argument("--batch-size", type=int, default=256, help="evaluation batch size")
+    p.add_argument("--debug", action="store_true", help="a traceback above an error line")
     args = p.parse_args(argv)
     setup_logging()
-    torch.set_num_threads(1)
-    work = Path(args.workdir)
+    try:
+        return run(args)
+    except (DemindError, OSError) as e:
+        return report_error(e, args)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check every setting, then build, train and evaluate."""
+    from benchmarks.exclusion_instrument import check_recipe
+
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        raise ConfigError(f"--variants {unknown}: not a variant; one of {', '.join(VARIANTS)}")
     bench_cfg = load_config(ToyBenchmarkConfig, None, args.bench)
-    bench = write_benchmarks(work / "benchmarks", bench_cfg, which=("exclcoco",))["exclcoco"]
+    for variant in args.variants:  # each run's recipe as it will be loaded
+        try:
+            load_config(ExclMMConfig, ROOT / "configs/exclmm/toy.yaml", [*VARIANTS[variant], *args.settings])
+        except ConfigError as e:
+            raise ConfigError(f"--set {' '.join(args.settings)} (variant {variant!r}): {e}") from None
+    work = check_output_key("--workdir", args.workdir)
+    torch.set_num_threads(1)
     backbone = load_toy_backbone(Path(args.backbone_dir), args.gap)
+    check_recipe(work, {"bench": asdict(bench_cfg), "set": list(args.settings), "gap": args.gap,
+                        "backbone": backbone.identity})
+    bench = write_benchmarks(work / "benchmarks", bench_cfg, which=("exclcoco",))["exclcoco"]
     test_root, train_root = bench / "test", bench / "train"
     data, _ = load_exclcoco(test_root)
     truth = {str(q["id"]): set(q["ground_truth"]) for q in data["queries"]}
+    combos = combinations(data)
     cache = work / "feature_cache"
     common = dict(backbone=backbone, cache_dir=cache, batch_size=args.batch_size, progress=False)
 
@@ -119,17 +168,17 @@ def main(argv: list[str] | None = None) -> int:
                     **common)
     clip_ap = per_query_ap(clip, "text-only", truth)
     deo_ap = per_query_ap(clip, "text-only+deo", truth)
-    better, worse = sum(deo_ap[q] > clip_ap[q] for q in deo_ap), sum(deo_ap[q] < clip_ap[q] for q in deo_ap)
-    clip["methods"]["text-only+deo"]["_sign"] = (better, worse, M.sign_test_p(better, worse))
+    clip["methods"]["text-only+deo"]["_sign"] = sign_vs(deo_ap, clip_ap, combos)
     timings = {}
     for variant in args.variants:
         results[variant] = []
         for seed in args.seeds:
-            run = work / "train" / f"{variant.replace(' ', '_').replace('/', '')}-seed{seed}"
+            run = work / "train" / f"{''.join(c if c.isascii() and c.isalnum() else '_' for c in variant)}-seed{seed}"
             shared = work / "train" / FEATURES_NAME
             run.mkdir(parents=True, exist_ok=True)
-            if shared.is_file() and not (run / FEATURES_NAME).is_file():
-                shutil.copy(shared, run / FEATURES_NAME)  # the frozen CLIP features are the same for every run
+            if shared.is_file() and not (run / FEATURES_NAME).is_file():  # the same frozen features for every run
+                copy_atomic(shared, run / FEATURES_NAME)
+                copy_atomic(shared.with_suffix(".json"), run / shared.with_suffix(".json").name)
             cfg = load_config(ExclMMConfig, ROOT / "configs/exclmm/toy.yaml", [
                 f"backbone.pretrained={backbone.cfg.pretrained}", f"data.train={train_root}",
                 f"data.cache_dir={cache}", f"run.output_dir={run}", f"run.seed={seed}", "run.progress=false",
@@ -138,13 +187,11 @@ def main(argv: list[str] | None = None) -> int:
             export = train_exclmm(cfg, backbone)
             timings.setdefault(variant, []).append(time.perf_counter() - started)
             if not shared.is_file():
-                shutil.copy(run / FEATURES_NAME, shared)
+                copy_atomic((run / FEATURES_NAME).with_suffix(".json"), shared.with_suffix(".json"))
+                copy_atomic(run / FEATURES_NAME, shared)  # last: the tensors' presence means both are there
             res = evaluate("exclcoco", test_root, methods=["exclmm"], exclmm=load_exclmm(export, backbone.identity),
                            out_dir=work / "eval" / run.name, **common)
-            ap = per_query_ap(res, "exclmm", truth)
-            better = sum(ap[q] > clip_ap[q] for q in ap)
-            worse = sum(ap[q] < clip_ap[q] for q in ap)
-            res["methods"]["exclmm"]["_sign"] = (better, worse, M.sign_test_p(better, worse))
+            res["methods"]["exclmm"]["_sign"] = sign_vs(per_query_ap(res, "exclmm", truth), clip_ap, combos)
             results[variant].append(res["methods"]["exclmm"])
             log.info("%s seed %d: %s", variant, seed, res["methods"]["exclmm"])
     results["CLIP text-only"] = [clip["methods"]["text-only"]] * len(args.seeds)
@@ -155,8 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     table += "\ntraining seconds per run (mean): " + ", ".join(
         f"{v}: {statistics.mean(t):.0f}" for v, t in timings.items())
     print(table)
-    (work / "table.md").write_text(table + "\n")
-    (work / "results.json").write_text(json.dumps({"results": results, "train_seconds": timings}, indent=1))
+    write_text_atomic(work / "table.md", table + "\n")
+    write_json_atomic(work / "results.json", {"results": results, "train_seconds": timings}, indent=1)
     return 0
 
 
@@ -175,7 +222,7 @@ def random_ranking(data: dict, seed: int, depth: int = 10) -> dict[str, float]:
 def format_table(results: dict[str, list[dict]], n_queries: int, n_images: int) -> str:
     names = list(M.EXCLUSION_METRICS)
     lines = [f"Toy ExclCOCO test: {n_queries} queries, {n_images} images; mean ± std over seeds (percent); "
-             "sign test vs CLIP on per-query AP@5 (better/worse queries per seed, largest p)",
+             "sign test vs CLIP on AP@5 over label combinations (better/worse combinations per seed, largest p)",
              "", "| method | " + " | ".join(names) + " | better/worse vs CLIP | p (max) |",
              "|---" * (len(names) + 3) + "|"]
     for method, runs in results.items():
