@@ -10,6 +10,7 @@ Commands (console script; the script or ``python -m`` form that calls the same `
 * :mod:`demind.cli.features` -- ``demind-features``; ``python -m demind.features``
 * :mod:`demind.cli.evaluate` -- ``demind-eval``; ``python -m demind.eval``
 * :mod:`demind.cli.generate` -- ``demind-generate``; ``python data_gen/run.py``
+* :mod:`demind.cli.generate_triplets` -- ``demind-generate-triplets``
 * :mod:`demind.cli.make_shards` -- ``demind-make-shards``; ``python data_gen/make_shards.py``
 * :mod:`demind.cli.make_tiny_model` -- ``demind-make-tiny-model``; ``python data_gen/make_tiny_model.py``
 * :mod:`toyworld.cli.quickstart` -- ``demind-quickstart``; ``python pipelines/quickstart.py``

@@ -3,13 +3,14 @@ user of an engine shares: the ``engine``/``sampling`` config sections (:mod:`.co
 model is loaded from (:mod:`.model_ref`), chat rendering (:mod:`.chat`), the KV budget
 (:mod:`.memory`) and tiny random models for smoke runs and tests (:mod:`.tiny_llava`).
 
-Users: intent generation (:mod:`demind.gen`), the triplet job (:mod:`demind.triplet_gen`), the
+Users: intent generation (:mod:`demind.gen`), the triplet job (:mod:`demind.gen.triplet_job`), the
 describers and re-ranker (:mod:`demind.mllm`), the negation rewriter (:mod:`demind.negation.llm`).
 """
 
 from __future__ import annotations
 
 from demind.engines.base import Engine, GenRequest, GenResult, TokenScores, request_seed
+from demind.engines.budget import check_prompt_fits
 from demind.engines.chat import Conversation, assistant_turn, render, user_turn
 from demind.engines.config import EngineConfig, SamplingConfig
 from demind.engines.memory import WavePlanner
@@ -17,7 +18,7 @@ from demind.engines.model_ref import EngineModelError, check_engine_model, engin
 from demind.errors import DemindError, InputError
 
 __all__ = ["Conversation", "Engine", "EngineConfig", "EngineModelError", "GenRequest", "GenResult", "SamplingConfig",
-           "TokenScores", "WavePlanner", "assistant_turn", "build_engine", "check_engine_model",
+           "TokenScores", "WavePlanner", "assistant_turn", "build_engine", "check_engine_model", "check_prompt_fits",
            "disable_loading_progress", "engine_load_error", "local_model_folder", "render", "request_seed",
            "user_turn"]
 

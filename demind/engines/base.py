@@ -22,6 +22,17 @@ class GenRequest:
     # Stage 1 of a conversation that a later request continues: an engine with a prefix
     # cache keeps this prompt's KV (image + turn 1) for that request (see Engine.release_prefixes).
     keep_prefix: bool = False
+    # Images after ``image``, in the order of the prompt's image placeholders (a pair's target image):
+    # one prompt, several images (vLLM: limit_mm_per_prompt; transformers: the processor takes them all).
+    more_images: tuple[Image.Image, ...] = ()
+    # A JSON schema the answer must follow: vLLM constrains decoding to it (structured output) where
+    # it offers that; the transformers engine generates freely, and the caller parses and retries.
+    json_schema: dict[str, Any] | None = None
+
+    @property
+    def images(self) -> list[Image.Image]:
+        """Every image of the prompt, in placeholder order."""
+        return ([self.image] if self.image is not None else []) + list(self.more_images)
 
 
 @dataclass

@@ -221,13 +221,10 @@ class TransformersEngine:
 
     @torch.inference_mode()
     def _generate_batch(self, batch: list[GenRequest]) -> list[GenResult]:
-        images = [r.image for r in batch]
-        if any(i is None for i in images) and any(i is not None for i in images):
+        if any(r.image is None for r in batch) and any(r.image is not None for r in batch):
             raise ValueError("a batch mixes text-only requests (image None) with image requests; send them apart")
-        inputs = self.processor(
-            images=images if images[0] is not None else None, text=[r.prompt for r in batch], return_tensors="pt",
-            padding=True,
-        )
+        images = [image for r in batch for image in r.images]  # in placeholder order, row after row
+        inputs = self.processor(images=images or None, text=[r.prompt for r in batch], return_tensors="pt", padding=True)
         mask = inputs["attention_mask"].bool()
         prompt_ids = [row[keep].tolist() for row, keep in zip(inputs["input_ids"], mask)]
         prefixes = self._matching_prefixes(batch, prompt_ids)

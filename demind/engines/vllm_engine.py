@@ -19,6 +19,7 @@ from typing import Any
 
 from packaging.version import Version
 
+from demind.config import ConfigError
 from demind.errors import DemindError, MissingDependencyError
 from demind.engines.config import EngineConfig, SamplingConfig
 from demind.engines.base import GenRequest, GenResult, TokenScores, resolve_max_model_len
@@ -130,7 +131,20 @@ def sampling_kwargs(request: GenRequest, sampling: SamplingConfig) -> dict[str, 
         "max_tokens": request.max_new_tokens,
         "seed": request.seed,
         "skip_special_tokens": True,
+        **({"json_schema": request.json_schema} if request.json_schema is not None else {}),
     }
+
+
+def structured_output_params(vllm: Any, schema: dict[str, Any]) -> dict[str, Any]:
+    """The ``SamplingParams`` keyword that constrains decoding to the JSON ``schema``: vLLM >= 0.11's
+    ``structured_outputs``, earlier ``guided_decoding``; {} where this vLLM offers neither (the caller
+    parses, retries and counts failures, as on the transformers engine)."""
+    params = getattr(vllm, "sampling_params", None)
+    if hasattr(params, "StructuredOutputsParams"):
+        return {"structured_outputs": params.StructuredOutputsParams(json=schema)}
+    if hasattr(params, "GuidedDecodingParams"):
+        return {"guided_decoding": params.GuidedDecodingParams(json=schema)}
+    return {}
 
 
 def build_vllm_requests(
@@ -138,12 +152,14 @@ def build_vllm_requests(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Prompts for ``LLM.generate`` and the matching SamplingParams kwargs, in request order.
 
-    Each prompt is ``{"prompt": str, "multi_modal_data": {"image": PIL.Image}}``; the prompt
-    string keeps the chat template's ``<image>`` placeholder, which vLLM expands itself.
-    A text-only request (image None) is ``{"prompt": str}``.
+    Each prompt is ``{"prompt": str, "multi_modal_data": {"image": PIL.Image}}`` (a list of images
+    for a request with ``more_images``); the prompt string keeps the chat template's image
+    placeholders, which vLLM expands itself. A text-only request (image None) is ``{"prompt": str}``.
+    A request's ``json_schema`` is passed on as ``json_schema`` in its kwargs (the engine turns it
+    into this vLLM's structured-output parameter, :func:`structured_output_params`).
     """
-    prompts = [{"prompt": r.prompt, "multi_modal_data": {"image": r.image}} if r.image is not None
-               else {"prompt": r.prompt} for r in requests]
+    prompts = [{"prompt": r.prompt, "multi_modal_data": {"image": r.image if not r.more_images else r.images}}
+               if r.image is not None else {"prompt": r.prompt} for r in requests]
     params = [sampling_kwargs(r, sampling) for r in requests]
     return prompts, params
 
@@ -193,6 +209,7 @@ class VLLMEngine:
 
         self.model_id = engine_cfg.model
         self.sampling = sampling_cfg
+        self._vllm = vllm
         self._sampling_params_cls = vllm.SamplingParams
         # The HF processor only renders chat templates and counts tokens; vLLM does the rest.
         self.processor = AutoProcessor.from_pretrained(engine_cfg.model)
@@ -244,8 +261,19 @@ class VLLMEngine:
 
     def generate(self, requests: list[GenRequest]) -> list[GenResult]:
         prompts, param_kwargs = build_vllm_requests(requests, self.sampling)
+        for kw in param_kwargs:
+            schema = kw.pop("json_schema", None)
+            if schema is not None:
+                kw.update(structured_output_params(self._vllm, schema))
         params = [self._sampling_params_cls(**kw) for kw in param_kwargs]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        try:
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        except ValueError as e:  # vLLM validates every prompt before it runs any
+            if "maximum model length" in str(e) or "max_model_len" in str(e):
+                raise ConfigError(f"engine.max_model_len={self.max_model_len} is below what a prompt of this job "
+                                  f"needs ({(str(e).strip().splitlines() or [''])[0]}); raise engine.max_model_len, or 0 for the model's own "
+                                  f"context length") from e
+            raise
         return results_from_outputs(outputs)
 
     def release_prefixes(self) -> None:

@@ -185,7 +185,7 @@ class ModelIdentity:
 
     def folder(self) -> Path | None:
         """Where the model's files lie here (its folder, or a Hub id's snapshot in the Hugging Face
-        cache: :func:`demind.gen.local_model_folder`), with weights; else None."""
+        cache: :func:`demind.engines.local_model_folder`), with weights; else None."""
         from demind.engines import local_model_folder
 
         try:

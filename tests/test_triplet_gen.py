@@ -1,0 +1,264 @@
+"""demind-generate-triplets: pair shards -> triplet shards (MegaPairs-style), on the shared shard runner.
+
+Pair shards are written by hand here (the layout of shards/README.md) over a two-shard corpus with one
+corrupt image; the describer and writer are the tiny random Qwen2-VL (several images a prompt) that
+both engines load (the vLLM run: tests/test_vllm.py)."""
+
+from __future__ import annotations
+
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from benchmarks.synthetic import ScriptedEngine
+from demind.gen.relation import load_triplet_prompts, parse_instructions, InstructionError
+from demind.gen.triplet_config import TripletGenConfig
+from demind.gen.triplet_generate import PairItem, TripletGenerator
+from helpers import write_img2dataset_shards, write_input_shard
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen(tmp_path_factory) -> Path:
+    from demind.engines.tiny_qwen2vl import build_tiny_qwen2vl
+
+    return build_tiny_qwen2vl(tmp_path_factory.mktemp("tiny-qwen2-vl"))
+
+
+def write_pairs(folder: Path, corpus: Path, shards: dict[int, list[dict]]) -> Path:
+    """Pair shards ``pairs-NNNNN.tar`` (one KEY.json per query) and the pairs manifest of ``corpus``."""
+    from demind.pairs import corpus_record
+    from demind.pairs.manifest import write_pairs_manifest
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for shard_id, records in shards.items():
+        write_input_shard(folder / f"pairs-{shard_id:05d}.tar",
+                          [{"__key__": r["reference"], "json": json.dumps(r).encode()} for r in records])
+        (folder / f"pairs-{shard_id:05d}_stats.json").write_text(json.dumps({"pairs": sum(len(r["targets"])
+                                                                                          for r in records)}))
+    write_pairs_manifest(folder, {"corpus": corpus_record(str(corpus)), "backbone": {"name": "tiny"}, "recipe": {}})
+    return folder
+
+
+def query(ref: str, targets: list[str], negatives: list[str]) -> dict:
+    return {"reference": ref, "targets": [{"key": t, "signals": ["image"], "scores": {"image": 0.9}} for t in targets],
+            "hard_negatives": negatives}
+
+
+@pytest.fixture
+def pairs(tmp_path) -> tuple[Path, Path, str]:
+    corpus = tmp_path / "corpus"
+    corrupt = write_img2dataset_shards(corpus)  # 000000000..000000003, 000010000..000010003; one corrupt
+    folder = write_pairs(tmp_path / "pairs", corpus, {
+        0: [query("000000000", ["000000001", "000010000"], ["000000002", "000000003"]),
+            query("000000001", ["000000002"], ["000000000"])],
+        1: [query("000010000", ["000010001", corrupt], ["000010003"]),
+            query("000010001", ["000010003", "nokey"], [])]})
+    return corpus, folder, corrupt
+
+
+def argv(repo_root: Path, model: Path, folder: Path, out: Path, *extra: str) -> list[str]:
+    return ["--pairs", str(folder), "--output", str(out), "--config",
+            str(repo_root / "configs/data_gen/triplets-tiny-cpu.yaml"), "run.progress=false", f"engine.model={model}",
+            *extra]
+
+
+def read_triplets(out: Path) -> dict[str, dict]:
+    records = {}
+    for tar in sorted(out.glob("triplets-*.tar")):
+        with tarfile.open(tar) as t:
+            for m in t:
+                records[m.name.removesuffix(".json")] = json.loads(t.extractfile(m).read())
+    return records
+
+
+def test_pair_shards_become_triplet_shards_and_a_rerun_skips_them(repo_root, tiny_qwen, pairs, tmp_path, capsys):
+    from demind.cli.generate_triplets import main
+
+    corpus, folder, corrupt = pairs
+    out = tmp_path / "triplets"
+    assert main(argv(repo_root, tiny_qwen, folder, out)) == 0
+    records = read_triplets(out)
+    # 7 pairs: the corrupt image's pair and the unknown key's are counted skips, the rest are triplets
+    assert sorted(records) == ["000000000_000000001", "000000000_000010000", "000000001_000000002",
+                               "000010000_000010001", "000010001_000010003"]
+    r = records["000000000_000000001"]
+    assert r["reference"] == "000000000" and r["target"] == "000000001"
+    assert len(r["instructions"]) == 3 and len(set(r["instructions"])) == 3 and all(r["instructions"])
+    assert r["hard_negatives"] == ["000000002", "000000003"] and r["signals"] == ["image"]
+    assert r["scores"] == {"image": 0.9} and r["description"]
+    assert r["captions"]["target"] == "a red dog 0 1 on the street"
+    gen = r["generation"]
+    assert gen["describer"]["model"] == str(tiny_qwen) and gen["writer"]["model"] == str(tiny_qwen)
+    assert set(gen["prompt_sha"]) == {"describe.txt", "instruct.txt", "instruct_one.txt", "examples.json"}
+    assert gen["calls"]["describe"] >= 1 and gen["calls"]["instruct"] >= 3
+    stats = json.loads((out / "triplets-00001_stats.json").read_text())
+    assert stats["pairs_in"] == 4 and stats["written"] == 2
+    assert stats["skipped"] == {"unreadable image": 1, "missing image": 1}
+    assert {s["key"] for s in stats["skipped_samples"]} == {f"000010000_{corrupt}", "000010001_nokey"}
+    assert stats["per_pair"]["calls"] >= 4 and stats["tokens"]["describe"]["prompt"] > 0
+    manifest = json.loads((out / "triplets_manifest.json").read_text())
+    assert manifest["corpus"]["digest"] and manifest["describer"]["model"] == str(tiny_qwen)
+    # a rerun skips both finished shards and writes the same triplets
+    capsys.readouterr()
+    assert main(argv(repo_root, tiny_qwen, folder, out)) == 0
+    assert "nothing to do" in capsys.readouterr().out
+    assert read_triplets(out) == records
+
+
+def test_the_triplets_do_not_depend_on_chunking(repo_root, tiny_qwen, pairs, tmp_path):
+    from demind.cli.generate_triplets import main
+
+    _, folder, _ = pairs
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(argv(repo_root, tiny_qwen, folder, a, "--shard", "0")) == 0
+    assert main(argv(repo_root, tiny_qwen, folder, b, "--shard", "0", "engine.chunk_size=1", "engine.batch_size=1")) == 0
+    assert read_triplets(a) == read_triplets(b)
+
+
+def test_dry_run_prints_the_plan_and_loads_nothing(repo_root, pairs, tmp_path, capsys):
+    from demind.cli.generate_triplets import main
+
+    _, folder, _ = pairs
+    assert main(argv(repo_root, tmp_path / "no-model", folder, tmp_path / "out", "--dry-run")) == 0
+    out = capsys.readouterr().out
+    assert "triplet plan" in out and "to do           :      2" in out and "dry run" in out
+    assert not (tmp_path / "out" / "triplets_manifest.json").exists()
+
+
+def test_pairs_of_another_corpus_are_refused_naming_both(repo_root, tiny_qwen, pairs, tmp_path, capsys):
+    from demind.cli.generate_triplets import main
+
+    _, folder, _ = pairs
+    other = tmp_path / "other"
+    write_input_shard(other.mkdir() or other / "00000.tar", [])
+    assert main(argv(repo_root, tiny_qwen, folder, tmp_path / "out", "--corpus", str(other))) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and str(tmp_path / "corpus") in err and str(other) in err and "Traceback" not in err
+
+
+def test_a_prompt_over_max_model_len_is_one_line_before_the_engine_starts(repo_root, tiny_qwen, pairs, tmp_path,
+                                                                         capsys, monkeypatch):
+    import demind.engines as engines
+    from demind.cli.generate_triplets import main
+
+    _, folder, _ = pairs
+    monkeypatch.setattr(engines, "build_engine", lambda *a, **k: pytest.fail("the engine must not start"))
+    assert main(argv(repo_root, tiny_qwen, folder, tmp_path / "out", "engine.max_model_len=40")) == 2
+    err = capsys.readouterr().err
+    assert "error: engine.max_model_len=40 is below what the describer's prompt needs" in err
+    assert "Traceback" not in err
+
+
+def test_a_changed_recipe_is_refused_then_overwrite_redoes_every_shard(repo_root, tiny_qwen, pairs, tmp_path, capsys):
+    from demind.cli.generate_triplets import main
+
+    _, folder, _ = pairs
+    out = tmp_path / "out"
+    assert main(argv(repo_root, tiny_qwen, folder, out, "--shard", "0")) == 0
+    first = read_triplets(out)
+    assert main(argv(repo_root, tiny_qwen, folder, out, "--shard", "1", "sampling.temperature=0.5")) == 2
+    err = capsys.readouterr().err
+    assert "another recipe: sampling.temperature (0.7 -> 0.5)" in err and "--overwrite" in err
+    # a setting that does not change the triplets is not a new recipe
+    assert main(argv(repo_root, tiny_qwen, folder, out, "--shard", "1", "engine.batch_size=2")) == 0
+    assert main(argv(repo_root, tiny_qwen, folder, out, "sampling.temperature=0.5", "--overwrite")) == 0
+    assert read_triplets(out)["000000000_000000001"] != first["000000000_000000001"]
+
+
+def test_a_describer_that_renders_one_image_a_prompt_is_refused(repo_root, pairs, tmp_path, capsys):
+    """A model whose chat template puts one image in a prompt cannot describe a pair: refused before any shard."""
+    from demind.cli.generate_triplets import main
+    from demind.engines.tiny_llava import build_tiny_llava_next
+
+    one_image = ("{% for message in messages %}USER: <image> {% for item in message['content'] %}"
+                 "{% if item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}{% endfor %}ASSISTANT:")
+    model = build_tiny_llava_next(tmp_path / "one-image", chat_template=one_image)
+    _, folder, _ = pairs
+    out = tmp_path / "out"
+    assert main(argv(repo_root, model, folder, out, "io.image_max_side=32")) == 2
+    err = capsys.readouterr().err
+    assert "puts 1 image(s) in a prompt that holds 2" in err and "Traceback" not in err
+    assert not list(out.glob("triplets-*"))
+
+
+def test_a_killed_run_leaves_no_half_shard_and_the_rerun_completes(repo_root, tiny_qwen, pairs, tmp_path, monkeypatch):
+    from demind.cli.generate_triplets import main
+    from demind.gen import triplet_generate
+
+    _, folder, _ = pairs
+    out = tmp_path / "out"
+    real = triplet_generate.TripletGenerator.generate
+    calls = []
+
+    def dies_in_shard_1(self, items):
+        calls.append(items[0].key)
+        if items[0].key.startswith("000010000"):
+            raise KeyboardInterrupt  # what a kill looks like to the shard writer
+        return real(self, items)
+
+    monkeypatch.setattr(triplet_generate.TripletGenerator, "generate", dies_in_shard_1)
+    with pytest.raises(KeyboardInterrupt):
+        main(argv(repo_root, tiny_qwen, folder, out, "engine.chunk_size=1"))
+    assert (out / "triplets-00000_stats.json").exists()
+    assert not (out / "triplets-00001.tar").exists() and not (out / "triplets-00001_stats.json").exists()
+    monkeypatch.setattr(triplet_generate.TripletGenerator, "generate", real)
+    assert main(argv(repo_root, tiny_qwen, folder, out)) == 0
+    assert (out / "triplets-00001_stats.json").exists()
+
+
+# ---------------------------------------------------------------- the two stages, scripted
+
+
+def scripted_items(n: int):
+    from PIL import Image
+
+    return [PairItem(f"k{i}", Image.new("RGB", (8, 8)), Image.new("RGB", (8, 8)), f"cap {i}", f"tgt {i}")
+            for i in range(n)]
+
+
+def scripted_cfg(**instructions) -> TripletGenConfig:
+    cfg = TripletGenConfig()
+    cfg.instructions.mode = "json"
+    for k, v in instructions.items():
+        setattr(cfg.instructions, k, v)
+    return cfg
+
+
+GOOD = json.dumps({"instructions": ["make it red please", "turn it at night", "add a second dog"]})
+
+
+def test_an_unparsable_answer_is_retried_then_counted():
+    """Mode json on an engine without structured output: an answer that is not the structure gets a
+    new seed; after sampling.retries the pair fails with the reason, the others go on."""
+    asked: dict[str, int] = {}
+
+    def answer(request):
+        if request.image is not None:  # the describer: both images in one request
+            assert len(request.images) == 2
+            return "Both images show a dog. However, the source image is day, whereas the target image is night."
+        assert request.json_schema["properties"]["instructions"]["minItems"] == 3
+        key = "k0" if "cap 0" in request.prompt else "?"
+        asked[request.prompt] = asked.get(request.prompt, 0) + 1
+        return "Sure, here: " + GOOD if asked[request.prompt] >= 2 else "not json at all"
+
+    engine = ScriptedEngine(answer)
+    gen = TripletGenerator(engine, engine, load_triplet_prompts("v1"), scripted_cfg())
+    outs = gen.generate(scripted_items(2))
+    assert [o.error for o in outs] == [None, None]
+    assert outs[0].instructions == ["make it red please", "turn it at night", "add a second dog"]
+    assert outs[0].instruction_attempts == 2 and outs[0].usage.calls == {"describe": 1, "instruct": 2}
+
+    never = ScriptedEngine(lambda r: "Both images ... However ..." if r.image is not None else '{"instructions": ["make it red"]}')
+    outs = TripletGenerator(never, never, load_triplet_prompts("v1"), scripted_cfg()).generate(scripted_items(1))
+    assert outs[0].error == "unparsable instructions (1 valid instruction(s) of the 3 asked)"
+    assert outs[0].usage.calls["instruct"] == 3  # one try and sampling.retries (2) more
+
+
+def test_the_instruction_structure_is_validated():
+    assert parse_instructions('x {"instructions": ["a b", "c d", "e f", "g h"]} y', 3, 300, 2) == ["a b", "c d", "e f"]
+    for bad, why in [("[1, 2]", "0 valid"), ('{"other": 1}', "no 'instructions'"), ("{oops", "no JSON"),
+                     ('{"instructions": ["a b", "A B", "c d"]}', "2 valid")]:
+        with pytest.raises(InstructionError, match=why):
+            parse_instructions(bad, 3, 300, 2)
