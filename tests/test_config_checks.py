@@ -85,8 +85,6 @@ PENDING: dict[str, set[str]] = {
         "images", "captions", "output", "image_column", "caption_column",
     },
     "demind-mine-pairs": {
-        # demind.pairs.config
-        "input", "output", "second.name", "second.checkpoint", "second.overrides", "features.dir",
         # demind.schema
         "backbone.name", "backbone.pretrained",
     },

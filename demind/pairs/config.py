@@ -30,11 +30,12 @@ class SecondEncoderConfig(WindowConfig):
     """A second visual encoder (MegaPairs: DINOv2), a timm model; its features are cached per shard."""
 
     enabled: bool = setting(False, help="search neighbours by a second visual encoder too")
-    name: str = setting("vit_large_patch14_dinov2.lvd142m", help="timm model name (DINOv2 ViT-L/14: "
+    name: str = setting("vit_large_patch14_dinov2.lvd142m", free="a timm model name; timm refuses an unknown one",
+                        help="timm model name (DINOv2 ViT-L/14: "
                                                                  "vit_large_patch14_dinov2.lvd142m)")
     pretrained: bool = setting(True, help="load timm's pretrained weights (from the Hugging Face cache)")
-    checkpoint: str = setting("", help="a local weights file instead (safetensors or a torch state dict)")
-    overrides: str = setting("", help="timm create_model keyword overrides, 'depth=1,embed_dim=32' (tiny "
+    checkpoint: str = setting("", free="a weights file, read with one error naming it", help="a local weights file instead (safetensors or a torch state dict)")
+    overrides: str = setting("", free="keyword overrides timm checks when it builds the model", help="timm create_model keyword overrides, 'depth=1,embed_dim=32' (tiny "
                                       "random models for tests)")
     seed: int = setting(0, ge=0, help="the seed of a random initialisation (pretrained false: tests)")
 
@@ -52,7 +53,7 @@ class MiningConfig:
 
 @dataclass
 class PairFeaturesConfig:
-    dir: str = setting("auto", help="feature cache folder; auto = <input folder>/features/<backbone>, the "
+    dir: str = setting("auto", free="auto or a folder, checked writable before any image is encoded", help="feature cache folder; auto = <input folder>/features/<backbone>, the "
                                     "training feature cache's place (intent shards share it with demind-train)")
     batch_size: int = setting(64, ge=1, help="images encoded at once")
     num_workers: int = setting(0, ge=0, help="image-decoding workers (0: in the main process)")
@@ -69,9 +70,10 @@ class PairRunConfig:
 class MinePairsConfig:
     """The mining recipe plus this job's input and output."""
 
-    input: str | None = setting(None, help="the captioned corpus: a folder of .tar shards (img2dataset, "
+    input: str | None = setting(None, free="a shard list, resolved (and refused naming it) before any model "
+                                            "loads", help="the captioned corpus: a folder of .tar shards (img2dataset, "
                                            "demind-make-shards or intent shards) or a brace pattern (required)")
-    output: str | None = setting(None, help="folder of pair shards pairs-NNNNN.tar, one per input shard "
+    output: str | None = setting(None, output="dir", help="folder of pair shards pairs-NNNNN.tar, one per input shard "
                                             "(required)")
     overwrite: bool = setting(False, help="mine finished shards again (and accept a changed recipe)")
     dry_run: bool = setting(False, help="print the plan and exit without loading a model")
