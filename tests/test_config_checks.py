@@ -68,6 +68,10 @@ PENDING: dict[str, set[str]] = {
         # demind.cli.features
         "cache.out", "cache.plot",
     },
+    "demind-generate-triplets": {
+        # demind.engines.config
+        "engine.model",
+    },
     "demind-generate": {
         # demind.engines.config
         "engine.model",

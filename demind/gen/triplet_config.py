@@ -23,8 +23,9 @@ INSTRUCTION_MODES = ("json", "each")
 class WriterConfig:
     """The instruction writer: a model run on text alone, on the describer's engine (``engine.name``)."""
 
-    model: str = setting("", help="the writer's model, a folder or Hub id; '' = the describer's (engine.model), "
-                                  "one engine for both roles")
+    model: str = setting("", free="a folder or Hub id, checked with engine.model before any model loads",
+                         help="the writer's model, a folder or Hub id; '' = the describer's (engine.model), "
+                              "one engine for both roles")
     dtype: str = setting("auto", choices=("auto", "bfloat16", "float16", "float32"),
                          help="the writer's dtype when it is another model")
     max_model_len: int = setting(0, ge=0, help="the writer's context length when it is another model (0: its own)")
@@ -51,7 +52,8 @@ class TripletSamplingConfig:
 class TripletPromptConfig:
     """Versioned prompt files (``demind/gen/triplet_prompts/<version>/``) and in-context examples."""
 
-    version: str = setting("v1", help="a folder under demind/gen/triplet_prompts/, or a path to a folder with "
+    version: str = setting("v1", free="a version name or folder, read (and refused if incomplete) before any model "
+                                      "loads", help="a folder under demind/gen/triplet_prompts/, or a path to a folder with "
                                       "describe.txt, instruct.txt, instruct_one.txt, examples.json")
     examples: int = setting(2, ge=0, help="in-context examples in each writer prompt, drawn per pair (seeded) "
                                           "from the pool in examples.json")
