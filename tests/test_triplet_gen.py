@@ -262,3 +262,23 @@ def test_the_instruction_structure_is_validated():
                      ('{"instructions": ["a b", "A B", "c d"]}', "2 valid")]:
         with pytest.raises(InstructionError, match=why):
             parse_instructions(bad, 3, 300, 2)
+
+
+def test_intent_job_prompt_over_max_model_len_is_one_line_before_the_engine_starts(repo_root, tiny_llava, tmp_path,
+                                                                                  capsys, monkeypatch):
+    """demind-generate engine.max_model_len below what a prompt needs: one line naming the key before any
+    engine starts (vLLM refused it only when the prompts arrived, after its minute-long start)."""
+    import demind.engines as engines
+    from demind.cli.generate import main
+    from helpers import write_img2dataset_shards
+
+    inputs = tmp_path / "in"
+    write_img2dataset_shards(inputs)
+    monkeypatch.setattr(engines, "build_engine", lambda *a, **k: pytest.fail("the engine must not start"))
+    argv_ = ["--input", str(inputs), "--output", str(tmp_path / "out"), "--config",
+             str(repo_root / "configs/data_gen/tiny-cpu.yaml"), f"engine.model={tiny_llava}", "engine.max_model_len=40"]
+    for engine in ("transformers", "vllm"):
+        assert main(argv_ + [f"engine.name={engine}"]) == 2
+        err = capsys.readouterr().err
+        assert "error: engine.max_model_len=40 is below what the intent stage's prompt" in err
+        assert "Traceback" not in err

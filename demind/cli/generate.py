@@ -72,7 +72,7 @@ def generate_command(job: GenerateConfig) -> int:
     from demind.engines.memory import check_memory_before_loading
     from demind.engines.model_ref import check_engine_model
     from demind.gen.job import format_job_summary, run_plan
-    from demind.gen.prompts import load_prompts
+    from demind.gen.prompts import check_intent_prompt_fits, load_prompts
     from demind.gen.plan import format_plan, make_plan
 
     cfg = job.recipe()
@@ -86,11 +86,13 @@ def generate_command(job: GenerateConfig) -> int:
 
         disable_loading_progress()
     check_engine_model(cfg.engine.model)  # here too for Ray, whose workers load the model
+    prompts = load_prompts(cfg.prompts.version)
+    # the longest request against engine.max_model_len: one line now, not vLLM's error after its engine started
+    check_intent_prompt_fits(cfg, prompts)
     if job.distributor == "ray":
         summary = generate_on_ray(job, plan, cfg)
         print(format_job_summary(summary))
         return 1 if summary.failed else 0
-    prompts = load_prompts(cfg.prompts.version)
     # weights + KV cache + activations against the memory free now: one error line naming the setting, not an OOM kill
     check_memory_before_loading(cfg.engine, cfg.run.device)
     engine = build_engine(cfg.engine, cfg.sampling, device=cfg.run.device, seed=cfg.run.seed)

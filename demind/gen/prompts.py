@@ -11,7 +11,7 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from demind.engines import Conversation, assistant_turn, user_turn
+from demind.engines import Conversation, assistant_turn, check_prompt_fits, user_turn
 from demind.errors import InputError, MissingInputError
 
 PROMPT_ROOT = Path(__file__).resolve().parent / "prompts"
@@ -69,3 +69,17 @@ def intent_conversation(prompts: PromptSet, caption: str, rewritten: str) -> Con
 def single_conversation(prompts: PromptSet, caption: str) -> Conversation:
     """The w/o-CoT ablation: the image and T_ori -> T_int in one turn."""
     return [user_turn(prompts.fill(prompts.single, caption), with_image=True)]
+
+
+def check_intent_prompt_fits(cfg, prompts: PromptSet) -> None:
+    """``engine.max_model_len`` against the job's longest request, before any engine starts: stage 2
+    (stage 1's prompt, its answer of up to ``rewrite_max_tokens``, the intent turn) and its
+    ``intent_max_tokens``; in single-prompt mode the one prompt. ``cfg``: a GenConfig."""
+    s = cfg.sampling
+    if cfg.prompts.mode == "cot":
+        # a word a token: as long an answer as stage 1 may write
+        conversation = intent_conversation(prompts, "", " ".join(["word"] * s.rewrite_max_tokens))
+        what = "the intent stage's prompt (the rewrite stage's prompt and answer, then the intent turn)"
+    else:
+        conversation, what = single_conversation(prompts, ""), "the single-prompt mode's prompt"
+    check_prompt_fits(cfg.engine, conversation, 1, cfg.io.image_max_side, s.intent_max_tokens, what)
