@@ -10,7 +10,7 @@ v, t: the L2-normalised frozen image feature of the reference and text feature o
 the target side is the frozen image feature itself, so a trained combiner ranks the same gallery
 features every other method ranks. ``negative_prompt`` is ConeSep's NBL prompt P_neg: one
 learnable vector in the text-feature space, F_neg = f(v, P_neg) (the paper's Q prompts through its
-Q-Former; here one vector through the combiner).
+Q-Former; here one vector through the combiner), or an offset added to a negated text's feature.
 
 The checkpoint is a De-MINDS checkpoint file (:func:`demind.checkpoint.save_checkpoint`: weights,
 backbone identity, config with ``architecture: combiner``); :func:`demind.checkpoint.load_checkpoint`
@@ -51,12 +51,13 @@ class Combiner(nn.Module):
     def device(self) -> torch.device:
         return self.output.weight.device
 
-    def forward(self, image: torch.Tensor, text: torch.Tensor, with_negative: bool = False):
+    def forward(self, image: torch.Tensor, text: torch.Tensor, with_negative: bool = False,
+                negative_text: torch.Tensor | None = None):
         """image, text: (B, D) raw or normalised features -> (B, D) L2-normalised composed queries;
-        ``with_negative``: the pair (queries, :meth:`negative` of ``image``), from one call (so a
-        data-parallel wrapper sees P_neg used inside its forward)."""
+        ``with_negative``: the pair (queries, :meth:`negative` of ``image`` and ``negative_text``), from
+        one call (so a data-parallel wrapper sees P_neg used inside its forward)."""
         query = self._compose(image, text)
-        return (query, self.negative(image)) if with_negative else query
+        return (query, self.negative(image, negative_text)) if with_negative else query
 
     def _compose(self, image: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
         image = F.normalize(image.float(), dim=-1)
@@ -67,9 +68,14 @@ class Combiner(nn.Module):
         weight = torch.sigmoid(self.gate(self.dropout(F.relu(self.gate_hidden(joint)))))  # (B, 1)
         return F.normalize(mixed + weight * text + (1 - weight) * image, dim=-1)
 
-    def negative(self, image: torch.Tensor) -> torch.Tensor:
-        """(B, D) NBL's negative compositions F_neg = f(v, P_neg)."""
-        return self._compose(image, self.negative_prompt.expand(image.shape[0], -1))
+    def negative(self, image: torch.Tensor, text: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, D) NBL's negative compositions: F_neg = f(v, P_neg), or with ``text`` (B, D) (a negation
+        phrase + the modification, as ConeSep's code reads it) f(v, normalise(text) + P_neg), P_neg then a
+        learnable offset (:func:`demind.triplets.modes.start_negative_offset` starts it at 0)."""
+        prompt = self.negative_prompt.expand(image.shape[0], -1)
+        if text is None:
+            return self._compose(image, prompt)
+        return self._compose(image, F.normalize(text.float(), dim=-1) + prompt)
 
 
 def is_combiner_config(model_config: dict) -> bool:

@@ -119,6 +119,41 @@ def composed_boundary(compose: Callable[[torch.Tensor, torch.Tensor], torch.Tens
     return NoiseBoundary(float(sims.mean()), max(tau, MIN_TAU))
 
 
+def pixel_noise_features(backbone, count: int, seed: int = 0, batch_size: int = 256) -> torch.Tensor:
+    """(count, D) raw frozen features of N(0, 1) pixel images (preprocessed space), as ConeSep's code
+    draws its boundary's stand-in images (``torch.randn(B, 3, 224, 224)`` through the visual encoder).
+    The encoder is frozen, so a pool drawn once stands in for fresh draws per batch."""
+    size = backbone.image_size
+    h, w = (size, size) if isinstance(size, int) else tuple(size)
+    generator = torch.Generator().manual_seed(seed)
+    parts = []
+    with torch.no_grad():
+        for start in range(0, count, batch_size):
+            pixels = torch.randn(min(batch_size, count - start), 3, h, w, generator=generator)
+            parts.append(backbone.encode_image(pixels).float().cpu())
+    return torch.cat(parts) if parts else torch.zeros(0, backbone.embed_dim)
+
+
+def pixel_boundary(compose: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], noise_images: torch.Tensor,
+                   text_emb: torch.Tensor, k: int, generator: torch.Generator) -> NoiseBoundary:
+    """ConeSep's boundary as its code computes it: B stand-in references and B stand-in targets drawn
+    from ``noise_images`` (M, D) (:func:`pixel_noise_features`), B texts drawn with replacement from the
+    batch's ``text_emb`` (B, D); B = the mean of the (B, B) matrix cos(compose(r_i, t_i), v_j) over
+    every (i, j) (the code's ``(sim.mean() + sim.T.mean()) / 2``), averaged over ``k`` draws (the code
+    draws once); tau = the std of those cosines (unused by the cone fidelity)."""
+    b, m = text_emb.shape[0], noise_images.shape[0]
+    sims = []
+    for _ in range(k):
+        refs = noise_images[torch.randint(m, (b,), generator=generator).to(noise_images.device)]
+        targets = noise_images[torch.randint(m, (b,), generator=generator).to(noise_images.device)]
+        texts = text_emb[torch.randint(b, (b,), generator=generator).to(text_emb.device)]
+        composed = compose(refs.to(text_emb.device), texts).float()
+        sims.append(composed @ F.normalize(targets.float(), dim=-1).to(composed.device).T)
+    sims = torch.stack(sims)
+    tau = float(sims.std(unbiased=False)) if sims.numel() > 1 else 0.0
+    return NoiseBoundary(float(sims.mean()), max(tau, MIN_TAU))
+
+
 def fidelity_from_similarity(sims: torch.Tensor, boundary: NoiseBoundary) -> torch.Tensor:
     """F = sigmoid((s - B) / tau), same shape as ``sims``."""
     return torch.sigmoid((sims.float() - boundary.boundary) / boundary.tau)

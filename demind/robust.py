@@ -171,6 +171,64 @@ def nbl_loss(negative: torch.Tensor, targets: torch.Tensor, query: torch.Tensor,
     return push + nu * orth
 
 
+# --------------------------------------------------------------------------- the authors' code's forms
+# (github iLearn-Lab/CVPR26-ConeSep, lavis/models/blip2_models/ConeSep.py; used by demind.triplets.modes)
+
+RCL_EPS = 1e-7  # the code's clamp of the probabilities (ConeSep.robust_infoNCE)
+SLACK_BAND = (-0.007, -0.002)  # the code's fixed band of cos(F_c, F_neg) (query_oriented_learning)
+
+
+def rcl_loss(query: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
+    """(B,) RCL's complementary contrastive loss per query, as ConeSep's ``robust_infoNCE`` computes it:
+    p = softmax_j(scale * cos(q_i, t_j)) clamped to [1e-7, 1 - 1e-7], loss_i = -sum_{j != i} log(1 - p_ij).
+    query, targets: (B, D) L2-normalised. (The code averages an image-to-text and a "text-to-image"
+    term, but the latter is the same row-softmax matrix transposed under a symmetric mask: the same sum.)"""
+    p = F.softmax(scale * query @ targets.T, dim=1).clamp(RCL_EPS, 1 - RCL_EPS)
+    off = ~torch.eye(query.shape[0], dtype=torch.bool, device=query.device)
+    return -(torch.log1p(-p) * off).sum(1)
+
+
+def cone_fidelity(sims: torch.Tensor, boundary: float) -> torch.Tensor:
+    """(B,) ConeSep's ``fidelity_measure``: x = max(s - B, 0) / max_batch(.), F = x^2 (1 - x^2).
+
+    Not monotone: 0 at or below the boundary, highest (1/4) at x = 1/sqrt(2), and 0 again for the
+    batch's most similar triplet. A batch with no triplet above the boundary gives F = 0 everywhere
+    (the code would divide by zero there)."""
+    x = (sims.float() - boundary).clamp(min=0)
+    top = x.max()
+    x = x / top if float(top) > 0 else x
+    return x.pow(2) * (1 - x.pow(2))
+
+
+def share_noisy(fidelity: torch.Tensor, omega: float) -> torch.Tensor:
+    """(B,) bool: the int(omega * B) triplets of lowest fidelity (the code's ``topk(largest=False)``;
+    ties broken by position)."""
+    count = int(omega * fidelity.shape[0])
+    noisy = torch.zeros(fidelity.shape[0], dtype=torch.bool, device=fidelity.device)
+    noisy[torch.argsort(fidelity, stable=True)[:count]] = True
+    return noisy
+
+
+def nbl_target_oriented(negative: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
+    """The code's ``targe_oriented_learning``: q = softmax_j(scale * cos(F_neg_i, t_j)) (B, B); labels
+    y = -1 on the diagonal, +1 elsewhere; loss = -sum_ij log sigmoid(y_ij q_ij) / B (on probabilities,
+    no SigLIP scale or bias). negative, targets: (B, D) L2-normalised."""
+    q = F.softmax(scale * negative @ targets.T, dim=1)
+    labels = 1 - 2 * torch.eye(q.shape[0], device=q.device)
+    return -F.logsigmoid(labels * q).sum() / q.shape[0]
+
+
+def nbl_fixed_band(query: torch.Tensor, negative: torch.Tensor, scale: float,
+                   band: tuple[float, float] = SLACK_BAND) -> torch.Tensor:
+    """The code's ``query_oriented_learning`` on each query's own negative: c_i = scale * cos(F_c_i, F_neg_i),
+    loss = mean_i relu(c_i - scale * hi) + relu(scale * lo - c_i), (lo, hi) = (-0.007, -0.002); the query
+    is not detached (both sides move). (The code's tensors broadcast to every (i, j) pair and every
+    feature coordinate; the own pair's cosine is what its name and the paper's Eq. 7 say.)"""
+    lo, hi = band
+    c = scale * (query * negative).sum(-1)
+    return (F.relu(c - scale * hi) + F.relu(scale * lo - c)).mean()
+
+
 # --------------------------------------------------------------------------- small-loss
 
 

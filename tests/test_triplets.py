@@ -267,7 +267,8 @@ def test_resume_after_a_kill_gives_the_same_weights(tiny_triplets, tmp_path, mon
 def test_every_mode_trains(tiny_triplets, tmp_path, mode, one_thread_and_fresh_accelerator):
     from demind.triplets.train import train_triplets
 
-    cfg = tiny_config(tiny_triplets, tmp_path / mode, mode, epochs=2, **{"noise.rate": 0.5, "noise.kind": "hard"})
+    cfg = tiny_config(tiny_triplets, tmp_path / mode, mode, epochs=2,
+                      **{"noise.rate": 0.5, "noise.kind": "hard", "optim.warmup_epochs": 1})
     path = train_triplets(cfg)
     lines = [json.loads(x) for x in (tmp_path / mode / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 2 and all(np.isfinite(x["loss"]) for x in lines)

@@ -8,6 +8,11 @@
   skipping donors whose text is the same).
 * hard: the triplet's ``hard_modification``: a text naming the same kind of edit with another outcome,
   so reference and target still look alike and only the text is wrong (toy triplets carry it).
+* tme: TME's construction, which ConeSep's code uses (github iLearn-Lab/CVPR26-ConeSep, ``datasets.py``,
+  ``CIRR.shuffle`` / ``FashionIQ.shuffle``): the noisy share, in the fixed order, cut into thirds at
+  int(k / 3) and int(2k / 3); the first third's reference images, the second's modification texts and
+  the third's target images are each shuffled among their third (a fixed permutation, fixed points
+  allowed as in the code; a triplet that keeps its own part counts as clean).
 """
 
 from __future__ import annotations
@@ -54,6 +59,30 @@ def easy_donors(texts: list[str]) -> list[int]:
     return donors
 
 
+def tme_rows(n: int, rate: float) -> torch.Tensor:
+    """(3, n) long: for the reference, the text and the target of each triplet, the triplet it takes that
+    part from under TME noise at ``rate`` (the identity outside the noisy share)."""
+    noisy = noise_order(n)[: round(rate * n)]
+    k = len(noisy)
+    cuts = (0, int(k / 3), int(2 * k / 3), k)
+    rows = torch.arange(n).repeat(3, 1)
+    for part in range(3):
+        group = noisy[cuts[part] : cuts[part + 1]]
+        shuffled = list(group)
+        random.Random(derive_seed("triplet-tme", part, n, k)).shuffle(shuffled)
+        rows[part, group] = torch.tensor(shuffled, dtype=torch.long)
+    return rows
+
+
+def image_noise_rows(n: int, rate: float, kind: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(reference rows (n,), target rows (n,)) to index the image features with under ``kind`` noise;
+    None when the kind leaves images alone (easy, hard)."""
+    if kind != "tme":
+        return None
+    rows = tme_rows(n, rate)
+    return rows[0], rows[2]
+
+
 def inject_noise(texts: list[str], hard_texts: list[str | None] | None, rate: float, kind: str
                  ) -> tuple[list[str], torch.Tensor]:
     """(the training texts at ``rate`` of ``kind`` noise, (N,) bool noisy mask)."""
@@ -62,6 +91,9 @@ def inject_noise(texts: list[str], hard_texts: list[str | None] | None, rate: fl
     mask = noisy_mask(len(texts), rate)
     if not bool(mask.any()):
         return list(texts), mask
+    if kind == "tme":
+        rows = tme_rows(len(texts), rate)
+        return [texts[j] for j in rows[1].tolist()], (rows != torch.arange(len(texts))).any(0)
     if kind == "easy":
         donors = easy_donors(texts)
         noisy = [texts[donors[i]] if m else t for i, (t, m) in enumerate(zip(texts, mask.tolist()))]
