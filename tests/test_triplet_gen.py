@@ -282,3 +282,31 @@ def test_intent_job_prompt_over_max_model_len_is_one_line_before_the_engine_star
         err = capsys.readouterr().err
         assert "error: engine.max_model_len=40 is below what the intent stage's prompt" in err
         assert "Traceback" not in err
+
+
+def test_vllm_requests_carry_both_images_and_the_schema_as_structured_output():
+    """What the vLLM engine hands vLLM for a pair (tested without vLLM): the images in placeholder order,
+    and the writer's JSON schema as the structured-output parameter this vLLM offers."""
+    from types import SimpleNamespace
+
+    from PIL import Image
+
+    from demind.engines import GenRequest, SamplingConfig
+    from demind.engines.vllm_engine import build_vllm_requests, structured_output_params
+
+    a, b = Image.new("RGB", (4, 4)), Image.new("RGB", (5, 5))
+    schema = {"type": "object"}
+    prompts, params = build_vllm_requests([GenRequest("p", a, 1, 8, more_images=(b,)), GenRequest("q", a, 2, 8),
+                                           GenRequest("w", None, 3, 8, json_schema=schema)], SamplingConfig())
+    assert prompts[0]["multi_modal_data"]["image"] == [a, b] and prompts[1]["multi_modal_data"]["image"] is a
+    assert prompts[2] == {"prompt": "w"} and params[2]["json_schema"] is schema and "json_schema" not in params[0]
+
+    class Params:  # vLLM >= 0.11 / earlier / none
+        def __init__(self, json):
+            self.json = json
+
+    assert structured_output_params(SimpleNamespace(StructuredOutputsParams=Params), schema)["structured_outputs"].json \
+        is schema
+    assert structured_output_params(SimpleNamespace(GuidedDecodingParams=Params), schema)["guided_decoding"].json \
+        is schema
+    assert structured_output_params(SimpleNamespace(), schema) == {}

@@ -318,3 +318,41 @@ def test_demind_search_with_an_mllm_method_on_vllm(shared_engines, tiny, tiny_ch
     record = json.loads(out.read_text())["queries"][0]
     assert len(record["results"]) == 5 and "img2.png" not in [r["name"] for r in record["results"]]
     assert record["description"]
+
+
+# ----------------------------------------------------------------------------- the triplet job
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen(tmp_path_factory) -> Path:
+    """The tiny Qwen2-VL ``demind-make-tiny-model --family qwen2-vl`` writes (several images a prompt)."""
+    from demind.cli.make_tiny_model import main
+
+    folder = tmp_path_factory.mktemp("tiny") / "tiny-qwen2-vl"
+    assert main(["--family", "qwen2-vl", "--output", str(folder)]) == 0
+    return folder
+
+
+def test_the_triplet_job_on_vllm_describes_both_images_in_one_prompt(shared_engines, tiny_qwen, tmp_path):
+    """demind-generate-triplets engine.name=vllm: the tiny Qwen2-VL describes each pair from both images
+    (vLLM's limit_mm_per_prompt), the writer writes three instructions; the triplets of a rerun are the
+    same (per-request seeds), and pairs whose image is missing or corrupt are counted skips."""
+    from demind.cli.generate_triplets import main
+    from test_triplet_gen import query, read_triplets, write_pairs
+
+    corpus = tmp_path / "corpus"
+    corrupt = write_img2dataset_shards(corpus)
+    folder = write_pairs(tmp_path / "pairs", corpus, {
+        0: [query("000000000", ["000000001", "000010000"], ["000000002"])],
+        1: [query("000010000", ["000010001", corrupt], [])]})
+    argv = ["--pairs", str(folder), "--config", str(REPO_ROOT / "configs/data_gen/triplets-tiny-cpu.yaml"),
+            "run.progress=false", "engine.name=vllm", f"engine.model={tiny_qwen}"]
+    assert main(argv + ["--output", str(tmp_path / "a")]) == 0
+    triplets = read_triplets(tmp_path / "a")
+    assert sorted(triplets) == ["000000000_000000001", "000000000_000010000", "000010000_000010001"]
+    assert all(len(t["instructions"]) == 3 and t["description"] for t in triplets.values())
+    assert {t["generation"]["describer"]["engine"] for t in triplets.values()} == {"vllm"}
+    stats = __import__("json").loads((tmp_path / "a" / "triplets-00001_stats.json").read_text())
+    assert stats["skipped"] == {"unreadable image": 1} and stats["tokens"]["describe"]["prompt"] > 0
+    assert main(argv + ["--output", str(tmp_path / "b"), "engine.chunk_size=1"]) == 0
+    assert read_triplets(tmp_path / "b") == triplets

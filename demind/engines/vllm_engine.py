@@ -14,6 +14,7 @@ cached blocks are keyed by the image as well as the tokens.
 
 from __future__ import annotations
 
+import importlib
 import logging
 from typing import Any
 
@@ -135,11 +136,11 @@ def sampling_kwargs(request: GenRequest, sampling: SamplingConfig) -> dict[str, 
     }
 
 
-def structured_output_params(vllm: Any, schema: dict[str, Any]) -> dict[str, Any]:
-    """The ``SamplingParams`` keyword that constrains decoding to the JSON ``schema``: vLLM >= 0.11's
-    ``structured_outputs``, earlier ``guided_decoding``; {} where this vLLM offers neither (the caller
-    parses, retries and counts failures, as on the transformers engine)."""
-    params = getattr(vllm, "sampling_params", None)
+def structured_output_params(params: Any, schema: dict[str, Any]) -> dict[str, Any]:
+    """The ``SamplingParams`` keyword that constrains decoding to the JSON ``schema``, from the module
+    ``params`` (``vllm.sampling_params``): vLLM >= 0.11's ``structured_outputs``, earlier
+    ``guided_decoding``; {} where this vLLM offers neither (the caller parses, retries and counts
+    failures, as on the transformers engine)."""
     if hasattr(params, "StructuredOutputsParams"):
         return {"structured_outputs": params.StructuredOutputsParams(json=schema)}
     if hasattr(params, "GuidedDecodingParams"):
@@ -209,7 +210,6 @@ class VLLMEngine:
 
         self.model_id = engine_cfg.model
         self.sampling = sampling_cfg
-        self._vllm = vllm
         self._sampling_params_cls = vllm.SamplingParams
         # The HF processor only renders chat templates and counts tokens; vLLM does the rest.
         self.processor = AutoProcessor.from_pretrained(engine_cfg.model)
@@ -264,7 +264,7 @@ class VLLMEngine:
         for kw in param_kwargs:
             schema = kw.pop("json_schema", None)
             if schema is not None:
-                kw.update(structured_output_params(self._vllm, schema))
+                kw.update(structured_output_params(importlib.import_module("vllm.sampling_params"), schema))
         params = [self._sampling_params_cls(**kw) for kw in param_kwargs]
         try:
             outputs = self.llm.generate(prompts, params, use_tqdm=False)
