@@ -147,3 +147,151 @@ class WavePlanner:
                            "stage 2 run one sample at a time; give it more memory (engine.prefix_store_bytes, "
                            "engine.prefix_store_fraction, vLLM's gpu_memory_utilization) or engine.prefix_cache=false",
                            f"{self.capacity_tokens:,}", self.sample_tokens)
+
+
+# ----------------------------------------------------------------------------- the memory guard
+# Host memory an engine takes beyond weights, cache and activations: the Python processes with torch
+# imported (vLLM runs two: the front end and its engine core) and the processor.
+VLLM_CPU_BATCHED_TOKENS = 4096
+RUNTIME_BYTES = {"vllm": int(1.5 * GIB), "transformers": int(0.75 * GIB)}
+
+
+def dtype_bytes(dtype: str, on_cpu: bool) -> int:
+    """Bytes per weight of ``engine.dtype`` (``auto``: float32 on a CPU, bfloat16 on a GPU, as both engines read it)."""
+    if dtype == "auto":
+        return 4 if on_cpu else 2
+    return 2 if dtype in ("bfloat16", "float16") else 4
+
+
+def parameter_count(model_config: Any) -> int:
+    """Parameters of the model ``model_config`` describes, counted on the meta device (nothing allocated)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForImageTextToText, AutoModelForCausalLM
+
+    with init_empty_weights():
+        try:
+            model = AutoModelForImageTextToText.from_config(model_config)
+        except ValueError:  # a text-only model
+            model = AutoModelForCausalLM.from_config(model_config)
+    return sum(p.numel() for p in model.parameters())
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """What an engine will take on its device, by part, and the setting that sizes each part."""
+
+    weights: int
+    kv_cache: int
+    activations: int
+    runtime: int
+    kv_setting: str  # e.g. "engine.kv_cache_gib"
+    activation_setting: str
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.activations + self.runtime
+
+    def describe(self) -> str:
+        gib = lambda n: f"{n / GIB:.1f} GiB"  # noqa: E731
+        return (f"{gib(self.total)} (weights {gib(self.weights)} + KV cache {gib(self.kv_cache)} ({self.kv_setting}) + "
+                f"activations {gib(self.activations)} ({self.activation_setting}) + runtime {gib(self.runtime)})")
+
+
+def estimate_engine_memory(engine_cfg: Any, model_config: Any, *, on_cpu: bool, vllm_cpu: bool,
+                           available: int, max_model_len: int, params: int | None = None) -> MemoryEstimate:
+    """The memory ``engine_cfg`` asks for with the model of ``model_config``, before anything loads.
+
+    weights = parameters x ``engine.dtype`` bytes. KV cache: on vLLM's CPU build the size the engine
+    passes (``engine.kv_cache_gib``, or its default from ``available``); on the transformers engine the
+    running batch's (``batch_size`` x ``max_model_len`` tokens) plus ``engine.prefix_store_bytes`` when
+    set (a fraction of the free memory otherwise, which fits by construction). Activations: the widest
+    tensors of one prefill (MLP in and out, attention projections) over the tokens it runs at once."""
+    width = dtype_bytes(engine_cfg.dtype, on_cpu)
+    weights = (params if params is not None else parameter_count(model_config)) * width
+    per_token = kv_bytes_per_token(model_config, width)
+    text = text_config(model_config)
+    per_token_act = (2 * text.intermediate_size + 4 * text.hidden_size) * width
+    if engine_cfg.name == "vllm":
+        from demind.engines.vllm_engine import cpu_kv_cache_bytes
+
+        kv = (cpu_kv_cache_bytes(engine_cfg.kv_cache_gib, max_model_len, per_token, available)  # as the engine sizes it
+              if vllm_cpu else int(engine_cfg.kv_cache_gib * GIB))
+        kv_setting = "engine.kv_cache_gib"
+        # one scheduler step runs up to max_num_batched_tokens (vLLM's default for LLM on CPU: 4096), at
+        # least a whole prompt of max_model_len
+        activations = max(max_model_len, VLLM_CPU_BATCHED_TOKENS) * per_token_act
+        act_setting = "engine.max_model_len"
+    else:
+        kv = engine_cfg.batch_size * max_model_len * per_token + engine_cfg.prefix_store_bytes
+        kv_setting = "engine.batch_size x engine.max_model_len" + (
+            " + engine.prefix_store_bytes" if engine_cfg.prefix_store_bytes else "")
+        activations, act_setting = engine_cfg.batch_size * max_model_len * per_token_act, "engine.batch_size"
+    return MemoryEstimate(weights, kv, activations, RUNTIME_BYTES.get(engine_cfg.name, 0), kv_setting, act_setting)
+
+
+def memory_shortfall(estimate: MemoryEstimate, available: int, engine_cfg: Any, where: str) -> str | None:
+    """None when ``estimate`` fits ``available``; else one line naming the setting to change."""
+    if estimate.total <= available:
+        return None
+    short = estimate.total - available
+    head = (f"engine.model={engine_cfg.model} on {where} needs about {estimate.describe()}, "
+            f"but {available / GIB:.1f} GiB is available ({short / GIB:.1f} GiB short): ")
+    if estimate.weights + estimate.runtime > available:
+        fix = ("set engine.dtype=bfloat16 (half the weights)" if dtype_bytes(engine_cfg.dtype, True) == 4 and
+               where == "cpu" else "the weights alone do not fit: free memory, or use a smaller engine.model")
+    elif engine_cfg.name == "vllm" and estimate.kv_cache > short:
+        fix = f"lower engine.kv_cache_gib to {max((estimate.kv_cache - short) / GIB * 0.9, 0.05):.2f} or less"
+    elif engine_cfg.name != "vllm" and estimate.kv_cache + estimate.activations > short and engine_cfg.batch_size > 1:
+        per_row = (estimate.kv_cache - engine_cfg.prefix_store_bytes + estimate.activations) / engine_cfg.batch_size
+        fit = int((available - estimate.weights - estimate.runtime - engine_cfg.prefix_store_bytes) // per_row)
+        fix = (f"lower engine.batch_size to {fit}" if fit >= 1 else
+               "lower engine.prefix_store_bytes or engine.max_model_len")
+    else:
+        fix = "lower engine.max_model_len, or free memory"
+    return head + fix
+
+
+def check_engine_memory(engine_cfg: Any, model_config: Any, *, device: str, vllm_cpu: bool,
+                        available: int | None = None, params: int | None = None) -> MemoryEstimate | None:
+    """Refuse (DemindError, one line) an engine that will not fit the memory free on ``device`` now;
+    returns the estimate, or None where it is not this process's to check (vLLM on a GPU sizes and
+    checks its own cache by ``gpu_memory_utilization``) or the free memory cannot be told."""
+    import torch
+
+    from demind.engines.base import resolve_max_model_len
+
+    on_cpu = vllm_cpu if engine_cfg.name == "vllm" else torch.device(device).type == "cpu"
+    if engine_cfg.name == "vllm" and not vllm_cpu:
+        return None
+    if available is None:
+        available = free_memory_bytes(torch.device("cpu" if on_cpu else device))
+    if available is None:
+        return None
+    max_len = resolve_max_model_len(engine_cfg.max_model_len, model_config, engine_cfg.model)
+    estimate = estimate_engine_memory(engine_cfg, model_config, on_cpu=on_cpu, vllm_cpu=vllm_cpu,
+                                      available=available, max_model_len=max_len, params=params)
+    problem = memory_shortfall(estimate, available, engine_cfg, "cpu" if on_cpu else device)
+    if problem:
+        raise DemindError(problem)
+    logger.info("memory: %s of %.1f GiB available", estimate.describe(), available / GIB)
+    return estimate
+
+
+def check_memory_before_loading(engine_cfg: Any, device: str) -> MemoryEstimate | None:
+    """:func:`check_engine_memory` for ``engine_cfg``'s model, read from its config.json alone (a local
+    folder or the Hub cache); None where that config cannot be read here (the engine says why when it loads)."""
+    from transformers import AutoConfig
+
+    from demind.settings import resolve_device
+
+    try:
+        model_config = AutoConfig.from_pretrained(engine_cfg.model)
+    except (OSError, ValueError) as e:
+        logger.info("memory check skipped: %s's config cannot be read here (%s)", engine_cfg.model, str(e).splitlines()[0])
+        return None
+    vllm_cpu = False
+    if engine_cfg.name == "vllm":
+        from demind.engines.vllm_engine import vllm_on_cpu
+
+        vllm_cpu = vllm_on_cpu()
+    return check_engine_memory(engine_cfg, model_config, device=resolve_device(device), vllm_cpu=vllm_cpu)
