@@ -310,3 +310,22 @@ def test_vllm_requests_carry_both_images_and_the_schema_as_structured_output():
     assert structured_output_params(SimpleNamespace(GuidedDecodingParams=Params), schema)["guided_decoding"].json \
         is schema
     assert structured_output_params(SimpleNamespace(), schema) == {}
+
+
+@pytest.mark.slow  # a Ray cluster and a worker's engine: about 1.5 min on 2 CPUs
+def test_the_triplet_job_on_a_ray_worker_writes_what_a_local_run_writes(repo_root, tiny_qwen, pairs, tmp_path):
+    """--distributor ray runs the same job (TripletShardJob.load in each worker) through the shared runner:
+    the triplets are those of a local run, and the summary counts pairs/s over the workers."""
+    ray = pytest.importorskip("ray", reason="needs Ray: pip install -e '.[distributed]'")
+    from demind.cli.generate_triplets import main
+
+    _, folder, _ = pairs
+    assert main(argv(repo_root, tiny_qwen, folder, tmp_path / "local")) == 0
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        assert main(argv(repo_root, tiny_qwen, folder, tmp_path / "ray", "--distributor", "ray", "--workers", "1")) == 0
+    finally:
+        ray.shutdown()
+    assert read_triplets(tmp_path / "ray") == read_triplets(tmp_path / "local")
+    assert sorted(p.name for p in (tmp_path / "ray").glob("*_stats.json")) == ["triplets-00000_stats.json",
+                                                                              "triplets-00001_stats.json"]
