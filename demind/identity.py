@@ -18,6 +18,8 @@ import open_clip
 import torch
 import torch.nn as nn
 
+from demind.io import file_version
+
 logger = logging.getLogger(__name__)
 
 
@@ -28,14 +30,13 @@ class ModelSpec(Protocol):
     pretrained: str | None
 
 
-_FILE_HASHES: dict[tuple[str, int, float], str] = {}
+_FILE_HASHES: dict[tuple[str, str], str] = {}
 
 
 def file_sha256(path: str | Path) -> str:
-    """sha256 of a file, memoised per (path, size, mtime) since checkpoints can be GBs."""
+    """sha256 of a file, memoised per path and :func:`demind.io.file_version` since checkpoints can be GBs."""
     path = Path(path)
-    stat = path.stat()
-    key = (str(path.resolve()), stat.st_size, stat.st_mtime)
+    key = (str(path.resolve()), file_version(path.stat()))
     if key not in _FILE_HASHES:
         digest = hashlib.sha256()
         with path.open("rb") as f:

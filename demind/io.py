@@ -129,6 +129,20 @@ def read_jsonl(path: str | Path, what: str = "file", bad_lines: list[tuple[int, 
     return rows
 
 
+def file_version(stat: os.stat_result) -> str:
+    """What makes a file "changed" without reading it, as git's index keeps it: size, modification
+    and change times (ns) and inode. A file replaced by another of the same size with its mtime put
+    back (``touch -r``, ``cp -p``, ``rsync -t``) has another inode or change time, which no program
+    can set. The one rule of the digest memo (:class:`demind.mllm.store.DigestMemo`), the search
+    index and the triplet file reader (:attr:`demind.retrieval.ImageRef.version`)."""
+    return f"{stat.st_size}-{stat.st_mtime_ns}-{stat.st_ctime_ns}-{stat.st_ino}"
+
+
+def earlier_file_version(version: str) -> str:
+    """The version the rule before :func:`file_version` gave the same file: size and mtime only."""
+    return "-".join(version.split("-")[:2])
+
+
 def free_bytes(path: str | Path) -> int:
     """Free bytes on the file system holding ``path`` (or its nearest existing parent)."""
     path = Path(path).absolute()

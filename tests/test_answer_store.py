@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
 from pathlib import Path
@@ -168,6 +169,98 @@ def test_a_large_file_is_hashed_once_then_remembered_by_size_and_mtime(tmp_path,
     assert world.describe_requests() == 0 and hashed == []  # a new process: the memo answers
     (world.model / "model.safetensors").write_bytes(b"v" * 64)  # same size, new mtime and content
     assert world.describe_requests() == 1 and hashed == ["model.safetensors"]
+
+
+def replace_keeping_mtime(path: Path, write) -> None:
+    """``write(path)`` new content of the same size, then the old modification time put back
+    (what ``touch -r``, ``cp -p`` and ``rsync -t`` leave)."""
+    stat = path.stat()
+    size = stat.st_size
+    write(path)
+    assert path.stat().st_size == size
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def replace_by_another_file(path: Path, data: bytes) -> None:
+    """A new file (another inode) renamed over ``path``, with the old modification time."""
+    stat = path.stat()
+    other = path.with_name(path.name + ".new")
+    other.write_bytes(data)
+    os.utime(other, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    os.replace(other, path)
+
+
+SAME_SIZE_SAME_MTIME = [
+    ("model weights rewritten in place", lambda w: replace_keeping_mtime(
+        w.model / "model.safetensors", lambda p: p.write_bytes(b"v" * 64))),
+    ("model weights replaced by another file", lambda w: replace_by_another_file(
+        w.model / "model.safetensors", b"v" * 64)),
+    ("reference image edited", lambda w: replace_keeping_mtime(
+        w.image, lambda p: write_png(p, change_pixel=True, compress=0))),
+]
+
+
+@pytest.mark.parametrize("what, change", SAME_SIZE_SAME_MTIME, ids=[c[0] for c in SAME_SIZE_SAME_MTIME])
+def test_a_file_replaced_with_its_size_and_mtime_kept_is_read_again(tmp_path, what, change):
+    import demind.identity as identity
+
+    world = World(tmp_path)
+    world.image = write_png(world.image, compress=0)  # stored pixels: an edited pixel keeps the size
+    world.queries = [query("q1", world.image)]
+    assert world.describe_requests() == 1
+    identity._FILE_HASHES.clear()  # a new process
+    assert world.describe_requests() == 0
+    change(world)
+    identity._FILE_HASHES.clear()
+    assert world.describe_requests() == 1, what  # before: answered from the old content
+
+
+def test_digests_of_the_older_rule_are_not_used_and_said_once(tmp_path, caplog):
+    import demind.identity as identity
+    from demind.mllm import DigestMemo
+
+    world = World(tmp_path)
+    assert world.describe_requests() == 1
+    memo = world.store / "digests.jsonl"
+    current = memo.read_text().splitlines()
+    assert current and all(json.loads(line)["format"] == "demind-digests/2" for line in current)
+    older = [json.dumps({"memo": json.loads(line)["memo"][::-1], "sha256": "0" * 64}) for line in current]
+    memo.write_text("\n".join(older) + "\n")  # lines written before the rule held ctime and inode
+    identity._FILE_HASHES.clear()
+    with caplog.at_level(logging.INFO, logger="demind.mllm.store"):
+        loaded = DigestMemo(memo)
+        digest = loaded.file(world.model / "model.safetensors")
+        loaded.save()
+    assert digest != "0" * 64
+    said = [r.getMessage() for r in caplog.records if "older rule" in r.getMessage()]
+    assert len(said) == 1 and f"{len(older)} digests" in said[0] and str(memo) in said[0]
+    assert all(json.loads(line).get("format") == "demind-digests/2" for line in memo.read_text().splitlines())
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="demind.mllm.store"):
+        DigestMemo(memo)
+    assert not [r for r in caplog.records if "older rule" in r.getMessage()]  # said once: the memo was rewritten
+
+
+def test_demind_rehash_reads_every_file_again(tmp_path, monkeypatch):
+    import demind.identity as identity
+    import demind.mllm.store as store
+    from demind.cli import common
+    from demind.mllm import DigestMemo
+
+    without_ctime = lambda stat: f"{stat.st_size}-{stat.st_mtime_ns}"  # noqa: E731 -- FAT, some network mounts
+    monkeypatch.setattr(store, "file_version", without_ctime)
+    monkeypatch.setattr(identity, "file_version", without_ctime)
+    monkeypatch.setattr(DigestMemo, "trusted", True)
+    world = World(tmp_path)
+    assert world.describe_requests() == 1
+    replace_keeping_mtime(world.model / "model.safetensors", lambda p: p.write_bytes(b"v" * 64))
+    identity._FILE_HASHES.clear()
+    assert world.describe_requests() == 0  # such a file system cannot tell: what the docs say remains
+    monkeypatch.setenv("DEMIND_REHASH", "1")
+    common.apply_rehash_request()
+    assert DigestMemo.trusted is False
+    identity._FILE_HASHES.clear()
+    assert world.describe_requests() == 1
 
 
 # ----------------------------------------------------------------------------- the weights absent

@@ -36,6 +36,9 @@ from demind.logs import setup_logging
 T = TypeVar("T")
 
 DEBUG_ENV = "DEMIND_DEBUG"
+REHASH_ENV = "DEMIND_REHASH"
+"""Set (not 0): the stored MLLM answers' digest memo is not trusted, every model file and image is
+read again (a file system without change times or inodes: :class:`demind.mllm.DigestMemo`)."""
 
 KNOWN_ERRORS: tuple[type[BaseException], ...] = (
     # Every error the library raises for input a user can fix derives from DemindError (config,
@@ -211,6 +214,14 @@ DISTRIBUTOR_FLAGS = {"--distributor": Flag("distributor"), "--workers": Flag("wo
                      "--ray-address": Flag("ray_address"), "--shard-attempts": Flag("shard_attempts")}
 
 
+def apply_rehash_request() -> None:
+    """``DEMIND_REHASH=1``: no file's digest is taken from the memo of stored MLLM answers."""
+    if os.environ.get(REHASH_ENV, "") not in ("", "0"):
+        from demind.mllm import DigestMemo  # only here: most commands never read an MLLM
+
+        DigestMemo.trusted = False
+
+
 def apply_threads(threads: int) -> None:
     """``run.threads``: torch's CPU threads, set before the command runs its first tensor op (torch
     starts its thread pool then); 0 leaves torch's default."""
@@ -263,6 +274,7 @@ def run_config_command(cls: type[T], parser: argparse.ArgumentParser, body: Call
     try:
         cfg = load_command_config(cls, args)
         check_command_config(cfg)  # what it writes: before the body loads any model
+        apply_rehash_request()
         apply_threads(getattr(getattr(cfg, "run", None), "threads", 0))
         return body(cfg)
     except KNOWN_ERRORS as e:

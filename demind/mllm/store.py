@@ -16,8 +16,9 @@ reading, never in the key, so a renamed or copied index, a relabelled query or a
 its answers, and a changed caption, image, prompt, setting or model is asked again.
 
 **Digests are remembered** as git remembers its index: a file's sha256 (and an image's pixel
-digest) by (path, size, mtime_ns) in ``<store>/digests.jsonl`` (:class:`DigestMemo`), so a 15 GB
-model is read once, not on every run.
+digest) by its path and :func:`demind.io.file_version` (size, mtime, ctime, inode) in
+``<store>/digests.jsonl`` (:class:`DigestMemo`), so a 15 GB model is read once, not on every run,
+and a file replaced in place with its mtime put back is read again.
 
 **Weights absent** (a store copied to a machine without the model): ``<store>/models/`` records
 which content identity answered for each model reference (hub id, or a folder by its final name and
@@ -57,12 +58,13 @@ from typing import Any
 from PIL import Image
 
 from demind.errors import InputError, OutputLocationError
-from demind.io import check_output_dir, reporting_output_errors, write_json_atomic
-from demind.mllm.store_upgrade import warn_earlier_stores
+from demind.io import check_output_dir, file_version, reporting_output_errors, write_json_atomic, write_text_atomic
+from demind.mllm.store_upgrade import warn_earlier_digests, warn_earlier_stores
 
 log = logging.getLogger(__name__)
 
 STORE_FORMAT = "demind-answers/2"
+DIGEST_FORMAT = "demind-digests/2"  # a digests.jsonl line keyed by demind.io.file_version
 KEY_INGREDIENTS = ("kind", "model", "prompt", "settings", "image", "text", "sample", "candidate")
 KINDS = ("cirevl", "osrcir", "verify")
 REQUIRED_FIELDS = {"verify": ("score",), "osrcir": ("description", "status", "raw"),
@@ -99,30 +101,43 @@ def model_label(reference: str) -> str:
 
 
 class DigestMemo:
-    """File and pixel digests remembered by (path, size, mtime_ns), in memory and, with a ``path``,
-    appended to a JSON-lines file shared by every process using the store (a torn or foreign line
-    is ignored: the digest is computed again)."""
+    """File and pixel digests remembered by path and :func:`demind.io.file_version` (size, mtime,
+    ctime, inode), in memory and, with a ``path``, appended to a JSON-lines file shared by every
+    process using the store (a torn or foreign line is ignored: the digest is computed again).
+
+    ``trusted`` False (``DEMIND_REHASH=1``, read by the commands) reads every file again: for a file
+    system that keeps no change time or inode (FAT, some network mounts) after an edit that put the
+    modification time back."""
+
+    trusted = True
 
     def __init__(self, path: Path | None = None) -> None:
         self.path = path
         self._known: dict[str, str] = {}
         self._new: list[dict[str, Any]] = []
+        self._earlier = 0  # lines of the older rule (size and mtime only): dropped at the next save
         if path is not None and path.is_file():
             for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
                 try:
                     entry = json.loads(line)
+                    if entry.get("format") != DIGEST_FORMAT:
+                        self._earlier += 1
+                        continue
                     self._known[entry["memo"]] = entry["sha256"]
-                except (json.JSONDecodeError, KeyError, TypeError):
+                except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
                     continue
+            warn_earlier_digests(path, self._earlier)
 
     @staticmethod
     def _memo_key(what: str, path: Path, extra: Any = None) -> str:
-        stat = path.stat()
-        return _sha([what, str(path.resolve()), stat.st_size, stat.st_mtime_ns, extra])
+        return _sha([what, str(path.resolve()), file_version(path.stat()), extra])
+
+    def _recall(self, memo: str) -> str | None:
+        return self._known.get(memo) if self.trusted else None
 
     def _remember(self, memo: str, digest: str) -> str:
         self._known[memo] = digest
-        self._new.append({"memo": memo, "sha256": digest})
+        self._new.append({"format": DIGEST_FORMAT, "memo": memo, "sha256": digest})
         return digest
 
     def file(self, path: Path) -> str:
@@ -130,12 +145,13 @@ class DigestMemo:
         from demind.identity import file_sha256
 
         memo = self._memo_key("file", path)
-        if memo in self._known:
-            return self._known[memo]
+        known = self._recall(memo)
+        if known is not None:
+            return known
         size = path.stat().st_size
         if size >= LARGE_FILE:
             log.info("reading %s (%.1f GB) once to key stored answers by the model's content; its digest is "
-                     "remembered by size and modification time in %s", path, size / 1e9, self.path or "memory")
+                     "remembered by size, times and inode in %s", path, size / 1e9, self.path or "memory")
         return self._remember(memo, file_sha256(path))
 
     def pixels(self, ref: Any) -> str:
@@ -148,11 +164,16 @@ class DigestMemo:
             memo = self._memo_key("pixels", Path(ref.path), [ref.span, ref.box, seg, ref.orient])
         except OSError:  # a missing or unreadable file: load_image's one error naming it
             return pixel_digest(load_image(ref))
-        return self._known.get(memo) or self._remember(memo, pixel_digest(load_image(ref)))
+        return self._recall(memo) or self._remember(memo, pixel_digest(load_image(ref)))
 
     def save(self) -> None:
         """Append the digests computed since the last save (nothing without a path)."""
         if self.path is None or not self._new:
+            return
+        if self._earlier:  # written again without the older rule's lines (they would only be counted again)
+            entries = [{"format": DIGEST_FORMAT, "memo": m, "sha256": d} for m, d in self._known.items()]
+            write_text_atomic(self.path, "".join(json.dumps(e) + "\n" for e in entries))
+            self._earlier, self._new = 0, []
             return
         lines = "".join(json.dumps(e) + "\n" for e in self._new)
         with reporting_output_errors(self.path), self.path.open("a", encoding="utf-8") as f:

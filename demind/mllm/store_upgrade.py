@@ -1,6 +1,7 @@
 """Answer stores of the older layout, ``<benchmark>-<split>/<kind>/<prompt>/<model>/store.json``
-(answers keyed by query id): the one home of that layout (:class:`demind.mllm.store.AnswerStore`
-calls in here and nowhere else knows it).
+(answers keyed by query id), and digest-memo lines of the older rule (no ``format``: a file keyed
+by size and mtime only): the one home of both (:class:`demind.mllm.store.AnswerStore` and
+:class:`~demind.mllm.store.DigestMemo` call in here and nowhere else knows them).
 
 Their keys say nothing of what an answer depends on, so no answer can be matched to a question of
 the current store: they are not read, one warning names them, and their answers are asked again
@@ -22,3 +23,13 @@ def warn_earlier_stores(root: Path, kind: str) -> None:
         log.warning("%s holds %d %s store(s) of an older layout (answers keyed by query id, not by what they depend "
                     "on, e.g. %s): they are not read, so their answers are asked again; delete them when done",
                     root, len(older), kind, older[0].parent)
+
+
+def warn_earlier_digests(memo: Path, count: int) -> None:
+    """One line when the digest memo ``memo`` holds ``count`` lines of the rule before
+    :func:`demind.io.file_version` (files keyed by size and mtime only, no format field): they are
+    not used (a file replaced with its mtime put back would match them), so those files are read
+    once more; the next save writes the memo without them."""
+    if count:
+        log.info("%s: %d digests remembered by the older rule (size and modification time only) are not used: "
+                 "their files are read once more", memo, count)

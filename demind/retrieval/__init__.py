@@ -21,8 +21,9 @@ from demind.lazy import lazy_exports
 
 if TYPE_CHECKING:  # the same names for static tools and go-to-definition (tests/test_lazy_faces.py keeps them equal)
     from demind.retrieval.refs import (
-        IMAGE_EXTENSIONS, LEFT_OUT_ADVICE, RESIZE_MODES, ImageReadError, ImageRef, Query, canonical_name, file_version,
-        load_image, reword, strip_image_extension)
+        IMAGE_EXTENSIONS, LEFT_OUT_ADVICE, RESIZE_MODES, ImageReadError, ImageRef, Query, canonical_name, load_image,
+        reword, strip_image_extension)
+    from demind.io import file_version  # the one rule of a changed file: ImageRef.version
     from demind.retrieval.cache import (
         DamagedPartError, EncodeStats, ImageFeatureCache, ImageRefDataset, backbone_cache_slug, encode_image_refs,
         image_transforms, squash_preprocess, stack_features)
@@ -41,8 +42,8 @@ if TYPE_CHECKING:  # the same names for static tools and go-to-definition (tests
 # --help can list them; everything else imports its module (and torch) when first read.
 __getattr__, __dir__ = lazy_exports(__name__, {
     "demind.retrieval.refs": ["IMAGE_EXTENSIONS", "LEFT_OUT_ADVICE", "RESIZE_MODES", "ImageReadError", "ImageRef",
-                              "Query", "canonical_name", "file_version", "load_image", "reword",
-                              "strip_image_extension"],
+                              "Query", "canonical_name", "load_image", "reword", "strip_image_extension"],
+    "demind.io": ["file_version"],
     "demind.retrieval.cache": ["DamagedPartError", "EncodeStats", "ImageFeatureCache", "ImageRefDataset",
                                "backbone_cache_slug", "encode_image_refs", "image_transforms", "squash_preprocess",
                                "stack_features"],

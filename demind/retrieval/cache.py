@@ -32,8 +32,8 @@ from demind.embedding_cache import (EmbeddingCacheError, cache_identity, cache_s
                                     read_tensors, write_entry)
 from demind.errors import InputError
 from demind.io import write_json_atomic
-from demind.retrieval.cache_upgrade import (EARLIER_PART_SUFFIX, adopt_unoriented, is_earlier_part, read_part,
-                                            readable_slug, unoriented_key)
+from demind.retrieval.cache_upgrade import (EARLIER_PART_SUFFIX, adopt_earlier_versions, adopt_unoriented,
+                                            earlier_key_of, is_earlier_part, read_part, readable_slug, unoriented_key)
 from demind.retrieval.refs import LEFT_OUT_ADVICE, ImageReadError, ImageRef, load_image, reword
 
 log = logging.getLogger(__name__)
@@ -340,6 +340,10 @@ def encode_image_refs(
     if cache is not None and todo:  # a cache written before EXIF orientation was applied
         for ref in adopt_unoriented(cache, role, todo, lambda name, key: key in cached.get(name, {})):
             features[ref.name] = cached[ref.name][unoriented_key(ref)]
+        todo = [ref for ref in todo if ref.name not in features]
+    if cache is not None and todo:  # or before file versions held change time and inode
+        for ref in adopt_earlier_versions(cache, role, todo, lambda name, key: key in cached.get(name, {})):
+            features[ref.name] = cached[ref.name][earlier_key_of(ref)]
         todo = [ref for ref in todo if ref.name not in features]
     stats.cached = len(features)
     log.info("%s: %d images, %d from cache, %d to encode", desc, len(refs), stats.cached, len(todo))

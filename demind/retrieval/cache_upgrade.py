@@ -9,6 +9,10 @@ of their formats (:class:`demind.retrieval.ImageFeatureCache` calls in here and 
 * An entry keyed before EXIF orientation was applied (:func:`unoriented_key`) is reused for every
   image whose orientation changes nothing, and recorded under its current key
   (:func:`adopt_unoriented`); an image stored rotated is encoded again.
+* An entry keyed by the file version before it held change time and inode (size and mtime:
+  :func:`demind.io.earlier_file_version`) is reused for the file that has that size and mtime now,
+  and recorded under its current key (:func:`adopt_earlier_versions`), so a search index is not
+  encoded again for the new rule.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any, Callable
 import torch
 
 from demind.embedding_cache import EmbeddingCacheError
+from demind.io import earlier_file_version
 from demind.retrieval.refs import ImageRef, orientation_changes
 from demind.tensor_files import load_torch_file
 
@@ -82,4 +87,23 @@ def adopt_unoriented(cache: Any, role: str, refs: list[ImageRef],
         cache.rekey(role, {r.name: (unoriented_key(r), r.cache_key) for r in adopted})
         log.info("%s: %d images reused from before EXIF orientation was applied (no orientation tag)",
                  cache.dir / role, len(adopted))
+    return adopted
+
+
+def earlier_key_of(ref: ImageRef) -> str | None:
+    """The key ``ref`` had when file versions were size and mtime only; None when that is its key."""
+    if ref.version is None or earlier_file_version(ref.version) == ref.version:
+        return None
+    return replace(ref, version=earlier_file_version(ref.version)).cache_key
+
+
+def adopt_earlier_versions(cache: Any, role: str, refs: list[ImageRef],
+                           holds: Callable[[str, str], bool]) -> list[ImageRef]:
+    """The ``refs`` (missing under their own key) held under the key their file's version had by the
+    earlier rule (:func:`earlier_key_of`: the size and mtime they have now), recorded under their key in ``cache``."""
+    adopted = [r for r in refs if earlier_key_of(r) is not None and holds(r.name, earlier_key_of(r))]
+    if adopted:
+        cache.rekey(role, {r.name: (earlier_key_of(r), r.cache_key) for r in adopted})
+        log.info("%s: %d images reused from before file versions held change time and inode", cache.dir / role,
+                 len(adopted))
     return adopted

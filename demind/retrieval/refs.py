@@ -67,12 +67,6 @@ def strip_image_extension(relpath: str) -> str:
     return stem if ext.lower() in IMAGE_EXTENSIONS else relpath
 
 
-def file_version(stat: os.stat_result) -> str:
-    """What makes a file "changed" for a cached feature (:attr:`ImageRef.version`): size and
-    modification time (ns). The search index and the triplet file reader key their files by it."""
-    return f"{stat.st_size}-{stat.st_mtime_ns}"
-
-
 @dataclass(frozen=True)
 class ImageRef:
     """One image to encode.
@@ -83,8 +77,8 @@ class ImageRef:
     segmentation: optional COCO polygon list or RLE dict; pixels outside it become white
         (Pic2Word's masked query images).
     resize: one of :data:`RESIZE_MODES`; how the loaded image reaches the backbone's input size.
-    version: optional file version (:func:`file_version`: size and mtime), so a cached
-        feature of an edited file no longer matches.
+    version: optional file version (:func:`demind.io.file_version`: size, times, inode), so a
+        cached feature of an edited file no longer matches.
     span: optional (byte offset, length) of the image inside ``path``, for a member of an
         uncompressed tar shard (the search index reads shards without unpacking them).
     orient: apply the file's EXIF orientation when decoding (a user's photos, as a viewer shows

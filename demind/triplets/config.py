@@ -9,7 +9,7 @@ from demind.schema import BackboneConfig, CombinerConfig
 from demind.settings import device_setting, setting, threads_setting
 
 MODES = ("none", "small-loss", "gfq", "rcl", "conesep", "conesep-nobtu", "conesep-nonbl", "conesep-nogfq")
-SOURCES = ("cirr", "fashioniq", "file")
+SOURCES = ("cirr", "fashioniq", "file", "generated", "megapairs")
 NOISE_KINDS = ("easy", "hard", "tme")
 
 
@@ -17,7 +17,8 @@ NOISE_KINDS = ("easy", "hard", "tme")
 class TripletDataConfig:
     source: str = setting("file", choices=SOURCES, help="cirr / fashioniq: the official training split under "
                                                         "path; file: a .jsonl or .csv of reference, modification, "
-                                                        "target")
+                                                        "target; generated: demind-generate-triplets' folder; "
+                                                        "megapairs: a file in MegaPairs's released layout")
     path: str = setting("", help="the data root (cirr, fashioniq) or the triplet file (file)")
     categories: str = setting("dress,shirt,toptee", help="FashionIQ categories, comma-separated")
     limit: int | None = setting(None, ge=1, help="the first N triplets only (smoke runs); fashioniq: the first N "
@@ -25,6 +26,12 @@ class TripletDataConfig:
     cache_dir: str = setting("", help="frozen-feature cache ('' = <run.output_dir>/feature_cache); runs may share "
                                       "one: entries are keyed by backbone and content")
     encode_batch_size: int = setting(256, ge=1)
+    hard_negatives: int = setting(5, ge=0, help="generated / megapairs: each triplet's first H hard negatives join "
+                                                "its InfoNCE beside the in-batch targets (MegaPairs: 5); 0: "
+                                                "in-batch negatives only")
+    corpus: str = setting("", free="a shard list, compared with the recorded corpus by content digest",
+                          help="generated: where the corpus the pairs were mined from lies now, if it moved "
+                               "('' = where the pairs manifest says)")
 
 
 @dataclass
@@ -104,6 +111,10 @@ class TripletTrainConfig:
         problems = []
         if not self.data.path:
             problems.append(("data.path", "is required: the data root or the triplet file"))
+        if self.data.source in ("generated", "megapairs") and self.data.hard_negatives and self.robust.mode != "none":
+            problems.append(("data.hard_negatives", f"joins the loss of robust.mode=none only (the noise modes keep "
+                                                    f"in-batch negatives); set it to 0 for robust.mode="
+                                                    f"{self.robust.mode}"))
         if self.optim.warmup_epochs >= self.optim.epochs and self.robust.mode != "none":
             problems.append(("optim.warmup_epochs", f"must be below optim.epochs ({self.optim.epochs}), or "
                                                     f"robust.mode={self.robust.mode} never acts"))
