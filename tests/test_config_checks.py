@@ -143,8 +143,6 @@ PENDING: dict[str, set[str]] = {
     "demind-train-triplets": {
         # demind.schema
         "backbone.name", "backbone.pretrained",
-        # demind.triplets.config
-        "data.path", "data.categories", "data.cache_dir", "run.output_dir",
     },
 }
 

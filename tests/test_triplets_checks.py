@@ -215,7 +215,7 @@ def test_runs_sharing_a_cache_dir_never_read_each_others_features(tmp_path, tiny
     sizes = {(tmp_path / f / "img" / f"{i}.png").stat().st_size for f in "ab" for i in range(4)}
     a = read_triplet_file(tmp_path / "a" / "triplets.jsonl").triplets
     b = read_triplet_file(tmp_path / "b" / "triplets.jsonl").triplets
-    assert [t.reference.cache_key for t in a] == [t.reference.cache_key for t in b] and len(sizes) == 1
+    assert [t.reference.name for t in a] == [t.reference.name for t in b] and len(sizes) == 1
     cache = tmp_path / "shared"
     first = image_features(tiny_backbone, a, cache, "file", progress=False)
     parts_a = {p: p.stat().st_mtime_ns for p in cache.rglob("part-*")}

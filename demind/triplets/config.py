@@ -19,11 +19,12 @@ class TripletDataConfig:
                                                         "path; file: a .jsonl or .csv of reference, modification, "
                                                         "target; generated: demind-generate-triplets' folder; "
                                                         "megapairs: a file in MegaPairs's released layout")
-    path: str = setting("", help="the data root (cirr, fashioniq) or the triplet file (file)")
-    categories: str = setting("dress,shirt,toptee", help="FashionIQ categories, comma-separated")
+    path: str = setting("", refuses="", help="the data root (cirr, fashioniq) or the triplet file (file); read, "
+                                             "with one error naming the file and line, before any model loads")
+    categories: str = setting("dress,shirt,toptee", refuses="dress,hat", help="FashionIQ categories, comma-separated")
     limit: int | None = setting(None, ge=1, help="the first N triplets only (smoke runs); fashioniq: the first N "
                                                  "of each category, as demind-eval's limit")
-    cache_dir: str = setting("", help="frozen-feature cache ('' = <run.output_dir>/feature_cache); runs may share "
+    cache_dir: str = setting("", output="dir", help="frozen-feature cache ('' = <run.output_dir>/feature_cache); runs may share "
                                       "one: entries are keyed by backbone and content")
     encode_batch_size: int = setting(256, ge=1)
     hard_negatives: int = setting(5, ge=0, help="generated / megapairs: each triplet's first H hard negatives join "
@@ -87,7 +88,7 @@ class TripletRobustConfig:
 
 @dataclass
 class TripletRunConfig:
-    output_dir: str = setting("runs/triplets", help="run folder: state, metrics, combiner.safetensors")
+    output_dir: str = setting("runs/triplets", output="dir", help="run folder: state, metrics, combiner.safetensors")
     seed: int = setting(0, ge=0)
     device: str = device_setting("auto")
     log_every: int = setting(1, ge=1, help="a log line every N epochs")
@@ -111,6 +112,13 @@ class TripletTrainConfig:
         problems = []
         if not self.data.path:
             problems.append(("data.path", "is required: the data root or the triplet file"))
+        from demind.eval import FASHIONIQ_CATEGORIES  # torch-free
+
+        names = [c.strip() for c in self.data.categories.split(",") if c.strip()]
+        unknown = [c for c in names if c not in FASHIONIQ_CATEGORIES]
+        if unknown or not names:
+            problems.append(("data.categories", f"must name FashionIQ categories among {','.join(FASHIONIQ_CATEGORIES)}"
+                                                f" (comma-separated), got {self.data.categories!r}"))
         if self.data.source in ("generated", "megapairs") and self.data.hard_negatives and self.robust.mode != "none":
             problems.append(("data.hard_negatives", f"joins the loss of robust.mode=none only (the noise modes keep "
                                                     f"in-batch negatives); set it to 0 for robust.mode="
