@@ -59,6 +59,7 @@ class Triplet:
     modification: str
     target: ImageRef
     hard_modification: str | None = None
+    hard_negatives: tuple[ImageRef, ...] = ()  # generated triplets: images mined beside the pair
 
 
 @dataclass

@@ -58,7 +58,8 @@ from demind.triplets.modes import (
     ModeInputs, batch_loss, mode_inputs, noise_scores, per_sample_losses, start_negative_offset)
 from demind.robust import gmm_clean_probability
 from demind.triplets.noise import image_noise_rows, inject_noise
-from demind.triplets.readers import read_triplets
+from demind.triplets.hard_negatives import HardNegatives, hard_negative_features, hard_negative_loss
+from demind.triplets.sources import read_source
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ class TrainingData:
     target: torch.Tensor
     noisy: torch.Tensor
     extras: ModeInputs | None = None  # what the robust mode's forms need (negated texts, pixel-noise pool)
+    hard: HardNegatives | None = None  # generated triplets' hard negatives, in the loss beside the in-batch ones
 
 
 @dataclass
@@ -96,7 +98,8 @@ def read_training_triplets(cfg: TripletTrainConfig) -> TripletInputs:
     """The configured triplets and their noisy texts (read before any model is built: bad input,
     too few triplets or hard noise without ``hard_modification`` fail in a second)."""
     categories = tuple(c.strip() for c in cfg.data.categories.split(",") if c.strip())
-    triplets = read_triplets(cfg.data.source, cfg.data.path, limit=cfg.data.limit, categories=categories).triplets
+    triplets = read_source(cfg.data.source, cfg.data.path, limit=cfg.data.limit, categories=categories,
+                           corpus=cfg.data.corpus).triplets
     if len(triplets) < cfg.optim.batch_size:
         raise InputError(f"{cfg.data.path} gives {len(triplets)} triplets, fewer than optim.batch_size="
                          f"{cfg.optim.batch_size}; lower the batch size")
@@ -109,7 +112,7 @@ def triplets_digest(triplets: list) -> str:
     """sha256 of what the run reads of its triplets: ids, image names and cache keys (file and
     version), texts; a rerun on other triplets (another file, an edited image) differs."""
     rows = [[t.qid, t.reference.name, t.reference.cache_key, t.modification, t.target.name, t.target.cache_key,
-             t.hard_modification] for t in triplets]
+             t.hard_modification, [r.cache_key for r in t.hard_negatives]] for t in triplets]
     return hashlib.sha256(json.dumps(rows, ensure_ascii=False).encode("utf-8")).hexdigest()
 
 
@@ -157,6 +160,11 @@ def check_same_recipe(out: Path, record: dict) -> None:
 def load_training_data(cfg: TripletTrainConfig, backbone, inputs: TripletInputs | None = None) -> TrainingData:
     """Look up (or encode) the features of the triplets (``inputs``: read from ``cfg`` if None)."""
     inputs = inputs if inputs is not None else read_training_triplets(cfg)
+    if cfg.data.source == "generated":  # pairs mined with another CLIP: refused before any image is encoded
+        from demind.embedding_cache import cache_identity
+        from demind.triplets.generated import check_mined_backbone
+
+        check_mined_backbone(cfg.data.path, cache_identity(backbone))
     cache_dir = cfg.data.cache_dir or str(Path(cfg.run.output_dir) / "feature_cache")
     images = image_features(backbone, inputs.triplets, cache_dir, cfg.data.source, cfg.data.encode_batch_size,
                             cfg.run.progress)
@@ -166,7 +174,9 @@ def load_training_data(cfg: TripletTrainConfig, backbone, inputs: TripletInputs 
     if moved is not None:
         reference, target = reference[moved[0]], target[moved[1]]
     extras = mode_inputs(cfg.robust, backbone, inputs.texts, cache_dir, cfg.data.encode_batch_size)
-    return TrainingData(reference, text, target, inputs.noisy, extras)
+    hard = hard_negative_features(backbone, inputs.triplets, cache_dir, cfg.data.source, cfg.data.hard_negatives,
+                                  cfg.data.encode_batch_size, cfg.run.progress)
+    return TrainingData(reference, text, target, inputs.noisy, extras, hard)
 
 
 def auroc(scores: torch.Tensor, positive: torch.Tensor) -> float | None:
@@ -251,10 +261,14 @@ def _fit(cfg: TripletTrainConfig, backbone, data: TrainingData, accelerator, out
         sums: dict[str, float] = {}
         for b in range(steps_per_epoch):
             rows = order[b * bs : (b + 1) * bs].to(device)
-            terms = batch_loss(unwrapped, ref[rows], text[rows], target[rows], cfg.robust, scale,
-                               after_warmup=after_warmup, clean_prior=clean[rows] if clean is not None else None,
-                               generator=generator, forward=model, share=share,
-                               **(data.extras or ModeInputs()).for_batch(rows, generator, device))
+            if data.hard is not None:  # robust.mode=none with hard negatives (MegaPairs's loss)
+                terms = hard_negative_loss(model, ref[rows], text[rows], target[rows], *data.hard.batch(rows, device),
+                                           scale, share)
+            else:
+                terms = batch_loss(unwrapped, ref[rows], text[rows], target[rows], cfg.robust, scale,
+                                   after_warmup=after_warmup, clean_prior=clean[rows] if clean is not None else None,
+                                   generator=generator, forward=model, share=share,
+                                   **(data.extras or ModeInputs()).for_batch(rows, generator, device))
             check_finite_terms({k: v for k, v in terms.items() if k != "kept"}, step, where="triplet training")
             optimizer.zero_grad(set_to_none=True)
             accelerator.backward(terms["loss"])
