@@ -70,7 +70,7 @@ FREE_KEYS = frozenset({"run.output_dir", "run.device", "run.progress", "run.log_
                        "run.detection", "data.cache_dir", "data.encode_batch_size", *SPEED_ONLY_KEYS})
 """Settings a rerun may change without changing what the run computes (where and how fast it runs,
 what it logs); the data keys besides are free when the triplets' digest is compared instead."""
-DATA_KEYS = ("data.source", "data.path", "data.categories", "data.limit")
+DATA_KEYS = ("data.source", "data.path", "data.categories", "data.limit", "data.corpus")
 
 
 @dataclass
