@@ -43,7 +43,7 @@ import torch
 from demind.backbone import FrozenCLIP
 from demind.schema import BackboneConfig
 from benchmarks.exclusion_instrument import copy_atomic
-from demind.cli.common import report_error
+from demind.cli.common import add_debug_option, report_error
 from demind.config import ConfigError, load_config
 from demind.config_checks import check_output_key
 from demind.errors import DemindError, MissingInputError
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", dest="settings",
                    help="ExclMMConfig overrides for every run (after the variant's)")
     p.add_argument("--batch-size", type=int, default=256, help="evaluation batch size")
-    p.add_argument("--debug", action="store_true", help="a traceback above an error line")
+    add_debug_option(p)
     args = p.parse_args(argv)
     setup_logging()
     try:
