@@ -8,6 +8,7 @@ import pytest
 
 from demind.schema import BackboneConfig, ModelConfig
 from demind.config import ConfigError, load_config, save_config, to_dict
+from demind.settings import setting
 
 
 @dataclass
@@ -91,3 +92,56 @@ def test_rule_errors_name_key_value_origin_and_range(tmp_path):
     message = str(info.value)
     assert "'backbone.text_buckets' = 0 must be >= 1 (in " + str(path) + ")" in message
     assert "'model.num_blocks' = 0 must be >= 1 (command line)" in message
+
+
+# ---------------------------------------------------------------- a section that checks itself; outputs
+
+
+@dataclass
+class SelfChecked:
+    steps: int = setting(1, ge=1)
+
+    def __post_init__(self) -> None:
+        from demind.config import validate
+
+        validate(self)  # built in code too: the section checks itself (toyworld's configs do)
+
+
+@dataclass
+class WithSelfChecked:
+    inner: SelfChecked = field(default_factory=SelfChecked)
+
+
+def test_a_section_checking_itself_names_the_dotted_key_and_where_it_came_from():
+    with pytest.raises(ConfigError) as caught:
+        load_config(WithSelfChecked, None, ["inner.steps=0"])
+    assert caught.value.key == "inner.steps"
+    assert "'inner.steps' = 0" in str(caught.value) and "command line" in str(caught.value)  # before: 'steps', default
+
+
+@dataclass
+class Writes:
+    out: str | None = setting(None, output="dir")
+    report: str = setting("report.json", output="file")
+    keep: bool = False
+
+    def output_problems(self) -> list[tuple[str, str]]:
+        return [("out", "holds an earlier run; pass keep=true")] if not self.keep and self.out else []
+
+
+def test_the_command_check_probes_declared_outputs_then_asks_each_section(tmp_path, monkeypatch):
+    from demind.config_checks import check_command_config, declared_outputs
+
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(Writes)
+    assert declared_outputs(cfg) == [("report", "report.json", "file")]  # None: nothing written
+    check_command_config(cfg)
+    (tmp_path / "a-file").write_text("x")
+    for key, value in (("out", "a-file/sub"), ("report", "a-file/r.json"), ("report", "."), ("out", "/proc/demind-x")):
+        with pytest.raises(ConfigError) as caught:
+            check_command_config(load_config(Writes, None, [f"{key}={value}", "keep=true"]))
+        assert caught.value.key == key and f"'{key}'" in str(caught.value) and "Errno" not in str(caught.value)
+    with pytest.raises(ConfigError, match="config key 'out': holds an earlier run; pass keep=true"):
+        check_command_config(load_config(Writes, None, ["out=runs/x"]))
+    with pytest.raises(ValueError, match="output"):
+        setting(None, output="folder")
