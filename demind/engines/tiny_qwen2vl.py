@@ -78,7 +78,7 @@ def build_tiny_qwen2vl(output_dir: str | Path, seed: int = 0) -> Path:
                   spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
     config = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=vocab["<|image_pad|>"],
                            video_token_id=vocab["<|video_pad|>"], vision_start_token_id=vocab["<|vision_start|>"],
-                           vision_end_token_id=vocab["<|vision_end|>"], **text)
+                           vision_end_token_id=vocab["<|vision_end|>"], tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = Qwen2VLForConditionalGeneration(config).eval()
     model.generation_config.eos_token_id = vocab["<|im_end|>"]
@@ -123,13 +123,3 @@ def to_qwen2vl_hub_layout(folder: str | Path) -> None:
         data = json.loads(index.read_text(encoding="utf-8"))
         data["weight_map"] = {hub(k): v for k, v in data["weight_map"].items()}
         index.write_text(json.dumps(data, indent=2), encoding="utf-8")
-    # the Hub's config.json states M-RoPE as rope_scaling (what transformers 4 and vLLM read);
-    # transformers 5 writes rope_parameters only
-    config_path = folder / "config.json"
-    config = json.loads(config_path.read_text(encoding="utf-8"))
-    for section in (config, config.get("text_config", {})):
-        rope = section.get("rope_parameters") or {}
-        if "mrope_section" in rope and "rope_scaling" not in section:
-            section["rope_scaling"] = {"type": "mrope", "mrope_section": rope["mrope_section"]}
-            section.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
-    config_path.write_text(json.dumps(config, indent=2), encoding="utf-8")
