@@ -94,7 +94,12 @@ def generate_command(job: GenerateConfig) -> int:
         print(format_job_summary(summary))
         return 1 if summary.failed else 0
     # weights + KV cache + activations against the memory free now: one error line naming the setting, not an OOM kill
-    check_memory_before_loading(cfg.engine, cfg.run.device)
+    on_vllm_cpu = False
+    if cfg.engine.name == "vllm":
+        from demind.engines.vllm_engine import vllm_on_cpu
+
+        on_vllm_cpu = vllm_on_cpu()
+    check_memory_before_loading(cfg.engine, cfg.run.device, on_vllm_cpu)
     engine = build_engine(cfg.engine, cfg.sampling, device=cfg.run.device, seed=cfg.run.seed)
     print(f"engine {engine.name}: {engine.model_id}; prompts {prompts.version} ({prompts.sha}), mode {cfg.prompts.mode}",
           flush=True)

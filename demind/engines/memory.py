@@ -153,7 +153,17 @@ class WavePlanner:
 # Host memory an engine takes beyond weights, cache and activations: the Python processes with torch
 # imported (vLLM runs two: the front end and its engine core) and the processor.
 VLLM_CPU_BATCHED_TOKENS = 4096
+# vLLM's CPU build with engine.kv_cache_gib 0: room for this many sequences of max_model_len tokens
+CPU_KV_SEQUENCES = 64
 RUNTIME_BYTES = {"vllm": int(1.5 * GIB), "transformers": int(0.75 * GIB)}
+
+
+def cpu_kv_cache_bytes(kv_cache_gib: float, max_model_len: int, kv_bytes_per_token: int, available_bytes: int) -> int:
+    """KV cache bytes on vLLM's CPU build: ``kv_cache_gib`` when set, else room for
+    :data:`CPU_KV_SEQUENCES` sequences of ``max_model_len`` tokens, at most a quarter of ``available_bytes``."""
+    if kv_cache_gib > 0:
+        return int(kv_cache_gib * GIB)
+    return max(min(CPU_KV_SEQUENCES * max_model_len * kv_bytes_per_token, available_bytes // 4), 1)
 
 
 def dtype_bytes(dtype: str, on_cpu: bool) -> int:
@@ -212,8 +222,6 @@ def estimate_engine_memory(engine_cfg: Any, model_config: Any, *, on_cpu: bool, 
     text = text_config(model_config)
     per_token_act = (2 * text.intermediate_size + 4 * text.hidden_size) * width
     if engine_cfg.name == "vllm":
-        from demind.engines.vllm_engine import cpu_kv_cache_bytes
-
         kv = (cpu_kv_cache_bytes(engine_cfg.kv_cache_gib, max_model_len, per_token, available)  # as the engine sizes it
               if vllm_cpu else int(engine_cfg.kv_cache_gib * GIB))
         kv_setting = "engine.kv_cache_gib"
@@ -277,9 +285,10 @@ def check_engine_memory(engine_cfg: Any, model_config: Any, *, device: str, vllm
     return estimate
 
 
-def check_memory_before_loading(engine_cfg: Any, device: str) -> MemoryEstimate | None:
+def check_memory_before_loading(engine_cfg: Any, device: str, vllm_cpu: bool) -> MemoryEstimate | None:
     """:func:`check_engine_memory` for ``engine_cfg``'s model, read from its config.json alone (a local
-    folder or the Hub cache); None where that config cannot be read here (the engine says why when it loads)."""
+    folder or the Hub cache); None where that config cannot be read here (the engine says why when it loads).
+    ``vllm_cpu``: the vllm engine is vLLM's CPU build (:func:`demind.engines.vllm_engine.vllm_on_cpu`)."""
     from transformers import AutoConfig
 
     from demind.settings import resolve_device
@@ -289,9 +298,5 @@ def check_memory_before_loading(engine_cfg: Any, device: str) -> MemoryEstimate 
     except (OSError, ValueError) as e:
         logger.info("memory check skipped: %s's config cannot be read here (%s)", engine_cfg.model, str(e).splitlines()[0])
         return None
-    vllm_cpu = False
-    if engine_cfg.name == "vllm":
-        from demind.engines.vllm_engine import vllm_on_cpu
-
-        vllm_cpu = vllm_on_cpu()
-    return check_engine_memory(engine_cfg, model_config, device=resolve_device(device), vllm_cpu=vllm_cpu)
+    return check_engine_memory(engine_cfg, model_config, device=resolve_device(device),
+                               vllm_cpu=engine_cfg.name == "vllm" and vllm_cpu)

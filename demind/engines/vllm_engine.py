@@ -23,6 +23,7 @@ from packaging.version import Version
 from demind.config import ConfigError
 from demind.errors import DemindError, MissingDependencyError
 from demind.engines.config import EngineConfig, SamplingConfig
+from demind.engines.memory import cpu_kv_cache_bytes
 from demind.engines.base import GenRequest, GenResult, TokenScores, resolve_max_model_len
 
 logger = logging.getLogger(__name__)
@@ -33,8 +34,6 @@ INSTALL_HINT = (
     "to run without it, use the transformers engine: engine.name=transformers"
 )
 GIB = 1024**3
-# vLLM's CPU build with engine.kv_cache_gib 0: room for this many sequences of max_model_len tokens
-CPU_KV_SEQUENCES = 64
 # the transformers engine's settings, which vLLM has no use for (said once in the log when set)
 TRANSFORMERS_ONLY = ("batch_size", "cpu_threads", "prefix_store_bytes", "prefix_store_fraction")
 
@@ -79,14 +78,6 @@ def vllm_on_cpu() -> bool:
     except ImportError:
         return False
     return bool(current_platform.is_cpu())
-
-
-def cpu_kv_cache_bytes(kv_cache_gib: float, max_model_len: int, kv_bytes_per_token: int, available_bytes: int) -> int:
-    """KV cache bytes on vLLM's CPU build: ``kv_cache_gib`` when set, else room for
-    :data:`CPU_KV_SEQUENCES` sequences of ``max_model_len`` tokens, at most a quarter of ``available_bytes``."""
-    if kv_cache_gib > 0:
-        return int(kv_cache_gib * GIB)
-    return max(min(CPU_KV_SEQUENCES * max_model_len * kv_bytes_per_token, available_bytes // 4), 1)
 
 
 def vllm_llm_kwargs(engine_cfg: EngineConfig, *, seed: int, max_model_len: int, on_cpu: bool,
