@@ -42,6 +42,15 @@ RATES = (0.0, 0.5, 0.8)
 KINDS = ("easy", "hard", "tme")
 GRID_KINDS = ("tme", "hard")
 COMPARISONS = (("conesep", "small-loss"), ("conesep", "rcl"))  # the paper's claim; the new modules' worth
+ABLATIONS = ("conesep-nobtu", "conesep-nonbl", "conesep-nogfq")
+
+
+def mode_seeds(args, mode: str) -> list[int]:
+    """The seeds a mode runs on: ``--ablation-seeds`` for the ablation rows when given (the budget rule of
+    the design note), else ``--seeds``."""
+    return args.ablation_seeds if mode in ABLATIONS and args.ablation_seeds else args.seeds
+
+
 METRICS = ("R@1", "R@5", "R@10", "Rsubset@1", "Avg")
 
 
@@ -122,14 +131,14 @@ def run_all(args) -> None:
     backbone = build_backbone(base.backbone)
     test = TestSet(data_dir / "cirr", backbone, Path(base.data.cache_dir))
     todo = [(k, r) for k, r in conditions(args.rates, args.kinds)]
-    total = sum(len(args.clean_modes if r == 0 else args.modes) for _, r in todo) * len(args.seeds)
+    total = sum(len(mode_seeds(args, m)) for _, r in todo for m in (args.clean_modes if r == 0 else args.modes))
     done = 0
     started = time.perf_counter()
     for kind, rate in todo:
         cfg = replace(base, noise=replace(base.noise, rate=rate, kind=kind))
         data = None
         for mode in (args.clean_modes if rate == 0 else args.modes):
-            for seed in args.seeds:
+            for seed in mode_seeds(args, mode):
                 out = run_dir(args.workdir, kind, rate, mode, seed)
                 done += 1
                 if (out / "eval.json").is_file():
@@ -199,7 +208,7 @@ def paired_tests(a: dict[int, dict], b: dict[int, dict]) -> dict:
 
 
 def cell_results(args, kind: str, rate: float, mode: str) -> dict[int, dict]:
-    results = {s: load_result(args.workdir, kind, rate, mode, s) for s in args.seeds}
+    results = {s: load_result(args.workdir, kind, rate, mode, s) for s in mode_seeds(args, mode)}
     return {s: r for s, r in results.items() if r is not None}
 
 
@@ -227,6 +236,7 @@ def aggregate(args) -> dict:
             rows.append(row)
     return {"rows": rows, "gate": gate(rows), "claim": claim(rows), "settings": {
         "train_sets": args.train_sets, "test_sets": args.test_sets, "epochs": args.epochs, "seeds": args.seeds,
+        "ablation_seeds": args.ablation_seeds,
         "overrides": args.set}}
 
 
@@ -354,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--test-sets", type=int, default=1500)
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--ablation-seeds", type=int, nargs="+", default=None,
+                        help="seeds of the ablation rows (default: --seeds)")
     parser.add_argument("--modes", nargs="+", default=list(GRID_MODES), choices=MODES)
     parser.add_argument("--clean-modes", nargs="+", default=["none"], choices=MODES,
                         help="modes trained at 0 %% noise (the gate's reference)")

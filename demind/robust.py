@@ -219,13 +219,20 @@ def nbl_target_oriented(negative: torch.Tensor, targets: torch.Tensor, scale: fl
 
 
 def nbl_fixed_band(query: torch.Tensor, negative: torch.Tensor, scale: float,
-                   band: tuple[float, float] = SLACK_BAND) -> torch.Tensor:
-    """The code's ``query_oriented_learning`` on each query's own negative: c_i = scale * cos(F_c_i, F_neg_i),
-    loss = mean_i relu(c_i - scale * hi) + relu(scale * lo - c_i), (lo, hi) = (-0.007, -0.002); the query
-    is not detached (both sides move). (The code's tensors broadcast to every (i, j) pair and every
-    feature coordinate; the own pair's cosine is what its name and the paper's Eq. 7 say.)"""
+                   band: tuple[float, float] = SLACK_BAND, pairs: str = "code") -> torch.Tensor:
+    """The code's ``query_oriented_learning``: a fixed band (lo, hi) = (-0.007, -0.002) on scale * c,
+    loss = mean relu(c - scale * hi) + relu(scale * lo - c); the query is not detached (both sides move).
+
+    pairs="code": c as the code computes it, ``sum(S * S_no, dim=1)`` on S (B, 1, 1, D) and S_no (B, D),
+    which broadcasts to c_ijk = scale * F_c[i, k] * F_neg[j, k], every (i, j) pair and coordinate k,
+    averaged over B * B * D terms. pairs="own": c_i = scale * cos(F_c_i, F_neg_i), each query's own
+    negative (what the function's name and the paper's Eq. 7 describe), averaged over B.
+    query, negative: (B, D) L2-normalised."""
     lo, hi = band
-    c = scale * (query * negative).sum(-1)
+    if pairs == "own":
+        c = scale * (query * negative).sum(-1)
+    else:
+        c = scale * query.unsqueeze(1) * negative.unsqueeze(0)  # (B, B, D)
     return (F.relu(c - scale * hi) + F.relu(scale * lo - c)).mean()
 
 

@@ -65,6 +65,17 @@ def test_fixed_slack_band_on_the_own_pair():
     cos = torch.tensor([0.0, -0.005, -0.5])  # above the band, inside it, below it
     negative = torch.stack([cos, (1 - cos ** 2).sqrt()], dim=1)
     expected = SCALE * (0.002 + 0.0 + (0.5 - 0.007)) / 3
+    assert nbl_fixed_band(query, negative, SCALE, pairs="own").item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_fixed_slack_band_as_the_codes_tensors_broadcast():
+    from demind.robust import nbl_fixed_band
+
+    query = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    negative = torch.tensor([[0.6, 0.8], [-0.8, 0.6]])
+    # products q_ik * n_jk over (i, j, k): 0.6, 0, -0.8, 0 | 0, 0.8, 0, 0.6; each above -0.002 costs
+    # v + 0.002, each below -0.007 costs -0.007 - v: 0.602 + 0.002 + 0.793 + 0.002 + 0.002 + 0.802 + 0.002 + 0.602
+    expected = SCALE * 2.807 / 8
     assert nbl_fixed_band(query, negative, SCALE).item() == pytest.approx(expected, rel=1e-5)
 
 

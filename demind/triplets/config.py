@@ -77,6 +77,8 @@ class TripletRobustConfig:
                             "offset + a negation phrase + the text, the code) or prompt (P_neg replaces the text)")
     nbl: str = setting("authors", choices=("authors", "siglip"), help="authors: target-oriented loss on softmax "
                        "probabilities (nu, warm-up only) + fixed slack band (zeta); siglip: our push + batch band")
+    band: str = setting("code", choices=("code", "own"), help="nbl=authors' slack band on every pair's "
+                        "coordinate products (the code's broadcast) or on each query's own cos(F_c, F_neg)")
     gamma: float = setting(0.7, ge=0, le=1, help="BTU soft-label fusion")
     zeta: float = setting(0.8, ge=0, help="NBL weight (authors: the slack band's; the code: 0.8)")
     nu: float = setting(0.5, ge=0, help="authors: the target-oriented term's weight; siglip: the band's in L_intra")

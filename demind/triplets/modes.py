@@ -27,8 +27,9 @@ noise detector.
   - NBL's negative (``negative``): ``phrase``, F_neg = f(r, e(negation phrase + m) + P_neg), P_neg a
     learnable offset starting at 0 (the code's negative query tokens start as a copy of the query
     tokens and read "<phrase> <modification>"); ``prompt``: F_neg = f(r, P_neg).
-  - NBL's losses (``nbl``): ``authors``, L_intra = the fixed slack band on cos(F_c, F_neg)
-    (:func:`demind.robust.nbl_fixed_band`, weight zeta = 0.8, every epoch) and L_inter = the
+  - NBL's losses (``nbl``): ``authors``, L_intra = the fixed slack band
+    (:func:`demind.robust.nbl_fixed_band`, weight zeta = 0.8, every epoch; ``band=code``: on every
+    pair's coordinate products, as the code's tensors broadcast; ``band=own``: on cos(F_c_i, F_neg_i)) and L_inter = the
     target-oriented loss on softmax probabilities (:func:`demind.robust.nbl_target_oriented`, weight
     nu = 0.5, warm-up epochs only); ``siglip``: our L_intra = SigLIP push + nu * batch band
     (:func:`demind.robust.nbl_loss`), weight zeta, every epoch.
@@ -262,7 +263,7 @@ def batch_loss(model, ref: torch.Tensor, text: torch.Tensor, target: torch.Tenso
         terms["intra"] = nbl_loss(negative, target_n, query, cfg.nu)
         loss = loss + cfg.zeta * terms["intra"]
     elif cfg.mode in NBL_MODES:
-        terms["intra"] = nbl_fixed_band(query, negative, scale)
+        terms["intra"] = nbl_fixed_band(query, negative, scale, pairs=cfg.band)
         loss = loss + cfg.zeta * terms["intra"]
         if not after_warmup:
             terms["inter"] = nbl_target_oriented(negative, target_n, scale)
