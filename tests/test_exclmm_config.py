@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from demind.cli import train_exclmm as cli
 from demind.config import ConfigError, load_config
@@ -122,3 +123,23 @@ def test_phases_stop_on_the_plateau_and_say_so(repo_root, tmp_path):
     assert (run / "stage1.safetensors").is_file()  # the "stage 1 only" model, written as stage 2 began
     # the plateau settings define the weights: another stop.window in the same folder is refused
     assert cli.main(args(repo_root, root / "train", run, "stop.window=4", "stop.tol=0.9")) == 2
+
+
+def test_stage1_export_is_the_stage_1_only_model(repo_root, tmp_path):
+    """The model written when stage 2 begins equals, weight for weight, a run with query.steps=0 (the
+    "stage 1 only" ablation), so the benchmark reads that row from the full run instead of training it."""
+    from safetensors.torch import load_file
+
+    from benchmarks.synthetic import write_synthetic_coco
+    from demind.exclcoco_builder import ExclCocoConfig, build_exclcoco
+
+    root = tmp_path / "data"
+    instances, captions, images = write_synthetic_coco(root / "coco", 24, split="train", seed=5, write_images=True)
+    build_exclcoco(instances, captions, root / "train", images, ExclCocoConfig(caption_min_images=3), split="train")
+    assert cli.main(args(repo_root, root / "train", tmp_path / "full")) == 0
+    assert cli.main(args(repo_root, root / "train", tmp_path / "s1", "query.steps=0")) == 0
+    stage1 = load_file(tmp_path / "full" / "stage1.safetensors")
+    alone = load_file(tmp_path / "s1" / "exclmm.safetensors")
+    full = load_file(tmp_path / "full" / "exclmm.safetensors")
+    assert stage1.keys() == alone.keys() and all(torch.equal(stage1[k], alone[k]) for k in alone)
+    assert not all(torch.equal(stage1[k], full[k]) for k in full)  # stage 2 moved F_theta
