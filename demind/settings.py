@@ -105,8 +105,15 @@ def device_setting(default: str = "auto") -> Any:
 def threads_setting() -> Any:
     """``run.threads``: torch's CPU threads for the command, set before its first tensor op
     (:func:`demind.cli.common.apply_threads`)."""
-    return setting(0, ge=0, help="torch CPU threads (0: torch's default, one per core); 1 keeps batch-1 "
-                                 "queries steady on a machine busy with other work (BENCHMARKS.md, search)")
+    # bounded: torch starts every thread asked for on its first op (100,000 crashed the process with a
+    # segmentation fault, after the model had loaded); more threads than cores only contend
+    return setting(0, ge=0, le=MAX_THREADS, help="torch CPU threads (0: torch's default, one per core); 1 keeps "
+                                                 "batch-1 queries steady on a machine busy with other work "
+                                                 "(BENCHMARKS.md, search)")
+
+
+MAX_THREADS = 1024
+"""The most threads a ``run.threads`` key takes (4,096 ran; 100,000 crashed torch's thread pool)."""
 
 
 def resolve_device(name: str) -> str:

@@ -19,6 +19,7 @@ import importlib
 import json
 import logging
 import os
+import re
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -875,6 +876,52 @@ ROWS += [Row(script, case, lambda i, args=args, settings=settings: [*args(i), f"
          for case, (settings, names) in MLLM_STORE_CASES.items()]
 
 
+def weights_gone(i: Inputs) -> Path:
+    """A checkpoint whose backbone weights file was deleted after training (nowhere to be found)."""
+    from demind.backbone import FrozenCLIP
+    from demind.checkpoint import save_checkpoint
+    from demind.model import DeMinds
+    from demind.schema import BackboneConfig, ModelConfig
+
+    folder = i.folder("ckpt-weights-gone")
+    torch.save(FrozenCLIP(BackboneConfig(name=str(TINY_CLIP), pretrained=None)).model.state_dict(), folder / "gone.pt")
+    backbone = FrozenCLIP(BackboneConfig(name=str(TINY_CLIP), pretrained=str(folder / "gone.pt")))
+    path = save_checkpoint(folder / "tiny.safetensors", DeMinds(ModelConfig(num_queries=2, num_blocks=1, num_heads=4,
+                                                                             mapping_hidden=16), backbone))
+    (folder / "gone.pt").unlink()
+    return path
+
+
+def without_vllm(i: Inputs, monkeypatch) -> None:
+    import demind.cli.model_options as model_options
+
+    monkeypatch.setattr(model_options, "vllm_installed", lambda: False)
+
+
+ROWS += [
+    Row("demind-serve", "more threads than can start", lambda i: ["--index", str(i.root / "ix"), *ckpt(i), "--threads",
+                                                                  "100000"], lambda i: ["threads", "100000"]),
+    Row("demind-serve", "a timeout beyond a lock's longest wait", lambda i: ["--index", str(i.root / "ix"), *ckpt(i),
+                                                                             "--timeout", "1e12"],
+        lambda i: ["timeout", "1000000000000.0"]),
+    Row("demind-serve", "--images of another folder than the index's",
+        lambda i: ["--images", str(i.write("gallery-other/a.png", (i.gallery / "img0.png").read_bytes()).parent),
+                   "--index", str(i.index("sv-other")), "run.progress=false", *ckpt(i)],
+        lambda i: ["sv-other", "--new-folder"]),
+    Row("demind-index", "the index is the image folder",
+        lambda i: ["--images", str(i.write("gallery-self/a.png", (i.gallery / "img0.png").read_bytes()).parent),
+                   "--index", str(i.root / "gallery-self"), *ckpt(i)], lambda i: ["gallery-self", "image folder"]),
+    Row("demind-publish", "the backbone weights file is gone",
+        lambda i: ["--checkpoint", str(weights_gone(i)), "--out", str(i.root / "pub-gone")],
+        lambda i: ["gone.pt", "put that file back"]),
+    *[Row(script, "engine.name=vllm without the vLLM package", lambda i, args=args: [*args(i), "engine.name=vllm",
+                                                                                       "engine.model=some/llava"],
+          lambda i: ["engine.name", "vLLM package"], patch=without_vllm)
+      for script, args in [*((s, a) for s, a in ENGINE_COMMANDS.items() if s != "demind-generate"),
+                           ("demind-serve", lambda i: ["--index", str(i.root / "ix"), *ckpt(i)])]],
+]
+
+
 @contextlib.contextmanager
 def file_size_limit(limit: int | None):
     """Run the block as under ``ulimit -f`` (Python ignores SIGXFSZ: a write past it fails with EFBIG)."""
@@ -910,6 +957,30 @@ def command_main(script: str) -> Callable[[list[str]], int]:
     return getattr(importlib.import_module(module), name)
 
 
+# a clause that names another tool: the flags after it are that tool's ("demind-index --images DIR", "pip install")
+OTHER_TOOL = re.compile(r"demind-[a-z-]+|python -m|python \S+\.py|pip install|setup\.sh|accelerate|torchrun|"
+                        r"img2dataset|\bgit\b")
+
+
+def flags_named(message: str) -> list[str]:
+    """The ``--flags`` a message tells the user to give to the command it came from: every ``--flag``
+    except those in a clause (after the last ``;``, ``:``, ``(`` or sentence end) naming another tool."""
+    named = []
+    for match in re.finditer(r"(?<![\w-])--[a-z][a-z0-9-]*", message):
+        clause = re.split(r"[;:(]|\. ", message[:match.start()])[-1]
+        if not OTHER_TOOL.search(clause):
+            named.append(match.group(0))
+    return named
+
+
+def command_flags(script: str) -> set[str] | None:
+    """Every option string of the command's parser (None: a command without ``build_parser``)."""
+    module = importlib.import_module(SCRIPTS[script].split(":")[0])
+    if not hasattr(module, "build_parser"):
+        return None
+    return {option for action in module.build_parser()._actions for option in action.option_strings} | {"--debug"}
+
+
 def test_every_console_script_has_rows():
     assert sorted(SCRIPTS) == sorted({row.script for row in ROWS})
 
@@ -937,6 +1008,9 @@ def test_bad_input(row: Row, inputs: Inputs, capsys, caplog, monkeypatch):
         assert len(errors) == 1, captured.err
         for name in names:
             assert name in errors[0], f"{name!r} not in {errors[0]!r}"
+        flags = command_flags(row.script)  # an error that names a flag names one this command has
+        if flags is not None:
+            assert set(flags_named(errors[0])) <= flags, f"{row.script} has no {set(flags_named(errors[0])) - flags}"
     else:
         assert status in row.codes, f"exit {status}; stderr: {captured.err[-800:]}"
         said = caplog.text + captured.out + captured.err

@@ -47,6 +47,8 @@ class ServeConfig(QueryModelOptions):
                                                 "work folder (--quickstart alone: runs/quickstart)")
     index: str | None = setting(None, help="index folder (built by demind-index, or here from images)")
     images: str | None = setting(None, help="build or update the index from this folder first")
+    new_folder: bool = setting(False, help="with --images: let an index built from another folder follow it (drops "
+                                           "the files only in the old folder), as demind-index --new-folder")
     ranker: str = setting("exact", choices=RANKERS,
                           help="how the gallery is ranked: exact matrix product, or FAISS (pip install -e "
                                "'.[search]'); the start-up line and the page say which, and what recall@10 to expect")
@@ -62,11 +64,16 @@ class ServeConfig(QueryModelOptions):
     threads: int = setting(4, ge=1, le=MAX_THREADS, help="worker threads (queries take the one model in turn: more "
                                                          "threads wait, they do not answer faster)")
 
+    def config_problems(self) -> list[tuple[str, str]]:
+        if self.new_folder and not (self.images or self.quickstart):
+            return [("new_folder", "applies to the index built from --images: add --images DIR, or leave it out")]
+        return []
+
 
 FLAGS = {**MODEL_FLAGS, "--quickstart": Flag("quickstart", const="runs/quickstart", optional_value=True),
          **{f"--{name}": Flag(name) for name in ("index", "images", "ranker", "host", "port", "token", "timeout",
                                                   "threads")},
-         "--allowed-host": Flag("allowed_hosts", many=True)}
+         "--allowed-host": Flag("allowed_hosts", many=True), "--new-folder": Flag("new_folder")}
 TOKEN_ENV = "DEMIND_SERVE_TOKEN"
 
 
@@ -121,7 +128,7 @@ def run(args: ServeConfig) -> int:
         print(f"compiling the query (run.query_mode={args.run.query_mode}; about a minute on a CPU) ...", flush=True)
         model.warm_up()
     if args.images:
-        stats = build_index(args.images, args.index, backbone, progress=args.run.progress)
+        stats = build_index(args.images, args.index, backbone, progress=args.run.progress, new_root=args.new_folder)
         print(f"index {args.index}: {stats.indexed} images ({stats.encoded} encoded, {stats.cached} reused, "
               f"{len(stats.unreadable)} unreadable)")
     try:

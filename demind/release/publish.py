@@ -34,7 +34,7 @@ from typing import Any
 import yaml
 
 from demind.schema import BackboneConfig
-from demind.checkpoint import (BACKBONE_DIR, BACKBONE_FILES_KEY, CHECKPOINT_FILE, CheckpointSource,
+from demind.checkpoint import (BACKBONE_DIR, BACKBONE_FILES_KEY, CHECKPOINT_FILE, CheckpointError, CheckpointSource,
                                read_checked_tensors, read_checkpoint_metadata, resolve_backbone_files,
                                resolve_checkpoint, write_checkpoint)
 from demind.config import to_dict
@@ -106,7 +106,7 @@ def checkpoint_evaluations(checkpoint: Path, meta: dict[str, Any], results: list
         limit = parsed.get("limit")
         if limit is not None and explicit:
             raise PublishError(f"results {path} is a limited run (demind-eval --limit {limit}: the first {limit} "
-                               "queries only), not the model's result; evaluate without --limit and give that "
+                               "queries only), not the model's result; run demind-eval without --limit and give that "
                                "results.json")
         if limit is not None:
             shown = path.relative_to(checkpoint.parent).as_posix() if path.is_relative_to(checkpoint.parent) \
@@ -144,7 +144,12 @@ def _copy_backbone_files(meta: dict[str, Any], source: Path, out: Path) -> tuple
     backbone config as the published checkpoint records it (paths relative to ``out``) and its
     backbone files record."""
     identity = canonical_identity(meta["backbone_identity"])  # older records: file:NAME@sha256:HEX
-    cfg = resolve_backbone_files(meta, source)  # CheckpointError naming a weights file that is nowhere
+    try:
+        cfg = resolve_backbone_files(meta, source)
+    except CheckpointError as e:  # a weights file that is nowhere: its advice (--backbone) is the loaders'
+        head = str(e).split("; give --backbone", 1)[0]
+        raise PublishError(f"{head}; put that file back where the run had it, or beside the checkpoint, and publish "
+                           f"again (the published folder must carry it)") from None
     published, files = to_dict(cfg), {"name": None, "pretrained": None, "model_config": None}
     if cfg.name.endswith(".json"):
         if not Path(cfg.name).is_file():
