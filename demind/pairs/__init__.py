@@ -15,15 +15,13 @@ from demind.lazy import lazy_exports
 
 if TYPE_CHECKING:  # the same names for static tools and go-to-definition (tests/test_lazy_faces.py keeps them equal)
     from demind.pairs.config import SIGNALS, MinePairsConfig
-    from demind.pairs.corpus import (
-        Corpus, CorpusMismatchError, check_same_corpus, corpus_record, open_corpus, shards_record)
-    from demind.pairs.manifest import PAIRS_MANIFEST, read_pairs_manifest
+    from demind.pairs.corpus import Corpus, check_same_corpus, corpus_record, open_corpus, shards_record
+    from demind.pairs.manifest import PAIRS_MANIFEST, CorpusMismatchError, read_pairs_manifest
 
 __getattr__, __dir__ = lazy_exports(__name__, {
     "demind.pairs.config": ["SIGNALS", "MinePairsConfig"],
-    "demind.pairs.corpus": ["Corpus", "CorpusMismatchError", "check_same_corpus", "corpus_record", "open_corpus",
-                            "shards_record"],
-    "demind.pairs.manifest": ["PAIRS_MANIFEST", "read_pairs_manifest"],
+    "demind.pairs.corpus": ["Corpus", "check_same_corpus", "corpus_record", "open_corpus", "shards_record"],
+    "demind.pairs.manifest": ["PAIRS_MANIFEST", "CorpusMismatchError", "read_pairs_manifest"],
 })
 
 __all__ = ["PAIRS_MANIFEST", "SIGNALS", "Corpus", "CorpusMismatchError", "MinePairsConfig", "check_same_corpus",

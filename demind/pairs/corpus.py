@@ -25,14 +25,11 @@ from typing import Any, Callable
 
 from PIL import Image
 
-from demind.errors import DemindError, InputError
+from demind.errors import InputError
 from demind.features import shard_fingerprint
+from demind.pairs.manifest import CorpusMismatchError, read_pairs_manifest
 from demind.retrieval import ImageReadError, ImageRef, file_version, load_image
 from demind.shard_format import CAPTION_FIELD, IMAGE_FIELDS, resolve_shards, shard_name
-
-
-class CorpusMismatchError(DemindError, ValueError):
-    """Pairs or triplets made from another corpus (or backbone) than the one given."""
 
 
 def corpus_record(spec: str, setting: str = "--input") -> dict[str, Any]:
@@ -166,8 +163,6 @@ def open_corpus(manifest: dict[str, Any] | str | Path, corpus: str | None = None
     ``corpus``: where the corpus lies now, if it moved (a folder or brace pattern); it must hold the
     same content (digest), else :class:`CorpusMismatchError` naming both."""
     if not isinstance(manifest, dict):
-        from demind.pairs.manifest import read_pairs_manifest
-
         manifest = read_pairs_manifest(manifest)
     recorded = manifest["corpus"]
     if corpus:

@@ -15,9 +15,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from demind.errors import InputError
+from demind.errors import DemindError, InputError
 from demind.io import write_json_atomic
-from demind.pairs.corpus import CorpusMismatchError
+
+class CorpusMismatchError(DemindError, ValueError):
+    """Pairs or triplets made from another corpus (or backbone, or recipe) than the one given."""
+
 
 PAIRS_MANIFEST = "pairs_manifest.json"
 PAIRS_FORMAT = "demind-pairs/1"
