@@ -153,6 +153,14 @@ def _(tmp: Path, request) -> None:
     assert set(out["overhead_breakdown_ms_per_sample"]) == {"read", "decode_resize", "prompt_render_2_stages", "write"}
 
 
+@row("benchmarks.bench_triplet_gen")
+def _(tmp: Path, request) -> None:
+    run("benchmarks.bench_triplet_gen", ["--pairs", 2, "--modes", "each", "--json", tmp / "o.json"])
+    out = read_json(tmp / "o.json")["runs"]["transformers/each"]
+    assert out["pairs"] == 2 and out["calls_per_pair"]["describe"] >= 1 and out["calls_per_pair"]["instruct"] >= 3
+    positive([out["pairs_per_s"], out["prompt_tokens_per_pair"]["describe"], out["output_tokens_per_pair"]["instruct"]])
+
+
 @row("benchmarks.bench_describers")
 def _(tmp: Path, request) -> None:
     run("benchmarks.bench_describers", ["--queries", 2, "--batch", 2, "--k", 2, "--json", tmp / "o.json"])
