@@ -188,8 +188,11 @@ def test_bad_input_is_one_clear_line(repo_root, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_killed_run_resumes_to_the_same_weights(repo_root, train_split, tmp_path):
-    steps = ["sae.steps=60", "space.steps=60", "query.steps=60", "run.save_every=3"]
+@pytest.mark.parametrize("stop", [[], ["stop.window=6", "stop.tol=0.01"]], ids=["fixed-steps", "plateau-rule"])
+def test_killed_run_resumes_to_the_same_weights(repo_root, train_split, tmp_path, stop):
+    """With the plateau rule too: its window means are saved with the state, so the resumed run
+    stops each phase at the same step as the uninterrupted one."""
+    steps = ["sae.steps=60", "space.steps=60", "query.steps=60", "run.save_every=3", *stop]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo_root))
     command = [sys.executable, "-m", "demind.cli.train_exclmm"]
     reference = tmp_path / "uninterrupted"
@@ -215,7 +218,9 @@ def test_killed_run_resumes_to_the_same_weights(repo_root, train_split, tmp_path
     # the log too: lines logged after the last saved state are dropped and logged again, same means
     logged = [[{k: v for k, v in json.loads(line).items() if k != "rows_per_s"}
                for line in (run / "metrics.jsonl").read_text().splitlines()] for run in (reference, killed)]
-    assert logged[0] == logged[1] and len(logged[0]) == 3 * 60 // 4
+    assert logged[0] == logged[1] and (stop or len(logged[0]) == 3 * 60 // 4)
+    phases = [json.loads((run / "phases.json").read_text()) for run in (reference, killed)]
+    assert phases[0] == phases[1]
 
 
 def test_features_reused_from_their_record_and_recomputed_after_a_stop_before_it(train_split, tiny_backbone,
