@@ -62,8 +62,8 @@ class SpaceConfig:
     top_t: int = setting(32, ge=1, help="Top_t of the masks (at most sae.code_dim)")
     zc_mask: bool = True            # False: mask = Top_t only (the "without z_c" ablation)
     # the paper's forms beside the earlier variants (demind/exclmm/__init__.py). The defaults are the
-    # earlier variants: on the exclusion instrument they beat the paper's form on every seed on
-    # exclusion AUC and AP@5 (docs/negation.md, "ExclMM on the exclusion instrument")
+    # earlier variants, chosen on a comparison that under-trained the paper's form at tau = 1
+    # (docs/lab-notes/exclmm-held-out.md); not measured against it again since
     contrastive: str = setting("dot", choices=CONTRASTIVE_FORMS,
                                help="Eq. 12: paper = l2-normalised, symmetric; dot = unnormalised dot product")
     image_mask: str = setting("top_t", choices=IMAGE_MASKS,
