@@ -119,7 +119,8 @@ def plot_curves(work: Path, runs: dict) -> list[Path]:
         for ax, phase in zip(axes, ("sae", "space", "query")):
             ax.set_title(phase, fontsize=9)
             ax.set_xlabel("phase step")
-        axes[0].set_ylabel("loss (mean of 100 steps)")
+            ax.set_yscale("log")  # the first window's loss is many times the last one's
+        axes[0].set_ylabel("loss (mean of the logged window)")
         axes[2].legend(fontsize=6)
         fig.suptitle(name, fontsize=10)
         fig.tight_layout()
