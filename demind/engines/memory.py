@@ -158,12 +158,15 @@ CPU_KV_SEQUENCES = 64
 RUNTIME_BYTES = {"vllm": int(1.5 * GIB), "transformers": int(0.75 * GIB)}
 
 
-def cpu_kv_cache_bytes(kv_cache_gib: float, max_model_len: int, kv_bytes_per_token: int, available_bytes: int) -> int:
+def cpu_kv_cache_bytes(kv_cache_gib: float, max_model_len: int, kv_bytes_per_token: int, available_bytes: int,
+                       weight_bytes: int = 0) -> int:
     """KV cache bytes on vLLM's CPU build: ``kv_cache_gib`` when set, else room for
-    :data:`CPU_KV_SEQUENCES` sequences of ``max_model_len`` tokens, at most a quarter of ``available_bytes``."""
+    :data:`CPU_KV_SEQUENCES` sequences of ``max_model_len`` tokens, at most a quarter of what
+    ``available_bytes`` leaves once the model's ``weight_bytes`` are loaded (a quarter of the memory
+    before loading would give a 7B's cache a quarter of its 14 GiB of weights too, which no host spares)."""
     if kv_cache_gib > 0:
         return int(kv_cache_gib * GIB)
-    return max(min(CPU_KV_SEQUENCES * max_model_len * kv_bytes_per_token, available_bytes // 4), 1)
+    return max(min(CPU_KV_SEQUENCES * max_model_len * kv_bytes_per_token, max(available_bytes - weight_bytes, 0) // 4), 1)
 
 
 def dtype_bytes(dtype: str, on_cpu: bool) -> int:
@@ -222,7 +225,7 @@ def estimate_engine_memory(engine_cfg: Any, model_config: Any, *, on_cpu: bool, 
     text = text_config(model_config)
     per_token_act = (2 * text.intermediate_size + 4 * text.hidden_size) * width
     if engine_cfg.name == "vllm":
-        kv = (cpu_kv_cache_bytes(engine_cfg.kv_cache_gib, max_model_len, per_token, available)  # as the engine sizes it
+        kv = (cpu_kv_cache_bytes(engine_cfg.kv_cache_gib, max_model_len, per_token, available, weights)  # as the engine
               if vllm_cpu else int(engine_cfg.kv_cache_gib * GIB))
         kv_setting = "engine.kv_cache_gib"
         # one scheduler step runs up to max_num_batched_tokens (vLLM's default for LLM on CPU: 4096), at
@@ -252,8 +255,10 @@ def memory_shortfall(estimate: MemoryEstimate, available: int, engine_cfg: Any, 
     elif engine_cfg.name != "vllm" and estimate.kv_cache + estimate.activations > short and engine_cfg.batch_size > 1:
         per_row = (estimate.kv_cache - engine_cfg.prefix_store_bytes + estimate.activations) / engine_cfg.batch_size
         fit = int((available - estimate.weights - estimate.runtime - engine_cfg.prefix_store_bytes) // per_row)
+        one = estimate.weights + estimate.runtime + engine_cfg.prefix_store_bytes + per_row
         fix = (f"lower engine.batch_size to {fit}" if fit >= 1 else
-               "lower engine.prefix_store_bytes or engine.max_model_len")
+               f"even engine.batch_size=1 needs about {one / GIB:.1f} GiB: free memory first"
+               + (" or lower engine.prefix_store_bytes" if engine_cfg.prefix_store_bytes else ""))
     else:
         fix = "lower engine.max_model_len, or free memory"
     return head + fix

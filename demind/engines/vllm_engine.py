@@ -233,14 +233,17 @@ class VLLMEngine:
             return int(engine_cfg.kv_cache_gib * GIB) if engine_cfg.kv_cache_gib > 0 else None
         import psutil
 
-        from demind.engines.memory import kv_bytes_per_token
+        from demind.engines.memory import kv_bytes_per_token, parameter_count
 
         dtype_bytes = 2 if engine_cfg.dtype in ("bfloat16", "float16") else 4
+        available = psutil.virtual_memory().available  # before the weights load: their bytes are taken off
+        weights = parameter_count(model_config) * dtype_bytes if engine_cfg.kv_cache_gib <= 0 else 0
         size = cpu_kv_cache_bytes(engine_cfg.kv_cache_gib, self.max_model_len,
-                                  kv_bytes_per_token(model_config, dtype_bytes), psutil.virtual_memory().available)
+                                  kv_bytes_per_token(model_config, dtype_bytes), available, weights)
         logger.info("vLLM's CPU build: a KV cache of %.3f GiB (engine.kv_cache_gib%s); engine.gpu_memory_utilization "
                     "is a GPU setting and is not passed on", size / GIB,
-                    "" if engine_cfg.kv_cache_gib > 0 else " 0: 64 sequences of max_model_len tokens")
+                    "" if engine_cfg.kv_cache_gib > 0 else " 0: 64 sequences of max_model_len tokens, at most a quarter "
+                    "of the memory the weights leave")
         return size
 
     @property
