@@ -46,7 +46,7 @@ class EngineConfig:
     gpu_memory_utilization: float = setting(0.9, gt=0, le=1)
     # GiB of KV cache (per GPU with tensor parallelism): vLLM's kv_cache_memory_bytes, on a GPU and
     # on vLLM's CPU build alike. 0 = on a GPU, what gpu_memory_utilization leaves; on the CPU build,
-    # room for 64 sequences of max_model_len tokens, at most a quarter of the memory available.
+    # room for 64 sequences of max_model_len tokens, at most a quarter of the memory the weights leave.
     kv_cache_gib: float = setting(0.0, ge=0)
     enforce_eager: bool = False  # no CUDA graphs (GPU) / no torch.compile of the model (vLLM's CPU build)
 
