@@ -134,18 +134,23 @@ def run_all(args) -> None:
     total = sum(len(mode_seeds(args, m)) for _, r in todo for m in (args.clean_modes if r == 0 else args.modes))
     done = 0
     started = time.perf_counter()
-    for kind, rate in todo:
-        cfg = replace(base, noise=replace(base.noise, rate=rate, kind=kind))
-        data = None
-        for mode in (args.clean_modes if rate == 0 else args.modes):
-            for seed in mode_seeds(args, mode):
+    loaded: dict[tuple[str, float], object] = {}  # every mode's inputs (negated texts, pixel-noise pool), per cell
+    # seed-major: each seed's whole grid before the next seed's, so a grid cut short still covers every cell
+    for seed in sorted({s for _, r in todo for m in (args.clean_modes if r == 0 else args.modes)
+                        for s in mode_seeds(args, m)}):
+        for kind, rate in todo:
+            cfg = replace(base, noise=replace(base.noise, rate=rate, kind=kind))
+            for mode in (args.clean_modes if rate == 0 else args.modes):
+                if seed not in mode_seeds(args, mode):
+                    continue
                 out = run_dir(args.workdir, kind, rate, mode, seed)
                 done += 1
                 if (out / "eval.json").is_file():
                     continue
-                # every mode's inputs (negated texts, pixel-noise pool) loaded once per cell
-                data = data if data is not None else load_training_data(
-                    replace(cfg, robust=replace(cfg.robust, mode="conesep")), backbone)
+                if (kind, rate) not in loaded:
+                    loaded[kind, rate] = load_training_data(replace(cfg, robust=replace(cfg.robust, mode="conesep")),
+                                                            backbone)
+                data = loaded[kind, rate]
                 run_cfg = replace(cfg, robust=replace(cfg.robust, mode=mode),
                                   run=replace(cfg.run, seed=seed, output_dir=str(out)))
                 t0 = time.perf_counter()

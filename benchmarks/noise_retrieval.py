@@ -13,7 +13,8 @@ and benchmarks (copied once; the source is only read).
 Resumable: each finished cell is written to ``<out>/results.json`` atomically and skipped on a
 rerun; a killed training resumes from its checkpoint. Prints mean ± std over seeds per (kind,
 mode, rate), a paired sign test of each mode against mode none on the same toy-CIRR queries
-(hit@10; discordant queries summed over seeds), and writes ``<out>/noise_retrieval.png``.
+(hit@10, per seed, over toy CIRR sets: :func:`demind.eval.paired_per_seed`), and writes
+``<out>/noise_retrieval.png``.
 """
 
 from __future__ import annotations
@@ -53,24 +54,28 @@ def run_cell(out: Path, cfg, backbone, log_scale: float, kind: str, rate: float,
 
 
 def paired_vs_none(cells: dict[str, Any], kind: str, rate: float, mode: str, seeds: list[int]) -> dict[str, Any] | None:
-    """Mode vs none on the same toy-CIRR queries, hit@10: queries only the mode hits : only none hits,
-    summed over seeds, and the exact sign test's p on the sums."""
+    """Mode vs none on the same toy-CIRR queries, hit@10, one test per seed (never counts summed over
+    seeds): per-query differences averaged within each CIRR image set (its queries share their
+    images: the set is the independent unit), exact sign test over sets
+    (:func:`demind.eval.paired_per_seed`). Returns {seed: PairedTest as a dict}."""
     import json
 
-    from demind.eval.metrics import paired_hits, sign_test_p
+    from demind.eval import paired_per_seed
 
-    pairs = [(cells.get(cell_key(kind, rate, mode, s)), cells.get(cell_key(kind, rate, "none", s))) for s in seeds]
-    if mode == "none" or not all(a and b for a, b in pairs):
+    pairs = {s: (cells.get(cell_key(kind, rate, mode, s)), cells.get(cell_key(kind, rate, "none", s))) for s in seeds}
+    if mode == "none" or not all(a and b for a, b in pairs.values()):
         return None
-    better = worse = 0
-    for a, b in pairs:
+    hits_a, hits_b, units = {}, {}, {}
+    for seed, (a, b) in pairs.items():
         ranked_a, ranked_b = (json.loads(Path(c["rankings"]).read_text()) for c in (a, b))
         root = Path(a["export"]).parents[3] / "benchmarks" / "cirr"
         captions = json.loads((root / "captions" / "cap.rc2.val.json").read_text())
-        targets = {str(e["pairid"]): {e["target_hard"]} for e in captions}
-        x, y = paired_hits(ranked_a, ranked_b, targets, 10)
-        better, worse = better + x, worse + y
-    return {"only_mode": better, "only_none": worse, "p": sign_test_p(better, worse)}
+        qids = [str(e["pairid"]) for e in captions if str(e["pairid"]) in ranked_a]
+        entry = {str(e["pairid"]): e for e in captions}
+        hits_a[seed] = [float(entry[q]["target_hard"] in ranked_a[q][:10]) for q in qids]
+        hits_b[seed] = [float(entry[q]["target_hard"] in ranked_b.get(q, [])[:10]) for q in qids]
+        units[seed] = [str(entry[q]["img_set"].get("id", sorted(entry[q]["img_set"]["members"]))) for q in qids]
+    return {str(s): t.as_dict() for s, t in paired_per_seed(hits_a, hits_b, units, unit="set").items()}
 
 
 def summarise(cells: dict[str, Any], kinds: list[str], rates: list[float], modes: list[str], seeds: list[int]
@@ -108,13 +113,14 @@ def format_table(rows: dict[str, Any], kinds: list[str], rates: list[float], mod
                     text = f"{mean:.1f} ± {std:.1f}" + (f" (n={n})" if n < 2 else "")
                     paired = row["paired_vs_none"]
                     if metric.startswith("cirr") and paired:
-                        text += f" [{paired['only_mode']}:{paired['only_none']} p {paired['p']:.2g}]"
+                        text += " [" + "; ".join(f"s{k}: {t['better']}/{t['worse']} p {t['p_sign']:.2g}"
+                                                 for k, t in sorted(paired.items())) + "]"
                     cells.append(text)
                 table.append([mode, *cells])
             widths = [max(len(r[i]) for r in table) for i in range(len(header))]
             lines += [" | ".join(c.ljust(w) for c, w in zip(r, widths)) for r in table] + [""]
-    lines.append("mean ± std over seeds; [a:b p] toy-CIRR queries only this mode / only mode none hits at 10, "
-                 "summed over seeds, exact sign test")
+    lines.append("mean ± std over seeds; [sN: a/b p] per seed, toy-CIRR sets where this mode's hit@10 (mean over "
+                 "the set's queries) is above / below mode none's, exact sign test over sets")
     return "\n".join(lines)
 
 

@@ -261,3 +261,28 @@ def test_authors_forms_train_on_tme_noise(tmp_path, mode, one_thread_and_fresh_a
         assert [x["flagged"] for x in lines] == [0, 0, 0.5]  # two warm-up epochs, then half of each batch
     detection = json.loads((tmp_path / mode / "detection.json").read_text())
     assert detection["noisy"] > 0 and detection["auroc"] is not None
+
+
+# --------------------------------------------------------------------------- the benchmark's tests
+
+
+def fake_result(hit5: str, sub1: str) -> dict:
+    return {"qids": [f"q{i}" for i in range(len(hit5))], "units": ["a", "a", "b", "b", "c", "c"][: len(hit5)],
+            "hit5": hit5, "subset1": sub1}
+
+
+def test_benchmark_tests_per_seed_over_sets_never_summed():
+    from benchmarks.conesep_triplets import paired_tests, verdict
+
+    # A beats B on both queries of set a, in both seeds: one set better (not two queries), per seed
+    a = {0: fake_result("110000", "110000"), 1: fake_result("110000", "110000")}
+    b = {0: fake_result("000000", "000000"), 1: fake_result("000000", "000000")}
+    tests = paired_tests(a, b)
+    assert sorted(tests) == [0, 1]
+    for t in tests.values():
+        assert (t["unit"], t["n_units"], t["better"], t["worse"]) == ("set", 3, 1, 0)
+        assert t["p_sign"] == 1.0  # one set of three: nothing to conclude
+    row = {"Avg": (40.0, 0.1), "vs_b": {s: dict(t, p_sign=0.01) for s, t in tests.items()}}
+    assert verdict(row, {"Avg": (39.0, 0.1)}, "vs_b")["holds"]  # two seeds in favour, none against
+    row["vs_b"][1] = dict(row["vs_b"][1], better=0, worse=1)
+    assert not verdict(row, {"Avg": (39.0, 0.1)}, "vs_b")["holds"]  # one seed significantly against
