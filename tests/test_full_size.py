@@ -128,3 +128,25 @@ def test_the_folder_has_the_hub_files_and_loads(tmp_path):
                                                                     output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert model.config.text_config.vocab_size == 32064
+
+
+@pytest.mark.slow
+def test_the_shipped_7b_config_runs_at_mid_size(repo_root, tmp_path, capsys):
+    """configs/data_gen/llava-1.6-7b.yaml on the transformers engine against the 7B's own processor and
+    config files with small layers: 672 px any-res images of four aspect ratios expand to their real
+    image-token counts, the longest stage-2 request fits max_model_len 4096, and stage 2 finds stage 1's prefix."""
+    from benchmarks.bench_full_size import image_token_counts, write_aspect_shard
+    from demind.cli.generate import main
+
+    folder = fsm.write_llava_mistral_7b(tmp_path / "llava", small=True, sentencepiece=tmp_path / "absent.model",
+                                        log=lambda *_: None)
+    tokens = image_token_counts(folder)
+    assert tokens == {"672x672": 2928, "672x448": 2144, "672x336": 1752, "336x672": 1776}
+    write_aspect_shard(tmp_path / "in")
+    rc = main(["--input", str(tmp_path / "in"), "--output", str(tmp_path / "out"), "--config",
+               str(repo_root / "configs/data_gen/llava-1.6-7b.yaml"), f"engine.model={folder}", "run.device=cpu",
+               "engine.name=transformers", "run.progress=false", "sampling.rewrite_max_tokens=6",
+               "sampling.intent_max_tokens=4", "sampling.retries=0"])
+    assert rc == 0, capsys.readouterr().err
+    stats = json.loads((tmp_path / "out/00000_stats.json").read_text())
+    assert stats["written"] == 4 and stats["engine_tokens"]["stage2_hit_rate"] == 1.0
