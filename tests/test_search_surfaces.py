@@ -99,6 +99,21 @@ def test_a_combiner_search_reads_the_reference_image(combiner_checkpoint, galler
     assert status == 1 and "needs a reference image" in written["queries"][0]["error"]
 
 
+def test_a_combiner_checkpoint_answers_with_its_own_method_by_default(combiner_checkpoint, gallery_index):
+    from demind.checkpoint import load_backbone_and_model
+    from demind.search.index import load_index
+    from demind.search.query import Searcher
+    from demind.search.server import create_app
+
+    photos, index = gallery_index
+    status, written = search(["--index", str(index), "--checkpoint", str(combiner_checkpoint), "--image",
+                              str(photos / "img0.png"), "--text", "make it red"])
+    assert status == 0 and written["queries"][0]["method"] == "combiner"
+    backbone, model = load_backbone_and_model(combiner_checkpoint)
+    client = create_app(Searcher(backbone, model, load_index(index))).test_client()
+    assert client.get("/api/info").get_json()["methods"][0]["name"] == "combiner"  # the page's choice at first
+
+
 def test_a_combiner_negative_says_it_has_no_deo_variant(combiner_checkpoint, gallery_index):
     photos, index = gallery_index
     status, written = search(["--index", str(index), "--checkpoint", str(combiner_checkpoint), "--method", "combiner",

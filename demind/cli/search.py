@@ -54,8 +54,9 @@ class SearchConfig(QueryModelOptions):
     image: str | None = setting(None, help="reference image")
     text: str | None = setting(None, help="modification text, e.g. 'make it red'")
     queries: str | None = setting(None, help="JSONL file of queries instead of image/text")
-    method: str = setting(DEFAULT_METHOD, help=f"one of {', '.join(METHODS)}, BASE+deo, or METHOD+rerank "
-                                                f"(the MLLM methods and +rerank need engine.model)")
+    method: str | None = setting(None, help=f"one of {', '.join(METHODS)}, BASE+deo, or METHOD+rerank (the MLLM "
+                                             f"methods and +rerank need engine.model); default: the checkpoint's own "
+                                             f"({DEFAULT_METHOD}, or combiner for a combiner checkpoint)")
     template: str = setting(DEFAULT_TEMPLATE, help="prompt with one '*' and one field")
     k: int = setting(20, ge=1, help="results per query")
     negative: str | None = setting(None, help="what the results must not show: searched as 'TEXT, without "
@@ -221,9 +222,11 @@ def run(cfg: SearchConfig) -> int:
     if cfg.out:
         check_output_file(cfg.out)
     mllm = search_mllm_setup(cfg)
-    check_mllm_methods([q.method for q in queries], mllm is not None)
+    check_mllm_methods([q.method for q in queries if q.method is not None], mllm is not None)
     backbone, model = load_model(cfg)
     searcher = Searcher(backbone, model, load_index(cfg.index), cfg.ranker, mllm=mllm)
+    for query in queries:  # no --method and none on the line: the checkpoint's own
+        query.method = query.method or searcher.default_method
     print(expectation_line(searcher.expectation))
     records = [answer(searcher, q, cfg.keep_reference) for q in queries] + skipped
     for record in records:

@@ -229,10 +229,17 @@ class Searcher:
         if self.mllm is not None:
             self.available_methods()  # rerank.methods naming a method this search cannot offer: refused now
 
+    @property
+    def default_method(self) -> str:
+        """The method a query that names none runs: the checkpoint's own (``combiner`` for a combiner,
+        else ``demind``); the page lists it first."""
+        return "combiner" if registry.checkpoint_kind(self.model) == "combiner" else DEFAULT_METHOD
+
     def available_methods(self) -> list[str]:
-        """Every method of the registry this checkpoint (and MLLM) allows, De-MINDS first, DEO variants
+        """Every method of the registry this checkpoint (and MLLM) allows, its own first, DEO variants
         after the base methods, ``+rerank`` variants of the base methods last (``rerank.k`` > 0)."""
-        names = [DEFAULT_METHOD] + [m for m in METHODS if m != DEFAULT_METHOD] + list(getattr(registry, "DEO_METHODS", ()))
+        own = self.default_method
+        names = [own] + [m for m in METHODS if m != own] + list(registry.DEO_METHODS)
         unserved = (*UNSERVED, *(MLLM_METHODS if self.mllm is None else ()))
         names = [m for m in names if base_method(m) not in unserved]
         blocked = registry.unavailable_methods(registry.checkpoint_kind(self.model))  # a combiner serves its own

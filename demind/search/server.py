@@ -280,7 +280,7 @@ def read_search_form(searcher: Searcher, rows: dict[str, int]) -> SearchQuery:
     else:
         image, exclude, drop_duplicates = None, None, False
     k = whole_number("k", form.get("k"), 20, 1, MAX_K)
-    return SearchQuery(image=image, text=form.get("text", ""), method=form.get("method", "demind"),
+    return SearchQuery(image=image, text=form.get("text", ""), method=form.get("method") or searcher.default_method,
                        template=form.get("template") or DEFAULT_TEMPLATE, k=k, exclude=exclude,
                        negative=(form.get("negative") or "").strip() or None, drop_duplicates=drop_duplicates)
 
