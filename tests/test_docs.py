@@ -130,7 +130,8 @@ def test_every_block_is_covered():
 
 def shell_commands(code: str) -> list[list[str]]:
     """The simple commands of a bash block: continuation lines joined, comments and ``&&``/``;``
-    separators dropped, synopsis brackets (``[--k 20]``, ``a|b``) read as their first choice."""
+    separators dropped, synopsis brackets (``[--k 20]``, ``a|b``) read as their first choice, a shell
+    variable in an argument (``--shard "$first-$last"``) read as 0."""
     commands = []
     for line in code.replace("\\\n", " ").splitlines():
         if not line.strip() or line.lstrip().startswith("#"):
@@ -148,6 +149,8 @@ def shell_commands(code: str) -> list[list[str]]:
                 token = token[:-1]
             if "|" in token and not token.startswith("-") and "=" not in token:  # a synopsis' choice: a|b
                 token = token.split("|")[0]
+            if current and re.search(r"\$\{?[A-Za-z_]", token):  # a shell variable the block sets ($first):
+                token = re.sub(r"\$\{?[A-Za-z_][A-Za-z_0-9]*\}?", "0", token)  # any value the command takes
             if token:
                 current.append(token)
         commands.append(current)
