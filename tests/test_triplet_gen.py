@@ -329,3 +329,33 @@ def test_the_triplet_job_on_a_ray_worker_writes_what_a_local_run_writes(repo_roo
     assert read_triplets(tmp_path / "ray") == read_triplets(tmp_path / "local")
     assert sorted(p.name for p in (tmp_path / "ray").glob("*_stats.json")) == ["triplets-00000_stats.json",
                                                                               "triplets-00001_stats.json"]
+
+
+def test_the_writer_may_be_a_text_only_llm(repo_root, tiny_qwen, pairs, tmp_path):
+    """writer.model: another model, a text-only LLM (MegaPairs writes instructions with one): loaded by
+    the engine as a causal LM with its tokenizer, its prompts rendered with string contents."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from demind.cli.generate_triplets import main
+    from demind.engines.tiny_llava import word_level_tokenizer
+
+    tokenizer = word_level_tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] | upper }}: {{ m['content'] | trim }} {% endfor %}"
+                               "{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+    vocab = tokenizer.get_vocab()
+    torch.manual_seed(0)
+    llm = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                                       num_key_value_heads=2, vocab_size=len(vocab), max_position_embeddings=2048,
+                                       bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"], pad_token_id=vocab["<pad>"]))
+    llm.save_pretrained(tmp_path / "llm")
+    tokenizer.save_pretrained(tmp_path / "llm")
+    _, folder, _ = pairs
+    out = tmp_path / "out"
+    assert main(argv(repo_root, tiny_qwen, folder, out, "--shard", "0", f"writer.model={tmp_path / 'llm'}")) == 0
+    records = read_triplets(out)
+    assert len(records) == 3 and all(len(r["instructions"]) == 3 for r in records.values())
+    gen = next(iter(records.values()))["generation"]
+    assert gen["describer"]["model"] == str(tiny_qwen) and gen["writer"]["model"] == str(tmp_path / "llm")
+    manifest = json.loads((out / "triplets_manifest.json").read_text())
+    assert manifest["writer"]["model"] == str(tmp_path / "llm")

@@ -23,6 +23,8 @@ from demind.engines.config import EngineConfig
 def prompt_tokens(processor: Any, conversation: Conversation, images: list[Image.Image]) -> int:
     """Tokens of ``conversation`` rendered and processed with ``images`` (image tokens expanded)."""
     text = render(processor, conversation)
+    if not hasattr(processor, "image_processor"):  # a text-only model's processor is its tokenizer
+        return len(processor(text, add_special_tokens=False)["input_ids"])
     inputs = processor(images=images or None, text=[text], return_tensors="np")
     return int(inputs["input_ids"].shape[-1])
 

@@ -67,4 +67,19 @@ def render(renderer: ChatTemplateRenderer, conversation: Conversation) -> str:
             _repaired_told.add(template)
             logger.warning("the model's chat template ends assistant turns with the typo '<\\s>': rendered with '</s>' "
                            "(the end-of-sequence token), as current llava-hf templates do")
+    if _text_only_tokenizer(renderer):
+        conversation = [{**turn, "content": _joined_text(turn["content"])} for turn in conversation]
     return renderer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False, **kwargs)
+
+
+def _text_only_tokenizer(renderer: Any) -> bool:
+    """A text-only model's tokenizer (its processor): no image processor of its own."""
+    return hasattr(renderer, "convert_tokens_to_ids") and not hasattr(renderer, "image_processor")
+
+
+def _joined_text(content: Any) -> Any:
+    """A turn's text items as one string, what text-only chat templates expect (Llama 3's trims it);
+    content with an image item is left as it is (a text-only model is refused images when it runs)."""
+    if isinstance(content, str) or any(item.get("type") != "text" for item in content):
+        return content
+    return "".join(item["text"] for item in content)

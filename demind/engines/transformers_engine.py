@@ -21,7 +21,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, DynamicCache, GenerationConfig, LogitsProcessor
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, DynamicCache,
+                          GenerationConfig, LogitsProcessor)
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from demind.errors import InputError
@@ -153,7 +154,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class TransformersEngine:
-    """Hugging Face ``AutoModelForImageTextToText`` + its processor, batched with left padding."""
+    """Hugging Face ``AutoModelForImageTextToText`` + its processor, batched with left padding; a text-only
+    model (no vision config: the triplet job's instruction writer) is ``AutoModelForCausalLM`` + its tokenizer."""
 
     name = "transformers"
 
@@ -166,15 +168,17 @@ class TransformersEngine:
             torch.set_num_threads(engine_cfg.cpu_threads)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(engine_cfg.dtype, self.device)
-        self.processor = AutoProcessor.from_pretrained(engine_cfg.model)
+        self.processor = AutoProcessor.from_pretrained(engine_cfg.model)  # a text-only model's: its tokenizer
+        model_config = AutoConfig.from_pretrained(engine_cfg.model)
+        self.takes_images = hasattr(model_config, "vision_config")
         # engine.max_model_len (0: the model's) bounds a sample's tokens for the first prefix wave
-        self.max_model_len = resolve_max_model_len(engine_cfg.max_model_len, AutoConfig.from_pretrained(engine_cfg.model),
-                                                   engine_cfg.model)
-        self.tokenizer = self.processor.tokenizer
+        self.max_model_len = resolve_max_model_len(engine_cfg.max_model_len, model_config, engine_cfg.model)
+        self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
         self.tokenizer.padding_side = "left"  # decoder-only generation needs the prompt flush right
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = AutoModelForImageTextToText.from_pretrained(engine_cfg.model, dtype=self.dtype)
+        auto_model = AutoModelForImageTextToText if self.takes_images else AutoModelForCausalLM
+        self.model = auto_model.from_pretrained(engine_cfg.model, dtype=self.dtype)
         self.model.to(self.device).eval()
         self.eos_ids = self._eos_ids()
         image_token_id = getattr(self.processor, "image_token_id", None)
@@ -224,7 +228,13 @@ class TransformersEngine:
         if any(r.image is None for r in batch) and any(r.image is not None for r in batch):
             raise ValueError("a batch mixes text-only requests (image None) with image requests; send them apart")
         images = [image for r in batch for image in r.images]  # in placeholder order, row after row
-        inputs = self.processor(images=images or None, text=[r.prompt for r in batch], return_tensors="pt", padding=True)
+        if not self.takes_images:
+            if images:
+                raise ValueError(f"{self.model_id} is a text-only model: it takes no images")
+            inputs = self.tokenizer([r.prompt for r in batch], return_tensors="pt", padding=True, add_special_tokens=False)
+        else:
+            inputs = self.processor(images=images or None, text=[r.prompt for r in batch], return_tensors="pt",
+                                    padding=True)
         mask = inputs["attention_mask"].bool()
         prompt_ids = [row[keep].tolist() for row, keep in zip(inputs["input_ids"], mask)]
         prefixes = self._matching_prefixes(batch, prompt_ids)
@@ -238,7 +248,8 @@ class TransformersEngine:
             return_dict_in_generate=keep,
         )
         if prefixes is None:
-            model_inputs = inputs.to(self.device, dtype=self.dtype)
+            # pixel values take the model's dtype; a tokenizer's encoding (text-only model) holds only ids
+            model_inputs = inputs.to(self.device, dtype=self.dtype) if self.takes_images else inputs.to(self.device)
             prefilled = [len(ids) for ids in prompt_ids]
         else:
             model_inputs = self._continuation_inputs(prompt_ids, prefixes)

@@ -81,7 +81,7 @@ def vllm_on_cpu() -> bool:
 
 
 def vllm_llm_kwargs(engine_cfg: EngineConfig, *, seed: int, max_model_len: int, on_cpu: bool,
-                    kv_cache_bytes: int | None) -> dict[str, Any]:
+                    kv_cache_bytes: int | None, takes_images: bool = True) -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM`` for the ``engine.*`` settings; every vLLM setting is passed,
     but for ``gpu_memory_utilization`` on vLLM's CPU build, which sizes its KV cache by ``kv_cache_bytes``.
 
@@ -97,10 +97,10 @@ def vllm_llm_kwargs(engine_cfg: EngineConfig, *, seed: int, max_model_len: int, 
         enforce_eager=engine_cfg.enforce_eager,
         # stage 2 repeats stage 1's prompt (image + turn 1): its KV blocks are reused, not recomputed
         enable_prefix_caching=engine_cfg.prefix_cache,
-        # generation sends one image a prompt; re-ranking two (the reference and a candidate)
-        limit_mm_per_prompt={"image": 2},
         seed=seed,
     )
+    if takes_images:  # generation sends one image a prompt; re-ranking and the triplet describer two
+        kwargs["limit_mm_per_prompt"] = {"image": 2}
     if not on_cpu:  # the CPU build would read it as a share of host memory (said in the log, not passed)
         kwargs["gpu_memory_utilization"] = engine_cfg.gpu_memory_utilization
     if kv_cache_bytes is not None:
@@ -207,6 +207,7 @@ class VLLMEngine:
         model_config = AutoConfig.from_pretrained(engine_cfg.model)
         # refused here, in one line, rather than by vLLM after its engine process started
         self.max_model_len = resolve_max_model_len(engine_cfg.max_model_len, model_config, engine_cfg.model)
+        self.takes_images = hasattr(model_config, "vision_config")  # else a text-only LLM (a triplet writer)
         self.on_cpu = vllm_on_cpu()
         kv_bytes = self._kv_cache_bytes(engine_cfg, model_config)
         ignored = transformers_only_settings(engine_cfg)
@@ -214,7 +215,8 @@ class VLLMEngine:
             logger.info("vllm engine: not used by vLLM, which batches and threads by itself (transformers engine "
                         "settings): %s", ", ".join(ignored))
         self.llm = vllm.LLM(**vllm_llm_kwargs(engine_cfg, seed=seed, max_model_len=self.max_model_len,
-                                               on_cpu=self.on_cpu, kv_cache_bytes=kv_bytes))
+                                               on_cpu=self.on_cpu, kv_cache_bytes=kv_bytes,
+                                               takes_images=self.takes_images))
         # What the KV cache holds bounds a prefix wave (IntentGenerator); None: unknown, one wave per chunk.
         self.prefix_capacity_tokens = vllm_cache_tokens(self.llm) if engine_cfg.prefix_cache else None
         if engine_cfg.prefix_cache and self.prefix_capacity_tokens is None:
@@ -251,7 +253,8 @@ class VLLMEngine:
         return self.processor
 
     def count_tokens(self, texts: list[str]) -> list[int]:
-        return [len(ids) for ids in self.processor.tokenizer(texts, add_special_tokens=False).input_ids]
+        tokenizer = getattr(self.processor, "tokenizer", self.processor)  # a text-only model's processor is its tokenizer
+        return [len(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids]
 
     def generate(self, requests: list[GenRequest]) -> list[GenResult]:
         prompts, param_kwargs = build_vllm_requests(requests, self.sampling)
@@ -260,15 +263,18 @@ class VLLMEngine:
             if schema is not None:
                 kw.update(structured_output_params(importlib.import_module("vllm.sampling_params"), schema))
         params = [self._sampling_params_cls(**kw) for kw in param_kwargs]
+        return results_from_outputs(self._generate(prompts, params))
+
+    def _generate(self, inputs: list[dict[str, Any]], params: Any) -> list[Any]:
+        """``LLM.generate``; a prompt longer than the context length is one line naming the setting."""
         try:
-            outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        except ValueError as e:  # vLLM validates every prompt before it runs any
-            if "maximum model length" in str(e) or "max_model_len" in str(e):
-                raise ConfigError(f"engine.max_model_len={self.max_model_len} is below what a prompt of this job "
-                                  f"needs ({(str(e).strip().splitlines() or [''])[0]}); raise engine.max_model_len, or 0 for the model's own "
-                                  f"context length") from e
-            raise
-        return results_from_outputs(outputs)
+            return self.llm.generate(inputs, params, use_tqdm=False)
+        except Exception as e:  # noqa: BLE001 - vLLM validates every prompt before it runs any (VLLMValidationError,
+            if "maximum model length" not in str(e):  # a ValueError before vLLM 0.2x); anything else is raised as is
+                raise
+            raise ConfigError(f"engine.max_model_len={self.max_model_len} is below what a prompt of this job needs "
+                              f"({(str(e).strip().splitlines() or [''])[0]}); raise engine.max_model_len, or 0 for "
+                              f"the model's own context length", key="engine.max_model_len") from e
 
     def release_prefixes(self) -> None:
         """vLLM's prefix cache evicts by itself."""
@@ -282,4 +288,4 @@ class VLLMEngine:
                   for text, images in prompts]
         params = self._sampling_params_cls(max_tokens=1, temperature=0.0, logprob_token_ids=list(token_ids),
                                            skip_reading_prefix_cache=not reuse_prefix)
-        return [token_scores_from_output(out, token_ids) for out in self.llm.generate(inputs, params, use_tqdm=False)]
+        return [token_scores_from_output(out, token_ids) for out in self._generate(inputs, params)]
