@@ -33,7 +33,10 @@ Definitions (all cosines of L2-normalised frozen-CLIP embeddings, one text kind 
 No encoder runs here: everything is computed from embeddings the feature cache already
 holds (:mod:`demind.features`). :func:`composed_boundary` is the same boundary through a composition
 model (supervised training on triplets, :mod:`demind.triplets`): there the "pair" is a composed
-query and its target image, as in the paper.
+query and its target image, as in the paper. :func:`pixel_boundary` is the boundary as ConeSep's
+code computes it (N(0, 1) pixel images through the frozen encoder, :func:`pixel_noise_features`, and
+the model; the mean over every (query, target) pair), the triplet trainer's default; its fidelity
+function, x^2 (1 - x^2), is :func:`demind.robust.cone_fidelity`.
 """
 
 from __future__ import annotations
