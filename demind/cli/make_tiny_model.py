@@ -83,7 +83,7 @@ def make_tiny_model_command(cfg: TinyModelConfig) -> int:
     from demind.engines.tiny_qwen2vl import build_tiny_qwen2vl
     from demind.release.folders import building_beside, folder_files, swap_in
 
-    out = Path(cfg.output)
+    out = Path(cfg.output).resolve()  # '.' has a parent to build beside in
     with building_beside(out) as build:
         (build_tiny_qwen2vl if cfg.family == "qwen2-vl" else build_tiny_llava_next)(build, seed=cfg.run.seed)
         foreign = sorted(folder_files(out) - folder_files(build)) if out.is_dir() else []
