@@ -51,3 +51,37 @@ def test_a_run_saved_before_run_threads_existed_resumes_without_a_changed_settin
         check_resumable(saved, cfg, tmp_path)
     assert f"run.log_every ({cfg.run.log_every + 1} -> {cfg.run.log_every})" in caplog.text
     assert "run.threads" not in caplog.text
+
+
+@pytest.mark.parametrize("key, value", [("optim.lr", 3e-4), ("loss.distil", False), ("noise.mode", "conesep"),
+                                        ("data.shards", "shards/other"), ("run.seed", 7), ("model.num_heads", 4)])
+def test_resuming_under_another_recipe_is_refused_naming_the_key(tmp_path, key, value):
+    """A rerun into a run folder with another recipe or other inputs must not continue the old weights
+    under the new recipe: one line names the changed key (free keys, such as run.log_every, may change)."""
+    from demind.config import to_dict
+    from demind.training.config import TrainConfig
+    from demind.training.checkpoints import ResumeError, check_resumable
+
+    cfg = TrainConfig()
+    saved = to_dict(cfg)
+    section, name = key.split(".")
+    if name not in saved[section]:
+        pytest.skip(f"{key} is not a key of this config")
+    saved[section][name] = value
+    with pytest.raises(ResumeError, match=rf"cannot resume from .*{key} \(.* -> .*\) differ"):
+        check_resumable(saved, cfg, tmp_path)
+
+
+def test_growing_max_steps_resumes(tmp_path, caplog):
+    import logging
+
+    from demind.config import to_dict
+    from demind.training.config import TrainConfig
+    from demind.training.checkpoints import check_resumable
+
+    cfg = TrainConfig()
+    saved = to_dict(cfg)
+    saved["optim"]["max_steps"] = cfg.optim.max_steps - 100
+    with caplog.at_level(logging.WARNING, logger="demind.training.checkpoints"):
+        check_resumable(saved, cfg, tmp_path)
+    assert "optim.max_steps" in caplog.text

@@ -124,25 +124,33 @@ def prune_checkpoints(run_dir: Path, keep: int) -> None:
 # resume with other values (and checkpoints written before a key existed still resume).
 SPEED_ONLY_KEYS = frozenset({"backbone.text_buckets", "backbone.grad_checkpointing"})
 
+# Keys that change where, how fast or how verbosely a run goes on, not what it trains: a resumed run may
+# take other values (reported in one log line). optim.max_steps may grow, to train on (its shrinking below
+# the checkpoint's step is refused in resume_state). Every other key is the recipe or its inputs: a
+# resumed run with another value would mix two recipes in one set of weights, so it is refused.
+RESUME_FREE_KEYS = SPEED_ONLY_KEYS | frozenset({
+    "optim.max_steps", "data.num_workers", "data.features", "data.cache_batch_size",
+    "run.output_dir", "run.device", "run.log_every", "run.save_every", "run.keep_checkpoints", "run.resume",
+    "run.trackers", "run.progress", "run.threads",
+})
+
 
 def check_resumable(saved: dict[str, Any], cfg: TrainConfig, where: Path) -> None:
-    """The backbone and model must match the checkpoint; other changes are only reported."""
+    """Refuse to resume under another recipe (a changed key outside :data:`RESUME_FREE_KEYS`), naming
+    every changed key; report the free keys that changed in one log line."""
     current = to_dict(cfg)
-    for section in ("backbone", "model"):
-        diff = [d for d in config_changes(saved.get(section, {}), current[section], section)
-                if d.split(" ")[0] not in SPEED_ONLY_KEYS]
-        if diff:
-            raise ResumeError(
-                f"cannot resume from {where}: {', '.join(diff)} differ from the checkpoint's config; "
-                f"use a new run.output_dir or set run.resume=false with an empty run folder"
-            )
     # a key the checkpoint's config lacks (added since, e.g. run.threads) and left at its default is no change
     defaults = to_dict(type(cfg)())
-    other = [d for s in ("backbone", "data", "optim", "loss", "noise", "run")
-             for d in config_changes(with_defaults(saved.get(s, {}), defaults[s]), current[s], s)
-             if s != "backbone" or d.split(" ")[0] in SPEED_ONLY_KEYS]
-    if other:
-        logger.warning("resuming from %s with changed settings: %s", where, ", ".join(other))
+    changes = [d for s in current
+               for d in config_changes(with_defaults(saved.get(s, {}), defaults[s]), current[s], s)]
+    recipe = [d for d in changes if d.split(" ")[0] not in RESUME_FREE_KEYS]
+    if recipe:
+        raise ResumeError(
+            f"cannot resume from {where}: {', '.join(recipe)} differ from the checkpoint's config; "
+            f"use a new run.output_dir, or rerun with the checkpoint's values"
+        )
+    if changes:
+        logger.warning("resuming from %s with changed settings: %s", where, ", ".join(changes))
 
 
 DEEPSPEED_FOLDER = "pytorch_model"  # where Accelerate's save_state puts DeepSpeed's engine checkpoint
