@@ -8,11 +8,11 @@ a string id (``"category_id": "2"``) would silently match nothing, so it is refu
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from demind.errors import InputError, MissingInputError
+from demind.io import read_json
 from demind.json_fields import check_entries, check_unique_ids
 
 INSTANCE_FIELDS = {"images": {"id": int, "file_name": str}, "annotations": {"image_id": int, "category_id": int},
@@ -30,10 +30,7 @@ def load_coco(path: str | Path, fields: dict[str, dict[str, type]]) -> dict[str,
     path = Path(path)
     if not path.is_file():
         raise MissingInputError(f"{path} does not exist (expected a COCO-format annotation file)")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise InputError(f"{path} is not valid JSON ({e}); re-download the annotation file") from None
+    data = read_json(path)
     if not isinstance(data, dict):
         raise InputError(f"{path} holds a JSON {type(data).__name__}, not a COCO-format object; is it the right file?")
     absent = [k for k in fields if k not in data]

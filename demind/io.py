@@ -92,11 +92,28 @@ def _hidden_errno(path: Path, exc: BaseException) -> int | None:
     return None
 
 
+class _RepeatedKey(ValueError):
+    """A JSON object that names one key twice with two values (json.load would keep the last silently)."""
+
+
+def _object_without_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out and out[key] != value:
+            raise _RepeatedKey(f"the key {key!r} appears twice in one object, with different values")
+        out[key] = value
+    return out
+
+
 def read_json(path: str | Path, fix: str = "re-download the annotation file") -> Any:
-    """Parse a JSON file; a malformed one (truncated, not UTF-8) raises InputError naming the file and ``fix``."""
+    """Parse a JSON file; a malformed one (truncated, not UTF-8, or an object naming one key twice with
+    different values, which json.load would resolve by dropping one silently) raises InputError naming
+    the file and ``fix``."""
     try:
         with Path(path).open("r", encoding="utf-8") as f:
-            return json.load(f)
+            return json.load(f, object_pairs_hook=_object_without_repeated_keys)
+    except _RepeatedKey as e:
+        raise InputError(f"{path}: {e}; {fix}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InputError(f"{path} is not valid JSON ({e}); {fix}") from None
 

@@ -97,3 +97,27 @@ def test_a_write_over_the_file_size_limit_is_an_output_location_error(tmp_path):
         assert file in lines[name] and "file too large" in lines[name] and "ulimit -f" in lines[name]
     assert (tmp_path / "a.bin").read_bytes() == b"old"
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_json_object_naming_one_key_twice_with_two_values_is_refused(tmp_path):
+    """json.load keeps the last of two values silently (a CIRR split map or ExclCOCO's images losing an
+    entry); the reader names the file and the key. The same value twice is harmless and kept."""
+    from demind.errors import InputError
+    from demind.io import read_json
+
+    path = tmp_path / "split.json"
+    path.write_text('{"a": "x.png", "b": "y.png", "a": "z.png"}', encoding="utf-8")
+    with pytest.raises(InputError, match=r"split.json: the key 'a' appears twice in one object"):
+        read_json(path)
+    path.write_text('{"a": "x.png", "a": "x.png", "n": [{"k": 1, "k": 1}]}', encoding="utf-8")
+    assert read_json(path) == {"a": "x.png", "n": [{"k": 1}]}
+
+
+def test_coco_files_refuse_a_repeated_key(tmp_path):
+    from demind.coco_files import load_coco
+    from demind.errors import InputError
+
+    path = tmp_path / "instances.json"
+    path.write_text('{"images": [], "images": [{"id": 1, "file_name": "a.jpg"}]}', encoding="utf-8")
+    with pytest.raises(InputError, match="instances.json: the key 'images' appears twice"):
+        load_coco(path, {"images": {"id": int}})
