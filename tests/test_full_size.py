@@ -14,6 +14,7 @@ from demind.engines.config import EngineConfig
 from demind.engines.memory import GIB, check_engine_memory, estimate_engine_memory, kv_bytes_per_token
 from demind.errors import DemindError
 
+IMAGE_TOKEN_KEYS = ("patch_size", "vision_feature_select_strategy", "num_additional_image_tokens")
 PARAMS_7B = 7_566_747_648  # llava-v1.6-mistral-7b-hf: model.safetensors.index.json total_size 15,133,495,296 / 2
 
 
@@ -150,3 +151,35 @@ def test_the_shipped_7b_config_runs_at_mid_size(repo_root, tmp_path, capsys):
     assert rc == 0, capsys.readouterr().err
     stats = json.loads((tmp_path / "out/00000_stats.json").read_text())
     assert stats["written"] == 4 and stats["engine_tokens"]["stage2_hit_rate"] == 1.0
+
+
+@pytest.mark.parametrize("dropped", [("num_additional_image_tokens",),
+                                     ("patch_size", "vision_feature_select_strategy", "num_additional_image_tokens")])
+def test_an_older_llava_hf_processor_config_counts_the_models_image_tokens(tiny_llava, tmp_path, dropped):
+    """llava-hf folders downloaded before 2024's processor updates lack these processor_config.json keys:
+    transformers then counts one image token fewer than the model's features (or cannot count: no patch
+    size), and every request of the transformers engine failed; vLLM counts from the model's config.
+    The engines' processor takes them from the model's config."""
+    import shutil
+
+    from PIL import Image
+
+    from demind.engines import build_engine, load_processor
+    from demind.engines.config import SamplingConfig
+    from demind.engines.base import GenRequest
+
+    folder = tmp_path / "old"
+    shutil.copytree(tiny_llava, folder)
+    saved = json.loads((folder / "processor_config.json").read_text())
+    for key in dropped:
+        saved.pop(key)
+    (folder / "processor_config.json").write_text(json.dumps(saved))
+    current = load_processor(str(tiny_llava))
+    older = load_processor(str(folder))
+    assert [getattr(older, k) for k in IMAGE_TOKEN_KEYS] == [getattr(current, k) for k in IMAGE_TOKEN_KEYS]
+    engine = build_engine(EngineConfig(name="transformers", model=str(folder), dtype="float32"),
+                          SamplingConfig(temperature=0.0), device="cpu")
+    prompt = engine.processor.apply_chat_template([{"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": "a dog"}]}], add_generation_prompt=True, tokenize=False)
+    [result] = engine.generate([GenRequest(prompt, Image.new("RGB", (40, 20)), seed=0, max_new_tokens=2)])
+    assert result.output_tokens >= 1

@@ -34,9 +34,11 @@ def check_prompt_fits(engine_cfg: EngineConfig, conversation: Conversation, n_im
     """Refuse (:class:`~demind.config.ConfigError` naming ``key``) a context length below ``what``
     (the job's prompt) plus ``max_new_tokens``; returns that prompt's tokens. ``n_images`` images of
     ``image_side`` px square stand for the job's largest."""
-    from transformers import AutoConfig, AutoProcessor
+    from transformers import AutoConfig
 
-    processor = AutoProcessor.from_pretrained(engine_cfg.model)
+    from demind.engines.model_ref import load_processor
+
+    processor = load_processor(engine_cfg.model)
     limit = resolve_max_model_len(engine_cfg.max_model_len, AutoConfig.from_pretrained(engine_cfg.model),
                                   engine_cfg.model)
     images = [Image.new("RGB", (image_side, image_side), (128, 128, 128)) for _ in range(n_images)]

@@ -15,9 +15,13 @@ Hub id), for whoever keys answers by the model's content.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+from typing import Any
 
 from demind.errors import InputError
+
+logger = logging.getLogger(__name__)
 
 KEY = "engine.model"
 EXAMPLE_HUB_ID = "llava-hf/llava-v1.6-mistral-7b-hf"
@@ -102,3 +106,55 @@ def engine_load_error(model: str, engine: str, error: BaseException, key: str = 
     return EngineModelError(f"{key}={model}: the {engine} engine cannot load a model from this {where} ({reason}); "
                             f"give {FOLDER_HINT}, or a Hub id such as {EXAMPLE_HUB_ID} that can be downloaded or is "
                             f"in the Hugging Face cache")
+
+
+# LLaVA(-NeXT) processor values that llava-hf's processor_config.json gained in 2024 (patch_size and the
+# feature strategy with transformers 4.45, num_additional_image_tokens later); a Hub cache or a folder saved
+# before then lacks them. Without patch_size transformers cannot count image tokens (TypeError on the first
+# image); without num_additional_image_tokens it counts one token fewer per image than the model's features
+# (2,927 for a 672 px image of LLaVA-1.6: "Image features and image tokens do not match"), while vLLM, which
+# counts from the model's config, gives 2,928.
+_IMAGE_TOKEN_KEYS = ("patch_size", "vision_feature_select_strategy", "num_additional_image_tokens")
+
+
+def load_processor(model: str) -> Any:
+    """``AutoProcessor.from_pretrained(model)``, with the image-token settings an older LLaVA(-NeXT)
+    ``processor_config.json`` leaves out taken from the model's config (the vision tower's patch size,
+    its feature strategy, one extra token for a CLIP tower's CLS); every other processor as it loads."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model)
+    if not all(hasattr(processor, k) for k in _IMAGE_TOKEN_KEYS):
+        return processor
+    saved = _saved_processor_config(model)
+    missing = [k for k in _IMAGE_TOKEN_KEYS if saved.get(k) is None]
+    if not missing:
+        return processor
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model)
+    vision = getattr(config, "vision_config", None)
+    if vision is None:
+        return processor
+    values = {"patch_size": vision.patch_size,
+              "vision_feature_select_strategy": getattr(config, "vision_feature_select_strategy", "default"),
+              "num_additional_image_tokens": 1 if vision.model_type == "clip_vision_model" else 0}
+    for key in missing:
+        setattr(processor, key, values[key])
+    logger.warning("%s: processor_config.json has no %s (an older llava-hf download): taken from the model's config "
+                   "(%s)", model, ", ".join(missing), ", ".join(f"{k}={values[k]}" for k in missing))
+    return processor
+
+
+def _saved_processor_config(model: str) -> dict[str, Any]:
+    """The processor_config.json of ``model`` (a folder or a cached Hub id) as saved; {} where there is none."""
+    import json
+
+    folder = local_model_folder(model)
+    path = folder / "processor_config.json" if folder is not None else None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}

@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, DynamicCache,
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, DynamicCache,
                           GenerationConfig, LogitsProcessor)
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -29,6 +29,7 @@ from demind.errors import InputError
 from demind.engines.config import EngineConfig, SamplingConfig
 from demind.engines.base import GenRequest, GenResult, resolve_max_model_len
 from demind.engines.memory import free_memory_bytes, kv_bytes_per_token, prefix_store_budget
+from demind.engines.model_ref import load_processor
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +169,7 @@ class TransformersEngine:
             torch.set_num_threads(engine_cfg.cpu_threads)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(engine_cfg.dtype, self.device)
-        self.processor = AutoProcessor.from_pretrained(engine_cfg.model)  # a text-only model's: its tokenizer
+        self.processor = load_processor(engine_cfg.model)  # a text-only model's: its tokenizer
         model_config = AutoConfig.from_pretrained(engine_cfg.model)
         self.takes_images = hasattr(model_config, "vision_config")
         # engine.max_model_len (0: the model's) bounds a sample's tokens for the first prefix wave

@@ -197,13 +197,15 @@ class VLLMEngine:
     def __init__(self, engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, seed: int = 0):
         vllm = import_vllm()
         check_vllm_version(vllm.__version__, engine_cfg.prefix_cache)
-        from transformers import AutoConfig, AutoProcessor
+        from transformers import AutoConfig
+
+        from demind.engines.model_ref import load_processor
 
         self.model_id = engine_cfg.model
         self.sampling = sampling_cfg
         self._sampling_params_cls = vllm.SamplingParams
         # The HF processor only renders chat templates and counts tokens; vLLM does the rest.
-        self.processor = AutoProcessor.from_pretrained(engine_cfg.model)
+        self.processor = load_processor(engine_cfg.model)
         model_config = AutoConfig.from_pretrained(engine_cfg.model)
         # refused here, in one line, rather than by vLLM after its engine process started
         self.max_model_len = resolve_max_model_len(engine_cfg.max_model_len, model_config, engine_cfg.model)

@@ -325,13 +325,11 @@ def check_before_loading(cfg: TripletGenConfig, prompts: Any) -> None:
     """What can be refused before a model loads: each model's folder or Hub id, a describer that cannot
     take two images a prompt, and whether the longest prompt of each role fits its context length (``engine.max_model_len``,
     ``writer.max_model_len``) with its answer's token limit."""
-    from demind.engines import check_engine_model, check_prompt_fits
+    from demind.engines import check_engine_model, check_prompt_fits, load_processor
     from demind.gen.relation import describe_conversation, instruct_conversation, instruct_one_conversation
 
-    from transformers import AutoProcessor
-
     check_engine_model(cfg.engine.model)
-    check_multi_image(AutoProcessor.from_pretrained(cfg.engine.model), cfg.engine.model)
+    check_multi_image(load_processor(cfg.engine.model), cfg.engine.model)
     writer = cfg.writer_engine()
     if writer is not None:
         check_engine_model(writer.model, key="writer.model")
