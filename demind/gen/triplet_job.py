@@ -307,20 +307,6 @@ def check_manifest(output: Path, manifest: dict[str, Any], overwrite: bool) -> N
     write_json_atomic(path, manifest, indent=1)
 
 
-def read_triplets_manifest(folder: str | Path) -> dict[str, Any]:
-    """The manifest of a triplet folder; its ``corpus`` is the pairs manifest's, so
-    ``demind.pairs.open_corpus(read_triplets_manifest(folder))`` finds the images by key."""
-    path = Path(folder) / MANIFEST
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise InputError(f"{path} cannot be read ({e}): {folder} is not a folder written by "
-                         f"demind-generate-triplets") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise InputError(f"{path} is not a triplets manifest of format {FORMAT}")
-    return manifest
-
-
 def check_before_loading(cfg: TripletGenConfig, prompts: Any) -> None:
     """What can be refused before a model loads: each model's folder or Hub id, a describer that cannot
     take two images a prompt, and whether the longest prompt of each role fits its context length (``engine.max_model_len``,
