@@ -85,3 +85,38 @@ def test_growing_max_steps_resumes(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="demind.training.checkpoints"):
         check_resumable(saved, cfg, tmp_path)
     assert "optim.max_steps" in caplog.text
+
+
+def test_train_refuses_missing_shards_and_another_recipe_before_the_backbone_loads(tmp_path, monkeypatch):
+    """Missing shards and a resumed run under another recipe are refused before the backbone (minutes for
+    ViT-L/14, a download offline) is built."""
+    import yaml
+
+    from demind.config import to_dict
+    from demind.shard_format import ShardListError
+    from demind.training import loop
+    from demind.training.checkpoints import STATE_NAME, ResumeError, checkpoint_root
+    from demind.training.config import TrainConfig
+
+    def no_backbone(*args, **kwargs):
+        raise AssertionError("the backbone was built before the config was refused")
+
+    monkeypatch.setattr(loop, "build_modules", no_backbone)
+    cfg = TrainConfig()
+    cfg.run.output_dir, cfg.run.device, cfg.run.trackers = str(tmp_path / "run"), "cpu", []
+    cfg.data.shards = str(tmp_path / "no-shards" / "{00000..00003}.tar")
+    with pytest.raises(ShardListError, match="data.shards"):
+        loop.train(cfg)
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "00000.tar").write_bytes(b"")
+    cfg.data.shards = str(shards)
+    saved = checkpoint_root(tmp_path / "run") / "step_000010"
+    saved.mkdir(parents=True)
+    old = to_dict(cfg)
+    old["optim"]["lr"] = cfg.optim.lr * 10
+    (saved / "config.yaml").write_text(yaml.safe_dump(old), encoding="utf-8")
+    (saved / STATE_NAME).write_text("{}", encoding="utf-8")
+    with pytest.raises(ResumeError, match=r"optim.lr \("):
+        loop.train(cfg)

@@ -169,27 +169,43 @@ def check_same_engine(checkpoint: Path, accelerator) -> None:
                           f"accelerate config that wrote it, or use a new run.output_dir")
 
 
-def resume_state(accelerator, cfg: TrainConfig) -> TrainState:
-    """Load the newest checkpoint of the run folder, or start fresh."""
+def _resume_fix(latest: Path) -> str:
+    return (f"delete {latest} to resume from the checkpoint before it (or restore an intact copy), or use a new "
+            f"run.output_dir")
+
+
+def check_resume_recipe(cfg: TrainConfig) -> Path | None:
+    """The newest checkpoint of the run folder (None: a fresh run), refused in one line when this run may
+    not resume from it (run.resume=false, an unreadable config, another recipe: :func:`check_resumable`).
+    Reads no weights: :func:`demind.training.loop.train` calls it before the backbone loads."""
     import yaml
 
     run_dir = Path(cfg.run.output_dir)
     latest = latest_checkpoint(run_dir)
     if latest is None:
-        return TrainState()
+        return None
     if not cfg.run.resume:
         raise ResumeError(f"{run_dir} already holds checkpoints (newest {latest.name}) but run.resume=false; "
                           f"use a new run.output_dir or delete {checkpoint_root(run_dir)}")
-    fix = (f"delete {latest} to resume from the checkpoint before it (or restore an intact copy), or use a new "
-           f"run.output_dir")
     try:
         saved_config = yaml.safe_load((latest / "config.yaml").read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise ResumeError(f"cannot resume: {latest / 'config.yaml'} cannot be read ({str(e).splitlines()[0]}); "
-                          f"{fix}") from None
+                          f"{_resume_fix(latest)}") from None
     if not isinstance(saved_config, dict):
-        raise ResumeError(f"cannot resume: {latest / 'config.yaml'} is not a config (a YAML mapping); {fix}")
+        raise ResumeError(f"cannot resume: {latest / 'config.yaml'} is not a config (a YAML mapping); "
+                          f"{_resume_fix(latest)}")
     check_resumable(saved_config, cfg, latest)
+    return latest
+
+
+def resume_state(accelerator, cfg: TrainConfig) -> TrainState:
+    """Load the newest checkpoint of the run folder, or start fresh."""
+    run_dir = Path(cfg.run.output_dir)
+    latest = check_resume_recipe(cfg)
+    if latest is None:
+        return TrainState()
+    fix = _resume_fix(latest)
     check_same_engine(latest, accelerator)
     try:
         accelerator.load_state(str(latest))

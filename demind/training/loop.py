@@ -12,13 +12,14 @@ from demind.config import save_config
 from demind.io import check_output_dir
 from demind.features import ShardFeatureCache
 from demind.model import DeMinds, build_model
+from demind.shard_format import resolve_shards
 from demind.training.accel import available_trackers, micro_batch_size, prepare_model, setup, tracker_config
 from demind.training.batches import build_data
 from demind.training.config import TrainConfig
 from demind.training.metrics_log import trim_metrics
 from demind.training.plot import plot_training
 from demind.training.optim import build_optimizer, build_scheduler
-from demind.training.checkpoints import TrainState, resume_state
+from demind.training.checkpoints import TrainState, check_resume_recipe, resume_state
 from demind.training.step import train_steps
 from demind.training.zero import deepspeed_precision, use_full_precision_weights
 
@@ -69,6 +70,9 @@ def train(cfg: TrainConfig, *, deepspeed: bool = False, launched_processes: int 
     if accelerator.is_main_process:
         check_output_dir(run_dir)  # read-only or missing permissions: fail now, not at the first checkpoint
     accelerator.wait_for_everyone()
+    # what can be refused without a model is refused before the backbone loads (minutes for ViT-L/14)
+    resolve_shards(cfg.data.shards)
+    check_resume_recipe(cfg)
     backbone, model = build_modules(cfg, accelerator.device)
     if accelerator.is_main_process:  # a checkpoint holds the weights and AdamW's two moments
         check_output_dir(run_dir, need_bytes=3 * sum(p.numel() * p.element_size() for p in model.parameters()
