@@ -283,6 +283,7 @@ def test_serve_command_builds_the_index_and_serves_a_mismatch_as_a_page_message(
         return Stopped(), done
 
     monkeypatch.setattr(server_module, "start_server", fake_start_server)
+    monkeypatch.setattr(server_module.guard, "bind_problem", lambda host, port: None)  # no real socket
     for i in range(3):
         write_image(tmp_path / "gallery" / f"g{i}.png", i)
     common = ["--checkpoint", str(tiny_checkpoint), "run.progress=false"]

@@ -301,3 +301,22 @@ def test_a_combiner_card_is_a_combiners_with_its_recipe_and_results(combiner_che
     (entry,) = front["model-index"][0]["results"]
     assert {m["type"]: m["value"] for m in entry["metrics"]} == {k: round(v, 4) for k, v in metrics.items()}
     assert (tmp_path / "pub" / "training_config.yaml").is_file()
+
+
+def test_serve_refuses_an_address_it_cannot_listen_on_before_any_model(tmp_path, capsys, no_model_loads):
+    import socket
+
+    from demind.cli.serve import main
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        for extra, said in ((["--port", str(taken.getsockname()[1])], "cannot listen on 127.0.0.1"),
+                            (["--host", "no-such-host.invalid", "--token", "t"], "no-such-host.invalid")):
+            assert main(["--index", str(tmp_path / "ix"), "--checkpoint", str(tmp_path / "c.safetensors"),
+                         *extra]) == 2
+            err = capsys.readouterr().err
+            assert said in err and "Traceback" not in err, err
+    finally:
+        taken.close()

@@ -54,6 +54,7 @@ def serve_without_serving(monkeypatch, argv: list[str]):
 
     monkeypatch.setattr(server_module, "create_app", recording_create_app)
     monkeypatch.setattr(server_module, "start_server", fake_start_server)
+    monkeypatch.setattr(server_module.guard, "bind_problem", lambda host, port: None)  # no real socket
     assert serve_main(argv) == 0
     return built["searcher"], built["app"]
 

@@ -116,6 +116,7 @@ def test_off_loopback_a_server_without_a_token_does_not_start(searcher):  # noqa
 
 def test_serve_warns_off_loopback_and_prints_a_generated_token(tmp_path, tiny_checkpoint, monkeypatch,  # noqa: F811
                                                                capsys):
+    import demind.search.guard as guard
     import demind.search.server as server_module
     from demind.cli.serve import main as serve_main
 
@@ -131,6 +132,7 @@ def test_serve_warns_off_loopback_and_prints_a_generated_token(tmp_path, tiny_ch
         return Stopped(), done
 
     monkeypatch.setattr(server_module, "start_server", fake_start_server)
+    monkeypatch.setattr(guard, "bind_problem", lambda host, port: None)  # no real socket: 192.168.1.5 is an example
     monkeypatch.delenv("DEMIND_SERVE_TOKEN", raising=False)
     for i in range(3):
         write_image(tmp_path / "gallery" / f"g{i}.png", i)

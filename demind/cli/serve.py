@@ -117,9 +117,13 @@ def run(args: ServeConfig) -> int:
     from demind.search.index_manifest import GalleryIndexError
     from demind.search.query import Searcher
     from demind.search.expectations import expectation_line
+    from demind.search.guard import bind_problem
     from demind.search.server import create_app, start_server
 
     resolve_paths(args)
+    problem = bind_problem(args.host, args.port)  # before any model loads
+    if problem:
+        raise InputError(problem)
     settings = access_settings(args)
     mllm = search_mllm_setup(args)  # the MLLM itself loads on the first query that needs it
     backbone, model = load_model(args)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import re
+import socket
 from urllib.parse import urlsplit
 
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
@@ -95,3 +96,25 @@ def shorten(text: str, limit: int = 120) -> str:
     if len(text) <= limit:
         return repr(text)
     return f"{text[:limit]!r}... ({len(text):,} characters)"
+
+
+def bind_problem(host: str, port: int) -> str | None:
+    """Why the server cannot listen on ``host``:``port`` (a name that does not resolve, an address of
+    no interface here, a port in use or not allowed), else None: tried with a socket of the server's
+    kind, bound and closed at once, so ``demind-serve`` says it before any model loads."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        return f"--host {host!r} is not an address or a name this machine resolves ({e}); give an address of this " \
+               f"machine (127.0.0.1, 0.0.0.0 for every interface)"
+    family, kind, proto, _, address = infos[0]
+    probe = socket.socket(family, kind, proto)
+    try:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as waitress binds: a closed port's TIME_WAIT is no obstacle
+        probe.bind(address)
+    except OSError as e:
+        return f"cannot listen on {host}:{port} ({e.strerror or e}); give another --port (0: any free one) or a " \
+               f"--host address of this machine"
+    finally:
+        probe.close()
+    return None

@@ -375,11 +375,15 @@ def start_server(app: Flask, host: str = "127.0.0.1", port: int = 0) -> tuple[Ru
                                f"or set DEMIND_SERVE_TOKEN")
     settings.hosts |= guard.default_allowed_hosts(host)
     dispatcher = JoinableTaskDispatcher()
-    server = waitress.server.create_server(
-        app, host=host, port=port, threads=settings.threads, connection_limit=settings.connection_limit,
-        channel_timeout=settings.channel_timeout_s, cleanup_interval=max(1, int(settings.channel_timeout_s / 2)),
-        max_request_body_size=(settings.max_upload_mb + 1) * 1024 * 1024, ident="demind-search",
-        _dispatcher=dispatcher)  # waitress's hook for a dispatcher of one's own: ours keeps its threads
+    try:
+        server = waitress.server.create_server(
+            app, host=host, port=port, threads=settings.threads, connection_limit=settings.connection_limit,
+            channel_timeout=settings.channel_timeout_s, cleanup_interval=max(1, int(settings.channel_timeout_s / 2)),
+            max_request_body_size=(settings.max_upload_mb + 1) * 1024 * 1024, ident="demind-search",
+            _dispatcher=dispatcher)  # waitress's hook for a dispatcher of one's own: ours keeps its threads
+    except (OSError, ValueError) as e:  # taken since the start-up check (guard.bind_problem), or not an address
+        raise ServerSetupError(f"cannot listen on {host}:{port} ({getattr(e, 'strerror', None) or e}); give another "
+                               f"--port (0: any free one) or a --host address of this machine") from None
     dispatcher.set_thread_count(settings.threads)  # started once the port is bound (a port in use starts none)
     thread = ServerThread(server.run, "demind-search-server")
     thread.start()
