@@ -191,10 +191,10 @@ def test_error_messages_name_only_flags_the_command_has():
 
 
 def test_filling_a_prompt_never_reads_a_value_as_a_field():
-    from demind.mllm.describers import fill
+    from demind.engines import fill_prompt
 
     prompt = "Caption: {caption}\nChange: {modification}"
-    assert fill(prompt, caption="a {modification} sign", modification="put the {caption} on it") == \
+    assert fill_prompt(prompt, caption="a {modification} sign", modification="put the {caption} on it") == \
         "Caption: a {modification} sign\nChange: put the {caption} on it"
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from demind.engines.base import Engine, GenRequest, GenResult, TokenScores, request_seed
 from demind.engines.budget import check_prompt_fits
-from demind.engines.chat import Conversation, assistant_turn, render, user_turn
+from demind.engines.chat import Conversation, assistant_turn, fill_prompt, render, user_turn
 from demind.engines.config import EngineConfig, SamplingConfig
 from demind.engines.memory import WavePlanner
 from demind.engines.model_ref import (EngineModelError, check_engine_model, engine_load_error, load_processor,
@@ -20,8 +20,8 @@ from demind.errors import DemindError, InputError
 
 __all__ = ["Conversation", "Engine", "EngineConfig", "EngineModelError", "GenRequest", "GenResult", "SamplingConfig",
            "TokenScores", "WavePlanner", "assistant_turn", "build_engine", "check_engine_model", "check_prompt_fits",
-           "disable_loading_progress", "engine_load_error", "load_processor", "local_model_folder", "render",
-           "request_seed", "user_turn"]
+           "disable_loading_progress", "engine_load_error", "fill_prompt", "load_processor", "local_model_folder",
+           "render", "request_seed", "user_turn"]
 
 
 def build_engine(engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, *, device: str = "auto",

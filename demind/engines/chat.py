@@ -30,6 +30,17 @@ class ChatTemplateRenderer(Protocol):
     def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
 
 
+def fill_prompt(template: str, **values: str) -> str:
+    """``{name}`` fields of a prompt ``template`` replaced by ``values``, in one pass over the template:
+    a value is never read again, so a user's text or a model's caption that holds braces ("put the
+    {candidate} logo on it", a caption with "{modification}") is inserted as it is (not
+    ``str.format``, not one ``str.replace`` after another)."""
+    if not values:
+        return template
+    pattern = re.compile("|".join(re.escape("{" + name + "}") for name in values))
+    return pattern.sub(lambda m: values[m.group(0)[1:-1]], template)
+
+
 def user_turn(text: str, with_image: bool | int) -> dict[str, Any]:
     """A user turn: ``with_image`` image placeholders (True: one) before the text."""
     content: list[dict[str, Any]] = [{"type": "image"} for _ in range(int(with_image))]

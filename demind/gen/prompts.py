@@ -11,7 +11,7 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from demind.engines import Conversation, assistant_turn, check_prompt_fits, user_turn
+from demind.engines import Conversation, assistant_turn, check_prompt_fits, fill_prompt, user_turn
 from demind.errors import InputError, MissingInputError
 
 PROMPT_ROOT = Path(__file__).resolve().parent / "prompts"
@@ -27,8 +27,8 @@ class PromptSet:
     sha: str  # short hash of the three texts, recorded with every sample
 
     def fill(self, template: str, caption: str) -> str:
-        # str.replace, not str.format: captions may contain braces.
-        return template.replace(CAPTION_FIELD, caption)
+        # one pass, not str.format: captions may contain braces
+        return fill_prompt(template, caption=caption)
 
 
 def load_prompts(version: str) -> PromptSet:

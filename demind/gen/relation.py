@@ -3,10 +3,10 @@
 Prompt files live in ``demind/gen/triplet_prompts/<version>/`` (their README says what each holds):
 the describer's ``describe.txt`` (both images in one user turn, source first), the writer's
 ``instruct.txt`` (all instructions as one JSON object) or ``instruct_one.txt`` (one a call), and
-``examples.json``, the pool of in-context examples. Fields are filled with ``str.replace`` (captions
-and descriptions may hold braces). Every triplet records the version and each file's sha256.
+``examples.json``, the pool of in-context examples. Fields are filled in one pass
+(:func:`demind.engines.fill_prompt`: captions and descriptions may hold braces). Every triplet records the version and each file's sha256.
 
-The writer's answer has a validated structure, :data:`INSTRUCTIONS_SCHEMA` (``{"instructions":
+The writer's answer has a validated structure, :func:`instructions_schema` (``{"instructions":
 [str, ...]}``); :func:`parse_instructions` reads it out of an answer (the JSON object may sit among
 other words) and says why an answer is not one.
 """
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from demind.engines import Conversation, user_turn
+from demind.engines import Conversation, fill_prompt, user_turn
 from demind.errors import InputError, MissingInputError
 from demind.gen.quality import clean_output
 
@@ -86,15 +86,9 @@ def load_triplet_prompts(version: str) -> TripletPrompts:
                           tuple(examples), sha)
 
 
-def fill(template: str, **values: str) -> str:
-    """``{name}`` fields replaced in one pass (a value holding braces is inserted as it is)."""
-    pattern = re.compile("|".join(re.escape("{" + name + "}") for name in values))
-    return pattern.sub(lambda m: values[m.group(0)[1:-1]], template)
-
-
 def describe_conversation(prompts: TripletPrompts, source_caption: str, target_caption: str) -> Conversation:
     """The describer's one turn: the source image, the target image, then the text."""
-    return [user_turn(fill(prompts.describe, source_caption=source_caption, target_caption=target_caption),
+    return [user_turn(fill_prompt(prompts.describe, source_caption=source_caption, target_caption=target_caption),
                       with_image=2)]
 
 
@@ -111,7 +105,7 @@ def _examples_text(examples: list[dict[str, Any]], as_json: bool) -> str:
 def instruct_conversation(prompts: TripletPrompts, description: str, count: int,
                           examples: list[dict[str, Any]]) -> Conversation:
     """The writer's turn, text only: every instruction at once, as JSON."""
-    return [user_turn(fill(prompts.instruct, description=description, count=str(count),
+    return [user_turn(fill_prompt(prompts.instruct, description=description, count=str(count),
                            examples=_examples_text(examples, as_json=True)), with_image=False)]
 
 
@@ -119,7 +113,7 @@ def instruct_one_conversation(prompts: TripletPrompts, description: str, example
                               previous: list[str]) -> Conversation:
     """The writer's turn for one more instruction, different from ``previous``."""
     before = ("Already written (write a different one): " + "; ".join(f'"{p}"' for p in previous)) if previous else ""
-    return [user_turn(fill(prompts.instruct_one, description=description, previous=before,
+    return [user_turn(fill_prompt(prompts.instruct_one, description=description, previous=before,
                            examples=_examples_text(examples, as_json=False)), with_image=False)]
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +34,7 @@ from demind.mllm.parse import parse_description
 from demind.mllm.store import AnswerStore
 from demind.errors import InputError, MissingInputError
 from demind.imaging import resize_longest_side
-from demind.engines import Engine, GenRequest, render, request_seed, user_turn
+from demind.engines import Engine, GenRequest, fill_prompt, render, request_seed, user_turn
 from demind.templates import PLACEHOLDER, TEMPLATES
 from demind.retrieval import Query, load_image
 
@@ -83,17 +82,6 @@ def load_describer_prompts(version: str = "v1") -> DescriberPrompts:
                 raise InputError(f"prompt file {path} must contain {f} exactly once")
     digest = hashlib.sha256("\x00".join(texts[n] for n in PROMPT_FILES).encode()).hexdigest()[:12]
     return DescriberPrompts(version=folder.name, sha=digest, **texts)
-
-
-def fill(template: str, **values: str) -> str:
-    """``{name}`` fields of ``template`` replaced by ``values``, in one pass over the template: a value
-    is never read again, so a user's text or a model's caption that holds braces ("put the {candidate}
-    logo on it", a caption with "{modification}") is inserted as it is (not ``str.format``, not one
-    ``str.replace`` after another)."""
-    if not values:
-        return template
-    pattern = re.compile("|".join(re.escape("{" + name + "}") for name in values))
-    return pattern.sub(lambda m: values[m.group(0)[1:-1]], template)
 
 
 def modification_text(query: Query) -> str:
@@ -243,7 +231,7 @@ class OSrCIRDescriber(Describer):
         engine = self.engine.get()
         images = self._images([q for q, _ in part])
         requests = [GenRequest(prompt=render(engine.renderer, [user_turn(
-                        fill(self.prompts.osrcir, modification=modification_text(q)), with_image=True)]),
+                        fill_prompt(self.prompts.osrcir, modification=modification_text(q)), with_image=True)]),
                         image=self._image(images, q), seed=self._seed(q.qid, "osrcir", s),
                         max_new_tokens=self.options.max_tokens) for q, s in part]
         results = engine.generate(requests)
@@ -282,7 +270,7 @@ class CIReVLDescriber(Describer):
                 to_rewrite.append((i, q, s, raw_caption, caption))
         if to_rewrite:
             requests = [GenRequest(prompt=render(engine.renderer, [user_turn(
-                            fill(self.prompts.rewrite, caption=caption, modification=modification_text(q)),
+                            fill_prompt(self.prompts.rewrite, caption=caption, modification=modification_text(q)),
                             with_image=False)]),
                             image=None, seed=self._seed(q.qid, "rewrite", s),
                             max_new_tokens=self.options.rewrite_max_tokens) for _, q, s, _, caption in to_rewrite]

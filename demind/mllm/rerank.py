@@ -22,11 +22,11 @@ from typing import Any, Protocol
 import torch
 
 from demind.mllm.config import RerankOptions
-from demind.mllm.describers import DescriberPrompts, LazyEngine, fill, modification_text
+from demind.mllm.describers import DescriberPrompts, LazyEngine, modification_text
 from demind.mllm.store import AnswerStore
 from demind.imaging import resize_longest_side
 from demind.errors import InputError
-from demind.engines import render
+from demind.engines import fill_prompt, render
 from demind.retrieval import ImageRef, Query, load_image
 
 log = logging.getLogger(__name__)
@@ -175,7 +175,7 @@ class MLLMVerifier:
 
     def _prompt(self, processor: Any, query: Query) -> str:
         # split at the candidate first, then fill: the user's words may hold "{candidate}" themselves
-        before, after = (fill(part, modification=modification_text(query))
+        before, after = (fill_prompt(part, modification=modification_text(query))
                          for part in self.prompts.verify.split(CANDIDATE_FIELD))
         return render(processor, [{"role": "user", "content": [
             {"type": "image"}, {"type": "text", "text": before.strip()},
