@@ -18,7 +18,9 @@ Parts, each in a process of its own (its peak resident memory is its own), in th
   gradient accumulation over the largest micro batch that ``--micro-batch`` says this machine holds;
 * ``eval`` -- the trained model on a toy CIRR cut (8 sets).
 
-Never run in CI: the 7B parts take tens of minutes and ~20 GiB. The expected time and memory are printed first.
+Never run in CI (pytest does not collect it). The expected time of each part is printed first, from its FLOPs and a
+matmul rate measured at start: on a CPU without AVX-512 bf16 runs several times slower than fp32, and the 7B parts
+take hours to days; their memory (~20 GiB) is checked by each part before it loads.
 """
 
 from __future__ import annotations
@@ -40,8 +42,45 @@ PARTS = ("gen-transformers", "gen-vllm", "cache", "train", "eval")
 ASPECTS = [(672, 672), (672, 448), (672, 336), (336, 672)]
 CAPTIONS = ["a red dog playing on a sandy beach near the water", "an old stone house with a blue door in the snow",
             "a city street at night with cars and bright lights", "a tall tree in a green park on a sunny day"]
-EXPECTED = {  # (minutes, GiB of resident memory) on a 2-core CPU, full size; small: seconds and < 2 GiB
-    "gen-transformers": (40, 19), "gen-vllm": (30, 21), "cache": (6, 3), "train": (60, 6), "eval": (3, 3)}
+# Work of each part at full size, in FLOPs by precision (2 x parameters x tokens, x3 with a backward pass), and
+# its resident memory in GiB; the time is said at start from a matmul rate measured on this machine.
+# gen: 4 images, ~2,400 image + ~110 text tokens of prefill each, stage 2's new ~250 tokens, and 224 answer
+# tokens a sample decoded at batch 4, twice (sampling.retries 1: random weights flag their text).
+LLAVA_PARAMS, VIT_IMAGE_PARAMS, VIT_TEXT_PARAMS = 7.57e9, 0.30e9, 0.12e9
+GEN_TOKENS = 2 * 4 * (2400 + 110 + 250 + 224)
+WORK = {  # part: ({"bf16" | "fp32": FLOPs}, GiB)
+    "gen-transformers": ({"bf16": 2 * LLAVA_PARAMS * GEN_TOKENS}, 19),
+    "gen-vllm": ({"bf16": 2 * LLAVA_PARAMS * GEN_TOKENS}, 21),
+    "cache": ({"fp32": 256 * 2 * (VIT_IMAGE_PARAMS * 257 + 3 * VIT_TEXT_PARAMS * 30)}, 4),
+    "train": ({"fp32": 20 * 1024 * 3 * 2 * VIT_TEXT_PARAMS * 30}, 8),
+    "eval": ({"fp32": 150 * 2 * (VIT_IMAGE_PARAMS * 257 + VIT_TEXT_PARAMS * 30)}, 4),
+}
+
+
+def matmul_rates() -> dict[str, float]:
+    """FLOP/s of a (512 x 4096) @ (4096 x 4096) matmul in fp32 and bf16 on this machine now."""
+    import torch
+
+    rates = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        x, w = torch.randn(512, 4096, dtype=dtype), torch.randn(4096, 4096, dtype=dtype)
+        torch.nn.functional.linear(x, w)
+        start = time.perf_counter()
+        torch.nn.functional.linear(x, w)
+        rates[name] = 2 * 512 * 4096 * 4096 / (time.perf_counter() - start)
+    return rates
+
+
+def expected(parts: list[str], small: bool) -> str:
+    """The start-up line: minutes per part at this machine's matmul rates, and the largest part's memory."""
+    if small:
+        return "expect a few minutes and under 2 GiB a part"
+    rates = matmul_rates()
+    minutes = {p: sum(flops / rates[k] for k, flops in WORK[p][0].items()) / 60 for p in parts}
+    each = ", ".join(f"{p} ~{m:,.0f} min" for p, m in minutes.items())
+    return (f"matmul {rates['fp32'] / 1e9:.0f} GFLOP/s fp32, {rates['bf16'] / 1e9:.0f} bf16 here: expect {each} "
+            f"(at least; attention and data loading come on top), up to {max(WORK[p][1] for p in parts)} GiB "
+            f"resident (each part checks its memory before loading)")
 
 
 def peak_rss_gib() -> float:
@@ -172,16 +211,19 @@ def part_cache(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 def part_train(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from demind.training import load_train_config, train
 
-    accum = 1024 // args.micro_batch
+    accum = args.global_batch // args.micro_batch
     cfg = load_train_config(str(REPO / "configs/train/paper.yaml"), train_overrides(args, work) + [
         f"optim.max_steps={args.train_steps}", f"optim.grad_accum_steps={accum}", "run.log_every=1",
+        f"optim.global_batch_size={args.global_batch}",
         f"run.save_every={args.train_steps}", "run.trackers=[]"])
     start = time.perf_counter()
     train(cfg)
     seconds = time.perf_counter() - start
     rows = [json.loads(line) for line in (work / "train" / "metrics.jsonl").read_text().splitlines()]
-    return {"steps": args.train_steps, "micro_batch": args.micro_batch, "grad_accum_steps": accum,
-            "seconds": round(seconds, 1), "seconds_per_step": round(seconds / max(args.train_steps, 1), 1),
+    samples = args.train_steps * args.global_batch
+    return {"steps": args.train_steps, "global_batch": args.global_batch, "micro_batch": args.micro_batch,
+            "grad_accum_steps": accum, "seconds": round(seconds, 1), "samples_per_s": round(samples / seconds, 2),
+            "paper_20_steps_min": round(20 * 1024 / (samples / seconds) / 60, 1),
             "last": rows[-1] if rows else None}
 
 
@@ -222,7 +264,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--small", action="store_true", help="models written with --small; the tiny CLIP")
     parser.add_argument("--cache-images", type=int, default=256)
     parser.add_argument("--train-steps", type=int, default=20)
-    parser.add_argument("--micro-batch", type=int, default=64, help="a divisor of the paper's global batch (1024)")
+    parser.add_argument("--micro-batch", type=int, default=64, help="a divisor of --global-batch")
+    parser.add_argument("--global-batch", type=int, default=1024,
+                        help="paper.yaml's 1024; less for a timing run (then the 20 steps at 1024 are extrapolated)")
     parser.add_argument("--json", help="write every part's result here")
     parser.add_argument("--part", help=argparse.SUPPRESS)  # run one part in this process (the driver's children)
     return parser.parse_args(argv)
@@ -237,13 +281,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     parts = [p for p in args.only.split(",") if p]
     unknown = set(parts) - set(PARTS)
-    if unknown or 1024 % args.micro_batch:
-        print(f"error: --only takes {', '.join(PARTS)} (got {sorted(unknown)}); --micro-batch divides 1024", file=sys.stderr)
+    if unknown or args.global_batch % args.micro_batch:
+        print(f"error: --only takes {', '.join(PARTS)} (got {sorted(unknown)}); --micro-batch divides --global-batch",
+              file=sys.stderr)
         return 2
-    minutes = sum(EXPECTED[p][0] for p in parts)
-    print(f"bench_full_size: {', '.join(parts)}; expect about {'a minute' if args.small else f'{minutes} minutes'} "
-          f"and at most {'2' if args.small else max(EXPECTED[p][1] for p in parts)} GiB of memory per part "
-          f"(each part checks its own before loading)", flush=True)
+    print(f"bench_full_size: {', '.join(parts)}; {expected(parts, args.small)}", flush=True)
     results = {}
     for name in parts:
         cmd = [sys.executable, "-m", "benchmarks.bench_full_size", *(argv or sys.argv[1:]), "--part", name]
