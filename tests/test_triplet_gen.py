@@ -167,6 +167,24 @@ def test_a_changed_recipe_is_refused_then_overwrite_redoes_every_shard(repo_root
     assert read_triplets(out)["000000000_000000001"] != first["000000000_000000001"]
 
 
+def test_a_run_that_stopped_before_its_first_shard_takes_a_new_recipe(repo_root, tiny_qwen, pairs, tmp_path,
+                                                                      monkeypatch):
+    """The manifest is written before the engine loads; a run whose engine did not start wrote no shard,
+    so the rerun with another setting is not refused as another recipe."""
+    import demind.engines as engines
+    from demind.cli.generate_triplets import main
+    from demind.errors import DemindError
+
+    _, folder, _ = pairs
+    out = tmp_path / "out"
+    with monkeypatch.context() as m:
+        m.setattr(engines, "build_engine", lambda *a, **k: (_ for _ in ()).throw(DemindError("no GPU memory left")))
+        assert main(argv(repo_root, tiny_qwen, folder, out, "sampling.temperature=0.5")) == 2
+    assert (out / "triplets_manifest.json").exists()
+    assert main(argv(repo_root, tiny_qwen, folder, out, "--shard", "0")) == 0
+    assert json.loads((out / "triplets_manifest.json").read_text())["recipe"]["sampling"]["temperature"] == 0.7
+
+
 def test_a_describer_that_renders_one_image_a_prompt_is_refused(repo_root, pairs, tmp_path, capsys):
     """A model whose chat template puts one image in a prompt cannot describe a pair: refused before any shard."""
     from demind.cli.generate_triplets import main

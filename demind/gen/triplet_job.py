@@ -288,9 +288,10 @@ def manifest_record(cfg: TripletGenConfig, pairs_manifest: dict[str, Any], pairs
 
 def check_manifest(output: Path, manifest: dict[str, Any], overwrite: bool) -> None:
     """Write ``output``'s manifest, or refuse when the one there records other pairs or another recipe
-    (unless ``overwrite``, whose plan redoes every shard)."""
+    and a shard made with it is done (unless ``overwrite``, whose plan redoes every shard); a folder
+    whose run stopped before its first shard (a model that did not load) takes the new recipe."""
     path = Path(output) / MANIFEST
-    if path.is_file() and not overwrite:
+    if path.is_file() and not overwrite and any(Path(output).glob(f"{OUTPUT_PREFIX}-*_stats.json")):
         try:
             old = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
