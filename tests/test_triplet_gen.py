@@ -377,3 +377,23 @@ def test_the_writer_may_be_a_text_only_llm(repo_root, tiny_qwen, pairs, tmp_path
     assert gen["describer"]["model"] == str(tiny_qwen) and gen["writer"]["model"] == str(tmp_path / "llm")
     manifest = json.loads((out / "triplets_manifest.json").read_text())
     assert manifest["writer"]["model"] == str(tmp_path / "llm")
+
+
+def test_make_tiny_model_writes_the_qwen2vl_in_the_hubs_layout(tmp_path):
+    """demind-make-tiny-model --family qwen2-vl: a Qwen2-VL folder with the Hub's weight names (model.layers.*,
+    visual.*, lm_head.*), which the transformers engine loads and whose chat template holds two images."""
+    from safetensors import safe_open
+
+    from demind.cli.make_tiny_model import main
+    from demind.engines import EngineConfig, SamplingConfig, render, user_turn
+    from demind.engines.transformers_engine import TransformersEngine
+
+    out = tmp_path / "tiny-qwen2-vl"
+    assert main(["--family", "qwen2-vl", "--output", str(out)]) == 0
+    assert json.loads((out / "config.json").read_text())["model_type"] == "qwen2_vl"
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        roots = {k.split(".")[0] for k in f.keys()}
+    assert roots == {"model", "visual", "lm_head"}
+    engine = TransformersEngine(EngineConfig(name="transformers", model=str(out), prefix_cache=False), SamplingConfig(),
+                                device="cpu")
+    assert render(engine.renderer, [user_turn("x", with_image=2)]).count("<|image_pad|>") == 2
