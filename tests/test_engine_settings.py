@@ -124,3 +124,21 @@ def test_a_prompt_over_vllms_context_length_is_one_line_naming_the_setting(error
     LLM.generate = lambda self, inputs, params, use_tqdm: (_ for _ in ()).throw(RuntimeError("engine core died"))
     with pytest.raises(RuntimeError, match="engine core died"):
         engine.generate([GenRequest("p", None, 1, 8)])
+
+
+def test_a_kv_cache_smaller_than_one_sequence_is_refused_before_vllm_starts():
+    """engine.kv_cache_gib below one sequence of max_model_len tokens: one line naming the key before vLLM
+    starts (vLLM refuses it only after loading the weights); on a GPU and on the CPU build alike."""
+    from types import SimpleNamespace
+
+    from demind.config import ConfigError
+    from demind.engines.vllm_engine import VLLMEngine
+
+    mistral = SimpleNamespace(num_attention_heads=32, num_key_value_heads=8, hidden_size=4096, num_hidden_layers=32)
+    for on_cpu, dtype in ((False, "auto"), (True, "bfloat16")):  # 128 KiB of KV a token: 4096 tokens = 0.5 GiB
+        engine = object.__new__(VLLMEngine)
+        engine.on_cpu, engine.max_model_len = on_cpu, 4096
+        with pytest.raises(ConfigError, match=r"engine.kv_cache_gib=0.25 holds 2,048 tokens of KV, fewer than one "
+                                              r"sequence of engine.max_model_len=4,096 tokens \(0.500 GiB\)"):
+            engine._kv_cache_bytes(EngineConfig(name="vllm", dtype=dtype, kv_cache_gib=0.25), mistral)
+        assert engine._kv_cache_bytes(EngineConfig(name="vllm", dtype=dtype, kv_cache_gib=0.5), mistral) == GIB // 2

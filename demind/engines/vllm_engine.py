@@ -80,6 +80,17 @@ def vllm_on_cpu() -> bool:
     return bool(current_platform.is_cpu())
 
 
+def check_kv_cache_holds_a_sequence(kv_cache_gib: float, max_model_len: int, kv_bytes_per_token: int) -> None:
+    """Refuse, before vLLM starts, an ``engine.kv_cache_gib`` that cannot hold one sequence of
+    ``max_model_len`` tokens (vLLM refuses it only after loading the weights, a minute into its start)."""
+    need = max_model_len * kv_bytes_per_token
+    if kv_cache_gib * GIB < need:
+        raise ConfigError(f"engine.kv_cache_gib={kv_cache_gib:g} holds {int(kv_cache_gib * GIB) // kv_bytes_per_token:,} "
+                          f"tokens of KV, fewer than one sequence of engine.max_model_len={max_model_len:,} tokens "
+                          f"({need / GIB:.3f} GiB): raise engine.kv_cache_gib, lower engine.max_model_len, or 0 for "
+                          f"the default size", key="engine.kv_cache_gib")
+
+
 def vllm_llm_kwargs(engine_cfg: EngineConfig, *, seed: int, max_model_len: int, on_cpu: bool,
                     kv_cache_bytes: int | None, takes_images: bool = True) -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM`` for the ``engine.*`` settings; every vLLM setting is passed,
@@ -233,13 +244,17 @@ class VLLMEngine:
     def _kv_cache_bytes(self, engine_cfg: EngineConfig, model_config: Any) -> int | None:
         """vLLM's kv_cache_memory_bytes: engine.kv_cache_gib; on the CPU build a size always (see
         :func:`cpu_kv_cache_bytes`); None on a GPU with kv_cache_gib 0 (gpu_memory_utilization sizes it)."""
+        from demind.engines.memory import kv_bytes_per_token, parameter_count
+
+        dtype_bytes = 2 if engine_cfg.dtype in ("bfloat16", "float16") or (engine_cfg.dtype == "auto" and not self.on_cpu) \
+            else 4
+        if engine_cfg.kv_cache_gib > 0:
+            check_kv_cache_holds_a_sequence(engine_cfg.kv_cache_gib, self.max_model_len,
+                                            kv_bytes_per_token(model_config, dtype_bytes))
         if not self.on_cpu:
             return int(engine_cfg.kv_cache_gib * GIB) if engine_cfg.kv_cache_gib > 0 else None
         import psutil
 
-        from demind.engines.memory import kv_bytes_per_token, parameter_count
-
-        dtype_bytes = 2 if engine_cfg.dtype in ("bfloat16", "float16") else 4
         available = psutil.virtual_memory().available  # before the weights load: their bytes are taken off
         weights = parameter_count(model_config) * dtype_bytes if engine_cfg.kv_cache_gib <= 0 else 0
         size = cpu_kv_cache_bytes(engine_cfg.kv_cache_gib, self.max_model_len,
