@@ -320,3 +320,23 @@ def test_serve_refuses_an_address_it_cannot_listen_on_before_any_model(tmp_path,
             assert said in err and "Traceback" not in err, err
     finally:
         taken.close()
+
+
+@pytest.mark.parametrize("script", ["demind-search", "demind-serve --images"])
+def test_rerank_words_the_model_lacks_are_said_before_any_model_or_encoding(script, tiny_llava, gallery_index, tmp_path,
+                                                                            capsys, no_model_loads):
+    from demind.cli.search import main as search_main
+    from demind.cli.serve import main as serve_main
+
+    photos, index = gallery_index
+    mllm = ["engine.name=transformers", f"engine.model={tiny_llava}", "rerank.k=2",  # the tiny LLaVA has no "yes"
+            f"describe.store={tmp_path / 'store'}"]
+    if script == "demind-search":
+        status = search_main(["--index", str(index), "--checkpoint", str(tmp_path / "c.safetensors"), "--image",
+                              str(photos / "img0.png"), "--text", "red", *mllm])
+    else:
+        status = serve_main(["--images", str(photos), "--index", str(tmp_path / "new-index"), "--checkpoint",
+                             str(tmp_path / "c.safetensors"), "--port", "0", *mllm])
+        assert not (tmp_path / "new-index" / "index.json").exists()
+    err = capsys.readouterr().err
+    assert status == 2 and "rerank.yes='yes'" in err and "Traceback" not in err, err

@@ -151,3 +151,17 @@ def search_mllm_setup(cfg: QueryModelOptions):
                              "engine.model=DIR (a llava-hf folder; see docs/mllm.md), or leave rerank.k at 0")
         return None
     return build_mllm_setup(cfg.engine, cfg.describe, cfg.rerank, cfg.run)
+
+
+def bind_search_mllm(cfg: QueryModelOptions, index_dir: str):
+    """The MLLM of a search over ``index_dir``, bound to its answer store (:class:`demind.mllm.SearchMLLM`;
+    None without ``engine.model``): the store's folder and the re-ranking words (read from the model's
+    tokenizer files, not its weights) are checked here, before any model loads or any image is encoded."""
+    setup = search_mllm_setup(cfg)
+    if setup is None:
+        return None
+    from pathlib import Path
+
+    from demind.mllm import SearchMLLM
+
+    return SearchMLLM(setup, Path(index_dir).name, Path(index_dir))

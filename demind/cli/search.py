@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 from demind.errors import InputError
 from demind.cli.common import Flag, config_parser, run_config_command
-from demind.cli.model_options import MODEL_FLAGS, QueryModelOptions, load_model, search_mllm_setup
+from demind.cli.model_options import MODEL_FLAGS, QueryModelOptions, bind_search_mllm, load_model
 from demind.settings import setting
 from demind.retrieval.names import METHODS
 from demind.io import check_output_file, read_jsonl, write_json_atomic
@@ -221,10 +221,11 @@ def run(cfg: SearchConfig) -> int:
         queries, skipped = [defaults], []
     if cfg.out:
         check_output_file(cfg.out)
-    mllm = search_mllm_setup(cfg)
+    index = load_index(cfg.index)  # the manifest read, the parts memory-mapped: no row is read yet
+    mllm = bind_search_mllm(cfg, cfg.index)  # its store and answer words checked before the model loads
     check_mllm_methods([q.method for q in queries if q.method is not None], mllm is not None)
     backbone, model = load_model(cfg)
-    searcher = Searcher(backbone, model, load_index(cfg.index), cfg.ranker, mllm=mllm)
+    searcher = Searcher(backbone, model, index, cfg.ranker, mllm=mllm)
     for query in queries:  # no --method and none on the line: the checkpoint's own
         query.method = query.method or searcher.default_method
     print(expectation_line(searcher.expectation))

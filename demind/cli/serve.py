@@ -26,7 +26,7 @@ import urllib.parse
 from dataclasses import dataclass
 
 from demind.cli.common import Flag, config_parser, run_config_command
-from demind.cli.model_options import MODEL_FLAGS, QueryModelOptions, load_model, search_mllm_setup
+from demind.cli.model_options import MODEL_FLAGS, QueryModelOptions, bind_search_mllm, load_model, search_mllm_setup
 from demind.settings import setting
 from demind.errors import InputError
 from demind.search.names import RANKERS
@@ -125,7 +125,9 @@ def run(args: ServeConfig) -> int:
     if problem:
         raise InputError(problem)
     settings = access_settings(args)
-    mllm = search_mllm_setup(args)  # the MLLM itself loads on the first query that needs it
+    # the MLLM itself loads on the first query that needs it; an index built here first: its store and
+    # answer words are checked now, before the backbone loads and the images are encoded
+    mllm = bind_search_mllm(args, args.index) if args.images else search_mllm_setup(args)
     backbone, model = load_model(args)
     if model is not None and args.run.query_mode != "eager":
         # before serving: a compile on the first query would outlast the query timeout (--timeout)

@@ -110,7 +110,7 @@ def bind_problem(host: str, port: int) -> str | None:
     family, kind, proto, _, address = infos[0]
     probe = socket.socket(family, kind, proto)
     try:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as waitress binds: a closed port's TIME_WAIT is no obstacle
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as waitress binds (TIME_WAIT is no obstacle)
         probe.bind(address)
     except OSError as e:
         return f"cannot listen on {host}:{port} ({e.strerror or e}); give another --port (0: any free one) or a " \

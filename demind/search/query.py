@@ -213,8 +213,9 @@ class Searcher:
     """Embeds composed queries with one checkpoint and ranks one index; both load once.
 
     ``mllm``: a :class:`demind.mllm.MLLMSetup` (the ``engine`` / ``describe`` / ``rerank``
-    sections) for the MLLM methods and ``+rerank``; its engine is built on the first query that
-    needs an answer no store holds."""
+    sections) for the MLLM methods and ``+rerank``, or one already bound to this index
+    (:class:`demind.mllm.SearchMLLM`, :func:`demind.cli.model_options.bind_search_mllm`); its engine
+    is built on the first query that needs an answer no store holds."""
 
     def __init__(self, backbone: FrozenCLIP, model: DeMinds | None, index: GalleryIndex,
                  ranker: str = "exact", mllm=None) -> None:
@@ -224,7 +225,9 @@ class Searcher:
         self.backbone, self.model, self.index = backbone, model, index
         self.ranker = open_ranker(index, ranker)  # a FAISS ranker saved in the index folder is loaded, not rebuilt
         self.expectation = expectation(self.ranker, index)  # which ranker, what recall@10 to expect
-        self.mllm = SearchMLLM(mllm, index.directory.name, index.directory) if mllm is not None else None
+        if mllm is not None and not isinstance(mllm, SearchMLLM):  # a setup: bound to this index here
+            mllm = SearchMLLM(mllm, index.directory.name, index.directory)
+        self.mllm = mllm
         self.methods: dict[str, registry.RetrievalMethod] = {}  # built on first use
         if self.mllm is not None:
             self.available_methods()  # rerank.methods naming a method this search cannot offer: refused now
