@@ -163,6 +163,22 @@ class Inputs:
                        ExclCocoConfig(caption_min_images=4), split="train")
         return self.root / "exclcoco-train"
 
+    @cached_property
+    def pair_corpus(self) -> Path:
+        """Two input shards of 8 captioned random images each, the fourth image of the second corrupt."""
+        import random
+
+        from helpers import make_sample, write_input_shard
+
+        words, rng = ["dog", "cat", "car", "tree", "house", "boat", "bird", "lamp", "red", "blue"], random.Random(0)
+        folder = self.folder("pair-corpus")
+        for s in range(2):
+            samples = [make_sample(f"0000{s}{k:04d}", 10 * s + k, " ".join(rng.sample(words, 4))) for k in range(8)]
+            if s == 1:
+                samples[3]["jpg"] = b"\xff\xd8\xff not a jpeg"
+            write_input_shard(folder / f"0000{s}.tar", samples)
+        return folder
+
 
 @dataclass
 class Row:
@@ -493,6 +509,32 @@ ROWS: list[Row] = [
     Row("demind-train-triplets", "output folder a file",
         lambda i: [*triplet_args(i, i.root / "no-triplets.jsonl"), f"run.output_dir={i.a_file}"],
         lambda i: ["run.output_dir", "a-file.txt"]),
+    Row("demind-train-triplets", "generated folder without its manifest",
+        lambda i: triplet_args(i, i.folder("gen-triplets-empty"), "data.source=generated"),
+        lambda i: ["triplets_manifest.json", "demind-generate-triplets"]),
+    Row("demind-train-triplets", "MegaPairs row without q_text",
+        lambda i: triplet_args(i, i.write("megapairs/rows.jsonl", '{"q_img": "a.png", "t_img": "b.png"}\n'),
+                               "data.source=megapairs"),
+        lambda i: ["rows.jsonl:1", "q_text"]),
+    # ------------------------------------------------------------------ pair mining
+    *config_rows("demind-mine-pairs", lambda i: ["--input", str(i.pair_corpus), "--output", str(i.root / "pairs-c")]),
+    Row("demind-mine-pairs", "input folder without shards",
+        lambda i: ["--input", str(i.folder("pairs-no-shards")), "--output", str(i.root / "pairs-a")],
+        lambda i: ["pairs-no-shards", "--input"]),
+    Row("demind-mine-pairs", "window upside down",
+        lambda i: ["--input", str(i.pair_corpus), "--output", str(i.root / "pairs-b"), "image.low=0.9",
+                   "image.high=0.5"], lambda i: ["image.low", "image.high"]),
+    Row("demind-mine-pairs", "output a file",
+        lambda i: ["--input", str(i.pair_corpus), "--output", str(i.a_file)], lambda i: ["a-file.txt"]),
+    Row("demind-mine-pairs", "a window that keeps no pair",
+        lambda i: ["--input", str(i.pair_corpus), "--output", str(i.root / "pairs-d"), "--config",
+                   str(REPO_ROOT / "configs/pairs/tiny-cpu.yaml"), "run.progress=false", "caption.low=0.995",
+                   "caption.high=0.999"], lambda i: ["signal caption", "0.995 < s < 0.999", "5% "]),
+    Row("demind-mine-pairs", "a corrupt image in the corpus",
+        lambda i: ["--input", str(i.pair_corpus), "--output", str(i.root / "pairs-e"), "--config",
+                   str(REPO_ROOT / "configs/pairs/tiny-cpu.yaml"), "run.progress=false",
+                   f"features.dir={i.root / 'pairs-e-features'}"],  # its own cache: the images are read here
+        lambda i: ["000010003"], expect="skip", codes=(0,)),
     # ------------------------------------------------------------------ reports
     *config_rows("demind-negation-report"),
     Row("demind-negation-report", "phrasings missing", lambda i: ["--phrasings", str(i.root / "none.jsonl")],
@@ -1008,6 +1050,7 @@ def test_bad_input(row: Row, inputs: Inputs, capsys, caplog, monkeypatch):
         import demind.search.server as server
 
         monkeypatch.setattr(server, "start_server", lambda *a, **k: pytest.fail("the bad input was served"))
+        monkeypatch.setattr(server.guard, "bind_problem", lambda host, port: None)  # port 8000 may be taken here
     argv = row.argv(inputs)
     if row.unreadable and os.geteuid() == 0:
         deny_reading_locked_files(monkeypatch)  # root reads files without read permission
