@@ -24,7 +24,7 @@ from demind.errors import DemindError, InputError, MissingInputError
 from demind.config import ConfigError, validate
 from demind.hubref import hub_unreachable
 from demind.plugins import require_timm_model
-from demind.schema import BackboneConfig
+from demind.schema import BackboneConfig, pretrained_names_a_file
 from demind.templates import PLACEHOLDER
 from demind.identity import backbone_identity, config_activation, identity_slug, tag_activation
 from demind.text_tower import (
@@ -188,14 +188,14 @@ class FrozenCLIP(nn.Module):
 
     def __init__(self, cfg: BackboneConfig, device: str | torch.device = "cpu") -> None:
         super().__init__()
-        validate(cfg)  # a config built in code meets the rules a loaded one does
-        self.cfg = cfg
-        model_name = _resolve_model_name(cfg.name)
-        if cfg.pretrained and not Path(cfg.pretrained).exists() and ("/" in cfg.pretrained or cfg.pretrained.endswith((".pt", ".bin", ".safetensors"))):
+        model_name = _resolve_model_name(cfg.name)  # a missing file is FileNotFoundError, as open() says it
+        if pretrained_names_a_file(cfg.pretrained) and not Path(cfg.pretrained).exists():
             raise MissingInputError(
                 f"backbone checkpoint {cfg.pretrained} does not exist; give an existing file or an open_clip "
                 f"pretrained tag (see open_clip.list_pretrained_tags_by_model({model_name!r}))"
             )
+        validate(cfg)  # a config built in code meets the rules a loaded one does
+        self.cfg = cfg
         model_cfg = open_clip.get_model_config(model_name)
         check_text_tower(model_cfg, cfg.name)  # before any weights are built or downloaded
         if out_of_reach := weights_out_of_reach(cfg, model_name):  # no network: now, not after minutes of retries

@@ -36,31 +36,72 @@ def check_output_key(key: str, path: str | Path, *, file: bool = False) -> Path:
                           f"choose a folder this process can write", key=key) from None
 
 
+NOT_WRITTEN = frozenset({"none", "null"})  # an output turned off by name (``--plot none``), as data.features off
+
+
 def declared_outputs(cfg: Any, prefix: str = "") -> list[tuple[str, str, str]]:
     """(dotted key, path, ``"dir"``/``"file"``) of every field of ``cfg`` declared
-    ``setting(output=...)`` that holds a path (None or ``""``: not written), nested sections included."""
+    ``setting(output=...)`` that holds a path (None, ``""``, ``none``: not written), nested sections included."""
     found: list[tuple[str, str, str]] = []
     for f in dataclasses.fields(cfg):
         key, value = prefix + f.name, getattr(cfg, f.name)
         if dataclasses.is_dataclass(value):
             found += declared_outputs(value, key + ".")
-        elif f.metadata.get("output") and value not in (None, ""):
+        elif f.metadata.get("output") and value not in (None, "") and str(value).strip().lower() not in NOT_WRITTEN:
             found.append((key, str(value), f.metadata["output"]))
     return found
 
 
 def check_outputs(cfg: Any) -> None:
     """Every declared output of ``cfg`` (:func:`declared_outputs`) writable, each checked by
-    :func:`check_output_key`: the first that is not is one ConfigError naming its key."""
+    :func:`check_output_key`: the first that is not is one ConfigError naming its key. A command whose
+    config extends another's lists the outputs it never writes in ``UNUSED_OUTPUTS`` (demind-features
+    reads a train recipe but writes no run folder): those are not created."""
+    unused = set(getattr(type(cfg), "UNUSED_OUTPUTS", ()))
     for key, path, kind in declared_outputs(cfg):
-        check_output_key(key, path, file=kind == "file")
+        if key not in unused:
+            check_output_key(key, path, file=kind == "file")
+
+
+def declared_inputs(cfg: Any, prefix: str = "") -> list[tuple[str, Any, str]]:
+    """(dotted key, value, kind) of every field of ``cfg`` declared ``setting(input=...)`` that is set
+    (None or ``""``: not read), nested sections included; a list value is one row."""
+    found: list[tuple[str, Any, str]] = []
+    for f in dataclasses.fields(cfg):
+        key, value = prefix + f.name, getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            found += declared_inputs(value, key + ".")
+        elif f.metadata.get("input") and value not in (None, "", []):
+            found.append((key, value, f.metadata["input"]))
+    return found
+
+
+def _is_remote(value: str) -> bool:
+    """A Hub reference or a URL: its loader resolves it (offline, naming the reference)."""
+    return value.startswith("hf-hub:") or "://" in value
+
+
+def check_inputs(cfg: Any) -> None:
+    """Every declared input of ``cfg`` (:func:`declared_inputs`) exists as the kind it declares: the
+    first that does not is one ConfigError naming its key, before any model loads."""
+    wanted = {"dir": ("folder", Path.is_dir), "file": ("file", Path.is_file), "path": ("file or folder", Path.exists)}
+    for key, value, kind in declared_inputs(cfg):
+        what, exists = wanted[kind]
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            if _is_remote(str(item)) or exists(Path(item)):
+                continue
+            found = " (it is a folder)" if Path(item).is_dir() else " (it is a file)" if Path(item).is_file() else ""
+            raise ConfigError(f"config key {key!r} = {str(item)!r}: no such {what}{found}; give the path of "
+                              f"an existing {what}", key=key)
 
 
 def check_command_config(cfg: Any) -> None:
     """A command's whole config check, after :func:`~demind.config.load_config` (types, declared rules, each
     section's ``config_problems()``) and before any model loads: the folders and files it writes
     (:func:`check_outputs`), then each section's ``output_problems()`` (what an output already
-    holds: another model, another run; ``[(key, message), ...]``), as one ConfigError."""
+    holds: another model, another run; ``[(key, message), ...]``), as one ConfigError. The files and
+    folders it reads (:func:`check_inputs`) come first."""
+    check_inputs(cfg)
     check_outputs(cfg)
     problems: list[tuple[str, str]] = []
 

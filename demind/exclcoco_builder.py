@@ -164,7 +164,7 @@ class ExclCocoConfig:
     max_queries: int = setting(0, ge=0, help="keep a seeded random subset of this many queries (0: all)")
     seed: int = setting(0, ge=0, help="seed of the query subset and the LLM's sampling")
     query_source: str = setting("template", choices=("template", "llm"))
-    prompt_version: str = setting("v1", help="demind/gen/exclusion_prompts/<version>.txt (llm only)")
+    prompt_version: str = setting("v1", refuses="no-such-prompt", help="demind/gen/exclusion_prompts/<version>.txt (llm only)")
     llm_max_tokens: int = setting(40, ge=1)
     image_max_side: int = setting(672, ge=1, help="positive image shrunk before the LLM sees it")
 

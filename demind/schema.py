@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from demind.settings import setting
 from demind.targets import TargetSampling
@@ -46,12 +47,32 @@ class BackboneConfig:
         fp16 / bf16 autocast). Inputs are cast to the tower's dtype; outputs are float32.
     """
 
-    name: str = "ViT-L-14"
-    pretrained: str | None = "openai"
+    name: str = setting("ViT-L-14", refuses="configs/model/no-such-model.json")
+    pretrained: str | None = setting("openai", refuses="weights/no-such-checkpoint.pt")
     precision: str = setting("fp32", choices=PRECISION_NAMES)
     grad_checkpointing: bool = False
     text_buckets: int = setting(4, ge=1)
     seed: int = setting(0, ge=0)
+
+    def config_problems(self) -> list[tuple[str, str]]:
+        """The files this config names exist (a model name or a tag is open_clip's to resolve, when the
+        backbone loads): checked with the config, before any model loads."""
+        problems = []
+        if self.name.endswith(".json") and not Path(self.name).is_file():
+            problems.append(("name", f"= {self.name!r}: backbone model config {self.name} does not exist; give an "
+                                     f"open_clip model name (see open_clip.list_models()) or the path of a "
+                                     f"model-config JSON"))
+        if pretrained_names_a_file(self.pretrained) and not Path(self.pretrained).exists():
+            problems.append(("pretrained", f"= {self.pretrained!r}: backbone checkpoint {self.pretrained} does not "
+                                           f"exist; give an existing file or an open_clip pretrained tag"))
+        return problems
+
+
+def pretrained_names_a_file(pretrained: str | None) -> bool:
+    """Whether ``backbone.pretrained`` is meant as a local file (a path or a weights file name), not an
+    open_clip tag or a Hub reference."""
+    return bool(pretrained) and not pretrained.startswith("hf-hub:") and (
+        "/" in pretrained or pretrained.endswith((".pt", ".pth", ".bin", ".safetensors")))
 
 
 FUSIONS = ("gate", "add", "intent_only")
@@ -72,11 +93,12 @@ class ModelConfig:
     ff_mult: int = setting(4, ge=1)
     mapping_hidden: int = setting(512, ge=1)
     mapping_dropout: float = setting(0.1, ge=0, lt=1)
-    gate_init: float = 0.0
+    gate_init: float = setting(0.0, free="any real: the gate's value before tanh (0: closed at the start)")
     fusion: str = setting("gate", choices=FUSIONS)
-    template: str = setting(TEMPLATES["cirr"], help="training prompt: one '*' and '{text}'")
+    template: str = setting(TEMPLATES["cirr"], refuses="a photo of {text}", help="training prompt: one '*' and '{text}'")
     learnable_temperature: bool = False
-    init_logit_scale: float = math.log(100.0)  # CLIP's trained value; used unless learnable
+    init_logit_scale: float = setting(math.log(100.0), free="any real: log of the inverse temperature (CLIP's "
+                                                             "trained 100); used unless learnable")
     # ConeSep's NBL (training.noise.mode=conesep): learnable negative prompt tokens; 0 = none.
     # Used in training only; queries never read them.
     negative_tokens: int = setting(0, ge=0)
@@ -106,10 +128,12 @@ def heads_problem(num_heads: int, width: int) -> str | None:
 class DataConfig:
     """Where the intent shards are and how they are streamed."""
 
-    shards: str = "shards/cc3m"
+    shards: str = setting("shards/cc3m", free="a folder, brace pattern or hf-hub: reference; resolved (a missing "
+                                             "shard named) before the backbone loads")
     """A folder of ``*.tar`` files, or a brace pattern such as
     ``shards/cc3m/{00000..00331}.tar`` (several patterns joined by ``::``)."""
-    features: str | None = "auto"
+    features: str | None = setting("auto", free="auto, none or a folder; a folder that lacks a shard is "
+                                                 "refused naming it")
     """Frozen-feature cache folder.  ``auto``: ``<shard folder>/features/<backbone>``,
     used when it holds every shard; a path: must hold every shard; null or none: never
     (see demind.features.features_off)."""

@@ -60,11 +60,12 @@ class Rule:
 
 
 OUTPUT_KINDS = ("dir", "file")
+INPUT_KINDS = ("dir", "file", "path")  # path: a file or a folder
 
 
 def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING,
             help: str | None = None, output: str | None = None, refuses: Any = dataclasses.MISSING,  # noqa: A002
-            free: str | None = None, **rule: Any) -> Any:
+            free: str | None = None, input: str | None = None, **rule: Any) -> Any:  # noqa: A002
     """A dataclass field with a declared :class:`Rule` and the text ``--help`` shows for it:
     ``lr: float = setting(1e-6, gt=0, help="peak learning rate")``.
 
@@ -74,6 +75,9 @@ def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = datacl
 
     * ``output="dir"`` (or ``"file"``): a folder (file) the command writes; refused, naming the key,
       when this process cannot create or write it (:func:`demind.config.check_outputs`);
+    * ``input="dir"`` (``"file"``, ``"path"``: either): a folder (file) the command reads; refused,
+      naming the key, when it does not exist (a Hub reference ``hf-hub:...`` or a URL is left to its
+      loader);
     * ``refuses=VALUE``: a value the section's ``config_problems()`` refuses (a cross-field or parsed
       value: ``shard="5-2"``), which the test tries;
     * ``free="why"``: any value of the field's type is fine (a seed, a text, a label), and why."""
@@ -86,6 +90,10 @@ def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = datacl
         metadata["help"] = help
     if output is not None:
         metadata["output"] = output
+    if input is not None:
+        if input not in INPUT_KINDS:
+            raise ValueError(f"setting(input=...) is one of {INPUT_KINDS}, not {input!r}")
+        metadata["input"] = input
     if refuses is not dataclasses.MISSING:
         metadata["refuses"] = refuses
     if free:

@@ -8,6 +8,7 @@ walks each script's config class (``build_parser()``'s ``config_class``) and, fo
 
 * a declared rule (range, choices, pattern): a value it breaks is refused, naming the key;
 * ``setting(output=...)``: a folder under a regular file is refused, naming the key;
+* ``setting(input=...)``: a path that does not exist is refused, naming the key;
 * ``setting(refuses=VALUE)``: that value is refused by the section's cross-field check, naming the key;
 * a bool: its type is its whole check;
 * ``setting(free="why")``: named free, with the reason.
@@ -38,35 +39,15 @@ SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["
 # the config-check mechanism's own files (the file that declares the key is named): declare its rule,
 # output=, refuses= or free= there, then remove the key here.
 PENDING: dict[str, set[str]] = {
-    "demind-build-exclcoco": {
-        # demind.exclcoco_builder
-        "prompt_version",
-        # demind.cli.build_exclcoco
-        "annotations", "split", "images", "out", "llm_config",
-    },
-    "demind-cc3m-list": {
-        # demind.cli.cc3m_list
-        "out", "source", "subset", "split", "output_folder",
-    },
     "demind-eval": {
         # demind.cli.evaluate
         "data_root", "out", "checkpoint", "exclmm", "split", "methods", "cache_dir",
         # demind.cli.model_options
         "backbone.spec",
-        # demind.eval.options
-        "coco.csv",
         # demind.engines.config
         "engine.model",
         # demind.mllm.config
         "describe.prompts", "describe.store", "rerank.methods", "rerank.yes", "rerank.no",
-    },
-    "demind-features": {
-        # demind.schema
-        "backbone.name", "backbone.pretrained", "model.gate_init", "model.template", "model.init_logit_scale", "data.shards", "data.features",
-        # demind.training.config
-        "run.output_dir", "run.trackers",
-        # demind.cli.features
-        "cache.out", "cache.plot",
     },
     "demind-generate-triplets": {
         # demind.engines.config
@@ -84,29 +65,9 @@ PENDING: dict[str, set[str]] = {
         # demind.cli.index
         "images", "index",
     },
-    "demind-make-shards": {
-        # demind.cli.make_shards
-        "images", "captions", "output", "image_column", "caption_column",
-    },
-    "demind-mine-pairs": {
-        # demind.schema
-        "backbone.name", "backbone.pretrained",
-    },
-    "demind-negation-report": {
-        # demind.cli.negation_report
-        "phrasings", "cirr", "json",
-    },
     "demind-publish": {
         # demind.cli.publish
         "checkpoint", "shards", "out", "repo", "results", "license", "tags", "datasets",
-    },
-    "demind-quickstart": {
-        # toyworld.pipeline
-        "workdir", "train_config", "train_overrides",
-        # toyworld.intent_data
-        "shards.num_samples", "shards.samples_per_shard", "shards.stream", "shards.image_size", "shards.jpeg_quality",
-        # toyworld.clip_config
-        "backbone.model_config", "backbone.seed",
     },
     "demind-search": {
         # demind.cli.model_options
@@ -123,26 +84,6 @@ PENDING: dict[str, set[str]] = {
         "describe.prompts", "describe.store", "rerank.methods", "rerank.yes", "rerank.no",
         # demind.cli.serve
         "quickstart", "index", "images", "host", "token", "allowed_hosts",
-    },
-    "demind-toy-clip": {
-        # toyworld.cli.toy_clip
-        "workdir", "out",
-        # toyworld.clip_config
-        "backbone.model_config", "backbone.seed",
-    },
-    "demind-train": {
-        # demind.schema
-        "backbone.name", "backbone.pretrained", "model.gate_init", "model.template", "model.init_logit_scale", "data.shards", "data.features",
-        # demind.training.config
-        "run.output_dir", "run.trackers",
-    },
-    "demind-train-exclmm": {
-        # demind.schema
-        "backbone.name", "backbone.pretrained",
-    },
-    "demind-train-triplets": {
-        # demind.schema
-        "backbone.name", "backbone.pretrained",
     },
 }
 
@@ -172,6 +113,8 @@ def coverage(tp: Any, f: dataclasses.Field) -> str:
         return "rule"
     if f.metadata.get("output"):
         return "output"
+    if f.metadata.get("input"):
+        return "input"
     if "refuses" in f.metadata:
         return "refuses"
     if tp is bool:
@@ -265,13 +208,30 @@ def test_each_declared_output_is_refused_where_nothing_can_be_written(classes, s
     a_file.write_text("not a folder")
     cls = classes[script]
     for key, tp, f in leaves(cls):
-        if coverage(tp, f) != "output":
+        if coverage(tp, f) != "output" or key in getattr(cls, "UNUSED_OUTPUTS", ()):
             continue
         cfg = cls()
         set_dotted(cfg, key, str(a_file / "out"))
         with pytest.raises(ConfigError) as caught:
             check_command_config(cfg)
         assert repr(key) in str(caught.value) and str(a_file) in str(caught.value), f"{script}: {key}: {caught.value}"
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_each_declared_input_is_refused_where_it_does_not_exist(classes, script, tmp_path, monkeypatch):
+    from demind.config_checks import check_inputs
+
+    monkeypatch.chdir(tmp_path)
+    cls = classes[script]
+    for key, tp, f in leaves(cls):
+        if coverage(tp, f) != "input":
+            continue
+        cfg = cls()
+        missing = str(tmp_path / "no-such" / "input")
+        set_dotted(cfg, key, [missing] if typing.get_origin(tp) is list else missing)
+        with pytest.raises(ConfigError) as caught:
+            check_inputs(cfg)
+        assert repr(key) in str(caught.value) and missing in str(caught.value), f"{script}: {key}: {caught.value}"
 
 
 # ---------------------------------------------------------------- outputs, as the commands see them

@@ -35,8 +35,9 @@ class ToyBackboneConfig:
 
     # The full-resolution convnet (toyworld/towers.py) with a 2-layer text tower, pre-trained on the
     # scene's tags, then locked: chosen on the pair probes among ten measured candidates (lab notes)
-    model_config: str = TOY_CLIP_CONFIG
-    seed: int = 0
+    # an architecture JSON, from the current folder or beside the package (model_config_path)
+    model_config: str = setting(TOY_CLIP_CONFIG, refuses="toyworld/model_configs/no-such-config.json")
+    seed: int = setting(0, ge=0)
     # 1,000 steps: 400 left the toy CLIP at held-out R@1 5 % (full descriptions), 1,000 gave 42 %.
     steps: int = setting(1000, ge=1)
     batch_size: int = setting(128, ge=2)  # contrastive: at least one negative
@@ -87,6 +88,10 @@ class ToyBackboneConfig:
                                                      f"= {self.pretrain_steps}"))
         if self.pretrain_steps and not self.pretrain_tags:
             problems.append(("pretrain_tags", "is empty, but pretrain_steps > 0 needs at least one tag"))
+        try:
+            model_config_path(self.model_config)
+        except MissingInputError as e:
+            problems.append(("model_config", f"= {self.model_config!r}: {e}"))
         return problems
 
     def __post_init__(self) -> None:

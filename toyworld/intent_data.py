@@ -42,7 +42,7 @@ from .cache_upgrade import current_shard_config
 from .parallel import parallel_map
 from .render import render_image
 from .texts import alt_text, full_description, hypothetical_source, pseudo_manipulation
-from .world import WORLD_VERSION, Scene, apply_edit, edit_is_possible, scene_from_seed, stream_seed
+from .world import SEED_STREAMS, WORLD_VERSION, Scene, apply_edit, edit_is_possible, scene_from_seed, stream_seed
 from demind.seeding import derive_seed
 
 logger = logging.getLogger(__name__)
@@ -56,11 +56,11 @@ HARD_NOISE_EDITS = ("colour", "shape", "size", "position", "background", "style"
 class ToyShardConfig:
     """How many toy intent samples to write and how."""
 
-    num_samples: int = 12000
-    samples_per_shard: int = 1000
-    stream: str = "cc3m"  # seed stream (world.SEED_STREAMS); disjoint from the benchmarks'
-    image_size: int = 64
-    jpeg_quality: int = 90
+    num_samples: int = setting(12000, ge=1)
+    samples_per_shard: int = setting(1000, ge=1)
+    stream: str = setting("cc3m", choices=tuple(SEED_STREAMS))  # seed stream; disjoint from the benchmarks'
+    image_size: int = setting(64, ge=1)
+    jpeg_quality: int = setting(90, ge=1, le=100)  # PIL's JPEG scale
     noise_kind: str = setting("none", choices=NOISE_KINDS)  # see the module docstring
     noise_rate: float = setting(0.0, ge=0, le=1)  # share of samples whose T_rew and T_int are wrong
 

@@ -78,11 +78,13 @@ class QuickstartRunConfig:
 
 @dataclass
 class QuickstartConfig:
-    workdir: str = setting("runs/quickstart", help="where every stage writes; a rerun reuses what is there")
-    train_config: str = setting("configs/train/toy.yaml", help="the De-MINDS training recipe")
+    workdir: str = setting("runs/quickstart", output="dir", help="where every stage writes; a rerun reuses what is there")
+    train_config: str = setting("configs/train/toy.yaml", refuses="configs/train/no-such-recipe.yaml",
+                                help="the De-MINDS training recipe")
     train_overrides: list[str] = setting(
-        default_factory=list, help="training overrides, e.g. 'train_overrides=[optim.max_steps=500,optim.lr=1e-4]' "
-                                   "(a new set trains and evaluates a new run folder)")
+        default_factory=list, free="dotted overrides, each checked by the training config's own rules when it loads",
+        help="training overrides, e.g. 'train_overrides=[optim.max_steps=500,optim.lr=1e-4]' "
+             "(a new set trains and evaluates a new run folder)")
     seeds: list[int] = setting(default_factory=lambda: [0], ge=0, help="De-MINDS training seeds, e.g. [0,1,2]")
     ablations: bool = setting(False, help="also train and evaluate the Table 5 variants")
     benchmarks: list[str] = setting(default_factory=lambda: ["cirr", "imagenet-r", "coco", "exclusion"],
@@ -109,11 +111,9 @@ class QuickstartConfig:
             problems.append(("run.seed", f"= {self.run.seed} and seeds = {self.seeds}: give one of them"))
         if not self.benchmarks:
             problems.append(("benchmarks", f"needs at least one of {', '.join(BENCH_FOLDERS)}"))
-        for key in ("num_samples", "samples_per_shard", "image_size"):
-            if getattr(self.shards, key) < 1:
-                problems.append((f"shards.{key}", f"= {getattr(self.shards, key)} must be >= 1"))
-        if not 1 <= self.shards.jpeg_quality <= 100:
-            problems.append(("shards.jpeg_quality", f"= {self.shards.jpeg_quality} must be in 1..100"))
+        if not repository_file(self.train_config).is_file():
+            problems.append(("train_config", f"= {self.train_config!r}: no such file (from the current folder or "
+                                             f"the repository's)"))
         if self.mllm.p_ignore + self.mllm.p_drop + self.mllm.p_garble > 1:
             problems.append(("mllm.p_ignore", "+ mllm.p_drop + mllm.p_garble must sum to at most 1"))
         return problems

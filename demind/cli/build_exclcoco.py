@@ -24,12 +24,13 @@ from demind.exclcoco_builder import ExclCocoConfig
 class BuildExclCocoConfig(ExclCocoConfig):
     """The builder's recipe (:class:`demind.exclcoco_builder.ExclCocoConfig`) plus its inputs and output."""
 
-    annotations: str | None = setting(None, help="folder with instances_{split}.json and captions_{split}.json "
+    annotations: str | None = setting(None, input="dir", help="folder with instances_{split}.json and captions_{split}.json "
                                                  "(required)")
-    split: str = setting("val2017", help="COCO split name in the annotation file names, e.g. val2017 or train2017")
-    images: str | None = setting(None, help="folder of the split's images, file_name is relative to it (required)")
-    out: str | None = setting(None, help="output folder for exclcoco.json (required)")
-    llm_config: str | None = setting(None, help="data_gen YAML (engine, sampling, run sections) for "
+    split: str = setting("val2017", free="a COCO split name: its two annotation files are checked in --annotations "
+                                         "with the config", help="COCO split name in the annotation file names, e.g. val2017 or train2017")
+    images: str | None = setting(None, input="dir", help="folder of the split's images, file_name is relative to it (required)")
+    out: str | None = setting(None, output="dir", help="output folder for exclcoco.json (required)")
+    llm_config: str | None = setting(None, input="file", help="data_gen YAML (engine, sampling, run sections) for "
                                                 "query_source=llm")
 
     def config_problems(self) -> list[tuple[str, str]]:
@@ -38,6 +39,12 @@ class BuildExclCocoConfig(ExclCocoConfig):
         if self.query_source == "llm" and not self.llm_config:
             problems.append(("llm_config", "is required by query_source=llm: give --llm-config, a data_gen YAML "
                                            "such as configs/data_gen/tiny-cpu.yaml"))
+        if self.annotations is not None and Path(self.annotations).is_dir():
+            missing = [name for name in (f"instances_{self.split}.json", f"captions_{self.split}.json")
+                       if not (Path(self.annotations) / name).is_file()]
+            if missing:
+                problems.append(("split", f"= {self.split!r}: {self.annotations} lacks {', '.join(missing)}"))
+        problems += prompt_problems(self.prompt_version)
         return problems
 
     def recipe(self) -> ExclCocoConfig:
@@ -47,6 +54,18 @@ class BuildExclCocoConfig(ExclCocoConfig):
 FLAGS = {f"--{key.replace('_', '-')}": Flag(key) for key in (
     "annotations", "split", "images", "out", "caption_min_images", "max_per_caption", "max_ground_truth",
     "max_queries", "seed", "query_source", "llm_config", "prompt_version")}
+
+
+def prompt_problems(version: str) -> list[tuple[str, str]]:
+    """The LLM's few-shot prompt file of ``version`` exists and has its slots (checked with the config)."""
+    from demind.errors import DemindError
+    from demind.gen.exclusion import load_exclusion_prompt
+
+    try:
+        load_exclusion_prompt(version)
+    except DemindError as e:
+        return [("prompt_version", f"= {version!r}: {e}")]
+    return []
 
 
 def build_parser():

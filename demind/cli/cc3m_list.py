@@ -21,12 +21,15 @@ from demind.gen.cc3m import CC3M_CONFIG, CC3M_REPO
 
 @dataclass
 class Cc3mListConfig:
-    out: str | None = setting(None, help="file to write: .tsv or .parquet (required)")
-    source: str = setting(CC3M_REPO, help="Hub dataset id, or a local .parquet file/folder in its schema")
-    subset: str | None = setting(CC3M_CONFIG, help="the Hub dataset's config (subset); a local parquet has none")
-    split: str = setting("train", help="train or validation (a local parquet is one table: train)")
+    out: str | None = setting(None, output="file", help="file to write: .tsv or .parquet (required)")
+    source: str = setting(CC3M_REPO, free="a Hub dataset id or a local parquet file/folder; a missing local "
+                                                     "table is refused naming it before anything is written", help="Hub dataset id, or a local .parquet file/folder in its schema")
+    subset: str | None = setting(CC3M_CONFIG, free="the Hub dataset's own config name (a local table refuses "
+                                                               "another)", help="the Hub dataset's config (subset); a local parquet has none")
+    split: str = setting("train", choices=("train", "validation"), help="train or validation (a local parquet is one table: train)")
     limit: int | None = setting(None, ge=1, help="keep the first N rows (a trial download)")
-    output_folder: str = setting("data/cc3m", help="the shard folder the printed img2dataset command writes")
+    output_folder: str = setting("data/cc3m", free="only printed, in the img2dataset command to run next; "
+                                                        "this command writes nothing there", help="the shard folder the printed img2dataset command writes")
 
     def config_problems(self) -> list[tuple[str, str]]:
         return [("out", "is required: give --out cc3m.tsv (or .parquet)")] if self.out is None else []

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from demind.cli.common import Flag, config_parser, run_config_command
 from demind.settings import resolve_device, setting
@@ -21,9 +22,9 @@ from demind.training.config import TrainConfig
 class CacheOutput:
     """Where the cache and its fidelity plot go."""
 
-    out: str | None = setting(None, help="cache folder (default: data.features, or <shard folder>/features/<backbone> "
+    out: str | None = setting(None, output="dir", help="cache folder (default: data.features, or <shard folder>/features/<backbone> "
                                          "when it is auto or off)")
-    plot: str | None = setting(None, help="fidelity histogram PNG (default: <cache folder>/fidelity.png; "
+    plot: str | None = setting(None, output="file", help="fidelity histogram PNG (default: <cache folder>/fidelity.png; "
                                           "none: no plot)")
 
 
@@ -32,6 +33,7 @@ class FeaturesConfig(TrainConfig):
     """A train recipe (its backbone, data and run sections are used) plus where the cache goes."""
 
     cache: CacheOutput = field(default_factory=CacheOutput)
+    UNUSED_OUTPUTS: ClassVar[tuple[str, ...]] = ("run.output_dir",)  # no run folder: the cache is the output
 
     def config_problems(self) -> list[tuple[str, str]]:
         from demind.features import features_off  # the cache module imports torch; --help must not

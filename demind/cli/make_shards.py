@@ -23,12 +23,13 @@ from demind.settings import setting
 
 @dataclass
 class MakeShardsConfig:
-    images: str | None = setting(None, help="folder the image paths of the caption file are relative to (required)")
-    captions: str | None = setting(None, help=".csv (with header) or .jsonl caption file (required)")
-    output: str | None = setting(None, help="folder for 00000.tar, 00001.tar, ... and their _stats.json (required)")
+    images: str | None = setting(None, input="dir", help="folder the image paths of the caption file are relative to (required)")
+    captions: str | None = setting(None, input="file", help=".csv (with header) or .jsonl caption file (required)")
+    output: str | None = setting(None, output="dir", help="folder for 00000.tar, 00001.tar, ... and their _stats.json (required)")
     samples_per_shard: int = setting(10000, ge=1, help="samples per tar (img2dataset: 10000)")
-    image_column: str = setting("image", help="column/field holding the image path")
-    caption_column: str = setting("caption", help="column/field holding the caption")
+    image_column: str = setting("image", free="a column name; a caption file without it is refused "
+                                                       "naming the column and its header", help="column/field holding the image path")
+    caption_column: str = setting("caption", free="a column name; checked as image_column is", help="column/field holding the caption")
     overwrite: bool = setting(False, help="replace the shards of an earlier build in output (its stale shards are "
                                           "removed)")
 

@@ -19,10 +19,10 @@ from demind.negation.report import PHRASINGS, cirr_flags, format_report, load_ph
 
 @dataclass
 class NegationReportConfig:
-    phrasings: str = setting(str(PHRASINGS), help="labelled JSONL (default: the shipped set)")
-    cirr: list[str] = setting(default_factory=list, help="CIRR caption files cap.rc2.<split>.json")
+    phrasings: str = setting(str(PHRASINGS), input="file", help="labelled JSONL (default: the shipped set)")
+    cirr: list[str] = setting(default_factory=list, input="file", help="CIRR caption files cap.rc2.<split>.json")
     examples: int = setting(3, ge=0, help="example captions per cue")
-    json: str | None = setting(None, help="also write the numbers here")
+    json: str | None = setting(None, output="file", help="also write the numbers here")
 
 
 FLAGS = {"--phrasings": Flag("phrasings"), "--cirr": Flag("cirr", many=True), "--examples": Flag("examples"),

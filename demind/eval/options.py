@@ -27,7 +27,7 @@ class FashionIQOptions:
 
 @dataclass
 class CocoOptions:
-    csv: str | None = setting(None, help="read queries from a Pic2Word coco_eval.csv instead of building them")
+    csv: str | None = setting(None, input="file", help="read queries from a Pic2Word coco_eval.csv instead of building them")
     prompt: str = setting("released", choices=PROMPT_FORMS,
                           help="released: 'a photo of * and {query class} and {others}', with Pic2Word's dangling "
                                "'and' when there are no others; trimmed: without it; prose: 'a photo of * , {obj1} "

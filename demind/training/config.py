@@ -52,7 +52,7 @@ class LossConfig:
 
 @dataclass
 class RunConfig:
-    output_dir: str = "runs/demind"
+    output_dir: str = setting("runs/demind", output="dir")
     seed: int = setting(0, ge=0)
     mixed_precision: str = setting("no", choices=("no", "bf16", "fp16"))
     # cpu forces the CPU; auto and cuda let Accelerate give each process its GPU. Training on one
@@ -63,9 +63,21 @@ class RunConfig:
     save_every: int = setting(1000, ge=1)
     keep_checkpoints: int = setting(2, ge=0)  # 0 keeps every checkpoint
     resume: bool = True
-    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])  # used when installed
+    trackers: list[str] = setting(default_factory=lambda: ["tensorboard"], refuses=["no-such-tracker"],
+                                  help="Accelerate trackers (tensorboard, wandb, ...); one not installed is skipped")
     progress: bool = setting(True, help="tqdm bar (the log line every run.log_every steps is printed either way)")
     threads: int = threads_setting()  # per process under accelerate launch
+
+    def config_problems(self) -> list[tuple[str, str]]:
+        """An unknown tracker name is refused with the config (Accelerate's names; it refused it only
+        after the model was built)."""
+        from accelerate.tracking import LOGGER_TYPE_TO_CLASS
+
+        unknown = [name for name in self.trackers if name not in LOGGER_TYPE_TO_CLASS]
+        if unknown:
+            return [("trackers", f"= {self.trackers!r}: unknown tracker(s) {unknown}; choose from "
+                                 f"{sorted(LOGGER_TYPE_TO_CLASS)}")]
+        return []
 
 
 @dataclass

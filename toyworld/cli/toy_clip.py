@@ -27,8 +27,8 @@ TRAINING_LOG_KEYS = ("train_seconds", "final_loss", "pretrain_final_loss")
 class ToyClipConfig:
     """``demind-toy-clip``: train the toy CLIP recipe from scratch and write its shipped weights."""
 
-    workdir: str = setting("runs/toy-clip", help="where it is trained and cached (WORKDIR/backbone); a rerun reuses it")
-    out: str | None = setting(None, help="folder of the shipped weights (default: the package's toyworld/weights)")
+    workdir: str = setting("runs/toy-clip", output="dir", help="where it is trained and cached (WORKDIR/backbone); a rerun reuses it")
+    out: str | None = setting(None, output="dir", help="folder of the shipped weights (default: the package's toyworld/weights)")
     backbone: ToyBackboneConfig = field(default_factory=ToyBackboneConfig)
     run: QuickstartRunConfig = field(default_factory=QuickstartRunConfig)
 
