@@ -89,8 +89,8 @@ def test_a_run_that_fits_passes_and_vllm_on_a_gpu_is_left_to_vllm(config_7b):
 
 
 def test_generate_refuses_before_loading_when_memory_is_short(repo_root, tiny_llava, tmp_path, monkeypatch, capsys):
-    """demind-generate estimates the engine's memory from the model's config.json before loading it; a
-    shortfall is one error line and exit 2, and no engine is built."""
+    """demind-generate (every command, through build_engine) estimates the engine's memory from the model's
+    config.json before loading it; a shortfall is one error line and exit 2, and no engine is built."""
     from demind.cli.generate import main
     from demind.engines import memory
     from helpers import write_img2dataset_shards
@@ -101,7 +101,7 @@ def test_generate_refuses_before_loading_when_memory_is_short(repo_root, tiny_ll
     def no_engine(*a, **kw):
         raise AssertionError("the engine was built although the memory check should have refused")
 
-    monkeypatch.setattr("demind.engines.build_engine", no_engine)
+    monkeypatch.setattr("demind.engines.transformers_engine.TransformersEngine.__init__", no_engine)
     rc = main(["--input", str(tmp_path / "in"), "--output", str(tmp_path / "out"), "--config",
                str(repo_root / "configs/data_gen/tiny-cpu.yaml"), "run.progress=false", f"engine.model={tiny_llava}"])
     err = capsys.readouterr().err

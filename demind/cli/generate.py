@@ -69,7 +69,6 @@ def generate_command(job: GenerateConfig) -> int:
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     from demind.engines import build_engine
-    from demind.engines.memory import check_memory_before_loading
     from demind.engines.model_ref import check_engine_model
     from demind.gen.job import format_job_summary, run_plan
     from demind.gen.prompts import check_intent_prompt_fits, load_prompts
@@ -93,13 +92,6 @@ def generate_command(job: GenerateConfig) -> int:
         summary = generate_on_ray(job, plan, cfg)
         print(format_job_summary(summary))
         return 1 if summary.failed else 0
-    # weights + KV cache + activations against the memory free now: one error line naming the setting, not an OOM kill
-    on_vllm_cpu = False
-    if cfg.engine.name == "vllm":
-        from demind.engines.vllm_engine import vllm_on_cpu
-
-        on_vllm_cpu = vllm_on_cpu()
-    check_memory_before_loading(cfg.engine, cfg.run.device, on_vllm_cpu)
     engine = build_engine(cfg.engine, cfg.sampling, device=cfg.run.device, seed=cfg.run.seed)
     print(f"engine {engine.name}: {engine.model_id}; prompts {prompts.version} ({prompts.sha}), mode {cfg.prompts.mode}",
           flush=True)

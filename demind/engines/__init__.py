@@ -19,9 +19,9 @@ from demind.engines.model_ref import (EngineModelError, check_engine_model, engi
 from demind.errors import DemindError, InputError
 
 __all__ = ["Conversation", "Engine", "EngineConfig", "EngineModelError", "GenRequest", "GenResult", "SamplingConfig",
-           "TokenScores", "WavePlanner", "assistant_turn", "build_engine", "check_engine_model", "check_prompt_fits",
-           "disable_loading_progress", "engine_load_error", "fill_prompt", "load_processor", "local_model_folder",
-           "render", "request_seed", "user_turn"]
+           "TokenScores", "WavePlanner", "assistant_turn", "build_engine", "check_engine_fits", "check_engine_model",
+           "check_prompt_fits", "disable_loading_progress", "engine_load_error", "fill_prompt", "load_processor",
+           "local_model_folder", "render", "request_seed", "user_turn"]
 
 
 def build_engine(engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, *, device: str = "auto",
@@ -34,6 +34,8 @@ def build_engine(engine_cfg: EngineConfig, sampling_cfg: SamplingConfig, *, devi
     if engine_cfg.name not in ("transformers", "vllm"):
         raise InputError(f"engine.name must be 'vllm' or 'transformers', got {engine_cfg.name!r}")
     check_engine_model(engine_cfg.model)
+    # weights + KV cache + activations against the memory free now: one error line naming the setting, not an OOM kill
+    check_engine_fits(engine_cfg, device)
     # what the model's files cause: OSError (not found, not fetched), and from transformers' Auto*
     # classes ValueError (unknown architecture, no processor); vLLM's ValueErrors are about memory and sizes
     file_errors = (OSError, ValueError) if engine_cfg.name == "transformers" else (OSError,)
@@ -59,3 +61,17 @@ def disable_loading_progress() -> None:
 
     transformers.utils.logging.disable_progress_bar()
     disable_progress_bars()
+
+
+def check_engine_fits(engine_cfg: EngineConfig, device: str = "auto") -> None:
+    """Refuse, before loading, a model whose weights, KV cache and activations exceed the memory free now:
+    one :class:`~demind.errors.DemindError` line naming the setting to change
+    (:func:`demind.engines.memory.check_memory_before_loading`)."""
+    from demind.engines.memory import check_memory_before_loading
+
+    on_vllm_cpu = False
+    if engine_cfg.name == "vllm":
+        from demind.engines.vllm_engine import vllm_on_cpu
+
+        on_vllm_cpu = vllm_on_cpu()
+    check_memory_before_loading(engine_cfg, device, on_vllm_cpu)
