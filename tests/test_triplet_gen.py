@@ -397,3 +397,12 @@ def test_make_tiny_model_writes_the_qwen2vl_in_the_hubs_layout(tmp_path):
     engine = TransformersEngine(EngineConfig(name="transformers", model=str(out), prefix_cache=False), SamplingConfig(),
                                 device="cpu")
     assert render(engine.renderer, [user_turn("x", with_image=2)]).count("<|image_pad|>") == 2
+
+
+def test_greedy_decoding_is_not_retried():
+    """sampling.temperature=0: a retry would get the same text, so a failing answer costs one call."""
+    never = ScriptedEngine(lambda r: "Both images ... However ..." if r.image is not None else "no json")
+    cfg = scripted_cfg()
+    cfg.sampling.temperature = 0.0
+    outs = TripletGenerator(never, never, load_triplet_prompts("v1"), cfg).generate(scripted_items(1))
+    assert outs[0].error.startswith("unparsable instructions") and outs[0].usage.calls["instruct"] == 1

@@ -81,6 +81,8 @@ class TripletGenerator:
     def __init__(self, describer: Engine, writer: Engine, prompts: TripletPrompts, cfg: TripletGenConfig):
         self.describer, self.writer, self.prompts, self.cfg = describer, writer, prompts, cfg
         self.engine_seconds = 0.0
+        # greedy decoding gives a retry the same text: one attempt
+        self.attempts = cfg.sampling.retries + 1 if cfg.sampling.temperature > 0 else 1
         ins = cfg.instructions
         self.schema = instructions_schema(ins.count, ins.max_chars)
 
@@ -107,7 +109,7 @@ class TripletGenerator:
         s = self.cfg.sampling
         best: list[tuple[int, str, list[str]] | None] = [None] * len(items)
         todo = list(range(len(items)))
-        for attempt in range(s.retries + 1):
+        for attempt in range(self.attempts):
             if not todo:
                 break
             requests = [GenRequest(render(self.describer.renderer, describe_conversation(
@@ -122,7 +124,7 @@ class TripletGenerator:
                 flags = quality_flags(text, result.finish_reason)
                 if best[i] is None or len(flags) < len(best[i][2]):
                     best[i] = (attempt, text, flags)
-                if flags and s.temperature > 0:  # greedy: a retry cannot change the text
+                if flags:
                     again.append(i)
             todo = again
         for out, (_, text, flags) in zip(outs, best):
@@ -136,7 +138,7 @@ class TripletGenerator:
         s, ins = self.cfg.sampling, self.cfg.instructions
         todo = ready
         reasons: dict[int, str] = {}
-        for attempt in range(s.retries + 1):
+        for attempt in range(self.attempts):
             if not todo:
                 break
             requests = [GenRequest(render(self.writer.renderer, instruct_conversation(
@@ -163,7 +165,7 @@ class TripletGenerator:
         s, ins = self.cfg.sampling, self.cfg.instructions
         for slot in range(ins.count):
             todo = [(item, out) for item, out in ready if out.error is None]
-            for attempt in range(s.retries + 1):
+            for attempt in range(self.attempts):
                 if not todo:
                     break
                 requests = [GenRequest(render(self.writer.renderer, instruct_one_conversation(
