@@ -177,14 +177,16 @@ def test_search_for_exclmm_names_no_flag_search_lacks(combiner_checkpoint, galle
 
 
 def test_error_messages_name_only_flags_the_command_has():
-    from demind.cli.search import build_parser
+    """The sweep checks every error line with :func:`flags_named`; what it counts as this command's."""
+    from test_bad_input_sweep import command_flags, flags_named
 
     from demind.search.query import UNSERVED
 
-    flags = {o for a in build_parser()._actions for o in a.option_strings}
+    assert flags_named("give --new-folder to do that, or another --index folder") == ["--new-folder", "--index"]
+    assert flags_named("rebuild it with demind-index --images DIR --index NEW") == []
+    assert flags_named("a limited run (demind-eval --limit 1); give that results.json") == []
     for why in UNSERVED.values():
-        named = [w.strip(".,;()'") for w in why.split() if w.startswith("--")]
-        assert set(named) <= flags, why
+        assert set(flags_named(why)) <= command_flags("demind-search"), why
 
 
 # ------------------------------------------------------------------ user text is never a template
