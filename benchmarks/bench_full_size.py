@@ -29,6 +29,7 @@ import argparse
 import io
 import json
 import resource
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -220,10 +221,10 @@ def part_train(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     train(cfg)
     seconds = time.perf_counter() - start
     rows = [json.loads(line) for line in (work / "train" / "metrics.jsonl").read_text().splitlines()]
-    samples = args.train_steps * args.global_batch
+    rate = statistics.median(r["samples_per_s"] for r in rows[1:] or rows) if rows else 0.0  # the trainer's own
     return {"steps": args.train_steps, "global_batch": args.global_batch, "micro_batch": args.micro_batch,
-            "grad_accum_steps": accum, "seconds": round(seconds, 1), "samples_per_s": round(samples / seconds, 2),
-            "paper_20_steps_min": round(20 * 1024 / (samples / seconds) / 60, 1),
+            "grad_accum_steps": accum, "seconds": round(seconds, 1), "samples_per_s": round(rate, 2),
+            "paper_20_steps_min": round(20 * 1024 / rate / 60, 1) if rate else None,
             "last": rows[-1] if rows else None}
 
 
