@@ -342,3 +342,22 @@ def test_rerank_words_the_model_lacks_are_said_before_any_model_or_encoding(scri
         assert not (tmp_path / "new-index" / "index.json").exists()
     err = capsys.readouterr().err
     assert status == 2 and "rerank.yes='yes'" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("script, argv, key", [
+    ("search", ["--index", "ix", "--text", "red", "--ranker", "faiss-hnsw"], "ranker"),
+    ("serve", ["--index", "ix", "--ranker", "faiss-ivf"], "ranker"),
+    ("index", ["--images", "photos", "--index", "ix", "--measure-rankers"], "measure_rankers"),
+])
+def test_a_faiss_ranker_without_faiss_is_said_before_any_model(script, argv, key, tmp_path, capsys, monkeypatch,
+                                                                no_model_loads):
+    import importlib
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None if name == "faiss" else
+                        real(name, *a, **k))  # as without the search extra
+    main = importlib.import_module(f"demind.cli.{script}").main
+    assert main([*argv, "--checkpoint", str(tmp_path / "c.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert f"'{key}'" in err and "needs FAISS" in err and "Traceback" not in err, err

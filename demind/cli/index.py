@@ -19,6 +19,7 @@ from demind.cli.common import DISTRIBUTOR_FLAGS, Flag, config_parser, run_config
 from demind.cli.model_options import MODEL_FLAGS, ModelOptions, load_model
 from demind.settings import DistributorOptions, setting
 from demind.imaging import DECODABLE_EXTENSIONS
+from demind.search.names import faiss_problem
 
 
 @dataclass
@@ -39,7 +40,8 @@ class IndexConfig(ModelOptions, DistributorOptions):
         if not self.checkpoint and not self.backbone.spec:
             problems.append(("checkpoint", "is required: give --checkpoint CKPT (the index is encoded by its frozen "
                                            "backbone), or --backbone NAME:TAG"))
-        return problems + self.distributor_problems()
+        missing = faiss_problem("= true") if self.measure_rankers else None
+        return problems + ([("measure_rankers", missing)] if missing else []) + self.distributor_problems()
 
 
 FLAGS = {**MODEL_FLAGS, "--images": Flag("images"), "--index": Flag("index"), "--batch-size": Flag("batch_size"),

@@ -39,7 +39,7 @@ from demind.cli.model_options import MODEL_FLAGS, QueryModelOptions, bind_search
 from demind.settings import setting
 from demind.retrieval.names import METHODS
 from demind.io import check_output_file, read_jsonl, write_json_atomic
-from demind.search.names import DEFAULT_METHOD, DEFAULT_TEMPLATE, RANKERS
+from demind.search.names import DEFAULT_METHOD, DEFAULT_TEMPLATE, RANKERS, faiss_problem
 
 # Model code (and torch) is imported inside the functions that run a search: --help must not load it.
 if TYPE_CHECKING:
@@ -71,7 +71,9 @@ class SearchConfig(QueryModelOptions):
     out: str | None = setting(None, help="write the results as JSON here")
 
     def config_problems(self) -> list[tuple[str, str]]:
-        return [("index", "is required: give --index DIR (built by demind-index)")] if self.index is None else []
+        problems = [("index", "is required: give --index DIR (built by demind-index)")] if self.index is None else []
+        missing = faiss_problem(f"= {self.ranker!r}") if self.ranker != "exact" else None
+        return problems + ([("ranker", missing)] if missing else [])
 
 
 FLAGS = {**MODEL_FLAGS, **{f"--{name}": Flag(name) for name in ("index", "image", "text", "queries", "method",

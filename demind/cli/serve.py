@@ -29,7 +29,7 @@ from demind.cli.common import Flag, config_parser, run_config_command
 from demind.cli.model_options import MODEL_FLAGS, QueryModelOptions, bind_search_mllm, load_model, search_mllm_setup
 from demind.settings import setting
 from demind.errors import InputError
-from demind.search.names import RANKERS
+from demind.search.names import RANKERS, faiss_problem
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +65,11 @@ class ServeConfig(QueryModelOptions):
                                                          "threads wait, they do not answer faster)")
 
     def config_problems(self) -> list[tuple[str, str]]:
+        problems = []
         if self.new_folder and not (self.images or self.quickstart):
-            return [("new_folder", "applies to the index built from --images: add --images DIR, or leave it out")]
-        return []
+            problems.append(("new_folder", "applies to the index built from --images: add --images DIR, or leave it out"))
+        missing = faiss_problem(f"= {self.ranker!r}") if self.ranker != "exact" else None
+        return problems + ([("ranker", missing)] if missing else [])
 
 
 FLAGS = {**MODEL_FLAGS, "--quickstart": Flag("quickstart", const="runs/quickstart", optional_value=True),

@@ -24,7 +24,7 @@ import torch
 
 from demind.errors import MissingDependencyError
 from demind.embedding_cache import advise_random_access
-from demind.search.names import RANKERS
+from demind.search.names import FAISS_HINT, RANKERS
 
 log = logging.getLogger(__name__)
 
@@ -245,9 +245,8 @@ def faiss_module():
     try:
         import faiss
     except ImportError as e:
-        raise MissingDependencyError("rankers faiss-flat, faiss-hnsw, faiss-ivf and faiss-ivfpq need FAISS: "
-                                     "pip install -e '.[search]' "
-                                     "(faiss-cpu)") from e
+        raise MissingDependencyError(f"rankers faiss-flat, faiss-hnsw, faiss-ivf and faiss-ivfpq need FAISS: "
+                                     f"{FAISS_HINT}") from e
     return faiss
 
 
