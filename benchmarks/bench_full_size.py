@@ -253,7 +253,9 @@ def run_part(name: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         result = part_gen(name[4:], args, work)
     else:
         result = {"cache": part_cache, "train": part_train, "eval": part_eval}[name](args, work)
-    result.update(part=name, wall_s=round(time.perf_counter() - start, 1), peak_rss_gib=round(peak_rss_gib(), 2))
+    result.update(part=name, wall_s=round(time.perf_counter() - start, 1), peak_rss_gib=round(peak_rss_gib(), 2),
+                  # the largest of its finished child processes (DataLoader workers, vLLM's engine core)
+                  peak_rss_child_gib=round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20, 2))
     return result
 
 
