@@ -446,7 +446,8 @@ ROWS: list[Row] = [
         lambda i: ["--annotations", str(i.root / "no-coco"), "--split", "train", "--images", str(i.root),
                    "--out", str(i.root / "ex-out")], lambda i: ["no-coco"]),
     Row("demind-build-exclcoco", "instances empty",
-        lambda i: ["--annotations", str(i.write("coco-empty/instances_train.json", "").parent), "--split", "train",
+        lambda i: ["--annotations", str((i.write("coco-empty/captions_train.json", ""),  # both present, one empty
+                                         i.write("coco-empty/instances_train.json", ""))[1].parent), "--split", "train",
                    "--images", str(i.root), "--out", str(i.root / "ex-out")], lambda i: ["instances_train.json"]),
     *config_rows("demind-train-exclmm"),
     Row("demind-train-exclmm", "train split missing",
