@@ -361,3 +361,15 @@ def test_a_faiss_ranker_without_faiss_is_said_before_any_model(script, argv, key
     assert main([*argv, "--checkpoint", str(tmp_path / "c.safetensors")]) == 2
     err = capsys.readouterr().err
     assert f"'{key}'" in err and "needs FAISS" in err and "Traceback" not in err, err
+
+
+def test_the_exclusion_writer_fills_its_prompt_in_one_pass(tmp_path):
+    from benchmarks.synthetic import ScriptedEngine
+    from demind.gen.exclusion import llm_query_writer
+
+    engine = ScriptedEngine(lambda request: "a photo of a dog on grass")
+    write = llm_query_writer(engine)
+    image = write_image(tmp_path / "a.png", 0)
+    write([{"id": "q1", "image_path": str(image), "positive_query": "a sign reading {exclude}", "include": ["dog"],
+            "exclude": "cat"}])
+    assert "a sign reading {exclude}" in engine.prompts[0]  # a caption's braces are its own text

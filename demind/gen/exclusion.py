@@ -39,7 +39,7 @@ def llm_query_writer(engine: Any, prompt_version: str = "v1", seed: int = 0, max
     with data_gen's quality rules; a flagged output is None (the builder keeps the template).
     """
 
-    from demind.engines import GenRequest, render, request_seed, user_turn
+    from demind.engines import GenRequest, fill_prompt, render, request_seed, user_turn
     from demind.gen.quality import clean_output, quality_flags
 
     prompt, sha = load_exclusion_prompt(prompt_version)
@@ -51,8 +51,8 @@ def llm_query_writer(engine: Any, prompt_version: str = "v1", seed: int = 0, max
             if not path.is_file():
                 raise MissingInputError(f"image {path} of query {q['id']} does not exist (check --image-root)")
             image = decode_image(path, orient=True, max_side=image_max_side)
-            text = (prompt.replace("{caption}", q["positive_query"]).replace("{include}", ", ".join(q["include"]))
-                    .replace("{exclude}", q["exclude"]))
+            # one pass: a caption or label that holds "{exclude}" is not filled again
+            text = fill_prompt(prompt, caption=q["positive_query"], include=", ".join(q["include"]), exclude=q["exclude"])
             rendered = render(engine.renderer, [user_turn(text, with_image=True)])
             requests.append(GenRequest(rendered, image, request_seed(seed, q["id"], "exclusion", 0), max_new_tokens))
         out = []
