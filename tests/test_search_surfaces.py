@@ -234,6 +234,7 @@ def no_model_loads(monkeypatch):
     (["--timeout", "1e12"], ["timeout", "<= 86400"]),
     (["--port", "70000"], ["port", "70000"]),
     (["run.threads=100000"], ["run.threads", "<= 1024"]),  # torch's pool crashed (segmentation fault) at 100,000
+    (["engine.model=some/llava", "engine.cpu_threads=100000"], ["engine.cpu_threads", "<= 1024"]),
     (["--new-folder"], ["new_folder", "--images"]),
 ])
 def test_serve_numbers_out_of_range_are_one_line_before_any_model(extra, names, tmp_path, capsys, no_model_loads):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from demind.settings import setting
+from demind.settings import MAX_THREADS, setting
 
 
 @dataclass
@@ -33,7 +33,9 @@ class EngineConfig:
     prefix_store_bytes: int = setting(0, ge=0)
     prefix_store_fraction: float = setting(0.5, gt=0, lt=1)
     batch_size: int = setting(8, ge=1)  # rows per generate() call
-    cpu_threads: int = setting(0, ge=0)  # torch CPU threads for this process (0 = torch's default); 1 suits tiny models
+    # torch CPU threads for this process (0 = torch's default); 1 suits tiny models; at most MAX_THREADS
+    # (torch starts every thread asked for: 100,000 crashed the process after the model had loaded)
+    cpu_threads: int = setting(0, ge=0, le=MAX_THREADS)
     # Longest prompt + answer in tokens: vLLM's context length; both engines also size their first
     # prefix wave with it (later waves use the longest stage-2 sequence seen). 0 = the model's own
     # (its text config's max_position_embeddings); a length above the model's is refused.
