@@ -378,11 +378,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kinds", nargs="+", default=list(GRID_KINDS), choices=KINDS)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--set", action="append", default=[], help="a training override (key=value), every run")
+    parser.add_argument("--report-only", action="store_true", help="train nothing: the table of the runs already "
+                                                                   "finished in the workdir")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for name in ("demind", "accelerate"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    run_all(args)
+    if not args.report_only:
+        run_all(args)
     summary = aggregate(args)
     command = "python -m benchmarks.conesep_triplets " + " ".join(argv if argv is not None else sys.argv[1:])
     from demind.io import write_json_atomic, write_text_atomic
