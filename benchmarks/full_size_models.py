@@ -113,9 +113,9 @@ PROCESSOR_CONFIG = {"image_token": "<image>", "num_additional_image_tokens": 1, 
                     "processor_class": "LlavaNextProcessor", "vision_feature_select_strategy": "default"}
 # chat_template.json, current revision (the earlier one wrote '<\\s> ' for '</s> ', see demind.engines.chat)
 CHAT_TEMPLATE = (
-    "{% for message in messages %}{% if message['role'] == 'system' %}{{ '<<SYS>>\\n' + message['content'][0]['text'] "
-    "+ '\\n<</SYS>>\\n\\n' }}{% elif message['role'] == 'user' %}{{ '[INST] ' }}{# Render all images first #}"
-    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\\n' }}{% endfor %}"
+    "{% for message in messages %}{% if message['role'] == 'system' %}{{ '<<SYS>>\n' + message['content'][0]['text'] "
+    "+ '\n<</SYS>>\n\n' }}{% elif message['role'] == 'user' %}{{ '[INST] ' }}{# Render all images first #}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}"
     "{# Render all text next #}{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
     "{{ content['text'] }}{% endfor %}{{' [/INST]' }}{% elif message['role'] == 'assistant' %}"
     "{{ ' ' + message['content'][0]['text'] + '</s> '}}{% else %}"

@@ -183,3 +183,9 @@ def test_an_older_llava_hf_processor_config_counts_the_models_image_tokens(tiny_
         {"type": "image"}, {"type": "text", "text": "a dog"}]}], add_generation_prompt=True, tokenize=False)
     [result] = engine.generate([GenRequest(prompt, Image.new("RGB", (40, 20)), seed=0, max_new_tokens=2)])
     assert result.output_tokens >= 1
+
+
+def test_the_chat_template_is_the_one_the_tests_keep(repo_root):
+    """The folder's chat_template.json is llava-hf's current Mistral template, as tests/fixtures/llava_hf has it."""
+    fixture = json.loads((repo_root / "tests/fixtures/llava_hf/chat_templates.json").read_text())
+    assert fsm.CHAT_TEMPLATE == fixture["mistral"]
