@@ -388,6 +388,20 @@ def _(tmp: Path, request) -> None:
     assert "| easy 50 % | conesep |" in (tmp / "w" / "conesep_triplets.md").read_text()
 
 
+@row("benchmarks.generated_triplets", slow=True)
+def _(tmp: Path, request) -> None:
+    run("benchmarks.generated_triplets", ["--workdir", tmp / "w", "--train-sets", 12, "--test-sets", 3, "--sizes", 20, 40,
+                                          "--shard-size", 20, "--seeds", 0, "--epochs", 2, "--skip-demind",
+                                          "--set", "optim.batch_size=8"])
+    out = read_json(tmp / "w" / "generated_triplets.json")
+    arms = {(r["arm"], r["size"]) for r in out["rows"]}
+    assert {("generated", 20), ("generated", 40), ("generated-nohard", 40)} <= arms
+    for r in out["rows"]:
+        percent([r[m][0] for m in ("R@1", "R@5", "R@10", "Rsubset@1", "Avg")])
+    assert out["record"]["mining"]["40"]["pairs"] > 0 and out["record"]["writing"]["40"]["triplets"] > 0
+    assert "| generated | 40 |" in (tmp / "w" / "generated_triplets.md").read_text()
+
+
 @row("benchmarks.noise_retrieval", slow=True)
 def _(tmp: Path, request) -> None:
     toy_world = request.getfixturevalue("toy_world")
