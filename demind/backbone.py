@@ -24,7 +24,7 @@ from demind.errors import DemindError, InputError, MissingInputError
 from demind.config import ConfigError, validate
 from demind.hubref import hub_unreachable
 from demind.plugins import require_timm_model
-from demind.schema import BackboneConfig, pretrained_names_a_file
+from demind.schema import RANDOM_TAGS, BackboneConfig, pretrained_names_a_file
 from demind.templates import PLACEHOLDER
 from demind.identity import backbone_identity, config_activation, identity_slug, tag_activation
 from demind.text_tower import (
@@ -415,9 +415,6 @@ class FrozenCLIP(nn.Module):
 def build_backbone(cfg: BackboneConfig, device: str | torch.device = "cpu") -> FrozenCLIP:
     """Load the frozen backbone described by ``cfg``."""
     return FrozenCLIP(cfg, device=device)
-
-
-RANDOM_TAGS = ("none", "random", "null")
 
 
 def parse_backbone_spec(spec: str, precision: str = "fp32") -> BackboneConfig:

@@ -102,14 +102,22 @@ def check_command_config(cfg: Any) -> None:
     holds: another model, another run; ``[(key, message), ...]``), as one ConfigError. The files and
     folders it reads (:func:`check_inputs`) come first."""
     check_inputs(cfg)
+    raise_section_problems(cfg, "input_problems")
     check_outputs(cfg)
+    raise_section_problems(cfg, "output_problems")
+
+
+def raise_section_problems(cfg: Any, method: str) -> None:
+    """Each section's ``method()`` (``input_problems``: files it names that do not exist;
+    ``output_problems``: what an output already holds), nested sections included, as one ConfigError
+    naming the first key."""
     problems: list[tuple[str, str]] = []
 
     def visit(section: Any, prefix: str) -> None:
         for f in dataclasses.fields(section):
             if dataclasses.is_dataclass(getattr(section, f.name)):
                 visit(getattr(section, f.name), prefix + f.name + ".")
-        own = getattr(section, "output_problems", None)
+        own = getattr(section, method, None)
         if callable(own):
             problems.extend((prefix + key, message) for key, message in own())
 

@@ -54,9 +54,11 @@ class BackboneConfig:
     text_buckets: int = setting(4, ge=1)
     seed: int = setting(0, ge=0)
 
-    def config_problems(self) -> list[tuple[str, str]]:
+    def input_problems(self) -> list[tuple[str, str]]:
         """The files this config names exist (a model name or a tag is open_clip's to resolve, when the
-        backbone loads): checked with the config, before any model loads."""
+        backbone loads): checked with the command's config (:func:`demind.config_checks.check_command_config`),
+        before any model loads; not when a config is only parsed (a documented recipe names files that an
+        earlier step writes)."""
         problems = []
         if self.name.endswith(".json") and not Path(self.name).is_file():
             problems.append(("name", f"= {self.name!r}: backbone model config {self.name} does not exist; give an "
@@ -66,6 +68,9 @@ class BackboneConfig:
             problems.append(("pretrained", f"= {self.pretrained!r}: backbone checkpoint {self.pretrained} does not "
                                            f"exist; give an existing file or an open_clip pretrained tag"))
         return problems
+
+
+RANDOM_TAGS = ("none", "random", "null")  # NAME:none in a --backbone spec: random weights (smoke tests)
 
 
 def pretrained_names_a_file(pretrained: str | None) -> bool:

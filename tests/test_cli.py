@@ -155,7 +155,8 @@ def test_console_scripts_point_at_the_command_mains():
                             "demind-make-shards", "demind-make-tiny-model", "demind-quickstart", "demind-toy-clip", "demind-index", "demind-search",
                             "demind-serve", "demind-build-exclcoco",
                             "demind-train-exclmm", "demind-negation-report", "demind-publish",
-                            "demind-cc3m-list", "demind-train-triplets"}
+                            "demind-cc3m-list", "demind-train-triplets", "demind-mine-pairs",
+                            "demind-generate-triplets"}
 
 
 def test_the_command_line_package_lists_every_console_script():
@@ -234,10 +235,10 @@ def test_a_flag_value_is_taken_as_written():
     """A flag's text is not read as YAML: '# blue' is not a comment, 'no' is not false."""
     from demind.cli import search
 
-    args = search.build_parser().parse_intermixed_args(["--index", "i", "--text", "red # blue", "--method", "no",
+    args = search.build_parser().parse_intermixed_args(["--index", "i", "--text", "red # blue", "--negative", "no",
                                                          "-k", "5", "--keep-reference"])
     cfg = common.load_command_config(search.SearchConfig, args)
-    assert (cfg.text, cfg.method, cfg.k, cfg.keep_reference) == ("red # blue", "no", 5, True)
+    assert (cfg.text, cfg.negative, cfg.k, cfg.keep_reference) == ("red # blue", "no", 5, True)
 
 
 def test_a_missing_required_setting_names_its_flag_and_key(capsys):

@@ -301,8 +301,12 @@ def test_commands_turn_bad_input_into_one_line(gallery, tmp_path, tiny_checkpoin
     from demind.search.index import build_index
 
     common = ["--checkpoint", str(tiny_checkpoint)]
-    assert search_main(["--index", str(tmp_path / "none"), *common, "--text", "red", "--image", "x.png"]) == 2
+    assert search_main(["--index", str(tmp_path / "none"), *common, "--text", "red", "--image",
+                        str(gallery / "img0.png")]) == 2
     assert "no index at" in capsys.readouterr().err
+    assert search_main(["--index", str(tmp_path / "none"), *common, "--text", "red", "--image", "x.png"]) == 2
+    err = capsys.readouterr().err  # a missing reference image: refused with the config, naming its flag
+    assert err.count("error:") == 1 and "'x.png': no such file" in err and "--image" in err
     build_index(gallery, tmp_path / "other", tiny_backbone, progress=False)  # another backbone
     assert search_main(["--index", str(tmp_path / "other"), *common, "--text", "red", "--image",
                         str(gallery / "img0.png")]) == 2

@@ -220,13 +220,16 @@ def test_rerank_takes_a_text_holding_the_candidate_field(tiny_llava, combiner_ch
 
 
 @pytest.fixture()
-def no_model_loads(monkeypatch):
+def no_model_loads(monkeypatch, tmp_path):
+    """Loading a model fails the test; ``tmp_path/c.safetensors`` exists (the config check wants the file
+    --checkpoint names), so what is refused is what the test gives, before any model loads."""
     import demind.checkpoint
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the config was checked")
 
     monkeypatch.setattr(demind.checkpoint, "load_backbone_and_model", refuse)
+    (tmp_path / "c.safetensors").write_bytes(b"")
 
 
 @pytest.mark.parametrize("extra, names", [

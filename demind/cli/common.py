@@ -194,6 +194,26 @@ def refuse_renamed_flags(argv: list[str]) -> None:
                               f"(a KEY=VALUE override)", key=RENAMED_FLAGS[name].split("=", 1)[0])
 
 
+def flag_for_key(parser: argparse.ArgumentParser, key: str | None) -> str | None:
+    """The flag (``--out``) a :func:`config_parser` gives config key ``key``, or None."""
+    for action in parser._actions:  # noqa: SLF001 (argparse keeps its actions there; no public accessor)
+        if key is not None and action.dest == f"flag:{key}" and action.option_strings:
+            return action.option_strings[0]
+    return None
+
+
+def check_whole_config(cfg: Any, parser: argparse.ArgumentParser) -> None:
+    """:func:`demind.config_checks.check_command_config`; its error names the key's flag too, where the
+    command has one (the user typed ``--out``, not ``out=``)."""
+    try:
+        check_command_config(cfg)
+    except ConfigError as e:
+        flag = flag_for_key(parser, e.key)
+        if flag is None:
+            raise
+        raise ConfigError(f"{e} (given as {flag})", key=e.key) from None
+
+
 def load_command_config(cls: type[T], args: argparse.Namespace) -> T:
     """The config the parsed ``args`` ask for: defaults < --config file < flags < KEY=VALUE overrides."""
     overrides = list(args.overrides)
@@ -273,7 +293,7 @@ def run_config_command(cls: type[T], parser: argparse.ArgumentParser, body: Call
     setup_logging(log_level, log_packages)
     try:
         cfg = load_command_config(cls, args)
-        check_command_config(cfg)  # what it writes: before the body loads any model
+        check_whole_config(cfg, parser)  # what it reads and writes: before the body loads any model
         apply_rehash_request()
         apply_threads(getattr(getattr(cfg, "run", None), "threads", 0))
         return body(cfg)

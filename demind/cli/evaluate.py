@@ -22,7 +22,7 @@ from demind.settings import QueryRunOptions, setting
 from demind.mllm.config import DescribeOptions, RerankOptions
 from demind.engines import EngineConfig
 from demind.eval.options import BENCHMARKS, CocoOptions, FashionIQOptions
-from demind.retrieval.names import METHODS
+from demind.retrieval.names import METHODS, method_name_problems
 
 
 @dataclass
@@ -30,20 +30,21 @@ class EvalConfig:
     """One evaluation run: benchmark, data, model, methods, and where the files go."""
 
     benchmark: str | None = setting(None, choices=BENCHMARKS, help="which benchmark (required)")
-    data_root: str | None = setting(None, help="the benchmark's folder in its official layout (required)")
-    out: str | None = setting(None, help="output folder (required)")
+    data_root: str | None = setting(None, input="dir", help="the benchmark's folder in its official layout (required)")
+    out: str | None = setting(None, output="dir", help="output folder (required)")
     checkpoint: str | None = checkpoint_setting()
-    exclmm: str | None = setting(None, help="trained ExclMM export (exclmm.safetensors) for the exclmm method")
-    split: str = setting("val", help="val, or test (CIRR test1, CIRCO test)")
-    methods: str | None = setting(None, help=f"comma-separated subset of {','.join(METHODS)}, or a negation-aware "
+    exclmm: str | None = setting(None, input="file", help="trained ExclMM export (exclmm.safetensors) for the exclmm method")
+    split: str = setting("val", choices=("val", "test"), help="val, or test (CIRR test1, CIRCO test)")
+    methods: str | None = setting(None, refuses="no-such-method", help=f"comma-separated subset of {','.join(METHODS)}, or a negation-aware "
                                              "variant BASE+deo / BASE+deo-adam (default: all base methods the "
                                              "checkpoint/backbone allow, except oracle; the MLLM methods "
                                              "cirevl, osrcir, demind+mllm need engine.model: docs/mllm.md); "
                                              "METHOD+rerank re-ranks METHOD's top rerank.k with the MLLM")
-    cache_dir: str | None = setting(None, help="image-feature cache (default OUT/feature_cache); share it across runs")
+    cache_dir: str | None = setting(None, output="dir", help="image-feature cache (default OUT/feature_cache); share it across runs")
     batch_size: int = setting(64, ge=1, help="images per encoding batch")
     num_workers: int = setting(4, ge=0, help="image-decoding workers")
-    limit: int | None = setting(None, ge=1, help="evaluate only the first N queries (smoke runs; flagged in outputs)")
+    limit: int | None = setting(None, ge=1, help="evaluate only the first N queries (of each FashionIQ category; smoke runs; "
+                                                           "flagged in outputs)")
     backbone: BackboneChoice = field(default_factory=BackboneChoice)
     fashioniq: FashionIQOptions = field(default_factory=FashionIQOptions)
     coco: CocoOptions = field(default_factory=CocoOptions)
@@ -57,6 +58,7 @@ class EvalConfig:
         flags = {"benchmark": "--benchmark", "data_root": "--data-root", "out": "--out"}
         problems = [(key, f"is required: give {flag} or {key}=...") for key, flag in flags.items()
                     if getattr(self, key) is None]
+        problems += method_name_problems("methods", self.methods)
         if needs_mllm(self):  # before the gallery is encoded, not on the first missing answer
             problems += [(f"engine.{key}", message) for key, message in engine_problems(self.engine)]
         return problems

@@ -24,8 +24,8 @@ from demind.search.names import faiss_problem
 
 @dataclass
 class IndexConfig(ModelOptions, DistributorOptions):
-    images: str | None = setting(None, help="folder of images, searched recursively (required)")
-    index: str | None = setting(None, help="index folder to create or update (required)")
+    images: str | None = setting(None, input="dir", help="folder of images, searched recursively (required)")
+    index: str | None = setting(None, output="dir", help="index folder to create or update (required)")
     batch_size: int = setting(64, ge=1, help="images per encoding batch")
     num_workers: int = setting(2, ge=0, help="image-decoding workers")
     part_size: int = setting(1024, ge=1, help="images per saved part (what a kill can lose)")

@@ -22,21 +22,39 @@ from demind.settings import QueryRunOptions, RunOptions, resolve_device, setting
 from demind.mllm.config import DescribeOptions, RerankOptions
 from demind.errors import InputError
 from demind.engines import EngineConfig
-from demind.schema import PRECISION_NAMES
+from demind.schema import PRECISION_NAMES, RANDOM_TAGS, BackboneConfig
 
 
 @dataclass
 class BackboneChoice:
     """The frozen backbone of the commands that load a trained model (eval, index, search, serve)."""
 
-    spec: str | None = setting(None, help="NAME:TAG_OR_PATH, e.g. ViT-L-14:openai (backbone-only methods without a "
+    spec: str | None = setting(None, refuses="ViT-B-32", help="NAME:TAG_OR_PATH, e.g. ViT-L-14:openai (backbone-only methods without a "
                                           "checkpoint, or to check the checkpoint's); NAME:none = random weights")
     precision: str = setting("fp32", choices=PRECISION_NAMES, help="open_clip precision; an index records it")
+
+    def config_problems(self) -> list[tuple[str, str]]:
+        """NAME:TAG_OR_PATH."""
+        if self.spec is not None and not all(self.spec.partition(":")[::2]):
+            return [("spec", f"= {self.spec!r} must be NAME:TAG_OR_PATH (e.g. ViT-L-14:openai, "
+                             f"configs/model/tiny-clip.json:none)")]
+        return []
+
+    def input_problems(self) -> list[tuple[str, str]]:
+        """The files NAME:TAG_OR_PATH names exist (the backbone's own rule), before any model loads."""
+        if self.spec is None:
+            return []
+        name, sep, tag = self.spec.partition(":")
+        if not sep or not name or not tag:
+            return [("spec", f"= {self.spec!r} must be NAME:TAG_OR_PATH (e.g. ViT-L-14:openai, "
+                             f"configs/model/tiny-clip.json:none)")]
+        cfg = BackboneConfig(name=name, pretrained=None if tag.lower() in RANDOM_TAGS else tag)
+        return [("spec", message) for _, message in cfg.input_problems()]
 
 
 def checkpoint_setting() -> Any:
     """The ``checkpoint`` key of a command that loads a trained model (a config field, as :func:`setting`)."""
-    return setting(None, help="De-MINDS checkpoint (.safetensors, a demind-publish folder, or "
+    return setting(None, input="path", help="De-MINDS checkpoint (.safetensors, a demind-publish folder, or "
                               "hf-hub:ORG/NAME[@REVISION]); its backbone is rebuilt from it")
 
 
@@ -126,7 +144,9 @@ def engine_problems(engine: EngineConfig) -> list[tuple[str, str]]:
 class SearchEngineConfig(EngineConfig):
     """demind-eval's engine section; here no model by default: the MLLM methods are a choice."""
 
-    model: str | None = setting(None, help="MLLM (llava-hf folder or hub id) for cirevl, osrcir, demind+mllm and "
+    model: str | None = setting(None, free="a Hub id or a model folder, checked (one line naming engine.model) "
+                                           "when the engine is first needed: answers in the store need no weights",
+                                help="MLLM (llava-hf folder or hub id) for cirevl, osrcir, demind+mllm and "
                                            "rerank.k (none: those methods are not offered)")
 
     def config_problems(self) -> list[tuple[str, str]]:

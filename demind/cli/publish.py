@@ -26,18 +26,18 @@ DEFAULT_LICENSE = {"model": "apache-2.0", "dataset": "other"}
 
 @dataclass
 class PublishConfig:
-    checkpoint: str | None = setting(None, help="De-MINDS checkpoint to publish (a run's demind.safetensors, a "
+    checkpoint: str | None = setting(None, input="path", help="De-MINDS checkpoint to publish (a run's demind.safetensors, a "
                                                "folder demind-publish wrote, or hf-hub:ORG/NAME)")
-    shards: str | None = setting(None, help="folder of intent shards (with their _stats.json) to publish")
-    out: str | None = setting(None, help="write the folder (checkpoint) or the card (shards) here")
-    repo: str | None = setting(None, help="ORG/NAME: upload to this Hub repository (created if missing)")
+    shards: str | None = setting(None, input="dir", help="folder of intent shards (with their _stats.json) to publish")
+    out: str | None = setting(None, output="dir", help="write the folder (checkpoint) or the card (shards) here")
+    repo: str | None = setting(None, free="ORG/NAME on the Hub, checked by the Hub on upload", help="ORG/NAME: upload to this Hub repository (created if missing)")
     repo_type: str | None = setting(None, choices=("model", "dataset"),
                                     help="model for --checkpoint, dataset for --shards (the default for each)")
-    results: list[str] | None = setting(None, help="results.json files of demind-eval for the card (default: every "
+    results: list[str] | None = setting(None, input="file", help="results.json files of demind-eval for the card (default: every "
                                                    "one under the checkpoint's run folder that evaluated it)")
-    license: str | None = setting(None, help="card licence (default apache-2.0 for a model, other for shards)")
-    tags: list[str] = setting(default_factory=list, help="extra card tags")
-    datasets: list[str] = setting(default_factory=list, help="Hub datasets the model was trained on (ORG/NAME)")
+    license: str | None = setting(None, free="a licence id written into the card", help="card licence (default apache-2.0 for a model, other for shards)")
+    tags: list[str] = setting(default_factory=list, free="card tags, written as given", help="extra card tags")
+    datasets: list[str] = setting(default_factory=list, free="Hub dataset ids, written into the card", help="Hub datasets the model was trained on (ORG/NAME)")
     private: bool = setting(False, help="create the repository as private")
     overwrite: bool = setting(False, help="replace a folder demind-publish wrote before at --out (refused when it "
                                           "holds any file demind-publish did not write; built beside, then swapped)")

@@ -50,16 +50,17 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class SearchConfig(QueryModelOptions):
-    index: str | None = setting(None, help="index folder written by demind-index (required)")
-    image: str | None = setting(None, help="reference image")
-    text: str | None = setting(None, help="modification text, e.g. 'make it red'")
-    queries: str | None = setting(None, help="JSONL file of queries instead of image/text")
-    method: str | None = setting(None, help=f"one of {', '.join(METHODS)}, BASE+deo, or METHOD+rerank (the MLLM "
+    index: str | None = setting(None, free="an index folder: opened (a missing one is 'no index at ...') before any "
+                                           "model loads", help="index folder written by demind-index (required)")
+    image: str | None = setting(None, input="file", help="reference image")
+    text: str | None = setting(None, free="the user's words, read whole (never as a template)", help="modification text, e.g. 'make it red'")
+    queries: str | None = setting(None, input="file", help="JSONL file of queries instead of image/text")
+    method: str | None = setting(None, refuses="no-such-method", help=f"one of {', '.join(METHODS)}, BASE+deo, or METHOD+rerank (the MLLM "
                                              f"methods and +rerank need engine.model); default: the checkpoint's own "
                                              f"({DEFAULT_METHOD}, or combiner for a combiner checkpoint)")
-    template: str = setting(DEFAULT_TEMPLATE, help="prompt with one '*' and one field")
+    template: str = setting(DEFAULT_TEMPLATE, refuses="a photo of {text}", help="prompt with one '*' and one field")
     k: int = setting(20, ge=1, help="results per query")
-    negative: str | None = setting(None, help="what the results must not show: searched as 'TEXT, without "
+    negative: str | None = setting(None, free="the user's words, read whole", help="what the results must not show: searched as 'TEXT, without "
                                               "NEGATIVE' with the method's +deo variant")
     ranker: str = setting("exact", choices=RANKERS,
                           help="exact matrix product, or FAISS (pip install -e '.[search]'): faiss-flat (exact), "
@@ -68,10 +69,18 @@ class SearchConfig(QueryModelOptions):
     keep_reference: bool = setting(False, help="allow the reference image among the results: itself when it is "
                                                "in the gallery, and its pixel copies under other names (left out "
                                                "by default, as the page does)")
-    out: str | None = setting(None, help="write the results as JSON here")
+    out: str | None = setting(None, output="file", help="write the results as JSON here")
 
     def config_problems(self) -> list[tuple[str, str]]:
+        from demind.retrieval.names import method_name_problems
+        from demind.templates import TemplateError, template_field
+
         problems = [("index", "is required: give --index DIR (built by demind-index)")] if self.index is None else []
+        problems += method_name_problems("method", self.method)
+        try:
+            template_field(self.template)
+        except TemplateError as e:
+            problems.append(("template", f"= {self.template!r}: {e}"))
         missing = faiss_problem(f"= {self.ranker!r}") if self.ranker != "exact" else None
         return problems + ([("ranker", missing)] if missing else [])
 

@@ -43,21 +43,25 @@ MAX_TIMEOUT_S = 86_400.0
 
 @dataclass
 class ServeConfig(QueryModelOptions):
-    quickstart: str | None = setting(None, help="serve the quickstart's model over its toy CIRR gallery from this "
+    quickstart: str | None = setting(None, input="dir", help="serve the quickstart's model over its toy CIRR gallery from this "
                                                 "work folder (--quickstart alone: runs/quickstart)")
-    index: str | None = setting(None, help="index folder (built by demind-index, or here from images)")
-    images: str | None = setting(None, help="build or update the index from this folder first")
+    index: str | None = setting(None, free="an index folder (built here from --images, or by demind-index); one that "
+                                           "cannot be opened is shown on the page, the server still starts",
+                                help="index folder (built by demind-index, or here from images)")
+    images: str | None = setting(None, input="dir", help="build or update the index from this folder first")
     new_folder: bool = setting(False, help="with --images: let an index built from another folder follow it (drops "
                                            "the files only in the old folder), as demind-index --new-folder")
     ranker: str = setting("exact", choices=RANKERS,
                           help="how the gallery is ranked: exact matrix product, or FAISS (pip install -e "
                                "'.[search]'); the start-up line and the page say which, and what recall@10 to expect")
-    host: str = setting("127.0.0.1", help="127.0.0.1 serves this machine only; another address (0.0.0.0: every "
+    host: str = setting("127.0.0.1", free="an address; one this machine cannot bind is refused before any model "
+                                          "loads", help="127.0.0.1 serves this machine only; another address (0.0.0.0: every "
                                           "interface) needs a token")
     port: int = setting(8000, ge=0, le=65535, help="0: any free port")
-    token: str | None = setting(None, help="access token every request must carry (default: DEMIND_SERVE_TOKEN, or "
+    token: str | None = setting(None, free="any text: the secret each request carries", help="access token every request must carry (default: DEMIND_SERVE_TOKEN, or "
                                            "off loopback a generated one, printed)")
-    allowed_hosts: list[str] = setting(default_factory=list, help="host names clients use besides localhost and "
+    allowed_hosts: list[str] = setting(default_factory=list, free="host names matched against each request's Host "
+                                                                 "header", help="host names clients use besides localhost and "
                                                                   "--host (DNS-rebinding check); '*' allows any")
     timeout: float = setting(30.0, gt=0, le=MAX_TIMEOUT_S, help="seconds before an idle connection is closed and a "
                                                                  "query that cannot get the model is refused")

@@ -16,7 +16,10 @@ class EngineConfig:
     """Which model runs, on which engine, and how requests are grouped."""
 
     name: str = setting("vllm", choices=("vllm", "transformers"))  # "vllm" (offline LLM, continuous batching) or "transformers" (batched generate)
-    model: str = "llava-hf/llava-v1.6-mistral-7b-hf"  # hub id or local folder (model + processor)
+    # hub id or local folder (model + processor)
+    model: str = setting("llava-hf/llava-v1.6-mistral-7b-hf",
+                         free="a Hub id or a model folder, checked (one line naming engine.model) when the engine is "
+                              "first needed: a rerun answered from the store needs no weights")
     dtype: str = setting("auto", choices=("auto", "bfloat16", "float16", "float32"))  # "auto" (bfloat16 on GPU, float32 on CPU), "bfloat16", "float16", "float32"
     # Samples decoded and held at a time (host memory stays flat). With a prefix cache a chunk's stages
     # run in waves of as many samples as the cache holds (vLLM schedules a wave with continuous batching).

@@ -17,8 +17,19 @@ from demind.settings import device_setting, setting
 class PromptConfig:
     """Versioned prompt texts, rendered through the processor's chat template."""
 
-    version: str = "v1"  # a folder under demind/gen/prompts/, or a path to a folder with the same files
+    version: str = setting("v1", refuses="no-such-version")  # a folder under demind/gen/prompts/, or a path to one
     mode: str = setting("cot", choices=("cot", "single"))  # "cot": rewrite then reason (two turns); "single": intent in one turn (w/o CoT ablation)
+
+    def config_problems(self) -> list[tuple[str, str]]:
+        """The prompt files exist and hold their fields (read, never run): checked with the config."""
+        from demind.errors import DemindError
+        from demind.gen.prompts import load_prompts
+
+        try:
+            load_prompts(self.version)
+        except DemindError as e:
+            return [("version", f"= {self.version!r}: {e}")]
+        return []
 
 
 @dataclass
@@ -30,10 +41,18 @@ class QualityConfig:
     # Optional GFQ fidelity stage (demind/gen/fidelity_stage.py): an open_clip model (name
     # or model JSON) scores each sample's T_rew and T_int against its image; a score below
     # fidelity_omega flags the sample ("intent:low_fidelity"), it is never dropped. null = off.
-    fidelity_clip: str | None = None
-    fidelity_pretrained: str | None = None  # open_clip tag or weights path (null: random init, tests only)
+    fidelity_clip: str | None = setting(None, refuses="configs/model/no-such-model.json")
+    fidelity_pretrained: str | None = setting(None, refuses="weights/no-such-checkpoint.pt")  # tag or weights path
     fidelity_omega: float = setting(0.5, gt=0, lt=1)
     fidelity_pool: int = setting(256, ge=2)  # recent samples the noise boundary is estimated on
+
+    def input_problems(self) -> list[tuple[str, str]]:
+        """The fidelity CLIP's files exist, by the backbone's own rule (a name or tag is open_clip's)."""
+        from demind.schema import BackboneConfig
+
+        clip = BackboneConfig(name=self.fidelity_clip or "ViT-B-32", pretrained=self.fidelity_pretrained)
+        keys = {"name": "fidelity_clip", "pretrained": "fidelity_pretrained"}
+        return [(keys[key], message) for key, message in clip.input_problems()]
 
 
 @dataclass

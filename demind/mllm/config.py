@@ -14,7 +14,7 @@ DESCRIBERS = ("cirevl", "osrcir")
 class DescribeOptions:
     """How the MLLM describers (methods ``cirevl``, ``osrcir``, ``demind+mllm``) run."""
 
-    prompts: str = setting("v1", help="describer prompt version (demind/gen/prompts/describe/<version>) or a folder")
+    prompts: str = setting("v1", refuses="no-such-version", help="describer prompt version (demind/gen/prompts/describe/<version>) or a folder")
     samples: int = setting(1, ge=1, help="descriptions per query; > 1 is an LDRE-style ensemble (needs temperature > 0)")
     temperature: float = setting(0.0, ge=0, help="sampling temperature (0 = greedy)")
     top_p: float = setting(0.9, gt=0, le=1)
@@ -27,13 +27,22 @@ class DescribeOptions:
     ensemble_tau: float = setting(0.05, gt=0, help="ensemble weights: softmax(consensus / tau), see docs/mllm.md")
     hybrid_weight: float = setting(0.5, ge=0, le=1, help="demind+mllm: (1 - w) De-MINDS query + w description")
     hybrid_describer: str = setting("osrcir", choices=DESCRIBERS, help="the describer demind+mllm uses")
-    store: str | None = setting(None, help="store of MLLM answers, keyed by content (default CACHE_DIR/descriptions, "
+    store: str | None = setting(None, output="dir", help="store of MLLM answers, keyed by content (default CACHE_DIR/descriptions, "
                                            "else OUT/descriptions; in search INDEX/descriptions); must be writable")
 
     def config_problems(self) -> list[tuple[str, str]]:
+        from demind.errors import DemindError
+        from demind.mllm.describers import load_describer_prompts
+
+        problems = []
         if self.samples > 1 and self.temperature == 0:
-            return [("samples", f"= {self.samples} needs describe.temperature > 0 (greedy samples are identical)")]
-        return []
+            problems.append(("samples", f"= {self.samples} needs describe.temperature > 0 (greedy samples are "
+                                        f"identical)"))
+        try:
+            load_describer_prompts(self.prompts)
+        except DemindError as e:
+            problems.append(("prompts", f"= {self.prompts!r}: {e}"))
+        return problems
 
 
 @dataclass
@@ -41,11 +50,11 @@ class RerankOptions:
     """MLLM re-ranking of a method's top K (variants ``METHOD+rerank``; off while k = 0)."""
 
     k: int = setting(0, ge=0, le=50, help="candidates re-scored per query (0 = off; at most the 50 ranked)")
-    methods: str | None = setting(None, help="comma-separated methods to re-rank (default: every method run)")
+    methods: str | None = setting(None, refuses=",", help="comma-separated methods to re-rank (default: every method run)")
     batch_size: int = setting(8, ge=1, help="(query, candidate) pairs per forward pass")
     prefix_reuse: bool = setting(True, help="prefill each query's reference part once for its K candidates")
-    yes: str = setting("yes", help="the answer word whose log-probability scores a match")
-    no: str = setting("no", help="the answer word scored against it")
+    yes: str = setting("yes", refuses=" ", help="the answer word whose log-probability scores a match")
+    no: str = setting("no", refuses="yes", help="the answer word scored against it")
 
     def config_problems(self) -> list[tuple[str, str]]:
         problems = [(name, f"= {word!r} is empty: give the answer word (rerank.{name}=...)")

@@ -32,7 +32,7 @@ from demind.retrieval.methods_base import RetrievalMethod
 from demind.retrieval.mllm_methods import build_mllm_method
 from demind.retrieval.names import (
     DEO_BASES, DEO_METHODS, DEO_SUFFIXES, EXCLMM_METHODS, METHOD_LABELS, METHODS, MLLM_METHODS, ON_REQUEST_METHODS,
-    split_rerank, unavailable_methods)
+    split_rerank, unavailable_methods, unknown_methods)
 from demind.retrieval.refs import Query
 from demind.model import DeMinds
 from demind.templates import PLACEHOLDER
@@ -161,7 +161,7 @@ def parse_method_names(spec: str | list[str] | tuple[str, ...] | None, have_mode
         defaults = [m for m in METHODS if m not in ON_REQUEST_METHODS and m not in blocked]
         return [m for m in defaults if have_exclmm or m not in EXCLMM_METHODS]
     names = [n.strip() for n in (spec.split(",") if isinstance(spec, str) else spec) if n.strip()]
-    unknown = [n for n in names if n not in METHODS and n not in DEO_METHODS]
+    unknown = unknown_methods(names)
     if unknown:
         raise ConfigError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS + DEO_METHODS)}")
     needs_model = [n for n in names if split_deo_name(n)[0] in blocked]

@@ -103,3 +103,19 @@ def split_rerank_requests(names: str | list[str] | None) -> tuple[list[str] | No
             reranked.append(base)
         run.append(base)
     return list(dict.fromkeys(run)), list(dict.fromkeys(reranked))
+
+
+def unknown_methods(names: list[str]) -> list[str]:
+    """The names of ``names`` that are no method nor a method's DEO variant (``+rerank`` already split off)."""
+    return [n for n in names if n not in METHODS and n not in DEO_METHODS]
+
+
+def method_name_problems(key: str, spec: str | None) -> list[tuple[str, str]]:
+    """``[(key, message)]`` when the comma-separated ``spec`` names an unknown method, for a command's
+    config check (torch-free: before any model loads); [] when every name is known or ``spec`` is None."""
+    names, _ = split_rerank_requests(spec)
+    unknown = unknown_methods(names or [])
+    if not unknown:
+        return []
+    return [(key, f"= {spec!r}: unknown method(s) {unknown}; choose from {', '.join(METHODS + DEO_METHODS)} "
+                  f"(any of them with {RERANK_SUFFIX})")]
