@@ -19,7 +19,7 @@ import pytest
 from PIL import Image
 
 from demind.mllm import DescribeOptions, MLLMSetup, MLLMVerifier, RerankOptions
-from demind.mllm.describers import DESCRIBE_PROMPT_ROOT
+from demind.mllm.config import DESCRIBE_PROMPT_ROOT
 from demind.retrieval import ImageRef, Query
 from helpers import REPO_ROOT, TINY_CLIP
 from test_search_mllm import ScriptedEngine, index_dir, loaded, searcher_with  # noqa: F401  (module fixtures)

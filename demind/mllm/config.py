@@ -4,8 +4,26 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from demind.settings import setting
+
+# beside the generation prompts (demind/gen/prompts/<version>/), versioned the same way
+DESCRIBE_PROMPT_ROOT = Path(__file__).resolve().parents[1] / "gen" / "prompts" / "describe"
+PROMPT_FILES = {"caption": (), "rewrite": ("{caption}", "{modification}"), "osrcir": ("{modification}",),
+                "verify": ("{modification}", "{candidate}")}  # the files of a prompt set and their fields
+
+
+def describer_prompt_problem(version: str) -> str | None:
+    """Why ``describe.prompts`` names no prompt set (no folder, or a file missing), or None; the files'
+    fields are checked when they are read (:func:`demind.mllm.describers.load_describer_prompts`)."""
+    folder = Path(version) if Path(version).is_dir() else DESCRIBE_PROMPT_ROOT / version
+    if not folder.is_dir():
+        available = sorted(p.name for p in DESCRIBE_PROMPT_ROOT.iterdir() if p.is_dir())
+        return (f"describer prompt version {version!r} not found: no folder {folder}; available: {available} "
+                f"(or pass describe.prompts=/path/to/folder)")
+    missing = [f"{name}.txt" for name in PROMPT_FILES if not (folder / f"{name}.txt").is_file()]
+    return f"{folder} lacks {', '.join(missing)}" if missing else None
 
 DESCRIBERS = ("cirevl", "osrcir")
 
@@ -31,17 +49,13 @@ class DescribeOptions:
                                            "else OUT/descriptions; in search INDEX/descriptions); must be writable")
 
     def config_problems(self) -> list[tuple[str, str]]:
-        from demind.errors import DemindError
-        from demind.mllm.describers import load_describer_prompts
-
         problems = []
         if self.samples > 1 and self.temperature == 0:
             problems.append(("samples", f"= {self.samples} needs describe.temperature > 0 (greedy samples are "
                                         f"identical)"))
-        try:
-            load_describer_prompts(self.prompts)
-        except DemindError as e:
-            problems.append(("prompts", f"= {self.prompts!r}: {e}"))
+        missing = describer_prompt_problem(self.prompts)
+        if missing:
+            problems.append(("prompts", missing))
         return problems
 
 

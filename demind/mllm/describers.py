@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 from PIL import Image
 
-from demind.mllm.config import DescribeOptions
+from demind.mllm.config import DESCRIBE_PROMPT_ROOT, PROMPT_FILES, DescribeOptions
 from demind.mllm.parse import parse_description
 from demind.mllm.store import AnswerStore
 from demind.errors import InputError, MissingInputError
@@ -40,11 +40,7 @@ from demind.retrieval import Query, load_image
 
 log = logging.getLogger(__name__)
 
-# beside the generation prompts (demind/gen/prompts/<version>/), versioned the same way
-DESCRIBE_PROMPT_ROOT = Path(__file__).resolve().parents[1] / "gen" / "prompts" / "describe"
 LOGGED_EXAMPLES = 3  # unparsable answers shown in the log per call (all are counted and stored)
-PROMPT_FILES = {"caption": (), "rewrite": ("{caption}", "{modification}"), "osrcir": ("{modification}",),
-                "verify": ("{modification}", "{candidate}")}
 
 
 @dataclass(frozen=True)
