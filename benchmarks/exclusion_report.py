@@ -99,13 +99,10 @@ def steps_summary(runs: dict) -> dict[str, dict]:
 
 def plot_curves(work: Path, runs: dict) -> list[Path]:
     """``curves/<row>.png``: total loss per logged step of each phase, one line per (fold, seed)."""
-    try:
-        import matplotlib
+    from demind.plots import file_pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.info("no curves: matplotlib is not installed")
+    plt = file_pyplot("loss curves")
+    if plt is None:
         return []
     written = []
     for name, by_run in runs.items():

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from demind.io import atomic_path
+from demind.plots import file_pyplot
 
 logger = logging.getLogger(__name__)
 
@@ -325,13 +326,8 @@ def per_type_metrics(runs: dict[str, dict[int, dict[str, dict[str, Any]]]]
 
 def plot_recall(rows: dict[str, Any], path: Path) -> Path | None:
     """Toy CIRR recall@K (K = 1, 5, 10) per method, mean over seeds, as a PNG."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("matplotlib is not installed: no recall plot")
+    plt = file_pyplot("recall plot")
+    if plt is None:
         return None
     ks = (1, 5, 10)
     fig, ax = plt.subplots(figsize=(5, 3.5))

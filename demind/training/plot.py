@@ -11,6 +11,7 @@ import logging
 from pathlib import Path
 
 from demind.io import atomic_path
+from demind.plots import file_pyplot
 from demind.training.metrics_log import LOSS_TERMS
 
 log = logging.getLogger(__name__)
@@ -36,14 +37,8 @@ def plot_training(metrics: Path, out: Path | None = None) -> Path | None:
     if not rows:
         log.info("no training plot: %s holds no logged step", metrics)
         return None
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # files only, no display
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.info("no training plot: matplotlib is not installed (pip install matplotlib); the numbers are in %s",
-                 metrics)
+    plt = file_pyplot(f"training plot (the numbers are in {metrics})")
+    if plt is None:
         return None
     out = Path(out) if out is not None else Path(metrics).with_name(PLOT_NAME)
     steps = [r["step"] for r in rows]
