@@ -346,8 +346,29 @@ def row(arm: str, size, results: dict[int, dict]) -> dict:
     return out
 
 
+def baseline_per_query(workdir: Path) -> dict:
+    """Image+Text's per-query record on the test (for the paired test; deterministic, scored once)."""
+    from demind.io import write_json_atomic
+
+    path = run_dir(workdir, "image+text", "-", 0) / "eval.json"
+    if not path.is_file():
+        from demind.backbone import build_backbone
+        from demind.config import load_config
+        from demind.retrieval import ImagePlusText
+        from demind.triplets.config import TripletTrainConfig
+
+        from benchmarks.conesep_triplets import TestSet
+
+        base = load_config(TripletTrainConfig, workdir / "toy" / "train.yaml", [])
+        backbone = build_backbone(base.backbone)
+        write_json_atomic(path, score_method(ImagePlusText(backbone), TestSet(workdir / "toy" / "cirr", backbone,
+                                                                               workdir / "feature_cache")))
+    return json.loads(path.read_text())
+
+
 def aggregate(args) -> dict:
     record = json.loads((args.workdir / "record.json").read_text())
+    image_text = baseline_per_query(args.workdir)
     record["mining"] = {str(size): mining_totals(args.workdir / "pairs" / str(size)) for size in sorted(args.sizes)}
     rows, tests = [], {}
     supervised = results_of(args.workdir, "supervised", "cirr", args.seeds)
@@ -358,7 +379,8 @@ def aggregate(args) -> dict:
                 rows.append(row(arm, size, found))
         generated = results_of(args.workdir, "generated", size, args.seeds)
         demind = results_of(args.workdir, "demind", size, args.seeds)
-        tests[size] = {"vs_demind": paired_tests(generated, demind), "vs_supervised": paired_tests(generated, supervised)}
+        tests[size] = {"vs_demind": paired_tests(generated, demind), "vs_supervised": paired_tests(generated, supervised),
+                       "vs_image+text": paired_tests(generated, {s: image_text for s in generated})}
         if size == max(args.sizes):
             tests[size]["vs_nohard"] = paired_tests(generated, results_of(args.workdir, "generated-nohard", size,
                                                                           args.seeds))
@@ -386,11 +408,11 @@ def markdown(summary: dict, command: str) -> str:
     for r in summary["rows"]:
         lines.append(f"| {r['arm']} | {r['size']} | {len(r['seeds'])} | " + " | ".join(fmt(r[m]) for m in METRICS) + " |")
     lines += ["", "Paired sign tests per seed over toy CIRR sets (generated better/worse, exact p; one test per seed):", "",
-              "| corpus images | generated vs De-MINDS | generated vs supervised | generated vs no hard negatives |",
-              "|---|---|---|---|"]
+              "| corpus images | generated vs De-MINDS | generated vs supervised | generated vs Image+Text | "
+              "generated vs no hard negatives |", "|---|---|---|---|---|"]
     for size, t in summary["tests"].items():
         lines.append(f"| {size} | {seed_tests(t['vs_demind'])} | {seed_tests(t['vs_supervised'])} | "
-                     f"{seed_tests(t.get('vs_nohard', {}))} |")
+                     f"{seed_tests(t['vs_image+text'])} | {seed_tests(t.get('vs_nohard', {}))} |")
     lines += ["", "Mining and writing per corpus size (pairs, triplets after the writer's skips, mining rate):", "",
               "| corpus images | queries with a target | pairs | pairs/s | triplets | writer: ignored / dropped / skipped |",
               "|---|---|---|---|---|---|"]
@@ -421,6 +443,7 @@ def plot(summary: dict, path: Path) -> Path | None:
                     marker="o", capsize=3, label=arm)
     sup = next(r for r in summary["rows"] if r["arm"] == "supervised")
     ax.axhline(sup["Avg"][0], ls="--", c="k", label="supervised (toy CIRR labels)")
+    ax.axhline(summary["record"]["baselines"]["text-only"]["Avg"], ls="-.", c="gray", label="text-only (untrained)")
     ax.axhline(summary["record"]["baselines"]["image+text"]["Avg"], ls=":", c="gray", label="image+text (untrained)")
     ax.set_xscale("log")
     ax.set_xlabel("corpus images")
