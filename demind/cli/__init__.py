@@ -21,8 +21,8 @@ Commands (console script; the script or ``python -m`` form that calls the same `
 * :mod:`demind.cli.build_exclcoco` -- ``demind-build-exclcoco``; ``python -m demind.cli.build_exclcoco``
 * :mod:`demind.cli.train_exclmm` -- ``demind-train-exclmm``; ``python -m demind.cli.train_exclmm``
 * :mod:`demind.cli.train_triplets` -- ``demind-train-triplets``; ``accelerate launch -m demind.cli.train_triplets``
-* :mod:`demind.cli.negation_report` -- ``demind-negation-report``; ``python -m demind.cli.negation_report``
 * :mod:`demind.cli.mine_pairs` -- ``demind-mine-pairs`` (image pairs for generated triplets)
+* :mod:`demind.cli.negation_report` -- ``demind-negation-report``; ``python -m demind.cli.negation_report``
 * :mod:`demind.cli.publish` -- ``demind-publish`` (a checkpoint or shards as a Hugging Face Hub repository)
 * :mod:`demind.cli.cc3m_list` -- ``demind-cc3m-list`` (CC3M's url list for img2dataset)
 
