@@ -334,13 +334,10 @@ def markdown(summary: dict, command: str) -> str:
 
 
 def plot(summary: dict, path: Path) -> Path | None:
-    try:
-        import matplotlib
+    from demind.plots import file_pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("matplotlib is not installed: no plot")
+    plt = file_pyplot("ConeSep plot")
+    if plt is None:
         return None
     kinds = sorted({r["kind"] for r in summary["rows"]}, key=KINDS.index)
     fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds), 3.6), squeeze=False, sharey=True)

@@ -426,13 +426,10 @@ def markdown(summary: dict, command: str) -> str:
 
 
 def plot(summary: dict, path: Path) -> Path | None:
-    try:
-        import matplotlib
+    from demind.plots import file_pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("matplotlib is not installed: no plot")
+    plt = file_pyplot("generated-triplets plot")
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     for arm in ("generated", "demind"):

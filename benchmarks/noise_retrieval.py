@@ -126,13 +126,10 @@ def format_table(rows: dict[str, Any], kinds: list[str], rates: list[float], mod
 
 def plot(rows: dict[str, Any], kinds: list[str], rates: list[float], modes: list[str], path: Path) -> Path | None:
     """Toy CIRR R@10 against the noise rate, one line per mode, one panel per noise kind."""
-    try:
-        import matplotlib
+    from demind.plots import file_pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("matplotlib is not installed: no plot")
+    plt = file_pyplot("noise plot")
+    if plt is None:
         return None
     from demind.io import atomic_path
 

@@ -201,13 +201,10 @@ def fidelity_summary(fidelities: dict[str, torch.Tensor], omega: float = GFQ_THR
 def plot_fidelity(fidelities: dict[str, torch.Tensor], path: str | Path, omega: float = GFQ_THRESHOLD,
                   bins: int = 20) -> Path | None:
     """A PNG with one histogram per text kind and omega marked; None (logged) without matplotlib."""
-    try:
-        import matplotlib
+    from demind.plots import file_pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("matplotlib is not installed; no fidelity plot written (pip install matplotlib)")
+    plt = file_pyplot("fidelity plot")
+    if plt is None:
         return None
     from demind.io import write_bytes_atomic
     import io
