@@ -36,7 +36,6 @@ import dataclasses
 import logging
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -350,4 +349,4 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

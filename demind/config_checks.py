@@ -4,7 +4,7 @@ rules, each section's ``config_problems()``), then what the command will write, 
 
 A field declares what it writes, ``out: str = setting("runs/x", output="dir")``: the folder is
 created and a file written and removed there (the only test a read-only mount or an ACL answers
-truly), so ``run.output_dir=/proc/x`` or a folder under a file is one ``error:`` line naming the
+truly; the folders the probe made are removed again), so ``run.output_dir=/proc/x`` or a folder under a file is one ``error:`` line naming the
 key, before any model loads or image is encoded. A section says what an output that already holds
 something means with ``output_problems() -> [(key, message), ...]`` (another model: refused
 without ``--overwrite``). ``tests/test_config_checks.py`` walks every console script's keys and
@@ -27,6 +27,7 @@ def check_output_key(key: str, path: str | Path, *, file: bool = False) -> Path:
     config is checked: one :class:`~demind.errors.ConfigError` naming ``key``, before any model loads. The folder is
     created and probed (:func:`demind.io.check_output_dir`)."""
 
+    created = _first_missing(Path(path).parent if file else Path(path))
     try:
         return (check_output_file if file else check_output_dir)(path)
     except OutputLocationError as e:
@@ -34,6 +35,31 @@ def check_output_key(key: str, path: str | Path, *, file: bool = False) -> Path:
     except OSError as e:  # e.g. ENOENT under /proc or a vanished mount: not an output place
         raise ConfigError(f"config key {key!r} = {str(path)!r}: cannot create or write it ({e.strerror}); "
                           f"choose a folder this process can write", key=key) from None
+    finally:
+        _remove_probe_folders(Path(path).parent if file else Path(path), created)
+
+
+def _first_missing(folder: Path) -> Path | None:
+    """The outermost folder of ``folder``'s path that does not exist yet (None: it exists)."""
+    folder, missing = folder.absolute(), None
+    while not folder.exists() and folder != folder.parent:
+        folder, missing = folder.parent, folder
+    return missing
+
+
+def _remove_probe_folders(folder: Path, created: Path | None) -> None:
+    """Remove the empty folders the probe made, ``folder`` up to ``created``: a refused run, or one that
+    never writes there, leaves no trace; the command creates what it writes when it writes it."""
+    if created is None:
+        return
+    folder = folder.absolute()
+    for candidate in (folder, *folder.parents):
+        try:
+            candidate.rmdir()  # only an empty folder goes
+        except OSError:
+            return
+        if candidate == created:
+            return
 
 
 NOT_WRITTEN = frozenset({"none", "null"})  # an output turned off by name (``--plot none``), as data.features off

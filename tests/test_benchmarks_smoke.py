@@ -30,6 +30,9 @@ SUPPORT = {
     "synthetic": "synthetic shards, COCO-format data and a scripted MLLM engine (benchmark and test support)",
     "gpu_models": "random-weight models at the real shapes for bench_gpu",
     "noise_common": "what noise_detection and noise_retrieval share",
+    "exclusion_report": "the exclusion instrument's tables, paired tests and curves (exclusion_instrument)",
+    "full_size_models": "random-weight model folders at the paper's shapes (bench_full_size, scripts/)",
+    "bench_full_size": "the paper's sizes on a CPU: tens of minutes and 16+ GiB, never in CI (BENCHMARKS.md)",
 }
 # Scripts whose owner has yet to give them the one entry shape: their rows are expected to fail
 # (strict: a row that starts passing fails until its mark goes).
@@ -347,17 +350,20 @@ def _(tmp: Path, request) -> None:
     toy_world = request.getfixturevalue("toy_world")
     steps = [f"{phase}.{key}={value}" for phase in ("sae", "space", "query") for key, value in (("steps", 2), ("batch_size", 8))]
     run("benchmarks.exclusion_instrument", ["--quickstart", toy_world, "--workdir", tmp / "w", "--seeds", 0,
-                                            "--instrument", "train_scenes_per_triple=1", "test_scenes_per_triple=1",
-                                            "image_size=24", "--set", *steps])
+                                            "--folds", 0, "--instrument", "train_scenes_per_triple=1",
+                                            "test_scenes_per_triple=1", "image_size=24", "--set", *steps])
     out = read_json(tmp / "w" / "results.json")
     assert set(out["gate"]) == {"red circle", "green square", "blue triangle", "yellow star", "purple cross",
                                 "orange diamond", "pink hexagon"} and all(0 <= v <= 1 for v in out["gate"].values())
-    assert len(out["means"]) == 7 and all(len(runs) == 1 for runs in out["means"].values())
-    for runs in out["means"].values():
-        assert 0 <= runs[0]["exclusion AUC"] <= 1 and 0 <= runs[0]["inclusion AUC"] <= 1
-        percent({k: v for k, v in runs[0].items() if "AUC" not in k})
-    test = out["paired"]["ExclMM (paper's form) vs CLIP + DEO"][0]
-    assert 0 < test["AP@5 sign p"] <= 1 and 0 < test["exclusion AUC Wilcoxon p"] <= 1
+    assert set(out["means"]) == {"held-out", "in-domain"} and out["folds"] == [0] and out["seeds"] == [0]
+    for split in out["means"].values():
+        assert {"CLIP text-only", "CLIP + DEO", "ExclMM (paper's form)"} <= set(split)
+        for metrics in split.values():
+            assert all(len(per_seed) == 1 for per_seed in metrics.values())  # one value per seed
+            assert 0 <= metrics["exclusion AUC"][0] <= 1 and 0 <= metrics["inclusion AUC"][0] <= 1
+            percent({k: v[0] for k, v in metrics.items() if "AUC" not in k})
+    test = out["paired"]["in-domain"]["ExclMM (paper's form) vs CLIP + DEO"]["exclusion AUC"]["0"]
+    assert test["unit"] == "combination" and 1 <= test["n_units"] <= 21 and 0 < test["p_sign"] <= 1
     assert "| CLIP + DEO |" in (tmp / "w" / "table.md").read_text()
 
 

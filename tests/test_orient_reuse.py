@@ -153,8 +153,8 @@ def build_before_orientation(monkeypatch, gallery: Path, index: Path, backbone) 
     """An index as demind-index built it before ``ImageRef.orient``: decoded as stored, keys without ``|orient``."""
     real = list_gallery_images
 
-    def unoriented(folder, skipped=None):
-        refs, bad = real(folder, skipped)
+    def unoriented(folder, *args, **kwargs):
+        refs, bad = real(folder, *args, **kwargs)
         return [replace(r, orient=False) for r in refs], bad
 
     with monkeypatch.context() as patch:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from demind.cli.common import Flag, config_parser, run_config_command
 from demind.cli.model_options import (MODEL_FLAGS, BackboneChoice, build_mllm_setup, checkpoint_setting, engine_problems,
-                                      load_model)
+                                      load_model, query_mode_problems)
 from demind.settings import QueryRunOptions, setting
 from demind.mllm.config import DescribeOptions, RerankOptions
 from demind.engines import EngineConfig
@@ -30,11 +30,12 @@ class EvalConfig:
     """One evaluation run: benchmark, data, model, methods, and where the files go."""
 
     benchmark: str | None = setting(None, choices=BENCHMARKS, help="which benchmark (required)")
-    data_root: str | None = setting(None, input="dir", help="the benchmark's folder in its official layout (required)")
+    data_root: str | None = setting(None, free="the benchmark's folder: read in its official layout (a missing file "
+                                                  "named) before any model loads", help="the benchmark's folder in its official layout (required)")
     out: str | None = setting(None, output="dir", help="output folder (required)")
     checkpoint: str | None = checkpoint_setting()
     exclmm: str | None = setting(None, input="file", help="trained ExclMM export (exclmm.safetensors) for the exclmm method")
-    split: str = setting("val", choices=("val", "test"), help="val, or test (CIRR test1, CIRCO test)")
+    split: str = setting("val", choices=("val", "test", "test1"), help="val, or test (CIRR test1, CIRCO test)")
     methods: str | None = setting(None, refuses="no-such-method", help=f"comma-separated subset of {','.join(METHODS)}, or a negation-aware "
                                              "variant BASE+deo / BASE+deo-adam (default: all base methods the "
                                              "checkpoint/backbone allow, except oracle; the MLLM methods "
@@ -59,6 +60,7 @@ class EvalConfig:
         problems = [(key, f"is required: give {flag} or {key}=...") for key, flag in flags.items()
                     if getattr(self, key) is None]
         problems += method_name_problems("methods", self.methods)
+        problems += query_mode_problems(self.checkpoint, self.run)
         if needs_mllm(self):  # before the gallery is encoded, not on the first missing answer
             problems += [(f"engine.{key}", message) for key, message in engine_problems(self.engine)]
         return problems
@@ -89,9 +91,11 @@ def reader_options(cfg: EvalConfig):
 
 def evaluate_command(cfg: EvalConfig) -> int:
     """Load, evaluate, print the table and the files written."""
-    from demind.eval.harness import evaluate
+    from demind.eval.harness import evaluate, read_benchmark
     from demind.eval.reports import format_table
 
+    # the data first: a broken benchmark folder is refused before the model (minutes for ViT-L/14) loads
+    data = read_benchmark(cfg.benchmark, cfg.data_root, cfg.split, cfg.limit, reader_options(cfg))
     backbone, model = load_model(cfg)
     exclmm = None
     if cfg.exclmm:
@@ -102,7 +106,7 @@ def evaluate_command(cfg: EvalConfig) -> int:
         cfg.benchmark, cfg.data_root, backbone=backbone, model=model, methods=cfg.methods, split=cfg.split,
         out_dir=cfg.out, cache_dir=cfg.cache_dir, options=reader_options(cfg), batch_size=cfg.batch_size,
         num_workers=cfg.num_workers, limit=cfg.limit, progress=cfg.run.progress, exclmm=exclmm,
-        mllm=mllm_setup(cfg),
+        mllm=mllm_setup(cfg), data=data,
     )
     print(format_table(results))
     print(f"results: {results['files']['results']}\ntable: {results['files']['table']}")

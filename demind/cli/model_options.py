@@ -80,6 +80,22 @@ class ChoosesModel(Protocol):
     run: RunOptions
 
 
+def query_mode_problems(checkpoint: str | None, run: Any) -> list[tuple[str, str]]:
+    """``run.query_mode`` where it would do nothing, refused with the config (before any model loads): no
+    checkpoint, or CUDA graphs with run.device=cpu. What only the loaded model tells (a combiner) stays in
+    :func:`apply_query_mode`."""
+    mode = getattr(run, "query_mode", "eager")
+    if mode == "eager":
+        return []
+    if checkpoint is None:
+        return [("run.query_mode", f"= {mode!r}: run.query_mode={mode} speeds up a checkpoint's queries and no "
+                                   f"--checkpoint was given: leave run.query_mode=eager")]
+    if mode == "cudagraphs" and run.device == "cpu":
+        return [("run.query_mode", "= 'cudagraphs': run.query_mode=cudagraphs replays CUDA graphs and needs "
+                                   "run.device=cuda; on a CPU use run.query_mode=compile")]
+    return []
+
+
 def apply_query_mode(model: Any, mode: str) -> None:
     """``run.query_mode`` on a loaded De-MINDS model (``DeMinds.set_query_mode``); refused in one
     line where it would do nothing: no checkpoint, or CUDA graphs on a CPU."""

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 from demind.errors import InputError
 from demind.cli.common import Flag, config_parser, run_config_command
-from demind.cli.model_options import MODEL_FLAGS, QueryModelOptions, bind_search_mllm, load_model
+from demind.cli.model_options import MODEL_FLAGS, QueryModelOptions, bind_search_mllm, load_model, query_mode_problems
 from demind.settings import setting
 from demind.retrieval.names import METHODS
 from demind.io import check_output_file, read_jsonl, write_json_atomic
@@ -77,6 +77,7 @@ class SearchConfig(QueryModelOptions):
 
         problems = [("index", "is required: give --index DIR (built by demind-index)")] if self.index is None else []
         problems += method_name_problems("method", self.method)
+        problems += query_mode_problems(self.checkpoint, self.run)
         try:
             template_field(self.template)
         except TemplateError as e:

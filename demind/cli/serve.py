@@ -26,7 +26,8 @@ import urllib.parse
 from dataclasses import dataclass
 
 from demind.cli.common import Flag, config_parser, run_config_command
-from demind.cli.model_options import MODEL_FLAGS, QueryModelOptions, bind_search_mllm, load_model, search_mllm_setup
+from demind.cli.model_options import (MODEL_FLAGS, QueryModelOptions, bind_search_mllm, load_model, query_mode_problems,
+                                      search_mllm_setup)
 from demind.settings import setting
 from demind.errors import InputError
 from demind.search.names import RANKERS, faiss_problem
@@ -43,7 +44,8 @@ MAX_TIMEOUT_S = 86_400.0
 
 @dataclass
 class ServeConfig(QueryModelOptions):
-    quickstart: str | None = setting(None, input="dir", help="serve the quickstart's model over its toy CIRR gallery from this "
+    quickstart: str | None = setting(None, free="a quickstart work folder: one the quickstart has not finished is "
+                                                "refused, naming the command to run, before any model loads", help="serve the quickstart's model over its toy CIRR gallery from this "
                                                 "work folder (--quickstart alone: runs/quickstart)")
     index: str | None = setting(None, free="an index folder (built here from --images, or by demind-index); one that "
                                            "cannot be opened is shown on the page, the server still starts",
@@ -73,6 +75,8 @@ class ServeConfig(QueryModelOptions):
         if self.new_folder and not (self.images or self.quickstart):
             problems.append(("new_folder", "applies to the index built from --images: add --images DIR, or leave it out"))
         missing = faiss_problem(f"= {self.ranker!r}") if self.ranker != "exact" else None
+        if not self.quickstart:  # --quickstart names its checkpoint when the command starts
+            problems += query_mode_problems(self.checkpoint, self.run)
         return problems + ([("ranker", missing)] if missing else [])
 
 

@@ -113,6 +113,7 @@ def evaluate(
     progress: bool = True,
     exclmm: Any = None,
     mllm: Any = None,
+    data: BenchmarkData | None = None,
 ) -> dict[str, Any]:
     """Evaluate ``methods`` on one benchmark split; returns the results dict (values in percent).
 
@@ -126,6 +127,8 @@ def evaluate(
     exclmm: a loaded ExclMM (:func:`demind.exclmm.load_exclmm`), for the ``exclmm`` method.
     mllm: a :class:`demind.mllm.MLLMSetup`, for ``cirevl``, ``osrcir``, ``demind+mllm`` and the
         ``+rerank`` variants (``rerank.k``); its answers are kept under ``<cache_dir or out_dir>/descriptions``.
+    data: the split as :func:`read_benchmark` read it with these arguments (demind-eval reads it before the
+        model loads, so a broken data folder is refused first); None reads it here.
     """
     check_evaluation_arguments(options or ReaderOptions(), batch_size=batch_size, num_workers=num_workers, limit=limit)
     if backbone is None:
@@ -133,7 +136,7 @@ def evaluate(
             raise ConfigError("evaluate() needs a backbone or a model; load them with "
                               "demind.checkpoint.load_backbone_and_model")
         backbone = model.backbone
-    data = read_benchmark(benchmark, data_root, split, limit, options)
+    data = data if data is not None else read_benchmark(benchmark, data_root, split, limit, options)
     mllm_run = mllm.bind(data.benchmark, data.split, descriptions_root(cache_dir, out_dir)) if mllm else None
     methods, rerank_asked = split_rerank_requests(methods)  # "osrcir+rerank": osrcir runs, then is re-ranked
     names = parse_method_names(methods, model is not None, exclmm is not None, checkpoint_kind(model))
