@@ -316,11 +316,11 @@ ROWS: list[Row] = [
     Row("demind-eval", "checkpoint missing",
         lambda i: ["--benchmark", "cirr", "--data-root", str(i.root), "--out", str(i.root / "ev"), "--checkpoint",
                    str(i.root / "none.safetensors")], lambda i: ["none.safetensors"]),
-    Row("demind-eval", "checkpoint truncated",
-        lambda i: ["--benchmark", "cirr", "--data-root", str(i.root), "--out", str(i.root / "ev"), "--checkpoint",
+    Row("demind-eval", "checkpoint truncated",  # a readable benchmark: it is read before the model loads
+        lambda i: ["--benchmark", "cirr", "--data-root", str(i.cirr), "--out", str(i.root / "ev"), "--checkpoint",
                    str(i.truncated_checkpoint)], lambda i: ["truncated.safetensors"]),
-    Row("demind-eval", "checkpoint is a folder",
-        lambda i: ["--benchmark", "cirr", "--data-root", str(i.root), "--out", str(i.root / "ev"), "--checkpoint",
+    Row("demind-eval", "checkpoint is a folder",  # a readable benchmark: it is read before the model loads
+        lambda i: ["--benchmark", "cirr", "--data-root", str(i.cirr), "--out", str(i.root / "ev"), "--checkpoint",
                    str(i.folder("ckpt-dir.safetensors"))], lambda i: ["ckpt-dir.safetensors"]),
     Row("demind-eval", "data root missing",
         lambda i: ["--benchmark", "cirr", "--data-root", str(i.root / "no-cirr"), "--out", str(i.root / "ev"),
