@@ -93,14 +93,21 @@ def score(model, backbone, test: TestSet) -> dict:
     """R@K, Rsubset@1, Avg and per-query hits of ``model`` on ``test`` (demind-eval's scoring)."""
     import torch
 
-    from demind.eval.harness import score_group
     from demind.retrieval import CombinerQuery
 
     class KnownTexts(CombinerQuery):  # the test's texts encoded once for all runs
         def _text_embeddings(self, texts):
             return torch.stack([test.text_rows[t] for t in texts])
 
-    outcome = score_group(KnownTexts(backbone, model), test.group, test.gallery, test.features, True, 512, False)
+    return score_method(KnownTexts(backbone, model), test)
+
+
+def score_method(method, test: TestSet) -> dict:
+    """R@K, Rsubset@1, Avg and per-query hits of any retrieval method on ``test`` (demind-eval's scoring):
+    the record :func:`paired_tests` and the generated-triplets benchmark read."""
+    from demind.eval.harness import score_group
+
+    outcome = score_group(method, test.group, test.gallery, test.features, True, 512, False)
     m = {k: 100 * v for k, v in outcome.metrics.items()}
     m["Avg"] = (m["R@5"] + m["Rsubset@1"]) / 2
     hit5 = "".join("1" if test.targets[q] in r[:5] else "0" for q, r in outcome.rankings.items())

@@ -27,7 +27,7 @@ import tarfile
 import time
 from pathlib import Path
 
-from benchmarks.conesep_triplets import paired_tests, per_query_avg
+from benchmarks.conesep_triplets import paired_tests, per_query_avg, score_method
 from toyworld.results import mean_std
 
 log = logging.getLogger("benchmarks.generated_triplets")
@@ -200,19 +200,6 @@ def windows_from(quantiles: dict) -> list[str]:
     """The design's rule: each signal's window is (25 %, 95 %) of the smallest corpus's neighbour similarities."""
     low, high = WINDOW_QUANTILES
     return [f"{s}.{edge}={q[key]}" for s, q in quantiles.items() for edge, key in (("low", low), ("high", high))]
-
-
-def score_method(method, test) -> dict:
-    """R@K, Rsubset@1, Avg and per-query hits (``benchmarks.conesep_triplets.score``'s record) of any method."""
-    from demind.eval.harness import score_group
-
-    outcome = score_group(method, test.group, test.gallery, test.features, True, 512, False)
-    m = {k: 100 * v for k, v in outcome.metrics.items()}
-    m["Avg"] = (m["R@5"] + m["Rsubset@1"]) / 2
-    hit5 = "".join("1" if test.targets[q] in r[:5] else "0" for q, r in outcome.rankings.items())
-    sub1 = "".join("1" if outcome.subset_rankings[q][0] == test.targets[q] else "0" for q in outcome.rankings)
-    return {"metrics": {k: round(v, 3) for k, v in m.items()}, "qids": list(outcome.rankings),
-            "units": [test.units[q] for q in outcome.rankings], "hit5": hit5, "subset1": sub1}
 
 
 def run_dir(workdir: Path, arm: str, size, seed) -> Path:
