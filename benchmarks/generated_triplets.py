@@ -280,8 +280,7 @@ def run_all(args) -> dict:
     write_toy_shards(corpus, ToyShardConfig(num_samples=max(args.sizes), samples_per_shard=args.shard_size),
                      show_progress=False, workers=1)
     if args.part == "demind":  # a second process on a shared machine: the expensive arm alone
-        for size, seed in [(s, 0) for s in sorted(args.sizes) if s != max(args.sizes)] + \
-                [(max(args.sizes), s) for s in args.seeds]:
+        for size, seed in [(size, seed) for size in sorted(args.sizes, reverse=True) for seed in args.seeds]:
             train_demind(workdir, size, seed, corpus_spec(corpus, size, args.shard_size), backbone, test)
             log.info("De-MINDS %d seed %d done", size, seed)
         return {}
@@ -311,7 +310,7 @@ def run_all(args) -> dict:
                                source="generated", path=str(triplets), hard_negatives=0)
         log.info("generated arm at %d done (%.0fs so far)", size, time.perf_counter() - started)
     for size in ([] if args.skip_demind else sorted(args.sizes, reverse=True)):  # the expensive arm last (the cut)
-        for seed in (args.seeds if size == max(args.sizes) else args.seeds[:1]):
+        for seed in args.seeds:
             train_demind(workdir, size, seed, corpus_spec(corpus, size, args.shard_size), backbone, test)
             log.info("De-MINDS %d seed %d done (%.0fs so far)", size, seed, time.perf_counter() - started)
     write_json_atomic(workdir / "record.json", record, indent=1)
