@@ -236,6 +236,94 @@ def nbl_fixed_band(query: torch.Tensor, negative: torch.Tensor, scale: float,
     return (F.relu(c - scale * hi) + F.relu(scale * lo - c)).mean()
 
 
+# BTU as the code's ``ConeSep.forward`` computes it after the warm-up (``robust.btu=code``); the paper's
+# form above (``btu_loss``) stays the default. The code's Sinkhorn constants:
+CODE_SINKHORN_REG, CODE_SINKHORN_ITERS, CODE_SINKHORN_STOP = 0.03, 100, 1e-4
+CODE_MASKED_LOGIT = -1e6  # the code's masked log-kernel entry (not -inf: exp gives 0, lse stays finite)
+
+
+def code_sinkhorn(cost: torch.Tensor, allowed: torch.Tensor, reg: float = CODE_SINKHORN_REG,
+                  num_iters: int = CODE_SINKHORN_ITERS, stop: float = CODE_SINKHORN_STOP) -> torch.Tensor:
+    """(N, M) entropic OT plan between uniform marginals 1/N (rows) and 1/M (columns), as the code's
+    ``sinkhorn_log_domain_torch``: potentials u (N,), v (M,) from 0; each iteration
+    u += reg * (log 1/N - lse_j K_ij), then v += reg * (log 1/M - lse_i K_ij), with the log kernel
+    K = (u_i + v_j - C_ij) / reg set to -1e6 where ``allowed`` is False, lse(a) = log(sum exp(a - max) +
+    1e-10) + max; it stops after ``num_iters`` or once sum |u - u_prev| < ``stop``. Plan = exp(K).
+    cost: (N, M); allowed: (N, M) bool. In cost's dtype."""
+    n, m = cost.shape
+    log_p, log_q = cost.new_full((n,), 1.0 / n).log(), cost.new_full((m,), 1.0 / m).log()
+
+    def kernel(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return ((u[:, None] + v[None, :] - cost) / reg).masked_fill(~allowed, CODE_MASKED_LOGIT)
+
+    def lse(a: torch.Tensor) -> torch.Tensor:  # (R, C) -> (R,); the code's +1e-10 kept for an equal plan
+        top = a.max(dim=1, keepdim=True).values
+        return (torch.log(torch.exp(a - top).sum(1, keepdim=True) + 1e-10) + top).squeeze(1)
+
+    u, v = cost.new_zeros(n), cost.new_zeros(m)
+    for _ in range(num_iters):
+        previous = u
+        u = reg * (log_p - lse(kernel(u, v))) + u
+        v = reg * (log_q - lse(kernel(u, v).T)) + v
+        if float((u - previous).abs().sum()) < stop:
+            break
+    return torch.exp(kernel(u, v))
+
+
+def code_btu_paths(noisy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The code's mask and one-hot labels over the (B, 2B) columns [B targets | B negatives].
+
+    allowed (B, 2B) bool: the last column (negative B - 1) is closed to every clean row; a noisy row i
+    may not go to its own target (i, i) but may go to the last column. labels (B, 2B): 1 at (i, i) for
+    clean i, at (i, 2B - 1) for noisy i (every noisy row is sent to the one last column, as the
+    code's ``M_v[:, -1]`` / ``L_v[NC, -1]`` do). noisy: (B,) bool."""
+    b = noisy.shape[0]
+    rows = torch.nonzero(noisy).flatten()
+    allowed = torch.ones(b, 2 * b, dtype=torch.bool, device=noisy.device)
+    allowed[:, -1] = False
+    allowed[rows, rows] = False
+    allowed[rows, -1] = True
+    labels = torch.zeros(b, 2 * b, device=noisy.device)
+    labels[torch.arange(b), torch.arange(b)] = 1.0
+    labels[rows, rows] = 0.0
+    labels[rows, -1] = 1.0
+    return allowed, labels
+
+
+def code_soft_labels(sims: torch.Tensor, allowed: torch.Tensor, labels: torch.Tensor, gamma: float
+                     ) -> torch.Tensor:
+    """(N, M) the code's soft labels for one direction: cost (1 - sims) / its max, plan P of
+    :func:`code_sinkhorn`, Y = softmax_j(gamma * P / rowsum(P) + (1 - gamma) * labels). A row with no
+    open column (the last negative's row in the t2v direction when nothing is flagged; the code always
+    flags int(omega * B) >= 1) gets no plan share instead of the code's 0 / 0."""
+    cost = 1 - sims
+    plan = code_sinkhorn(cost / cost.max(), allowed)
+    share = plan / plan.sum(1, keepdim=True).clamp_min(torch.finfo(plan.dtype).tiny)
+    return F.softmax(gamma * share + (1 - gamma) * labels.to(plan.dtype), dim=1)
+
+
+def code_btu_loss(query: torch.Tensor, targets: torch.Tensor, negatives: torch.Tensor, noisy: torch.Tensor,
+                  scale: float, gamma: float) -> torch.Tensor:
+    """BTU's L_ul as the code computes it (the paper's form: :func:`btu_loss`).
+
+    S = [softmax_j(scale * cos(q_i, t_j)) | cos(t_i, n_j)], (B, 2B): the first block row-softmax
+    probabilities of query i, the second the cosines of *target* i with negative j (the code's
+    ``DNC_feats @ target_feats`` broadcasts as a batch over targets, so its rows are targets). Labels
+    (no gradient): Y_v2t from S, Y_t2v from S^T (:func:`code_soft_labels`, masks of
+    :func:`code_btu_paths`). L_ul = (KL(Y_v2t || softmax(S)) / B + KL(Y_t2v || softmax(S^T)) / (2B)) / 2
+    (``KLDivLoss(batchmean)`` of log_softmax of S itself: no temperature on the logits). Gradients reach
+    the query through the probabilities and the negatives through their cosines (not detached, as in
+    the code). query, targets, negatives: (B, D) L2-normalised; noisy: (B,) bool. Returns a scalar."""
+    sims = torch.cat([F.softmax(scale * query @ targets.T, dim=1), targets @ negatives.T], dim=1)
+    with torch.no_grad():
+        allowed, labels = code_btu_paths(noisy)
+        y_v2t = code_soft_labels(sims, allowed, labels, gamma)
+        y_t2v = code_soft_labels(sims.T, allowed.T, labels.T, gamma)
+    v2t = F.kl_div(F.log_softmax(sims, dim=1), y_v2t, reduction="batchmean")
+    t2v = F.kl_div(F.log_softmax(sims.T, dim=1), y_t2v, reduction="batchmean")
+    return (v2t + t2v) / 2
+
+
 # --------------------------------------------------------------------------- small-loss
 
 

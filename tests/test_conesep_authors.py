@@ -109,6 +109,96 @@ def test_pixel_noise_features_go_through_the_frozen_image_encoder():
     assert torch.allclose(a, pixels.mean(dim=(2, 3)))  # N(0, 1) pixels, the same draw in batches
 
 
+def numpy_code_sinkhorn(cost, allowed, reg=0.03, iters=100, stop=1e-4):
+    """The code's log-domain iterations, written out in NumPy (float64)."""
+    import numpy as np
+
+    n, m = cost.shape
+    u, v = np.zeros(n), np.zeros(m)
+
+    def kernel(u, v):
+        k = (u[:, None] + v[None, :] - cost) / reg
+        k[~allowed] = -1e6
+        return k
+
+    def lse(a):
+        top = a.max(1, keepdims=True)
+        return (np.log(np.exp(a - top).sum(1, keepdims=True) + 1e-10) + top)[:, 0]
+
+    for _ in range(iters):
+        previous = u
+        u = reg * (np.log(1 / n) - lse(kernel(u, v))) + u
+        v = reg * (np.log(1 / m) - lse(kernel(u, v).T)) + v
+        if np.abs(u - previous).sum() < stop:
+            break
+    return np.exp(kernel(u, v))
+
+
+def test_code_sinkhorn_follows_the_codes_iterations():
+    import numpy as np
+
+    from demind.robust import code_sinkhorn
+
+    # by hand, constant cost c, nothing masked: the first u-step gives u = c + reg * log(1/8), so K = log(1/8)
+    # in every cell, the v-step lse over 2 rows is log(1/4) = log q: v stays 0; the second u-step moves
+    # nothing (err 0 < 1e-4, stop): the plan is 1/8 everywhere (up to the code's 1e-10 in the lse)
+    flat = code_sinkhorn(torch.full((2, 4), 0.5, dtype=torch.float64), torch.ones(2, 4, dtype=torch.bool))
+    assert torch.allclose(flat, torch.full((2, 4), 1 / 8, dtype=torch.float64), atol=1e-9)
+    cost = np.array([[0.2, 0.9, 0.5, 0.1], [0.7, 0.3, 0.6, 1.0]])
+    allowed = np.array([[1, 1, 1, 0], [1, 0, 1, 1]], dtype=bool)
+    plan = code_sinkhorn(torch.from_numpy(cost), torch.from_numpy(allowed))
+    assert np.allclose(plan.numpy(), numpy_code_sinkhorn(cost, allowed), atol=1e-12)
+    assert plan[0, 3] == 0 and plan[1, 1] == 0  # exp(-1e6): no mass on a closed path
+    assert np.allclose(plan.sum(0).numpy(), 1 / 4, atol=1e-6)  # columns exact after the last v-step
+    # 100 iterations at most: reg 0.03 on this cost stops early or at 100, as the code; a 1-step run differs
+    one = code_sinkhorn(torch.from_numpy(cost), torch.from_numpy(allowed), num_iters=1)
+    assert np.allclose(one.numpy(), numpy_code_sinkhorn(cost, allowed, iters=1), atol=1e-12)
+    assert not np.allclose(one.numpy(), plan.numpy(), atol=1e-4)
+
+
+def test_code_btu_loss_by_hand():
+    import numpy as np
+
+    from demind.robust import code_btu_loss, code_btu_paths
+
+    def unit(deg):
+        return [math.cos(math.radians(deg)), math.sin(math.radians(deg))]
+
+    q = torch.tensor([unit(10), unit(100), unit(200)], dtype=torch.float64, requires_grad=True)
+    t = torch.tensor([unit(20), unit(80), unit(250)], dtype=torch.float64)
+    n = torch.tensor([unit(190), unit(300), unit(45)], dtype=torch.float64, requires_grad=True)
+    noisy = torch.tensor([False, True, False])
+    # B = 3, columns [t0 t1 t2 | n0 n1 n2]: the last column (n2) closed to clean rows, noisy row 1 not to t1
+    allowed = np.array([[1, 1, 1, 1, 1, 0], [1, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0]], dtype=bool)
+    onehot = np.array([[1, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 1], [0, 0, 1, 0, 0, 0]], dtype=float)
+    got_allowed, got_onehot = code_btu_paths(noisy)
+    assert np.array_equal(got_allowed.numpy(), allowed) and np.array_equal(got_onehot.numpy(), onehot)
+
+    qn, tn, nn = (x.detach().numpy() for x in (q, t, n))
+    logits = SCALE * qn @ tn.T
+    probs = np.exp(logits - logits.max(1, keepdims=True))
+    probs /= probs.sum(1, keepdims=True)
+    anchor = np.array([[tn[i] @ nn[j] for j in range(3)] for i in range(3)])  # rows: targets
+    sims = np.concatenate([probs, anchor], axis=1)  # (3, 6)
+
+    def soft(s, mask, hard):
+        cost = (1 - s) / (1 - s).max()
+        plan = numpy_code_sinkhorn(cost, mask)
+        y = 0.7 * plan / plan.sum(1, keepdims=True) + 0.3 * hard
+        y = np.exp(y) / np.exp(y).sum(1, keepdims=True)  # the code's softmax over the soft labels
+        return y
+
+    def kl(y, s):  # KLDivLoss(batchmean) against log_softmax(s)
+        log_p = s - np.log(np.exp(s).sum(1, keepdims=True))
+        return (y * (np.log(y) - log_p)).sum() / s.shape[0]
+
+    expected = (kl(soft(sims, allowed, onehot), sims) + kl(soft(sims.T, allowed.T, onehot.T), sims.T)) / 2
+    loss = code_btu_loss(q, t, n, noisy, SCALE, 0.7)
+    assert loss.item() == pytest.approx(expected, rel=1e-9)
+    loss.backward()
+    assert q.grad.abs().sum() > 0 and n.grad.abs().sum() > 0  # the negatives are not detached, as in the code
+
+
 # --------------------------------------------------------------------------- TME noise
 
 
@@ -240,10 +330,36 @@ def test_our_earlier_forms_stay_selectable():
     assert terms["kept"] == clean.float().mean()
 
 
+def test_btu_paper_stays_the_default_and_code_is_selectable():
+    from demind.robust import btu_loss, code_btu_loss, nbl_fixed_band, rcl_loss
+    from demind.triplets.modes import batch_fidelity, noisy_flags
+
+    paper, model, (ref, text, target, negated), cfg = run_loss("conesep", True)
+    assert cfg.btu == "paper"  # the default, fixed before any run
+    _, _, _, _, _, pool = tiny_batch()
+    query, target_n, negative = model(ref, text), F.normalize(target, dim=-1), model.negative(ref, negated)
+    fidelity = batch_fidelity(model, ref, text, target, 1, torch.Generator().manual_seed(0), cfg, pool)
+    noisy = noisy_flags(fidelity, cfg)
+    ul, _ = btu_loss(query, target_n, negative, noisy, SCALE, 0.7, cfg.sinkhorn_reg, cfg.sinkhorn_iters)
+    assert torch.equal(paper["ul"], ul)  # bit for bit the paper's form, as before the option
+    explicit, *_ = run_loss("conesep", True, btu="paper")
+    assert torch.equal(explicit["loss"], paper["loss"])
+    code, *_ = run_loss("conesep", True, btu="code")
+    assert torch.allclose(code["ul"], code_btu_loss(query, target_n, negative, noisy, SCALE, 0.7), atol=1e-6)
+    assert not torch.allclose(code["ul"], paper["ul"])
+    robust, band = rcl_loss(query, target_n, SCALE).mean(), nbl_fixed_band(query, negative, SCALE)
+    assert torch.allclose(code["loss"], robust + 0.8 * band + 0.5 * code["ul"], atol=1e-5)
+    for mode in ("conesep-nonbl", "conesep-nogfq"):
+        terms, *_ = run_loss(mode, True, btu="code")
+        assert torch.isfinite(terms["ul"]) and terms["ul"] > 0
+    warm, *_ = run_loss("conesep", False, btu="code")
+    assert warm["ul"] == 0  # BTU after the warm-up only, in either form
+
+
 # --------------------------------------------------------------------------- end to end
 
 
-@pytest.mark.parametrize("mode", ["conesep", "conesep-nogfq", "rcl"])
+@pytest.mark.parametrize("mode", ["conesep", "conesep-nogfq", "rcl", "conesep-btucode"])
 def test_authors_forms_train_on_tme_noise(tmp_path, mode, one_thread_and_fresh_accelerator):
     import json
 
@@ -252,13 +368,17 @@ def test_authors_forms_train_on_tme_noise(tmp_path, mode, one_thread_and_fresh_a
     from demind.triplets.train import train_triplets
 
     write_tiny_triplets(tmp_path / "data")
-    cfg = tiny_config(tmp_path / "data", tmp_path / mode, mode, epochs=3,
-                      **{"noise.rate": 0.5, "noise.kind": "tme"})
+    extra = {"noise.rate": 0.5, "noise.kind": "tme"}
+    if mode == "conesep-btucode":
+        extra["robust.btu"] = "code"
+    cfg = tiny_config(tmp_path / "data", tmp_path / mode, mode.replace("-btucode", ""), epochs=3, **extra)
     train_triplets(cfg)
     lines = [json.loads(x) for x in (tmp_path / mode / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 3
+    assert all(math.isfinite(x["loss"]) for x in lines)
     if mode != "rcl":
         assert [x["flagged"] for x in lines] == [0, 0, 0.5]  # two warm-up epochs, then half of each batch
+        assert lines[2]["ul"] > 0
     detection = json.loads((tmp_path / mode / "detection.json").read_text())
     assert detection["noisy"] > 0 and detection["auroc"] is not None
 

@@ -79,12 +79,15 @@ class TripletRobustConfig:
                        "probabilities (nu, warm-up only) + fixed slack band (zeta); siglip: our push + batch band")
     band: str = setting("code", choices=("code", "own"), help="nbl=authors' slack band on every pair's "
                         "coordinate products (the code's broadcast) or on each query's own cos(F_c, F_neg)")
+    btu: str = setting("paper", choices=("paper", "code"), help="paper (default, fixed before any run: the "
+                       "code's form reads as slips): KL to softmax(scale * cos), no noisy row to its own target, "
+                       "no clean one to its own negative; code: the authors' code's (docs/training.md)")
     gamma: float = setting(0.7, ge=0, le=1, help="BTU soft-label fusion")
     zeta: float = setting(0.8, ge=0, help="NBL weight (authors: the slack band's; the code: 0.8)")
     nu: float = setting(0.5, ge=0, help="authors: the target-oriented term's weight; siglip: the band's in L_intra")
     kappa: float = setting(0.5, ge=0, help="BTU weight")
-    sinkhorn_reg: float = setting(0.05, gt=0)
-    sinkhorn_iters: int = setting(200, ge=1)
+    sinkhorn_reg: float = setting(0.05, gt=0, help="btu=paper's entropic reg (btu=code: the code's 0.03)")
+    sinkhorn_iters: int = setting(200, ge=1, help="btu=paper's Sinkhorn iterations (btu=code: the code's 100)")
     gmm_threshold: float = setting(0.5, gt=0, lt=1, help="small-loss: clean when P(low-loss component) >= this")
 
 

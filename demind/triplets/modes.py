@@ -33,6 +33,10 @@ noise detector.
     target-oriented loss on softmax probabilities (:func:`demind.robust.nbl_target_oriented`, weight
     nu = 0.5, warm-up epochs only); ``siglip``: our L_intra = SigLIP push + nu * batch band
     (:func:`demind.robust.nbl_loss`), weight zeta, every epoch.
+  - BTU (``btu``): ``paper``, the default, as the paper describes it (:func:`demind.robust.btu_loss`;
+    the anchors detached); ``code``, as the code computes it (:func:`demind.robust.code_btu_loss`: rows
+    [softmax(scale * cos(q_i, t)) | cos(t_i, F_neg)], the noisy rows sent to the last column, the
+    code's Sinkhorn, softmaxed soft labels; F_neg not detached).
 * ``conesep-nobtu``: without L_ul. ``conesep-nonbl``: without NBL's losses (F_neg stays the untrained
   negative composition, BTU's anchors). ``conesep-nogfq``: BTU's noisy flags from the similarity alone
   (the int(omega * B) lowest s_i; no boundary, no fidelity function).
@@ -49,8 +53,8 @@ import torch.nn.functional as F
 from demind.fidelity import composed_boundary, fidelity_from_similarity, pixel_boundary
 from demind.losses import Gather, per_sample_info_nce, weighted_mean
 from demind.robust import (
-    btu_loss, cone_fidelity, gmm_clean_probability, nbl_fixed_band, nbl_loss, nbl_target_oriented, rcl_loss,
-    share_noisy)
+    btu_loss, code_btu_loss, cone_fidelity, gmm_clean_probability, nbl_fixed_band, nbl_loss, nbl_target_oriented,
+    rcl_loss, share_noisy)
 from demind.triplets.config import TripletRobustConfig
 
 CONESEP_MODES = ("conesep", "conesep-nobtu", "conesep-nonbl", "conesep-nogfq")
@@ -269,8 +273,11 @@ def batch_loss(model, ref: torch.Tensor, text: torch.Tensor, target: torch.Tenso
             terms["inter"] = nbl_target_oriented(negative, target_n, scale)
             loss = loss + cfg.nu * terms["inter"]
     if after_warmup and cfg.mode in BTU_MODES:
-        terms["ul"], _ = btu_loss(query, target_n, negative, noisy, scale, cfg.gamma, cfg.sinkhorn_reg,
-                                  cfg.sinkhorn_iters)
+        if cfg.btu == "code":
+            terms["ul"] = code_btu_loss(query, target_n, negative, noisy, scale, cfg.gamma)
+        else:
+            terms["ul"], _ = btu_loss(query, target_n, negative, noisy, scale, cfg.gamma, cfg.sinkhorn_reg,
+                                      cfg.sinkhorn_iters)
         loss = loss + cfg.kappa * terms["ul"]
     terms["loss"] = loss
     return terms
