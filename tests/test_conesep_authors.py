@@ -197,6 +197,9 @@ def test_code_btu_loss_by_hand():
     assert loss.item() == pytest.approx(expected, rel=1e-9)
     loss.backward()
     assert q.grad.abs().sum() > 0 and n.grad.abs().sum() > 0  # the negatives are not detached, as in the code
+    # nothing flagged (possible with omega_form=threshold): the last negative's t2v row has no open path;
+    # it gets no plan share (the code, which always flags int(omega * B) >= 1, would give 0 / 0 there)
+    assert torch.isfinite(code_btu_loss(q, t, n, torch.zeros(3, dtype=torch.bool), SCALE, 0.7))
 
 
 # --------------------------------------------------------------------------- TME noise
