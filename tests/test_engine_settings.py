@@ -59,6 +59,12 @@ def test_vllm_gets_every_engine_setting_with_one_meaning_on_gpu_and_cpu():
                    "limit_mm_per_prompt": {"image": 2}, "seed": 3}
     cpu = vllm_llm_kwargs(cfg, seed=3, max_model_len=2048, on_cpu=True, kv_cache_bytes=GIB // 4)
     assert cpu["dtype"] == "float32" and cpu["kv_cache_memory_bytes"] == GIB // 4  # auto: as on transformers
+    # the CPU build prefills each prompt in one step (a split prefill of a seeded request kills its engine), a step
+    # holding a whole prompt: at least max_model_len tokens, vLLM's 4,096 where that is more
+    assert (cpu["enable_chunked_prefill"], cpu["max_num_batched_tokens"]) == (False, 4096)
+    assert vllm_llm_kwargs(cfg, seed=3, max_model_len=32768, on_cpu=True,
+                           kv_cache_bytes=1)["max_num_batched_tokens"] == 32768
+    assert "enable_chunked_prefill" not in gpu and "max_num_batched_tokens" not in gpu
     cfg.dtype = "float16"
     assert vllm_llm_kwargs(cfg, seed=0, max_model_len=8, on_cpu=True, kv_cache_bytes=1)["dtype"] == "float16"
     # every key of the engine section is either passed to vLLM or one of the transformers engine's

@@ -235,6 +235,24 @@ def test_both_engines_feed_the_model_the_same_token_ids_and_agree_greedily(share
     # where the input does matter is test_rerank_scores_on_vllm_equal_the_transformers_engine's check)
 
 
+def test_seeded_requests_whose_prompts_outgrow_one_scheduler_step_all_finish(shared_engines, tiny):
+    """One call of text-only prompts (as the triplet job's writer sends) that together exceed a scheduler step
+    (4,096 tokens), each request with its own seed (sampling, not greedy): every request is answered, and the
+    same requests again give the same texts. vLLM's CPU build died here ("CPU Generator does not use offset")
+    when it split a seeded prompt's prefill across steps, i.e. on any job with more than a few requests a call."""
+    import numpy as np
+
+    on_vllm = vllm_engine(shared_engines, tiny)
+    words = sorted(w for w in on_vllm.processor.tokenizer.get_vocab() if w.isalpha())
+    rng = np.random.default_rng(1)
+    requests = [GenRequest("USER: " + " ".join(rng.choice(words, 120)) + " ASSISTANT:", None, seed=i,
+                           max_new_tokens=6) for i in range(60)]
+    results = on_vllm.generate(requests)
+    assert sum(r.prefilled_tokens for r in results) > 4096  # more than one step's tokens (prefix-cache hits aside)
+    assert len(results) == 60 and all(r.output_tokens > 0 for r in results)
+    assert [r.text for r in on_vllm.generate(requests)] == [r.text for r in results]
+
+
 # ----------------------------------------------------------------------------- describers and re-ranking
 
 

@@ -228,8 +228,8 @@ def estimate_engine_memory(engine_cfg: Any, model_config: Any, *, on_cpu: bool, 
         kv = (cpu_kv_cache_bytes(engine_cfg.kv_cache_gib, max_model_len, per_token, available, weights)  # as the engine
               if vllm_cpu else int(engine_cfg.kv_cache_gib * GIB))
         kv_setting = "engine.kv_cache_gib"
-        # one scheduler step runs up to max_num_batched_tokens (vLLM's default for LLM on CPU: 4096), at
-        # least a whole prompt of max_model_len
+        # one scheduler step runs up to max_num_batched_tokens (what the vllm engine passes the CPU build:
+        # 4096, or a whole prompt of max_model_len where that is more)
         activations = max(max_model_len, VLLM_CPU_BATCHED_TOKENS) * per_token_act
         act_setting = "engine.max_model_len"
     else:

