@@ -188,7 +188,10 @@ def test_serve_removes_uploaded_references_when_stopped(tiny_checkpoint, index_d
     proc = subprocess.Popen([sys.executable, str(script), "--index", str(index_dir), "--checkpoint",
                              str(tiny_checkpoint), "--port", "0", "run.progress=false", "run.device=cpu",
                              "engine.name=transformers", "engine.model=scripted"], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # started as a script's background job is: SIGINT inherited ignored (Python then
+                            # installs no Ctrl-C handler of its own); the server must still stop on it
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         address = None
         deadline = time.time() + 180

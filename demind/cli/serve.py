@@ -162,8 +162,11 @@ def run(args: ServeConfig) -> int:
     address = f"http://{shown_host}:{server.port}/{token}"
     # SIGTERM (a service manager, `kill`, a container stop) ends the server as Ctrl-C does: the
     # uploads' temporary folder and every other clean-up run on the way out. Both are caught from
-    # before the address is printed: a stop sent as soon as it appears still shuts down cleanly
+    # before the address is printed: a stop sent as soon as it appears still shuts down cleanly.
+    # SIGINT explicitly too: a process started from a script's background job inherits SIGINT
+    # ignored, and Python then installs no KeyboardInterrupt handler, so `kill -INT` did nothing
     signal.signal(signal.SIGTERM, stop_as_interrupt)
+    signal.signal(signal.SIGINT, stop_as_interrupt)
     try:
         print(f"demind search: {address}  (waitress, {args.threads} threads; checkpoint {args.checkpoint}, "
               f"index {args.index}); Ctrl-C stops it", flush=True)
