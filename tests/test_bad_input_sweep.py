@@ -1045,6 +1045,18 @@ def test_every_console_script_has_rows():
     assert sorted(SCRIPTS) == sorted({row.script for row in ROWS})
 
 
+def record_line(row: Row, status: int, err: str, inputs: Inputs) -> None:
+    """Append ``id<TAB>status<TAB>first error: line`` to the file ``DEMIND_SWEEP_LINES`` names (if set),
+    with the inputs' folder written ``<inputs>``: two runs' files compare the command's answers line by line."""
+    target = os.environ.get("DEMIND_SWEEP_LINES")
+    if not target:
+        return
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    first = (errors[0] if errors else "-").replace(str(inputs.root), "<inputs>")
+    with open(target, "a", encoding="utf-8") as file:
+        file.write(f"{row.id}\t{status}\t{first}\n")
+
+
 @pytest.mark.parametrize("row", ROWS, ids=lambda r: r.id)
 def test_bad_input(row: Row, inputs: Inputs, capsys, caplog, monkeypatch):
     if row.script == "demind-serve":  # a row that got past its inputs must not block on a server
@@ -1061,6 +1073,7 @@ def test_bad_input(row: Row, inputs: Inputs, capsys, caplog, monkeypatch):
     with caplog.at_level(logging.INFO), file_size_limit(row.file_size_limit):
         status = command_main(row.script)(argv)
     captured = capsys.readouterr()
+    record_line(row, status, captured.err, inputs)
     names = row.names(inputs)
     assert "Traceback" not in captured.err
     if row.expect == "error":
