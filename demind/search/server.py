@@ -33,7 +33,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import lru_cache, partial
 from importlib import resources
 
 from demind.errors import DemindError, MissingDependencyError
@@ -163,22 +163,39 @@ def create_app(searcher: Searcher | None, problem: str | None = None,
     app.config["MAX_CONTENT_LENGTH"] = settings.max_upload_mb * 1024 * 1024
     app.config["MAX_FORM_MEMORY_SIZE"] = settings.max_form_kb * 1024
     install_guards(app, settings)
-    lock = threading.Lock()  # one query at a time through the model (torch modules are not re-entrant-safe)
-    rows = {name: i for i, name in enumerate(searcher.index.names)} if searcher else {}
-    shown_problem = guard.redact_paths(problem) if problem else None
+    register_routes(app, SearchRoutes(searcher, problem, settings))
+    register_error_handlers(app, settings)
+    return app
 
-    @lru_cache(maxsize=4096)
-    def cached_thumbnail(name: str) -> bytes:
-        return thumbnail_png(searcher.index.image_ref(name))
 
-    @app.get("/")
-    def index_page():
+def indexed_thumbnail(searcher: Searcher, name: str) -> bytes:
+    """The PNG thumbnail of the indexed image ``name`` (see :func:`thumbnail_png`)."""
+    return thumbnail_png(searcher.index.image_ref(name))
+
+
+class SearchRoutes:
+    """The page's routes over one searcher, or over the ``problem`` shown instead of results.
+
+    Holds no reference back to itself (the thumbnail cache wraps a module function, not a
+    method), so the model is freed as soon as the app is let go (see :class:`RunningServer`).
+    """
+
+    def __init__(self, searcher: Searcher | None, problem: str | None, settings: ServerSettings) -> None:
+        self.searcher = searcher
+        self.problem = problem
+        self.settings = settings
+        self.lock = threading.Lock()  # one query at a time through the model (torch modules are not re-entrant-safe)
+        self.rows = {name: i for i, name in enumerate(searcher.index.names)} if searcher else {}
+        self.shown_problem = guard.redact_paths(problem) if problem else None
+        self.thumbnail = lru_cache(maxsize=4096)(partial(indexed_thumbnail, searcher))
+
+    def index_page(self):
         return Response(page_html(), mimetype="text/html")
 
-    @app.get("/api/info")
-    def info():
+    def info(self):
+        searcher = self.searcher
         if searcher is None:
-            return jsonify({"problem": shown_problem, "methods": [], "gallery_size": 0})
+            return jsonify({"problem": self.shown_problem, "methods": [], "gallery_size": 0})
         return jsonify({
             "problem": None,
             "methods": [{"name": m, "label": method_label(m)} for m in searcher.available_methods()],
@@ -191,9 +208,9 @@ def create_app(searcher: Searcher | None, problem: str | None = None,
             "mllm": searcher.mllm.summary() if searcher.mllm is not None else None,
         })
 
-    @app.get("/api/gallery")
-    def gallery():
+    def gallery(self):
         """Gallery names containing ``q`` (to pick a reference), ``limit`` at most (and at most 500)."""
+        searcher = self.searcher
         limit = whole_number("limit", request.args.get("limit"), 48, 0, MAX_GALLERY_NAMES)
         if searcher is None:
             return jsonify({"names": [], "total": 0})
@@ -201,30 +218,29 @@ def create_app(searcher: Searcher | None, problem: str | None = None,
         names = [n for n in searcher.index.names if needle in n.lower()] if needle else searcher.index.names
         return jsonify({"names": names[:limit], "total": len(names)})
 
-    @app.get("/thumb")
-    def thumb():
+    def thumb(self):
         name = request.args.get("name", "")
-        if searcher is None or name not in rows:  # only indexed files are served
+        if self.searcher is None or name not in self.rows:  # only indexed files are served
             return failure(f"{name[:200]!r} is not in the index", 404)
         try:
-            return Response(cached_thumbnail(name), mimetype="image/png")
+            return Response(self.thumbnail(name), mimetype="image/png")
         except OSError:
             log.warning("thumbnail of %s failed", name, exc_info=True)
             return failure(f"cannot read {name}", 404)
 
-    @app.post("/api/search")
-    def search():
+    def search(self):
+        searcher, settings = self.searcher, self.settings
         if searcher is None:
-            raise SearchError(problem)
-        query = read_search_form(searcher, rows)
+            raise SearchError(self.problem)
+        query = read_search_form(searcher, self.rows)
         start = time.perf_counter()
-        if not lock.acquire(timeout=settings.query_timeout_s):
+        if not self.lock.acquire(timeout=settings.query_timeout_s):
             return failure(f"the server is busy (no query finished within {settings.query_timeout_s:g} s); "
                            f"try again shortly", 503)
         try:
             outcome = searcher.search_with_details(query)
         finally:
-            lock.release()
+            self.lock.release()
         elapsed = time.perf_counter() - start
         log.info("query %s (%s): %d results in %.1f ms", guard.shorten(outcome.text), outcome.method,
                  len(outcome.hits), elapsed * 1000)
@@ -236,33 +252,44 @@ def create_app(searcher: Searcher | None, problem: str | None = None,
             "elapsed_ms": round(elapsed * 1000, 1),
         })
 
-    @app.errorhandler(SearchError)
-    @app.errorhandler(GalleryIndexError)
+
+def register_routes(app: Flask, routes: SearchRoutes) -> None:
+    """The page and its four API routes; endpoint names are the route methods' names."""
+    for rule, view, method in (("/", routes.index_page, "GET"), ("/api/info", routes.info, "GET"),
+                               ("/api/gallery", routes.gallery, "GET"), ("/thumb", routes.thumb, "GET"),
+                               ("/api/search", routes.search, "POST")):
+        app.add_url_rule(rule, endpoint=view.__name__, view_func=view, methods=[method])
+
+
+def register_error_handlers(app: Flask, settings: ServerSettings) -> None:
+    """Every failure answered as one JSON line (see :func:`failure`); the server keeps serving."""
+
     def bad_query(error):
         return failure(str(error), 400)
 
-    @app.errorhandler(DemindError)
     def setup_problem(error):
         # e.g. the MLLM of engine.model cannot be loaded, or re-ranking on an engine without logits:
         # the server's configuration, told in its one line (paths cut) and logged
         log.error("query failed: %s", error)
         return failure(str(error), 400)
 
-    @app.errorhandler(RequestEntityTooLarge)
     def too_large(error):
         if (request.content_length or 0) > settings.max_upload_mb * 1024 * 1024:
             return failure(f"the upload is larger than {settings.max_upload_mb} MB; choose a smaller image", 413)
         return failure(f"a text field is larger than {settings.max_form_kb} KB; the modification text is read up "
                        f"to a few hundred characters: shorten it", 413)
 
-    @app.errorhandler(Exception)
     def unexpected(error):
         if isinstance(error, HTTPException):
             return failure(f"{error.code} {error.name}: {error.description}", error.code)
         log.exception("search request failed")
         return failure("internal error; the server log has the details", 500)
 
-    return app
+    app.register_error_handler(GalleryIndexError, bad_query)
+    app.register_error_handler(SearchError, bad_query)
+    app.register_error_handler(DemindError, setup_problem)
+    app.register_error_handler(RequestEntityTooLarge, too_large)
+    app.register_error_handler(Exception, unexpected)
 
 
 def read_search_form(searcher: Searcher, rows: dict[str, int]) -> SearchQuery:
