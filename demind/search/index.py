@@ -239,12 +239,41 @@ def build_index(
     """
     start = time.perf_counter()
     images, index_dir = Path(images), Path(index_dir)
+    _check_index_request(images, index_dir, part_size)
+    previous = _follow_root(index_dir, images, new_root)
+    _check_or_write_backbone(index_dir, backbone)
+    refs, bad_shards, stats, todo = _gallery_todo(images, index_dir, previous)
+    dtype, cache = _open_cache(index_dir, previous, dtype)
+    features = _encode_gallery(backbone, todo, cache, stats, encode_missing, batch_size, num_workers, part_size,
+                               progress)
+    stats.unreadable.update(bad_shards)  # retried on every run (listing a shard or a link is cheap)
+    keys = {r.name: r.cache_key for r in refs}
+    names = [r.name for r in refs if r.name in features]
+    stats.indexed = len(names)
+    stats.removed = sum(1 for name in previous["images"] if name not in keys)
+    parts = _live_or_compacted(cache, index_dir, names, keys, features, backbone, part_size)
+    _write_index_manifest(index_dir, images, backbone, dtype, parts, stats, keys)
+    stats.seconds = time.perf_counter() - start
+    if stats.unreadable:
+        log.warning("%d unreadable image(s) left out of the index, e.g. %s", len(stats.unreadable),
+                    next(iter(stats.unreadable.values())))
+    return stats
+
+
+def _check_index_request(images: Path, index_dir: Path, part_size: int) -> None:
+    """Refuse a part size below 1 and an index folder that is the image folder; check that
+    ``index_dir`` can be written (before any model work)."""
     if part_size < 1:
         raise GalleryIndexError(f"part_size must be at least 1 (images per saved part), got {part_size}")
     if index_dir.resolve() == images.resolve():
         raise GalleryIndexError(f"--index {index_dir} is the image folder itself: its files would be read as "
                                 f"images; give a folder of its own, e.g. --index {index_dir / '.index'}")
     check_output_dir(index_dir)
+
+
+def _follow_root(index_dir: Path, images: Path, new_root: bool) -> dict:
+    """The previous build's manifest (empty fields for a new index); an index built from another
+    folder is refused unless ``new_root``, which follows ``images`` and says so."""
     previous, damaged = previous_manifest(index_dir, images)
     if previous["root"] and recorded_root(index_dir, previous) != images.resolve():
         if not new_root:
@@ -254,7 +283,13 @@ def build_index(
                 f"that, or another --index folder")
         log.warning("index %s was built from %s; it now follows %s (files only in the old folder are dropped)",
                     index_dir, previous["root"], images.resolve())
-    _check_or_write_backbone(index_dir, backbone)
+    return previous
+
+
+def _gallery_todo(images: Path, index_dir: Path, previous: dict
+                  ) -> tuple[list[ImageRef], dict[str, str], IndexBuildStats, list[ImageRef]]:
+    """Returns (every image under ``images``, {shard or link: why it cannot be listed}, the build's
+    stats so far, the images to encode or reuse: all but those that failed before and have not changed)."""
     skipped: dict[str, str] = {}
     refs, bad_shards = list_gallery_images(images, skipped, index_dir)
     stats = IndexBuildStats(images=len(refs), skipped=skipped)
@@ -264,12 +299,24 @@ def build_index(
     still_bad = {r.name for r in refs if r.name in known_bad and known_bad[r.name][0] == r.cache_key}
     stats.unreadable = {name: known_bad[name][1] for name in sorted(still_bad)}
     todo = [r for r in refs if r.name not in still_bad]
+    return refs, bad_shards, stats, todo
 
+
+def _open_cache(index_dir: Path, previous: dict, dtype: str) -> tuple[str, ImageFeatureCache]:
+    """(the rows' stored dtype name, the index's embedding parts): an index keeps the dtype it was first stored in."""
     dtype = previous.get("dtype") or dtype  # an index keeps the form it was first stored in
     if dtype not in DTYPES:
         raise GalleryIndexError(f"index rows are stored as one of {', '.join(DTYPES)}, not {dtype!r}")
     cache = ImageFeatureCache.at(index_dir, f"give another --index folder, or delete {index_dir} to rebuild it",
                                  GalleryIndexError, dtype=DTYPES[dtype], normalise=True)
+    return dtype, cache
+
+
+def _encode_gallery(backbone: FrozenCLIP, todo: list[ImageRef], cache: ImageFeatureCache, stats: IndexBuildStats,
+                    encode_missing: Callable[[list[ImageRef], ImageFeatureCache], tuple[int, dict[str, str]]] | None,
+                    batch_size: int, num_workers: int, part_size: int, progress: bool) -> dict[str, torch.Tensor]:
+    """Encode what no finished part holds (first through ``encode_missing`` when given), counting
+    into ``stats``. Returns name -> (D,) L2-normalised row in the cache's stored dtype."""
     elsewhere = 0  # encoded by encode_missing: cache hits of the local pass
     if encode_missing is not None:
         held = _held_entries(cache, cache_identity(backbone))
@@ -282,12 +329,14 @@ def build_index(
                                                progress, desc="index images", on_unreadable="skip")
     stats.cached, stats.encoded = encode_stats.cached - elsewhere, encode_stats.encoded + elsewhere
     stats.unreadable.update(encode_stats.unreadable)
-    stats.unreadable.update(bad_shards)  # retried on every run (listing a shard or a link is cheap)
-    keys = {r.name: r.cache_key for r in refs}
-    names = [r.name for r in refs if r.name in features]
-    stats.indexed = len(names)
+    return features
 
-    stats.removed = sum(1 for name in previous["images"] if name not in keys)
+
+def _live_or_compacted(cache: ImageFeatureCache, index_dir: Path, names: list[str], keys: dict[str, str],
+                       features: dict[str, torch.Tensor], backbone: FrozenCLIP, part_size: int
+                       ) -> list[tuple[Path, dict]]:
+    """The parts' (record path, record) in order, holding exactly the index's ``names`` (rows in
+    ``features``, each (D,)): the parts as they are, or rewritten from ``features`` when they hold more."""
     parts = _live_parts(cache, {n: keys[n] for n in names})
     if parts is None:  # removed, changed or unreadable entries, or rows not in the stored form: compact
         # (their rows would otherwise stay in the parts for ever, and the parts must hold exactly the index)
@@ -297,6 +346,12 @@ def build_index(
         cache.replace_all(ROLE, names, [keys[n] for n in names], torch.stack(rows) if rows else
                           torch.zeros(0, backbone.embed_dim, dtype=cache.dtype), part_size, cache_identity(backbone))
         parts = _live_parts(cache, {n: keys[n] for n in names})
+    return parts
+
+
+def _write_index_manifest(index_dir: Path, images: Path, backbone: FrozenCLIP, dtype: str,
+                          parts: list[tuple[Path, dict]], stats: IndexBuildStats, keys: dict[str, str]) -> None:
+    """Write ``index.json``, the done-marker: the parts in row order, the names once, the unreadable files."""
     order = [name for _, record in parts for name in record["names"]]
 
     record = backbone_record(backbone)
@@ -313,11 +368,6 @@ def build_index(
         "members": {n: stats.members[n] for n in order if n in stats.members},
         "unreadable": {n: [keys.get(n), reason] for n, reason in sorted(stats.unreadable.items())},
     })
-    stats.seconds = time.perf_counter() - start
-    if stats.unreadable:
-        log.warning("%d unreadable image(s) left out of the index, e.g. %s", len(stats.unreadable),
-                    next(iter(stats.unreadable.values())))
-    return stats
 
 
 def load_index(index_dir: str | Path, root: str | Path | None = None) -> GalleryIndex:
