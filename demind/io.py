@@ -150,7 +150,7 @@ def file_version(stat: os.stat_result) -> str:
     """What makes a file "changed" without reading it, as git's index keeps it: size, modification
     and change times (ns) and inode. A file replaced by another of the same size with its mtime put
     back (``touch -r``, ``cp -p``, ``rsync -t``) has another inode or change time, which no program
-    can set. The one rule of the digest memo (:class:`demind.mllm.store.DigestMemo`), the search
+    can set. The one rule of the digest memo (:class:`demind.mllm.digest_memo.DigestMemo`), the search
     index and the triplet file reader (:attr:`demind.retrieval.ImageRef.version`)."""
     return f"{stat.st_size}-{stat.st_mtime_ns}-{stat.st_ctime_ns}-{stat.st_ino}"
 

@@ -227,7 +227,7 @@ def test_digests_of_the_older_rule_are_not_used_and_said_once(tmp_path, caplog):
     older = [json.dumps({"memo": json.loads(line)["memo"][::-1], "sha256": "0" * 64}) for line in current]
     memo.write_text("\n".join(older) + "\n")  # lines written before the rule held ctime and inode
     identity._FILE_HASHES.clear()
-    with caplog.at_level(logging.INFO, logger="demind.mllm.store"):
+    with caplog.at_level(logging.INFO, logger="demind.mllm.digest_memo"):
         loaded = DigestMemo(memo)
         digest = loaded.file(world.model / "model.safetensors")
         loaded.save()
@@ -236,19 +236,19 @@ def test_digests_of_the_older_rule_are_not_used_and_said_once(tmp_path, caplog):
     assert len(said) == 1 and f"{len(older)} digests" in said[0] and str(memo) in said[0]
     assert all(json.loads(line).get("format") == "demind-digests/2" for line in memo.read_text().splitlines())
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="demind.mllm.store"):
+    with caplog.at_level(logging.INFO, logger="demind.mllm.digest_memo"):
         DigestMemo(memo)
     assert not [r for r in caplog.records if "older rule" in r.getMessage()]  # said once: the memo was rewritten
 
 
 def test_demind_rehash_reads_every_file_again(tmp_path, monkeypatch):
     import demind.identity as identity
-    import demind.mllm.store as store
+    import demind.mllm.digest_memo as digest_memo
     from demind.cli import common
     from demind.mllm import DigestMemo
 
     without_ctime = lambda stat: f"{stat.st_size}-{stat.st_mtime_ns}"  # noqa: E731 -- FAT, some network mounts
-    monkeypatch.setattr(store, "file_version", without_ctime)
+    monkeypatch.setattr(digest_memo, "file_version", without_ctime)
     monkeypatch.setattr(identity, "file_version", without_ctime)
     monkeypatch.setattr(DigestMemo, "trusted", True)
     world = World(tmp_path)
@@ -261,6 +261,74 @@ def test_demind_rehash_reads_every_file_again(tmp_path, monkeypatch):
     assert DigestMemo.trusted is False
     identity._FILE_HASHES.clear()
     assert world.describe_requests() == 1
+
+
+# ----------------------------------------------------------------------------- the store's own methods
+
+def test_image_digest_is_the_pixels_digest_and_save_digests_remembers_it(tmp_path, monkeypatch):
+    from demind.mllm import AnswerStore, pixel_digest
+
+    image = write_png(tmp_path / "images" / "ref.png")
+    expected = pixel_digest(Image.open(image).convert("RGB"))
+    (tmp_path / "store").mkdir()  # as MLLMSetup.bind leaves it (check_store_root)
+    store = AnswerStore(tmp_path / "store", "osrcir")
+    assert store.image_digest(ImageRef("ref.png", image)) == expected
+    copy = write_png(tmp_path / "elsewhere" / "copy.png", compress=1)  # other bytes, the same pixels
+    assert store.image_digest(ImageRef("copy.png", copy)) == expected
+    changed = write_png(tmp_path / "images" / "changed.png", change_pixel=True)
+    assert store.image_digest(ImageRef("changed.png", changed)) != expected
+    memo = tmp_path / "store" / "digests.jsonl"
+    assert not memo.exists()  # computed, not yet saved
+    store.save_digests()
+    lines = [json.loads(line) for line in memo.read_text().splitlines()]
+    assert len(lines) == 3 and {line["format"] for line in lines} == {"demind-digests/2"}
+    assert sorted(line["sha256"] for line in lines).count(expected) == 2
+    store.save_digests()
+    assert len(memo.read_text().splitlines()) == 3  # nothing new: nothing appended
+    monkeypatch.setattr("demind.retrieval.load_image", lambda ref: pytest.fail(f"{ref.path} was decoded again"))
+    assert AnswerStore(tmp_path / "store", "verify").image_digest(ImageRef("ref.png", image)) == expected
+
+
+def test_rekey_from_model_loads_only_without_weights_and_keys_by_the_files_that_arrive(tmp_path):
+    from demind.mllm import AnswerStore, DigestMemo, ModelIdentity
+    from demind.mllm.digest_memo import text_digest
+
+    loads = []
+    present = write_model(tmp_path / "models" / "here")
+    store = AnswerStore(None, "osrcir", ModelIdentity(str(present), DigestMemo(), None))
+    assert store.rekey_from_model(lambda: loads.append("here")) is False and loads == []
+    assert store.model.source == "weights"
+
+    arriving = tmp_path / "models" / "downloaded"  # the files come with the model, as a download does
+    store = AnswerStore(None, "osrcir", ModelIdentity(str(arriving), DigestMemo(), None))
+    before = store.key(image="i", text="t")
+    assert store.model.current() == f"name:{arriving}"
+    assert store.rekey_from_model(lambda: loads.append(write_model(arriving))) is True and loads == [arriving]
+    files = ["config.json", "model.safetensors", "tokenizer_config.json"]  # README.md is documentation
+    expected = text_digest(*[f"{name}\0{text_digest_of(arriving / name)}" for name in files])
+    assert (store.model.current(), store.model.source) == (expected, "weights")
+    assert store.key(image="i", text="t") != before
+
+
+def text_digest_of(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_a_given_identity_keys_without_files_and_survives_loading(tmp_path, caplog):
+    from demind.mllm import AnswerStore, DigestMemo, ModelIdentity
+
+    identity = ModelIdentity("toy", DigestMemo(), tmp_path / "store")
+    identity.given("toy-a")
+    store = AnswerStore(None, "osrcir", identity)
+    with caplog.at_level(logging.WARNING, logger="demind.mllm"):
+        assert store.rekey_from_model(lambda: None) is True
+    assert (identity.current(), identity.source) == ("given:toy-a", "given")
+    assert not caplog.records  # no "keyed by this name" warning: the caller said what the answers depend on
+    other = ModelIdentity("toy", DigestMemo(), None)
+    other.given("toy-b")
+    assert AnswerStore(None, "osrcir", other).key(image="i") != store.key(image="i")
 
 
 # ----------------------------------------------------------------------------- the weights absent

@@ -5,6 +5,8 @@ MLLM re-ranking, on the data_gen engines (:mod:`demind.engines`), for benchmarks
 * :mod:`~demind.mllm.parse` -- the description read out of a chain-of-thought answer;
 * :mod:`~demind.mllm.store` -- the one rule of stored answers (descriptions, re-ranking scores):
   keyed by the model's content, the image's pixels, the text, the prompt texts and the settings;
+* :mod:`~demind.mllm.digest_memo` and :mod:`~demind.mllm.model_identity` -- the digests those keys
+  are made of, remembered; the model's content identity, also with its weights absent;
 * :mod:`~demind.mllm.rerank` -- the yes/no verifier and the top-K re-ordering;
 * :mod:`~demind.mllm.session` -- one engine, the describers and the re-ranker of a benchmark split;
 * :mod:`~demind.mllm.search_binding` -- the same, bound to a search index for queries typed by a user.
@@ -28,7 +30,9 @@ if TYPE_CHECKING:  # the same names for static tools and go-to-definition (tests
     from demind.mllm.rerank import MLLMVerifier, Reranker, Verifier, rerank_ranking
     from demind.mllm.search_binding import SearchMLLM
     from demind.mllm.session import MLLMRun, MLLMSetup
-    from demind.mllm.store import AnswerStore, DigestMemo, MemoryStore, ModelIdentity, pixel_digest
+    from demind.mllm.digest_memo import DigestMemo, pixel_digest
+    from demind.mllm.model_identity import ModelIdentity
+    from demind.mllm.store import AnswerStore, MemoryStore
 
 # Resolved on first use: importing demind.mllm.config (a command's --help) loads no engine or torch.
 __getattr__, __dir__ = lazy_exports(__name__, {
@@ -39,7 +43,9 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "demind.mllm.rerank": ["MLLMVerifier", "Reranker", "Verifier", "rerank_ranking"],
     "demind.mllm.search_binding": ["SearchMLLM"],
     "demind.mllm.session": ["MLLMRun", "MLLMSetup"],
-    "demind.mllm.store": ["AnswerStore", "DigestMemo", "MemoryStore", "ModelIdentity", "pixel_digest"],
+    "demind.mllm.digest_memo": ["DigestMemo", "pixel_digest"],
+    "demind.mllm.model_identity": ["ModelIdentity"],
+    "demind.mllm.store": ["AnswerStore", "MemoryStore"],
 })
 
 __all__ = [

@@ -125,7 +125,7 @@ class Describer:
 
     def keys(self, queries: list[Query]) -> dict[tuple[str, int], str]:
         """(query id, sample) -> the answer's store key (:meth:`AnswerStore.key`)."""
-        return {(q.qid, s): self.store.key(image=self.store.memo.pixels(q.reference), text=modification_text(q),
+        return {(q.qid, s): self.store.key(image=self.store.image_digest(q.reference), text=modification_text(q),
                                            sample=s)
                 for q in queries for s in range(self.options.samples)}
 
@@ -143,9 +143,7 @@ class Describer:
         samples = range(self.options.samples)
         keys = self.keys(queries)
         missing = self._missing(queries, keys)
-        if missing and not self.store.model.from_weights:
-            self.engine.get()  # the model's files may arrive with it: key by their content before generating
-            self.store.model.settle()
+        if missing and self.store.rekey_from_model(self.engine.get):  # key by the files before generating
             keys = self.keys(queries)
             missing = self._missing(queries, keys)
         chunk = self.options.chunk * self.options.samples
@@ -153,12 +151,12 @@ class Describer:
         for start in range(0, len(missing), chunk):
             part = missing[start:start + chunk]
             answered = self._answer(part)
-            self.store.add({keys[q.qid, s]: {**record, "image_sha256": self.store.memo.pixels(q.reference), **shared}
+            self.store.add({keys[q.qid, s]: {**record, "image_sha256": self.store.image_digest(q.reference), **shared}
                             for (q, s), record in zip(part, answered)})
             self.generated += len(answered)
             log.info("%s: %d of %d descriptions generated (%s)", self.kind, start + len(part), len(missing),
                      self.store.folder)
-        self.store.memo.save()
+        self.store.save_digests()
         out = [[self._description(q, self.store.records[keys[q.qid, s]]) for s in samples] for q in queries]
         self._used.update(keys)
         new = [(q, keys[q.qid, s]) for q in queries for s in samples
@@ -197,13 +195,13 @@ class Describer:
         """Each distinct reference (by pixel digest) decoded once, shrunk to ``describe.image_max_side``."""
         out: dict[str, Image.Image] = {}
         for q in queries:
-            digest = self.store.memo.pixels(q.reference)
+            digest = self.store.image_digest(q.reference)
             if digest not in out:
                 out[digest] = resize_longest_side(load_image(q.reference), self.options.image_max_side)
         return out
 
     def _image(self, images: dict[str, Image.Image], query: Query) -> Image.Image:
-        return images[self.store.memo.pixels(query.reference)]
+        return images[self.store.image_digest(query.reference)]
 
     def _answer(self, part: list[tuple[Query, int]]) -> list[dict[str, Any]]:
         """One record per (query, sample) of ``part``, in order."""
@@ -245,7 +243,7 @@ class CIReVLDescriber(Describer):
         # one caption per (reference pixels, sample): CIRR references recur across queries
         first = {}
         for q, s in part:
-            first.setdefault((self.store.memo.pixels(q.reference), s), q)
+            first.setdefault((self.store.image_digest(q.reference), s), q)
         caption_prompt = render(engine.renderer, [user_turn(self.prompts.caption, with_image=True)])
         results = engine.generate([GenRequest(prompt=caption_prompt, image=images[digest],
                                               seed=self._seed(q.reference.name, "caption", s),
@@ -258,7 +256,7 @@ class CIReVLDescriber(Describer):
         records: list[dict[str, Any] | None] = [None] * len(part)
         to_rewrite = []
         for i, (q, s) in enumerate(part):
-            raw_caption, caption = captions[(self.store.memo.pixels(q.reference), s)]
+            raw_caption, caption = captions[(self.store.image_digest(q.reference), s)]
             if caption is None:  # nothing to rewrite: the query falls back, its caption answer kept
                 records[i] = {**self._record(q, s, raw_caption, "stop", require_label=False, caption_raw=raw_caption,
                                              caption=None), "description": None, "status": "caption-empty"}

@@ -90,9 +90,7 @@ class MLLMVerifier:
     def score(self, queries: list[Query], candidates: list[list[ImageRef]]) -> list[list[float]]:
         keys = self._keys(queries, candidates)
         pending = self._pending(queries, candidates, keys)
-        if pending and not self.store.model.from_weights:
-            self.engine.get()  # the model's files may arrive with it: key by their content before scoring
-            self.store.model.settle()
+        if pending and self.store.rekey_from_model(self.engine.get):  # key by the files before scoring
             keys = self._keys(queries, candidates)
             pending = self._pending(queries, candidates, keys)
         shared = self.store.ingredients()
@@ -108,7 +106,7 @@ class MLLMVerifier:
                 self.store.add(records)
                 self.generated += len(records)
                 chunk = []
-        self.store.memo.save()
+        self.store.save_digests()
         self._used.update(keys)
         return [[self.store.records[keys[q.qid, c.name]]["score"] for c in cands]
                 for q, cands in zip(queries, candidates)]
@@ -116,7 +114,7 @@ class MLLMVerifier:
     def _keys(self, queries: list[Query], candidates: list[list[ImageRef]]) -> dict[tuple[str, str], str]:
         """(query id, candidate name) -> the score's store key: the reference's and the candidate's pixels,
         the modification text, and the store's shared part (model content, verify.txt, settings)."""
-        pixels = self.store.memo.pixels
+        pixels = self.store.image_digest
         return {(q.qid, c.name): self.store.key(image=pixels(q.reference), text=modification_text(q),
                                                 candidate=pixels(c))
                 for q, cands in zip(queries, candidates) for c in cands}

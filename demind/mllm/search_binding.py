@@ -25,7 +25,7 @@ from typing import Any
 
 from PIL import Image
 
-from demind.mllm.store import pixel_digest
+from demind.mllm.digest_memo import pixel_digest
 from demind.retrieval import ImageRef, Query
 
 log = logging.getLogger(__name__)

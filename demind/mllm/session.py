@@ -16,7 +16,9 @@ from demind.config import ConfigError
 from demind.mllm.config import DESCRIBERS, DescribeOptions, RerankOptions
 from demind.mllm.describers import DESCRIBER_CLASSES, Describer, LazyEngine, load_describer_prompts
 from demind.mllm.rerank import MLLMVerifier, Reranker
-from demind.mllm.store import AnswerStore, DigestMemo, ModelIdentity, check_store_root, text_digest
+from demind.mllm.digest_memo import DigestMemo, text_digest
+from demind.mllm.model_identity import ModelIdentity
+from demind.mllm.store import AnswerStore, check_store_root
 from demind.engines import Engine
 
 
@@ -59,7 +61,7 @@ class MLLMRun:
         self.memo = DigestMemo(root / "digests.jsonl" if root is not None else None)
         self.model = ModelIdentity(setup.model, self.memo, root)
         if setup.content_identity is not None:
-            self.model.digest, self.model.source = f"given:{setup.content_identity}", "given"
+            self.model.given(setup.content_identity)
         self._describers: dict[str, Describer] = {}
         self._verifier: MLLMVerifier | None = None
 

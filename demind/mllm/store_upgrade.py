@@ -1,7 +1,7 @@
 """Answer stores of the older layout, ``<benchmark>-<split>/<kind>/<prompt>/<model>/store.json``
 (answers keyed by query id), and digest-memo lines of the older rule (no ``format``: a file keyed
 by size and mtime only): the one home of both (:class:`demind.mllm.store.AnswerStore` and
-:class:`~demind.mllm.store.DigestMemo` call in here and nowhere else knows them).
+:class:`demind.mllm.digest_memo.DigestMemo` call in here and nowhere else knows them).
 
 Their keys say nothing of what an answer depends on, so no answer can be matched to a question of
 the current store: they are not read, one warning names them, and their answers are asked again
@@ -13,16 +13,18 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-log = logging.getLogger("demind.mllm.store")  # the reader's log: its line reads as it did before
+# each line in its reader's log (the store, the digest memo), as if the reader had said it
+store_log = logging.getLogger("demind.mllm.store")
+memo_log = logging.getLogger("demind.mllm.digest_memo")
 
 
 def warn_earlier_stores(root: Path, kind: str) -> None:
     """Warn, once, when ``root`` holds ``kind`` stores of the older layout."""
     older = sorted(root.glob(f"*/{kind}/*/*/store.json"))  # <benchmark>-<split>/<kind>/<prompt>/<model>/
     if older:
-        log.warning("%s holds %d %s store(s) of an older layout (answers keyed by query id, not by what they depend "
-                    "on, e.g. %s): they are not read, so their answers are asked again; delete them when done",
-                    root, len(older), kind, older[0].parent)
+        store_log.warning("%s holds %d %s store(s) of an older layout (answers keyed by query id, not by what they "
+                          "depend on, e.g. %s): they are not read, so their answers are asked again; delete them when "
+                          "done", root, len(older), kind, older[0].parent)
 
 
 def warn_earlier_digests(memo: Path, count: int) -> None:
@@ -31,5 +33,5 @@ def warn_earlier_digests(memo: Path, count: int) -> None:
     not used (a file replaced with its mtime put back would match them), so those files are read
     once more; the next save writes the memo without them."""
     if count:
-        log.info("%s: %d digests remembered by the older rule (size and modification time only) are not used: "
-                 "their files are read once more", memo, count)
+        memo_log.info("%s: %d digests remembered by the older rule (size and modification time only) are not "
+                      "used: their files are read once more", memo, count)
