@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.bench_describers import synthetic_queries
-from benchmarks.synthetic import ScriptedEngine
+from toyworld.synthetic import ScriptedEngine
 
 ANSWER = "Target description: a red car on a street"
 

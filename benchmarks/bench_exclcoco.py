@@ -2,7 +2,7 @@
 
     python -m benchmarks.bench_exclcoco [--images 5000] [--workdir runs/bench-exclcoco] [--json PATH]
 
-The fixture (:func:`benchmarks.synthetic.write_synthetic_coco`) has val2017's shape: 5,000 images,
+The fixture (:func:`toyworld.synthetic.write_synthetic_coco`) has val2017's shape: 5,000 images,
 5 captions each (25,000), COCO's 80 category names, ~7.3 instances per image (~36,000), captions
 naming 1-3 categories (some through synonyms) and a scene word. Prints the fixture's counts and
 the wall time of ``build_exclcoco`` (default recipe: caption words in >= 50 images, 3 combinations
@@ -16,7 +16,7 @@ import json
 import time
 from pathlib import Path
 
-from benchmarks.synthetic import write_synthetic_coco
+from toyworld.synthetic import write_synthetic_coco
 from demind.exclcoco_builder import ExclCocoConfig, build_exclcoco
 from demind.io import write_json_atomic
 

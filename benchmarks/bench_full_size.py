@@ -197,7 +197,7 @@ def train_overrides(args: argparse.Namespace, work: Path) -> list[str]:
 
 
 def part_cache(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    from benchmarks.synthetic import write_synthetic_shards
+    from toyworld.synthetic import write_synthetic_shards
     from demind.cli import features
 
     write_synthetic_shards(work / "clip_shards", num_shards=4, samples_per_shard=args.cache_images // 4,

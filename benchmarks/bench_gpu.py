@@ -89,7 +89,7 @@ def bench_tower(args: argparse.Namespace, work: Path) -> dict:
 
 def synthetic_shards(work: Path, name: str, samples: int, image_size: int, text_lengths: str, shards: int) -> Path:
     """Intent shards of ``samples`` JPEGs in ``shards`` tars (reused when already written)."""
-    from benchmarks.synthetic import write_synthetic_shards
+    from toyworld.synthetic import write_synthetic_shards
 
     folder = work / name
     if not (folder / f"{shards - 1:05d}.tar").is_file():

@@ -64,7 +64,7 @@ def build_cache(overrides: list[str]) -> float:
 
 
 def throughput(args: argparse.Namespace, work: Path) -> dict:
-    from benchmarks.synthetic import write_synthetic_shards
+    from toyworld.synthetic import write_synthetic_shards
 
     shards = work / "shards_tp"
     write_synthetic_shards(shards, num_shards=2, samples_per_shard=args.batch * (args.steps + 1),
@@ -92,7 +92,7 @@ def memory_child(shards: Path, run: Path, features: str, batch: int, steps: int)
 
 
 def memory(args: argparse.Namespace, work: Path) -> list[dict]:
-    from benchmarks.synthetic import write_synthetic_shards
+    from toyworld.synthetic import write_synthetic_shards
 
     rows = []
     per_shard, batch = 64, 64

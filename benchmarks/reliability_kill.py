@@ -79,7 +79,7 @@ def input_sample(key: str, seed: int, caption: str) -> dict:
 def data_gen_check(work: Path, kills: int, rng: random.Random, env: dict[str, str], per_shard: int) -> dict:
     import webdataset as wds
 
-    from benchmarks.synthetic import write_intent_shard
+    from toyworld.synthetic import write_intent_shard
     from demind.engines.tiny_llava import build_tiny_llava_next
 
     tiny = build_tiny_llava_next(work / "tiny-llava")
@@ -127,7 +127,7 @@ def train_check(work: Path, kills: int, rng: random.Random, env: dict[str, str],
     import torch
     from safetensors.torch import load_file
 
-    from benchmarks.synthetic import write_synthetic_shards
+    from toyworld.synthetic import write_synthetic_shards
 
     shards = work / "shards"
     write_synthetic_shards(shards, num_shards=4, samples_per_shard=per_shard)

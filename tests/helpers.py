@@ -1,9 +1,9 @@
 """Test-only constants and builders, shared by the test files (``from helpers import ...``;
-``tests/`` is on the import path through ``pythonpath`` in pyproject's pytest section).
+``tests/`` is on the import path because pytest puts tests/conftest.py's folder there).
 
-Nothing here ships: builders that the benchmarks also use live beside them (synthetic shards and
-COCO-format data: :mod:`benchmarks.synthetic`) or in the package (the tiny LLaVA-NeXT of the CPU
-smoke config: :mod:`demind.engines.tiny_llava`).
+Nothing here ships: builders that the benchmarks also use live in the installed packages (synthetic
+shards and COCO-format data: :mod:`toyworld.synthetic`; the tiny LLaVA-NeXT of the CPU smoke config:
+:mod:`demind.engines.tiny_llava`).
 """
 
 from __future__ import annotations

@@ -104,7 +104,7 @@ class Inputs:
 
     @cached_property
     def coco(self) -> tuple[Path, Path, Path]:
-        from benchmarks.synthetic import write_synthetic_coco
+        from toyworld.synthetic import write_synthetic_coco
 
         return write_synthetic_coco(self.root / "coco", 24, split="train", seed=5, write_images=True)
 
@@ -620,7 +620,7 @@ STATE = "trainer_state.json"
 
 
 def shards(i: Inputs) -> Path:
-    from benchmarks.synthetic import write_synthetic_shards
+    from toyworld.synthetic import write_synthetic_shards
 
     folder = i.root / "shards"
     if not folder.is_dir():

@@ -27,7 +27,6 @@ pytestmark = pytest.mark.usefixtures("one_thread_and_fresh_accelerator")
 # Files of benchmarks/ that are imported by the scripts and the tests, not run.
 SUPPORT = {
     "__init__": "the package",
-    "synthetic": "synthetic shards, COCO-format data and a scripted MLLM engine (benchmark and test support)",
     "gpu_models": "random-weight models at the real shapes for bench_gpu",
     "noise_common": "what noise_detection and noise_retrieval share",
     "exclusion_report": "the exclusion instrument's tables, paired tests and curves (exclusion_instrument)",

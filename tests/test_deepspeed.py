@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from demind.cli import train
 from demind.config import load_config
 from demind.model import build_model
-from benchmarks.synthetic import write_synthetic_shards
+from toyworld.synthetic import write_synthetic_shards
 from demind.training import TrainConfig, build_modules
 from demind.training.zero import DeepSpeedError, configure_deepspeed, hold_scalars_as_vectors
 

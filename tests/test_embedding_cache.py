@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks.synthetic import write_synthetic_shards
+from toyworld.synthetic import write_synthetic_shards
 from demind.backbone import FrozenCLIP
 from demind.schema import BackboneConfig
 from demind.embedding_cache import EmbeddingCacheError, cache_identity, cache_slug, map_tensor, write_entry

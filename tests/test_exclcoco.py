@@ -10,7 +10,7 @@ import torch
 
 from demind.eval.exclcoco import read_exclcoco
 from demind.exclcoco_builder import ExclCocoConfig, build_exclcoco, singular
-from benchmarks.synthetic import write_synthetic_coco
+from toyworld.synthetic import write_synthetic_coco
 
 
 @pytest.fixture(scope="module")

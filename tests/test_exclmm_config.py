@@ -107,7 +107,7 @@ def test_plateau_rule_on_a_hand_made_curve():
 def test_phases_stop_on_the_plateau_and_say_so(repo_root, tmp_path):
     """With a tolerance no real gain meets, every phase stops after its second window; phases.json
     records the steps run and why, and the export's step count in metrics.jsonl follows them."""
-    from benchmarks.synthetic import write_synthetic_coco
+    from toyworld.synthetic import write_synthetic_coco
     from demind.exclcoco_builder import ExclCocoConfig, build_exclcoco
 
     root = tmp_path / "data"
@@ -130,7 +130,7 @@ def test_stage1_export_is_the_stage_1_only_model(repo_root, tmp_path):
     "stage 1 only" ablation), so the benchmark reads that row from the full run instead of training it."""
     from safetensors.torch import load_file
 
-    from benchmarks.synthetic import write_synthetic_coco
+    from toyworld.synthetic import write_synthetic_coco
     from demind.exclcoco_builder import ExclCocoConfig, build_exclcoco
 
     root = tmp_path / "data"

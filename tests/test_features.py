@@ -16,7 +16,7 @@ from demind.cli import train
 from demind.backbone import build_backbone
 from demind.config import load_config
 from demind.data import decode_to_tensor
-from benchmarks.synthetic import write_intent_shard, write_synthetic_shards
+from toyworld.synthetic import write_intent_shard, write_synthetic_shards
 from demind.features import FeatureCacheError, default_cache_dir
 from demind.training import TrainConfig, build_modules, compute_losses
 from helpers import one_process_data

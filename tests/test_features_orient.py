@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 import demind.data
 import demind.features.cache_upgrade
-from benchmarks.synthetic import write_intent_shard
+from toyworld.synthetic import write_intent_shard
 from demind.cli import features as features_cli
 from demind.config import load_config
 from demind.data import decode_to_tensor

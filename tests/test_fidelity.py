@@ -71,7 +71,7 @@ def test_cache_stores_fidelity_computed_from_its_own_embeddings(repo_root, tmp_p
 
     from demind.cli import features as features_cli
     from demind.features import cache_files, shard_fidelity
-    from benchmarks.synthetic import write_synthetic_shards
+    from toyworld.synthetic import write_synthetic_shards
 
     shards = tmp_path / "shards"
     write_synthetic_shards(shards, num_shards=1, samples_per_shard=10)

@@ -69,7 +69,7 @@ def test_gate_lr_without_a_gate_is_refused_naming_the_key(repo_root):
 
 @pytest.mark.usefixtures("one_thread_and_fresh_accelerator")
 def test_training_logs_the_gate_lr_and_gradient(repo_root, tmp_path):
-    from benchmarks.synthetic import write_synthetic_shards
+    from toyworld.synthetic import write_synthetic_shards
     from demind.training import train
 
     shards = tmp_path / "shards"

@@ -29,7 +29,7 @@ from demind.release.publish import CardOptions, publish_checkpoint
 from demind.release.folders import CARD_MARKER, PublishError
 from demind.hubref import HubError, HubRef, parse_hub_ref
 from demind.shard_format import INTENT_MEMBERS, resolve_shards
-from benchmarks.synthetic import write_synthetic_shards
+from toyworld.synthetic import write_synthetic_shards
 from helpers import REPO_ROOT, TINY_CLIP, make_sample, run_eval_command, write_input_shard
 from test_data_gen import base_argv
 from test_eval_benchmarks import make_fashioniq

@@ -16,7 +16,7 @@ from demind.eval.harness import evaluate, read_benchmark
 from demind.engines import request_seed
 from demind.retrieval import ensemble_embeddings
 from toyworld.benchmarks import ToyBenchmarkConfig
-from benchmarks import synthetic
+from toyworld import synthetic
 from helpers import TINY_CLIP
 from toyworld.cirr import write_cirr
 

@@ -38,7 +38,7 @@ def test_a_checkpoint_header_is_read_once_per_load(tmp_path, tiny_backbone, monk
 @pytest.mark.usefixtures("one_thread_and_fresh_accelerator")
 def test_training_derives_its_micro_batch_once(repo_root, tmp_path, monkeypatch):
     from demind.cli import train
-    from benchmarks.synthetic import write_synthetic_shards
+    from toyworld.synthetic import write_synthetic_shards
     import demind.training.accel as accel
     import demind.training.loop as loop
 

@@ -384,7 +384,7 @@ def test_finding8_text_longer_than_the_context_is_counted_in_eval_results(tmp_pa
 
 
 def synthetic_shards(directory: Path, **kwargs) -> None:
-    from benchmarks.synthetic import write_synthetic_shards
+    from toyworld.synthetic import write_synthetic_shards
 
     write_synthetic_shards(directory, **kwargs)
 

@@ -157,7 +157,7 @@ def noise_args(repo_root: Path, shards: Path, run: Path, mode: str, *extra: str)
 @pytest.mark.parametrize("mode", ["none", "filter", "downweight", "conesep"])
 def test_every_mode_trains_end_to_end(repo_root, tmp_path, mode):
     from demind.cli import train
-    from benchmarks.synthetic import write_synthetic_shards
+    from toyworld.synthetic import write_synthetic_shards
 
     shards = tmp_path / "shards"
     write_synthetic_shards(shards, num_shards=1, samples_per_shard=24)
@@ -200,7 +200,7 @@ def test_conesep_on_the_feature_cache_resumes_to_the_same_weights(repo_root, tmp
     the warm-up boundary: 3 steps then 3 more equal 6 uninterrupted steps."""
     from demind.cli import features as features_cli
     from demind.cli import train
-    from benchmarks.synthetic import write_synthetic_shards
+    from toyworld.synthetic import write_synthetic_shards
 
     shards = tmp_path / "shards"
     write_synthetic_shards(shards, num_shards=2, samples_per_shard=24)

@@ -17,7 +17,7 @@ from demind.errors import DemindError
 from demind.search.index import build_index, load_index
 from demind.search.query import SearchError, Searcher, SearchQuery
 
-from benchmarks import synthetic
+from toyworld import synthetic
 from test_search import one_torch_thread, write_image  # noqa: F401  (module fixtures)
 
 DESCRIPTIONS = ["a red circle on a white table", "two blue squares in the snow", "a green triangle beside a lamp",

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from benchmarks.synthetic import ScriptedEngine
+from toyworld.synthetic import ScriptedEngine
 from demind.search.query import SearchError, SearchQuery
 
 from test_search import one_torch_thread, write_image  # noqa: F401  (module fixtures)
@@ -151,7 +151,7 @@ def test_index_and_search_speak_of_the_index_not_of_a_benchmark_split(loaded, tm
 SERVE_WITH_A_SCRIPTED_ENGINE = '''
 import sys
 import demind.engines as engines
-from benchmarks.synthetic import ScriptedEngine
+from toyworld.synthetic import ScriptedEngine
 
 engines.build_engine = lambda *a, **k: ScriptedEngine(lambda request: "Target description: a red square")
 from demind.cli.serve import main

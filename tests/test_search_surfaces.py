@@ -368,7 +368,7 @@ def test_a_faiss_ranker_without_faiss_is_said_before_any_model(script, argv, key
 
 
 def test_the_exclusion_writer_fills_its_prompt_in_one_pass(tmp_path):
-    from benchmarks.synthetic import ScriptedEngine
+    from toyworld.synthetic import ScriptedEngine
     from demind.gen.exclusion import llm_query_writer
 
     engine = ScriptedEngine(lambda request: "a photo of a dog on grass")

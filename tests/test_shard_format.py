@@ -15,7 +15,7 @@ from demind.shard_format import (
     CAPTION_FIELD, IMAGE_FIELDS, INTENT_FIELD, JSON_FIELD, REWRITTEN_FIELD, ShardListError, ShardOutput, ShardWriter,
     encode_sample, resolve_shards, sample_key, shard_filename, shard_name, stats_path,
 )
-from benchmarks.synthetic import write_synthetic_shards
+from toyworld.synthetic import write_synthetic_shards
 
 def jpeg(seed: int) -> bytes:
     import io

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from demind.cli import train
 from demind.checkpoint import load_checkpoint, read_checkpoint_metadata
 from demind.data import ShardFormatError
-from benchmarks.synthetic import write_intent_shard, write_synthetic_shards
+from toyworld.synthetic import write_intent_shard, write_synthetic_shards
 from demind.training import NonFiniteLossError, ResumeError, TrainConfig, check_finite, lr_factor, OptimConfig
 
 
@@ -225,7 +225,7 @@ def test_cc3m_like_synthetic_texts_have_the_papers_lengths(tmp_path, tiny_backbo
     import numpy as np
     import webdataset as wds
 
-    from benchmarks.synthetic import CC3M_TEXT_WORDS, synthetic_texts
+    from toyworld.synthetic import CC3M_TEXT_WORDS, synthetic_texts
 
     rng = np.random.default_rng(0)
     texts = [synthetic_texts("red", rng, "cc3m") for _ in range(300)]

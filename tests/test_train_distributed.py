@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.synthetic import write_synthetic_shards
+from toyworld.synthetic import write_synthetic_shards
 
 PER_PROCESS = 4
 TERMS = ("loss", "distil", "align")

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from demind.cli import train
-from benchmarks.synthetic import write_synthetic_shards
+from toyworld.synthetic import write_synthetic_shards
 
 from helpers import kill_at_checkpoint
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.synthetic import ScriptedEngine
+from toyworld.synthetic import ScriptedEngine
 from demind.gen.relation import load_triplet_prompts, parse_instructions, InstructionError
 from demind.gen.triplet_config import TripletGenConfig
 from demind.gen.triplet_generate import PairItem, TripletGenerator

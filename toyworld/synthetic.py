@@ -8,9 +8,8 @@
 * :class:`ScriptedEngine` — a stand-in MLLM behind the generation engines' interface
   (:class:`demind.engines.base.Engine`): no model runs, a function gives each request's answer.
 
-Benchmark and test support, not part of the library: ``benchmarks/`` builds its inputs with
-these and the tests import them as ``benchmarks.synthetic`` (the repository root is on the
-tests' import path: pyproject's pytest ``pythonpath``). Nothing under ``demind/`` imports it.
+Test and benchmark support: tests and benchmarks import ``toyworld.synthetic``; nothing under
+``demind/`` imports it.
 """
 
 from __future__ import annotations
