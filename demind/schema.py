@@ -24,6 +24,10 @@ GFQ_PAIRINGS = 4   # K (demind.fidelity: GFQ's random pairings of the noise boun
 GFQ_THRESHOLD = 0.5  # omega
 NOISE_MODES = ("none", "filter", "downweight", "conesep")
 MISSING_TEXT_CHOICES = ("error", "original")
+SCHEDULES = ("cosine", "constant")  # the learning rate after the warm-up (demind.trainkit.optim)
+# Backbone settings that change how fast, not what, the frozen CLIP computes: a run may
+# resume with other values (and checkpoints written before a key existed still resume).
+SPEED_ONLY_KEYS = frozenset({"backbone.text_buckets", "backbone.grad_checkpointing"})
 
 
 @dataclass

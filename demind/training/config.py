@@ -12,10 +12,7 @@ from pathlib import Path
 from demind.config import load_config
 from demind.settings import device_setting, setting, threads_setting
 # the sections without their torch-bound modules: --help and config checks load no torch
-from demind.schema import BackboneConfig, DataConfig, ModelConfig, NoiseConfig, heads_problem
-
-
-SCHEDULES = ("cosine", "constant")
+from demind.schema import SCHEDULES, BackboneConfig, DataConfig, ModelConfig, NoiseConfig, heads_problem
 
 
 @dataclass

@@ -12,7 +12,8 @@ from typing import Iterable
 import torch
 
 from demind.config import ConfigError
-from demind.training.config import SCHEDULES, OptimConfig
+from demind.schema import SCHEDULES
+from demind.training.config import OptimConfig
 
 NamedParameters = Iterable[tuple[str, torch.nn.Parameter]]
 
