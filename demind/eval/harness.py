@@ -35,7 +35,7 @@ from demind.retrieval import ImageFeatureCache, encode_image_refs, stack_feature
 from demind.eval.imagenet_r import read_imagenet_r
 from demind.retrieval import (
     RERANK_SUFFIX, RetrievalMethod, build_methods, checkpoint_kind, parse_method_names, split_rerank_requests)
-from demind.eval.reports import write_reports
+from demind.eval.reports import combine_group_metrics, group_counts, write_reports
 from demind.retrieval import ImageRef
 from demind.eval.structures import BenchmarkData, QueryGroup
 from demind.eval.options import BENCHMARKS, ReaderOptions
@@ -131,12 +131,39 @@ def evaluate(
         model loads, so a broken data folder is refused first); None reads it here.
     """
     check_evaluation_arguments(options or ReaderOptions(), batch_size=batch_size, num_workers=num_workers, limit=limit)
+    backbone = _resolve_backbone(backbone, model)
+    data = data if data is not None else read_benchmark(benchmark, data_root, split, limit, options)
+    method_objs, mllm_run, rerank_asked = _prepare_methods(methods, data, backbone, model, exclmm, mllm, cache_dir,
+                                                           out_dir)
+    cache = _prepare_feature_cache(cache_dir, out_dir, backbone, data)
+    for note in data.notes:
+        log.info(note)
+
+    features, encoding = encode_benchmark_images(backbone, data, cache, batch_size, num_workers, progress)
+    outcomes = _score_all(method_objs, data, features, backbone, model, mllm_run, rerank_asked, batch_size, progress)
+    results = assemble_results(data, backbone, model, outcomes, encoding, limit)
+    if mllm_run is not None:
+        results["mllm"] = mllm_run.summary()
+    if out_dir is not None:
+        results["files"] = write_reports(Path(out_dir), results, data, outcomes)
+    return results
+
+
+def _resolve_backbone(backbone: FrozenCLIP | None, model: DeMinds | None) -> FrozenCLIP:
+    """The backbone given, else the model's; ConfigError when neither is given."""
     if backbone is None:
         if model is None:
             raise ConfigError("evaluate() needs a backbone or a model; load them with "
                               "demind.checkpoint.load_backbone_and_model")
         backbone = model.backbone
-    data = data if data is not None else read_benchmark(benchmark, data_root, split, limit, options)
+    return backbone
+
+
+def _prepare_methods(methods: str | list[str] | None, data: BenchmarkData, backbone: FrozenCLIP,
+                     model: DeMinds | None, exclmm: Any, mllm: Any, cache_dir: str | Path | None,
+                     out_dir: str | Path | None) -> tuple[list[RetrievalMethod], Any, list[str]]:
+    """(the methods to score, the MLLM bound to this split or None, the methods asked ``+rerank``),
+    every request refused before any image is encoded."""
     mllm_run = mllm.bind(data.benchmark, data.split, descriptions_root(cache_dir, out_dir)) if mllm else None
     methods, rerank_asked = split_rerank_requests(methods)  # "osrcir+rerank": osrcir runs, then is re-ranked
     names = parse_method_names(methods, model is not None, exclmm is not None, checkpoint_kind(model))
@@ -144,16 +171,26 @@ def evaluate(
     method_objs = build_methods(names, backbone, model, exclmm, mllm=mllm_run)
     if mllm_run is not None and mllm_run.reranker() is not None:  # a typo in rerank.methods: now, not after the run
         mllm_run.rerank_targets([m.name for m in method_objs])
+    return method_objs, mllm_run, rerank_asked
+
+
+def _prepare_feature_cache(cache_dir: str | Path | None, out_dir: str | Path | None, backbone: FrozenCLIP,
+                           data: BenchmarkData) -> ImageFeatureCache | None:
+    """The split's image-feature cache (default ``<out_dir>/feature_cache``; None without either),
+    after checking that the output and cache folders can be written."""
     if cache_dir is None and out_dir is not None:
         cache_dir = Path(out_dir) / "feature_cache"
     for folder in (out_dir, cache_dir):  # before encoding: a read-only or full disk fails in seconds
         if folder is not None:
             check_output_dir(folder)
-    cache = ImageFeatureCache.for_backbone(cache_dir, backbone, data.benchmark, data.split) if cache_dir else None
-    for note in data.notes:
-        log.info(note)
+    return ImageFeatureCache.for_backbone(cache_dir, backbone, data.benchmark, data.split) if cache_dir else None
 
-    features, encoding = encode_benchmark_images(backbone, data, cache, batch_size, num_workers, progress)
+
+def _score_all(method_objs: list[RetrievalMethod], data: BenchmarkData, features: dict[str, torch.Tensor],
+               backbone: FrozenCLIP, model: DeMinds | None, mllm_run: Any, rerank_asked: list[str],
+               batch_size: int, progress: bool) -> dict[str, dict[str, GroupOutcome]]:
+    """method name -> query group name -> outcome, the ``+rerank`` variants added; ``features``: image
+    name -> (D,) raw feature. The model is in eval mode meanwhile (dropout off), then restored."""
     galleries = {id(g[0].gallery): gallery_matrix(g[0], features, backbone.device)
                  for g in _groups_by_gallery(data.groups)}
     was_training = model is not None and model.training
@@ -170,12 +207,7 @@ def evaluate(
         add_rerank_variants(outcomes, mllm_run, data, rerank_asked)
     if was_training:
         model.train()
-    results = assemble_results(data, backbone, model, outcomes, encoding, limit)
-    if mllm_run is not None:
-        results["mllm"] = mllm_run.summary()
-    if out_dir is not None:
-        results["files"] = write_reports(Path(out_dir), results, data, outcomes)
-    return results
+    return outcomes
 
 
 def descriptions_root(cache_dir: str | Path | None, out_dir: str | Path | None) -> Path | None:
@@ -378,19 +410,6 @@ def _group_metrics(group: QueryGroup, ranked: torch.Tensor, relevant: list[froze
     return values
 
 
-def combine_group_metrics(per_group: dict[str, dict[str, float]]) -> dict[str, float]:
-    """Flat percentages: one group -> its metrics; several -> ``group/metric`` plus ``average/metric``."""
-    if len(per_group) == 1:
-        return {k: 100.0 * v for k, v in next(iter(per_group.values())).items()}
-    flat: dict[str, float] = {}
-    for group, values in per_group.items():
-        flat.update({f"{group}/{k}": 100.0 * v for k, v in values.items()})
-    names = list(next(iter(per_group.values())).keys())
-    for k in names:
-        flat[f"average/{k}"] = sum(100.0 * v[k] for v in per_group.values()) / len(per_group)
-    return flat
-
-
 def assemble_results(data: BenchmarkData, backbone: FrozenCLIP, model: DeMinds | None,
                      outcomes: dict[str, dict[str, GroupOutcome]], encoding: dict,
                      limit: int | None) -> dict[str, Any]:
@@ -416,7 +435,7 @@ def assemble_results(data: BenchmarkData, backbone: FrozenCLIP, model: DeMinds |
         "metric_unit": "percent",
         "definitions": data.notes,
         "methods": methods,
-        "counts": {g.name: _group_counts(g) for g in data.groups},
+        "counts": {g.name: group_counts(g) for g in data.groups},
         "backbone": {**backbone.identity, "precision": backbone.cfg.precision},
         "model_config": asdict(model.cfg) if model is not None else None,
         "reader_options": data.options,
@@ -424,17 +443,4 @@ def assemble_results(data: BenchmarkData, backbone: FrozenCLIP, model: DeMinds |
         "encoding": encoding,
         "query_timing": timing,
         "text_truncation": truncation,
-    }
-
-
-def _group_counts(group: QueryGroup) -> dict[str, Any]:
-    return {
-        "queries": group.total_queries,
-        "evaluated": len(group.queries),
-        "skipped": len(group.skipped),
-        "skip_reasons": dict(Counter(s["reason"] for s in group.skipped)),
-        "skipped_queries": group.skipped,
-        "gallery": len(group.gallery),
-        "gallery_missing": len(group.gallery_missing),
-        "gallery_missing_names": group.gallery_missing,
     }

@@ -17,10 +17,12 @@ there belongs to the run its results.json describes (:func:`remove_stale_outputs
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from demind.errors import InputError
+from demind.eval.structures import QueryGroup
 from demind.retrieval import method_label
 from demind.io import write_json_atomic, write_text_atomic
 
@@ -175,3 +177,30 @@ def _write_submissions(out_dir: Path, data, method: str, by_group: dict, limit: 
         written.append(str(write_json_atomic(out_dir / "submission" / f"{prefix}circo_test_{method}.json",
                                              {**marker, **payload})))
     return written
+
+
+def combine_group_metrics(per_group: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Flat percentages: one group -> its metrics; several -> ``group/metric`` plus ``average/metric``."""
+    if len(per_group) == 1:
+        return {k: 100.0 * v for k, v in next(iter(per_group.values())).items()}
+    flat: dict[str, float] = {}
+    for group, values in per_group.items():
+        flat.update({f"{group}/{k}": 100.0 * v for k, v in values.items()})
+    names = list(next(iter(per_group.values())).keys())
+    for k in names:
+        flat[f"average/{k}"] = sum(100.0 * v[k] for v in per_group.values()) / len(per_group)
+    return flat
+
+
+def group_counts(group: QueryGroup) -> dict[str, Any]:
+    """A query group's counts in results.json: queries evaluated and skipped (why), gallery images missing."""
+    return {
+        "queries": group.total_queries,
+        "evaluated": len(group.queries),
+        "skipped": len(group.skipped),
+        "skip_reasons": dict(Counter(s["reason"] for s in group.skipped)),
+        "skipped_queries": group.skipped,
+        "gallery": len(group.gallery),
+        "gallery_missing": len(group.gallery_missing),
+        "gallery_missing_names": group.gallery_missing,
+    }

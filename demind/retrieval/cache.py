@@ -328,23 +328,7 @@ def encode_image_refs(
     refs = unique_refs(refs)
     stats = EncodeStats(images=len(refs))
     identity = cache_identity(backbone)
-    cached = cache.load(role, drop_damaged=True, identity=identity) if cache is not None else {}
-    features: dict[str, torch.Tensor] = {}
-    todo = []
-    for ref in refs:
-        hit = cached.get(ref.name, {}).get(ref.cache_key)
-        if hit is not None:
-            features[ref.name] = hit
-        else:
-            todo.append(ref)
-    if cache is not None and todo:  # a cache written before EXIF orientation was applied
-        for ref in adopt_unoriented(cache, role, todo, lambda name, key: key in cached.get(name, {})):
-            features[ref.name] = cached[ref.name][unoriented_key(ref)]
-        todo = [ref for ref in todo if ref.name not in features]
-    if cache is not None and todo:  # or before file versions held change time and inode
-        for ref in adopt_earlier_versions(cache, role, todo, lambda name, key: key in cached.get(name, {})):
-            features[ref.name] = cached[ref.name][earlier_key_of(ref)]
-        todo = [ref for ref in todo if ref.name not in features]
+    features, todo = _cached_features(cache, role, refs, identity)
     stats.cached = len(features)
     log.info("%s: %d images, %d from cache, %d to encode", desc, len(refs), stats.cached, len(todo))
     for start in range(0, len(todo), part_size):
@@ -365,6 +349,32 @@ def encode_image_refs(
         if len(todo) > part_size:
             log.info("%s: encoded %d/%d images", desc, stats.encoded, len(todo))
     return features, stats
+
+
+def _cached_features(cache: ImageFeatureCache | None, role: str, refs: list[ImageRef], identity: dict
+                     ) -> tuple[dict[str, torch.Tensor], list[ImageRef]]:
+    """(name -> (D,) feature the cache holds for ``refs``, the refs it holds none for, in order).
+
+    An entry written before EXIF orientation was applied, or before file versions held change time
+    and inode, is taken for every ref it still describes (:mod:`demind.retrieval.cache_upgrade`)."""
+    cached = cache.load(role, drop_damaged=True, identity=identity) if cache is not None else {}
+    features: dict[str, torch.Tensor] = {}
+    todo = []
+    for ref in refs:
+        hit = cached.get(ref.name, {}).get(ref.cache_key)
+        if hit is not None:
+            features[ref.name] = hit
+        else:
+            todo.append(ref)
+    if cache is not None and todo:  # a cache written before EXIF orientation was applied
+        for ref in adopt_unoriented(cache, role, todo, lambda name, key: key in cached.get(name, {})):
+            features[ref.name] = cached[ref.name][unoriented_key(ref)]
+        todo = [ref for ref in todo if ref.name not in features]
+    if cache is not None and todo:  # or before file versions held change time and inode
+        for ref in adopt_earlier_versions(cache, role, todo, lambda name, key: key in cached.get(name, {})):
+            features[ref.name] = cached[ref.name][earlier_key_of(ref)]
+        todo = [ref for ref in todo if ref.name not in features]
+    return features, todo
 
 
 def _encode_chunk(backbone: FrozenCLIP, refs: list[ImageRef], batch_size: int, num_workers: int,
