@@ -53,7 +53,8 @@ def noise_truth(shards: list[Path]) -> dict[str, bool]:
 
 def cached_samples(directory: Path, shards: list[Path], backbone) -> dict[str, list]:
     """The feature cache's samples of ``shards`` in shard then tar order, as columns."""
-    from demind.features import ShardFeatureCache, cache_identity
+    from demind.embedding_cache import cache_identity
+    from demind.features import ShardFeatureCache
 
     cache = ShardFeatureCache(directory, cache_identity(backbone))
     columns: dict[str, list] = {}

@@ -16,6 +16,7 @@ from demind.cli import train
 from demind.backbone import build_backbone
 from demind.config import load_config
 from demind.data import decode_to_tensor
+from demind.embedding_cache import cache_slug
 from toyworld.synthetic import write_intent_shard, write_synthetic_shards
 from demind.features import FeatureCacheError, default_cache_dir
 from demind.training import TrainConfig, build_modules, compute_losses
@@ -245,9 +246,9 @@ def test_bf16_cache_matches_fp32_and_is_never_read_as_fp32(repo_root, tmp_path):
     with pytest.raises(FeatureCacheError, match="amp_bf16"):
         one_process_data(cfg, backbone)
     # The default folders differ too, so "auto" never mixes them up.
-    fp32_auto = features.default_cache_dir(["x/00000.tar"], features.cache_slug(backbone))
+    fp32_auto = features.default_cache_dir(["x/00000.tar"], cache_slug(backbone))
     backbone.cfg.precision = "amp_bf16"
-    bf16_auto = features.default_cache_dir(["x/00000.tar"], features.cache_slug(backbone))
+    bf16_auto = features.default_cache_dir(["x/00000.tar"], cache_slug(backbone))
     assert fp32_auto == default_cache_dir(["x/00000.tar"], backbone.identity_str) and bf16_auto != fp32_auto
 
 

@@ -61,7 +61,8 @@ def features_command(cfg: FeaturesConfig) -> int:
 
     from demind.backbone import build_backbone
     from demind.shard_format import resolve_shards
-    from demind.features import build_feature_cache, cache_dir_for, cache_slug
+    from demind.embedding_cache import cache_slug
+    from demind.features import build_feature_cache, cache_dir_for
 
     shards = resolve_shards(cfg.data.shards)
     # Seeded like the trainer, so a randomly initialised backbone (pretrained: null,
@@ -85,7 +86,8 @@ def report_fidelity(out, shards: list[str], backbone, plot: str | None) -> dict:
     """GFQ fidelity summary of the whole cache (printed per text kind), and its plot."""
     from pathlib import Path
 
-    from demind.features import ShardFeatureCache, cache_identity
+    from demind.embedding_cache import cache_identity
+    from demind.features import ShardFeatureCache
     from demind.fidelity import fidelity_summary, plot_fidelity
     from demind.schema import GFQ_THRESHOLD
 

@@ -1,5 +1,5 @@
 """Training feature caches written before images were decoded with their EXIF orientation: the one
-home of that form (:func:`demind.features.shards_to_build` calls in here and nowhere else knows it).
+home of that form (:func:`demind.features.cache.shards_to_build` calls in here and nowhere else knows it).
 
 Such a shard's record has no ``decode``. It is reused, and the field recorded (so the next run reads
 no header), when no image of its shard is stored rotated: decoding it upright gives the very pixels
@@ -21,7 +21,7 @@ from demind.imaging import orientation_changes_pixels
 from demind.io import write_json_atomic
 from demind.shard_format import IMAGE_FIELDS, shard_name
 
-logger = logging.getLogger("demind.features")  # the reader's log: its lines read as they did before
+logger = logging.getLogger("demind.features.cache")  # the reader's log (shards_to_build), as if it said them
 
 
 def check_unoriented(records: dict[str, tuple[dict[str, Any], Path]], decode: str) -> dict[str, str]:
