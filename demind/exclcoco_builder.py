@@ -7,15 +7,16 @@ data set in COCO's format: ``instances_{split}.json`` (images, categories, objec
 1. **Labels per image** = the categories of its instances, plus *caption-word labels*: words of
    its captions that appear in the captions of at least ``caption_min_images`` distinct images of
    the split (default 50; 0 = categories only), are alphabetic, at least 3 letters long, not in
-   :data:`STOPWORDS` (function words, verbs, colours, numbers, sizes, scene words like "photo")
-   and not a word of a category's name or synonyms ("man" counts as person; "bat" of
-   "baseball bat" is no label of its own).
+   :data:`~demind.exclcoco_labels.STOPWORDS` (function words, verbs, colours, numbers, sizes,
+   scene words like "photo") and not a word of a category's name or synonyms ("man" counts as
+   person; "bat" of "baseball bat" is no label of its own).
 2. **Word normalisation.** Lower case, ``[a-z]+`` tokens, each singularised by
-   :func:`singular` (irregular table, then ``-ies -> -y``, ``-ches/-shes/-xes/-sses/-zes -> drop -es``,
-   ``-s -> drop`` except ``-ss/-us/-is``), applied to captions and label names alike, so
-   "dogs" mentions "dog" and "skis" / "ski" are one label. Category names match as contiguous
-   token sequences ("traffic light"), also through :data:`SYNONYMS` ("man", "woman", "people"
-   -> person; "bike" -> bicycle; "plane" -> airplane; "sofa" -> couch; "phone" -> cell phone; ...).
+   :func:`~demind.exclcoco_labels.singular` (irregular table, then ``-ies -> -y``,
+   ``-ches/-shes/-xes/-sses/-zes -> drop -es``, ``-s -> drop`` except ``-ss/-us/-is``), applied
+   to captions and label names alike, so "dogs" mentions "dog" and "skis" / "ski" are one label.
+   Category names match as contiguous token sequences ("traffic light"), also through
+   :data:`~demind.exclcoco_labels.SYNONYMS` ("man", "woman", "people" -> person; "bike" ->
+   bicycle; "plane" -> airplane; "sofa" -> couch; "phone" -> cell phone; ...).
 3. **Pairs.** The labels a caption mentions (each must also be in its image's label set; a
    caption that mentions an absent category is not used for it). A caption mentioning n >= 2
    labels gives n combinations (exclude one, include the rest); up to ``max_per_caption`` of them
@@ -62,7 +63,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import re
 import time
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
@@ -70,6 +70,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from demind.coco_files import CAPTION_FIELDS, INSTANCE_FIELDS, load_coco
+from demind.exclcoco_labels import (LabelIndex, caption_word_labels, category_phrases, contains_phrase,
+                                    image_labels, tokens)
 from demind.errors import InputError
 from demind.settings import setting
 from demind.io import write_json_atomic
@@ -86,71 +88,6 @@ TEMPLATES = (
     "{inc} with no {exc_bare}",
     "{inc} except for {exc}",
 )
-
-IRREGULAR = {
-    "men": "man", "women": "woman", "people": "person", "persons": "person", "children": "child",
-    "mice": "mouse", "knives": "knife", "teeth": "tooth", "feet": "foot", "geese": "goose",
-    "sheep": "sheep", "leaves": "leaf", "shelves": "shelf", "loaves": "loaf", "wolves": "wolf",
-    "halves": "half", "scarves": "scarf", "giraffes": "giraffe", "skis": "ski", "buses": "bus",
-    "glasses": "glass", "dishes": "dish", "boxes": "box", "benches": "bench", "sandwiches": "sandwich",
-    "ties": "tie", "pies": "pie", "movies": "movie", "cookies": "cookie", "hoodies": "hoodie",
-}
-KEEP_S = ("ss", "us", "is", "ous")
-
-# Extra names of COCO categories (key: the category name as in instances_*.json).
-SYNONYMS: dict[str, tuple[str, ...]] = {
-    "person": ("man", "woman", "people", "boy", "girl", "child", "kid", "guy", "lady", "player",
-               "men", "women", "skier", "surfer", "skateboarder", "rider", "baby", "gentleman"),
-    "bicycle": ("bike", "cycle"), "motorcycle": ("motorbike", "motor bike", "scooter"),
-    "airplane": ("plane", "jet", "aircraft", "airliner"), "car": ("sedan",), "truck": ("pickup",),
-    "boat": ("ship", "sailboat", "canoe", "kayak"), "tv": ("television", "monitor"),
-    "couch": ("sofa",), "dining table": ("table",), "cell phone": ("phone", "cellphone", "smartphone"),
-    "laptop": ("computer", "notebook"), "sports ball": ("ball", "soccer ball", "baseball", "football"),
-    "hot dog": ("hotdog",), "donut": ("doughnut",), "potted plant": ("plant", "houseplant"),
-    "teddy bear": ("teddy", "stuffed bear"), "hair drier": ("hair dryer", "blow dryer"),
-    "skis": ("ski",), "tie": ("necktie",), "cup": ("mug",),
-    "handbag": ("purse",), "refrigerator": ("fridge",), "mouse": (), "remote": ("remote control",),
-}
-
-STOPWORDS = frozenset("""
-a an the and or but not no nor of on in at to for with without from by over under near next into onto
-up down out off about above below behind beside between along across around through while as than
-is are was were be been being am has have had do does did can could will would should may might
-it its this that these those there here their they them he she his her him we our you your who whom
-what which where when how very some any all each both few many more most other such one two three four
-five six seven eight nine ten several lots lot group bunch pair couple
-sitting standing holding looking walking riding playing laying lying sits stands holds looks walks rides
-plays lays lies eating parked parking flying hanging covered filled sitting topped wearing waiting
-sits made using taking getting going being doing shows showing has having set sitting sit stand look
-white black red blue green yellow brown orange pink purple gray grey silver gold dark light colorful
-large small big little tall long short old young new different various other another same top side
-front back view picture photo image photograph close closeup shot scene background area something
-while very together just also near onto inside outside full empty open closed
-""".split())
-
-
-def singular(word: str) -> str:
-    """English singular of a lower-case token by rule (see the module docstring)."""
-    if word in IRREGULAR:
-        return IRREGULAR[word]
-    if len(word) > 4 and word.endswith("ies"):
-        return word[:-3] + "y"
-    for suffix in ("ches", "shes", "xes", "sses", "zes"):
-        if word.endswith(suffix):
-            return word[:-2]
-    if len(word) > 3 and word.endswith("s") and not word.endswith(KEEP_S):
-        return word[:-1]
-    return word
-
-
-def tokens(text: str) -> list[str]:
-    """Lower-case alphabetic tokens, singularised."""
-    return [singular(t) for t in re.findall(r"[a-z]+", text.lower())]
-
-
-def _contains(seq: list[str], phrase: tuple[str, ...]) -> bool:
-    n = len(phrase)
-    return any(tuple(seq[i:i + n]) == phrase for i in range(len(seq) - n + 1))
 
 
 @dataclass
@@ -193,70 +130,6 @@ class BuildCounts:
                 f"{self.captions_with_two_labels} ({self.mentions_not_in_image} mentions of labels absent from the "
                 f"image unused), pairs formed {self.pairs_formed}, kept {self.kept}; "
                 f"dropped: {drops}; query text: {self.text_sources}")
-
-
-@dataclass
-class LabelIndex:
-    """Label names and the token phrases that mention them."""
-
-    categories: list[str]
-    caption_words: list[str]
-    phrases: dict[str, list[tuple[str, ...]]]  # label -> token phrases
-
-    def __post_init__(self) -> None:
-        # phrase length -> {token tuple: label}, longest first (a dict lookup per position)
-        by_length: dict[int, dict[tuple[str, ...], str]] = defaultdict(dict)
-        for label, ph in self.phrases.items():
-            for p in ph:
-                by_length[len(p)].setdefault(p, label)
-        self._by_length = sorted(by_length.items(), key=lambda kv: -kv[0])
-        self._order = {label: k for k, label in enumerate(self.phrases)}
-
-    def mentioned(self, caption_tokens: list[str]) -> list[str]:
-        """Labels the caption names, in label order. Longer phrases claim their tokens first, so
-        "a hot dog" names "hot dog" and not "dog"."""
-        free = list(caption_tokens)
-        found = set()
-        for n, table in self._by_length:
-            for i in range(len(free) - n + 1):
-                label = table.get(tuple(free[i:i + n]))
-                if label is not None:
-                    found.add(label)
-                    free[i:i + n] = [""] * n  # claimed
-        return sorted(found, key=self._order.__getitem__)
-
-
-def category_phrases(categories: list[str]) -> dict[str, list[tuple[str, ...]]]:
-    """label -> its name and synonyms as singularised token tuples."""
-    return {c: list(dict.fromkeys(tuple(tokens(p)) for p in (c, *SYNONYMS.get(c, ())) if tokens(p)))
-            for c in categories}
-
-
-def caption_word_labels(captions_by_image: dict[int, list[list[str]]], claimed: set[str],
-                        min_images: int) -> list[str]:
-    """Caption words in the captions of >= ``min_images`` images (see the module docstring)."""
-    if min_images <= 0:
-        return []
-    images_with: Counter[str] = Counter()
-    for caps in captions_by_image.values():
-        images_with.update({t for toks in caps for t in toks})
-    return sorted(w for w, n in images_with.items()
-                  if n >= min_images and len(w) >= 3 and w not in STOPWORDS and w not in claimed)
-
-
-def image_labels(instances: dict[str, Any], captions_by_image: dict[int, list[list[str]]],
-                 index: LabelIndex) -> dict[int, frozenset[str]]:
-    """image id -> categories of its instances plus the caption-word labels its captions name."""
-    cat_name = {c["id"]: c["name"] for c in instances["categories"]}
-    labels: dict[int, set[str]] = {img["id"]: set() for img in instances["images"]}
-    for ann in instances["annotations"]:
-        if ann["image_id"] in labels and ann["category_id"] in cat_name:
-            labels[ann["image_id"]].add(cat_name[ann["category_id"]])
-    words = set(index.caption_words)
-    for image_id, caps in captions_by_image.items():
-        if image_id in labels:
-            labels[image_id] |= {t for toks in caps for t in toks if t in words}
-    return {k: frozenset(v) for k, v in labels.items()}
 
 
 def ground_truth(include: list[str], exclude: str, images_with: dict[str, set[int]]) -> list[int]:
@@ -344,17 +217,42 @@ def build_exclcoco(instances_path: str | Path, captions_path: str | Path, out_di
         ``exclude``, ``image_path``) to texts (None = rejected, template used); see
         :func:`demind.gen.exclusion.llm_query_writer` for the data_gen-engine one.
     """
-    cfg = cfg or ExclCocoConfig()
-    if cfg.query_source not in QUERY_SOURCES:
-        raise InputError(f"query_source must be one of {QUERY_SOURCES}, got {cfg.query_source!r}")
-    if cfg.query_source == "llm" and llm is None:
-        raise ValueError("query_source='llm' needs an llm function (see demind.gen.exclusion.llm_query_writer)")
+    cfg = _check_build_request(cfg, llm)
     started = time.perf_counter()
     instances_path, captions_path, out_dir = Path(instances_path), Path(captions_path), Path(out_dir)
     instances = load_coco(instances_path, INSTANCE_FIELDS)
     captions = load_coco(captions_path, CAPTION_FIELDS)["annotations"]
     counts = BuildCounts(images=len(instances["images"]))
+    categories, words, index, labels = build_labels(instances, captions, cfg)
+    pairs = form_pairs(captions, labels, index, cfg, counts)
+    file_of = {img["id"]: img["file_name"] for img in instances["images"]}
+    queries = subsample(attach_ground_truth(pairs, invert(labels), cfg, counts), cfg, counts)
+    prompt_record = None
+    if cfg.query_source == "llm":
+        prompt_record = apply_llm_texts(queries, llm, Path(image_root), file_of)
+    counts.kept = len(queries)
+    counts.text_sources = dict(Counter(q["text_source"] for q in queries))
+    data = benchmark_record(instances, instances_path, captions_path, out_dir, image_root, split, categories, words,
+                            cfg, counts, prompt_record, queries)
+    path = write_json_atomic(out_dir / "exclcoco.json", data)
+    log.info("ExclCOCO %s: %s (%.1f s)", data["split"], counts.summary(), time.perf_counter() - started)
+    return path, counts
 
+
+def _check_build_request(cfg: ExclCocoConfig | None, llm: Callable | None) -> ExclCocoConfig:
+    """The recipe to build (the default one for None), refused before any file is read."""
+    cfg = cfg or ExclCocoConfig()
+    if cfg.query_source not in QUERY_SOURCES:
+        raise InputError(f"query_source must be one of {QUERY_SOURCES}, got {cfg.query_source!r}")
+    if cfg.query_source == "llm" and llm is None:
+        raise ValueError("query_source='llm' needs an llm function (see demind.gen.exclusion.llm_query_writer)")
+    return cfg
+
+
+def build_labels(instances: dict[str, Any], captions: list[dict[str, Any]], cfg: ExclCocoConfig
+                 ) -> tuple[list[str], list[str], LabelIndex, dict[int, frozenset[str]]]:
+    """Steps 1-2: (category names in id order, caption-word labels, the index of their phrases,
+    image id -> its label set)."""
     categories = [c["name"] for c in sorted(instances["categories"], key=lambda c: c["id"])]
     phrases = category_phrases(categories)
     claimed = {t for ph in phrases.values() for p in ph for t in p}  # "bat" of "baseball bat" is no word label
@@ -364,11 +262,13 @@ def build_exclcoco(instances_path: str | Path, captions_path: str | Path, out_di
     words = caption_word_labels(captions_by_image, claimed, cfg.caption_min_images)
     phrases.update({w: [(w,)] for w in words})
     index = LabelIndex(categories, words, phrases)
-    labels = image_labels(instances, captions_by_image, index)
+    return categories, words, index, image_labels(instances, captions_by_image, index)
 
-    pairs = form_pairs(captions, labels, index, cfg, counts)
-    file_of = {img["id"]: img["file_name"] for img in instances["images"]}
-    images_with = invert(labels)
+
+def attach_ground_truth(pairs: list[dict[str, Any]], images_with: dict[str, set[int]], cfg: ExclCocoConfig,
+                        counts: BuildCounts) -> list[dict[str, Any]]:
+    """Step 4: the pairs with ground truth (within ``max_ground_truth``), given their template text,
+    ground truth and hard negatives; the others dropped and counted."""
     queries = []
     for pair in pairs:
         gt = ground_truth(pair["include"], pair["exclude"], images_with)
@@ -384,19 +284,26 @@ def build_exclcoco(instances_path: str | Path, captions_path: str | Path, out_di
         pair["hard_negatives"] = [str(i) for i in hard_negatives(pair["include"], pair["exclude"], images_with)]
         pair["text_source"] = "template"
         queries.append(pair)
+    return queries
+
+
+def subsample(queries: list[dict[str, Any]], cfg: ExclCocoConfig, counts: BuildCounts) -> list[dict[str, Any]]:
+    """A seeded random subset of ``max_queries`` queries in their order (all of them when 0 or fewer)."""
     if cfg.max_queries and len(queries) > cfg.max_queries:
         keep = set(random.Random(f"{cfg.seed}:subset").sample(range(len(queries)), cfg.max_queries))
         counts.drop("over max_queries (seeded subset)", len(queries) - cfg.max_queries)
         queries = [q for k, q in enumerate(queries) if k in keep]
-    prompt_record = None
-    if cfg.query_source == "llm":
-        prompt_record = apply_llm_texts(queries, llm, Path(image_root), file_of)
-    counts.kept = len(queries)
-    counts.text_sources = dict(Counter(q["text_source"] for q in queries))
+    return queries
 
+
+def benchmark_record(instances: dict[str, Any], instances_path: Path, captions_path: Path, out_dir: Path,
+                     image_root: str | Path, split: str | None, categories: list[str], words: list[str],
+                     cfg: ExclCocoConfig, counts: BuildCounts, prompt_record: dict[str, Any] | None,
+                     queries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The content of ``exclcoco.json`` (format in the module docstring)."""
     root_rel = os.path.relpath(Path(image_root).resolve(), out_dir.resolve()) if not Path(image_root).is_absolute() \
         else str(image_root)
-    data = {
+    return {
         "format": FORMAT,
         "split": split or instances_path.stem.replace("instances_", ""),
         "source": {"instances": str(instances_path), "captions": str(captions_path)},
@@ -409,9 +316,6 @@ def build_exclcoco(instances_path: str | Path, captions_path: str | Path, out_di
         "prompt": prompt_record,
         "queries": queries,
     }
-    path = write_json_atomic(out_dir / "exclcoco.json", data)
-    log.info("ExclCOCO %s: %s (%.1f s)", data["split"], counts.summary(), time.perf_counter() - started)
-    return path, counts
 
 
 def apply_llm_texts(queries: list[dict[str, Any]], llm: Callable, image_root: Path, file_of: dict[int, str]
@@ -423,7 +327,7 @@ def apply_llm_texts(queries: list[dict[str, Any]], llm: Callable, image_root: Pa
     if len(texts) != len(queries):
         raise RuntimeError(f"the llm returned {len(texts)} texts for {len(queries)} queries")
     for q, text in zip(queries, texts):
-        if text and _contains(tokens(text), tuple(tokens(q["exclude"]))):
+        if text and contains_phrase(tokens(text), tuple(tokens(q["exclude"]))):
             q["query"], q["text_source"] = text, "llm"
         else:
             q["text_source"] = "template (llm output rejected)"

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from demind.eval.exclcoco import read_exclcoco
-from demind.exclcoco_builder import ExclCocoConfig, build_exclcoco, singular
+from demind.exclcoco_builder import ExclCocoConfig, build_exclcoco
+from demind.exclcoco_labels import singular
 from toyworld.synthetic import write_synthetic_coco
 
 
@@ -93,7 +94,7 @@ def test_max_per_caption_and_categories_only(fixture_coco, tmp_path):
 def test_singular_and_synonyms():
     assert [singular(w) for w in ("dogs", "buses", "people", "skis", "cities", "grass", "glasses")] == \
         ["dog", "bus", "person", "ski", "city", "grass", "glass"]
-    from demind.exclcoco_builder import LabelIndex, category_phrases, tokens
+    from demind.exclcoco_labels import LabelIndex, category_phrases, tokens
 
     index = LabelIndex(["person", "dog", "hot dog"], [], category_phrases(["person", "dog", "hot dog"]))
     assert index.mentioned(tokens("Two men eat hot dogs")) == ["person", "hot dog"]

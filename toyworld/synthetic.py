@@ -133,7 +133,8 @@ def write_synthetic_coco(folder: str | Path, num_images: int, split: str = "val2
     ``write_images``, 8x8 PNGs in ``folder/split``. For tests and the run-time benchmark
     (val2017 size: 5,000 images, ~25,000 captions, ~36,000 instances). Returns the two
     annotation paths and the image folder."""
-    from demind.exclcoco_builder import SYNONYMS, with_article
+    from demind.exclcoco_builder import with_article
+    from demind.exclcoco_labels import SYNONYMS
     from demind.io import write_json_atomic
 
     rng = random.Random(seed)
