@@ -153,7 +153,7 @@ class DeMinds(nn.Module):
         return super()._apply(fn, recurse)
 
     # Scalars are saved and loaded 0-dim however they are held: under DeepSpeed they are (1,)
-    # (demind.training.zero.hold_scalars_as_vectors), and checkpoints stay interchangeable.
+    # (demind.trainkit.hold_scalars_as_vectors), and checkpoints stay interchangeable.
     SCALARS = ("gate", "logit_scale")
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: ANN001 - torch's signature

@@ -21,7 +21,8 @@ from demind.config import load_config
 from demind.model import build_model
 from toyworld.synthetic import write_synthetic_shards
 from demind.training import TrainConfig, build_modules
-from demind.training.zero import DeepSpeedError, configure_deepspeed, hold_scalars_as_vectors
+from demind.trainkit import DeepSpeedError, hold_scalars_as_vectors
+from demind.training.accel import configure_deepspeed
 
 from helpers import kill_at_checkpoint
 
@@ -115,11 +116,11 @@ def test_scalars_held_as_vectors_are_saved_and_loaded_0_dim(repo_root, tmp_path)
 
 @needs_deepspeed
 def test_run_device_cuda_without_a_gpu_is_refused(repo_root, tmp_path, monkeypatch):
-    from demind.training.zero import deepspeed_device
+    from demind.trainkit import deepspeed_device
 
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     with pytest.raises(DeepSpeedError, match=r"'run.device' = 'cuda', but DeepSpeed's accelerator here is 'cpu'"):
-        deepspeed_device(tiny_config(repo_root, tmp_path, "run.device=cuda"))
+        deepspeed_device(tiny_config(repo_root, tmp_path, "run.device=cuda").run.device)
 
 
 def test_accelerate_setting_up_anything_but_deepspeed_is_refused_not_used(repo_root, tmp_path, monkeypatch):
@@ -137,7 +138,7 @@ def test_accelerate_setting_up_anything_but_deepspeed_is_refused_not_used(repo_r
             self.kwargs = kwargs
 
     monkeypatch.setattr(accelerate, "Accelerator", NotDeepSpeed)
-    monkeypatch.setattr(accel, "deepspeed_device", lambda cfg: "cpu")  # DeepSpeed itself need not be installed
+    monkeypatch.setattr(accel, "deepspeed_device", lambda device: "cpu")  # DeepSpeed itself need not be installed
     with pytest.raises(DeepSpeedError, match=r"asked for DeepSpeed but Accelerate set up .*MULTI_CPU.*"
                                              r"configs/accelerate/deepspeed_zero2\.yaml"):
         accel.setup(tiny_config(repo_root, tmp_path, "run.device=cpu"), deepspeed=True)

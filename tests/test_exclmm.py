@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from demind.cli import train_exclmm as cli
 from demind.exclcoco_builder import ExclCocoConfig, build_exclcoco
 from toyworld.synthetic import write_synthetic_coco
-from demind.training.state_file import read_train_state_extra
+from demind.trainkit.state_file import read_train_state_extra
 from demind.exclmm import losses as L
 from demind.exclmm.features import FEATURES_NAME, load_features
 from demind.exclmm.train import STATE_NAME

@@ -152,7 +152,7 @@ def test_exclmm_features_of_the_single_file_form_read_as_current(tmp_path):
 
     from demind.exclmm.features import FEATURES_NAME, _reusable, load_features, pack_ragged
     from demind.exclmm.run_upgrade import LEGACY_FORMAT
-    from demind.training import save_tree
+    from demind.trainkit import save_tree
 
     identity = {"name": "RN50", "pretrained": "openai", "activation": "quick_gelu"}
     images = torch.arange(6, dtype=torch.float32).reshape(3, 2)

@@ -538,7 +538,8 @@ def test_a_gpu_launch_on_a_machine_without_one_is_refused_naming_the_cpu_config(
     import accelerate
 
     from demind.config import ConfigError, load_config
-    from demind.training.accel import CPU_LAUNCH_CONFIG, setup
+    from demind.trainkit import CPU_LAUNCH_CONFIG
+    from demind.training.accel import setup
     from demind.training.config import TrainConfig
 
     monkeypatch.setattr(accelerate, "Accelerator", FakeAccelerator)

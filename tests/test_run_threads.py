@@ -38,16 +38,16 @@ def test_a_run_saved_before_run_threads_existed_resumes_without_a_changed_settin
 
     from demind.config import to_dict
     from demind.training.config import TrainConfig
-    from demind.training.checkpoints import check_resumable
+    from demind.training.resume import check_resumable
 
     cfg = TrainConfig()
     saved = to_dict(cfg)
     del saved["run"]["threads"]  # written before the key existed
-    with caplog.at_level(logging.WARNING, logger="demind.training.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="demind.training.resume"):
         check_resumable(saved, cfg, tmp_path)
     assert "changed settings" not in caplog.text
     saved["run"]["log_every"] = cfg.run.log_every + 1
-    with caplog.at_level(logging.WARNING, logger="demind.training.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="demind.training.resume"):
         check_resumable(saved, cfg, tmp_path)
     assert f"run.log_every ({cfg.run.log_every + 1} -> {cfg.run.log_every})" in caplog.text
     assert "run.threads" not in caplog.text
@@ -60,7 +60,8 @@ def test_resuming_under_another_recipe_is_refused_naming_the_key(tmp_path, key, 
     under the new recipe: one line names the changed key (free keys, such as run.log_every, may change)."""
     from demind.config import to_dict
     from demind.training.config import TrainConfig
-    from demind.training.checkpoints import ResumeError, check_resumable
+    from demind.trainkit import ResumeError
+    from demind.training.resume import check_resumable
 
     cfg = TrainConfig()
     saved = to_dict(cfg)
@@ -77,12 +78,12 @@ def test_growing_max_steps_resumes(tmp_path, caplog):
 
     from demind.config import to_dict
     from demind.training.config import TrainConfig
-    from demind.training.checkpoints import check_resumable
+    from demind.training.resume import check_resumable
 
     cfg = TrainConfig()
     saved = to_dict(cfg)
     saved["optim"]["max_steps"] = cfg.optim.max_steps - 100
-    with caplog.at_level(logging.WARNING, logger="demind.training.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="demind.training.resume"):
         check_resumable(saved, cfg, tmp_path)
     assert "optim.max_steps" in caplog.text
 
@@ -95,7 +96,8 @@ def test_train_refuses_missing_shards_and_another_recipe_before_the_backbone_loa
     from demind.config import to_dict
     from demind.shard_format import ShardListError
     from demind.training import loop
-    from demind.training.checkpoints import STATE_NAME, ResumeError, checkpoint_root
+    from demind.trainkit import ResumeError
+    from demind.training.resume import STATE_NAME, checkpoint_root
     from demind.training.config import TrainConfig
 
     def no_backbone(*args, **kwargs):

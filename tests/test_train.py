@@ -15,7 +15,8 @@ from demind.cli import train
 from demind.checkpoint import load_checkpoint, read_checkpoint_metadata
 from demind.data import ShardFormatError
 from toyworld.synthetic import write_intent_shard, write_synthetic_shards
-from demind.training import NonFiniteLossError, ResumeError, TrainConfig, check_finite, lr_factor, OptimConfig
+from demind.trainkit import NonFiniteLossError, ResumeError
+from demind.training import TrainConfig, check_finite, lr_factor, OptimConfig
 
 
 pytestmark = pytest.mark.usefixtures("one_thread_and_fresh_accelerator")
@@ -245,13 +246,13 @@ def test_cc3m_like_synthetic_texts_have_the_papers_lengths(tmp_path, tiny_backbo
 def test_log_window_sums_on_the_device_equal_python_float_sums():
     """Loss sums kept as float64 tensors (no host sync per step) give the means that summing
     Python floats gave."""
-    from demind.training.metrics_log import LOSS_TERMS, LogWindow
+    from demind.training.step_log import LOSS_TERMS, DeMindsLogWindow
 
     torch.manual_seed(0)
     steps = [{t: torch.rand(()) * 10 for t in LOSS_TERMS} for _ in range(7)]
-    window = LogWindow()
+    window = DeMindsLogWindow()
     for losses in steps:
         window.add(losses)
     expected = torch.tensor([sum(float(s[t]) for s in steps) / len(steps) for t in LOSS_TERMS])
     assert torch.equal(window.means(torch.device("cpu")), expected)
-    assert torch.equal(LogWindow().means(torch.device("cpu")), torch.zeros(len(LOSS_TERMS)))
+    assert torch.equal(DeMindsLogWindow().means(torch.device("cpu")), torch.zeros(len(LOSS_TERMS)))

@@ -26,7 +26,8 @@ WORKER = r'''
 import json, sys, torch
 torch.set_num_threads(1)
 from demind.config import load_config
-from demind.training import TrainConfig, build_modules, compute_losses, make_gather, setup
+from demind.trainkit import make_gather
+from demind.training import TrainConfig, build_modules, compute_losses, setup
 
 overrides, out, per_process = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 sys.path.insert(0, sys.argv[4])
@@ -198,7 +199,8 @@ CONESEP_WORKER = r'''
 import json, sys, torch
 torch.set_num_threads(1)
 from demind.config import load_config
-from demind.training import TrainConfig, build_modules, compute_losses, make_gather, setup
+from demind.trainkit import make_gather
+from demind.training import TrainConfig, build_modules, compute_losses, setup
 
 overrides, per_process = json.loads(sys.argv[1]), int(sys.argv[2])
 sys.path.insert(0, sys.argv[3])

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from demind.errors import DemindError, NonFiniteError
-from demind.training.finite import NonFiniteLossError, check_finite_terms
-from demind.training.metrics_log import LogWindow, step_line, term_parts
-from demind.training.optim import build_adamw, build_lr_scheduler, parameter_groups, warmup_cosine
-from demind.training.state_file import (StateFileError, load_train_state, load_tree, read_train_state_extra,
+from demind.trainkit.finite import NonFiniteLossError, check_finite_terms
+from demind.trainkit.metrics_log import LogWindow, step_line, term_parts
+from demind.trainkit.optim import build_adamw, build_lr_scheduler, parameter_groups, warmup_cosine
+from demind.trainkit.state_file import (StateFileError, load_train_state, load_tree, read_train_state_extra,
                                    restore_train_state, save_train_state, save_tree)
 
 

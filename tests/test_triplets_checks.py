@@ -68,7 +68,7 @@ def test_a_killed_run_rerun_with_another_recipe_is_refused_naming_the_keys(tmp_p
                                                                           one_thread_and_fresh_accelerator):
     import demind.triplets.train as train_module
     from demind.cli.train_triplets import main
-    from demind.training import ResumeError
+    from demind.trainkit import ResumeError
 
     write_triplets(tmp_path)
     out = tmp_path / "run"

@@ -9,7 +9,7 @@ recall is measured on held-out "web_eval" scenes.
 
 Files, no pickle: the weights are a plain open_clip state dict in ``<stem>.safetensors`` (open_clip
 and :class:`demind.backbone.FrozenCLIP` load it by that extension), the report ``<stem>.json``; a
-run killed while training leaves ``<stem>.state.safetensors`` (:mod:`demind.training.state_file`) and a
+run killed while training leaves ``<stem>.state.safetensors`` (:mod:`demind.trainkit.state_file`) and a
 rerun resumes from it. A damaged state file (truncated, corrupted) is deleted with a warning and
 the toy CLIP trained again from its first step: it is this cache's own file, and training again is
 what the user would be told to do. Weights pickled by versions before the shared training engine
@@ -34,7 +34,7 @@ from safetensors.torch import load_file, save_file
 
 from demind.backbone import quiet_random_init_notice
 from demind.io import atomic_path, write_json_atomic
-from demind.training import StateFileError
+from demind.trainkit import StateFileError
 
 from .clip import add_modality_gap, build_toy_model, gap_model_config, image_side, model_name
 from toyworld.clip_config import ToyBackboneConfig, model_config_path

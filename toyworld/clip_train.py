@@ -1,6 +1,6 @@
 """Training the toy CLIP from scratch: image-tower pre-training on tags, then ClipLoss with the tower locked.
 
-On the shared training engine (:mod:`demind.training`): the optimizer and schedule
+On the shared trainer parts (:mod:`demind.trainkit`): the optimizer and schedule
 (``build_adamw``, ``build_lr_scheduler``), the non-finite check (``check_finite_terms``), the log
 line (``step_line``) and the resumable state (``save_train_state``: one ``.safetensors`` file,
 tensors + JSON, no pickle). A stage has its own optimizer and schedule: the image pre-training a
@@ -22,7 +22,7 @@ import torch
 from open_clip.loss import ClipLoss
 from demind.logs import progress_bar
 
-from demind.training import (build_adamw, build_lr_scheduler, check_finite_terms, load_train_state,
+from demind.trainkit import (build_adamw, build_lr_scheduler, check_finite_terms, load_train_state,
                              restore_train_state, save_train_state, step_line, term_parts)
 
 from .clip import (
@@ -91,7 +91,7 @@ def train_toy_clip(cfg: ToyBackboneConfig, progress: bool = True, state_path: Pa
     With ``state_path`` (a ``.safetensors`` file), the training state is saved every ``save_every``
     steps, and a run that finds one continues from it (same batches, same captions, same weights
     bit for bit) instead of restarting. A damaged state file is a
-    :class:`~demind.training.state_file.StateFileError` (a ``DemindError``) naming it, raised before any
+    :class:`~demind.trainkit.StateFileError` (a ``DemindError``) naming it, raised before any
     work; :func:`toyworld.clip_cache.ensure_toy_backbone` deletes it and trains again.
     """
     # read first: a damaged file fails in milliseconds, before the pools are rendered

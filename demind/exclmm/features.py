@@ -27,7 +27,7 @@ from demind.retrieval import ImageFeatureCache, encode_image_refs
 from demind.retrieval import ImageRef
 from demind.exclmm.model import words_of
 from demind.exclmm.run_upgrade import EARLIER_FORMATS, earlier_record, load_earlier_features
-from demind.training import StateFileError
+from demind.trainkit import StateFileError
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +135,17 @@ def _reusable(path: Path, identity: dict[str, Any], train: Any) -> tuple[str | N
     return why, feats
 
 
+def _read_captions(data_cfg: Any, data: dict[str, Any], row: dict[str, int]) -> tuple[list[dict], list[str]]:
+    """The COCO captions of the split's images (``data.captions``, else the file the split was built
+    from) and their texts, stripped; ``row``: image id -> its row."""
+    captions_path = Path(data_cfg.captions or data["source"]["captions"])
+    if not captions_path.is_file():
+        raise MissingInputError(f"captions file {captions_path} not found; set data.captions to the COCO "
+                                f"captions_{{split}}.json of the training split")
+    caps = [c for c in load_coco(captions_path, CAPTION_FIELDS)["annotations"] if str(c["image_id"]) in row]
+    return caps, [c["caption"].strip() for c in caps]
+
+
 def prepare_features(data_cfg: Any, backbone: FrozenCLIP, run_dir: Path, progress: bool = True) -> dict[str, Any]:
     """Frozen CLIP features of everything training reads, computed once (``features.safetensors``).
 
@@ -167,12 +178,7 @@ def prepare_features(data_cfg: Any, backbone: FrozenCLIP, run_dir: Path, progres
                                desc="exclmm train images")
     images = F.normalize(torch.stack([raw[i] for i in image_ids]).float(), dim=-1)
 
-    captions_path = Path(data_cfg.captions or data["source"]["captions"])
-    if not captions_path.is_file():
-        raise MissingInputError(f"captions file {captions_path} not found; set data.captions to the COCO "
-                                f"captions_{{split}}.json of the training split")
-    caps = [c for c in load_coco(captions_path, CAPTION_FIELDS)["annotations"] if str(c["image_id"]) in row]
-    caption_texts = [c["caption"].strip() for c in caps]
+    caps, caption_texts = _read_captions(data_cfg, data, row)
     queries = data["queries"]
     vocab = sorted({w for s in caption_texts + [t for q in queries for t in (q["query"], q["positive_query"])]
                     for w in words_of(s)})

@@ -2,7 +2,7 @@
 trainer, the features reader and the export loader call in here and nowhere else knows them).
 
 * Features of the single-file form, ``demind-exclmm-features/1`` (one safetensors file with its JSON
-  inside, :func:`demind.training.save_tree`, no ``features.json``), are read as current ones
+  inside, :func:`demind.trainkit.save_tree`, no ``features.json``), are read as current ones
   (:func:`load_earlier_features`, :func:`earlier_record`).
 * The pickles ``state.pt`` / ``features.pt`` are refused in one line saying what to do: delete them
   and rerun ``demind-train-exclmm`` (:func:`refuse_pickled_files`); reading a pickle could run code,
@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from demind.errors import DemindError
-from demind.training import load_tree
+from demind.trainkit import load_tree
 
-LEGACY_FORMAT = "demind-exclmm-features/1"  # /1: one safetensors file through training.state_file
+LEGACY_FORMAT = "demind-exclmm-features/1"  # /1: one safetensors file through trainkit.state_file
 EARLIER_FORMATS = (LEGACY_FORMAT,)
 LEGACY_NAMES = ("state.pt", "features.pt")  # pickles written by earlier versions: refused
 
@@ -35,7 +35,7 @@ class LegacyStateError(DemindError, ValueError):
 
 def load_earlier_features(path: Path, fix: str) -> dict[str, Any]:
     """The features dict of a ``demind-exclmm-features/1`` file (ragged lists still packed);
-    :class:`demind.training.StateFileError` when ``path`` is not one."""
+    :class:`demind.trainkit.StateFileError` when ``path`` is not one."""
     return load_tree(path, LEGACY_FORMAT, fix)
 
 

@@ -6,7 +6,7 @@
 
 Phases, each resumable: ``sae`` (stage 1 step 1), ``space`` (step 3; step 2 is a fixed mean),
 ``query`` (stage 2). ``query.space=clip`` (the "without stage 1" ablation) skips the first two.
-The training engine's pieces do the work (:mod:`demind.training`: optimizer and schedule,
+The shared trainer parts do the work (:mod:`demind.trainkit`: optimizer and schedule,
 non-finite check, log line, state file). Every ``run.save_every`` steps and at the end of each
 phase, ``<output_dir>/state.safetensors`` is written atomically (all modules, the current
 optimizer and scheduler, RNG, phase, step, config: safetensors + JSON, no pickle); rerunning the
@@ -45,7 +45,7 @@ from demind.exclmm.features import FEATURES_NAME, prepare_features
 from demind.exclmm.model import ExclMM
 from demind.exclmm.run_upgrade import refuse_pickled_files
 from demind.seeding import derive_seed
-from demind.training import (LogWindow, append_metrics, build_adamw, build_lr_scheduler, check_finite_terms,
+from demind.trainkit import (LogWindow, append_metrics, build_adamw, build_lr_scheduler, check_finite_terms,
                              load_train_state, restore_train_state, save_train_state, step_line, term_parts,
                              trim_metrics)
 
@@ -114,7 +114,7 @@ class Plateau:
 def save_state(path: Path, model: ExclMM, optimizer: torch.optim.Optimizer, scheduler, phase: str, step: int,
                window: LogWindow, cfg: ExclMMConfig, plateau: Plateau, phase_done: bool,
                steps_run: dict[str, dict]) -> None:
-    """The resumable state after ``step`` steps of ``phase`` (:func:`demind.training.state_file.save_train_state`);
+    """The resumable state after ``step`` steps of ``phase`` (:func:`demind.trainkit.save_train_state`);
     ``phase_done``: the phase has finished (its cap or the plateau rule); ``steps_run``: the earlier phases'."""
     save_train_state(path, step=step, modules={"model": model}, optimizer=optimizer, scheduler=scheduler,
                      extra={"phase": phase, "config": asdict(cfg), "log_window": window.snapshot(),

@@ -13,7 +13,7 @@ from demind.shard_format import resolve_shards
 from demind.embedding_cache import cache_identity, cache_slug
 from demind.features import ShardFeatureCache, default_cache_dir, features_off
 from demind.training.config import TrainConfig
-from demind.training.checkpoints import TrainState
+from demind.training.resume import TrainState
 
 
 def find_feature_cache(data: DataConfig, shards: list[str], backbone: FrozenCLIP) -> ShardFeatureCache | None:

@@ -13,15 +13,14 @@ from demind.io import check_output_dir
 from demind.features import ShardFeatureCache
 from demind.model import DeMinds, build_model
 from demind.shard_format import resolve_shards
-from demind.training.accel import available_trackers, micro_batch_size, prepare_model, setup, tracker_config
+from demind.trainkit import available_trackers, deepspeed_precision, trim_metrics, use_full_precision_weights
+from demind.training.accel import micro_batch_size, prepare_model, setup, tracker_config
 from demind.training.batches import build_data
 from demind.training.config import TrainConfig
-from demind.training.metrics_log import trim_metrics
 from demind.training.plot import plot_training
 from demind.training.optim import build_optimizer, build_scheduler
-from demind.training.checkpoints import TrainState, check_resume_recipe, resume_state
+from demind.training.resume import TrainState, check_resume_recipe, resume_state
 from demind.training.step import train_steps
-from demind.training.zero import deepspeed_precision, use_full_precision_weights
 
 
 EXPORT_NAME = "demind.safetensors"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from demind.io import atomic_path
 from demind.plots import file_pyplot
-from demind.training.metrics_log import LOSS_TERMS
+from demind.training.step_log import LOSS_TERMS
 
 log = logging.getLogger(__name__)
 

@@ -12,14 +12,13 @@ from demind.fidelity import gfq_fidelity
 from demind.losses import Gather, demind_losses
 from demind.robust import noise_aware_losses, target_fidelity
 from demind.schema import NoiseConfig
-from demind.training.accel import make_gather
+from demind.trainkit import finite_flags, make_gather, raise_non_finite
 from demind.training.batches import batch_embeddings, batch_rewritten_embeddings
 from demind.training.config import TrainConfig
-from demind.training.finite import NonFiniteLossError, finite_flags, raise_non_finite
-from demind.training.metrics_log import LOSS_TERMS, NOISE_TERMS, LogWindow, log_metrics
-from demind.training.checkpoints import TrainState, save_training_state
+from demind.training.step_log import LOSS_TERMS, NOISE_TERMS, DeMindsLogWindow, log_metrics
+from demind.training.resume import TrainState, save_training_state
 
-__all__ = ["NonFiniteLossError", "check_finite", "compute_losses", "train_one_step", "train_steps"]
+__all__ = ["check_finite", "compute_losses", "train_one_step", "train_steps"]
 
 
 def compute_losses(model: torch.nn.Module, batch: dict[str, Any], backbone: FrozenCLIP, *,
@@ -66,7 +65,7 @@ def check_finite(losses: dict[str, torch.Tensor], step: int, accelerator) -> Non
 
 
 def train_one_step(cfg: TrainConfig, accelerator, model, optimizer, scheduler, batches, backbone: FrozenCLIP,
-                   state: TrainState, window: LogWindow, gather: Gather | None) -> None:
+                   state: TrainState, window: DeMindsLogWindow, gather: Gather | None) -> None:
     """One optimizer step over ``optim.grad_accum_steps`` micro-batches from ``batches``."""
     from accelerate.utils import DistributedType
 
@@ -113,7 +112,7 @@ def train_steps(cfg: TrainConfig, accelerator, model, optimizer, scheduler, load
         return  # a finished run, rerun: nothing to train
     gather = make_gather(accelerator)
     model.train()
-    window = LogWindow.restore(state.log_window)
+    window = DeMindsLogWindow.restore(state.log_window)
     batches = iter(loader)
     with progress_bar(lines=False, total=cfg.optim.max_steps, initial=state.step, desc="train", unit="step",
               disable=not (accelerator.is_local_main_process and cfg.run.progress)) as bar:
@@ -123,7 +122,7 @@ def train_steps(cfg: TrainConfig, accelerator, model, optimizer, scheduler, load
             bar.update(1)
             if state.step % cfg.run.log_every == 0 or state.step == cfg.optim.max_steps:
                 log_metrics(accelerator, cfg, state, window, model, scheduler, bar)
-                window = LogWindow()
+                window = DeMindsLogWindow()
             state.log_window = window.snapshot()
             if state.step % cfg.run.save_every == 0 or state.step == cfg.optim.max_steps:
                 save_training_state(accelerator, cfg, state)

@@ -1,11 +1,11 @@
 """How ``demind-train-triplets`` runs under ``accelerate launch``: the Accelerator (one process,
 several, or DeepSpeed's engine), each process's share of the work, and DeepSpeed's own state.
 
-The pieces are De-MINDS pretraining's (:mod:`demind.training`): its refusal of a GPU launch that
-Accelerate would quietly run on the CPU, its gather with gradients, its DeepSpeed device check and
+The pieces are the shared trainer parts (:mod:`demind.trainkit`): the refusal of a GPU launch that
+Accelerate would quietly run on the CPU, the gather with gradients, the DeepSpeed device check and
 config filling. The triplet trainer adds what its recipe differs in: ``optim.batch_size`` is the
 global batch (no accumulation, no clipping, float32 only), and its resumable state is one file
-(:mod:`demind.training.state_file`), beside which DeepSpeed's engine keeps its sharded optimizer in
+(:mod:`demind.trainkit.state_file`), beside which DeepSpeed's engine keeps its sharded optimizer in
 ``deepspeed_state/epoch_N`` (Accelerate's ``save_state``), named by the state file.
 """
 
@@ -34,8 +34,7 @@ def make_accelerator(cfg: TripletTrainConfig, launched_processes: int = 1, *, de
     from accelerate import Accelerator, DistributedDataParallelKwargs, InitProcessGroupKwargs
     from accelerate.utils import DistributedType
 
-    from demind.training import refuse_cpu_fallback
-    from demind.training import DeepSpeedError, deepspeed_device
+    from demind.trainkit import DeepSpeedError, deepspeed_device, refuse_cpu_fallback
 
     if cfg.run.device.startswith("cuda:"):
         if launched_processes > 1 or deepspeed:
@@ -44,11 +43,11 @@ def make_accelerator(cfg: TripletTrainConfig, launched_processes: int = 1, *, de
         torch.cuda.set_device(torch.device(cfg.run.device))  # Accelerate places one process on the current device
     # P_neg only gets a gradient in the NBL modes: the others leave it unused
     handlers = [DistributedDataParallelKwargs(find_unused_parameters=cfg.robust.mode not in NBL_MODES)]
-    if deepspeed and deepspeed_device(cfg) == "cpu":  # DeepSpeed's CPU accelerator talks over gloo
+    if deepspeed and deepspeed_device(cfg.run.device) == "cpu":  # DeepSpeed's CPU accelerator talks over gloo
         handlers.append(InitProcessGroupKwargs(backend="gloo"))
     # cpu=True would make Accelerate drop DeepSpeed: DeepSpeed's own accelerator places it instead
     accelerator = Accelerator(cpu=cfg.run.device == "cpu" and not deepspeed, kwargs_handlers=handlers)
-    refuse_cpu_fallback(accelerator, cfg, launched_processes)
+    refuse_cpu_fallback(accelerator, cfg.run.device, launched_processes)
     if deepspeed and accelerator.distributed_type != DistributedType.DEEPSPEED:
         raise DeepSpeedError(f"the launcher asked for DeepSpeed but Accelerate set up {accelerator.distributed_type}; "
                              f"launch with `accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml "
@@ -75,7 +74,7 @@ def prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimize
     batch = ``batch_size`` / processes). The schedule is not prepared: the trainer steps it once per
     step (Accelerate would step it once per process)."""
     if is_deepspeed(accelerator):
-        from demind.training import fill_deepspeed_config
+        from demind.trainkit import fill_deepspeed_config
 
         fill_deepspeed_config(accelerator.state.deepspeed_plugin, micro_batch=batch_size // accelerator.num_processes,
                               num_processes=accelerator.num_processes, grad_accum_steps=1, grad_clip=None,
@@ -89,7 +88,7 @@ def process_share(accelerator) -> ProcessShare:
         return ONE_PROCESS
     from accelerate.utils import broadcast
 
-    from demind.training import make_gather
+    from demind.trainkit import make_gather
 
     def total(x: torch.Tensor) -> torch.Tensor:
         return accelerator.reduce(x.to(accelerator.device), reduction="sum").to(x.device)
@@ -106,7 +105,7 @@ def save_engine_state(accelerator, out: Path, epoch: int) -> str | None:
     None elsewhere (the state file then holds the optimizer)."""
     if not is_deepspeed(accelerator):
         return None
-    from demind.training import save_accelerator_state_atomically
+    from demind.trainkit import save_accelerator_state_atomically
 
     name = f"{ENGINE_STATES}/epoch_{epoch}"
     save_accelerator_state_atomically(accelerator, out / name)
@@ -130,7 +129,7 @@ def remove_engine_states(out: Path, keep: str | None = None) -> None:
 def check_same_engine(state_path: Path, extra: dict, accelerator) -> str | None:
     """The DeepSpeed engine state a resumed run continues from (None: the state file holds it all);
     a state written under DeepSpeed resumes only under it, and the other way round: one line."""
-    from demind.training import ResumeError
+    from demind.trainkit import ResumeError
 
     written = extra.get("engine_state")
     running = is_deepspeed(accelerator)

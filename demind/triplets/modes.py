@@ -137,7 +137,7 @@ class ProcessShare:
     """This process's part of the work when several processes train (``accelerate launch``).
 
     rows: the rows of each global batch this process composes (with gradients); gather: the
-    queries of every process, with gradients (:func:`demind.training.make_gather`; None in one
+    queries of every process, with gradients (:func:`demind.trainkit.make_gather`; None in one
     process); total: sums a tensor over processes (each holds its rows, zeros elsewhere); agree:
     the main process's value of a tensor in every process. The defaults are one process."""
 

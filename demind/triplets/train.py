@@ -3,14 +3,14 @@
 A combiner (:mod:`demind.combiner`) over a frozen CLIP's cached features, InfoNCE against
 the target, under one of the noise modes of :mod:`demind.triplets.modes`. Accelerate places the model
 and optimizer (as in De-MINDS pretraining); the optimizer and schedule are the project's
-(:mod:`demind.training.optim`), the resumable state its one state file (:mod:`demind.training.state_file`):
+(:mod:`demind.trainkit.optim`), the resumable state its one state file (:mod:`demind.trainkit.state_file`):
 after every epoch ``state.safetensors`` holds model, optimizer, schedule, RNGs and the epoch, so a
 killed run rerun with the same command continues where it stopped and ends with the same weights.
 
 Several processes (``accelerate launch --config_file configs/accelerate/multi_cpu.yaml`` or
 ``multi_gpu.yaml``): every process holds all N cached features and draws the same epoch order;
 ``optim.batch_size`` is the global batch, each process composes its 1/P of it, and the queries are
-gathered with gradients (De-MINDS's :func:`demind.training.make_gather`), so the InfoNCE, GFQ, NBL
+gathered with gradients (the shared :func:`demind.trainkit.make_gather`), so the InfoNCE, GFQ, NBL
 and BTU terms are those of the whole batch and the update is the one-process update (to float
 rounding). Small-loss's per-sample losses are split over the processes and summed, so all get the
 same N losses and the same GMM. Only the main process writes files.
@@ -44,10 +44,11 @@ from demind.config import check_output_key, config_changes, to_dict, with_defaul
 from demind.errors import InputError
 from demind.eval import pairwise_auc
 from demind.io import read_json, write_json_atomic
+from demind.schema import SPEED_ONLY_KEYS
 from demind.seeding import derive_seed
-from demind.training import (
-    SPEED_ONLY_KEYS, ResumeError, append_metrics, build_adamw, build_lr_scheduler, check_finite_terms,
-    load_train_state, restore_train_state, save_train_state, trim_metrics)
+from demind.trainkit import (
+    ResumeError, append_metrics, build_adamw, build_lr_scheduler, check_finite_terms, load_train_state,
+    restore_train_state, save_train_state, trim_metrics)
 from demind.combiner import Combiner
 from demind.triplets.config import TripletTrainConfig
 from demind.triplets.features import image_features, text_features
@@ -136,7 +137,7 @@ def made_from(cfg: TripletTrainConfig, inputs: TripletInputs | None) -> dict:
 def check_same_recipe(out: Path, record: dict) -> None:
     """A started (state file) or finished (export) run in ``out`` continues, or is left as is, only
     when ``run.json`` says it was made from this config (up to :data:`FREE_KEYS`) and these
-    triplets; else :class:`~demind.training.ResumeError` naming the changed keys."""
+    triplets; else :class:`~demind.trainkit.ResumeError` naming the changed keys."""
     started = [p for p in (out / STATE, out / EXPORT) if p.is_file()]
     if not started:
         return

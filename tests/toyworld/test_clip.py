@@ -264,7 +264,7 @@ def test_a_damaged_state_file_is_one_error_naming_it_and_the_cache_trains_again(
     own damaged state, says so, and trains again (the same weights as an undisturbed run). Weights
     an earlier version pickled (``.pt``) are not read, with one line saying so."""
     from demind.errors import DemindError
-    from demind.training.state_file import save_train_state
+    from demind.trainkit import save_train_state
 
     cfg, root, weights, _ = trained
     cache = tmp_path / "cache"

@@ -9,9 +9,10 @@ old state or the new one, never a mix of tensors from one and JSON from the othe
 Loading needs no unpickler, so a state file cannot run code, and a truncated or corrupted
 file is one :class:`StateFileError` naming the file and the fix.
 
-Used by ExclMM and the toy CLIP. De-MINDS resumes through ``accelerator.save_state``
-instead (:mod:`demind.training.checkpoints`), because sharded DeepSpeed/FSDP optimizer states
-are only written and read by Accelerate.
+Used by ExclMM, the triplet trainer and the toy CLIP. De-MINDS resumes through
+``accelerator.save_state`` instead (:mod:`demind.training.resume`), because sharded
+DeepSpeed/FSDP optimizer states are only written and read by Accelerate. :class:`ResumeError`
+is every trainer's refusal to continue a run folder.
 
     save_train_state(path, step=100, modules={"model": model}, optimizer=opt, scheduler=sched,
                      extra={"phase": "sae"})
@@ -40,6 +41,10 @@ TREE_FORMAT = "demind-tree/1"
 
 class StateFileError(DemindError, ValueError):
     """A state or cache file that cannot be read back (truncated, corrupted, or another format)."""
+
+
+class ResumeError(DemindError, ValueError):
+    """A run folder whose checkpoints cannot continue with this config."""
 
 
 # ------------------------------------------------------------------------ tree <-> (tensors, JSON)

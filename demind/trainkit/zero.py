@@ -1,16 +1,18 @@
 """DeepSpeed (ZeRO) under ``accelerate launch``: refuse where it cannot run, fill its config from the train config.
 
 ``accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml train.py ...`` asks for
-DeepSpeed; the command passes that request to :func:`demind.training.train`. Either DeepSpeed's
-engine then trains (the start-up line says ``DistributedType.DEEPSPEED``) or the run stops with
-one :class:`DeepSpeedError` / :class:`~demind.errors.MissingDependencyError` line: it never falls
-back to plain data parallelism while the launcher's DeepSpeed settings are ignored.
+DeepSpeed; the command passes that request to its trainer (:func:`demind.training.train` or the
+triplet trainer). Either DeepSpeed's engine then trains (the start-up line says
+``DistributedType.DEEPSPEED``) or the run stops with one :class:`DeepSpeedError` /
+:class:`~demind.errors.MissingDependencyError` line: it never falls back to plain data parallelism
+while the launcher's DeepSpeed settings are ignored.
 
-The train config is the one source of truth for the numbers DeepSpeed also holds: the micro batch
-(``optim.global_batch_size`` / processes / ``optim.grad_accum_steps``), ``optim.grad_accum_steps``,
-``optim.grad_clip`` (null -> 0, DeepSpeed's "no clipping") and ``run.mixed_precision`` (Accelerate
-passes it to DeepSpeed's ``bf16`` / ``fp16`` sections). Keys the launcher's config leaves out or sets
-to ``auto`` are filled from it; a number set there that differs is refused, naming both.
+The train config is the one source of truth for the numbers DeepSpeed also holds: the micro batch,
+the accumulation steps, the gradient clipping (null -> 0, DeepSpeed's "no clipping") and the mixed
+precision (Accelerate passes it to DeepSpeed's ``bf16`` / ``fp16`` sections); each trainer names the
+settings they come from (De-MINDS's: ``DEMINDS_SOURCES`` in :mod:`demind.training.accel`). Keys the
+launcher's config leaves out or sets to ``auto`` are filled from it; a number set there that differs
+is refused, naming both.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from typing import Any
 import torch
 
 from demind.errors import DemindError, MissingDependencyError
-from demind.training.config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -34,12 +35,12 @@ class DeepSpeedError(DemindError):
     DeepSpeed config whose numbers contradict the train config."""
 
 
-def deepspeed_device(cfg: TrainConfig) -> str:
-    """Check, before any process group exists, that DeepSpeed can run here as ``cfg`` asks.
+def deepspeed_device(device: str) -> str:
+    """Check, before any process group exists, that DeepSpeed can run here on ``device`` (``run.device``).
 
     Returns the device type DeepSpeed's accelerator trains on (``"cpu"``, ``"cuda"``, ...). Raises
     :class:`MissingDependencyError` when DeepSpeed cannot be imported, :class:`DeepSpeedError` when
-    its accelerator is not the device ``run.device`` names (DeepSpeed picks CUDA when it sees a GPU,
+    its accelerator is not the device ``device`` names (DeepSpeed picks CUDA when it sees a GPU,
     else its CPU accelerator; ``DS_ACCELERATOR=cpu`` forces the CPU).
     """
     try:
@@ -48,8 +49,8 @@ def deepspeed_device(cfg: TrainConfig) -> str:
     except ImportError as e:
         raise MissingDependencyError(f"the launcher asked for DeepSpeed (a DeepSpeed --config_file) but it cannot be "
                                      f"imported ({e}); install it with {INSTALL_HINT}, {OTHER_LAUNCHERS}") from None
+    wanted = device
     device = get_accelerator().device_name()
-    wanted = cfg.run.device
     if wanted in ("cpu", "cuda") and device != wanted:
         fix = ("set DS_ACCELERATOR=cpu to train on the CPU" if wanted == "cpu" else
                "run it where a CUDA GPU is visible")
@@ -61,27 +62,16 @@ def deepspeed_device(cfg: TrainConfig) -> str:
     return device
 
 
-def configure_deepspeed(plugin, cfg: TrainConfig, num_processes: int, micro_batch: int) -> dict[str, Any]:
-    """Fill the DeepSpeed config of Accelerate's ``plugin`` from ``cfg`` (before ``accelerator.prepare``).
+def fill_deepspeed_config(plugin, *, micro_batch: int, num_processes: int, grad_accum_steps: int,
+                          grad_clip: float | None, sources: dict[str, str]) -> dict[str, Any]:
+    """Fill the DeepSpeed config of Accelerate's ``plugin`` (before ``accelerator.prepare``).
 
     Sets ``train_micro_batch_size_per_gpu`` (Accelerate can only infer it from a DataLoader, and the
-    trainer prepares none), ``train_batch_size``, ``gradient_accumulation_steps`` and
+    trainers prepare none), ``train_batch_size``, ``gradient_accumulation_steps`` and
     ``gradient_clipping`` where the launcher's config leaves them out or ``auto``; raises
-    :class:`DeepSpeedError` naming both values where it sets one that differs. Returns the config.
+    :class:`DeepSpeedError` naming both values where it sets one that differs, and ``sources``, the
+    setting each comes from. Returns the config.
     """
-    return fill_deepspeed_config(plugin, micro_batch=micro_batch, num_processes=num_processes,
-                                 grad_accum_steps=cfg.optim.grad_accum_steps, grad_clip=cfg.optim.grad_clip)
-
-
-DEMINDS_SOURCES = {"train_micro_batch_size_per_gpu": "optim.global_batch_size / processes / optim.grad_accum_steps",
-                   "gradient_accumulation_steps": "optim.grad_accum_steps",
-                   "train_batch_size": "optim.global_batch_size", "gradient_clipping": "optim.grad_clip"}
-
-
-def fill_deepspeed_config(plugin, *, micro_batch: int, num_processes: int, grad_accum_steps: int,
-                          grad_clip: float | None, sources: dict[str, str] = DEMINDS_SOURCES) -> dict[str, Any]:
-    """:func:`configure_deepspeed` for any trainer: the numbers themselves, and ``sources``, the
-    setting each comes from (named in a refusal)."""
     config = plugin.deepspeed_config
     wanted = {
         "train_micro_batch_size_per_gpu": micro_batch,

@@ -1,4 +1,4 @@
-"""Checkpoints and resume: Accelerate state plus trainer_state.json, saved atomically, pruned, resumed.
+"""De-MINDS's checkpoints and resume: Accelerate state plus trainer_state.json, saved atomically, pruned, resumed.
 
 ``<run.output_dir>/checkpoints/step_XXXXXXXX/`` holds the Accelerate state (model, optimizer,
 scheduler, scaler, RNG), ``trainer_state.json`` (progress, data-stream positions, skip counts)
@@ -14,21 +14,18 @@ import shutil
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from demind.config import config_changes, save_config, to_dict, with_defaults
-from demind.errors import DemindError
 from demind.io import reporting_output_errors, temp_path
+from demind.schema import SPEED_ONLY_KEYS
+from demind.trainkit import ResumeError, save_accelerator_state_atomically
 from demind.training.config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
 
 STATE_NAME = "trainer_state.json"
-
-
-class ResumeError(DemindError, ValueError):
-    """A run folder whose checkpoints cannot continue with this config."""
 
 
 @dataclass
@@ -88,29 +85,6 @@ def save_training_state(accelerator, cfg: TrainConfig, state: TrainState) -> Pat
     return final
 
 
-def save_accelerator_state_atomically(accelerator, final: Path,
-                                      before_rename: Callable[[Path], None] | None = None) -> None:
-    """Accelerate's ``save_state`` into ``final.tmp``, then renamed to ``final`` (replacing an older
-    ``final``, e.g. the same step saved again after a resume), so a kill never leaves a half-written
-    ``final``. Every process must call it; only the main process creates, fills and renames the folder.
-    ``before_rename(tmp)`` runs on the main process after the save, to add files of the caller's own.
-    """
-    tmp = temp_path(final)
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        if before_rename is not None:
-            before_rename(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.replace(final)
-    accelerator.wait_for_everyone()
-
-
 def prune_checkpoints(run_dir: Path, keep: int) -> None:
     """Delete all but the newest ``keep`` complete checkpoints, and saves interrupted by a kill."""
     folders = list(checkpoint_root(run_dir).glob("step_*"))
@@ -119,10 +93,6 @@ def prune_checkpoints(run_dir: Path, keep: int) -> None:
     for old in (done[:-keep] if keep > 0 else []) + stale:
         shutil.rmtree(old, ignore_errors=True)
 
-
-# Backbone settings that change how fast, not what, the frozen CLIP computes: a run may
-# resume with other values (and checkpoints written before a key existed still resume).
-SPEED_ONLY_KEYS = frozenset({"backbone.text_buckets", "backbone.grad_checkpointing"})
 
 # Keys that change where, how fast or how verbosely a run goes on, not what it trains: a resumed run may
 # take other values (reported in one log line). optim.max_steps may grow, to train on (its shrinking below
