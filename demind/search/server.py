@@ -189,10 +189,12 @@ class SearchRoutes:
         self.shown_problem = guard.redact_paths(problem) if problem else None
         self.thumbnail = lru_cache(maxsize=4096)(partial(indexed_thumbnail, searcher))
 
-    def index_page(self):
+    def index_page(self) -> Response:
+        """GET /: the page."""
         return Response(page_html(), mimetype="text/html")
 
-    def info(self):
+    def info(self) -> Response:
+        """GET /api/info: the methods, the gallery's size, the ranker, the index and the MLLM (or the problem)."""
         searcher = self.searcher
         if searcher is None:
             return jsonify({"problem": self.shown_problem, "methods": [], "gallery_size": 0})
@@ -208,7 +210,7 @@ class SearchRoutes:
             "mllm": searcher.mllm.summary() if searcher.mllm is not None else None,
         })
 
-    def gallery(self):
+    def gallery(self) -> Response:
         """Gallery names containing ``q`` (to pick a reference), ``limit`` at most (and at most 500)."""
         searcher = self.searcher
         limit = whole_number("limit", request.args.get("limit"), 48, 0, MAX_GALLERY_NAMES)
@@ -218,7 +220,8 @@ class SearchRoutes:
         names = [n for n in searcher.index.names if needle in n.lower()] if needle else searcher.index.names
         return jsonify({"names": names[:limit], "total": len(names)})
 
-    def thumb(self):
+    def thumb(self) -> Response | tuple[Response, int]:
+        """GET /thumb?name=NAME: the PNG thumbnail of an indexed image (404 for any other name)."""
         name = request.args.get("name", "")
         if self.searcher is None or name not in self.rows:  # only indexed files are served
             return failure(f"{name[:200]!r} is not in the index", 404)
@@ -228,7 +231,8 @@ class SearchRoutes:
             log.warning("thumbnail of %s failed", name, exc_info=True)
             return failure(f"cannot read {name}", 404)
 
-    def search(self):
+    def search(self) -> Response | tuple[Response, int]:
+        """POST /api/search: one query through the model, one at a time (503 after ``query_timeout_s``)."""
         searcher, settings = self.searcher, self.settings
         if searcher is None:
             raise SearchError(self.problem)
