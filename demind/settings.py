@@ -1,4 +1,5 @@
-"""What a config field may hold: declared rules (:func:`setting`) and the common run settings.
+"""What a config field may hold: declared rules (:func:`setting`) and the common run settings
+(:class:`RunSection`, which every command's ``run`` section extends).
 
 The declaration side of :mod:`demind.config` (which loads, checks and saves configs): a
 dataclass field is declared with its rule and help text,
@@ -134,11 +135,24 @@ def resolve_device(name: str) -> str:
 
 
 @dataclasses.dataclass
-class RunOptions:
-    """The ``run`` section of the commands that only load and apply a model (eval, index, search, serve)."""
+class RunSection:
+    """What every command's ``run`` section holds: where it runs and whether it shows progress bars.
+
+    Each command's section extends it and is named for its command (``TrainRunConfig``,
+    ``ExclMMRunConfig``, ``TripletRunConfig``, ``MinePairsRunConfig``, ``GenRunConfig``,
+    :class:`ModelRunConfig`, :class:`QueryRunConfig`, the toy world's ``ToyRunConfig``); one whose
+    default or help text differs declares ``device`` or ``progress`` again. ``threads`` is
+    :func:`threads_setting` where a command has it."""
 
     device: str = device_setting()
     progress: bool = setting(True, help="progress bars")
+
+
+@dataclasses.dataclass
+class ModelRunConfig(RunSection):
+    """The ``run`` section of the commands that only load and apply a model (demind-index; demind-eval,
+    demind-search and demind-serve extend it: :class:`QueryRunConfig`)."""
+
     threads: int = threads_setting()
 
 
@@ -172,7 +186,7 @@ QUERY_MODES = ("eager", "compile", "cudagraphs")
 
 
 @dataclasses.dataclass
-class QueryRunOptions(RunOptions):
+class QueryRunConfig(ModelRunConfig):
     """The ``run`` section of the commands that compose queries with a checkpoint (eval, search, serve)."""
 
     query_mode: str = setting("eager", choices=QUERY_MODES,

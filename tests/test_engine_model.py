@@ -95,13 +95,13 @@ def test_a_folder_transformers_cannot_read_is_one_line_from_build_engine(tmp_pat
 def test_the_page_answers_400_with_the_line_and_keeps_serving(loaded, index_dir, tmp_path, offline_empty_cache):  # noqa: F811
     pytest.importorskip("flask", reason="flask not installed (optional extra 'search')")
     from demind.cli.model_options import SearchEngineConfig, build_mllm_setup
-    from demind.settings import QueryRunOptions
+    from demind.settings import QueryRunConfig
     from demind.mllm import DescribeOptions, RerankOptions
     from demind.search.server import create_app
 
     for model in (str(tmp_path / "no-llava"), "demind-test/not-cached"):
         setup = build_mllm_setup(SearchEngineConfig(name="transformers", model=model), DescribeOptions(store=None),
-                                 RerankOptions(), QueryRunOptions(device="cpu", progress=False))
+                                 RerankOptions(), QueryRunConfig(device="cpu", progress=False))
         client = create_app(searcher_with(loaded, index_dir, setup)).test_client()
         answer = client.post("/api/search", data={"gallery_name": "img1.png", "text": "make it red",
                                                   "method": "osrcir"})

@@ -335,12 +335,12 @@ def test_rerank_settings_that_cannot_work_are_refused_before_any_model_or_method
                                                                                       tmp_path):
     from demind.cli.model_options import build_mllm_setup
     from demind.config import ConfigError
-    from demind.settings import RunOptions
+    from demind.settings import ModelRunConfig
     from demind.engines import EngineConfig
 
     # re-ranking on vLLM is built (its log-probabilities): the setup is accepted, nothing loads yet
     assert build_mllm_setup(EngineConfig(name="vllm", model="m"), DescribeOptions(), RerankOptions(k=5),
-                            RunOptions()).engine.loaded is False
+                            ModelRunConfig()).engine.loaded is False
     engine = ScriptedEngine({})
     setup = MLLMSetup(lambda: engine, model="scripted-model", engine_name="scripted",
                       rerank=RerankOptions(k=5, methods="osrcir,image-only"))

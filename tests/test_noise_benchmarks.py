@@ -22,12 +22,12 @@ def tiny_quickstart(tmp_path_factory):
     from toyworld.clip_config import ToyBackboneConfig
     from toyworld.clip_cache import ensure_toy_backbone
     from toyworld.benchmarks import ToyBenchmarkConfig, write_benchmarks
-    from toyworld.pipeline import QuickstartConfig, QuickstartRunConfig
+    from toyworld.pipeline import QuickstartConfig, ToyRunConfig
 
     root = tmp_path_factory.mktemp("qs")
     model_json = root / "toy-clip-tiny.json"
     model_json.write_text(json.dumps(TINY_TOY_CLIP))
-    cfg = QuickstartConfig(workdir=str(root), run=QuickstartRunConfig(progress=False), eval_batch_size=32,
+    cfg = QuickstartConfig(workdir=str(root), run=ToyRunConfig(progress=False), eval_batch_size=32,
                            toy_benchmarks=ToyBenchmarkConfig(cirr_sets=4, exclusion_queries=2),
                            backbone=ToyBackboneConfig(model_config=str(model_json), steps=2, batch_size=8,
                                                       warmup_steps=1, num_train_images=16, num_eval_scenes=10,

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from demind.settings import device_setting, resolve_device, setting
+from demind.settings import RunSection, device_setting, resolve_device, setting
 from demind.io import check_output_dir, write_json_atomic
 
 from .benchmarks import ToyBenchmarkConfig, write_benchmarks
@@ -68,12 +68,13 @@ BENCH_FOLDERS = {"cirr": "cirr", "imagenet-r": "imgnet", "coco": "coco", "exclus
 
 
 @dataclass
-class QuickstartRunConfig:
-    """The settings every command spells the same way (docs/commands.md)."""
+class ToyRunConfig(RunSection):
+    """demind-quickstart's and demind-toy-clip's ``run`` section: the settings every command spells the
+    same way (docs/commands.md)."""
 
-    seed: int | None = setting(None, ge=0, help="the seed of the one De-MINDS run, as seeds=[N] (seeds lists several)")
     device: str = device_setting("cpu")  # the toy numbers in the docs are CPU runs
     progress: bool = setting(True, help="progress bars on a terminal (a line per 10 % in a log file)")
+    seed: int | None = setting(None, ge=0, help="the seed of the one De-MINDS run, as seeds=[N] (seeds lists several)")
 
 
 @dataclass
@@ -91,7 +92,7 @@ class QuickstartConfig:
                                     choices=tuple(BENCH_FOLDERS), help="toy benchmarks to evaluate on")
     eval_batch_size: int = setting(256, ge=1, help="images per encoding batch in evaluation")
     reevaluate: bool = setting(False, help="evaluate again although this run's results are there")
-    run: QuickstartRunConfig = field(default_factory=QuickstartRunConfig)
+    run: ToyRunConfig = field(default_factory=ToyRunConfig)
     shards: ToyShardConfig = field(default_factory=ToyShardConfig)
     toy_benchmarks: ToyBenchmarkConfig = field(default_factory=ToyBenchmarkConfig)
     backbone: ToyBackboneConfig = field(default_factory=ToyBackboneConfig)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from demind.cli.common import Flag, config_parser, run_config_command
 from demind.cli.model_options import (MODEL_FLAGS, BackboneChoice, build_mllm_setup, checkpoint_setting, engine_problems,
                                       load_model, query_mode_problems)
-from demind.settings import QueryRunOptions, setting
+from demind.settings import QueryRunConfig, setting
 from demind.mllm.config import DescribeOptions, RerankOptions
 from demind.engines import EngineConfig
 from demind.eval.options import BENCHMARKS, CocoOptions, FashionIQOptions
@@ -53,7 +53,7 @@ class EvalConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     describe: DescribeOptions = field(default_factory=DescribeOptions)
     rerank: RerankOptions = field(default_factory=RerankOptions)
-    run: QueryRunOptions = field(default_factory=QueryRunOptions)
+    run: QueryRunConfig = field(default_factory=QueryRunConfig)
 
     def config_problems(self) -> list[tuple[str, str]]:
         flags = {"benchmark": "--benchmark", "data_root": "--data-root", "out": "--out"}

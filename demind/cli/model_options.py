@@ -5,7 +5,7 @@ demind-serve share.
   (:class:`ModelOptions`, the flags :data:`MODEL_FLAGS`, :func:`load_model`);
 * the multimodal LLM of the query-time methods (``cirevl``, ``osrcir``, ``demind+mllm``) and of
   re-ranking: demind-eval's ``engine``, ``describe`` and ``rerank`` sections
-  (:func:`build_mllm_setup`; demind-search's and demind-serve's :class:`QueryModelOptions`).
+  (:func:`build_mllm_setup`; demind-search's and demind-serve's :class:`SearchModelOptions`).
 
 Not a command: no console script points here. Model code (and torch) is imported inside the
 functions that load a model: ``--help`` must not load it.
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from demind.cli.common import Flag
-from demind.settings import QueryRunOptions, RunOptions, resolve_device, setting
+from demind.settings import ModelRunConfig, QueryRunConfig, resolve_device, setting
 from demind.mllm.config import DescribeOptions, RerankOptions
 from demind.errors import InputError
 from demind.engines import EngineConfig
@@ -64,7 +64,7 @@ class ModelOptions:
 
     checkpoint: str | None = checkpoint_setting()
     backbone: BackboneChoice = field(default_factory=BackboneChoice)
-    run: RunOptions = field(default_factory=RunOptions)
+    run: ModelRunConfig = field(default_factory=ModelRunConfig)
 
 
 MODEL_FLAGS = {"--checkpoint": Flag("checkpoint"), "--backbone": Flag("backbone.spec"),
@@ -77,7 +77,7 @@ class ChoosesModel(Protocol):
 
     checkpoint: str | None
     backbone: BackboneChoice
-    run: RunOptions
+    run: ModelRunConfig
 
 
 def query_mode_problems(checkpoint: str | None, run: Any) -> list[tuple[str, str]]:
@@ -123,7 +123,7 @@ def load_model(cfg: ChoosesModel):
     return backbone, model
 
 
-def build_mllm_setup(engine: EngineConfig, describe: DescribeOptions, rerank: RerankOptions, run: RunOptions):
+def build_mllm_setup(engine: EngineConfig, describe: DescribeOptions, rerank: RerankOptions, run: ModelRunConfig):
     """The :class:`demind.mllm.MLLMSetup` of these config sections; the engine itself is built
     only when an answer is missing from the stores (a rerun loads no model)."""
     from demind.mllm import MLLMSetup
@@ -158,7 +158,8 @@ def engine_problems(engine: EngineConfig) -> list[tuple[str, str]]:
 
 @dataclass
 class SearchEngineConfig(EngineConfig):
-    """demind-eval's engine section; here no model by default: the MLLM methods are a choice."""
+    """demind-search's and demind-serve's engine section: demind-eval's (:class:`demind.engines.EngineConfig`)
+    without a model by default, the MLLM methods being a choice there."""
 
     model: str | None = setting(None, free="a Hub id or a model folder, checked (one line naming engine.model) "
                                            "when the engine is first needed: answers in the store need no weights",
@@ -170,16 +171,16 @@ class SearchEngineConfig(EngineConfig):
 
 
 @dataclass
-class QueryModelOptions(ModelOptions):
+class SearchModelOptions(ModelOptions):
     """demind-search's and demind-serve's models: the checkpoint and, optionally, an MLLM (docs/mllm.md)."""
 
     engine: SearchEngineConfig = field(default_factory=SearchEngineConfig)
     describe: DescribeOptions = field(default_factory=DescribeOptions)
     rerank: RerankOptions = field(default_factory=RerankOptions)
-    run: QueryRunOptions = field(default_factory=QueryRunOptions)
+    run: QueryRunConfig = field(default_factory=QueryRunConfig)
 
 
-def search_mllm_setup(cfg: QueryModelOptions):
+def search_mllm_setup(cfg: SearchModelOptions):
     """The MLLM of ``engine.model`` (None without one; ``rerank.k`` without one is an InputError)."""
     if cfg.engine.model is None:
         if cfg.rerank.k > 0:
@@ -189,7 +190,7 @@ def search_mllm_setup(cfg: QueryModelOptions):
     return build_mllm_setup(cfg.engine, cfg.describe, cfg.rerank, cfg.run)
 
 
-def bind_search_mllm(cfg: QueryModelOptions, index_dir: str):
+def bind_search_mllm(cfg: SearchModelOptions, index_dir: str):
     """The MLLM of a search over ``index_dir``, bound to its answer store (:class:`demind.mllm.SearchMLLM`;
     None without ``engine.model``): the store's folder and the re-ranking words (read from the model's
     tokenizer files, not its weights) are checked here, before any model loads or any image is encoded."""

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 from demind.errors import InputError
 from demind.cli.common import Flag, config_parser, run_config_command
-from demind.cli.model_options import MODEL_FLAGS, QueryModelOptions, bind_search_mllm, load_model, query_mode_problems
+from demind.cli.model_options import MODEL_FLAGS, SearchModelOptions, bind_search_mllm, load_model, query_mode_problems
 from demind.settings import setting
 from demind.retrieval.names import METHODS
 from demind.io import check_output_file, read_jsonl, write_json_atomic
@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class SearchConfig(QueryModelOptions):
+class SearchConfig(SearchModelOptions):
     index: str | None = setting(None, free="an index folder: opened (a missing one is 'no index at ...') before any "
                                            "model loads", help="index folder written by demind-index (required)")
     image: str | None = setting(None, input="file", help="reference image")

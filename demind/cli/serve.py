@@ -26,7 +26,7 @@ import urllib.parse
 from dataclasses import dataclass
 
 from demind.cli.common import Flag, config_parser, run_config_command
-from demind.cli.model_options import (MODEL_FLAGS, QueryModelOptions, bind_search_mllm, load_model, query_mode_problems,
+from demind.cli.model_options import (MODEL_FLAGS, SearchModelOptions, bind_search_mllm, load_model, query_mode_problems,
                                       search_mllm_setup)
 from demind.settings import setting
 from demind.errors import InputError
@@ -43,7 +43,7 @@ MAX_TIMEOUT_S = 86_400.0
 
 
 @dataclass
-class ServeConfig(QueryModelOptions):
+class ServeConfig(SearchModelOptions):
     quickstart: str | None = setting(None, free="a quickstart work folder: one the quickstart has not finished is "
                                                 "refused, naming the command to run, before any model loads", help="serve the quickstart's model over its toy CIRR gallery from this "
                                                 "work folder (--quickstart alone: runs/quickstart)")

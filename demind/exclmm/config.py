@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from demind.settings import device_setting, setting, threads_setting
+from demind.settings import RunSection, device_setting, setting, threads_setting
 from demind.schema import BackboneConfig
 
 
@@ -128,13 +128,15 @@ class StopConfig:
 
 
 @dataclass
-class ExclRunConfig:
+class ExclMMRunConfig(RunSection):
+    """demind-train-exclmm's ``run`` section."""
+
+    device: str = device_setting("cpu")  # auto, cpu, cuda or cuda:N
+    progress: bool = True
     output_dir: str = setting("runs/exclmm", output="dir")
     seed: int = setting(0, ge=0)
-    device: str = device_setting("cpu")  # auto, cpu, cuda or cuda:N
     log_every: int = setting(200, ge=1, help="steps per console and metrics.jsonl line")
     save_every: int = setting(500, ge=1, help="steps per resumable state")
-    progress: bool = True
     threads: int = threads_setting()
 
 
@@ -146,7 +148,7 @@ class ExclMMConfig:
     space: SpaceConfig = field(default_factory=SpaceConfig)
     query: QueryConfig = field(default_factory=QueryConfig)
     stop: StopConfig = field(default_factory=StopConfig)
-    run: ExclRunConfig = field(default_factory=ExclRunConfig)
+    run: ExclMMRunConfig = field(default_factory=ExclMMRunConfig)
 
     def config_problems(self) -> list[tuple[str, str]]:
         """The keys that must agree with each other (ranges and choices are declared per key)."""

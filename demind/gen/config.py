@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from demind.engines import EngineConfig, SamplingConfig
-from demind.settings import device_setting, setting
+from demind.settings import RunSection, setting
 
 
 @dataclass
@@ -68,12 +68,12 @@ class IOConfig:
 
 
 @dataclass
-class GenRunConfig:
-    """Where the transformers engine runs, the seed of every request, and progress bars."""
+class GenRunConfig(RunSection):
+    """demind-generate's and demind-generate-triplets's ``run`` section: where the transformers engine (and
+    the fidelity stage) runs, vLLM placing itself; the seed of every request; progress bars."""
 
-    device: str = device_setting()  # transformers engine and the fidelity stage; vLLM places itself
-    seed: int = setting(0, ge=0, help="every request's sampling seed derives from (seed, key, stage, attempt)")
     progress: bool = setting(True, help="progress bars (also the weight-loading bars of transformers)")
+    seed: int = setting(0, ge=0, help="every request's sampling seed derives from (seed, key, stage, attempt)")
 
 
 @dataclass

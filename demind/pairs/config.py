@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 
 from demind.schema import BackboneConfig
 from demind.search import RANKERS
-from demind.settings import device_setting, setting, threads_setting
+from demind.settings import RunSection, device_setting, setting, threads_setting
 
 SIGNALS = ("image", "caption", "second")
 """The neighbour signals: the frozen CLIP's image features, its text features of the captions, a
@@ -60,10 +60,11 @@ class PairFeaturesConfig:
 
 
 @dataclass
-class PairRunConfig:
+class MinePairsRunConfig(RunSection):
+    """demind-mine-pairs's ``run`` section."""
+
     device: str = device_setting("cpu")
     threads: int = threads_setting()
-    progress: bool = setting(True, help="progress bars")
 
 
 @dataclass
@@ -83,7 +84,7 @@ class MinePairsConfig:
     second: SecondEncoderConfig = field(default_factory=SecondEncoderConfig)
     mining: MiningConfig = field(default_factory=MiningConfig)
     features: PairFeaturesConfig = field(default_factory=PairFeaturesConfig)
-    run: PairRunConfig = field(default_factory=PairRunConfig)
+    run: MinePairsRunConfig = field(default_factory=MinePairsRunConfig)
 
     def windows(self) -> dict[str, WindowConfig]:
         """signal -> its window, for the enabled signals, in :data:`SIGNALS` order."""

@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # the same names for static tools and go-to-definition (tests
     from demind.schema import DataConfig
     from demind.training.accel import micro_batch_size, setup
     from demind.training.batches import batch_embeddings, build_data, find_feature_cache
-    from demind.training.config import LossConfig, OptimConfig, RunConfig, TrainConfig, load_train_config
+    from demind.training.config import LossConfig, OptimConfig, TrainConfig, TrainRunConfig, load_train_config
     from demind.training.loop import EXPORT_NAME, build_modules, train
     from demind.training.step_log import LOSS_TERMS
     from demind.training.plot import PLOT_NAME, plot_training
@@ -41,7 +41,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "demind.schema": ["DataConfig"],
     "demind.training.accel": ["micro_batch_size", "setup"],
     "demind.training.batches": ["batch_embeddings", "build_data", "find_feature_cache"],
-    "demind.training.config": ["LossConfig", "OptimConfig", "RunConfig", "TrainConfig", "load_train_config"],
+    "demind.training.config": ["LossConfig", "OptimConfig", "TrainConfig", "TrainRunConfig", "load_train_config"],
     "demind.training.loop": ["EXPORT_NAME", "build_modules", "train"],
     "demind.training.step_log": ["LOSS_TERMS"],
     "demind.training.plot": ["PLOT_NAME", "plot_training"],
@@ -50,7 +50,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "demind.training.step": ["check_finite", "compute_losses"],
 })
 
-__all__ = ["TrainConfig", "OptimConfig", "LossConfig", "RunConfig", "DataConfig", "TrainState", "train",
+__all__ = ["TrainConfig", "OptimConfig", "LossConfig", "TrainRunConfig", "DataConfig", "TrainState", "train",
            "load_train_config", "build_modules", "build_data", "find_feature_cache", "batch_embeddings",
            "build_optimizer", "build_scheduler", "lr_factor", "setup", "micro_batch_size",
            "compute_losses", "check_finite", "latest_checkpoint", "EXPORT_NAME", "LOSS_TERMS",

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from demind.config import load_config
-from demind.settings import device_setting, setting, threads_setting
+from demind.settings import RunSection, setting, threads_setting
 # the sections without their torch-bound modules: --help and config checks load no torch
 from demind.schema import SCHEDULES, BackboneConfig, DataConfig, ModelConfig, NoiseConfig, heads_problem
 
@@ -48,14 +48,15 @@ class LossConfig:
 
 
 @dataclass
-class RunConfig:
+class TrainRunConfig(RunSection):
+    """demind-train's ``run`` section (also read by demind-features). Its ``device`` (RunSection's): cpu
+    forces the CPU; auto and cuda let Accelerate give each process its GPU. Training on one chosen GPU goes
+    through CUDA_VISIBLE_DEVICES or `accelerate launch --gpu_ids` (Accelerate picks the device per
+    process); cuda:N serves demind-features, which reads this section too."""
+
     output_dir: str = setting("runs/demind", output="dir")
     seed: int = setting(0, ge=0)
     mixed_precision: str = setting("no", choices=("no", "bf16", "fp16"))
-    # cpu forces the CPU; auto and cuda let Accelerate give each process its GPU. Training on one
-    # chosen GPU goes through CUDA_VISIBLE_DEVICES or `accelerate launch --gpu_ids` (Accelerate
-    # picks the device per process); cuda:N serves demind-features, which reads this section too.
-    device: str = device_setting()
     log_every: int = setting(50, ge=1)
     save_every: int = setting(1000, ge=1)
     keep_checkpoints: int = setting(2, ge=0)  # 0 keeps every checkpoint
@@ -87,7 +88,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     noise: NoiseConfig = field(default_factory=NoiseConfig)  # noisy MLLM descriptions (demind.robust)
-    run: RunConfig = field(default_factory=RunConfig)
+    run: TrainRunConfig = field(default_factory=TrainRunConfig)
 
     def config_problems(self) -> list[tuple[str, str]]:
         """The model's attention heads must split the backbone's text width (read from its model config)."""

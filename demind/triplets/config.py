@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from demind.schema import BackboneConfig, CombinerConfig
-from demind.settings import device_setting, setting, threads_setting
+from demind.settings import RunSection, setting, threads_setting
 
 MODES = ("none", "small-loss", "gfq", "rcl", "conesep", "conesep-nobtu", "conesep-nonbl", "conesep-nogfq")
 SOURCES = ("cirr", "fashioniq", "file", "generated", "megapairs")
@@ -92,12 +92,13 @@ class TripletRobustConfig:
 
 
 @dataclass
-class TripletRunConfig:
+class TripletRunConfig(RunSection):
+    """demind-train-triplets's ``run`` section."""
+
+    progress: bool = setting(True, help="progress bars (feature encoding)")
     output_dir: str = setting("runs/triplets", output="dir", help="run folder: state, metrics, combiner.safetensors")
     seed: int = setting(0, ge=0)
-    device: str = device_setting("auto")
     log_every: int = setting(1, ge=1, help="a log line every N epochs")
-    progress: bool = setting(True, help="progress bars (feature encoding)")
     threads: int = threads_setting()
     detection: bool = setting(True, help="after training, score every triplet with the mode's detector "
                                          "(detection.json; AUROC where noise was injected)")

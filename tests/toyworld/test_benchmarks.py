@@ -321,12 +321,12 @@ def test_frozen_cirr_baselines_with_the_shipped_toy_clip(tmp_path, version, gap,
     from demind.eval.harness import evaluate
     from toyworld.cirr import write_cirr
     from toyworld.clip_config import ToyBackboneConfig
-    from toyworld.pipeline import QuickstartConfig, QuickstartRunConfig, prepare_backbone
+    from toyworld.pipeline import QuickstartConfig, ToyRunConfig, prepare_backbone
 
     assert (ToyBenchmarkConfig().cirr_version, ToyBackboneConfig().modality_gap) == ("cirr-3", 50.0)
     cfg = ToyBenchmarkConfig(cirr_version=version)
     write_cirr(tmp_path / "cirr", cfg, progress=False)
-    backbone, _, _ = prepare_backbone(QuickstartConfig(workdir=str(tmp_path), run=QuickstartRunConfig(progress=False),
+    backbone, _, _ = prepare_backbone(QuickstartConfig(workdir=str(tmp_path), run=ToyRunConfig(progress=False),
                                                        backbone=ToyBackboneConfig(modality_gap=gap)))
     results = evaluate("cirr", tmp_path / "cirr", backbone=backbone, methods=list(expected), batch_size=256,
                        progress=False)

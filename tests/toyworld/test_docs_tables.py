@@ -78,10 +78,10 @@ def test_the_command_writes_checks_and_refuses(tmp_path, capsys):
 @pytest.mark.slow
 def test_a_fresh_quickstart_lands_within_the_stated_variation(tmp_path):
     """The README's promise: the default quickstart from a fresh clone, compared with the documents."""
-    from toyworld.pipeline import QuickstartConfig, QuickstartRunConfig, run_quickstart
+    from toyworld.pipeline import QuickstartConfig, ToyRunConfig, run_quickstart
 
     fresh = table_numbers(json.loads(json.dumps(run_quickstart(QuickstartConfig(
-        workdir=str(tmp_path / "qs"), run=QuickstartRunConfig(progress=False))), default=str)))
+        workdir=str(tmp_path / "qs"), run=ToyRunConfig(progress=False))), default=str)))
     for method, cell in documented()["rows"].items():
         for key in ("R@5", "R@10"):
             assert abs(fresh["rows"][method][key] - cell[key]) <= VARIATION["recall_points"], (method, key)

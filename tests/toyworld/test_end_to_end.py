@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 
 from toyworld.clip_config import ToyBackboneConfig
-from toyworld.pipeline import QuickstartConfig, QuickstartRunConfig, run_quickstart
+from toyworld.pipeline import QuickstartConfig, ToyRunConfig, run_quickstart
 
 # recall points. Over De-MINDS seeds 0, 1, 2 on World v2.1 (BENCHMARKS.md, "World v2.1: the default
 # toy CLIP's seeds, 3 De-MINDS seeds and Table 5") the smallest lead over Image-only was 20.7 (R@5 53.5
@@ -37,7 +37,7 @@ def default_run(tmp_path_factory):
     # the recipe is what is tested: trained here, not taken from the shipped weights
     return run_quickstart(QuickstartConfig(workdir=str(tmp_path_factory.mktemp("e2e") / "qs"), seeds=[0],
                                            backbone=ToyBackboneConfig(shipped=False),
-                                           run=QuickstartRunConfig(progress=False)))
+                                           run=ToyRunConfig(progress=False)))
 
 
 @pytest.mark.slow

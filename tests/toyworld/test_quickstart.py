@@ -14,7 +14,7 @@ from toyworld.clip_config import ToyBackboneConfig
 from toyworld.benchmarks import ToyBenchmarkConfig
 from toy_helpers import per_type_recall
 from toyworld.intent_data import ToyShardConfig
-from toyworld.pipeline import QuickstartConfig, QuickstartRunConfig, run_quickstart
+from toyworld.pipeline import QuickstartConfig, ToyRunConfig, run_quickstart
 
 TINY_CLIP = {
     "embed_dim": 32,
@@ -30,7 +30,7 @@ def tiny_config(tmp_path, **kw) -> QuickstartConfig:
     model_json = tmp_path / "toy-clip-tiny.json"
     model_json.write_text(json.dumps(TINY_CLIP))
     return QuickstartConfig(
-        workdir=str(tmp_path / "qs"), train_overrides=TINY_TRAIN, run=QuickstartRunConfig(progress=False), eval_batch_size=32,
+        workdir=str(tmp_path / "qs"), train_overrides=TINY_TRAIN, run=ToyRunConfig(progress=False), eval_batch_size=32,
         shards=ToyShardConfig(num_samples=24, samples_per_shard=12),
         toy_benchmarks=ToyBenchmarkConfig(cirr_sets=4, imgnet_queries_per_class=1, imgnet_targets_per_domain=1,
                                           imgnet_distractors_per_class=1, coco_images=4, exclusion_queries=2),

@@ -17,7 +17,7 @@ from pathlib import Path
 from demind.cli.common import config_parser, run_config_command
 from demind.settings import setting
 from toyworld.clip_config import ToyBackboneConfig
-from toyworld.pipeline import QuickstartRunConfig
+from toyworld.pipeline import ToyRunConfig
 
 # what the training log holds (toyworld.clip_train.train_toy_clip): shipped beside the weights
 TRAINING_LOG_KEYS = ("train_seconds", "final_loss", "pretrain_final_loss")
@@ -30,7 +30,7 @@ class ToyClipConfig:
     workdir: str = setting("runs/toy-clip", output="dir", help="where it is trained and cached (WORKDIR/backbone); a rerun reuses it")
     out: str | None = setting(None, output="dir", help="folder of the shipped weights (default: the package's toyworld/weights)")
     backbone: ToyBackboneConfig = field(default_factory=ToyBackboneConfig)
-    run: QuickstartRunConfig = field(default_factory=QuickstartRunConfig)
+    run: ToyRunConfig = field(default_factory=ToyRunConfig)
 
 
 def toy_clip_command(cfg: ToyClipConfig) -> int:
