@@ -6,12 +6,15 @@
   ``cirr-3`` generator of :mod:`toyworld.cirr`, set ids disjoint from the test's ``0 ... test_sets-1``),
   each (reference, modification, target) as the toy CIRR writes it, plus ``hard_modification``: the
   annotator's text for N1 (the same kind of edit with another outcome), drawn from its own stream;
-* ``cirr/``: the toy CIRR test in CIRR's rc2 layout (:func:`toyworld.cirr.write_cirr`);
-* ``backbone/``: the default toy CLIP (shipped weights, modality gap);
+* ``cirr/``: the toy CIRR test in CIRR's rc2 layout, written by :func:`toyworld.benchmarks.write_benchmarks`
+  (its done-marker holds the whole config: another ``test_sets`` rewrites it);
+* ``backbone/``: the default toy CLIP (shipped weights, modality gap), its copies rewritten when they
+  differ from the source;
 * ``train.yaml``: a ``demind-train-triplets`` recipe naming the backbone and the triplet file by absolute
   paths (``configs/triplets/toy.yaml`` is the same recipe for ``--out runs/toy-triplets``, by relative ones).
 
-``toy_triplets.json`` is written last: a rerun with the same settings does nothing.
+``toy_triplets.json`` is written last: a rerun with the same settings (the counts, the toy CLIP's recipe,
+the world version) does nothing.
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ from pathlib import Path
 
 from demind.io import write_bytes_atomic, write_json_atomic, write_text_atomic
 
-from .benchmarks import ToyBenchmarkConfig
-from .cirr import CIRR_DESIGNS, cirr_set, write_cirr
+from .benchmarks import ToyBenchmarkConfig, write_benchmarks
+from .cirr import CIRR_DESIGNS, cirr_set
 from .render import render_scene, save_png
 from .texts import modification_text
+from .world import WORLD_VERSION
 from demind.seeding import derive_seed
 
 FIRST_TRAIN_SET = 10_000
@@ -63,6 +67,7 @@ def set_triplets(set_id: int, version: str, implicit_share: float, image_size: i
 def write_toy_triplets(out: str | Path, train_sets: int = 2500, test_sets: int = 1500,
                        first_set: int = FIRST_TRAIN_SET, progress: bool = True) -> dict:
     """Write the toy triplets, test benchmark, backbone and recipe into ``out`` (see the module docstring)."""
+    from demind.config import to_dict
     from demind.logs import progress_bar
     from toyworld.clip_config import ToyBackboneConfig
     from toyworld.clip_cache import ensure_toy_backbone, with_modality_gap
@@ -71,7 +76,11 @@ def write_toy_triplets(out: str | Path, train_sets: int = 2500, test_sets: int =
     out = Path(out)
     if first_set < test_sets:
         raise ValueError(f"training sets start at {first_set}, inside the test's 0..{test_sets - 1}")
-    settings = {"train_sets": train_sets, "test_sets": test_sets, "first_set": first_set, "format": 1}
+    cfg = ToyBackboneConfig()
+    # format 2: the toy CLIP's recipe and the world version joined the settings (a marker of format 1
+    # did not notice a changed toy CLIP, and its backbone copies were kept)
+    settings = {"train_sets": train_sets, "test_sets": test_sets, "first_set": first_set,
+                "backbone": to_dict(cfg), "world_version": WORLD_VERSION, "format": 2}
     marker = out / "toy_triplets.json"
     if marker.is_file() and json.loads(marker.read_text())["settings"] == settings:
         return json.loads(marker.read_text())
@@ -82,16 +91,16 @@ def write_toy_triplets(out: str | Path, train_sets: int = 2500, test_sets: int =
         rows += set_triplets(set_id, bench.cirr_version, bench.cirr_implicit_share, bench.image_size,
                              out / "train" / "images")
     write_text_atomic(out / "train" / "triplets.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
-    if not (out / "cirr" / "captions" / "cap.rc2.val.json").is_file():
-        write_cirr(out / "cirr", bench, progress)
-    cfg = ToyBackboneConfig()
+    write_benchmarks(out, bench, which=("cirr",), progress=progress)  # skipped when done with this config
     weights, _ = ensure_toy_backbone(cfg, out / "backbone", progress)
     weights, model_config = with_modality_gap(cfg, weights)
     # copies under fixed names, so a committed recipe (configs/triplets/toy.yaml) can name them; a
-    # backbone's identity is its content, so the copies are the same backbone
+    # backbone's identity is its content, so the copies are the same backbone; a copy of another
+    # (older) toy CLIP is replaced
     for source, name in ((model_config, COPIED_CONFIG_NAME), (weights, COPIED_WEIGHTS_NAME)):
-        if not (out / "backbone" / name).is_file():
-            write_bytes_atomic(out / "backbone" / name, Path(source).read_bytes())
+        data, copy = Path(source).read_bytes(), out / "backbone" / name
+        if not (copy.is_file() and copy.read_bytes() == data):
+            write_bytes_atomic(copy, data)
     backbone = toy_backbone_config(out / "backbone" / COPIED_CONFIG_NAME, out / "backbone" / COPIED_WEIGHTS_NAME)
     recipe = (f"# written by python -m toyworld.cli.triplets: the toy CLIP and the toy training triplets\n"
               f"backbone:\n  name: {backbone.name}\n  pretrained: {backbone.pretrained}\n"
