@@ -1,7 +1,7 @@
-"""The quickstart's table in README.md and docs/quickstart.md is written from a results.json by
+"""The quickstart's table in docs/quickstart.md is written from a results.json by
 ``python -m toyworld.cli.docs_tables``; the numbers it rendered sit in docs/quickstart-table.json.
-Fast: the documents show exactly those numbers. Slow: a fresh default quickstart lands within the
-variation the documents state."""
+Fast: the document shows exactly those numbers, and the README does not copy them. Slow: a fresh
+default quickstart lands within the variation the document states."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from toyworld.cli.docs_tables import (BEGIN, COMPACT, DOCUMENTS, END, FAMILY, NUMBERS, ROOT, VARIATION, main, render,
+from toyworld.cli.docs_tables import (BEGIN, DOCUMENTS, END, FAMILY, NUMBERS, ROOT, VARIATION, main, render,
                                       table_numbers)
 
 
@@ -18,26 +18,29 @@ def documented() -> dict:
 
 
 def test_the_documents_show_the_recorded_numbers():
+    assert DOCUMENTS == ("docs/quickstart.md",)
     for name in DOCUMENTS:
-        block = render(documented(), compact=name in COMPACT)
+        block = render(documented())
         text = (ROOT / name).read_text(encoding="utf-8")
         assert f"{BEGIN}\n{block}\n{END}" in text, f"{name}: run python -m toyworld.cli.docs_tables RESULTS"
         assert f"within {VARIATION['recall_points']:g} recall point" in block
+    # the toy table has one home: the README links to it and shows none of its rows
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert BEGIN not in readme and "| mapping-only" not in readme and "docs/quickstart.md" in readme
 
 
 def test_the_family_rows_and_the_toy_mllm_noise_are_shown():
-    """The query-time family sits in both tables with the toy MLLM's noise level, from results.json."""
+    """The query-time family sits in the table with the toy MLLM's noise level, from results.json."""
     numbers = documented()
     assert set(FAMILY) <= set(numbers["rows"]) and set(numbers["toy_mllm"]["noise"]) == {"p_ignore", "p_drop", "p_garble"}
     noise = numbers["toy_mllm"]["noise"]
-    for compact in (False, True):
-        block = render(numbers, compact=compact).replace("\n", " ")  # the prose is wrapped
-        assert f"p_ignore {noise['p_ignore']:g}" in block and f"p_garble {noise['p_garble']:g}" in block
-        assert "| OSrCIR" in block and "| De-MINDS + MLLM" in block
+    block = render(numbers).replace("\n", " ")  # the prose is wrapped
+    assert f"p_ignore {noise['p_ignore']:g}" in block and f"p_garble {noise['p_garble']:g}" in block
+    assert "| OSrCIR" in block and "| De-MINDS + MLLM" in block
     # without the family (mllm.family=false) the table is the trained and frozen rows alone
     bare = {**numbers, "rows": {m: r for m, r in numbers["rows"].items() if m not in FAMILY}}
     bare.pop("toy_mllm")
-    assert "OSrCIR" not in render(bare) and "toy MLLM" not in render(bare, compact=True)
+    assert "OSrCIR" not in render(bare) and "toy MLLM" not in render(bare)
 
 
 def fake_results(shift: float = 0.0) -> dict:
@@ -66,7 +69,8 @@ def test_the_command_writes_checks_and_refuses(tmp_path, capsys):
     assert main([str(results), "--root", str(tmp_path), "--check"]) == 0
     results.write_text(json.dumps(fake_results(shift=1.0)), encoding="utf-8")
     assert main([str(results), "--root", str(tmp_path), "--check"]) == 1  # stale: nothing written
-    assert (tmp_path / "README.md").read_text(encoding="utf-8") == (ROOT / "README.md").read_text(encoding="utf-8")
+    assert (tmp_path / "docs/quickstart.md").read_text(encoding="utf-8") == (ROOT / "docs/quickstart.md").read_text(
+        encoding="utf-8")
     assert main([str(results), "--root", str(tmp_path)]) == 0
     assert main([str(results), "--root", str(tmp_path), "--check"]) == 0
     moved = json.loads((tmp_path / NUMBERS).read_text(encoding="utf-8"))
@@ -77,7 +81,7 @@ def test_the_command_writes_checks_and_refuses(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_a_fresh_quickstart_lands_within_the_stated_variation(tmp_path):
-    """The README's promise: the default quickstart from a fresh clone, compared with the documents."""
+    """docs/quickstart.md's promise: the default quickstart from a fresh clone, compared with the document."""
     from toyworld.pipeline import QuickstartConfig, ToyRunConfig, run_quickstart
 
     fresh = table_numbers(json.loads(json.dumps(run_quickstart(QuickstartConfig(

@@ -9,11 +9,11 @@ The probe bar the toy CLIP must clear: shape, colour, background, style >= 90, s
 On World v2.1 (painted sculptures) the default recipe, seed 0, measured shape 92.8, colour 96.3,
 size 86.2, background 97.5, style 96.7 in the fresh-clone quickstart with 2 threads (training is
 deterministic for a thread count, not across thread counts). Size sits 1.2 points over its bar;
-over the toy CLIP's seeds see BENCHMARKS.md. Before v2.1, colour missed (88.5): a sculpture drew
+over the toy CLIP's seeds see docs/quickstart.md. Before v2.1, colour missed (88.5): a sculpture drew
 its objects in stone grey while the texts named their colours.
 
 The margin over Image-only and Text-only (12 recall points) is justified in ``MARGIN``'s comment
-from the runs in BENCHMARKS.md.
+from the runs in docs/quickstart.md.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import pytest
 from toyworld.clip_config import ToyBackboneConfig
 from toyworld.pipeline import QuickstartConfig, ToyRunConfig, run_quickstart
 
-# recall points. Over De-MINDS seeds 0, 1, 2 on World v2.1 (BENCHMARKS.md, "World v2.1: the default
-# toy CLIP's seeds, 3 De-MINDS seeds and Table 5") the smallest lead over Image-only was 20.7 (R@5 53.5
+# recall points. Over De-MINDS seeds 0, 1, 2 on World v2.1 (docs/quickstart.md, "The earlier instrument:
+# toy CIRR cirr-1") the smallest lead over Image-only was 20.7 (R@5 53.5
 # against 32.8) and 21.8 at R@10, over Text-only 32.2. 12 stays 8 points under the worst seed (it was
 # set on toy-world-2, whose worst lead was 15.2) and is still 5 standard errors of a 600-query recall
 # difference (about 2.4 points).

@@ -1,7 +1,7 @@
-"""``python -m toyworld.cli.docs_tables [RESULTS] [--check]``: the quickstart's table in README.md and
-docs/quickstart.md, written from a quickstart's ``results.json`` (default ``runs/quickstart/results.json``).
+"""``python -m toyworld.cli.docs_tables [RESULTS] [--check]``: the quickstart's table in docs/quickstart.md,
+written from a quickstart's ``results.json`` (default ``runs/quickstart/results.json``).
 
-Each document holds the table between two marker lines; this command rewrites what lies between
+The document holds the table between two marker lines; this command rewrites what lies between
 them, together with ``docs/quickstart-table.json`` (the numbers it rendered, which the slow
 end-to-end test compares a fresh run with). ``--check`` changes nothing and exits 1 when a document
 differs from what ``RESULTS`` gives. The table states how far a fresh clone on another machine may
@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCUMENTS = ("README.md", "docs/quickstart.md")
-COMPACT = ("README.md",)  # the README (at most 200 lines) gets the table and one line; docs/quickstart.md all of it
+DOCUMENTS = ("docs/quickstart.md",)  # the table's one home (the README links there)
 NUMBERS = "docs/quickstart-table.json"
 BEGIN = "<!-- quickstart-table: written by `python -m toyworld.cli.docs_tables` from a results.json; edit there -->"
 END = "<!-- /quickstart-table -->"
@@ -63,9 +62,9 @@ def table_numbers(results: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def render(numbers: dict[str, Any], compact: bool = False) -> str:
+def render(numbers: dict[str, Any]) -> str:
     """The markdown block between the markers: a line on the run, the table, the toy MLLM's noise model,
-    the variation; ``compact``: the table, then the run, the noise level and the variation in one line."""
+    the variation."""
     rows = numbers["rows"]
     implicit_n = rows["demind"]["implicit_n"]
     best = {key: max(r[key] for m, r in rows.items() if m != "oracle" and r[key] is not None)
@@ -78,7 +77,7 @@ def render(numbers: dict[str, Any], compact: bool = False) -> str:
 
     run = (f"Toy CIRR `{numbers['cirr_version']}`, {numbers['queries']} queries, seed {numbers['seed']}, "
            f"{numbers['world_version']}")
-    lines = [] if compact else [f"{run}:", ""]
+    lines = [f"{run}:", ""]
     lines += [f"| method | R@5 | R@10 | implicit intents R@10 ({implicit_n} queries) | paired R@10 vs De-MINDS "
              f"(only De-MINDS : only other) |", "| --- | ---: | ---: | ---: | --- |"]
     for method, label in ROWS:
@@ -89,14 +88,6 @@ def render(numbers: dict[str, Any], compact: bool = False) -> str:
         lines.append(f"| {label} | {cell(method, 'R@5')} | {cell(method, 'R@10')} | {cell(method, 'implicit_R@10')} "
                      f"| {paired} |")
     toy = numbers.get("toy_mllm")
-    if compact:
-        noise = (f" OSrCIR, CIReVL and the hybrid: the toy MLLM's descriptions at p_ignore {toy['noise']['p_ignore']:g}, "
-                 f"p_drop {toy['noise']['p_drop']:g}, p_garble {toy['noise']['p_garble']:g}." if toy else "")
-        lines += ["", f"{run}.{noise} Another machine lands within {VARIATION['recall_points']:g} recall point and "
-                      f"{VARIATION['paired_queries']} queries per paired count ([docs/quickstart.md](docs/quickstart.md)"
-                      f": {'the noise model, its level and ' if toy else ''}the variation, measured"
-                      f"{' before the family rows' if toy else ''})."]
-        return "\n".join(lines)
     if toy:
         noise, answers = toy["noise"], toy["outcomes"]
         lines += ["", *textwrap.wrap(
@@ -138,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in DOCUMENTS:
         path = root / name
         text = path.read_text(encoding="utf-8")
-        new = replace_block(text, render(numbers, compact=name in COMPACT), name)
+        new = replace_block(text, render(numbers), name)
         if new != text:
             stale.append(name)
             if not args.check:
