@@ -96,13 +96,15 @@ def load_backbone(quickstart: str | Path, cfg) -> tuple[Any, float]:
 
 
 def copy_benchmarks(quickstart: str | Path, out: Path, which: tuple[str, ...] = EVAL_BENCHMARKS) -> Path:
-    """Copy the toy benchmarks the measurement evaluates on into ``out/benchmarks`` (once)."""
+    """Copy the toy benchmarks the measurement evaluates on into ``out/benchmarks`` (once; again when the
+    quickstart's benchmark was rewritten since: its done-marker, which holds the whole config, differs)."""
     root = out / "benchmarks"
     for name in which:
         source, target = Path(quickstart) / "benchmarks" / name, root / name
         if not (source / "toy_benchmark.json").is_file():
             raise NoiseBenchError(f"{source} is not a finished toy benchmark; rerun the quickstart there")
-        if not (target / "toy_benchmark.json").is_file():
+        marker = (source / "toy_benchmark.json").read_bytes()
+        if not ((target / "toy_benchmark.json").is_file() and (target / "toy_benchmark.json").read_bytes() == marker):
             shutil.rmtree(target, ignore_errors=True)
             tmp = target.with_name(target.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)

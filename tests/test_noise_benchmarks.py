@@ -96,3 +96,22 @@ def test_gmm_posterior_and_metrics_on_a_hand_made_case():
     truth = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
     m = noise_detection.detection_metrics(truth, 1 - clean, clean < 0.5)
     assert m["precision"] == 1.0 and m["recall"] == 0.75 and m["auroc"] == pytest.approx(0.875)
+
+
+def test_a_rewritten_quickstart_benchmark_is_copied_again(tmp_path):
+    """The measurements copy the quickstart's toy benchmarks once, and again after the quickstart
+    rewrote one (another done-marker): never a copy of an older benchmark beside a newer backbone."""
+    from benchmarks.noise_common import copy_benchmarks
+
+    source = tmp_path / "qs" / "benchmarks" / "cirr"
+    source.mkdir(parents=True)
+    (source / "toy_benchmark.json").write_text(json.dumps({"benchmark": "cirr", "config": {"cirr_sets": 2}}))
+    (source / "captions.json").write_text("two sets")
+    root = copy_benchmarks(tmp_path / "qs", tmp_path / "out", which=("cirr",))
+    assert (root / "cirr" / "captions.json").read_text() == "two sets"
+    copy_benchmarks(tmp_path / "qs", tmp_path / "out", which=("cirr",))  # the same marker: kept
+    (source / "toy_benchmark.json").write_text(json.dumps({"benchmark": "cirr", "config": {"cirr_sets": 3}}))
+    (source / "captions.json").write_text("three sets")
+    copy_benchmarks(tmp_path / "qs", tmp_path / "out", which=("cirr",))
+    assert (root / "cirr" / "captions.json").read_text() == "three sets"
+    assert (root / "cirr" / "toy_benchmark.json").read_text() == (source / "toy_benchmark.json").read_text()
