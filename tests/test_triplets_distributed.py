@@ -85,7 +85,8 @@ def test_process_shares_split_the_batch_and_the_per_sample_losses(triplet_folder
     the one-process losses; the shares' rows tile the global batch."""
     from demind.backbone import build_backbone
     from demind.combiner import Combiner
-    from demind.triplets.modes import ProcessShare, per_sample_losses
+    from demind.trainkit import ProcessShare
+    from demind.triplets.modes import per_sample_losses
     from demind.triplets.train import load_training_data
 
     cfg = tiny_config(triplet_folder, tmp_path / "run")

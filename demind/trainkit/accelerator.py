@@ -64,6 +64,13 @@ def _tracker_installed(name: str) -> bool:
     return bool(check and check())
 
 
+def is_deepspeed(accelerator) -> bool:
+    """Whether DeepSpeed's engine trains (Accelerate's ``DistributedType.DEEPSPEED``)."""
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.DEEPSPEED
+
+
 def make_gather(accelerator) -> Gather | None:
     """Gather (B, D) features from every process with gradients -> ((P*B, D), this process's offset)."""
     if accelerator.num_processes == 1:

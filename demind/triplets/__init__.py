@@ -9,5 +9,5 @@
 * :mod:`~demind.combiner` -- the CLIP4Cir-style combiner the trainer fits;
 * :mod:`~demind.triplets.modes` -- noise modes: none, small-loss, gfq, conesep, conesep-nobtu;
 * :mod:`~demind.triplets.train` -- the trainer (``demind-train-triplets``; docs/training.md);
-* :mod:`~demind.triplets.launch` -- under ``accelerate launch``: several processes, DeepSpeed.
+* :mod:`~demind.triplets.accelerator` -- under ``accelerate launch``: several processes, DeepSpeed.
 """

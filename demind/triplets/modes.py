@@ -45,16 +45,16 @@ noise detector.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from demind.fidelity import composed_boundary, fidelity_from_similarity, pixel_boundary
-from demind.losses import Gather, per_sample_info_nce, weighted_mean
+from demind.losses import per_sample_info_nce, weighted_mean
 from demind.robust import (
     btu_loss, code_btu_loss, cone_fidelity, gmm_clean_probability, nbl_fixed_band, nbl_loss, nbl_target_oriented,
     rcl_loss, share_noisy)
+from demind.trainkit import ONE_PROCESS, ProcessShare
 from demind.triplets.config import TripletRobustConfig
 
 CONESEP_MODES = ("conesep", "conesep-nobtu", "conesep-nonbl", "conesep-nogfq")
@@ -126,38 +126,6 @@ def start_negative_offset(model, cfg: TripletRobustConfig) -> None:
     if cfg.mode in NEGATIVE_MODES and cfg.negative == "phrase":
         with torch.no_grad():
             model.negative_prompt.zero_()
-
-
-def _same(x: torch.Tensor) -> torch.Tensor:
-    return x
-
-
-@dataclass
-class ProcessShare:
-    """This process's part of the work when several processes train (``accelerate launch``).
-
-    rows: the rows of each global batch this process composes (with gradients); gather: the
-    queries of every process, with gradients (:func:`demind.trainkit.make_gather`; None in one
-    process); total: sums a tensor over processes (each holds its rows, zeros elsewhere); agree:
-    the main process's value of a tensor in every process. The defaults are one process."""
-
-    index: int = 0
-    count: int = 1
-    gather: Gather | None = None
-    total: Callable[[torch.Tensor], torch.Tensor] = _same
-    agree: Callable[[torch.Tensor], torch.Tensor] = _same
-
-    def rows(self, batch_size: int) -> slice:
-        """This process's slice of a global batch of ``batch_size`` (a multiple of ``count``)."""
-        per = batch_size // self.count
-        return slice(self.index * per, (self.index + 1) * per)
-
-    def all_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, ...) every process's rows of ``x`` (this process's share of the batch), with gradients."""
-        return x if self.gather is None else self.gather(x)[0]
-
-
-ONE_PROCESS = ProcessShare()
 
 
 @torch.no_grad()
@@ -243,14 +211,8 @@ def batch_loss(model, ref: torch.Tensor, text: torch.Tensor, target: torch.Tenso
     else:
         query, negative = share.all_rows(forward(ref[rows], text[rows])), None
     target_n = F.normalize(target.float(), dim=-1)
-    noisy = None
-    if after_warmup and cfg.mode == "small-loss":
-        noisy = ~clean_prior
-    elif after_warmup and cfg.mode in GFQ_MODES:
-        fidelity = batch_fidelity(model, ref, text, target, cfg.pairings, generator, cfg, noise_images)
-        noisy = share.agree(noisy_flags(fidelity, cfg))
-    elif after_warmup and cfg.mode == "conesep-nogfq":
-        noisy = share.agree(share_noisy(batch_similarity(model, ref, text, target), cfg.omega))
+    noisy = batch_noisy(model, ref, text, target, cfg, after_warmup=after_warmup, clean_prior=clean_prior,
+                        generator=generator, share=share, noise_images=noise_images)
     rcl = cfg.mode == "rcl" or (cfg.mode in CONESEP_MODES and cfg.robust_loss == "rcl")
     filtered = noisy is not None and not rcl  # the noisy flags leave the contrastive term
     if rcl:
@@ -262,7 +224,31 @@ def batch_loss(model, ref: torch.Tensor, text: torch.Tensor, target: torch.Tenso
     terms = {"nce": nce, "intra": zero, "inter": zero, "ul": zero,
              "kept": (~noisy).float().mean() if filtered else nce.new_ones(()),
              "flagged": noisy.float().mean() if noisy is not None else zero}
-    loss = nce
+    terms["loss"] = with_negative_terms(nce, terms, cfg, query, negative, target_n, noisy, scale, after_warmup)
+    return terms
+
+
+def batch_noisy(model, ref: torch.Tensor, text: torch.Tensor, target: torch.Tensor, cfg: TripletRobustConfig, *,
+                after_warmup: bool, clean_prior: torch.Tensor | None, generator: torch.Generator,
+                share: ProcessShare, noise_images: torch.Tensor | None) -> torch.Tensor | None:
+    """(B,) bool: the batch's triplets the mode flags noisy (small-loss: the epoch's GMM; the GFQ modes:
+    the fidelity of the whole batch, the main process's flags; ``conesep-nogfq``: the similarity),
+    None in the warm-up and in the modes without a detector."""
+    if after_warmup and cfg.mode == "small-loss":
+        return ~clean_prior
+    if after_warmup and cfg.mode in GFQ_MODES:
+        fidelity = batch_fidelity(model, ref, text, target, cfg.pairings, generator, cfg, noise_images)
+        return share.agree(noisy_flags(fidelity, cfg))
+    if after_warmup and cfg.mode == "conesep-nogfq":
+        return share.agree(share_noisy(batch_similarity(model, ref, text, target), cfg.omega))
+    return None
+
+
+def with_negative_terms(loss: torch.Tensor, terms: dict[str, torch.Tensor], cfg: TripletRobustConfig,
+                        query: torch.Tensor, negative: torch.Tensor | None, target_n: torch.Tensor,
+                        noisy: torch.Tensor | None, scale: float, after_warmup: bool) -> torch.Tensor:
+    """``loss`` plus the mode's NBL terms (``intra``; ``inter`` in the warm-up) and BTU's ``ul`` (after
+    the warm-up), each written into ``terms``."""
     if cfg.mode in NBL_MODES and cfg.nbl == "siglip":
         terms["intra"] = nbl_loss(negative, target_n, query, cfg.nu)
         loss = loss + cfg.zeta * terms["intra"]
@@ -279,8 +265,7 @@ def batch_loss(model, ref: torch.Tensor, text: torch.Tensor, target: torch.Tenso
             terms["ul"], _ = btu_loss(query, target_n, negative, noisy, scale, cfg.gamma, cfg.sinkhorn_reg,
                                       cfg.sinkhorn_iters)
         loss = loss + cfg.kappa * terms["ul"]
-    terms["loss"] = loss
-    return terms
+    return loss
 
 
 @torch.no_grad()

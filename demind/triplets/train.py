@@ -37,6 +37,7 @@ import math
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -47,14 +48,13 @@ from demind.io import read_json, write_json_atomic
 from demind.schema import SPEED_ONLY_KEYS
 from demind.seeding import derive_seed
 from demind.trainkit import (
-    ResumeError, append_metrics, build_adamw, build_lr_scheduler, check_finite_terms, load_train_state,
-    restore_train_state, save_train_state, trim_metrics)
+    ProcessShare, ResumeError, append_metrics, build_adamw, build_lr_scheduler, check_finite_terms, load_train_state,
+    process_share, restore_train_state, save_train_state, trim_metrics)
 from demind.combiner import Combiner
 from demind.triplets.config import TripletTrainConfig
 from demind.triplets.features import image_features, text_features
-from demind.triplets.launch import (
-    check_same_engine, load_engine_state, make_accelerator, prepare, process_share, remove_engine_states,
-    save_engine_state)
+from demind.triplets.accelerator import (
+    check_same_engine, load_engine_state, make_accelerator, prepare, remove_engine_states, save_engine_state)
 from demind.triplets.modes import (
     ModeInputs, batch_loss, mode_inputs, noise_scores, per_sample_losses, start_negative_offset)
 from demind.robust import gmm_clean_probability
@@ -216,8 +216,29 @@ def train_triplets(cfg: TripletTrainConfig, backbone=None, data: TrainingData | 
             accelerator.end_training()  # a gloo group left to the interpreter's teardown can abort it
 
 
-def _fit(cfg: TripletTrainConfig, backbone, data: TrainingData, accelerator, out: Path, record: dict) -> Path:
-    device, main, share = accelerator.device, accelerator.is_main_process, process_share(accelerator)
+@dataclass
+class TripletFit:
+    """What the epochs of one run share: the model (as Accelerate prepared it, and unwrapped), its
+    optimizer and schedule, this process's share, the features on the device, the InfoNCE scale,
+    and where the run stands (``step``, ``start_epoch``: after a resume, where it goes on)."""
+
+    model: torch.nn.Module
+    unwrapped: Combiner
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    share: ProcessShare
+    ref: torch.Tensor
+    text: torch.Tensor
+    target: torch.Tensor
+    scale: float
+    steps_per_epoch: int
+    step: int = 0
+    start_epoch: int = 0
+
+
+def build_fit(cfg: TripletTrainConfig, backbone, data: TrainingData, accelerator) -> TripletFit:
+    """The model (seeded by ``run.seed``), optimizer and schedule, prepared by Accelerate."""
+    device, share = accelerator.device, process_share(accelerator)
     torch.manual_seed(cfg.run.seed)
     model = Combiner(replace(cfg.model), backbone)  # a copy: the model fills in embed_dim
     start_negative_offset(model, cfg.robust)
@@ -226,83 +247,127 @@ def _fit(cfg: TripletTrainConfig, backbone, data: TrainingData, accelerator, out
     optimizer = build_adamw(model.named_parameters(), cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
     scheduler = build_lr_scheduler(optimizer, 0, cfg.optim.epochs * steps_per_epoch)
     model, optimizer = prepare(accelerator, model, optimizer, bs)
-    unwrapped = accelerator.unwrap_model(model)
     ref, text, target = (t.to(device) for t in (data.reference, data.text, data.target))
-    scale = 1.0 / cfg.optim.temperature
-    state_path, start_epoch, step = out / STATE, 0, 0
+    return TripletFit(model, accelerator.unwrap_model(model), optimizer, scheduler, share, ref, text, target,
+                      1.0 / cfg.optim.temperature, steps_per_epoch)
+
+
+def resume_fit(cfg: TripletTrainConfig, fit: TripletFit, accelerator, out: Path) -> None:
+    """Restore the state file of a killed run into ``fit`` (its metrics lines after it dropped), or
+    start the metrics afresh."""
+    state_path, main = out / STATE, accelerator.is_main_process
     if state_path.is_file():
         state = load_train_state(state_path)
         engine_state = check_same_engine(state_path, state["extra"], accelerator)
         # under DeepSpeed its engine holds the optimizer (sharded): restored from its own folder
-        step = restore_train_state(state, modules={"model": unwrapped}, scheduler=scheduler,
-                                   optimizer=None if engine_state else optimizer)
+        fit.step = restore_train_state(state, modules={"model": fit.unwrapped}, scheduler=fit.scheduler,
+                                       optimizer=None if engine_state else fit.optimizer)
         if engine_state:
             load_engine_state(accelerator, out / engine_state)
-        start_epoch = int(state["extra"]["epoch"])
+        fit.start_epoch = int(state["extra"]["epoch"])
         if main:
-            trim_metrics(out, step)
-        log.info("resuming %s at epoch %d of %d", out, start_epoch, cfg.optim.epochs)
+            trim_metrics(out, fit.step)
+        log.info("resuming %s at epoch %d of %d", out, fit.start_epoch, cfg.optim.epochs)
     elif main:
         (out / "metrics.jsonl").unlink(missing_ok=True)
-    if main:
-        write_json_atomic(out / RECORD, {**record, "triplets": n, "noisy": int(data.noisy.sum()),
-                                         "steps_per_epoch": steps_per_epoch, "processes": share.count}, indent=1)
-    model.train()
-    for epoch in range(start_epoch, cfg.optim.epochs):
-        started = time.perf_counter()
-        generator = torch.Generator().manual_seed(derive_seed(cfg.run.seed, "triplet-epoch", epoch))
-        order = torch.randperm(n, generator=generator)
-        if share.index > 0:  # dropout masks of the other processes' rows: their own stream, resumable per epoch
-            torch.manual_seed(derive_seed(cfg.run.seed, "triplet-dropout", share.index, epoch))
-        after_warmup = epoch >= cfg.optim.warmup_epochs
-        clean = None
-        if after_warmup and cfg.robust.mode == "small-loss":
-            losses = per_sample_losses(unwrapped, ref, text, target, scale, bs, order, share)
-            clean = (gmm_clean_probability(losses, cfg.run.seed) >= cfg.robust.gmm_threshold).to(device)
-        sums: dict[str, float] = {}
-        for b in range(steps_per_epoch):
-            rows = order[b * bs : (b + 1) * bs].to(device)
-            if data.hard is not None:  # robust.mode=none with hard negatives (MegaPairs's loss)
-                terms = hard_negative_loss(model, ref[rows], text[rows], target[rows], *data.hard.batch(rows, device),
-                                           scale, share)
-            else:
-                terms = batch_loss(unwrapped, ref[rows], text[rows], target[rows], cfg.robust, scale,
-                                   after_warmup=after_warmup, clean_prior=clean[rows] if clean is not None else None,
-                                   generator=generator, forward=model, share=share,
-                                   **(data.extras or ModeInputs()).for_batch(rows, generator, device))
-            check_finite_terms({k: v for k, v in terms.items() if k != "kept"}, step, where="triplet training")
-            optimizer.zero_grad(set_to_none=True)
-            accelerator.backward(terms["loss"])
-            optimizer.step()
-            scheduler.step()
-            step += 1
-            for k, v in terms.items():
-                sums[k] = sums.get(k, 0.0) + float(v.detach())
-        record = {"step": step, "epoch": epoch + 1, **{k: round(v / steps_per_epoch, 5) for k, v in sums.items()},
-                  "lr": scheduler.get_last_lr()[0], "seconds": round(time.perf_counter() - started, 3)}
-        engine_state = save_engine_state(accelerator, out, epoch + 1)  # every process, under DeepSpeed
-        if main:
-            append_metrics(out / "metrics.jsonl", record)
-            if (epoch + 1) % cfg.run.log_every == 0 or epoch + 1 == cfg.optim.epochs:
-                log.info("epoch %d/%d  loss %.4f  nce %.4f  kept %.3f  (%.1fs)", epoch + 1, cfg.optim.epochs,
-                         record["loss"], record["nce"], record["kept"], record["seconds"])
-            save_train_state(state_path, step=step, modules={"model": unwrapped},
-                             optimizer=None if engine_state else optimizer, scheduler=scheduler,
-                             extra={"epoch": epoch + 1, "engine_state": engine_state})
-            remove_engine_states(out, keep=engine_state)  # the states before it
-        accelerator.wait_for_everyone()  # no process runs ahead of a state a kill could resume from
-    unwrapped.eval()
+
+
+def write_run_record(out: Path, record: dict, data: TrainingData, fit: TripletFit) -> None:
+    """``run.json``: what the run was made from, its size and processes."""
+    write_json_atomic(out / RECORD, {**record, "triplets": data.reference.shape[0], "noisy": int(data.noisy.sum()),
+                                     "steps_per_epoch": fit.steps_per_epoch, "processes": fit.share.count}, indent=1)
+
+
+def epoch_clean_prior(cfg: TripletTrainConfig, fit: TripletFit, order: torch.Tensor,
+                      after_warmup: bool) -> torch.Tensor | None:
+    """Small-loss's (N,) P(clean) >= threshold of the epoch (the GMM on every triplet's loss), else None."""
+    if not (after_warmup and cfg.robust.mode == "small-loss"):
+        return None
+    losses = per_sample_losses(fit.unwrapped, fit.ref, fit.text, fit.target, fit.scale, cfg.optim.batch_size,
+                               order, fit.share)
+    return (gmm_clean_probability(losses, cfg.run.seed) >= cfg.robust.gmm_threshold).to(fit.ref.device)
+
+
+def batch_terms(cfg: TripletTrainConfig, fit: TripletFit, data: TrainingData, rows: torch.Tensor,
+                after_warmup: bool, clean: torch.Tensor | None, generator: torch.Generator) -> dict:
+    """The loss terms of the global batch ``rows`` (the hard-negative loss, or the noise mode's)."""
+    ref, text, target = fit.ref[rows], fit.text[rows], fit.target[rows]
+    if data.hard is not None:  # robust.mode=none with hard negatives (MegaPairs's loss)
+        return hard_negative_loss(fit.model, ref, text, target, *data.hard.batch(rows, ref.device), fit.scale,
+                                  fit.share)
+    return batch_loss(fit.unwrapped, ref, text, target, cfg.robust, fit.scale,
+                      after_warmup=after_warmup, clean_prior=clean[rows] if clean is not None else None,
+                      generator=generator, forward=fit.model, share=fit.share,
+                      **(data.extras or ModeInputs()).for_batch(rows, generator, ref.device))
+
+
+def train_epoch(cfg: TripletTrainConfig, fit: TripletFit, data: TrainingData, accelerator, epoch: int) -> dict:
+    """One epoch's optimizer steps; returns its record (mean terms, lr, seconds)."""
+    started, bs = time.perf_counter(), cfg.optim.batch_size
+    generator = torch.Generator().manual_seed(derive_seed(cfg.run.seed, "triplet-epoch", epoch))
+    order = torch.randperm(data.reference.shape[0], generator=generator)
+    if fit.share.index > 0:  # dropout masks of the other processes' rows: their own stream, resumable per epoch
+        torch.manual_seed(derive_seed(cfg.run.seed, "triplet-dropout", fit.share.index, epoch))
+    after_warmup = epoch >= cfg.optim.warmup_epochs
+    clean = epoch_clean_prior(cfg, fit, order, after_warmup)
+    sums: dict[str, float] = {}
+    for b in range(fit.steps_per_epoch):
+        rows = order[b * bs : (b + 1) * bs].to(fit.ref.device)
+        terms = batch_terms(cfg, fit, data, rows, after_warmup, clean, generator)
+        check_finite_terms({k: v for k, v in terms.items() if k != "kept"}, fit.step, where="triplet training")
+        fit.optimizer.zero_grad(set_to_none=True)
+        accelerator.backward(terms["loss"])
+        fit.optimizer.step()
+        fit.scheduler.step()
+        fit.step += 1
+        for k, v in terms.items():
+            sums[k] = sums.get(k, 0.0) + float(v.detach())
+    return {"step": fit.step, "epoch": epoch + 1, **{k: round(v / fit.steps_per_epoch, 5) for k, v in sums.items()},
+            "lr": fit.scheduler.get_last_lr()[0], "seconds": round(time.perf_counter() - started, 3)}
+
+
+def end_epoch(cfg: TripletTrainConfig, fit: TripletFit, accelerator, out: Path, epoch: int, record: dict) -> None:
+    """After an epoch: its metrics line and log line, and the state a kill resumes from (every process
+    waits for it)."""
+    engine_state = save_engine_state(accelerator, out, epoch + 1)  # every process, under DeepSpeed
+    if accelerator.is_main_process:
+        append_metrics(out / "metrics.jsonl", record)
+        if (epoch + 1) % cfg.run.log_every == 0 or epoch + 1 == cfg.optim.epochs:
+            log.info("epoch %d/%d  loss %.4f  nce %.4f  kept %.3f  (%.1fs)", epoch + 1, cfg.optim.epochs,
+                     record["loss"], record["nce"], record["kept"], record["seconds"])
+        save_train_state(out / STATE, step=fit.step, modules={"model": fit.unwrapped},
+                         optimizer=None if engine_state else fit.optimizer, scheduler=fit.scheduler,
+                         extra={"epoch": epoch + 1, "engine_state": engine_state})
+        remove_engine_states(out, keep=engine_state)  # the states before it
+    accelerator.wait_for_everyone()  # no process runs ahead of a state a kill could resume from
+
+
+def export_fit(cfg: TripletTrainConfig, fit: TripletFit, data: TrainingData, accelerator, out: Path) -> Path:
+    """The finished run's export (and ``detection.json`` when asked); the state file goes."""
+    fit.unwrapped.eval()
     path = out / EXPORT
-    if main:
+    if accelerator.is_main_process:
         if cfg.run.detection:
-            write_detection(out, unwrapped, ref, text, target, data.noisy, cfg, scale, data.extras)
+            write_detection(out, fit.unwrapped, fit.ref, fit.text, fit.target, data.noisy, cfg, fit.scale,
+                            data.extras)
         from demind.checkpoint import save_checkpoint
 
-        save_checkpoint(path, unwrapped)
-        state_path.unlink(missing_ok=True)  # the export is the finished run's record
+        save_checkpoint(path, fit.unwrapped)
+        (out / STATE).unlink(missing_ok=True)  # the export is the finished run's record
         remove_engine_states(out)
     accelerator.wait_for_everyone()
     return path
+
+
+def _fit(cfg: TripletTrainConfig, backbone, data: TrainingData, accelerator, out: Path, record: dict) -> Path:
+    fit = build_fit(cfg, backbone, data, accelerator)
+    resume_fit(cfg, fit, accelerator, out)
+    if accelerator.is_main_process:
+        write_run_record(out, record, data, fit)
+    fit.model.train()
+    for epoch in range(fit.start_epoch, cfg.optim.epochs):
+        end_epoch(cfg, fit, accelerator, out, epoch, train_epoch(cfg, fit, data, accelerator, epoch))
+    return export_fit(cfg, fit, data, accelerator, out)
 
 
 def write_detection(out: Path, model, ref, text, target, noisy: torch.Tensor, cfg: TripletTrainConfig,

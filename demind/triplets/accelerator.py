@@ -1,12 +1,13 @@
 """How ``demind-train-triplets`` runs under ``accelerate launch``: the Accelerator (one process,
-several, or DeepSpeed's engine), each process's share of the work, and DeepSpeed's own state.
+several, or DeepSpeed's engine) and DeepSpeed's own state.
 
 The pieces are the shared trainer parts (:mod:`demind.trainkit`): the refusal of a GPU launch that
-Accelerate would quietly run on the CPU, the gather with gradients, the DeepSpeed device check and
-config filling. The triplet trainer adds what its recipe differs in: ``optim.batch_size`` is the
-global batch (no accumulation, no clipping, float32 only), and its resumable state is one file
-(:mod:`demind.trainkit.state_file`), beside which DeepSpeed's engine keeps its sharded optimizer in
-``deepspeed_state/epoch_N`` (Accelerate's ``save_state``), named by the state file.
+Accelerate would quietly run on the CPU, each process's share of a batch (``ProcessShare``), the
+DeepSpeed device check and config filling. The triplet trainer adds what its recipe differs in:
+``optim.batch_size`` is the global batch (no accumulation, no clipping, float32 only), and its
+resumable state is one file (:mod:`demind.trainkit.state_file`), beside which DeepSpeed's engine
+keeps its sharded optimizer in ``deepspeed_state/epoch_N`` (Accelerate's ``save_state``), named by
+the state file.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from pathlib import Path
 import torch
 
 from demind.config import ConfigError
+from demind.trainkit import is_deepspeed
 from demind.triplets.config import TripletTrainConfig
-from demind.triplets.modes import NBL_MODES, ONE_PROCESS, ProcessShare
+from demind.triplets.modes import NBL_MODES
 
 ENGINE_STATES = "deepspeed_state"
 # the settings DeepSpeed's numbers come from, named when a DeepSpeed config contradicts them
@@ -63,12 +65,6 @@ def make_accelerator(cfg: TripletTrainConfig, launched_processes: int = 1, *, de
     return accelerator
 
 
-def is_deepspeed(accelerator) -> bool:
-    from accelerate.utils import DistributedType
-
-    return accelerator.distributed_type == DistributedType.DEEPSPEED
-
-
 def prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch_size: int):
     """``accelerator.prepare(model, optimizer)``; under DeepSpeed its config is filled first (micro
     batch = ``batch_size`` / processes). The schedule is not prepared: the trainer steps it once per
@@ -80,23 +76,6 @@ def prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimize
                               num_processes=accelerator.num_processes, grad_accum_steps=1, grad_clip=None,
                               sources=TRIPLET_SOURCES)
     return accelerator.prepare(model, optimizer)
-
-
-def process_share(accelerator) -> ProcessShare:
-    """This process's :class:`~demind.triplets.modes.ProcessShare` (the one-process default alone)."""
-    if accelerator.num_processes == 1:
-        return ONE_PROCESS
-    from accelerate.utils import broadcast
-
-    from demind.trainkit import make_gather
-
-    def total(x: torch.Tensor) -> torch.Tensor:
-        return accelerator.reduce(x.to(accelerator.device), reduction="sum").to(x.device)
-
-    def agree(x: torch.Tensor) -> torch.Tensor:
-        return broadcast(x.contiguous(), from_process=0)
-
-    return ProcessShare(accelerator.process_index, accelerator.num_processes, make_gather(accelerator), total, agree)
 
 
 def save_engine_state(accelerator, out: Path, epoch: int) -> str | None:
