@@ -33,6 +33,9 @@ under ``if __name__ == "__main__":``.
 * A module over ``MAX_LINES`` lines is a prompt to look for a second concept in it, not a number
   to split at: move that concept to a module named for it (where a reader would look for it by
   name); never move code only to get under the line.
+* A function of ``demind/`` is at most ``MAX_FUNCTION_LINES`` lines, from its ``def`` line to its
+  last line, docstring included (decorators not counted): a longer one is split by step, as
+  :func:`demind.training.loop.train` reads (setup, build, resume, steps, export as a short list of calls).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = REPO_ROOT / "demind"
 TOYWORLD = REPO_ROOT / "toyworld"
 MAX_LINES = 450
+MAX_FUNCTION_LINES = 60
 
 
 def module_name(path: Path) -> str:
@@ -338,6 +342,45 @@ def test_no_module_is_longer_than_the_limit():
             long[str(path.relative_to(REPO_ROOT))] = lines
     assert long == {}, (f"over {MAX_LINES} lines, a smell, not a target: look in each for a second concept and "
                         f"move it to a module named for it (never a split by length): {long}")
+
+
+def long_functions(trees: dict[str, ast.Module], limit: int = MAX_FUNCTION_LINES) -> dict[str, int]:
+    """``path:line name`` -> length, for every function (methods and nested ones too) longer than ``limit``
+    lines, counted from its ``def`` line to its last line."""
+    found = {}
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > limit:
+                    found[f"{path}:{node.lineno} {node.name}"] = length
+    return found
+
+
+def test_no_function_is_longer_than_the_limit():
+    library = {str(path.relative_to(REPO_ROOT)): tree for name, (path, tree) in MODULES.items()
+               if name.split(".")[0] == "demind"}
+    assert library, "no module of demind/ found"
+    long = long_functions(library)
+    assert long == {}, (f"over {MAX_FUNCTION_LINES} lines (def line to last line, docstring included): split each "
+                        f"by step, as demind/training/loop.py:train reads (setup, build, resume, steps, export): {long}")
+
+
+def test_the_function_length_count_on_a_hand_made_source():
+    def function(name: str, lines: int, indent: str = "") -> str:
+        """A function of exactly ``lines`` lines: def line, docstring, then one statement a line."""
+        return (f"{indent}def {name}():\n{indent}    \"\"\"Doc.\"\"\"\n"
+                + "".join(f"{indent}    x{i} = {i}\n" for i in range(lines - 2)))
+
+    source = ("import functools\n\n\n@functools.cache\n" + function("long", 61) + "\n\n" + function("fits", 60)
+              + "\n\nclass Holder:\n" + function("method", 61, "    ") + "\n" + function("short_method", 60, "    ")
+              + "\n\nasync def outer():\n" + function("inner", 61, "    "))
+    tree = ast.parse(source)
+    lengths = {n.name: n.end_lineno - n.lineno + 1 for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+    assert (lengths["long"], lengths["fits"], lengths["method"], lengths["short_method"]) == (61, 60, 61, 60)
+    found = {key.split()[1]: length for key, length in long_functions({"hand.py": tree}).items()}
+    # the decorator line is not counted; a method, a nested function and the async function holding it are
+    assert found == {"long": 61, "method": 61, "inner": 61, "outer": 62}
 
 
 @pytest.mark.parametrize("graph, cycle", [
