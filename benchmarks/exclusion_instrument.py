@@ -44,8 +44,9 @@ from demind.exclmm.config import EARLIER_OVERRIDES, PAPER_OVERRIDES
 log = logging.getLogger("exclusion_instrument")
 ROOT = Path(__file__).resolve().parents[1]
 TAU_001 = ["space.tau=0.01", "query.tau=0.01", "query.clip_tau=0.01"]
-# each phase until its loss stops falling (demind.exclmm.train.Plateau), capped; a log line every 100 steps
-PLATEAU = ["stop.window=200", "stop.tol=0.01", "sae.steps=3000", "space.steps=6000", "query.steps=6000",
+# each phase until its loss stops falling (demind.exclmm.train.Plateau), capped far above where it stops (the SAE
+# at 2,200-3,800 steps, the others at <= 4,400: docs/lab-notes/exclmm-held-out.md); a log line every 100 steps
+PLATEAU = ["stop.window=200", "stop.tol=0.01", "sae.steps=30000", "space.steps=6000", "query.steps=6000",
            "run.log_every=100", "run.save_every=500"]
 # name -> (priority, overrides); the runs go by priority (docs/lab-notes/exclmm-held-out.md)
 TRAINED = {
