@@ -231,12 +231,10 @@ def part_train(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 def part_eval(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from demind.checkpoint import load_backbone_and_model
     from demind.eval.harness import evaluate
-    from toyworld.benchmarks import ToyBenchmarkConfig
-    from toyworld.cirr import write_cirr
+    from toyworld.benchmarks import ToyBenchmarkConfig, write_benchmark
 
-    root = work / "toy_cirr"
-    if not (root / "captions").exists():
-        write_cirr(root, ToyBenchmarkConfig(cirr_sets=8), progress=False)
+    # written again when its done-marker records another config or world version
+    root = write_benchmark(work / "toy_cirr", "cirr", ToyBenchmarkConfig(cirr_sets=8), progress=False)
     checkpoint = sorted((work / "train").glob("*.safetensors"))
     backbone, model = load_backbone_and_model(checkpoint[-1] if checkpoint else None)
     start = time.perf_counter()

@@ -68,7 +68,7 @@ from demind.settings import setting
 from demind.io import atomic_path, write_json_atomic, write_text_atomic
 
 from .cache_upgrade import current_benchmark_config
-from .cirr import CIRR_VERSIONS, write_cirr
+from .cirr import CIRR_DESIGNS, CIRR_VERSIONS, CirrDesign, write_cirr
 from .parallel import parallel_map
 from .render import render_scene, save_png
 from .texts import alt_text, article, full_description, noun_phrase, with_article
@@ -122,17 +122,24 @@ def _write_json(path: Path, data: Any) -> None:
     write_json_atomic(path, data, indent=1)
 
 
-def _marker(folder: Path, name: str, cfg: ToyBenchmarkConfig) -> dict[str, Any]:
-    return {"benchmark": name, "world_version": WORLD_VERSION, "format": TOY_BENCHMARK_FORMAT,
-            "config": asdict(cfg)}
+def _marker(folder: Path, name: str, cfg: ToyBenchmarkConfig, design: CirrDesign | None = None) -> dict[str, Any]:
+    marker = {"benchmark": name, "world_version": WORLD_VERSION, "format": TOY_BENCHMARK_FORMAT,
+              "config": asdict(cfg)}
+    if design is not None and design != CIRR_DESIGNS[cfg.cirr_version]:
+        # a toy CIRR drawn with another design than its version's (toyworld.lab.cirr_calibrate); through JSON,
+        # so that tuples compare as the lists a written marker reads back
+        marker["design"] = json.loads(json.dumps(asdict(design)))
+    return marker
 
 
-def is_done(folder: Path, name: str, cfg: ToyBenchmarkConfig) -> bool:
+def is_done(folder: Path, name: str, cfg: ToyBenchmarkConfig, design: CirrDesign | None = None) -> bool:
+    """Whether ``folder`` holds toy benchmark ``name`` written from this config (and CIRR design) by
+    this world version: its done-marker, written last, records all three."""
     path = folder / "toy_benchmark.json"
     try:
         marker = json.loads(path.read_text())
         marker["config"] = current_benchmark_config(marker["config"])  # an earlier marker: toyworld.cache_upgrade
-        return marker == _marker(folder, name, cfg)
+        return marker == _marker(folder, name, cfg, design)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
 
@@ -350,14 +357,26 @@ def write_benchmarks(root: str | Path, cfg: ToyBenchmarkConfig | None = None,
     unknown = [w for w in which if w not in BENCHMARKS]
     if unknown:
         raise ValueError(f"unknown toy benchmarks {unknown}; known: {BENCHMARKS}")
-    folders = {}
-    for name in which:
-        folder = root / name
-        folders[name] = folder
-        if is_done(folder, name, cfg):
-            continue
-        folder.mkdir(parents=True, exist_ok=True)
-        logger.info("writing toy benchmark %s into %s", name, folder)
+    return {name: write_benchmark(root / name, name, cfg, progress) for name in which}
+
+
+def write_benchmark(folder: str | Path, name: str, cfg: ToyBenchmarkConfig, progress: bool = True,
+                    design: CirrDesign | None = None) -> Path:
+    """Toy benchmark ``name`` into ``folder``, unless its done-marker says it was written from this
+    config (and, for ``cirr``, this design) by this world version; returns ``folder``. A folder
+    written otherwise, or without a marker, is written again: files that merely exist prove nothing."""
+    if name not in WRITERS:
+        raise ValueError(f"unknown toy benchmark {name!r}; known: {BENCHMARKS}")
+    if design is not None and name != "cirr":
+        raise ValueError(f"a CIRR design was given for the toy benchmark {name!r}; only cirr takes one")
+    folder = Path(folder)
+    if is_done(folder, name, cfg, design):
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    logger.info("writing toy benchmark %s into %s", name, folder)
+    if design is not None:
+        write_cirr(folder, cfg, progress, design=design)
+    else:
         WRITERS[name](folder, cfg, progress)
-        _write_json(folder / "toy_benchmark.json", _marker(folder, name, cfg))  # last: done-marker
-    return folders
+    _write_json(folder / "toy_benchmark.json", _marker(folder, name, cfg, design))  # last: done-marker
+    return folder

@@ -159,6 +159,39 @@ def test_rerun_skips_finished_benchmarks(bench_root):
     assert marker.stat().st_mtime_ns == before
 
 
+
+def test_one_toy_benchmark_is_written_again_unless_its_marker_records_this_config_and_design(tmp_path):
+    """The toy CIRR that the full-size benchmark and the lab scripts use: a folder with the files but
+    no marker (as they once checked), another set count or another design is written again."""
+    from toyworld.benchmarks import write_benchmark
+
+    folder = tmp_path / "cirr"
+    captions = folder / "captions" / "cap.rc2.val.json"
+    small = ToyBenchmarkConfig(cirr_sets=2)
+    write_benchmark(folder, "cirr", small, progress=False)
+    queries = len(json.loads(captions.read_text()))
+    (folder / "toy_benchmark.json").unlink()  # files present, provenance unknown: written again
+    captions.write_text("[]")
+    write_benchmark(folder, "cirr", small, progress=False)
+    assert len(json.loads(captions.read_text())) == queries
+    written = captions.stat().st_mtime_ns
+    write_benchmark(folder, "cirr", small, progress=False)  # same config: skipped
+    assert captions.stat().st_mtime_ns == written
+    write_benchmark(folder, "cirr", dataclasses.replace(small, cirr_sets=3), progress=False)
+    assert len(json.loads(captions.read_text())) == queries * 3 // 2
+    other = dataclasses.replace(CIRR_DESIGNS["cirr-3"], p_description=1.0)
+    three = dataclasses.replace(small, cirr_sets=3)
+    before = captions.read_text()
+    write_benchmark(folder, "cirr", three, progress=False, design=CIRR_DESIGNS["cirr-3"])  # the version's own design
+    assert captions.read_text() == before
+    write_benchmark(folder, "cirr", three, progress=False, design=other)
+    assert captions.read_text() != before
+    written = captions.stat().st_mtime_ns
+    write_benchmark(folder, "cirr", three, progress=False, design=other)  # its design read back from JSON: skipped
+    assert captions.stat().st_mtime_ns == written
+    with pytest.raises(ValueError, match="only cirr takes one"):
+        write_benchmark(tmp_path / "coco", "coco", small, design=other)
+
 def test_same_config_same_files(tmp_path):
     cfg = ToyBenchmarkConfig(cirr_sets=2, coco_images=2)
     write_benchmarks(tmp_path / "a", cfg, which=("cirr", "coco"), progress=False)

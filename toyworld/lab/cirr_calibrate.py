@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 from demind.config import load_config
-from toyworld.benchmarks import ToyBenchmarkConfig
-from toyworld.cirr import CIRR_DESIGNS, CIRR_VERSIONS, write_cirr
+from toyworld.benchmarks import ToyBenchmarkConfig, write_benchmark
+from toyworld.cirr import CIRR_DESIGNS, CIRR_VERSIONS
 from toyworld.clip_config import ToyBackboneConfig
 from toyworld.pipeline import QuickstartConfig, prepare_backbone
 
@@ -69,8 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     key = hashlib.sha256(json.dumps([args.version, args.sets, dataclasses.asdict(design)]).encode()).hexdigest()[:12]
     folder = workdir / f"cirr-{key}"
     start = time.perf_counter()
-    if not (folder / "captions" / "cap.rc2.val.json").is_file():
-        write_cirr(folder, cfg, progress=False, design=design)
+    write_benchmark(folder, "cirr", cfg, progress=False, design=design)  # skipped when its marker records this design
     written = time.perf_counter() - start
     toy_clip = load_config(ToyBackboneConfig, None, [*args.backbone, ("modality_gap", args.gap)])
     backbone, _, _ = prepare_backbone(QuickstartConfig(workdir=str(workdir), backbone=toy_clip))

@@ -22,9 +22,8 @@ from pathlib import Path
 
 from demind.config import load_config
 from demind.io import write_json_atomic
-from toyworld.benchmarks import ToyBenchmarkConfig
+from toyworld.benchmarks import ToyBenchmarkConfig, write_benchmark
 from toyworld.clip_config import ToyBackboneConfig
-from toyworld.cirr import write_cirr
 from toyworld.describer import ToyDescriberNoise, ToySceneEngine
 from toyworld.pipeline import QuickstartConfig, prepare_backbone
 
@@ -49,8 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(args.workdir)
     cfg = ToyBenchmarkConfig(cirr_sets=args.sets)
     folder = workdir / ("cirr" if args.sets == ToyBenchmarkConfig().cirr_sets else f"cirr-{args.sets}-sets")
-    if not (folder / "captions" / "cap.rc2.val.json").is_file():
-        write_cirr(folder, cfg, progress=False)
+    write_benchmark(folder, "cirr", cfg, progress=False)  # skipped when its done-marker records this config
     toy_clip = load_config(ToyBackboneConfig, None, args.backbone)
     backbone, _, _ = prepare_backbone(QuickstartConfig(workdir=str(workdir), backbone=toy_clip))
     model = None
