@@ -144,6 +144,24 @@ def test_accelerate_setting_up_anything_but_deepspeed_is_refused_not_used(repo_r
         accel.setup(tiny_config(repo_root, tmp_path, "run.device=cpu"), deepspeed=True)
 
 
+
+def test_both_trainers_refuse_another_engine_naming_their_launch():
+    """The one refusal (demind.trainkit) with each trainer's launch: the triplet trainer's adds
+    --mixed_precision no (it trains in float32)."""
+    from accelerate.utils import DistributedType
+
+    from demind.trainkit import DEEPSPEED_LAUNCH, DeepSpeedError, refuse_without_deepspeed
+
+    class Engine:  # what Accelerate set up is all the refusal reads
+        def __init__(self, kind):
+            self.distributed_type = kind
+
+    refuse_without_deepspeed(Engine(DistributedType.DEEPSPEED))  # DeepSpeed trains: nothing to refuse
+    with pytest.raises(DeepSpeedError, match=r"^the launcher asked for DeepSpeed but Accelerate set up .*NO.*; "
+                                             r"launch with `accelerate launch --config_file "
+                                             r"configs/accelerate/deepspeed_zero2\.yaml --mixed_precision no`$"):
+        refuse_without_deepspeed(Engine(DistributedType.NO), f"{DEEPSPEED_LAUNCH} --mixed_precision no")
+
 # ------------------------------------------------------------------------------------------ slow
 
 

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from demind.config import ConfigError, to_dict
-from demind.trainkit import (DeepSpeedError, available_trackers, deepspeed_device, fill_deepspeed_config,
-                             hold_scalars_as_vectors, refuse_cpu_fallback)
+from demind.trainkit import (available_trackers, deepspeed_device, fill_deepspeed_config, hold_scalars_as_vectors,
+                             is_deepspeed, refuse_cpu_fallback, refuse_without_deepspeed)
 from demind.training.config import OptimConfig, TrainConfig
 
 
@@ -25,7 +25,7 @@ def setup(cfg: TrainConfig, *, deepspeed: bool = False, launched_processes: int 
     (:func:`demind.trainkit.refuse_cpu_fallback`).
     """
     from accelerate import Accelerator, DistributedDataParallelKwargs, InitProcessGroupKwargs
-    from accelerate.utils import DistributedType, ProjectConfiguration, set_seed
+    from accelerate.utils import ProjectConfiguration, set_seed
 
     if cfg.run.device.startswith("cuda:"):
         raise ConfigError(f"config key 'run.device' = {cfg.run.device!r}: training places each process on its GPU "
@@ -49,9 +49,8 @@ def setup(cfg: TrainConfig, *, deepspeed: bool = False, launched_processes: int 
         kwargs_handlers=handlers,
     )
     refuse_cpu_fallback(accelerator, cfg.run.device, launched_processes)
-    if deepspeed and accelerator.distributed_type != DistributedType.DEEPSPEED:
-        raise DeepSpeedError(f"the launcher asked for DeepSpeed but Accelerate set up {accelerator.distributed_type}; "
-                             f"launch with `accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml`")
+    if deepspeed:
+        refuse_without_deepspeed(accelerator)
     set_seed(cfg.run.seed)
     return accelerator
 
@@ -61,9 +60,7 @@ def prepare_model(accelerator, model: torch.nn.Module, optimizer: torch.optim.Op
     """``accelerator.prepare(model, optimizer)``; under DeepSpeed its config is filled from ``cfg`` and
     ``micro_batch`` (the start-up's one :func:`micro_batch_size`) and the scalar parameters are held as
     (1,) first (:func:`demind.trainkit.hold_scalars_as_vectors`)."""
-    from accelerate.utils import DistributedType
-
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+    if is_deepspeed(accelerator):
         configure_deepspeed(accelerator.state.deepspeed_plugin, cfg, accelerator.num_processes, micro_batch)
         hold_scalars_as_vectors(model)
     return accelerator.prepare(model, optimizer)

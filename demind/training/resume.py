@@ -19,7 +19,7 @@ from typing import Any
 from demind.config import config_changes, save_config, to_dict, with_defaults
 from demind.io import reporting_output_errors, temp_path
 from demind.schema import SPEED_ONLY_KEYS
-from demind.trainkit import ResumeError, save_accelerator_state_atomically
+from demind.trainkit import ResumeError, is_deepspeed, save_accelerator_state_atomically
 from demind.training.config import TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -129,10 +129,8 @@ DEEPSPEED_FOLDER = "pytorch_model"  # where Accelerate's save_state puts DeepSpe
 def check_same_engine(checkpoint: Path, accelerator) -> None:
     """A checkpoint written under DeepSpeed (sharded optimizer states) resumes only under DeepSpeed, and
     the other way round: say so in one line instead of failing inside Accelerate's loader."""
-    from accelerate.utils import DistributedType
-
     written = (checkpoint / DEEPSPEED_FOLDER).is_dir()
-    running = accelerator.distributed_type == DistributedType.DEEPSPEED
+    running = is_deepspeed(accelerator)
     if written != running:
         raise ResumeError(f"cannot resume from {checkpoint}: it was written {'under' if written else 'without'} "
                           f"DeepSpeed and this run is {'' if running else 'not '}using it; launch with the "

@@ -12,7 +12,7 @@ from demind.fidelity import gfq_fidelity
 from demind.losses import Gather, demind_losses
 from demind.robust import noise_aware_losses, target_fidelity
 from demind.schema import NoiseConfig
-from demind.trainkit import finite_flags, make_gather, raise_non_finite
+from demind.trainkit import finite_flags, is_deepspeed, make_gather, raise_non_finite
 from demind.training.batches import batch_embeddings, batch_rewritten_embeddings
 from demind.training.config import TrainConfig
 from demind.training.step_log import LOSS_TERMS, NOISE_TERMS, DeMindsLogWindow, log_metrics
@@ -67,11 +67,9 @@ def check_finite(losses: dict[str, torch.Tensor], step: int, accelerator) -> Non
 def train_one_step(cfg: TrainConfig, accelerator, model, optimizer, scheduler, batches, backbone: FrozenCLIP,
                    state: TrainState, window: DeMindsLogWindow, gather: Gather | None) -> None:
     """One optimizer step over ``optim.grad_accum_steps`` micro-batches from ``batches``."""
-    from accelerate.utils import DistributedType
-
     # DeepSpeed's backward also steps (and clips): check the losses before it. Elsewhere the check
     # (which waits for the device) comes after backward is queued, still before optimizer.step().
-    steps_in_backward = accelerator.distributed_type == DistributedType.DEEPSPEED
+    steps_in_backward = is_deepspeed(accelerator)
     for _ in range(cfg.optim.grad_accum_steps):
         batch = next(batches)
         truncated = backbone.text_counts["truncated"]

@@ -25,8 +25,8 @@ if TYPE_CHECKING:  # the same names for static tools and go-to-definition (tests
     from demind.trainkit.state_file import (
         ResumeError, StateFileError, load_train_state, load_tree, restore_train_state, save_train_state, save_tree)
     from demind.trainkit.zero import (
-        DeepSpeedError, deepspeed_device, deepspeed_precision, fill_deepspeed_config, hold_scalars_as_vectors,
-        use_full_precision_weights)
+        DEEPSPEED_LAUNCH, DeepSpeedError, deepspeed_device, deepspeed_precision, fill_deepspeed_config,
+        hold_scalars_as_vectors, refuse_without_deepspeed, use_full_precision_weights)
 
 # names resolved on first use: importing the face loads no torch
 __getattr__, __dir__ = lazy_exports(__name__, {
@@ -38,13 +38,15 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "demind.trainkit.optim": ["build_adamw", "build_lr_scheduler", "warmup_cosine"],
     "demind.trainkit.state_file": ["ResumeError", "StateFileError", "load_train_state", "load_tree",
                                    "restore_train_state", "save_train_state", "save_tree"],
-    "demind.trainkit.zero": ["DeepSpeedError", "deepspeed_device", "deepspeed_precision", "fill_deepspeed_config",
-                             "hold_scalars_as_vectors", "use_full_precision_weights"],
+    "demind.trainkit.zero": ["DEEPSPEED_LAUNCH", "DeepSpeedError", "deepspeed_device", "deepspeed_precision",
+                             "fill_deepspeed_config", "hold_scalars_as_vectors", "refuse_without_deepspeed",
+                             "use_full_precision_weights"],
 })
 
 __all__ = ["CPU_LAUNCH_CONFIG", "available_trackers", "is_deepspeed", "make_gather", "refuse_cpu_fallback",
-           "save_accelerator_state_atomically", "ONE_PROCESS", "ProcessShare", "process_share", "NonFiniteLossError", "check_finite_terms", "finite_flags",
-           "raise_non_finite", "LogWindow", "append_metrics", "step_line", "term_parts", "trim_metrics",
-           "build_adamw", "build_lr_scheduler", "warmup_cosine", "ResumeError", "StateFileError", "load_train_state",
-           "load_tree", "restore_train_state", "save_train_state", "save_tree", "DeepSpeedError", "deepspeed_device",
-           "deepspeed_precision", "fill_deepspeed_config", "hold_scalars_as_vectors", "use_full_precision_weights"]
+           "save_accelerator_state_atomically", "ONE_PROCESS", "ProcessShare", "process_share", "NonFiniteLossError",
+           "check_finite_terms", "finite_flags", "raise_non_finite", "LogWindow", "append_metrics", "step_line",
+           "term_parts", "trim_metrics", "build_adamw", "build_lr_scheduler", "warmup_cosine", "ResumeError",
+           "StateFileError", "load_train_state", "load_tree", "restore_train_state", "save_train_state", "save_tree",
+           "DEEPSPEED_LAUNCH", "DeepSpeedError", "deepspeed_device", "deepspeed_precision", "fill_deepspeed_config",
+           "hold_scalars_as_vectors", "refuse_without_deepspeed", "use_full_precision_weights"]

@@ -23,10 +23,12 @@ from typing import Any
 import torch
 
 from demind.errors import DemindError, MissingDependencyError
+from demind.trainkit.accelerator import is_deepspeed
 
 logger = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install -e '.[train,deepspeed]'"
+DEEPSPEED_LAUNCH = "accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml"
 OTHER_LAUNCHERS = "or launch without DeepSpeed (configs/accelerate/single_gpu.yaml or multi_gpu.yaml)"
 
 
@@ -60,6 +62,14 @@ def deepspeed_device(device: str) -> str:
         raise DeepSpeedError("DeepSpeed's accelerator is the CPU (DS_ACCELERATOR=cpu) while a CUDA GPU is visible: "
                              "hide the GPUs (CUDA_VISIBLE_DEVICES=) to train on the CPU, or unset DS_ACCELERATOR")
     return device
+
+
+def refuse_without_deepspeed(accelerator, launch: str = DEEPSPEED_LAUNCH) -> None:
+    """The launcher asked for DeepSpeed: refuse, naming the ``launch`` that gives it, when Accelerate set up
+    another engine (it would train without the launcher's DeepSpeed settings)."""
+    if not is_deepspeed(accelerator):
+        raise DeepSpeedError(f"the launcher asked for DeepSpeed but Accelerate set up {accelerator.distributed_type}; "
+                             f"launch with `{launch}`")
 
 
 def fill_deepspeed_config(plugin, *, micro_batch: int, num_processes: int, grad_accum_steps: int,

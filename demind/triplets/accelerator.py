@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from demind.config import ConfigError
-from demind.trainkit import is_deepspeed
+from demind.trainkit import DEEPSPEED_LAUNCH, is_deepspeed
 from demind.triplets.config import TripletTrainConfig
 from demind.triplets.modes import NBL_MODES
 
@@ -34,9 +34,8 @@ def make_accelerator(cfg: TripletTrainConfig, launched_processes: int = 1, *, de
     """The Accelerator of one run: one process on ``run.device``, the launcher's processes, or
     DeepSpeed's engine (``deepspeed``: the launcher asked for it; it trains or the run is refused)."""
     from accelerate import Accelerator, DistributedDataParallelKwargs, InitProcessGroupKwargs
-    from accelerate.utils import DistributedType
 
-    from demind.trainkit import DeepSpeedError, deepspeed_device, refuse_cpu_fallback
+    from demind.trainkit import deepspeed_device, refuse_cpu_fallback, refuse_without_deepspeed
 
     if cfg.run.device.startswith("cuda:"):
         if launched_processes > 1 or deepspeed:
@@ -50,10 +49,8 @@ def make_accelerator(cfg: TripletTrainConfig, launched_processes: int = 1, *, de
     # cpu=True would make Accelerate drop DeepSpeed: DeepSpeed's own accelerator places it instead
     accelerator = Accelerator(cpu=cfg.run.device == "cpu" and not deepspeed, kwargs_handlers=handlers)
     refuse_cpu_fallback(accelerator, cfg.run.device, launched_processes)
-    if deepspeed and accelerator.distributed_type != DistributedType.DEEPSPEED:
-        raise DeepSpeedError(f"the launcher asked for DeepSpeed but Accelerate set up {accelerator.distributed_type}; "
-                             f"launch with `accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml "
-                             f"--mixed_precision no`")
+    if deepspeed:
+        refuse_without_deepspeed(accelerator, f"{DEEPSPEED_LAUNCH} --mixed_precision no")
     if accelerator.mixed_precision != "no":
         raise ConfigError(f"the launcher asks for mixed precision {accelerator.mixed_precision}, but "
                           f"demind-train-triplets trains in float32 (cached float32 features, a small combiner); "
